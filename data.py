@@ -1,0 +1,238 @@
+"""data.py: samples in, model-ready prompts out.
+
+    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line and field)
+    render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
+    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt
+
+A Prompt holds everything both consumers need, computed once per sample per step:
+vLLM gets `text` plus the frames and their metadata (it expands the vision placeholders itself, with
+do_resize/do_sample_frames off), the trainer gets `prompt_ids` (already expanded by the HF processor) and
+`mm` (pixel tensors and grids). The frames are decoded (or read from the cache) once and handed to both,
+so sampler and trainer see the very same pixels.
+
+Sample schema (one JSON object per line; EasyVideoR1-compatible):
+    problem: str          the question; may contain <video>/<image> markers where the media go
+    answer: str           ground truth (grounding answers are JSON strings, see rewards.py)
+    problem_type: str     routes the prompt template and the reward (rewards.canonical_type)
+    videos: [str]         video paths, relative to the JSONL's folder (optional)
+    images: [str]         image paths (optional)
+    data_type: str        "video" | "image" | "text" (optional; checked against the media given)
+    options: [str]        "A. red", ... for multiple choice
+    offline_output: str   a curated trajectory for mixed offline-online training (optional)
+    id: str               optional; defaults to "<file>:<line>"
+"""
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+import cache
+import rewards
+
+FIELDS = {"problem": str, "answer": str, "problem_type": str, "videos": list, "images": list,
+          "data_type": str, "options": list, "offline_output": str, "id": str}
+REQUIRED = ("problem", "answer", "problem_type")
+
+
+class DataError(ValueError):
+    """A sample that breaks the schema; the message names file, line, sample id and field."""
+
+
+def validate_sample(s, where: str) -> dict:
+    """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
+    if not isinstance(s, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
+    sid = s.get("id", where)
+    for k in REQUIRED:
+        if k not in s:
+            raise DataError(f"{where}: sample {sid}: missing field '{k}'")
+    for k, v in s.items():
+        if k in FIELDS and not isinstance(v, FIELDS[k]):
+            raise DataError(f"{where}: sample {sid}: field '{k}' must be {FIELDS[k].__name__}, got {type(v).__name__}")
+    for k in ("videos", "images", "options"):
+        if k in s and not all(isinstance(x, str) and x for x in s[k]):
+            raise DataError(f"{where}: sample {sid}: field '{k}' must be a list of non-empty strings")
+    has = "video" if s.get("videos") else "image" if s.get("images") else "text"
+    if s.get("videos") and s.get("images"):
+        has = "video"  # image + video in one sample (Video-MMMU style): routed as video
+    if "data_type" in s and s["data_type"] not in ("video", "image", "text"):
+        raise DataError(f"{where}: sample {sid}: field 'data_type' is {s['data_type']!r}, not video/image/text")
+    if "data_type" in s and s["data_type"] != has and not (s.get("videos") and s.get("images")):
+        raise DataError(f"{where}: sample {sid}: field 'data_type' says {s['data_type']!r} but the sample has {has} media")
+    s = dict(s, id=str(sid), data_type=s.get("data_type", has))
+    root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
+    for k in ("videos", "images"):
+        if k in s:
+            s[k] = [p if os.path.isabs(p) else os.path.join(root, p) for p in s[k]]
+    try:
+        rewards.validate_answer(s)  # ground truth is checked now, not discovered broken at reward time
+    except ValueError as e:
+        raise DataError(f"{where}: sample {sid}: field 'answer': {e}") from e
+    return s
+
+
+def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None) -> list[dict]:
+    """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
+    appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped)."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):
+            rows = [(f"{path}:{i}", r) for i, r in enumerate(json.load(f))]
+        else:
+            rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(f) if line.strip()]
+    out = []
+    for where, row in rows:
+        try:
+            if isinstance(row, str):
+                try:
+                    row = json.loads(row)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from e
+            out.append(validate_sample(row, where))
+        except DataError as e:
+            if not skip_invalid:
+                raise
+            if skipped is not None:
+                skipped.append({"where": where, "error": str(e)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
+ANSWER = "Put your final answer inside <answer> </answer> tags."
+TEMPLATES = {
+    "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. " + ANSWER,
+    "numerical": "{{ problem }}\nAnswer with a single number. " + ANSWER,
+    "counting": "{{ problem }}\nAnswer with a single number. " + ANSWER,
+    "regression": "{{ problem }}\nAnswer with a single number. " + ANSWER,
+    "boolean": "{{ problem }}\nAnswer yes or no. " + ANSWER,
+    "temporal grounding": '{{ problem }}\nAnswer with the start and end time in seconds as <answer>{"time": [start, end]}</answer>.',
+    "spatial grounding": '{{ problem }}\nAnswer with the box as <answer>{"boxes": [x1, y1, x2, y2]}</answer>.',
+    "default": "{{ problem }}\n" + ANSWER,
+}
+_jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
+
+
+def render_prompt(sample: dict, template: str | None = None) -> str:
+    """The user text for a sample. `template` (Jinja2 source) overrides the per-type default."""
+    ptype = rewards.canonical_type(sample["problem_type"])
+    src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
+    return _jinja.from_string(src).render(**sample, problem_type=ptype)
+
+
+def chat_messages(sample: dict, text: str) -> list[dict]:
+    """Chat messages with the media where the problem's <video>/<image> markers are (else first)."""
+    content, media = [], [("video", p) for p in sample.get("videos", [])] + [("image", p) for p in sample.get("images", [])]
+    markers = [m for m in ("<video>", "<image>") if m in text]
+    if not markers:
+        return [{"role": "user", "content": [{"type": kind} for kind, _ in media] + [{"type": "text", "text": text}]}]
+    # split on the markers, in order of appearance, consuming media of the matching kind
+    queues = {"video": [m for m in media if m[0] == "video"], "image": [m for m in media if m[0] == "image"]}
+    rest = text
+    while True:
+        hits = [(rest.find(m), m) for m in ("<video>", "<image>") if m in rest]
+        if not hits:
+            break
+        pos, m = min(hits)
+        if rest[:pos].strip():
+            content.append({"type": "text", "text": rest[:pos]})
+        kind = m[1:-1]
+        if queues[kind]:
+            queues[kind].pop(0)
+            content.append({"type": kind})
+        rest = rest[pos + len(m):]
+    content = [{"type": k} for q in queues.values() for k, _ in q] + content  # unmarked media first
+    if rest.strip():
+        content.append({"type": "text", "text": rest})
+    return [{"role": "user", "content": content}]
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    """One sample made model-ready. Shared by the n rollouts of its group."""
+    sample: dict                      # the validated sample (id, answer, problem_type, options, ...)
+    text: str                         # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
+    prompt_ids: list[int]             # processor-expanded token ids (what the trainer feeds)
+    mm: dict = field(default_factory=dict)       # pixel_values(_videos), image/video_grid_thw, second_per_grid_ts
+    videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
+    images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
+
+
+def vision_factor(processor) -> int:
+    """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
+    ip = processor.image_processor
+    return ip.patch_size * ip.merge_size
+
+
+def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None) -> Prompt:
+    """Load media (cache or decode), render the chat prompt and run the processor once.
+
+    cfg carries the frame settings (video_fps, video_min_frames, video_max_frames, video_min_pixels,
+    video_max_pixels, video_total_pixels, image_min_pixels, image_max_pixels, cache_dir, video_source,
+    max_prompt_len). Raises DataError naming the sample on a placeholder/feature mismatch or an
+    over-long prompt: we never right-truncate through vision tokens.
+    """
+    factor, sid = vision_factor(processor), sample["id"]
+    videos = [cache.load_video(p, fps=cfg.video_fps, min_frames=cfg.video_min_frames, max_frames=cfg.video_max_frames,
+                               min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
+                               total_pixels=cfg.video_total_pixels, factor=factor, cache_dir=cfg.cache_dir,
+                               mode=cfg.video_source, stats=stats) for p in sample.get("videos", [])]
+    images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor)
+              for p in sample.get("images", [])]
+    text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template)),
+                                         tokenize=False, add_generation_prompt=True)
+    kw = {}
+    if videos:
+        kw.update(videos=[torch.from_numpy(f).permute(0, 3, 1, 2) for f, _ in videos],
+                  video_metadata=[vllm_metadata(m) for _, m in videos])
+    if images:
+        kw["images"] = [torch.from_numpy(im).permute(2, 0, 1) for im in images]
+    # frames are already sampled and smart-resized by cache.py: the processor must not redo either
+    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **kw)
+    ids = out.pop("input_ids")[0].tolist()
+    out.pop("attention_mask", None), out.pop("mm_token_type_ids", None)
+    check_placeholders(ids, out, processor, sid)
+    if len(ids) > cfg.max_prompt_len:
+        raise DataError(f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
+                        "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)")
+    return Prompt(sample, text, ids, dict(out), videos, images)
+
+
+def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
+    """Vision pad tokens in the prompt must equal the merged visual features, or the model's
+    masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""
+    merge2 = processor.image_processor.merge_size ** 2
+    tok = processor.tokenizer
+    for kind, pad, grid in (("image", "<|image_pad|>", "image_grid_thw"), ("video", "<|video_pad|>", "video_grid_thw")):
+        n_tok = ids.count(tok.convert_tokens_to_ids(pad))
+        n_feat = int(mm[grid].prod(-1).sum()) // merge2 if grid in mm else 0
+        if n_tok != n_feat:
+            raise DataError(f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})")
+
+
+def vllm_metadata(meta: dict) -> dict:
+    """Metadata vLLM and the HF video processor need to treat our frames as already sampled."""
+    keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
+    return {**{k: meta[k] for k in keys if k in meta}, "do_sample_frames": False}
+
+
+def vllm_input(p: Prompt) -> dict:
+    """The request for vLLM: unexpanded text + the same frames the trainer sees."""
+    mm = {}
+    if p.videos:
+        mm["video"] = [(f, vllm_metadata(m)) for f, m in p.videos] if len(p.videos) > 1 else (p.videos[0][0], vllm_metadata(p.videos[0][1]))
+    if p.images:
+        ims = [Image.fromarray(im) for im in p.images]
+        mm["image"] = ims if len(ims) > 1 else ims[0]
+    return {"prompt": p.text, "multi_modal_data": mm,
+            "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
+
+
+def shard(items: list, rank: int, world: int) -> list:
+    """Rank r's share of a global list: every world-th item, starting at r."""
+    return items[rank::world]
+

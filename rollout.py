@@ -1,0 +1,165 @@
+"""rollout.py: sample n completions per prompt, colocated in the training processes.
+
+Two engines with one interface, so the training loop never knows which one it has:
+
+    engine.generate(prompts, n, temperature, max_tokens) -> list[Rollout]   (n per prompt, grouped)
+    engine.sync(model)     push the trainer's weights (FSDP2 DTensors gathered to full HF-named tensors)
+    engine.sleep() / engine.wake()   free / restore the engine's GPU memory around the train phase
+
+VLLMEngine  vLLM built on EVERY rank with distributed_executor_backend="external_launcher"
+            (a rank-0-only engine hangs: vLLM's group creation is collective over the default group).
+            tp=1: one engine per rank, each rank generates its own prompts. tp=world: one engine over
+            all ranks; every rank of a TP group must pass the same prompts (train.py arranges that).
+HFEngine    transformers `generate` on the FSDP2 model itself (synced_gpus so ranks stay in lockstep);
+            for machines without vLLM, and as a reference in tests.
+
+Both sample with the image/video pad tokens masked out (a random model samples them, and a response
+holding them cannot be fed back through the model), and both report log-probs of the *processed*
+distribution: softmax(logits / T) with those tokens at -inf. The trainer computes the same quantity,
+so `logp_rollout - logp_trainer` measures only numerical mismatch.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from data import Prompt, vllm_input
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+@dataclass
+class Rollout:
+    """One sampled (or offline) completion. Its group's n rollouts share `prompt`."""
+    prompt: Prompt
+    response_ids: list[int]          # sampled tokens, EOS included when the model stopped
+    logp: list[float] | None         # sampler log-probs of response_ids; None for an offline trajectory
+    text: str                        # decoded completion (special tokens skipped), what rewards read
+    finish: str = "stop"             # "stop" | "length" | "offline"
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str, tokenizer, tp: int = 1, max_model_len: int = 4096, dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
+                 max_images: int = 4, trust_remote_code: bool = False):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
+        from vllm import LLM
+        from vllm.platforms import current_platform
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tp, self.tokenizer = tp, tokenizer
+        # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
+        self.can_sleep = sleep and current_platform.is_sleep_mode_available()
+        kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + rank // tp, dtype=dtype,
+                       max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+                       logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": max_images, "video": 1},
+                       trust_remote_code=trust_remote_code, **kw)
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        banned = set(vision_token_ids(tokenizer))
+        self.allowed = [i for i in range(vocab) if i not in banned]
+        self.asleep = False
+
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+        from vllm import SamplingParams
+        self.wake()
+        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                            allowed_token_ids=self.allowed, skip_special_tokens=True)
+        outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
+        rollouts = []
+        for p, out in zip(prompts, outs):
+            # vLLM expanded the placeholders itself: it must have built exactly the trainer's prompt
+            if list(out.prompt_token_ids) != p.prompt_ids:
+                raise RuntimeError(f"sample {p.sample['id']}: vLLM prompt ({len(out.prompt_token_ids)} tokens) "
+                                   f"differs from the processor's ({len(p.prompt_ids)}): frames/metadata disagree")
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                logp = [d[t].logprob for t, d in zip(ids, c.logprobs)] if temperature > 0 else None
+                rollouts.append(Rollout(p, ids, logp, c.text, "length" if c.finish_reason == "length" else "stop"))
+        return rollouts
+
+    @torch.no_grad()
+    def sync(self, model):
+        """Stream full HF-named tensors into vLLM, then drop every cache derived from the old weights.
+
+        vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and
+        GPU; the plain model.load_weights path fails on CPU. The in-process executor (external_launcher
+        or VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so a generator is consumed lazily: one
+        full tensor at a time is gathered (DTensor.full_tensor is a collective: all ranks iterate in the
+        same order), which keeps peak memory at one parameter, not one model.
+        """
+        self.wake(tags=["weights"]) if self.can_sleep else None
+        def weights():
+            for name, t in model.state_dict().items():
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
+        self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_prefix_cache()
+        self.llm.reset_mm_cache()
+
+    def sleep(self):
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)  # level 1: weights to CPU RAM, KV cache dropped
+            self.asleep = True
+
+    def wake(self, tags=None):
+        if self.can_sleep and self.asleep:
+            self.llm.wake_up(tags=tags)
+            self.asleep = tags is not None and "kv_cache" not in tags
+
+
+class HFEngine:
+    """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model."""
+
+    def __init__(self, model, tokenizer, eos_ids: list[int]):
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+        self.banned = vision_token_ids(tokenizer)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+        device = next(self.model.parameters()).device
+        synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
+        rollouts = []
+        for p in prompts:
+            ids = torch.tensor([p.prompt_ids] * n, device=device)
+            # pixel rows, grids and per-video tensors all stack along dim 0: n copies of the sample's media
+            mm = {k: v.repeat(n, *[1] * (v.dim() - 1)).to(device) for k, v in p.mm.items()}
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+                                      mm_token_type_ids=mm_token_types(ids, self.tokenizer),
+                                      do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
+                                      max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
+                                      pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.banned,
+                                      output_logits=True, return_dict_in_generate=True, synced_gpus=synced)
+            seq = out.sequences[:, ids.shape[1]:]                       # (n, R)
+            logits = torch.stack(out.logits, 1).float()                 # (n, R, V)
+            logits[..., self.banned] = float("-inf")
+            logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
+            for row, lp in zip(seq.tolist(), logp.tolist()):
+                k = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))  # keep EOS, drop padding
+                finish = "stop" if k < len(row) or (row and row[-1] in self.eos_ids) else "length"
+                text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
+                rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
+        return rollouts
+
+    def sync(self, model):
+        pass  # it samples from the training model itself
+
+    def sleep(self):
+        pass
+
+    def wake(self, tags=None):
+        pass
+
+
+def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """0 text, 1 image, 2 video per position: transformers >= 5 needs it to build M-RoPE positions.
+    Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
+    image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+    return (ids == image_id).int() + 2 * (ids == video_id).int()
