@@ -25,7 +25,6 @@ import json
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from PIL import Image
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -120,7 +119,7 @@ def render_prompt(sample: dict, template: str | None = None) -> str:
     """The user text for a sample. `template` (Jinja2 source) overrides the per-type default."""
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
-    return _jinja.from_string(src).render(**sample, problem_type=ptype)
+    return _jinja.from_string(src).render({**sample, "problem_type": ptype})
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:
@@ -188,7 +187,7 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     kw = {}
     if videos:
         kw.update(videos=[torch.from_numpy(f).permute(0, 3, 1, 2) for f, _ in videos],
-                  video_metadata=[vllm_metadata(m) for _, m in videos])
+                  video_metadata=[hf_metadata(m) for _, m in videos])
     if images:
         kw["images"] = [torch.from_numpy(im).permute(2, 0, 1) for im in images]
     # frames are already sampled and smart-resized by cache.py: the processor must not redo either
@@ -214,10 +213,16 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
             raise DataError(f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})")
 
 
-def vllm_metadata(meta: dict) -> dict:
-    """Metadata vLLM and the HF video processor need to treat our frames as already sampled."""
+def hf_metadata(meta: dict) -> dict:
+    """What the HF video processor needs to know about already-sampled frames (Qwen3-VL turns fps and
+    frames_indices into its <t seconds> timestamp tokens)."""
     keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
-    return {**{k: meta[k] for k in keys if k in meta}, "do_sample_frames": False}
+    return {k: meta[k] for k in keys if k in meta}
+
+
+def vllm_metadata(meta: dict) -> dict:
+    """vLLM's form of the same metadata: it also must be told not to sample frames again."""
+    return {**hf_metadata(meta), "do_sample_frames": False}
 
 
 def vllm_input(p: Prompt) -> dict:

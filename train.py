@@ -379,7 +379,8 @@ def main(cfg: Config):
         while len(batch) < cfg.prompts_per_step:
             if cursor == len(order):  # new epoch: the same permutation on every rank (same generator)
                 order, cursor = torch.randperm(len(train_samples), generator=g).tolist(), 0
-            batch.append(train_samples[order[cursor]]), cursor += 1
+            batch.append(train_samples[order[cursor]])
+            cursor += 1
         before = dict(stats)
         share, start, k = tp_share(batch, rank, world, cfg.rollout_tp)
         prompts = [prep(s) for s in share]
@@ -437,7 +438,8 @@ def main(cfg: Config):
                         lp = rollouts[j].logp
                         if lp:
                             d = (logp[row, :len(lp)].detach().cpu() - torch.tensor(lp)).abs()
-                            m["mismatch_sum"] += d.sum().item(); m["mismatch_n"] += len(lp)
+                            m["mismatch_sum"] += d.sum().item()
+                            m["mismatch_n"] += len(lp)
                             m["mismatch_max"] = max(m["mismatch_max"], d.max().item())
             # ---------------------------------------------------------------- step
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
