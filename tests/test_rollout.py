@@ -14,8 +14,10 @@ import data
 from rollout import HFEngine, VLLMEngine, vision_token_ids
 from train import collate, token_logp
 
-# measured on this CPU (fp32 trainer vs vLLM): see LOG.md; the bound leaves headroom, not slack for bugs
-LOGP_TOL = 1e-3
+# Measured on this CPU, both in fp32: per-token |diff| is zero-mean noise, mean ~7e-4, max 3.7e-3 over
+# 192 tokens (vLLM's CPU kernels are not bit-identical to transformers' sdpa). A real bug (wrong M-RoPE
+# positions, stale weights, temperature applied twice) moves log-probs by 0.1 or more.
+LOGP_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def test_two_rank_fsdp_vllm_steps(tmp_path, tiny_model, color_data, tp):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert rows[0]["offline/share"] == pytest.approx(0.25)  # 1 of each group of 4 is the offline trajectory
-    assert rows[0]["mismatch/mean"] < 1e-3  # vLLM and the trainer hold the same weights at step 1
+    assert rows[0]["mismatch/mean"] < 5e-3  # vLLM and the trainer hold the same weights at step 1
     # a cold cache decodes each video at most once per rank that loads it (tp ranks share prompts)
     assert 0 < rows[0]["cache/decode"] + rows[1]["cache/decode"] <= 8 * tp
     assert "held-out accuracy: before" in stdout
