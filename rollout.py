@@ -126,6 +126,19 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
         device = next(self.model.parameters()).device
         synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
+        if hasattr(self.model, "unshard"):
+            # generate() runs the vision encoder outside the root module's forward, so FSDP2's root hook
+            # never gathers the root-held parameters (patch embedding, merger): gather them by hand. The
+            # root must be initialized first, or a child block claims to be the root (torch 2.14 private API)
+            self.model._get_fsdp_state()._lazy_init()
+            self.model.unshard()
+        try:
+            return self._generate(prompts, n, temperature, max_tokens, device, synced)
+        finally:
+            if hasattr(self.model, "reshard"):
+                self.model.reshard()
+
+    def _generate(self, prompts, n, temperature, max_tokens, device, synced) -> list[Rollout]:
         rollouts = []
         for p in prompts:
             ids = torch.tensor([p.prompt_ids] * n, device=device)

@@ -55,7 +55,7 @@ def test_two_rank_fsdp_vllm_steps(tmp_path, tiny_model, color_data, tp):
     assert len(changed) > len(before) // 2, "training did not change the weights"
 
 
-def test_hf_rollout_single_process(tmp_path, tiny_model, color_data):
-    out, rows, _ = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf", nproc=1)
+def test_hf_rollout_two_ranks(tmp_path, tiny_model, color_data):
+    out, rows, _ = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
