@@ -6,30 +6,37 @@ in one dict. Adding a task is one function and one entry in ACCURACY.
 Problem types (ALIASES maps public datasets' names onto these):
     multiple choice      letter, or the text of one of sample["options"]
     numerical, counting  numbers, fractions, percentages, number words; relative tolerance NUM_RTOL
-    regression           mean relative accuracy (MRA) over thresholds 0.50, 0.55, ..., 0.95
+    regression           mean relative accuracy (MRA): share of t in 0.50, 0.55, ..., 0.95 with |pred - gt| / |gt| < 1 - t
     boolean              yes/no/true/false
     open-ended           mean of ROUGE-1/2/L F1; exact match (case/punctuation-insensitive) for short answers
     ocr                  1 - word error rate, clipped to [0, 1]
-    math                 math-verify equivalence, under a time limit
+    math                 math-verify equivalence, under a wall-clock limit of MATH_TIMEOUT s (main thread only)
     temporal grounding   1-D IoU of {"time": [start, end]}
     spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}
-    spatial-temporal grounding   time IoU x mean box IoU over the seconds both have
-    tracking             mean box IoU over the frames both have (missing frames count 0)
+    spatial-temporal grounding   time IoU x mean box IoU over the ground truth's seconds (missing ones count 0)
+    tracking             mean box IoU over the ground truth's frames (missing frames count 0)
     code                 1 if the answer parses as Python (ast.parse; never executed)
 
 Answer extraction (extract_answer), in order: <think>...</think> blocks are removed; the LAST
-<answer>...</answer>; else the last \\boxed{...}; else a "the answer is X" phrase; else the text after
-</think>; else None (a parse failure: scored 0 and counted in components["parse_fail"]).
+<answer>...</answer> (innermost when nested; an empty one is None); else the last \\boxed{...}; else a
+"the answer is X" phrase; else the text after </think>; else None (a parse failure: scored 0 and counted
+in components["parse_fail"]). Extraction and JSON parsing use str.find, not backtracking regexes: linear time.
 Rewards never raise on model output and always return a value in [0, 1].
 """
 import ast
 import json
 import math
 import re
+import signal
+import threading
+import warnings
+from functools import lru_cache
 
-THRESHOLDS = [0.5 + 0.05 * i for i in range(10)]  # MRA thresholds 0.50..0.95
+THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # MRA thresholds 0.50..0.95
+MARGINS = [round(1 - t, 2) for t in THRESHOLDS]  # 1 - t as exact decimals: 1 - 0.7 is 0.30000000000000004 in floats
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * max(1, |gt|)
 MAX_LEN = 20000  # completions are cut to this many characters before any regex runs (bounded time)
+MATH_TIMEOUT = 0.5  # seconds of math-verify per call (signal.setitimer; main thread only)
 
 ALIASES = {
     "multiple_choice": "multiple choice", "mcq": "multiple choice", "mc": "multiple choice",
@@ -43,43 +50,54 @@ ALIASES = {
 }
 
 # ---------------------------------------------------------------------------------------------------
-# extraction: linear-time patterns only (no nested quantifiers), on length-capped input
-_THINK = re.compile(r"<think>.*?</think>", re.S)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-_PHRASE = re.compile(r"answer is[:\s]*([^\n]{1,200})", re.I)
+# extraction: str.find and linear-time patterns only (no nested quantifiers), on length-capped input
+_PHRASE = re.compile(r"answer is[:\s]*([^\n]{1,1000})", re.I)
 _NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
                                     "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
 
 
+def strip_think(text: str) -> str:
+    """Remove every closed <think>...</think> block (leftmost first, like a lazy regex, but linear)."""
+    out, i = [], 0
+    while (j := text.find("<think>", i)) >= 0 and (k := text.find("</think>", j)) >= 0:
+        out.append(text[i:j])
+        i = k + len("</think>")
+    return "".join(out) + text[i:]
+
+
+def last_answer(text: str) -> str | None:
+    """Content of the last closed <answer>...</answer>; for nested tags, the innermost one."""
+    k = text.rfind("</answer>")
+    j = text.rfind("<answer>", 0, k) if k >= 0 else -1
+    return None if j < 0 else text[j + 8:text.find("</answer>", j)]
+
+
 def extract_answer(text: str) -> str | None:
     text = (text or "")[:MAX_LEN]
-    after_think = text.rsplit("</think>", 1)[1] if "</think>" in text else None
-    text = _THINK.sub("", text)
-    hits = _ANSWER.findall(text)
-    if hits:
-        return hits[-1].strip()
-    i = text.rfind("\\boxed{")
-    if i >= 0:
-        depth, j = 1, i + 7
-        for j in range(i + 7, min(len(text), i + 7 + 1000)):
+    k = text.rfind("</think>")
+    after_think = text[k + 8:] if k >= 0 else ""
+    text = strip_think(text)
+    ans = last_answer(text)
+    if ans is not None:
+        return ans.strip() or None
+    if (i := text.rfind("\\boxed{")) >= 0:  # the last \boxed{...}, braces balanced, \text{} unwrapped
+        depth = 1
+        for j in range(i + 7, min(len(text), i + 1007)):
             depth += {"{": 1, "}": -1}.get(text[j], 0)
             if depth == 0:
-                return text[i + 7:j].strip()
-    m = None
-    for m in _PHRASE.finditer(text):
-        pass
-    if m:
-        return m.group(1).strip().rstrip(".").strip()
-    if after_think is not None and after_think.strip():
-        return after_think.strip()
-    return None
+                if box := re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7:j].strip(), flags=re.S).strip():
+                    return box
+                break
+    if (hits := _PHRASE.findall(text)) and (ans := hits[-1].strip().rstrip(".").strip()):
+        return ans
+    return after_think.strip() or None
 
 
 def ground_truth(sample: dict) -> str:
     gt = str(sample.get("answer", ""))
-    hits = _ANSWER.findall(gt)
-    return (hits[-1] if hits else gt).strip()
+    ans = last_answer(gt)
+    return (gt if ans is None else ans).strip()
 
 
 def canonical_type(problem_type: str) -> str:
@@ -90,12 +108,8 @@ def canonical_type(problem_type: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # parsers (None on failure, never raise)
 def parse_number(s: str) -> float | None:
-    s = s.strip().lower().rstrip(".")
-    if s in WORDS:
-        return float(WORDS[s])
-    frac = re.fullmatch(r"\s*([-+]?\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s*", s)
-    if frac and float(frac.group(2)) != 0:
-        return float(frac.group(1)) / float(frac.group(2))
+    """First number in s: "3", "-1,000.5", "1e3", "1/2", "50%" (= 0.5), "three"; None if none (or x/0)."""
+    s = s.strip().lower()
     m = _NUM.search(s)
     if not m:
         w = next((WORDS[x] for x in re.findall(r"[a-z]+", s) if x in WORDS), None)
@@ -104,38 +118,54 @@ def parse_number(s: str) -> float | None:
         v = float(m.group(0).replace(",", ""))
     except ValueError:
         return None
-    v = v / 100 if s[m.end():m.end() + 1] == "%" else v
+    rest = s[m.end():m.end() + 40]
+    if frac := re.match(r"\s*/\s*(\d+(?:\.\d+)?)", rest):
+        d = float(frac.group(1))
+        v = v / d if d else math.nan
+    elif rest.lstrip().startswith("%"):
+        v = v / 100
     return v if math.isfinite(v) else None
 
 
 def parse_json(s: str):
-    try:
-        return json.loads(s)
-    except (json.JSONDecodeError, RecursionError, ValueError):
-        m = re.search(r"\{.*\}", s, re.S)  # tolerate prose around the object
-        if m and m.group(0) != s:
-            return parse_json(m.group(0))
-        return None
+    """json.loads(s), else of the outermost {...} or [...] inside prose; None if neither parses."""
+    cands = [s] + [s[s.find(a):s.rfind(b) + 1] for a, b in ("{}", "[]") if s.find(a) >= 0]
+    for c in cands:
+        try:
+            return json.loads(c)
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting recurses
+            pass
+    return None
+
+
+def finite(v) -> bool:  # a JSON number (not a bool), finite as a float: NaN, inf and 10**400 are rejected
+    return type(v) is float and math.isfinite(v) or type(v) is int and abs(v) < 1e300
 
 
 def as_span(x) -> list[float] | None:
     t = x.get("time") if isinstance(x, dict) else x
-    if isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in t):
-        return [float(t[0]), float(t[1])]
-    return None
+    ok = isinstance(t, (list, tuple)) and len(t) == 2 and all(finite(v) for v in t)
+    return [float(t[0]), float(t[1])] if ok else None
 
 
 def as_box(b) -> list[float] | None:
-    if isinstance(b, (list, tuple)) and len(b) == 4 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in b):
-        return [float(v) for v in b]
-    return None
+    b = b[0] if isinstance(b, list) and len(b) == 1 else b  # [[x1, y1, x2, y2]]: a list of one box
+    ok = isinstance(b, (list, tuple)) and len(b) == 4 and all(finite(v) for v in b)
+    return [float(v) for v in b] if ok else None
+
+
+def frame_key(k) -> str:  # frame/second keys compare as numbers: "1", "1.0" and 1 are the same frame
+    try:
+        return repr(float(k))
+    except (ValueError, OverflowError):
+        return str(k)
 
 
 def as_boxes(x) -> dict | None:
     b = x.get("boxes") if isinstance(x, dict) else None
     if not isinstance(b, dict):
         return None
-    out = {str(k): as_box(v) for k, v in b.items()}
+    out = {frame_key(k): as_box(v) for k, v in b.items()}
     return None if not out or any(v is None for v in out.values()) else out
 
 
@@ -158,7 +188,7 @@ def iou_box(a, b) -> float:
 def mra(pred: float, gt: float) -> float:
     """Mean relative accuracy (VSI-Bench): share of thresholds t with |pred - gt| / |gt| < 1 - t."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
-    return sum(rel < 1 - t for t in THRESHOLDS) / len(THRESHOLDS)
+    return sum(rel < m for m in MARGINS) / len(MARGINS)
 
 
 def _tokens(s: str) -> list[str]:
@@ -208,19 +238,23 @@ def norm_text(s: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable
+def option_table(options: list[str]) -> list[tuple[str, str]]:
+    """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its position's."""
+    ms = [(re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S), o) for o in options or []]
+    return [(m.group(1).upper(), m.group(2)) if m else (chr(65 + i % 26), o) for i, (m, o) in enumerate(ms)]
+
+
 def choice_letter(ans: str, options: list[str]) -> str | None:
+    """The option letter an answer names: "B", "(b)", "B. dog", or exactly the text of option B."""
+    table = option_table(options)
     m = re.match(r"\s*\(?([A-Za-z])\)?(?:[.):\s]|$)", ans)
-    if m and (not options or m.group(1).upper() in letters(options)):
+    ok = m is not None and (not table or m.group(1).upper() in {lt for lt, _ in table})
+    if ok and re.fullmatch(r"\s*\(?[A-Za-z]\)?[.):]?\s*", ans):  # a bare letter
         return m.group(1).upper()
-    for opt in options or []:  # the model answered with the option's text
-        lt, _, body = opt.partition(".")
-        if body.strip() and norm_text(ans) == norm_text(body):
-            return lt.strip().upper()
-    return None
-
-
-def letters(options: list[str]) -> list[str]:
-    return [o.split(".", 1)[0].strip().upper() for o in options]
+    for lt, body in table:  # the option's text ("A dog ..." must not read as letter A)
+        if norm_text(body) and norm_text(ans) == norm_text(body):
+            return lt
+    return m.group(1).upper() if ok else None
 
 
 def acc_choice(ans, s):
@@ -230,7 +264,7 @@ def acc_choice(ans, s):
 
 def acc_number(ans, s):
     p, g = parse_number(ans), parse_number(ground_truth(s))
-    return None if p is None else float(abs(p - g) <= NUM_RTOL * max(1.0, abs(g)))
+    return None if p is None else float(abs(p - g) <= NUM_RTOL * max(1.0, abs(g)) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
 def acc_regression(ans, s):
@@ -255,14 +289,43 @@ def acc_ocr(ans, s):
     return max(0.0, 1.0 - wer(ans, ground_truth(s)))
 
 
+class MathTimeout(BaseException):  # a BaseException: math-verify's own `except Exception` can't swallow it
+    pass
+
+
+_MATH_ARMED = [False]
+
+
+def _alarm(signum, frame):
+    if _MATH_ARMED[0]:  # a late alarm, after the work is done, is a no-op
+        raise MathTimeout
+
+
+@lru_cache(maxsize=4096)
+def _math_gold(gt: str):
+    from math_verify import parse
+    return parse(f"${gt}$", parsing_timeout=None)
+
+
 def acc_math(ans, s):
+    """math-verify's own timeouts are whole-second signal.alarm()s; ours is a float setitimer over parse + verify.
+    The timer repeats every 50 ms until disarmed: an exception raised inside a gc callback is swallowed."""
     from math_verify import parse, verify
-    try:  # math-verify's own timeouts are signal-based: only in the main thread
-        import threading
-        t = 3 if threading.current_thread() is threading.main_thread() else None
-        gold, pred = parse(f"${ground_truth(s)}$", parsing_timeout=t), parse(f"${ans}$", parsing_timeout=t)
-        return float(bool(pred) and verify(gold, pred, timeout_seconds=t))
-    except Exception:  # noqa: BLE001  math-verify raises a zoo of sympy errors and TimeoutError: all mean "not equal"
+    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    old = signal.signal(signal.SIGALRM, _alarm) if timed else None
+    try:
+        try:
+            if timed:
+                _MATH_ARMED[0] = True
+                signal.setitimer(signal.ITIMER_REAL, MATH_TIMEOUT, 0.05)
+            gold, pred = _math_gold(ground_truth(s)), parse(f"${ans[:2000]}$", parsing_timeout=None)
+            return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+        finally:
+            _MATH_ARMED[0] = False  # first, before any call (signal handlers run at calls and loops, not here)
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL if old is None else old)
+    except (Exception, MathTimeout):  # noqa: BLE001  math-verify raises a zoo of sympy errors: all mean "not equal"
         return 0.0
 
 
@@ -273,7 +336,7 @@ def acc_temporal(ans, s):
 
 def acc_spatial(ans, s):
     x = parse_json(ans)
-    p = as_box(x.get("boxes") if isinstance(x, dict) else x)
+    p = as_box(x.get("boxes") if isinstance(x, dict) else x)  # {"boxes": box} or a bare [x1, y1, x2, y2]
     return None if p is None else iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
 
 
@@ -285,7 +348,7 @@ def mean_box_iou(pred: dict, gt: dict) -> float:
 def acc_st(ans, s):
     x, g = parse_json(ans), parse_json(ground_truth(s))
     span, boxes = as_span(x), as_boxes(x)
-    if span is None or boxes is None:
+    if span is None or boxes is None or span[0] > span[1]:
         return None
     return iou_1d(span, as_span(g)) * mean_box_iou(boxes, as_boxes(g))
 
@@ -298,7 +361,9 @@ def acc_tracking(ans, s):
 def acc_code(ans, s):
     code = re.sub(r"^```\w*\n?|```$", "", ans.strip())
     try:
-        ast.parse(code)  # syntax only: model output is never executed
+        with warnings.catch_warnings():  # e.g. SyntaxWarning for "\d" in a string literal: not our log's business
+            warnings.simplefilter("ignore")
+            ast.parse(code)  # syntax only: model output is never executed
         return 1.0
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return 0.0
@@ -312,8 +377,8 @@ ACCURACY = {
 }
 
 FORMATS = {
-    "answer": re.compile(r"\s*<answer>(?:(?!<answer>).){0,5000}?</answer>\s*", re.S),
-    "think_answer": re.compile(r"\s*<think>(?:(?!<think>).){0,20000}?</think>\s*<answer>(?:(?!<answer>).){0,5000}?</answer>\s*", re.S),
+    "answer": re.compile(r"\s*<answer>(?:(?!</?answer>).){0,5000}</answer>\s*", re.S),
+    "think_answer": re.compile(r"\s*<think>(?:(?!</?think>).){0,20000}</think>\s*<answer>(?:(?!</?answer>).){0,5000}</answer>\s*", re.S),
 }
 
 
@@ -335,7 +400,7 @@ def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: flo
         except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, RecursionError, OverflowError):
             acc = None  # a malformed *prediction* the parser let through: counted as a parse failure
     fmt = format_reward(completion, format_template)
-    acc_v = min(1.0, max(0.0, float(acc or 0.0)))
+    acc_v = min(1.0, max(0.0, float(acc))) if acc is not None and math.isfinite(acc) else 0.0
     overall = w_acc * acc_v + w_fmt * fmt
     return overall, {"overall": overall, "accuracy": acc_v, "format": fmt, "parse_fail": float(acc is None)}
 
@@ -344,20 +409,23 @@ def validate_answer(sample: dict) -> None:
     """Raise ValueError (naming the sample) when the ground truth does not fit its problem type."""
     t, gt, sid = canonical_type(sample.get("problem_type", "")), ground_truth(sample), sample.get("id", "?")
     bad = None
-    if t == "multiple choice":
+    if not gt and t != "code":
+        bad = "answer is empty"
+    elif t == "multiple choice":
         opts = sample.get("options") or []
         if choice_letter(gt, opts) is None:
-            bad = f"answer {gt!r} is not one of the option letters {letters(opts) or 'A-Z'}"
+            bad = f"answer {gt!r} is not one of the option letters {[lt for lt, _ in option_table(opts)] or 'A-Z'}"
     elif t in ("numerical", "counting", "regression") and parse_number(gt) is None:
         bad = f"answer {gt!r} is not a number"
     elif t == "boolean" and acc_boolean(gt, {"answer": "yes"}) is None:
         bad = f"answer {gt!r} is not yes/no/true/false"
     elif t == "temporal grounding" and ((sp := as_span(parse_json(gt))) is None or sp[0] > sp[1]):
         bad = f'answer {gt[:80]!r} is not {{"time": [start, end]}} with start <= end'
-    elif t == "spatial grounding" and as_box((parse_json(gt) or {}).get("boxes") if isinstance(parse_json(gt), dict) else None) is None:
+    elif t == "spatial grounding" and not (isinstance(x := parse_json(gt), dict) and as_box(x.get("boxes"))):
         bad = f'answer {gt[:80]!r} is not {{"boxes": [x1, y1, x2, y2]}}'
-    elif t == "spatial-temporal grounding" and (as_span(parse_json(gt)) is None or as_boxes(parse_json(gt)) is None):
-        bad = f'answer {gt[:80]!r} is not {{"time": [s, e], "boxes": {{"<sec>": [x1, y1, x2, y2]}}}}'
+    elif t == "spatial-temporal grounding" and ((sp := as_span(x := parse_json(gt))) is None or sp[0] > sp[1]
+                                                or as_boxes(x) is None):
+        bad = f'answer {gt[:80]!r} is not {{"time": [s, e], "boxes": {{"<sec>": [x1, y1, x2, y2]}}}} with s <= e'
     elif t == "tracking" and as_boxes(parse_json(gt)) is None:
         bad = f'answer {gt[:80]!r} is not {{"boxes": {{"<frame>": [x1, y1, x2, y2]}}}}'
     elif t not in ACCURACY:

@@ -2,149 +2,262 @@
 
     python scripts/make_synthetic_data.py --out .cache/data/color --tasks color --num-train 512 --num-val 64
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
-        --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for bench/cache.py
+        --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
 
-Tasks (the sample id starts with the task name):
-  color        multiple choice: the background color of the whole video (the demo task; a small gray
-               distractor square moves on top). Options fixed: A. red B. green C. blue D. yellow.
-  direction    multiple choice: which way a big square moves (A. left B. right C. up D. down).
-  count        numerical: how many squares are in the video (1-4).
-  appear       temporal grounding: when a big square is visible, {"time": [start, end]} in seconds.
-  image_color  multiple choice on a PNG image: its background color.
-Every sample carries an `offline_output` (the correct answer in the answer format) for mixed
-offline-online training. Deterministic by seed; train and val use different random streams.
+Tasks (the sample id starts with the task name, e.g. color-train-00012):
+  color        multiple choice (the demo task): the background color of every frame (A. red B. green C. blue
+               D. yellow); a small gray/white distractor square moves on top and carries no answer.
+  direction    multiple choice: which way a big square (>= 1/3 of the frame side) moves (A. left B. right C. up D. down).
+  count        numerical: how many squares (1-4, one per quadrant, never overlapping) are in the video.
+  appear       temporal grounding: {"time": [s, e]}, s the time of the first frame showing a big square, e the
+               time of the first frame after it is gone (frame i is at i / fps).
+  image_color  multiple choice on a PNG: its background color.
+Every sample carries an `offline_output` (the correct answer in the answer format). Classes are balanced.
+Deterministic by seed. Train and val use different random streams and are disjoint by construction (a
+scene's hash decides which split may hold it), so val does not depend on --num-train. Paths in the JSONL
+are relative to its directory. A second call with the same arguments (DIR/meta.json) does nothing.
 """
 import argparse
+import hashlib
 import json
+import math
 import os
+import time
+from fractions import Fraction
 
 import numpy as np
 
+VERSION = 2  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 LETTERS = "ABCD"
 COLOR_OPTIONS = [f"{L}. {c}" for L, c in zip(LETTERS, COLORS)]
 DIRS = ["left", "right", "up", "down"]
+DIR_OPTIONS = [f"{L}. {d}" for L, d in zip(LETTERS, DIRS)]
+PALETTE = [*COLORS.values(), (240, 240, 240), (30, 210, 220), (220, 40, 220), (245, 140, 20)]  # shapes on dark
+VAL_BUCKETS = 8  # 1/8 of each task's scene space belongs to val, the rest to train
 
 
-def write_video(path: str, frames: np.ndarray, fps: float):
-    """uint8 (T, H, W, 3) -> H.264 mp4 (yuv420p, so H and W must be even)."""
+def yuv(rgb):
+    """BT.601 limited range: exactly what swscale does for rgb24 -> yuv420p, and what decoders assume back."""
+    r, g, b = rgb
+    return (round(16 + (65.481 * r + 128.553 * g + 24.966 * b) / 255),
+            round(128 + (-37.797 * r - 74.203 * g + 112.0 * b) / 255),
+            round(128 + (112.0 * r - 93.786 * g - 18.214 * b) / 255))
+
+
+def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
+    """H.264 mp4, yuv420p (so width and height must be even), frame i at i / fps.
+
+    frames: uint8 (T, H, W, 3) RGB, or any iterable of (H, W, 3) RGB frames (streamed: long clips never sit in
+    memory whole), or with pix_fmt="yuv420p" of (H * 3 // 2, W) planar frames (skips the color conversion).
+    Written under a temporary name and renamed, so an interrupted run never leaves a truncated video at path."""
     import av
-    with av.open(path, "w") as f:
-        s = f.add_stream("libx264", rate=int(round(fps)))
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        s.options = {"preset": "ultrafast", "crf": "18"}
-        for fr in frames:
-            for pkt in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(fr), format="rgb24")):
-                f.mux(pkt)
-        for pkt in s.encode():
-            f.mux(pkt)
+    frames = iter(frames)
+    first = np.asarray(next(frames))
+    H, W = (first.shape[0] * 2 // 3, first.shape[1]) if pix_fmt == "yuv420p" else first.shape[:2]
+    if first.dtype != np.uint8 or H % 2 or W % 2:
+        raise ValueError(f"{path}: need uint8 frames with even width and height, got {first.dtype} {W}x{H}")
+    # x264's thread pool costs more than it saves on tiny frames
+    opts = {"preset": "ultrafast", "crf": "18", "threads": "1" if H * W < 320 * 240 else "0"}
+    tmp = path + ".part"
+    with av.open(tmp, "w", format="mp4") as f:
+        s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
+        s.width, s.height, s.pix_fmt = W, H, "yuv420p"
+        for i, fr in enumerate(_chain(first, frames)):
+            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(fr), format=pix_fmt)
+            vf.pts = i  # in 1/fps units (the codec time base), so decoders report exactly i / fps
+            f.mux(s.encode(vf))
+        f.mux(s.encode())
+    os.replace(tmp, path)
 
 
-def canvas(T, H, W, rgb):
-    v = np.empty((T, H, W, 3), np.uint8)
-    v[:] = rgb
-    return v
+def _chain(first, rest):
+    yield first
+    yield from rest
 
 
-def square(v, t, y, x, side, rgb):
-    H, W = v.shape[1:3]
-    y, x = int(np.clip(y, 0, H - side)), int(np.clip(x, 0, W - side))
-    v[t, y:y + side, x:x + side] = rgb
+# ---- scenes: a flat background plus axis-aligned rectangles per frame, as plain ints -----------------------
+# A scene is data, not pixels: it is hashed (dedup, train/val split) and rendered straight to RGB (PNG) or to
+# planar YUV (video: no per-pixel color conversion, which halves the encode time of a 720p clip).
+
+def rect(y, x, h, w, rgb):
+    """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge."""
+    return (int(y) // 2 * 2, int(x) // 2 * 2, -(-int(h) // 2) * 2, -(-int(w) // 2) * 2, tuple(int(c) for c in rgb))
 
 
-def gen_color(rng, T, H, W, fps):
-    c = int(rng.integers(4))
-    v = canvas(T, H, W, list(COLORS.values())[c])
-    side, y, x0 = max(2, min(H, W) // 6), rng.integers(0, H), rng.integers(0, W)
-    for t in range(T):  # a small gray square drifting right: motion that carries no answer
-        square(v, t, y, x0 + t * max(1, W // (2 * T)), side, (128, 128, 128))
-    return v, "What is the background color of the video?", LETTERS[c], COLOR_OPTIONS, "multiple choice", f"<answer>{LETTERS[c]}</answer>"
+def render_rgb(H, W, bg, rects):
+    f = np.empty((H, W, 3), np.uint8)
+    f[:] = bg
+    for y, x, h, w, c in rects:
+        f[y:y + h, x:x + w] = c
+    return f
 
 
-def gen_direction(rng, T, H, W, fps):
-    d = int(rng.integers(4))
-    v = canvas(T, H, W, (20, 20, 20))
-    side = max(4, min(H, W) // 3)
-    span_y, span_x = H - side, W - side
+def render_yuv(H, W, bg, rects):
+    f = np.empty((H * 3 // 2, W), np.uint8)  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
+    flat = f.reshape(-1)
+    planes = (f[:H], flat[H * W:H * W * 5 // 4].reshape(H // 2, W // 2), flat[H * W * 5 // 4:].reshape(H // 2, W // 2))
+    for p, v in zip(planes, yuv(bg)):
+        p[:] = v
+    for y, x, h, w, c in rects:
+        Y, U, V = yuv(c)
+        planes[0][y:y + h, x:x + w] = Y
+        planes[1][y // 2:(y + h) // 2, x // 2:(x + w) // 2] = U
+        planes[2][y // 2:(y + h) // 2, x // 2:(x + w) // 2] = V
+    return f
+
+
+def glide(rng, T, H, W, side):
+    """A constant-speed path between two random top-left corners (at least a side apart, so it visibly moves)
+    that keep a side x side square in frame."""
+    corner = lambda: np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
+    p0, p1 = corner(), corner()
+    while np.abs(p1 - p0).max() < side:
+        p1 = corner()
+    return [p0 + (p1 - p0) * t / max(1, T - 1) for t in range(T)]
+
+
+def dark(rng):
+    g = int(rng.integers(10, 60))
+    return (g, g, g)
+
+
+# ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
+
+def gen_color(rng, c, T, H, W, fps):
+    side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
+    rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
+    L = LETTERS[c]
+    return list(COLORS.values())[c], rects, "What is the background color of the video?", L, COLOR_OPTIONS, \
+        "multiple choice", f"<answer>{L}</answer>"
+
+
+def gen_image_color(rng, c, T, H, W, fps):
+    bg, rects, _, L, opts, ptype, off = gen_color(rng, c, 1, H, W, fps)
+    return bg, rects, "What is the background color of the image?", L, opts, ptype, off
+
+
+def gen_direction(rng, d, T, H, W, fps):
+    side = math.ceil(min(H, W) / 3)
+    span = (W if d < 2 else H) - side  # along the motion axis
+    a0, a1 = rng.integers(0, span // 4 + 1), span - rng.integers(0, span // 4 + 1)  # travels >= half the frame
+    if d in (0, 2):
+        a0, a1 = a1, a0  # left / up: decreasing coordinate
+    perp = rng.integers(0, (H if d < 2 else W) - side + 1)
+    color = PALETTE[rng.integers(len(PALETTE))]
+    rects = []
     for t in range(T):
-        f = t / max(1, T - 1)
-        pos = {0: (span_y / 2, span_x * (1 - f)), 1: (span_y / 2, span_x * f),
-               2: (span_y * (1 - f), span_x / 2), 3: (span_y * f, span_x / 2)}[d]
-        square(v, t, pos[0], pos[1], side, COLORS["yellow"])
-    opts = [f"{L}. {x}" for L, x in zip(LETTERS, DIRS)]
-    return (v, "In which direction does the square move?", LETTERS[d], opts, "multiple choice",
-            f"<think>The square moves {DIRS[d]}.</think><answer>{LETTERS[d]}</answer>")
+        a = a0 + (a1 - a0) * t / max(1, T - 1)
+        rects.append([rect(perp, a, side, side, color) if d < 2 else rect(a, perp, side, side, color)])
+    L = LETTERS[d]
+    return dark(rng), rects, "In which direction does the square move?", L, DIR_OPTIONS, "multiple choice", \
+        f"<think>The square moves {DIRS[d]}.</think><answer>{L}</answer>"
 
 
-def gen_count(rng, T, H, W, fps):
-    n = int(rng.integers(1, 5))
-    v = canvas(T, H, W, (20, 20, 20))
-    side = max(2, min(H, W) // 5)
-    cells = rng.permutation(4)[:n]  # one square per quadrant: never overlapping, so the count is exact
-    for c in cells:
-        y, x = (c // 2) * H // 2 + (H // 2 - side) // 2, (c % 2) * W // 2 + (W // 2 - side) // 2
-        for t in range(T):
-            square(v, t, y, x, side, COLORS["green"])
-    return v, "How many squares are in the video?", str(n), None, "numerical", f"<answer>{n}</answer>"
+def gen_count(rng, k, T, H, W, fps):
+    n, side = k + 1, 2 * max(1, min(H, W) // 10)
+    shapes = []
+    for q in sorted(rng.choice(4, n, replace=False)):  # one per quadrant: never overlapping, the count is exact
+        qy, qx = (q // 2) * (H // 2), (q % 2) * (W // 2)
+        # starts kept >= 1 px inside the quadrant so snapping down to even cannot push a square out of it
+        y, x = qy + rng.integers(1, H // 2 - side), qx + rng.integers(1, W // 2 - side)
+        shapes.append(rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))]))
+    return dark(rng), [shapes] * T, "How many shapes are in the video?", str(n), None, "numerical", f"<answer>{n}</answer>"
 
 
-def gen_appear(rng, T, H, W, fps):
-    v = canvas(T, H, W, (20, 20, 20))
-    s = int(rng.integers(0, T // 2))
-    e = int(rng.integers(s + 1, T))  # visible on frames s..e-1
-    side = max(4, min(H, W) // 2)
-    for t in range(s, e):
-        square(v, t, (H - side) // 2, (W - side) // 2, side, COLORS["blue"])
+def gen_appear(rng, _, T, H, W, fps):
+    s = int(rng.integers(1, T - 1))      # first visible frame, >= 1: the shape really appears
+    e = int(rng.integers(s + 1, T))      # first frame without it, <= T - 1: it really disappears
+    side = min(H, W) // 2
+    r = rect(rng.integers(0, H - side + 1), rng.integers(0, W - side + 1), side, side, PALETTE[rng.integers(len(PALETTE))])
     ans = json.dumps({"time": [round(s / fps, 2), round(e / fps, 2)]})
-    return (v, "When does the square appear? Answer with its start and end time in seconds.", ans, None,
-            "temporal grounding", f"<answer>{ans}</answer>")
+    return dark(rng), [[r] if s <= t < e else [] for t in range(T)], \
+        "When does the shape appear? Answer with start and end seconds.", ans, None, "temporal grounding", \
+        f"<answer>{ans}</answer>"
 
 
-def gen_image_color(rng, T, H, W, fps):
-    v, q, a, opts, pt, off = gen_color(rng, 1, H, W, fps)
-    return v[0], "What is the background color of the image?", a, opts, pt, off
+# name -> (generator, number of balanced classes (0: none), data type, minimum frames)
+TASKS = {"color": (gen_color, 4, "video", 2), "direction": (gen_direction, 4, "video", 2),
+         "count": (gen_count, 4, "video", 1), "appear": (gen_appear, 0, "video", 3),
+         "image_color": (gen_image_color, 4, "image", 1)}
 
 
-TASKS = {"color": gen_color, "direction": gen_direction, "count": gen_count, "appear": gen_appear,
-         "image_color": gen_image_color}
+def _done(out, args, paths) -> bool:
+    """meta.json has the same args and every JSONL and the media it lists exist."""
+    try:
+        with open(paths["meta"]) as f:
+            if json.load(f) != args:
+                return False
+        for split in ("train", "val"):
+            with open(paths[split]) as f:
+                for line in f:
+                    row = json.loads(line)
+                    if not all(os.path.exists(os.path.join(out, m)) for m in row.get("videos", []) + row.get("images", [])):
+                        return False
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, width=None, height=None) -> dict:
-    """Write DIR/train.jsonl, DIR/val.jsonl and the media. A no-op when DIR/meta.json has the same args."""
+    """Write out/train.jsonl, out/val.jsonl, out/videos/*.mp4, out/images/*.png, out/meta.json.
+
+    Returns {"train", "val", "meta"} paths. A no-op when meta.json holds the same arguments."""
     from PIL import Image
-    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
-    W, H = width or size, height or size
-    args = dict(tasks=tasks, num_train=num_train, num_val=num_val, seed=seed, W=W, H=H, fps=fps, seconds=seconds)
-    meta_path = os.path.join(out, "meta.json")
-    paths = {s: os.path.join(out, f"{s}.jsonl") for s in ("train", "val")}
-    if os.path.exists(meta_path) and json.load(open(meta_path)) == args:
+    tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    W, H, T = int(width or size), int(height or size), int(round(fps * seconds))
+    if unknown := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"unknown tasks {unknown}; known: {list(TASKS)}")
+    if W % 2 or H % 2 or min(W, H) < 16:
+        raise ValueError(f"frame {W}x{H}: width and height must be even (yuv420p) and >= 16")
+    need = max([TASKS[t][3] for t in tasks if TASKS[t][2] == "video"], default=1)
+    if T < need:
+        raise ValueError(f"fps * seconds = {T} frames; tasks {tasks} need at least {need}")
+    args = dict(version=VERSION, tasks=tasks, num_train=num_train, num_val=num_val, seed=seed, width=W, height=H,
+                fps=fps, seconds=seconds)
+    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl"),
+             "meta": os.path.join(out, "meta.json")}
+    if _done(out, args, paths):
         return paths
     for sub in ("videos", "images"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
-    T = max(2, int(round(fps * seconds)))
+    if os.path.exists(paths["meta"]):
+        os.remove(paths["meta"])  # written last: its presence means the set is complete
     for split_i, (split, num) in enumerate((("train", num_train), ("val", num_val))):
         rows = []
-        for task_i, task in enumerate(tasks):
-            rng = np.random.default_rng([seed, split_i, task_i])  # independent streams per split and task
+        for task in tasks:
+            gen, n_cls, dtype, _ = TASKS[task]
+            # the stream depends on (seed, split, task) only: adding a task or resizing the other split changes nothing
+            rng = np.random.default_rng([seed, split_i, list(TASKS).index(task)])
+            labels = rng.permutation(np.arange(num) % n_cls) if n_cls else np.zeros(num, int)
+            seen = set()
             for i in range(num):
-                media, q, a, opts, ptype, offline = TASKS[task](rng, T, H, W, fps)
-                sid = f"{task}-{split}-{i:05d}"
-                row = {"id": sid, "problem": q, "answer": a, "problem_type": ptype}
-                if media.ndim == 3:
-                    rel = f"images/{sid}.png"
-                    Image.fromarray(media).save(os.path.join(out, rel))
-                    row.update(images=[rel], data_type="image")
+                for _ in range(10000):  # rejection: wrong split bucket, or a repeat within this split
+                    bg, rects, problem, answer, options, ptype, offline = gen(rng, int(labels[i]), T, H, W, fps)
+                    key = hashlib.sha1(repr((task, bg, rects)).encode()).digest()
+                    if (key[0] % VAL_BUCKETS == 0) == (split == "val") and key not in seen:
+                        break
                 else:
-                    rel = f"videos/{sid}.mp4"
-                    write_video(os.path.join(out, rel), media, fps)
-                    row.update(videos=[rel], data_type="video")
-                if opts:
-                    row["options"] = opts
+                    raise RuntimeError(f"{task}: no new {split} scene after 10000 draws; use a larger frame or fewer samples")
+                seen.add(key)
+                sid = f"{task}-{split}-{i:05d}"
+                row = {"id": sid, "problem": problem, "answer": answer}
+                if dtype == "image":
+                    row["images"] = [f"images/{sid}.png"]
+                    Image.fromarray(render_rgb(H, W, bg, rects[0])).save(os.path.join(out, row["images"][0]))
+                else:
+                    row["videos"] = [f"videos/{sid}.mp4"]
+                    write_video(os.path.join(out, row["videos"][0]), (render_yuv(H, W, bg, r) for r in rects), fps,
+                                pix_fmt="yuv420p")
+                row.update(data_type=dtype, problem_type=ptype)
+                if options:
+                    row["options"] = options
                 row["offline_output"] = offline
                 rows.append(row)
-        with open(paths[split], "w") as f:
+        with open(paths[split] + ".part", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    with open(meta_path, "w") as f:
+        os.replace(paths[split] + ".part", paths[split])
+    with open(paths["meta"], "w") as f:
         json.dump(args, f)
     return paths
 
@@ -152,14 +265,16 @@ def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, wi
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tasks", default="color", help=f"comma-separated, from {sorted(TASKS)}")
-    ap.add_argument("--num-train", type=int, default=256)
-    ap.add_argument("--num-val", type=int, default=64)
+    ap.add_argument("--tasks", default="color", help=f"comma-separated, from {','.join(TASKS)}")
+    ap.add_argument("--num-train", type=int, default=256, help="samples per task")
+    ap.add_argument("--num-val", type=int, default=64, help="samples per task")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--size", type=int, default=56)
+    ap.add_argument("--size", type=int, default=56, help="frame side in px (when --width/--height are not given)")
     ap.add_argument("--width", type=int)
     ap.add_argument("--height", type=int)
     ap.add_argument("--fps", type=float, default=4)
     ap.add_argument("--seconds", type=float, default=2.0)
     a = ap.parse_args()
-    print(make(a.out, a.tasks.split(","), a.num_train, a.num_val, a.seed, a.size, a.fps, a.seconds, a.width, a.height))
+    t0 = time.time()
+    p = make(a.out, a.tasks, a.num_train, a.num_val, a.seed, a.size, a.fps, a.seconds, a.width, a.height)
+    print(f"{p['train']} {p['val']} ({time.time() - t0:.1f}s)")

@@ -1,13 +1,14 @@
 """Build tiny random-weight Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
 
-    python scripts/make_tiny_model.py --arch qwen2_5_vl --out .cache/models/tiny-qwen2_5_vl [--seed 0]
+    python scripts/make_tiny_model.py --arch qwen2_5_vl --out .cache/models/tiny-qwen2_5_vl [--seed 0] [--force]
     python scripts/make_tiny_model.py --arch qwen3_vl   --out .cache/models/tiny-qwen3_vl
 
-What makes them "real enough": HF format written by save_pretrained, the real model classes, a byte-level
-BPE tokenizer (trained here on a small corpus) holding the Qwen special tokens plus <think>/<answer>, the
-Qwen chat template shape, and the image/video processors with the real patch sizes (14 for Qwen2.5-VL,
-16 for Qwen3-VL; merge 2, temporal patch 2). Sizes: text hidden 128, 2 layers, 2 heads of dim 64 (vLLM's
-CPU attention kernel rejects head_dim 16), 1 KV head; vision depth 2, hidden 64. Deterministic by seed.
+What makes them "real enough": HF format written by save_pretrained (fp32 safetensors), the real model classes,
+a Qwen2Tokenizer (byte-level BPE with Qwen's pre-tokenizer, trained here on a small built-in corpus) holding the
+Qwen special tokens plus <think>/<answer>, the real chat templates, and the real image/video processors with the
+real patch sizes (14 for Qwen2.5-VL, 16 for Qwen3-VL; merge 2, temporal patch 2). Sizes: text hidden 128,
+2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects head_dim 16), 1 KV head; vision depth 2, hidden 64.
+The tokenizer is the same for every seed (token ids never move); the weights are deterministic by seed.
 """
 import argparse
 import json
@@ -16,112 +17,287 @@ import shutil
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
            "<|image_pad|>", "<|video_pad|>"]
-ADDED = ["<think>", "</think>", "<answer>", "</answer>"]  # plain added tokens: they survive skip_special_tokens
-CHAT_TEMPLATE = (  # the Qwen2.5-VL template's shape (Qwen3-VL: the same without the default system turn)
+ADDED = ["<think>", "</think>", "<answer>", "</answer>"]  # added but not special: they survive skip_special_tokens
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # x spatial merge 2 = 28 / 32 pixels per visual token side
+VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
+MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
+
+# Qwen2.5-VL-*-Instruct's template: a default system turn, then ChatML with vision placeholders.
+QWEN2_5_VL_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' and DEFAULT_SYSTEM %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS_WORDS = ("what is the background color of the video image red green blue yellow white gray black square circle "
-                "shape shapes move moves moving left right up down direction which how many are there in when does "
-                "appear disappear start end time seconds answer with option letter number single final put your inside "
-                "tags options you a helpful assistant user system watch then frame frames count counting yes no true "
-                "false box boxes the of and to it at from first last one two three four five").split()
+
+# Qwen3-VL-*-Instruct's template: no default system turn, list-valued system/assistant content, tool calls.
+_VISION = """{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}"""
+_SYSTEM_TEXT = """{%- if messages[0].content is string %}
+            {{- messages[0].content }}
+        {%- else %}
+            {%- for content in messages[0].content %}
+                {%- if 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}"""
+QWEN3_VL_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        """ + _SYSTEM_TEXT + """
+        {{- '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' }}
+        """ + _SYSTEM_TEXT + """
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                """ + _VISION + """
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                """ + _VISION + """
+            {%- endfor %}
+        {%- endif %}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 
-def train_tokenizer(seed: int):
-    """A ~450-token byte-level BPE over task-like text; every byte is reachable, so any text round-trips."""
+def corpus() -> list[str]:
+    """Text shaped like our prompts and answers, so the ~180 merges are spent on words we actually use."""
     import random
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    rng = random.Random(seed)
-    lines = [" ".join(rng.choice(CORPUS_WORDS) for _ in range(12)) + f" {rng.randint(0, 999)}.{rng.randint(0, 99)}"
-             for _ in range(3000)]
-    lines += ['{"time": [1.25, 3.5]}', '{"boxes": [10, 20, 30, 40]}', "A. red\nB. green\nC. blue\nD. yellow"] * 50
+    rng = random.Random(0)  # fixed: the tokenizer must not depend on the weight seed
+    colors = "red green blue yellow white black gray orange purple pink".split()
+    shapes = "square circle triangle box dot ball".split()
+    dirs = "left right up down".split()
+    nums = "zero one two three four five six seven eight nine ten".split()
+    lines = ["You are a helpful assistant.", "system", "user", "assistant", "A. red\nB. green\nC. blue\nD. yellow",
+             "Answer with the option's letter from the given choices directly.",
+             "Output the thinking process in <think> </think> and the final answer in <answer> </answer> tags."]
+    for _ in range(400):
+        c, s, d, n = rng.choice(colors), rng.choice(shapes), rng.choice(dirs), rng.choice(nums)
+        t0 = round(rng.uniform(0, 9), 1)
+        t1 = round(t0 + rng.uniform(0.5, 5), 1)
+        opts = rng.sample(colors, 4)
+        lines += [
+            f"What is the background color of the video? A. {opts[0]} B. {opts[1]} C. {opts[2]} D. {opts[3]}",
+            f"Which direction does the {c} {s} move? Options: A. {dirs[0]} B. {dirs[1]} C. {dirs[2]} D. {dirs[3]}",
+            f"How many {s}s are there in the video? There are {n} {s}s, {rng.randint(0, 12)} in all.",
+            f"When does the {c} {s} appear? Give the start and end time in seconds.",
+            (f"<think>The {c} {s} moves {d} from frame {rng.randint(0, 31)} to frame {rng.randint(0, 31)}.</think>"
+             f"<answer>{rng.choice('ABCD')}</answer>"),
+            f'<answer>{{"time": [{t0}, {t1}]}}</answer> <{t0} seconds> {rng.randint(0, 999)}, {rng.random():.3f}',
+        ]
+    return lines
+
+
+def make_tokenizer(template: str):
+    """A Qwen2Tokenizer whose vocab/merges we train with Qwen's own pipeline (NFC, digit-splitting regex, byte-level),
+    so Qwen2Tokenizer rebuilding it from vocab+merges at load time gives the very tokenizer we trained. Byte-level
+    with the full byte alphabet: any text round-trips."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
+    template_tok = Qwen2Tokenizer()  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    tk.normalizer, tk.pre_tokenizer, tk.decoder = (template_tok.backend_tokenizer.normalizer,
+                                                  template_tok.backend_tokenizer.pre_tokenizer,
+                                                  template_tok.backend_tokenizer.decoder)
     trainer = trainers.BpeTrainer(vocab_size=448, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(lines, trainer)
-    return tk
+    tk.train_from_iterator(corpus(), trainer)
+    model = json.loads(tk.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+                                                       for m in model["merges"]],
+                         unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         extra_special_tokens=SPECIAL[1:], clean_up_tokenization_spaces=False, errors="replace",
+                         model_max_length=32768)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tok.chat_template = template
+    return tok
+
+
+def _complete(out: str, arch: str, seed: int) -> bool:
+    try:
+        with open(os.path.join(out, MARKER)) as f:
+            return json.load(f) == {"arch": arch, "seed": seed, "version": VERSION}
+    except (OSError, ValueError):
+        return False
 
 
 def build(arch: str, out: str, seed: int = 0, force: bool = False) -> str:
-    """Write the checkpoint to `out` (via out.tmp + rename, marker written last). Idempotent."""
-    import torch
-    from transformers import AddedToken, PreTrainedTokenizerFast
-    if os.path.exists(os.path.join(out, "DONE")) and not force:
+    """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
+    is kept as is. Built in a private temp dir and renamed into place, so readers never see a half-written one."""
+    assert arch in ARCHS, arch
+    out = os.path.normpath(out)  # a trailing slash would put the temp dir inside OUT
+    if not force and _complete(out, arch, seed):
         return out
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(seed), bos_token=None, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>", unk_token=None, additional_special_tokens=SPECIAL[3:],
-                                  clean_up_tokenization_spaces=False)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    vocab = (len(tok) + 63) // 64 * 64  # padded like real checkpoints; vLLM shards the embedding by 64s
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
+        raise FileExistsError(f"{out} is not empty and holds no checkpoint of ours: not replacing it")
+    import torch
     qwen3 = arch == "qwen3_vl"
-    template = CHAT_TEMPLATE.replace("DEFAULT_SYSTEM", "false" if qwen3 else "true")
-    tok.chat_template = template
-    text = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    tok = make_tokenizer(QWEN3_VL_TEMPLATE if qwen3 else QWEN2_5_VL_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    patch = PATCH[arch]
+    factor = patch * 2
+    text = dict(vocab_size=len(tok),  # exact: no unused rows a sampler could pick (vLLM pads its shards itself)
+                hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02)
+                tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"], dtype="float32")
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=patch,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02)
     if qwen3:
-        from transformers import (Qwen3VLConfig as Cfg, Qwen3VLForConditionalGeneration as Model,
-                                  Qwen3VLProcessor as Proc, Qwen3VLVideoProcessor as VidProc)
-        text["rope_parameters"] = dict(rope_type="default", rope_theta=5e5, mrope_section=[12, 10, 10], mrope_interleaved=True)
-        vision.update(patch_size=16, num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+        from transformers import Qwen3VLConfig as Cfg
+        from transformers import Qwen3VLForConditionalGeneration as Model
+        from transformers import Qwen3VLProcessor as Proc
+        from transformers import Qwen3VLVideoProcessor as VidProc
+        # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10],
+                                       mrope_interleaved=True)
+        # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
+        vision.update(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+        norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)  # Qwen3-VL normalizes to [-1, 1]
     else:
-        from transformers import (Qwen2_5_VLConfig as Cfg, Qwen2_5_VLForConditionalGeneration as Model,
-                                  Qwen2_5_VLProcessor as Proc, Qwen2VLVideoProcessor as VidProc)
-        text["rope_parameters"] = dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])
-        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1], tokens_per_second=2)
+        from transformers import Qwen2_5_VLConfig as Cfg
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+        from transformers import Qwen2_5_VLProcessor as Proc
+        from transformers import Qwen2VLVideoProcessor as VidProc
+        text["rope_parameters"] = dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])  # real/2
+        # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
+        vision.update(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
+        norm = {}  # Qwen2.5-VL keeps the CLIP mean/std defaults
     from transformers import Qwen2VLImageProcessor as ImgProc
-    factor = vision["patch_size"] * 2
-    config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, **tokens)
-    torch.manual_seed(seed)
-    model = Model(config).to(torch.float32)
-    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.do_sample = False
-    # tiny frames (2x2 merged tokens) must not be upscaled: min 4*factor^2 pixels, max 1024*factor^2
+    config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
+                 image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        model = Model(config).to(torch.float32).eval()
+    gen = model.generation_config
+    gen.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]  # like the real checkpoints: stop on either
+    gen.pad_token_id, gen.bos_token_id = ids["<|endoftext|>"], None
+    # Our frames are tiny (2x2 merged tokens each): the processors' default minimums (56x56 for images,
+    # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
-    common = dict(size=size, patch_size=vision["patch_size"], merge_size=2, temporal_patch_size=2)
-    image_proc = ImgProc(**common)
-    video_proc = VidProc(**common)
-    processor = Proc(image_processor=image_proc, tokenizer=tok, video_processor=video_proc, chat_template=template)
+    common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **norm)
+    # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
+    video_proc = VidProc(**common, cap_pixels_per_frame=True)
+    processor = Proc(image_processor=ImgProc(**common), video_processor=video_proc, tokenizer=tok,
+                     chat_template=tok.chat_template)
+
+    tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
+    shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    with open(os.path.join(tmp, "DONE"), "w") as f:
-        json.dump({"arch": arch, "seed": seed}, f)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump({"arch": arch, "seed": seed, "version": VERSION}, f)
+    if not force and _complete(out, arch, seed):  # someone else finished the same build meanwhile
+        shutil.rmtree(tmp)
+        return out
+    old = f"{out}.old-{os.getpid()}"
+    if os.path.exists(out):
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
 def ensure(arch: str, root: str = ".cache/models", seed: int = 0) -> str:
-    """The tiny checkpoint folder for `arch`, built first if missing."""
+    """`root/tiny-<arch>`, built first if missing or stale."""
     return build(arch, os.path.join(root, f"tiny-{arch}"), seed)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=["qwen2_5_vl", "qwen3_vl"], required=True)
+    ap.add_argument("--arch", choices=ARCHS, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--force", action="store_true", help="rebuild even if OUT holds a complete checkpoint")
     a = ap.parse_args()
     print(build(a.arch, a.out, a.seed, a.force))

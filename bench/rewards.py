@@ -1,0 +1,131 @@
+"""Reward throughput: 10k synthetic completions per problem type (about half correct, a third wrong, the rest
+malformed), scored with rewards.compute_reward in this process, one type at a time.
+
+    .venv/bin/python bench/rewards.py            # --n 10000 --seed 0
+
+Prints `problem type | rewards/s | mean reward | parse_fail rate`, then as its last line
+`rewards/s: <the slowest problem type's rate, as an integer>`.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rewards  # noqa: E402
+
+OPTIONS = ["A. red", "B. green", "C. blue", "D. yellow"]
+WORDS = "a man woman dog cat red blue car street walks runs slowly into the park near house opens door".split()
+
+
+def box(r, k=100):
+    x, y = r.randint(0, k), r.randint(0, k)
+    return [x, y, x + r.randint(1, k), y + r.randint(1, k)]
+
+
+def jitter(b, r, d=8):
+    return [v + r.randint(-d, d) for v in b]
+
+
+def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
+    """(sample, a correct answer, a wrong answer) for one problem type."""
+    if ptype == "multiple choice":
+        gt = r.choice("ABCD")
+        right = r.choice([gt, f"({gt})", f"{gt}.", OPTIONS["ABCD".index(gt)]])
+        return {"answer": gt, "options": OPTIONS}, right, r.choice([c for c in "ABCD" if c != gt])
+    if ptype in ("numerical", "counting"):
+        n = r.randint(0, 20)
+        right = r.choice([str(n), f"{n}.0", f"There are {n}.", list(rewards.WORDS)[n]])
+        return {"answer": str(n)}, right, str(n + r.randint(1, 5))
+    if ptype == "regression":
+        v = round(r.uniform(0.5, 20), 1)
+        return {"answer": str(v)}, f"{v * r.uniform(0.9, 1.1):.2f}", f"{v * r.uniform(1.5, 3):.1f} meters"
+    if ptype == "boolean":
+        yes = r.random() < 0.5
+        return {"answer": "yes" if yes else "no"}, r.choice(["yes", "Yes."] if yes else ["no", "No."]), "no" if yes else "yes"
+    if ptype == "open-ended":
+        gt = " ".join(r.choices(WORDS, k=r.randint(4, 12)))
+        return {"answer": gt}, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
+    if ptype == "ocr":
+        gt = " ".join(r.choices(WORDS, k=r.randint(3, 20)))
+        return {"answer": gt}, gt, " ".join(w for w in gt.split() if r.random() < 0.7)
+    if ptype == "math":
+        a, b = r.randint(1, 9), r.randint(2, 9)
+        right = r.choice([f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b:.6f}"])
+        return {"answer": f"\\frac{{{a}}}{{{b}}}"}, right, r.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}^{b}", "x + 1"])
+    if ptype == "temporal grounding":
+        s = round(r.uniform(0, 20), 1)
+        e = round(s + r.uniform(1, 10), 1)
+        right, wrong = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)], [e + 1, e + r.uniform(2, 9)]
+        return {"answer": json.dumps({"time": [s, e]})}, json.dumps({"time": sorted(right)}), json.dumps({"time": wrong})
+    if ptype == "spatial grounding":
+        b = box(r)
+        return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
+    if ptype in ("spatial-temporal grounding", "tracking"):
+        frames = {str(i): box(r) for i in range(r.randint(2, 16))}
+        right = {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9}
+        wrong = {k: box(r) for k in frames}
+        if ptype == "tracking":
+            return ({"answer": json.dumps({"boxes": frames})}, json.dumps({"boxes": right or frames}),
+                    json.dumps({"boxes": wrong}))
+        gt = {"time": [0, len(frames)], "boxes": frames}
+        return ({"answer": json.dumps(gt)}, json.dumps({"time": [0, len(frames) - 1], "boxes": right or frames}),
+                json.dumps({"time": [1, 2], "boxes": wrong}))
+    if ptype == "code":
+        return ({"answer": "def f(x):\n    return x"},
+                r.choice(["def f(x):\n    return x * 2", "```python\nimport math\nprint(math.pi)\n```", "x = [i for i in range(3)]"]),
+                r.choice(["def f(x)\n    return x", "print('unclosed", "for i in range(3) print(i)"]))
+    raise KeyError(ptype)
+
+
+MALFORMED = [
+    lambda a, r: "", lambda a, r: f"<answer>{a}", lambda a, r: f"<think>Let me look at the video. {a}",
+    lambda a, r: "I am not sure what happens in this video.", lambda a, r: "<answer></answer>",
+    lambda a, r: f"<answer>{a[: max(1, len(a) // 2)]}</answer>", lambda a, r: f"<answer>{a}</answer>" * 2,
+    lambda a, r: "<think>" + " ".join(r.choices(WORDS, k=300)),  # cut off mid-thought at max_tokens
+]
+
+
+def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
+    r, out = random.Random(f"{seed}-{ptype}"), []
+    for i in range(n):
+        extra, right, wrong = case(ptype, r)
+        s = {"id": f"{ptype}-{i}", "problem_type": ptype, **extra}
+        u = r.random()
+        if u < 0.2:
+            text = r.choice(MALFORMED)(right, r)
+        else:
+            ans = right if u < 0.7 else wrong
+            think = " ".join(r.choices(WORDS, k=r.randint(10, 80)))
+            text = r.choice([f"<answer>{ans}</answer>", f"<think>{think}</think>\n<answer>{ans}</answer>",
+                             f"{think}. The answer is {ans}", f"<think>{think}</think> {ans}"])
+        out.append((text, s))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rewards.compute_reward("<answer>1</answer>", {"problem_type": "math", "answer": "1"})  # imports math-verify
+    rows = []
+    for ptype in rewards.ACCURACY:
+        data = completions(ptype, args.n, args.seed)
+        t0 = time.perf_counter()
+        scored = [rewards.compute_reward(text, s) for text, s in data]
+        dt = time.perf_counter() - t0
+        rows.append((ptype, len(data) / dt, sum(o for o, _ in scored) / len(data),
+                     sum(c["parse_fail"] for _, c in scored) / len(data)))
+    w = max(len(p) for p, *_ in rows)
+    print(f"{'problem type':<{w}} | rewards/s | mean reward | parse_fail rate")
+    print(f"{'-' * w}-|-----------|-------------|----------------")
+    for p, rate, mean, pf in rows:
+        print(f"{p:<{w}} | {rate:9.0f} | {mean:11.3f} | {pf:15.3f}")
+    print(f"rewards/s: {int(min(rate for _, rate, _, _ in rows))}")
+
+
+if __name__ == "__main__":
+    main()

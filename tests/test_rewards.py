@@ -1,0 +1,375 @@
+"""Rewards: answer extraction, one table of cases per problem type, malformed outputs, aliases, format,
+weighting, ground-truth validation, a hypothesis property test and bounded time on pathological input.
+
+    .venv/bin/python -m pytest -q tests/test_rewards.py
+"""
+import math
+import os
+import signal
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rewards
+from rewards import canonical_type, compute_reward, extract_answer, format_reward, validate_answer
+
+# math's time limit raises from a SIGALRM handler; when the alarm lands in hypothesis's gc callback, Python reports it
+# as "unraisable" and the timer (which repeats every 50 ms) fires again: expected, not a failure
+pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in. <function gc_cumulative_time:pytest.PytestUnraisableExceptionWarning")
+OPTIONS = ["A. cat", "B. a dog is running", "C. red car", "D. blue"]
+BOX = [0, 0, 10, 10]
+GT = {  # one well-formed ground truth per canonical problem type
+    "multiple choice": "B",
+    "numerical": "100",
+    "counting": "3",
+    "regression": "100",
+    "boolean": "yes",
+    "open-ended": "the cat is on the mat",
+    "ocr": "hello world foo bar",
+    "math": "\\frac{1}{2}",
+    "temporal grounding": '{"time": [2, 6]}',
+    "spatial grounding": '{"boxes": [0, 0, 10, 10]}',
+    "spatial-temporal grounding": '{"time": [0, 4], "boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10]}}',
+    "tracking": '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10]}}',
+    "code": "print(1)",
+}
+TYPES = sorted(GT)
+
+
+def sample(ptype, answer=None, **kw):
+    s = {"id": f"s-{ptype}", "problem_type": ptype, "answer": GT[canonical_type(ptype)] if answer is None else answer}
+    if canonical_type(ptype) == "multiple choice":
+        s["options"] = OPTIONS
+    return {**s, **kw}
+
+
+def score(ptype, completion, **kw):
+    return compute_reward(completion, sample(ptype, **kw))[1]
+
+
+def test_every_type_has_a_case():
+    assert set(TYPES) == set(rewards.ACCURACY)
+
+
+# ---------------------------------------------------------------------------------------------------
+# extract_answer on its own
+@pytest.mark.parametrize("text, want", [
+    ("<answer>A</answer> then <answer>B</answer>", "B"),                       # last <answer> wins
+    ("<answer> B </answer>", "B"),
+    ("<think>maybe <answer>A</answer></think><answer>B</answer>", "B"),       # <think> removed first
+    ("<think>the answer is A</think> the answer is B", "B"),
+    ("<think>hmm <answer>C</answer>", "C"),                                   # unclosed think: nothing removed
+    ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),                        # \boxed, nested braces
+    ("\\boxed{1} and then \\boxed{{2}}", "{2}"),                              # the last \boxed
+    ("\\boxed{\\text{B}}", "B"),
+    ("\\boxed{1} <answer>2</answer>", "2"),                                   # <answer> beats \boxed
+    ("The answer is: 42.", "42"),                                             # phrase fallback
+    ("I think... so the answer is B\nbecause", "B"),
+    ("<think>reasoning</think>  42 ", "42"),                                  # text after </think>
+    ("<answer><answer>B</answer></answer>", "B"),                            # nested: innermost
+    ("<answer>A</answer><answer>B", "A"),                                     # unclosed last tag ignored
+    ("", None), (None, None), ("plain garbage without any answer", None),
+    ("<answer>", None), ("<answer>B", None), ("<answer></answer>", None), ("<answer>  \n </answer>", None),
+    ("\\boxed{}", None), ("\\boxed{unclosed", None), ("<think>the answer is A</think>", None),
+])
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+# ---------------------------------------------------------------------------------------------------
+# table-driven cases per problem type: (type, completion's answer, ground truth or None, accuracy; None = parse failure)
+ROUGE_EX = ((5 / 6) + 0.6 + (5 / 6)) / 3  # "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
+CASES = [
+    ("multiple choice", "B", None, 1.0), ("multiple choice", "(B)", None, 1.0), ("multiple choice", "b", None, 1.0),
+    ("multiple choice", "B.", None, 1.0), ("multiple choice", "B. a dog is running", None, 1.0),
+    ("multiple choice", "A dog is running", None, 1.0),  # option text, not letter "A"
+    ("multiple choice", "a dog is running.", None, 1.0), ("multiple choice", "A", None, 0.0),
+    ("multiple choice", "(C) red car", None, 0.0), ("multiple choice", "red car", None, 0.0),
+    ("multiple choice", "E", None, None), ("multiple choice", "I think so", None, None),
+    ("multiple choice", "B", "<answer>B</answer>", 1.0),  # ground truth in answer tags
+    ("numerical", "100", None, 1.0), ("numerical", "1,00", "100", 1.0), ("numerical", "There are 100.", None, 1.0),
+    ("numerical", "3", "3", 1.0), ("numerical", "three", "3", 1.0), ("numerical", "Three", "3.0", 1.0),
+    ("numerical", "1/2", "0.5", 1.0), ("numerical", "0.5", "1/2", 1.0), ("numerical", "50%", "0.5", 1.0),
+    ("numerical", "50 %", "0.5", 1.0), ("numerical", "1,000", "1000", 1.0), ("numerical", "1e3", "1000", 1.0),
+    ("numerical", "-2.5", "-2.5", 1.0), ("numerical", "2.5", "-2.5", 0.0),
+    ("numerical", "101", "100", 1.0), ("numerical", "101.5", "100", 0.0),  # tolerance 1% of max(1, |gt|)
+    ("numerical", "1.01", "1", 1.0), ("numerical", "1.0101", "1", 0.0),  # the edge is inclusive despite floats
+    ("numerical", "0.509", "0.5", 1.0), ("numerical", "0.52", "0.5", 0.0),  # small gt: absolute 0.01
+    ("numerical", "lots", "3", None), ("numerical", "1/0", "3", None), ("numerical", "1e999", "3", None),
+    ("counting", "3", None, 1.0), ("counting", "three", None, 1.0), ("counting", "There are 3 shapes.", None, 1.0),
+    ("counting", "4", None, 0.0), ("counting", "none", None, None),
+    # MRA: rel = |pred - gt| / gt, share of t in 0.50..0.95 with rel < 1 - t
+    ("regression", "100", None, 1.0), ("regression", "90", None, 0.8),  # rel 0.1 < 1-t for t = 0.50..0.85
+    ("regression", "110", None, 0.8), ("regression", "95", None, 0.9), ("regression", "70", None, 0.4),
+    ("regression", "80", None, 0.6), ("regression", "60", None, 0.2), ("regression", "50", None, 0.0),
+    ("regression", "300", None, 0.0), ("regression", "1.5 m", "2", 0.5), ("regression", "about", None, None),
+    ("boolean", "yes", None, 1.0), ("boolean", "Yes, it is.", None, 1.0), ("boolean", "TRUE", None, 1.0),
+    ("boolean", "no", None, 0.0), ("boolean", "false", None, 0.0), ("boolean", "No", "no", 1.0),
+    ("boolean", "maybe", None, None),
+    ("open-ended", "Red car.", "red car", 1.0), ("open-ended", "red", "red car", 0.0),  # short: exact match
+    ("open-ended", "a red car", "red car", 0.0),
+    ("open-ended", "the cat sat on the mat", None, ROUGE_EX), ("open-ended", "The cat is on the mat!", None, 1.0),
+    ("open-ended", "dog", None, 0.0),
+    ("ocr", "hello world foo bar", None, 1.0), ("ocr", "hello word foo", None, 0.5),  # 1 sub + 1 del of 4 words
+    ("ocr", "Hello World Foo Bar", None, 1.0), ("ocr", "a b c d e f g h i j", None, 0.0),  # WER > 1 clips to 0
+    ("math", "0.5", None, 1.0), ("math", "\\frac{1}{2}", None, 1.0), ("math", "1/2", None, 1.0),
+    ("math", "\\frac{2}{4}", None, 1.0), ("math", "3", None, 0.0), ("math", "x^2+", None, 0.0),
+    ("temporal grounding", '{"time": [2, 6]}', None, 1.0),
+    ("temporal grounding", '{"time": [4, 10]}', None, 0.25),  # inter 2 / union 8
+    ("temporal grounding", 'The span is {"time": [4, 10]}.', None, 0.25), ("temporal grounding", "[4, 10]", None, 0.25),
+    ("temporal grounding", '{"time": [7, 9]}', None, 0.0),
+    ("temporal grounding", '{"time": [6, 2]}', None, None), ("temporal grounding", "from 2 to 6", None, None),
+    ("spatial grounding", '{"boxes": [0, 0, 10, 10]}', None, 1.0),
+    ("spatial grounding", '{"boxes": [5, 5, 15, 15]}', None, 1 / 7),  # inter 25 / union 175
+    ("spatial grounding", "[5, 5, 15, 15]", None, 1 / 7), ("spatial grounding", '{"boxes": [[5, 5, 15, 15]]}', None, 1 / 7),
+    ("spatial grounding", '{"boxes": [20, 20, 30, 30]}', None, 0.0), ("spatial grounding", '{"boxes": [1, 2, 3]}', None, None),
+    ("spatial-temporal grounding", GT["spatial-temporal grounding"], None, 1.0),
+    # time IoU 2/4 x mean box IoU (1 + 50/150) / 2
+    ("spatial-temporal grounding", '{"time": [0, 2], "boxes": {"0": [0, 0, 10, 10], "1": [5, 0, 15, 10]}}', None, 1 / 3),
+    ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0.0": [0, 0, 10, 10]}}', None, 0.5),  # second 1 missing
+    ("spatial-temporal grounding", '{"time": [0, 4]}', None, None),
+    ("spatial-temporal grounding", '{"time": [4, 0], "boxes": {"0": [0, 0, 10, 10]}}', None, None),
+    ("tracking", GT["tracking"], None, 1.0),
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.5),  # (1 + 0 + 1/2) / 3: frame 1 missing
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10], "9": [1, 1, 2, 2]}}', None, 1.0),
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, None), ("tracking", '{"boxes": {}}', None, None),
+    ("code", "def f(x):\n    return x + 1", None, 1.0), ("code", "```python\nprint('hi')\n```", None, 1.0),
+    ("code", "def f(:\n  pass", None, 0.0), ("code", "print('unclosed", None, 0.0), ("code", "x = '\\d'", None, 1.0),
+]
+
+
+@pytest.mark.parametrize("ptype, ans, gt, want", CASES)
+def test_accuracy_table(ptype, ans, gt, want):
+    c = score(ptype, f"<answer>{ans}</answer>", answer=gt)
+    assert c["parse_fail"] == float(want is None)
+    assert c["accuracy"] == pytest.approx(want or 0.0, abs=1e-9)
+    assert c["format"] == 1.0
+
+
+def test_rouge_and_wer_by_hand():
+    assert rewards.rouge("the cat sat on the mat", "the cat is on the mat") == pytest.approx(ROUGE_EX)
+    assert rewards.wer("hello word foo", "hello world foo bar") == 0.5
+    assert rewards.wer("a", "") == 1.0 and rewards.wer("", "") == 0.0
+    assert rewards.iou_1d([2, 6], [4, 10]) == 0.25 and rewards.iou_box([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(1 / 7)
+
+
+def test_mra_exact_values():
+    assert [rewards.mra(p, 100) for p in (100, 90, 70, 95, 50)] == [1.0, 0.8, 0.4, 0.9, 0.0]
+    assert rewards.THRESHOLDS == [0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
+
+
+def test_math_boxed_without_answer_tags():
+    assert score("math", "so it is \\boxed{0.5}")["accuracy"] == 1.0
+
+
+def test_math_time_limit_cleans_up(warm):
+    before = signal.getsignal(signal.SIGALRM)
+    t0 = time.perf_counter()
+    assert score("math", "<answer>" + "(" * 300 + "</answer>")["accuracy"] == 0.0  # math-verify alone: seconds
+    assert time.perf_counter() - t0 < rewards.MATH_TIMEOUT + 0.4
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is before
+    assert score("math", "<answer>0.5</answer>")["accuracy"] == 1.0  # and it still works afterwards
+    time.sleep(0.12)  # no late alarm goes off
+
+
+def test_code_is_never_executed(tmp_path):
+    flag = tmp_path / "pwned_x"
+    payload = f"__import__('os').system('touch {flag}')\nopen({str(flag)!r}, 'w').write('x')"
+    c = score("code", f"<answer>{payload}</answer>")
+    assert c["accuracy"] == 1.0  # valid syntax...
+    assert not flag.exists() and not os.path.exists("/tmp/pwned_x")  # ...and never run
+
+
+# ---------------------------------------------------------------------------------------------------
+# malformed model output: never raises, value in [0, 1], parse failures counted
+MALFORMED = {
+    "empty": ("", True), "spaces": ("   \n ", True), "1MB": ("x" * 1_000_000, True),
+    "1MB in tags": ("<answer>" + "7" * 1_000_000 + "</answer>", True),  # cut at MAX_LEN: the tag never closes
+    "unicode": ("<answer>ＢＢ 😀 ñ \u202e\u0000</answer>", None), "unclosed": ("<answer>B", True),
+    "unclosed think": ("<think>B", True), "only close": ("B</answer>", True),
+    "nested": ("<answer><answer>B</answer></answer>", False), "several": ("<answer>A</answer><answer>B</answer>", False),
+    "NaN": ('<answer>{"time": [NaN, 5], "boxes": [0, 0, NaN, 1]}</answer>', None),
+    "inf": ('<answer>{"time": [0, Infinity], "boxes": [0, 0, -Infinity, 1]}</answer>', None),
+    "huge int": ('<answer>{"time": [0, 1' + "0" * 400 + '], "boxes": [0, 0, 1' + "0" * 400 + ", 1]}</answer>", None),
+    "3-number box": ('<answer>{"time": [0, 1], "boxes": [0, 0, 1]}</answer>', None),
+    "deep json": ("<answer>" + "[" * 5000 + "]" * 5000 + "</answer>", None),
+    "bools": ('<answer>{"time": [true, false], "boxes": [true, false, true, true]}</answer>', None),
+}
+
+
+@pytest.mark.parametrize("ptype", TYPES)
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed(ptype, name):
+    text, fails = MALFORMED[name]
+    overall, c = compute_reward(text, sample(ptype))
+    assert 0.0 <= overall <= 1.0 and 0.0 <= c["accuracy"] <= 1.0 and c["parse_fail"] in (0.0, 1.0)
+    if fails:
+        assert c["parse_fail"] == 1.0 and c["accuracy"] == 0.0
+    if fails is False and ptype == "multiple choice":
+        assert c["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("ptype", ["temporal grounding", "spatial grounding", "spatial-temporal grounding", "tracking"])
+@pytest.mark.parametrize("name", ["NaN", "inf", "huge int", "3-number box", "deep json", "bools"])
+def test_malformed_json_is_a_parse_failure(ptype, name):
+    if ptype == "temporal grounding" and name == "3-number box":
+        pytest.skip("its time span is well formed")
+    assert score(ptype, MALFORMED[name][0])["parse_fail"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alias, want", [
+    ("multiple_choice", "multiple choice"), ("free-form", "open-ended"), ("video qa", "open-ended"),
+    ("MULTIPLE CHOICE ", "multiple choice"), ("  Video   QA", "open-ended"), ("mcq", "multiple choice"),
+    ("count", "counting"), ("yes/no", "boolean"), ("temporal_grounding", "temporal grounding"), ("OCR", "ocr"),
+])
+def test_aliases(alias, want):
+    assert canonical_type(alias) == want
+    s = sample(want, problem_type=alias)
+    assert compute_reward(f"<answer>{s['answer']}</answer>", s)[1]["accuracy"] == 1.0  # routed to the right scorer
+
+
+def test_unknown_type_scored_open_ended():
+    assert compute_reward("<answer>red car</answer>", {"problem_type": "dance", "answer": "red car"})[0] == 1.0
+
+
+@pytest.mark.parametrize("template, text, want", [
+    ("answer", "<answer>B</answer>", 1.0), ("answer", " \n<answer>B</answer>\n", 1.0),
+    ("answer", "<answer>\nmulti\nline\n</answer>", 1.0), ("answer", "B", 0.0), ("answer", "", 0.0), ("answer", None, 0.0),
+    ("answer", "<think>x</think><answer>B</answer>", 0.0), ("answer", "<answer>A</answer><answer>B</answer>", 0.0),
+    ("answer", "<answer>B</answer></answer>", 0.0), ("answer", "<answer>B", 0.0), ("answer", "so <answer>B</answer>", 0.0),
+    ("answer", "<answer>" + "x" * 6000 + "</answer>", 0.0),  # answers are short
+    ("think_answer", "<think>x</think>\n<answer>B</answer>", 1.0), ("think_answer", "<think>\n</think><answer>B</answer>", 1.0),
+    ("think_answer", "<answer>B</answer>", 0.0), ("think_answer", "<think>x</think>", 0.0),
+    ("think_answer", "<think><think>x</think></think><answer>B</answer>", 0.0),
+    ("think_answer", "<think>x</think><answer>B</answer> more", 0.0),
+    ("think_answer", "<think>x <answer>A</answer></think><answer>B</answer>", 0.0),
+    ("think_answer", "<think>x</think><answer>B</answer><answer>C</answer>", 0.0),
+])
+def test_format_reward(template, text, want):
+    assert format_reward(text, template) == want
+
+
+def test_compute_reward_weighting_and_components():
+    s = sample("multiple choice")
+    assert compute_reward("<answer>B</answer>", s) == (1.0, {"overall": 1.0, "accuracy": 1.0, "format": 1.0, "parse_fail": 0.0})
+    overall, c = compute_reward("The answer is B", s)  # right, badly formatted
+    assert overall == pytest.approx(0.9) and c == {"overall": overall, "accuracy": 1.0, "format": 0.0, "parse_fail": 0.0}
+    overall, c = compute_reward("<answer>A</answer>", s)  # wrong, well formatted
+    assert overall == pytest.approx(0.1) and c["accuracy"] == 0.0 and c["parse_fail"] == 0.0
+    overall, c = compute_reward("<answer>Z</answer>", s)  # unparseable
+    assert overall == pytest.approx(0.1) and c["parse_fail"] == 1.0
+    assert compute_reward("no idea", s)[0] == 0.0
+    assert compute_reward("<answer>B</answer>", s, w_acc=0.5, w_fmt=0.5)[0] == 1.0
+    assert compute_reward("The answer is B", s, w_acc=0.5, w_fmt=0.5)[0] == 0.5
+    assert compute_reward("<think>x</think><answer>B</answer>", s, format_template="think_answer")[1]["format"] == 1.0
+    assert compute_reward("<think>x</think><answer>B</answer>", s)[1]["format"] == 0.0
+    r = compute_reward('<answer>{"time": [4, 10]}</answer>', sample("temporal grounding"))[0]
+    assert r == pytest.approx(0.9 * 0.25 + 0.1)
+
+
+# ---------------------------------------------------------------------------------------------------
+BAD_GT = [
+    ("multiple choice", "E"), ("multiple choice", "dog"), ("multiple choice", ""),
+    ("numerical", "many"), ("numerical", "1/0"), ("counting", ""), ("regression", "abc"),
+    ("boolean", "maybe"), ("open-ended", ""), ("ocr", "  "), ("math", ""),
+    ("temporal grounding", '{"time": [5, 2]}'), ("temporal grounding", '{"time": [1]}'), ("temporal grounding", "2 to 6"),
+    ("temporal grounding", '{"time": [0, NaN]}'),
+    ("spatial grounding", '{"boxes": [1, 2, 3]}'), ("spatial grounding", "[0, 0, 1, 1]"), ("spatial grounding", "{}"),
+    ("spatial grounding", '{"boxes": [0, 0, 1e999, 1]}'),
+    ("spatial-temporal grounding", '{"time": [4, 0], "boxes": {"0": [0, 0, 1, 1]}}'),
+    ("spatial-temporal grounding", '{"time": [0, 4]}'), ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0": [0, 1]}}'),
+    ("tracking", '{"boxes": {}}'), ("tracking", '{"boxes": {"0": [1, 2, 3]}}'), ("tracking", '{"boxes": [0, 0, 1, 1]}'),
+    ("tracking", '{"boxes": {"0": [0, 0, 1' + "0" * 400 + ", 1]}}"),
+    ("dance", "x"),
+]
+
+
+@pytest.mark.parametrize("ptype, gt", BAD_GT)
+def test_validate_answer_rejects(ptype, gt):
+    s = {"id": "bad-42", "problem_type": ptype, "answer": gt}
+    if ptype == "multiple choice":
+        s["options"] = OPTIONS
+    with pytest.raises(ValueError, match="bad-42"):
+        validate_answer(s)
+
+
+@pytest.mark.parametrize("ptype", TYPES + ["multiple_choice", "free-form", "video qa", "MULTIPLE CHOICE "])
+def test_validate_answer_accepts(ptype):
+    validate_answer(sample(ptype))
+    validate_answer(sample(ptype, answer=f"<answer>{GT[canonical_type(ptype)]}</answer>"))
+
+
+def test_validate_answer_more_good_ones():
+    for ptype, gt in [("multiple choice", "(B)"), ("multiple choice", "B. a dog is running"), ("numerical", "1/2"),
+                      ("boolean", "No"), ("code", ""), ("tracking", '{"boxes": {"0": [0, 0, 1, 1]}}')]:
+        validate_answer(sample(ptype, answer=gt))
+    validate_answer({"id": "x", "problem_type": "multiple choice", "answer": "F"})  # no options: any letter
+
+
+# ---------------------------------------------------------------------------------------------------
+# property: arbitrary strings never raise and always score in [0, 1], for every problem type
+TOKENS = list("<>/answerthik{}[]()\\boxed0123456789.,:-\"% \n") + ["<answer>", "</answer>", "<think>", "</think>", "NaN",
+                                                                  '{"time": [', '{"boxes": {"0": [', "\\boxed{", "answer is "]
+TAGGY = st.lists(st.sampled_from(TOKENS), max_size=60).map("".join)  # strings the parsers have to look at twice
+
+
+def check(text, ptype):
+    overall, c = compute_reward(text, sample(ptype))
+    assert 0.0 <= overall <= 1.0 and 0.0 <= c["accuracy"] <= 1.0
+    assert c["format"] in (0.0, 1.0) and c["parse_fail"] in (0.0, 1.0)
+    assert overall == pytest.approx(0.9 * c["accuracy"] + 0.1 * c["format"])
+
+
+PROP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("ptype", TYPES)
+@PROP
+@given(text=st.text())
+def test_property_arbitrary_text(ptype, text):
+    check(text, ptype)
+
+
+@pytest.mark.parametrize("ptype", TYPES)
+@PROP
+@given(text=st.text() | TAGGY)
+def test_property_wrapped_in_answer_tags(ptype, text):
+    check(f"<answer>{text}</answer>", ptype)
+    if "<" not in text:  # no tags inside: the content comes back as it is, stripped
+        assert extract_answer(f"<answer>{text}</answer>") == (text.strip() or None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# bounded time: 200 KB of pathological input takes < 1 s per call for every type
+PATHOLOGICAL = {
+    "answer tags": "<answer>" * 20000, "braces": "{" * 100000 + "}" * 100000, "open braces": "{" * 200000,
+    "phrase": "answer is " * 20000, "think tags": "<think>" * 20000 + "</think>" * 5000,
+    "boxed": "\\boxed{" * 20000, "in tags, brackets": "<answer>" + "[" * 200000 + "</answer>",
+    "in tags, braces": "<answer>" + "{" * 100000 + "</answer>", "in tags, parens": "<answer>" + "(" * 200000 + "</answer>",
+    "in tags, words": "<answer>" + "a b " * 50000 + "</answer>", "in tags, digits": "<answer>" + "1/" * 100000 + "</answer>",
+    "in tags, commas": "<answer>1" + ",0" * 100000 + "</answer>",
+    # within MAX_LEN, so that the answer reaches the parsers (math-verify takes seconds on these)
+    "short parens": "<answer>" + "(" * 300 + "</answer>", "short braces": "<answer>" + "{" * 300 + "</answer>",
+    "phrase in tags": "<answer>" + "answer is " * 50 + "</answer>", "15k braces": "<answer>" + "{" * 15000 + "</answer>",
+    "15k brackets": "<answer>" + "[" * 15000 + "</answer>", "15k words": "<answer>" + "a " * 7000 + "</answer>",
+}
+
+
+@pytest.fixture(scope="module")
+def warm():
+    compute_reward("<answer>1</answer>", sample("math"))  # import math-verify and sympy once, outside the timing
+
+
+@pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
+def test_bounded_time(warm, name):
+    text = PATHOLOGICAL[name]
+    for ptype in TYPES:
+        t0 = time.perf_counter()
+        overall, _ = compute_reward(text, sample(ptype), format_template="think_answer")
+        format_reward(text)
+        dt = time.perf_counter() - t0
+        assert dt < 1.0, f"{ptype} on {name}: {dt:.2f} s"
+        assert 0.0 <= overall <= 1.0 and math.isfinite(overall)
