@@ -7,19 +7,31 @@
 Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in
 the same process (rollout.py) and gets the new weights after every optimizer step.
 
-One step:
-  sample     prompts_per_step prompts (global), group_size completions each
-  offline    a sample's `offline_output` replaces the last rollout of its group (mixed offline-online)
-  reward     rewards.compute_reward -> (overall, components), logged per problem type
-  advantage  group-normalized: (r - mean_group) / (std_group + eps)
-  loss       PPO-clip on trainer log-probs (recomputed at the sampling temperature), token-mean over
-             the whole global batch (micro-batch and rank splits do not change it), optional k3 KL
+One step (section banners in main):
+  sample     prompts_per_step prompts (global), group_size completions each; a sample's `offline_output`
+             replaces the last rollout of its group; DAPO dynamic sampling drops all-equal groups and
+             generates more rounds (sample_batch)
+  reward     rewards.compute_reward -> (overall, components) + DAPO soft overlong penalty (score)
+  log-probs  old (trainer, before the update) and reference log-probs, no grad, once per batch;
+             optional KL-in-reward: r -= kl_coef * sum_t KL(old || ref)
+  advantage  `advantages(..., estimator=)` on the GLOBAL batch (whitening estimators need every rank)
+  loss       `policy_loss(..., loss_type=)` x optional truncated IS weight, `agg_loss(..., mode=)` with
+             global token/sequence counts (micro-batch and rank splits do not change it), - entropy
+             bonus, + KL loss; ppo_epochs x mini_batches optimizer steps per rollout batch
   step       AdamW, grad clipping, warmup + cosine schedule
   sync       weights -> vLLM, caches reset
-Deviations from the GRPO paper, on purpose: a single update per batch by default, so old_logp is the
-detached trainer logp (ratio = 1, the loss is the plain policy gradient) and clipping only matters with
-ppo_epochs > 1; the offline trajectory is treated as on-policy (ratio 1 against the current policy: the
-behaviour policy's probabilities are unknown).
+
+The math follows verl 0.9.1 (../shared/reference/algorithms.md). Deviations, on purpose:
+1. Outcome rewards only, gamma = 1: REINFORCE++ returns equal the sequence reward at every token, so its
+   token-weighted batch whitening is computed from per-sequence values weighted by length (same value).
+2. seq-mean-token-sum-norm divides by max_response_len (verl: the padded length of the micro-batch,
+   which would make the loss depend on the split).
+3. With ppo_epochs = mini_batches = 1 and no KL-in-reward, old_logp is the detached trainer logp
+   (ratio = 1: the plain policy gradient), saving a forward pass.
+4. The offline trajectory is treated as on-policy (its behaviour probabilities are unknown): ratio 1,
+   IS weight 1.
+5. Dynamic sampling never fails a step: after max_gen_rounds the batch is filled up with dropped
+   (all-equal) groups, counted in dyn/refilled. The TIS mask mode drops weights above the cap only.
 """
 import json
 import math
@@ -104,17 +116,47 @@ class Config:
     """weight of the format reward"""
     format_template: str = "answer"
     """format reward template: answer (<answer>..</answer>) | think_answer"""
-    # --- algorithm
+    # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
+    adv_estimator: str = "grpo"
+    """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
     adv_eps: float = 1e-6
     """epsilon in (r - mean) / (std + eps)"""
+    loss_type: str = "ppo"
+    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight x logp)"""
     clip_low: float = 0.2
-    """PPO clip: ratio >= 1 - clip_low"""
+    """clip: ratio >= 1 - clip_low"""
     clip_high: float = 0.2
-    """PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
+    """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
+    clip_ratio_c: float = 3.0
+    """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A| (0 = off)"""
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)"""
     kl_coef: float = 0.0
-    """k3 KL-to-reference loss coefficient (0 = no reference model is loaded)"""
+    """KL-to-reference coefficient (0 = no reference model is loaded)"""
+    kl_type: str = "k3"
+    """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
+    kl_in_reward: bool = False
+    """subtract kl_coef * sum_t KL(old || ref) from the reward instead of adding a KL loss term"""
+    entropy_coef: float = 0.0
+    """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
+    tis: str = ""
+    """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
+    tis_cap: float = 2.0
+    """upper bound of that importance weight"""
+    tis_mode: str = "truncate"
+    """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, generate more prompts until the batch is full"""
+    max_gen_rounds: int = 4
+    """dynamic sampling: generation rounds per step at most (then dropped groups fill the batch, logged)"""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: linear from 0 to -overlong_factor over the last N tokens (0 = off)"""
+    overlong_factor: float = 1.0
+    """size of the overlong penalty at max_response_len"""
     ppo_epochs: int = 1
-    """passes over each rollout batch (>1 makes the ratio and clipping matter)"""
+    """passes over each rollout batch"""
+    mini_batches: int = 1
+    """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
     micro_batch_size: int = 16
     """sequences per forward/backward on each rank"""
     # --- optimizer
@@ -164,7 +206,8 @@ def init_dist():
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():  # main() may run again in the same process (tests)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
 
@@ -176,29 +219,110 @@ def print0(*a):
 # ---------------------------------------------------------------------------------------------------
 # The algorithm: small pure tensor functions. B = sequences, R = response tokens.
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: (r - mean_group) / (std_group + eps), unbiased std; a group of 1 gets 0."""
-    r = rewards.view(-1, group_size)                                   # (G, n)
-    std = r.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(r)
-    return ((r - r.mean(-1, keepdim=True)) / (std + eps)).view(-1)     # (B,)
+def whiten(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """verl's masked_whiten of per-sequence values broadcast over their tokens: (x - mean) / sqrt(var + 1e-8)
+    with token-weighted mean and unbiased variance. x, lengths: (B,) -> (B,)."""
+    w = lengths.float()
+    n = w.sum()
+    mean = (w * x).sum() / n
+    var = (w * (x - mean) ** 2).sum() / n * n / (n - 1)
+    return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
-def policy_loss(logp, old_logp, adv, clip_low=0.2, clip_high=0.2):
-    """PPO-clip per token. logp, old_logp: (B, R); adv: (B,). Returns loss (B, R), clipped (B, R)."""
-    ratio = torch.exp(logp - old_logp)                                 # (B, R)
+def advantages(reward, group_size: int, estimator: str = "grpo", lengths=None, baseline=None, components=None,
+               eps: float = 1e-6) -> torch.Tensor:
+    """Per-sequence advantage (B,) from rewards (B,) in groups of group_size consecutive rows.
+    lengths (B,): response tokens (whitening); baseline (B,): greedy reward (remax); components: list of (B,)
+    reward components (gdpo). A group of 1 has mean 0 and std 1, as in verl."""
+    r = reward.view(-1, group_size)                                    # (G, n)
+    single = group_size == 1
+    mean = torch.zeros_like(r) if single else r.mean(-1, keepdim=True)  # (G, 1)
+    if estimator == "grpo":
+        std = torch.ones_like(r) if single else r.std(-1, keepdim=True)
+        return ((r - mean) / (std + eps)).view(-1)
+    if estimator == "drgrpo":
+        return (r - mean).view(-1)
+    if estimator == "rloo":  # r_i - mean of the others = n / (n - 1) * (r_i - mean); a group of 1: r_i
+        return reward.clone() if single else ((r - mean) * group_size / (group_size - 1)).view(-1)
+    if estimator == "reinforce++":
+        return whiten(reward, lengths)
+    if estimator == "reinforce++-baseline":
+        return whiten((r - mean).view(-1), lengths)
+    if estimator == "remax":
+        return reward - baseline
+    if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), then batch-whitened
+        return whiten(sum(advantages(c, group_size, "grpo", eps=eps) for c in components), lengths)
+    raise ValueError(f"adv_estimator: unknown {estimator!r}")
+
+
+def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
+    """Per-token policy loss (B, R) and a clipped indicator (B, R). logp, old_logp, mask: (B, R); adv: (B,).
+
+    ppo:   max(-A r, -A clip(r)), and for A < 0 at most -A c (dual-clip); r = exp(logp - old_logp).
+    gspo:  the same clip on s_i = exp(mean_t(logp - old_logp)); sg[log s_i] + logp - sg[logp] keeps the
+           value s_i per token while the gradient is s_i * grad(logp) (sequence level). No dual-clip.
+    cispo: -sg[clip(r)] A logp: every token keeps a gradient, the IS weight carries none."""
     a = adv.unsqueeze(-1)                                              # (B, 1)
-    loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(loss1, loss2), (loss2 > loss1).float()
+    log_ratio = logp - old_logp                                        # (B, R)
+    if loss_type == "gspo":
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
+        log_ratio = (seq.detach() + logp - logp.detach()).clamp(max=10.0)
+    ratio = torch.exp(log_ratio if loss_type == "gspo" else log_ratio.clamp(-20, 20))
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
+    if loss_type == "cispo":
+        return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
+    if loss_type not in ("ppo", "gspo"):
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
+    loss1, loss2 = -a * ratio, -a * clipped_ratio
+    loss = torch.maximum(loss1, loss2)
+    if loss_type == "ppo" and clip_ratio_c:
+        loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
+    return loss, (loss2 > loss1).float()
 
 
-def kl_k3(logp, ref_logp):
-    """k3 estimator of KL(pi || ref) per token, clamped as verl does: exp(ref - logp) - (ref - logp) - 1."""
-    d = (ref_logp - logp).clamp(-20, 20)
-    return (torch.exp(d) - d - 1).clamp(-10, 10)
+def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq are the
+    valid tokens / sequences of the whole mini-batch over all ranks, so the shares sum to the exact loss."""
+    if mode == "token-mean":
+        return (x * mask).sum() / n_tok
+    seq = (x * mask).sum(-1)                                           # (b,)
+    if mode == "seq-mean-token-mean":
+        seq = seq / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq = seq / max_len
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_agg: unknown {mode!r}")
+    return seq.sum() / n_seq
 
 
-def masked_sum(x, mask):
-    return (x * mask).sum()
+def kl_penalty(logp, ref_logp, kind: str = "k3"):
+    """Per-token estimate of KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
+    d = logp - ref_logp                                                # (B, R)
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        x = (-d).clamp(-20, 20)
+        return (torch.exp(x) - x - 1).clamp(-10, 10)
+    raise ValueError(f"kl_type: unknown {kind!r}")
+
+
+def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
+    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient. Rows without rollout log-probs
+    (NaN: offline trajectories) get 1. sequence: one weight per row from the summed log-ratio."""
+    log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    w = torch.exp(log_ratio.clamp(-20, 20)).detach() * mask
+    return w.clamp(max=cap) if mode == "truncate" else w * (w <= cap)
+
+
+def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
+    """DAPO soft overlong punishment: 0 up to max_len - buffer tokens, then linear down to -1 at max_len."""
+    return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
 def token_logp(model, batch: dict, temperature: float, banned: list[int]):
@@ -211,9 +335,9 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int]):
                 mm_token_type_ids=batch["mm_token_type_ids"], logits_to_keep=R + 1, **batch["mm"])
     logits = out.logits[:, :-1].float() / temperature                 # (B, R, V)
     logits[..., banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
-    logp_all = torch.log_softmax(logits, -1)                           # (B, R, V)
-    logp = logp_all.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    lse = torch.logsumexp(logits, -1)                                  # (B, R)
+    logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)       # stable form, as verl
     return logp, entropy
 
 
@@ -225,15 +349,19 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device) -> dict:
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     mask = torch.zeros((B, R))
+    rollout_logp = torch.full((B, R), float("nan"))  # NaN: no sampler log-probs (offline trajectory)
     for i, r in enumerate(rollouts):
         p, y = r.prompt.prompt_ids, r.response_ids
         input_ids[i, P - len(p):P], input_ids[i, P:P + len(y)] = torch.tensor(p), torch.tensor(y, dtype=torch.long)
         attn[i, P - len(p):P + len(y)] = 1
         mask[i, :len(y)] = 1
+        if r.logp:
+            rollout_logp[i, :len(y)] = torch.tensor(r.logp)
     keys = sorted({k for r in rollouts for k in r.prompt.mm})
     mm = {k: torch.cat([r.prompt.mm[k] for r in rollouts if k in r.prompt.mm]).to(device) for k in keys}
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), mask=mask.to(device), mm=mm,
+                rollout_logp=rollout_logp.to(device),
                 response_ids=input_ids[:, P:], mm_token_type_ids=mm_token_types(input_ids, tokenizer))
 
 
@@ -243,6 +371,116 @@ def offline_rollout(prompt: data.Prompt, tokenizer, eos_id: int, max_len: int) -
     text = prompt.sample["offline_output"]
     ids = (tokenizer.encode(text, add_special_tokens=False) + [eos_id])[:max_len]
     return Rollout(prompt, ids, None, text, "offline")
+
+
+def score(r: Rollout, cfg: Config) -> tuple[float, dict]:
+    """rewards.compute_reward plus DAPO's soft overlong penalty (its own component, so GDPO sees it)."""
+    overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.format_template)
+    if cfg.overlong_buffer:
+        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
+                                                                  cfg.overlong_buffer)
+        overall = comp["overall"] = overall + comp["overlong"]
+    return overall, comp
+
+
+def sample_round(engine, samples: list, prep, cfg: Config, rank: int, world: int, tok, eos_id: int) -> list:
+    """One generation round for this rank's share of `samples`: [(rollouts, scores, greedy_reward)] per group.
+    ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline."""
+    share, start, k = tp_share(samples, rank, world, cfg.rollout_tp)
+    prompts, n = [prep(s) for s in share], cfg.group_size
+    rollouts = engine.generate(prompts, n, cfg.temperature, cfg.max_response_len)[start * n:(start + k) * n]
+    greedy = engine.generate(prompts, 1, 0.0, cfg.max_response_len)[start:start + k] \
+        if cfg.adv_estimator == "remax" else [None] * k
+    groups = []
+    for i in range(k):
+        g = rollouts[i * n:(i + 1) * n]
+        if cfg.mix_offline and g[0].prompt.sample.get("offline_output"):
+            g[-1] = offline_rollout(g[0].prompt, tok, eos_id, cfg.max_response_len)
+        groups.append((g, [score(r, cfg) for r in g], score(greedy[i], cfg)[0] if greedy[i] else 0.0))
+    return groups
+
+
+def sample_batch(engine, next_samples, prep, cfg: Config, rank: int, world: int, tok, eos_id: int):
+    """This rank's prompts_per_step / world groups. With DAPO dynamic sampling, groups whose rewards are all
+    equal are dropped and more rounds are generated until every rank is full or max_gen_rounds is reached;
+    then dropped groups fill the batch (counted). Returns groups and {rounds, dropped, refilled}."""
+    need, kept, dropped, rounds = cfg.prompts_per_step // world, [], [], 0
+    while True:
+        rounds += 1
+        for grp in sample_round(engine, next_samples(), prep, cfg, rank, world, tok, eos_id):
+            rs = [s[0] for s in grp[1]]
+            (kept if not cfg.dynamic_sampling or len(rs) == 1 or max(rs) > min(rs) else dropped).append(grp)
+        short = torch.tensor(float(len(kept) < need))
+        if dist.is_initialized():
+            dist.all_reduce(short)  # all ranks take the same number of rounds (TP groups generate together)
+        if not short or rounds >= cfg.max_gen_rounds:
+            break
+    refilled = max(0, need - len(kept))
+    return (kept + dropped[:refilled])[:need], {"rounds": rounds, "dropped": len(dropped), "refilled": refilled}
+
+
+def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[list[int]]]:
+    """Row indices of each micro-batch of each mini-batch: contiguous, mini-batch sizes differ by at most 1."""
+    bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
+    return [[list(range(i, min(i + micro_batch_size, hi))) for i in range(lo, hi, micro_batch_size)]
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
+def global_counts(batches: list[dict]) -> tuple[float, float]:
+    """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
+    c = torch.tensor([sum(b["mask"].sum().item() for b in batches),
+                      sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(c)
+    return c[0].item(), c[1].item()
+
+
+def micro_loss(model, b: dict, adv, old_logp, ref_logp, cfg: Config, banned: list[int], n_tok: float, n_seq: float):
+    """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
+    the mini-batch loss) and its metric sums. old_logp None: on-policy, old = sg[logp] (ratio 1)."""
+    logp, ent = token_logp(model, b, cfg.temperature, banned)           # (b, R)
+    mask, old = b["mask"], logp.detach() if old_logp is None else old_logp
+    agg = lambda x: agg_loss(x, mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)  # noqa: E731
+    pg, clipped = policy_loss(logp, old, adv, mask, cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c)
+    has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs on the same tokens
+    d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
+    m = {"clipfrac": (clipped * mask).sum().item(), "entropy": (ent.detach() * mask).sum().item(),
+         "mismatch_sum": d.sum().item(), "mismatch_n": has.sum().item(), "mismatch_max": d.max().item()}
+    if cfg.tis:
+        w = is_weight(old, b["rollout_logp"], mask, cfg.tis, cfg.tis_cap, cfg.tis_mode)
+        raw = is_weight(old, b["rollout_logp"], mask, cfg.tis, float("inf"))
+        m.update(tis_weight=w.sum().item(), tis_clipped=((w != raw) & has).sum().item())
+        pg = pg * w
+    loss = agg(pg)
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * agg(ent)
+    if ref_logp is not None and not cfg.kl_in_reward:
+        kl = kl_penalty(logp, ref_logp, cfg.kl_type)
+        loss = loss + cfg.kl_coef * agg(kl)
+        m["kl"] = (kl.detach() * mask).sum().item()
+    m["loss"] = loss.item()
+    return loss, m
+
+
+def batch_advantages(reward, scored: list, baseline: list, lengths: list, cfg: Config):
+    """Advantages of this rank's rows, computed on the global batch (whitening needs every rank's rewards;
+    groups never span ranks). Component keys for GDPO: accuracy, format (+ overlong)."""
+    keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
+    x = torch.stack([reward, torch.tensor(baseline), torch.tensor(lengths, dtype=torch.float32)]
+                    + [torch.tensor([s[1][k] for s in scored], dtype=torch.float32) for k in keys])   # (C, B)
+    parts = gather(x)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    full, start = torch.cat(parts, 1), sum(p.shape[1] for p in parts[:rank])                            # (C, B_all)
+    adv = advantages(full[0], cfg.group_size, cfg.adv_estimator, lengths=full[2], baseline=full[1],
+                     components=list(full[3:]), eps=cfg.adv_eps)
+    return adv[start:start + x.shape[1]]
+
+
+def epochs(n: int, seed: int):
+    """Sample indices forever, a fresh permutation per epoch (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield from torch.randperm(n, generator=g).tolist()
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -338,6 +576,8 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     assert cfg.prompts_per_step % world == 0, "prompts_per_step must be divisible by the world size"
     assert world % cfg.rollout_tp == 0, "world size must be divisible by rollout_tp"
+    if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
+        raise ValueError("kl_in_reward: gdpo normalizes the reward components, which carry no KL; use kl_coef as a loss")
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -370,82 +610,57 @@ def main(cfg: Config):
     acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank, world) if val_prompts else float("nan")
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
-    order, cursor = [], 0
-    g = torch.Generator().manual_seed(cfg.seed)
+    stream = epochs(len(train_samples), cfg.seed)  # the same order on every rank
+    next_samples = lambda: [train_samples[next(stream)] for _ in range(cfg.prompts_per_step)]  # noqa: E731
+    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     for step in range(1, cfg.max_steps + 1):
         t0 = time.time()
-        # ------------------------------------------------------------------ sample
-        batch = []
-        while len(batch) < cfg.prompts_per_step:
-            if cursor == len(order):  # new epoch: the same permutation on every rank (same generator)
-                order, cursor = torch.randperm(len(train_samples), generator=g).tolist(), 0
-            batch.append(train_samples[order[cursor]])
-            cursor += 1
         before = dict(stats)
-        share, start, k = tp_share(batch, rank, world, cfg.rollout_tp)
-        prompts = [prep(s) for s in share]
-        t_data = time.time() - t0
-        rollouts = engine.generate(prompts, cfg.group_size, cfg.temperature, cfg.max_response_len)
-        rollouts = rollouts[start * cfg.group_size:(start + k) * cfg.group_size]  # this rank's groups
+        # ------------------------------------------------------------------ sample (+ DAPO dynamic sampling)
+        groups, dyn = sample_batch(engine, next_samples, prep, cfg, rank, world, tok, eos_ids[0])
         engine.sleep()
-        t_gen = time.time() - t0 - t_data
-        # ------------------------------------------------------------------ offline swap
-        if cfg.mix_offline:
-            for i in range(k):
-                p = rollouts[i * cfg.group_size].prompt
-                if p.sample.get("offline_output"):
-                    rollouts[(i + 1) * cfg.group_size - 1] = offline_rollout(p, tok, eos_ids[0], cfg.max_response_len)
+        t_gen = time.time() - t0
         # ------------------------------------------------------------------ reward
-        scored = [rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.format_template)
-                  for r in rollouts]
+        rollouts = [r for g in groups for r in g[0]]
+        scored = [s for g in groups for s in g[1]]
+        baseline = [g[2] for g in groups for _ in g[0]]
         reward = torch.tensor([s[0] for s in scored], dtype=torch.float32)
-        # ------------------------------------------------------------------ advantage
-        adv = group_advantages(reward, cfg.group_size, cfg.adv_eps).to(device)  # groups never span ranks
-        # ------------------------------------------------------------------ log-probs and loss
+        # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
-        n_tok = torch.tensor(float(sum(len(r.response_ids) for r in rollouts)), device=device)
-        if dist.is_initialized():
-            dist.all_reduce(n_tok)  # token-mean over the global batch: each rank divides by the global count
-        mbs = [list(range(i, min(i + cfg.micro_batch_size, len(rollouts)))) for i in range(0, len(rollouts), cfg.micro_batch_size)]
-        batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, tok, device) for mb in mbs]
-        old_logps, ref_logps = [], []
-        if cfg.ppo_epochs > 1 or ref is not None:
-            with torch.no_grad():
-                for b in batches:
-                    old_logps.append(token_logp(model, b, cfg.temperature, banned)[0] if cfg.ppo_epochs > 1 else None)
-                    ref_logps.append(token_logp(ref, b, cfg.temperature, banned)[0] if ref is not None else None)
-        m = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0, "mismatch_n": 0.0}
+        plan = split_batch(len(rollouts), cfg.mini_batches, cfg.micro_batch_size)
+        batches = [[collate([rollouts[j] for j in mb], tok.pad_token_id, tok, device) for mb in mini] for mini in plan]
+        with torch.no_grad():
+            old_logps = [[token_logp(model, b, cfg.temperature, banned)[0] if need_old else None for b in mini]
+                         for mini in batches]
+            ref_logps = [[token_logp(ref, b, cfg.temperature, banned)[0] if ref else None for b in mini]
+                         for mini in batches]
+        kl_reward = torch.zeros_like(reward)
+        if cfg.kl_in_reward and ref is not None:  # verl apply_kl_penalty: on old (rollout-time) log-probs
+            kl_reward = torch.cat([(kl_penalty(o, r, cfg.kl_type) * b["mask"]).sum(-1).cpu() for mo, mr, mb in
+                                   zip(old_logps, ref_logps, batches) for o, r, b in zip(mo, mr, mb)])
+            reward = reward - cfg.kl_coef * kl_reward
+        # ------------------------------------------------------------------ advantage
+        lengths = [len(r.response_ids) for r in rollouts]
+        adv = batch_advantages(reward, scored, baseline, lengths, cfg).to(device)
+        # ------------------------------------------------------------------ loss and step
         for group_param in opt.param_groups:
             group_param["lr"] = lr_at(step - 1, cfg)
+        m = {"kl": kl_reward.sum().item()}
         for epoch in range(cfg.ppo_epochs):
-            for i, (mb, b) in enumerate(zip(mbs, batches)):
-                logp, ent = token_logp(model, b, cfg.temperature, banned)
-                old = old_logps[i] if old_logps and old_logps[i] is not None else logp.detach()
-                pl, clipped = policy_loss(logp, old, adv[mb], cfg.clip_low, cfg.clip_high)
-                loss_tok = pl
-                if ref is not None:
-                    kl = kl_k3(logp, ref_logps[i])
-                    loss_tok = loss_tok + cfg.kl_coef * kl
-                    m["kl"] += masked_sum(kl.detach(), b["mask"]).item()
-                # FSDP averages gradients over ranks: scale by world so the result is sum / global tokens
-                loss = masked_sum(loss_tok, b["mask"]) / n_tok * world
-                loss.backward()
-                if epoch == 0:
-                    m["loss"] += loss.item() / world
-                    m["clipfrac"] += masked_sum(clipped, b["mask"]).item()
-                    m["entropy"] += masked_sum(ent.detach(), b["mask"]).item()
-                    for row, j in enumerate(mb):  # health: sampler vs trainer log-probs on the same tokens
-                        lp = rollouts[j].logp
-                        if lp:
-                            d = (logp[row, :len(lp)].detach().cpu() - torch.tensor(lp)).abs()
-                            m["mismatch_sum"] += d.sum().item()
-                            m["mismatch_n"] += len(lp)
-                            m["mismatch_max"] = max(m["mismatch_max"], d.max().item())
-            # ---------------------------------------------------------------- step
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            for mini, bs, olds, refs in zip(plan, batches, old_logps, ref_logps):
+                n_tok_mb, n_seq_mb = global_counts(bs)
+                for mb, b, old, ref_lp in zip(mini, bs, olds, refs):
+                    loss, mm = micro_loss(model, b, adv[mb], old, ref_lp, cfg, banned, n_tok_mb, n_seq_mb)
+                    (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
+                    for k2, v in mm.items() if epoch == 0 else ():
+                        m[k2] = max(m.get(k2, 0.0), v) if k2 == "mismatch_max" else m.get(k2, 0.0) + v
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        m["loss"] /= len(plan)
+        m.update({f"dyn_{k2}": v for k2, v in dyn.items()})
+        n_tok = sum(gather(float(sum(lengths))))
         t_train = time.time() - t1
         # ------------------------------------------------------------------ sync
         t2 = time.time()
@@ -453,15 +668,15 @@ def main(cfg: Config):
         t_sync = time.time() - t2
         # ------------------------------------------------------------------ log
         local = {
-            "reward": reward.tolist(), "types": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts],
-            "comp": [s[1] for s in scored], "len": [len(r.response_ids) for r in rollouts],
+            "reward": [s[0] for s in scored], "baseline": baseline, "types": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts],
+            "comp": [s[1] for s in scored], "len": lengths,
             "offline": [r.finish == "offline" for r in rollouts], "adv": adv.tolist(), "truncated": [r.finish == "length" for r in rollouts],
             "m": m, "stats": {k2: stats[k2] - before[k2] for k2 in stats},
         }
         parts = gather(local)
         if rank == 0:
-            row = step_metrics(parts, step, cfg, float(gnorm), lr_at(step - 1, cfg), n_tok.item(),
-                               dict(data=t_data, gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0))
+            row = step_metrics(parts, step, cfg, float(gnorm), lr_at(step - 1, cfg), n_tok,
+                               dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0))
             row["data/skipped"] = len(skipped)
         # ------------------------------------------------------------------ eval / save
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps and val_prompts:
@@ -510,12 +725,18 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
            "mismatch/mean": msum("mismatch_sum") / max(1.0, msum("mismatch_n")),
            "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
            "len/mean": mean(cat("len")), "len/truncated": mean(cat("truncated")), "tokens/s": n_tok / times["step"]}
-    for key in ("accuracy", "format", "parse_fail"):
+    for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
             row[f"reward/{key}/{t}"] = mean([c[key] for c, ty in zip(comp, types) if ty == t])
     g = [rew[i:i + cfg.group_size] for i in range(0, len(rew), cfg.group_size)]
     row["zero_std_groups"] = mean([float(max(x) == min(x)) for x in g])
+    row.update({"dyn/rounds": parts[0]["m"]["dyn_rounds"], "dyn/dropped": msum("dyn_dropped"),
+                "dyn/refilled": msum("dyn_refilled")})
+    if cfg.tis:
+        row.update({"tis/weight": msum("tis_weight") / n_tok, "tis/clipped": msum("tis_clipped") / n_tok})
+    if cfg.adv_estimator == "remax":
+        row["reward/greedy"] = mean(cat("baseline"))
     if any(off):
         row["offline/share"] = mean(off)
         row["offline/reward"] = mean([r for r, o in zip(rew, off) if o])
