@@ -1,19 +1,20 @@
 """cache.py: decode every video once, ever. Frames are sampled and resized exactly as Qwen's reference
-preprocessing (qwen-vl-utils: smart_nframes, linspace indices, smart_resize, bicubic+antialias on uint8)
-and stored as uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
+(qwen-vl-utils: smart_nframes, linspace indices, smart_resize, bicubic+antialias on uint8) and stored as
+uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
 
     python cache.py --data train.jsonl --data val.jsonl --out .cache/frames --workers 2 \
         --fps 2 --max-frames 32 --min-pixels 3136 --max-pixels 100352 --factor 28
 
-Training, rollout and evaluation call `load_video(path, ...)` with the same settings. mode:
-    prefer_cache   read the entry if it is there, else decode and write it (the next access hits)
-    cache_only     a missing entry is an error naming the video and the key
-    decode_only    never touch the cache (the baseline of bench/cache.py)
-The key hashes everything that changes the frames: the video's absolute path, size and mtime (an
-edited file is a miss, never served stale), every frame setting, the patch factor and FORMAT. Writes
-go to a temp file then os.replace, so a killed process or two writers never leave a torn entry; a
-truncated or corrupt entry fails its crc32 or safetensors' own checks, is reported and rebuilt.
+shows a progress bar, then `videos | cache_hit | decode | failed | bytes | seconds`; a video that fails is
+listed with its error in OUT/failed.jsonl and the run goes on. train.py, rollout and evaluation call
+`load_video(path, ...)` with the same settings and a mode: prefer_cache (read the entry, else decode and
+write it), cache_only (a missing entry is an error; never decodes or writes) or decode_only (no cache).
+The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale)
+and every frame setting. Writes go to a temp file + os.replace (a killed process never leaves a torn
+entry); a per-key lock file makes concurrent loaders (ranks, workers) decode once: the others wait, then
+hit. A truncated or corrupt entry fails safetensors' checks or our crc32, is reported and rebuilt.
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FORMAT = "nvr1-frames-v1"
+FORMAT = "nvr1-frames-v2"  # bump when stored frames or metadata change: every older entry becomes a miss
+MODES = ("prefer_cache", "cache_only", "decode_only")
+SETTINGS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels", "factor")
 
 
 class VideoError(ValueError):
@@ -39,14 +42,15 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) 
 
 def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:
     """qwen-vl-utils: frame count by fps, clamped to [min, max], floored to the temporal patch (2);
-    indices evenly spaced over the whole video and rounded."""
+    indices evenly spaced over the whole video and rounded (float32 linspace, as the reference)."""
+    import torch
     from qwen_vl_utils.vision_process import smart_nframes
     n = smart_nframes({"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps)
-    return np.round(np.linspace(0, total_frames - 1, n)).astype(int).tolist()
+    return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 
-def frame_pixels(n: int, min_pixels: int, max_pixels: int, total_pixels: int | None, factor: int) -> int:
-    """Per-frame pixel cap, as qwen-vl-utils derives it from the total budget over n frames."""
+def frame_pixels(n: int, min_pixels: int, max_pixels: int, total_pixels: int, factor: int) -> int:
+    """Per-frame pixel cap, as qwen-vl-utils derives it from the total budget over n frames (0: its default)."""
     total = total_pixels or 128000 * factor * factor * 0.9
     return min(max_pixels, max(min(768 * factor * factor, total / n * 2), int(min_pixels * 1.05)))
 
@@ -62,7 +66,7 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
-                 total_pixels: int | None, factor: int) -> tuple[np.ndarray, dict]:
+                 total_pixels: int, factor: int) -> tuple[np.ndarray, dict]:
     """Decode with decord, sample, resize. Raises VideoError naming the file."""
     import decord
     try:
@@ -83,10 +87,12 @@ def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pi
     return resize(frames, h, w), meta
 
 
-def cache_key(path: str, **settings) -> str:
+def entry_path(cache_dir: str, path: str, settings: dict) -> str:
+    """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
     st = os.stat(path)
     ident = dict(format=FORMAT, path=os.path.abspath(path), size=st.st_size, mtime_ns=st.st_mtime_ns, **settings)
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, key[:2], key + ".safetensors")
 
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
@@ -104,7 +110,6 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
-    os.makedirs(os.path.dirname(file), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
     try:
@@ -116,38 +121,45 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
 
 
 def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
-               max_pixels: int = 100352, total_pixels: int | None = None, factor: int = 28, cache_dir: str | None = None,
+               max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
                mode: str = "prefer_cache", stats: dict | None = None) -> tuple[np.ndarray, dict]:
-    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata; from the cache or decoded."""
-    if mode not in ("prefer_cache", "cache_only", "decode_only"):
-        raise ValueError(f"video_source/mode must be prefer_cache, cache_only or decode_only, got {mode!r}")
+    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata; from the cache or decoded.
+    stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
+    if mode not in MODES:
+        raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
     stats = stats if stats is not None else {}
+    add = lambda k, v=1: stats.__setitem__(k, stats.get(k, 0) + v)  # noqa: E731
     if not os.path.isfile(path):
         raise VideoError(f"{path}: video file not found")
     settings = dict(fps=fps, min_frames=min_frames, max_frames=max_frames, min_pixels=min_pixels,
-                    max_pixels=max_pixels, total_pixels=total_pixels or None, factor=factor)
-    file = None
-    if cache_dir and mode != "decode_only":
-        key = cache_key(path, **settings)
-        file = os.path.join(cache_dir, key[:2], key + ".safetensors")
+                    max_pixels=max_pixels, total_pixels=total_pixels or 0, factor=factor)  # None = 0: one key
+    if not cache_dir or mode == "decode_only":
+        t = time.time()
+        out = decode_video(path, **settings)
+        add("decode"), add("decode_s", time.time() - t)
+        return out
+    file = entry_path(cache_dir, path, settings)
+    if mode == "cache_only":  # never decodes, never writes: a read-only shared cache works
+        if not os.path.exists(file):
+            add("cache_miss")
+            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
+        add("cache_hit")
+        return read_entry(file)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    with open(file + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one decode per key: concurrent loaders wait here, then hit
         if os.path.exists(file):
             try:
                 out = read_entry(file)
-                stats["cache_hit"] = stats.get("cache_hit", 0) + 1
+                add("cache_hit")
                 return out
             except ValueError as e:
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
-                stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
-        stats["cache_miss"] = stats.get("cache_miss", 0) + 1
-        if mode == "cache_only":
-            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-    t = time.time()
-    frames, meta = decode_video(path, **settings)
-    stats["decode"] = stats.get("decode", 0) + 1
-    stats["decode_s"] = stats.get("decode_s", 0.0) + time.time() - t
-    if file:
-        write_entry(file, frames, meta)
-    return frames, meta
+                add("cache_corrupt")
+        add("cache_miss")
+        out = load_video(path, **settings, mode="decode_only", stats=stats)
+        write_entry(file, *out)
+        return out
 
 
 def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28) -> np.ndarray:
@@ -183,50 +195,51 @@ class Config:
     max_pixels: int = 100352
     """train.py's --video-max-pixels"""
     total_pixels: int = 0
-    """train.py's --video-total-pixels (0 = the reference default)"""
+    """train.py's --video-total-pixels (0 = the reference default, 128000 tokens)"""
     factor: int = 28
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
 
 
-def _one(args):
-    path, c = args
-    stats = {}
+def preprocess_one(path: str, c: Config) -> tuple[dict, int, str | None]:
+    """(stats, entry bytes, error): a failure of any kind is returned, to be reported, never raised."""
+    stats, settings = {}, {k: getattr(c, k) for k in SETTINGS}
     try:
-        load_video(path, fps=c.fps, min_frames=c.min_frames, max_frames=c.max_frames, min_pixels=c.min_pixels,
-                   max_pixels=c.max_pixels, total_pixels=c.total_pixels, factor=c.factor, cache_dir=c.out, stats=stats)
-        return path, stats, None
-    except (VideoError, OSError) as e:
-        return path, stats, str(e)
+        load_video(path, **settings, cache_dir=c.out, stats=stats)
+        return stats, os.path.getsize(entry_path(c.out, path, settings)), None
+    except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
+        return stats, 0, str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"
 
 
 def preprocess(c: Config) -> dict:
-    """Decode each distinct video of the data files once into the cache; failures go to a report."""
-    from concurrent.futures import ProcessPoolExecutor
+    """Decode each distinct video of the data files once into the cache; failures go to OUT/failed.jsonl."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
     from tqdm import tqdm
-    videos = []
-    for f in c.data:
-        root = os.path.dirname(os.path.abspath(f))
-        with open(f) as fh:
-            rows = json.load(fh) if f.endswith(".json") else [json.loads(l) for l in fh if l.strip()]
-        videos += [p if os.path.isabs(p) else os.path.join(root, p) for r in rows for p in r.get("videos", [])]
-    videos = list(dict.fromkeys(videos))  # duplicates across samples are decoded once
-    t, total, failed = time.time(), {"videos": len(videos), "cache_hit": 0, "decode": 0, "failed": 0}, []
+
+    from data import load_samples  # resolves relative paths; a bad row is an error naming file:line
+    videos = list(dict.fromkeys(os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])))
+    t, total, failed = time.time(), dict(videos=len(videos), cache_hit=0, decode=0, failed=0, bytes=0), []
     with ProcessPoolExecutor(c.workers) as ex:
-        for path, stats, err in tqdm(ex.map(_one, [(v, c) for v in videos]), total=len(videos), desc="videos"):
+        jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
+        for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):
+            stats, nbytes, err = job.result()
             total["cache_hit"] += stats.get("cache_hit", 0)
             total["decode"] += stats.get("decode", 0)
+            total["bytes"] += nbytes
             if err:
-                failed.append({"video": path, "error": err})
+                failed.append({"video": jobs[job], "error": err})
     total["failed"] = len(failed)
     os.makedirs(c.out, exist_ok=True)
-    with open(os.path.join(c.out, "failed.jsonl"), "w") as fh:
-        fh.writelines(json.dumps(x) + "\n" for x in failed)
-    total["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(c.out) for f in fs if f.endswith(".safetensors"))
+    with open(os.path.join(c.out, "failed.jsonl"), "w") as fh:  # rewritten each run: it lists this run's failures
+        fh.writelines(json.dumps(x) + "\n" for x in sorted(failed, key=lambda x: x["video"]))
     total["seconds"] = round(time.time() - t, 2)
     return total
 
 
 if __name__ == "__main__":
     import tyro
-    summary = preprocess(tyro.cli(Config))
+    cfg = tyro.cli(Config, config=(tyro.conf.UseAppendAction,))  # --data a.jsonl --data b.jsonl
+    summary = preprocess(cfg)
     print(" | ".join(f"{k} {v}" for k, v in summary.items()))
+    if summary["failed"]:
+        print(f"{summary['failed']} failed videos listed in {os.path.join(cfg.out, 'failed.jsonl')}")

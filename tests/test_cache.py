@@ -26,22 +26,48 @@ def video(tmp_path):
     return path
 
 
-def test_matches_qwen_vl_utils(video, monkeypatch):
+REF_CASES = [  # (our settings, qwen-vl-utils' element, image_patch_size): clamps, budgets, up/down-scaling, Qwen3's 32
+    (SETTINGS, dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=20000), 14),
+    (dict(SETTINGS, fps=1.0, min_frames=7, factor=32, max_pixels=8000), dict(fps=1.0, min_frames=7, max_frames=16, min_pixels=3136, max_pixels=8000), 16),
+    (dict(SETTINGS, fps=10.0, max_frames=13, total_pixels=40000), dict(fps=10.0, min_frames=4, max_frames=13, min_pixels=3136, max_pixels=20000, total_pixels=40000), 14),
+    (dict(SETTINGS, min_pixels=15000, max_pixels=30000), dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=15000, max_pixels=30000), 14),
+]
+
+
+@pytest.mark.parametrize("ours,ref_ele,patch", REF_CASES)
+def test_matches_qwen_vl_utils(video, monkeypatch, ours, ref_ele, patch):
     monkeypatch.setenv("FORCE_QWENVL_VIDEO_READER", "decord")
     import importlib
 
     import qwen_vl_utils.vision_process as qv
     importlib.reload(qv)  # the backend choice is read at import time
-    (ref, ref_meta), ref_fps = qv.fetch_video({"video": video, "fps": 2.0, "min_frames": 4, "max_frames": 16,
-                                               "min_pixels": 3136, "max_pixels": 20000}, image_patch_size=14,
+    (ref, ref_meta), ref_fps = qv.fetch_video({"video": video, **ref_ele}, image_patch_size=patch,
                                               return_video_sample_fps=True, return_video_metadata=True)
-    frames, meta = cache.load_video(video, **SETTINGS, mode="decode_only")
+    frames, meta = cache.load_video(video, **ours, mode="decode_only")
     assert meta["frames_indices"] == ref_meta["frames_indices"]
     assert frames.shape == (ref.shape[0], ref.shape[2], ref.shape[3], 3)
-    assert meta["sample_fps"] == pytest.approx(ref_fps)
+    assert meta["sample_fps"] == pytest.approx(ref_fps) and meta["fps"] == pytest.approx(ref_meta["fps"])
+    assert meta["total_num_frames"] == ref_meta["total_num_frames"] == 30
     # qwen-vl-utils resizes the uint8 tensor and then casts to float: the very same values
     assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
-    assert frames.shape[0] % 2 == 0 and frames.shape[1] % 28 == 0 and frames.shape[2] % 28 == 0
+    f = ours["factor"]
+    assert frames.shape[0] % 2 == 0 and frames.shape[1] % f == 0 and frames.shape[2] % f == 0
+
+
+def test_matches_qwen_vl_utils_on_a_long_video(tmp_path, monkeypatch):
+    """100 s at 23.976 fps (2398 frames): 200 sampled indices, where the linspace rounding shows."""
+    monkeypatch.setenv("FORCE_QWENVL_VIDEO_READER", "decord")
+    import importlib
+
+    import qwen_vl_utils.vision_process as qv
+    importlib.reload(qv)
+    path = str(tmp_path / "long.mp4")
+    write_video(path, (np.full((36, 64, 3), i % 256, np.uint8) for i in range(2398)), 23.976)
+    ele = dict(fps=2.0, min_frames=4, max_frames=768, min_pixels=3136, max_pixels=3136)
+    (ref, ref_meta), _ = qv.fetch_video({"video": path, **ele}, return_video_sample_fps=True, return_video_metadata=True)
+    frames, meta = cache.load_video(path, **ele, mode="decode_only")
+    assert meta["frames_indices"] == ref_meta["frames_indices"] and len(meta["frames_indices"]) == 200
+    assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
 
 
 def test_cache_is_bit_exact_and_counts(video, tmp_path):
@@ -58,7 +84,22 @@ def test_cache_is_bit_exact_and_counts(video, tmp_path):
 @pytest.mark.parametrize("change", [dict(fps=1.0), dict(min_frames=8), dict(max_frames=8), dict(min_pixels=6272),
                                     dict(max_pixels=40000), dict(total_pixels=50000), dict(factor=32)])
 def test_every_setting_is_in_the_key(video, change):
-    assert cache.cache_key(video, **SETTINGS) != cache.cache_key(video, **{**SETTINGS, **change})
+    assert cache.entry_path("c", video, SETTINGS) != cache.entry_path("c", video, {**SETTINGS, **change})
+
+
+def test_format_path_and_file_identity_are_in_the_key(video, tmp_path, monkeypatch):
+    key = cache.entry_path("c", video, SETTINGS)
+    assert key == cache.entry_path("c", video, dict(SETTINGS))  # stable
+    copy = tmp_path / "copy.mp4"
+    copy.write_bytes(open(video, "rb").read())
+    os.utime(copy, ns=(os.stat(video).st_atime_ns, os.stat(video).st_mtime_ns))
+    assert cache.entry_path("c", str(copy), SETTINGS) != key  # same bytes and mtime, another path
+    st = os.stat(video)
+    os.utime(video, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # touched: same size, new mtime
+    assert cache.entry_path("c", video, SETTINGS) != key
+    touched = cache.entry_path("c", video, SETTINGS)
+    monkeypatch.setattr(cache, "FORMAT", cache.FORMAT + "-next")
+    assert cache.entry_path("c", video, SETTINGS) != touched
 
 
 def test_edited_video_is_a_miss(video, tmp_path):
@@ -72,23 +113,49 @@ def test_edited_video_is_a_miss(video, tmp_path):
 
 def _load(args):
     video, d = args
-    return cache.load_video(video, **SETTINGS, cache_dir=d)[0].tobytes()
+    stats = {}
+    return cache.load_video(video, **SETTINGS, cache_dir=d, stats=stats)[0].tobytes(), stats
 
 
-def test_concurrent_writers_leave_one_valid_entry(video, tmp_path):
+def entries(d):
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if not f.endswith(".lock"))
+
+
+def test_concurrent_loaders_decode_once_and_leave_one_valid_entry(video, tmp_path):
     d = str(tmp_path / "c")
     with mp.get_context("spawn").Pool(4) as pool:
-        outs = pool.map(_load, [(video, d)] * 8)
-    assert len(set(outs)) == 1
-    files = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
-    assert len(files) == 1 and files[0].endswith(".safetensors")  # no temp files left behind
-    cache.read_entry(files[0])
+        outs = pool.map(_load, [(video, d)] * 8, chunksize=1)
+    assert len({o for o, _ in outs}) == 1
+    # the per-key lock: one process decodes, the seven other loads wait and hit
+    assert sum(s.get("decode", 0) for _, s in outs) == 1 and sum(s.get("cache_hit", 0) for _, s in outs) == 7
+    (file,) = entries(d)  # no temp files left behind
+    assert file.endswith(".safetensors") and cache.read_entry(file)[0].tobytes() == outs[0][0]
+
+
+def _write_many(args):
+    file, value = args
+    for _ in range(40):
+        cache.write_entry(file, np.full((8, 224, 224, 3), value, np.uint8), {"value": value})
+
+
+def test_concurrent_writers_never_expose_a_torn_entry(tmp_path):
+    """Writers racing on one file (no lock): every read during the writes sees one whole entry, one valid entry
+    stays, no temp file is left. (In-place writes rarely tear visibly here: the window is microseconds.)"""
+    file = str(tmp_path / "e.safetensors")
+    cache.write_entry(file, np.full((4, 56, 56, 3), 0, np.uint8), {"value": 0})
+    with mp.get_context("spawn").Pool(3) as pool:
+        job = pool.map_async(_write_many, [(file, v) for v in (1, 2, 3)])
+        while not job.ready():
+            frames, meta = cache.read_entry(file)  # raises on a torn entry
+            assert (frames == meta["value"]).all()
+        job.get()
+    assert entries(tmp_path) == [file] and cache.read_entry(file)[1]["value"] in (1, 2, 3)
 
 
 def test_truncated_entry_is_detected_and_rebuilt(video, tmp_path, capsys):
     d = str(tmp_path / "c")
     good, _ = cache.load_video(video, **SETTINGS, cache_dir=d)
-    (file,) = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+    (file,) = entries(d)
     with open(file, "r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
     with pytest.raises(ValueError):
@@ -119,18 +186,34 @@ def test_cache_only_and_bad_videos(video, tmp_path):
 
 
 def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
-    bad = tmp_path / "bad.mp4"
-    bad.write_bytes(b"garbage")
-    rows = [{"videos": [os.path.basename(video)]}, {"videos": [os.path.basename(video)]}, {"videos": ["bad.mp4"]}]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = cache.Config(data=[str(data)], out=str(tmp_path / "c"), workers=2, fps=2.0, min_frames=4, max_frames=16,
-                       min_pixels=3136, max_pixels=20000, factor=28)
-    s = cache.preprocess(cfg)
-    assert s["videos"] == 2 and s["decode"] == 1 and s["failed"] == 1 and s["bytes"] > 0
-    failed = [json.loads(line) for line in open(tmp_path / "c" / "failed.jsonl")]
-    assert failed[0]["video"].endswith("bad.mp4") and "cannot decode" in failed[0]["error"]
-    s2 = cache.preprocess(cfg)  # second run: all hits
-    assert s2["cache_hit"] == 1 and s2["decode"] == 0
-    frames, _ = cache.load_video(video, **SETTINGS, cache_dir=str(tmp_path / "c"), mode="cache_only")
-    assert frames.shape[0] > 0
+    """The real command: two data files, one video listed 3 times under 2 spellings, a corrupt and a missing one."""
+    import shutil
+    import subprocess
+    import sys
+    from conftest import ROOT
+    os.makedirs(tmp_path / "videos")
+    shutil.copy(video, tmp_path / "videos" / "b.mp4")
+    (tmp_path / "videos" / "bad.mp4").write_bytes(b"garbage")
+    row = lambda v: json.dumps({"problem": "q", "answer": "A", "problem_type": "multiple choice", "videos": [v]}) + "\n"  # noqa: E731
+    (tmp_path / "train.jsonl").write_text(row("v.mp4") + row("videos/bad.mp4") + row("./v.mp4") + row("videos/b.mp4"))
+    (tmp_path / "val.jsonl").write_text(row(video) + row("videos/missing.mp4"))
+    out = tmp_path / "c"
+    cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--data", str(tmp_path / "val.jsonl"),
+           "--out", str(out), "--workers", "2", "--fps", "2", "--min-frames", "4", "--max-frames", "16",
+           "--min-pixels", "3136", "--max-pixels", "20000", "--factor", "28"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "videos: 100%" in p.stderr  # the progress bar
+    summary = p.stdout.splitlines()[0]
+    assert summary.startswith("videos 4 | cache_hit 0 | decode 2 | failed 2 | bytes ") and "| seconds " in summary
+    nbytes = int(summary.split("bytes ")[1].split()[0])
+    assert nbytes == sum(os.path.getsize(f) for f in entries(out) if f.endswith(".safetensors")) > 0
+    failed = {os.path.basename(x["video"]): x["error"] for x in map(json.loads, open(out / "failed.jsonl"))}
+    assert set(failed) == {"bad.mp4", "missing.mp4"} and "cannot decode" in failed["bad.mp4"]
+    assert "not found" in failed["missing.mp4"] and "failed.jsonl" in p.stdout
+    cfg = cache.Config(data=[str(tmp_path / "train.jsonl")], out=str(out), workers=1, fps=2.0, min_frames=4,
+                       max_frames=16, min_pixels=3136, max_pixels=20000, factor=28)
+    s = cache.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
+    assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
+    frames, _ = cache.load_video(video, **SETTINGS, cache_dir=str(out), mode="cache_only")
+    assert np.array_equal(frames, cache.load_video(video, **SETTINGS, mode="decode_only")[0])
