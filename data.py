@@ -201,6 +201,21 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     return Prompt(sample, text, ids, dict(out), videos, images)
 
 
+def dummy_vision_inputs(processor) -> dict:
+    """One tiny image (one merged 2x2 patch block of zeros) as a complete model input, CPU tensors.
+
+    FSDP2 all-gathers each vision block when it runs; a rank whose micro-batch holds no image or video
+    would skip the tower while the others wait in its collectives (a hang), and its grads would miss the
+    reduce-scatter. The trainer runs this through the model and adds 0 * its output to the loss, so every
+    parameter takes part in every step with no effect on the gradient."""
+    f = vision_factor(processor)
+    text = "<|vision_start|><|image_pad|><|vision_end|>"
+    out = processor(text=[text], images=[torch.zeros(3, f, f, dtype=torch.uint8)], return_tensors="pt", do_resize=False)
+    ids = out.pop("input_ids")
+    out.pop("mm_token_type_ids", None)
+    return dict(input_ids=ids, attention_mask=out.pop("attention_mask"), mm=dict(out))
+
+
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""

@@ -1,0 +1,102 @@
+"""Joint image-video training: per-modality pixel budgets, image + video in one sample, text-only samples,
+and the zero-weight vision input that keeps FSDP's collectives aligned.
+
+    .venv/bin/python -m pytest -q tests/test_joint.py
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from PIL import Image
+
+import data
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model):
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A 224x224 PNG and a 2 s 4 fps 224x224 mp4: big enough for each budget to decide the size."""
+    import make_synthetic_data
+    d = tmp_path_factory.mktemp("media")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(d / "im.png")
+    make_synthetic_data.write_video(str(d / "v.mp4"), rng.integers(0, 255, (8, 224, 224, 3), dtype=np.uint8), fps=4)
+    return d
+
+
+def sample(**kw):
+    s = dict(id="s", problem="What color?", answer="A", problem_type="multiple choice",
+             options=["A. red", "B. green", "C. blue", "D. yellow"])
+    return data.validate_sample(dict(s, **kw), "mem.jsonl:1")
+
+
+def test_each_modality_gets_its_own_pixel_budget(processor, media):
+    f = data.vision_factor(processor)  # 28: one merged token per 28x28 pixels
+    cfg = tiny_config(image_min_pixels=f * f, image_max_pixels=36 * f * f, video_min_pixels=f * f,
+                      video_max_pixels=4 * f * f, video_fps=4.0, video_max_frames=8)
+    p = data.prepare(sample(images=[str(media / "im.png")], videos=[str(media / "v.mp4")]), processor, cfg)
+    (_, ih, iw), (vt, vh, vw) = p.mm["image_grid_thw"][0].tolist(), p.mm["video_grid_thw"][0].tolist()
+    patch = processor.image_processor.patch_size
+    assert (ih * patch) * (iw * patch) == 36 * f * f  # 224x224 -> 168x168 under the image budget
+    assert (vh * patch) * (vw * patch) == 4 * f * f   # -> 56x56 under the (smaller) video budget
+    assert vt == 8 // 2  # 8 frames, temporal patch 2
+    # both placeholders are in the prompt, each expanded to its own feature count
+    tok = processor.tokenizer
+    merge2 = processor.image_processor.merge_size ** 2
+    assert p.prompt_ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == ih * iw // merge2
+    assert p.prompt_ids.count(tok.convert_tokens_to_ids("<|video_pad|>")) == vt * vh * vw // merge2
+    # and vLLM is handed the very same pixels
+    req = data.vllm_input(p)
+    assert np.asarray(req["multi_modal_data"]["image"]).shape == (ih * patch, iw * patch, 3)
+    assert req["multi_modal_data"]["video"][0].shape == (8, vh * patch, vw * patch, 3)
+
+
+def test_several_images_and_text_only(processor, media):
+    cfg = tiny_config()
+    im = str(media / "im.png")
+    p = data.prepare(sample(images=[im, im, im]), processor, cfg)
+    assert p.mm["image_grid_thw"].shape[0] == 3 and len(p.images) == 3
+    t = data.prepare(sample(data_type="text"), processor, cfg)
+    assert t.mm == {} and not t.videos and not t.images
+    pad_ids = {processor.tokenizer.convert_tokens_to_ids(x) for x in ("<|image_pad|>", "<|video_pad|>")}
+    assert not pad_ids & set(t.prompt_ids)
+
+
+def test_marker_places_media_in_the_prompt(processor, media):
+    s = sample(problem="Look at <image> and then at <video>. Which matches?", images=[str(media / "im.png")],
+               videos=[str(media / "v.mp4")])
+    p = data.prepare(s, processor, tiny_config())
+    text = p.text
+    assert text.index("Look at") < text.index("<|image_pad|>") < text.index("and then at") < text.index("<|video_pad|>")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_dummy_vision_input_touches_every_parameter_with_zero_grad(arch):
+    """The zero-weight pass gives every parameter a gradient tensor (so FSDP reduce-scatters it on every
+    rank) and changes no gradient value."""
+    import make_tiny_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from rollout import mm_token_types
+    d = make_tiny_model.ensure(arch, root=os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache/models"))
+    proc, model = AutoProcessor.from_pretrained(d), AutoModelForImageTextToText.from_pretrained(d)
+    x = data.dummy_vision_inputs(proc)
+    ids = torch.tensor([proc.tokenizer.encode("hello there")])
+    text_loss = model(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits.float().logsumexp(-1).mean()
+    text_loss.backward()
+    ref = {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
+    assert any(g is None for g in ref.values())  # text alone leaves the vision tower out
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"],
+                mm_token_type_ids=mm_token_types(x["input_ids"], proc.tokenizer), **x["mm"])
+    (model(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits.float().logsumexp(-1).mean()
+     + 0 * out.logits.sum()).backward()
+    for n, q in model.named_parameters():
+        assert q.grad is not None, n
+        assert torch.equal(q.grad, ref[n] if ref[n] is not None else torch.zeros_like(q)), n
