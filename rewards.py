@@ -5,46 +5,53 @@ in one dict. Adding a task is one function and one entry in ACCURACY.
 
 Problem types (ALIASES maps public datasets' names onto these):
     multiple choice      letter, or the text of one of sample["options"]
-    numerical, counting  numbers, fractions, percentages, number words; relative tolerance NUM_RTOL
+    numerical            numbers, fractions, percentages, number words ("twenty one"); tolerance NUM_RTOL
+    counting             the same numbers, but exact
     regression           mean relative accuracy (MRA): share of t in 0.50, 0.55, ..., 0.95 with |pred - gt| / |gt| < 1 - t
     boolean              yes/no/true/false
     open-ended           mean of ROUGE-1/2/L F1; exact match (case/punctuation-insensitive) for short answers
     ocr                  1 - word error rate, clipped to [0, 1]
-    math                 math-verify equivalence, under a wall-clock limit of MATH_TIMEOUT s (main thread only)
-    temporal grounding   1-D IoU of {"time": [start, end]}
-    spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}
-    spatial-temporal grounding   time IoU x mean box IoU over the ground truth's seconds (missing ones count 0)
-    tracking             mean box IoU over the ground truth's frames (missing frames count 0)
-    code                 1 if the answer parses as Python (ast.parse; never executed)
+    math                 math-verify equivalence, under a wall-clock limit of MATH_TIMEOUT s (see acc_math)
+    temporal grounding   1-D IoU of {"time": [start, end]}, start <= end
+    spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, x1 <= x2 and y1 <= y2
+    spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1)
+    tracking             mean box IoU over the frames both have (0 if none)
+    code                 1 if the answer parses: as Python (ast.parse), or as XML when it starts with "<"
+                         (svg-code); never executed
 
 Answer extraction (extract_answer), in order: <think>...</think> blocks are removed; the LAST
 <answer>...</answer> (innermost when nested; an empty one is None); else the last \\boxed{...}; else a
 "the answer is X" phrase; else the text after </think>; else None (a parse failure: scored 0 and counted
-in components["parse_fail"]). Extraction and JSON parsing use str.find, not backtracking regexes: linear time.
+in components["parse_fail"]). Only the last MAX_LEN characters are read (the answer comes last). Extraction and
+JSON parsing use str.find, not backtracking regexes: linear time.
 Rewards never raise on model output and always return a value in [0, 1].
 """
 import ast
+import ctypes
+import gc
 import json
 import math
 import re
 import signal
 import threading
 import warnings
+import xml.etree.ElementTree as ET
 from functools import lru_cache
 
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # MRA thresholds 0.50..0.95
 MARGINS = [round(1 - t, 2) for t in THRESHOLDS]  # 1 - t as exact decimals: 1 - 0.7 is 0.30000000000000004 in floats
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * max(1, |gt|)
-MAX_LEN = 20000  # completions are cut to this many characters before any regex runs (bounded time)
-MATH_TIMEOUT = 0.5  # seconds of math-verify per call (signal.setitimer; main thread only)
+MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
+MATH_TIMEOUT = 1.0  # seconds of math-verify per call (SIGALRM in the main thread, else a watchdog thread)
 
 ALIASES = {
     "multiple_choice": "multiple choice", "mcq": "multiple choice", "mc": "multiple choice",
-    "number": "numerical", "numeric": "numerical", "count": "counting",
-    "binary classification": "boolean", "yes/no": "boolean", "yes_no": "boolean",
+    "multiple-choice": "multiple choice", "multi-choice": "multiple choice",  # Video-MMMU/MMVU, TempCompass
+    "number": "numerical", "numeric": "numerical", "count": "counting", "rec": "counting",  # OVO-Bench REC
+    "binary classification": "boolean", "yes/no": "boolean", "yes_no": "boolean", "ssr": "boolean", "crr": "boolean",
     "open_ended": "open-ended", "free-form": "open-ended", "free_form": "open-ended", "video qa": "open-ended",
-    "video description": "open-ended", "caption": "open-ended", "mathematics": "math",
-    "coding": "code", "svg-code": "code", "html-code": "code",
+    "video description": "open-ended", "caption": "open-ended", "captioning": "open-ended", "mathematics": "math",
+    "coding": "code", "svg-code": "code",  # html-code is left out: HTML is not XML, and we have no HTML parser
     "temporal_grounding": "temporal grounding", "spatial_grounding": "spatial grounding",
     "spatial-temporal grounding": "spatial-temporal grounding", "spatial_temporal_grounding": "spatial-temporal grounding",
 }
@@ -54,7 +61,8 @@ ALIASES = {
 _PHRASE = re.compile(r"answer is[:\s]*([^\n]{1,1000})", re.I)
 _NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                                    "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
+                                    "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
 
 
 def strip_think(text: str) -> str:
@@ -74,7 +82,7 @@ def last_answer(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    text = (text or "")[:MAX_LEN]
+    text = (text or "")[-MAX_LEN:]
     k = text.rfind("</think>")
     after_think = text[k + 8:] if k >= 0 else ""
     text = strip_think(text)
@@ -108,12 +116,16 @@ def canonical_type(problem_type: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # parsers (None on failure, never raise)
 def parse_number(s: str) -> float | None:
-    """First number in s: "3", "-1,000.5", "1e3", "1/2", "50%" (= 0.5), "three"; None if none (or x/0)."""
+    """First number in s: "3", "-1,000.5", "1e3", "1/2", "50%" (= 0.5), "twenty-one"; None if none (or x/0)."""
     s = s.strip().lower()
     m = _NUM.search(s)
     if not m:
-        w = next((WORDS[x] for x in re.findall(r"[a-z]+", s) if x in WORDS), None)
-        return None if w is None else float(w)
+        ws = re.findall(r"[a-z]+", s) + [""]
+        i = next((i for i, x in enumerate(ws) if x in WORDS), None)
+        if i is None:
+            return None
+        v, unit = WORDS[ws[i]], WORDS.get(ws[i + 1], 0)
+        return float(v + unit if v >= 20 and unit < 10 else v)  # "twenty one"; "twenty twelve" is 20
     try:
         v = float(m.group(0).replace(",", ""))
     except ValueError:
@@ -142,15 +154,15 @@ def finite(v) -> bool:  # a JSON number (not a bool), finite as a float: NaN, in
     return type(v) is float and math.isfinite(v) or type(v) is int and abs(v) < 1e300
 
 
-def as_span(x) -> list[float] | None:
+def as_span(x) -> list[float] | None:  # [start, end] with start <= end, else None (for answers and ground truth)
     t = x.get("time") if isinstance(x, dict) else x
-    ok = isinstance(t, (list, tuple)) and len(t) == 2 and all(finite(v) for v in t)
+    ok = isinstance(t, (list, tuple)) and len(t) == 2 and all(finite(v) for v in t) and t[0] <= t[1]
     return [float(t[0]), float(t[1])] if ok else None
 
 
-def as_box(b) -> list[float] | None:
+def as_box(b) -> list[float] | None:  # [x1, y1, x2, y2] with x1 <= x2, y1 <= y2 (an [x, y, w, h] usually fails)
     b = b[0] if isinstance(b, list) and len(b) == 1 else b  # [[x1, y1, x2, y2]]: a list of one box
-    ok = isinstance(b, (list, tuple)) and len(b) == 4 and all(finite(v) for v in b)
+    ok = isinstance(b, (list, tuple)) and len(b) == 4 and all(finite(v) for v in b) and b[0] <= b[2] and b[1] <= b[3]
     return [float(v) for v in b] if ok else None
 
 
@@ -182,7 +194,7 @@ def iou_box(a, b) -> float:
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     area = lambda x: max(0.0, x[2] - x[0]) * max(0.0, x[3] - x[1])  # noqa: E731
     union = area(a) + area(b) - ix * iy
-    return ix * iy / union if union > 0 else 0.0
+    return ix * iy / union if union > 0 else float(a == b)  # two equal empty boxes match, as in iou_1d
 
 
 def mra(pred: float, gt: float) -> float:
@@ -262,9 +274,9 @@ def acc_choice(ans, s):
     return None if got is None else float(got == choice_letter(ground_truth(s), s.get("options") or []))
 
 
-def acc_number(ans, s):
+def acc_number(ans, s, rtol: float = NUM_RTOL):
     p, g = parse_number(ans), parse_number(ground_truth(s))
-    return None if p is None else float(abs(p - g) <= NUM_RTOL * max(1.0, abs(g)) * (1 + 1e-9))  # 1.01 vs 1: on the edge
+    return None if p is None else float(abs(p - g) <= rtol * max(1.0, abs(g)) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
 def acc_regression(ans, s):
@@ -286,19 +298,38 @@ def acc_open(ans, s):
 
 
 def acc_ocr(ans, s):
-    return max(0.0, 1.0 - wer(ans, ground_truth(s)))
+    gt = ground_truth(s)
+    if len(ans.split()) >= 2 * len(gt.split()):  # WER >= (n_pred - n_ref) / n_ref >= 1: skip the O(n * m) table
+        return 0.0
+    return max(0.0, 1.0 - wer(ans, gt))
 
 
 class MathTimeout(BaseException):  # a BaseException: math-verify's own `except Exception` can't swallow it
     pass
 
 
-_MATH_ARMED = [False]
+_ASYNC_RAISE, _ARM_LOCK, _MAIN_ARMED = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock(), [False]
 
 
 def _alarm(signum, frame):
-    if _MATH_ARMED[0]:  # a late alarm, after the work is done, is a no-op
+    if _MAIN_ARMED[0]:  # a late alarm, after the work is done, is a no-op
         raise MathTimeout
+
+
+def _watchdog(tid: int, armed: list, done: threading.Event):
+    """Outside the main thread: after MATH_TIMEOUT s raise MathTimeout in thread `tid`, again every 50 ms while armed."""
+    wait = MATH_TIMEOUT
+    while not done.wait(wait) and armed[0]:
+        with _ARM_LOCK:  # injects only while armed: acc_math disarms, then clears under the same lock
+            if armed[0]:
+                _ASYNC_RAISE(ctypes.c_ulong(tid), ctypes.py_object(MathTimeout))
+        wait = 0.05
+
+
+@lru_cache(maxsize=1)
+def _math_warm() -> bool:  # sympy's first symbolic compare imports lazily for ~0.3 s: not on the clock
+    from math_verify import parse, verify
+    return verify(parse("$2x$"), parse("$x + x$"))
 
 
 @lru_cache(maxsize=4096)
@@ -308,30 +339,45 @@ def _math_gold(gt: str):
 
 
 def acc_math(ans, s):
-    """math-verify's own timeouts are whole-second signal.alarm()s; ours is a float setitimer over parse + verify.
-    The timer repeats every 50 ms until disarmed: an exception raised inside a gc callback is swallowed."""
+    """math-verify's own timeouts are whole-second signal.alarm()s that fail outside the main thread, so we turn them
+    off and bound parse + verify ourselves. In the main thread: a SIGALRM timer, which also stops a long big-int C
+    loop (CPython polls for signals there). Elsewhere: a watchdog thread raising MathTimeout into this one, which acts
+    between bytecodes only, so there one huge C-level step (2^{2^{2^{99}}}) is NOT stopped: score in the main thread.
+    Both repeat every 50 ms until disarmed, in case a bare `except:` swallows one; and the garbage collector is off
+    meanwhile, since an exception raised inside a gc callback is swallowed too (and reported as unraisable)."""
     from math_verify import parse, verify
-    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    old = signal.signal(signal.SIGALRM, _alarm) if timed else None
+    _math_warm()
+    main, tid, done = threading.current_thread() is threading.main_thread(), threading.get_ident(), threading.Event()
+    armed, gc_on = _MAIN_ARMED if main else [True], gc.isenabled()
+    gc.disable()
+    if main:
+        old = signal.signal(signal.SIGALRM, _alarm)
+        _MAIN_ARMED[0] = True
+        signal.setitimer(signal.ITIMER_REAL, MATH_TIMEOUT, 0.05)
+    else:
+        threading.Thread(target=_watchdog, args=(tid, armed, done), daemon=True).start()
     try:
         try:
-            if timed:
-                _MATH_ARMED[0] = True
-                signal.setitimer(signal.ITIMER_REAL, MATH_TIMEOUT, 0.05)
             gold, pred = _math_gold(ground_truth(s)), parse(f"${ans[:2000]}$", parsing_timeout=None)
             return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
         finally:
-            _MATH_ARMED[0] = False  # first, before any call (signal handlers run at calls and loops, not here)
-            if timed:
+            armed[0] = False  # first: a plain store, where no signal handler runs and no async exception lands
+            if main:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, signal.SIG_DFL if old is None else old)
+            else:
+                with _ARM_LOCK:
+                    _ASYNC_RAISE(ctypes.c_ulong(tid), None)  # drop one injected but not yet delivered
+                done.set()
+            if gc_on:
+                gc.enable()
     except (Exception, MathTimeout):  # noqa: BLE001  math-verify raises a zoo of sympy errors: all mean "not equal"
         return 0.0
 
 
 def acc_temporal(ans, s):
     p = as_span(parse_json(ans))
-    return None if p is None or p[0] > p[1] else iou_1d(p, as_span(parse_json(ground_truth(s))))
+    return None if p is None else iou_1d(p, as_span(parse_json(ground_truth(s))))
 
 
 def acc_spatial(ans, s):
@@ -341,16 +387,16 @@ def acc_spatial(ans, s):
 
 
 def mean_box_iou(pred: dict, gt: dict) -> float:
-    """Mean IoU over the ground truth's frames; a frame the prediction lacks scores 0."""
-    return sum(iou_box(pred[k], b) if k in pred else 0.0 for k, b in gt.items()) / len(gt)
+    """Mean IoU over the frames both have (EasyVideoR1, STVG): frames outside the predicted span are not penalised
+    here, the time IoU is; no common frame scores 0."""
+    common = pred.keys() & gt.keys()
+    return sum(iou_box(pred[k], gt[k]) for k in common) / len(common) if common else 0.0
 
 
 def acc_st(ans, s):
     x, g = parse_json(ans), parse_json(ground_truth(s))
     span, boxes = as_span(x), as_boxes(x)
-    if span is None or boxes is None or span[0] > span[1]:
-        return None
-    return iou_1d(span, as_span(g)) * mean_box_iou(boxes, as_boxes(g))
+    return None if span is None or boxes is None else 0.5 * iou_1d(span, as_span(g)) + 0.5 * mean_box_iou(boxes, as_boxes(g))
 
 
 def acc_tracking(ans, s):
@@ -359,18 +405,20 @@ def acc_tracking(ans, s):
 
 
 def acc_code(ans, s):
-    code = re.sub(r"^```\w*\n?|```$", "", ans.strip())
+    code = re.sub(r"^```\w*\n?|```$", "", ans.strip()).strip()
     try:
         with warnings.catch_warnings():  # e.g. SyntaxWarning for "\d" in a string literal: not our log's business
             warnings.simplefilter("ignore")
-            ast.parse(code)  # syntax only: model output is never executed
+            # syntax only, never executed; expat expands no external entities and refuses entity bombs
+            ET.fromstring(code) if code.startswith("<") else ast.parse(code)
         return 1.0
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ET.ParseError is a SyntaxError
         return 0.0
 
 
 ACCURACY = {
-    "multiple choice": acc_choice, "numerical": acc_number, "counting": acc_number, "regression": acc_regression,
+    "multiple choice": acc_choice, "numerical": acc_number, "counting": lambda a, s: acc_number(a, s, rtol=0.0),
+    "regression": acc_regression,
     "boolean": acc_boolean, "open-ended": acc_open, "ocr": acc_ocr, "math": acc_math,
     "temporal grounding": acc_temporal, "spatial grounding": acc_spatial,
     "spatial-temporal grounding": acc_st, "tracking": acc_tracking, "code": acc_code,
@@ -419,15 +467,14 @@ def validate_answer(sample: dict) -> None:
         bad = f"answer {gt!r} is not a number"
     elif t == "boolean" and acc_boolean(gt, {"answer": "yes"}) is None:
         bad = f"answer {gt!r} is not yes/no/true/false"
-    elif t == "temporal grounding" and ((sp := as_span(parse_json(gt))) is None or sp[0] > sp[1]):
+    elif t == "temporal grounding" and as_span(parse_json(gt)) is None:
         bad = f'answer {gt[:80]!r} is not {{"time": [start, end]}} with start <= end'
     elif t == "spatial grounding" and not (isinstance(x := parse_json(gt), dict) and as_box(x.get("boxes"))):
-        bad = f'answer {gt[:80]!r} is not {{"boxes": [x1, y1, x2, y2]}}'
-    elif t == "spatial-temporal grounding" and ((sp := as_span(x := parse_json(gt))) is None or sp[0] > sp[1]
-                                                or as_boxes(x) is None):
+        bad = f'answer {gt[:80]!r} is not {{"boxes": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2'
+    elif t == "spatial-temporal grounding" and (as_span(x := parse_json(gt)) is None or as_boxes(x) is None):
         bad = f'answer {gt[:80]!r} is not {{"time": [s, e], "boxes": {{"<sec>": [x1, y1, x2, y2]}}}} with s <= e'
     elif t == "tracking" and as_boxes(parse_json(gt)) is None:
-        bad = f'answer {gt[:80]!r} is not {{"boxes": {{"<frame>": [x1, y1, x2, y2]}}}}'
+        bad = f'answer {gt[:80]!r} is not {{"boxes": {{"<frame>": [x1, y1, x2, y2]}}}} with x1 <= x2, y1 <= y2'
     elif t not in ACCURACY:
         bad = f"unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)} and aliases)"
     if bad:

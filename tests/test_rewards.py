@@ -3,9 +3,11 @@ weighting, ground-truth validation, a hypothesis property test and bounded time 
 
     .venv/bin/python -m pytest -q tests/test_rewards.py
 """
+import json
 import math
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -15,9 +17,6 @@ from hypothesis import strategies as st
 import rewards
 from rewards import canonical_type, compute_reward, extract_answer, format_reward, validate_answer
 
-# math's time limit raises from a SIGALRM handler; when the alarm lands in hypothesis's gc callback, Python reports it
-# as "unraisable" and the timer (which repeats every 50 ms) fires again: expected, not a failure
-pytestmark = pytest.mark.filterwarnings("ignore:Exception ignored in. <function gc_cumulative_time:pytest.PytestUnraisableExceptionWarning")
 OPTIONS = ["A. cat", "B. a dog is running", "C. red car", "D. blue"]
 BOX = [0, 0, 10, 10]
 GT = {  # one well-formed ground truth per canonical problem type
@@ -70,6 +69,8 @@ def test_every_type_has_a_case():
     ("<think>reasoning</think>  42 ", "42"),                                  # text after </think>
     ("<answer><answer>B</answer></answer>", "B"),                            # nested: innermost
     ("<answer>A</answer><answer>B", "A"),                                     # unclosed last tag ignored
+    ("x" * 30000 + "<answer>B</answer>", "B"),                                # long: the tail is read
+    ("<answer>ＢＢ 😀</answer>", "ＢＢ 😀"), ("<think><answer>A</answer>", "A"),  # unicode; unclosed think
     ("", None), (None, None), ("plain garbage without any answer", None),
     ("<answer>", None), ("<answer>B", None), ("<answer></answer>", None), ("<answer>  \n </answer>", None),
     ("\\boxed{}", None), ("\\boxed{unclosed", None), ("<think>the answer is A</think>", None),
@@ -98,51 +99,72 @@ CASES = [
     ("numerical", "1.01", "1", 1.0), ("numerical", "1.0101", "1", 0.0),  # the edge is inclusive despite floats
     ("numerical", "0.509", "0.5", 1.0), ("numerical", "0.52", "0.5", 0.0),  # small gt: absolute 0.01
     ("numerical", "lots", "3", None), ("numerical", "1/0", "3", None), ("numerical", "1e999", "3", None),
+    ("numerical", "twenty-one", "21", 1.0), ("numerical", "ninety nine", "99", 1.0), ("numerical", "twenty", "20", 1.0),
+    ("numerical", "151", "150", 1.0), ("numerical", "1 000", "1000", 0.0),  # the first number: "1"
     ("counting", "3", None, 1.0), ("counting", "three", None, 1.0), ("counting", "There are 3 shapes.", None, 1.0),
-    ("counting", "4", None, 0.0), ("counting", "none", None, None),
+    ("counting", "3.0", None, 1.0), ("counting", "4", None, 0.0), ("counting", "none", None, None),
+    ("counting", "151", "150", 0.0), ("counting", "forty two", "42", 1.0),  # counting is exact, numerical is not
     # MRA: rel = |pred - gt| / gt, share of t in 0.50..0.95 with rel < 1 - t
     ("regression", "100", None, 1.0), ("regression", "90", None, 0.8),  # rel 0.1 < 1-t for t = 0.50..0.85
     ("regression", "110", None, 0.8), ("regression", "95", None, 0.9), ("regression", "70", None, 0.4),
     ("regression", "80", None, 0.6), ("regression", "60", None, 0.2), ("regression", "50", None, 0.0),
     ("regression", "300", None, 0.0), ("regression", "1.5 m", "2", 0.5), ("regression", "about", None, None),
+    ("regression", "0", "0", 1.0), ("regression", "0.001", "0", 0.0), ("regression", "-90", "-100", 0.8),
     ("boolean", "yes", None, 1.0), ("boolean", "Yes, it is.", None, 1.0), ("boolean", "TRUE", None, 1.0),
     ("boolean", "no", None, 0.0), ("boolean", "false", None, 0.0), ("boolean", "No", "no", 1.0),
-    ("boolean", "maybe", None, None),
+    ("boolean", "maybe", None, None), ("boolean", "no", "False", 1.0), ("boolean", "Not sure", None, None),
     ("open-ended", "Red car.", "red car", 1.0), ("open-ended", "red", "red car", 0.0),  # short: exact match
     ("open-ended", "a red car", "red car", 0.0),
     ("open-ended", "the cat sat on the mat", None, ROUGE_EX), ("open-ended", "The cat is on the mat!", None, 1.0),
     ("open-ended", "dog", None, 0.0),
+    # the reference said three times: R1 = R-L = 2 * 6 / (18 + 6), R2 = 2 * 5 / (17 + 5) (clipped counts)
+    ("open-ended", "the cat is on the mat " * 3, None, (0.5 + 10 / 22 + 0.5) / 3),
+    ("open-ended", "Ｒｅｄ car", "ｒｅｄ car", 1.0),  # unicode words
     ("ocr", "hello world foo bar", None, 1.0), ("ocr", "hello word foo", None, 0.5),  # 1 sub + 1 del of 4 words
     ("ocr", "Hello World Foo Bar", None, 1.0), ("ocr", "a b c d e f g h i j", None, 0.0),  # WER > 1 clips to 0
+    ("ocr", "hello world foo bar baz", None, 0.75), ("ocr", "hello world foo bar " * 2, None, 0.0),  # 2x long: WER >= 1
     ("math", "0.5", None, 1.0), ("math", "\\frac{1}{2}", None, 1.0), ("math", "1/2", None, 1.0),
     ("math", "\\frac{2}{4}", None, 1.0), ("math", "3", None, 0.0), ("math", "x^2+", None, 0.0),
+    ("math", "\\sqrt{2}", "2^{1/2}", 1.0), ("math", "x + x", "2x", 1.0), ("math", "50\\%", None, 1.0),
+    ("math", "\\sin^2 x + \\cos^2 x", "1", 1.0),  # ~0.8 s of sympy: inside the time limit
     ("temporal grounding", '{"time": [2, 6]}', None, 1.0),
     ("temporal grounding", '{"time": [4, 10]}', None, 0.25),  # inter 2 / union 8
     ("temporal grounding", 'The span is {"time": [4, 10]}.', None, 0.25), ("temporal grounding", "[4, 10]", None, 0.25),
     ("temporal grounding", '{"time": [7, 9]}', None, 0.0),
     ("temporal grounding", '{"time": [6, 2]}', None, None), ("temporal grounding", "from 2 to 6", None, None),
+    ("temporal grounding", '{"time": [3, 3]}', None, 0.0), ("temporal grounding", '{"time": [3, 3]}', '{"time": [3, 3]}', 1.0),
+    ('temporal grounding', '```json\n{"time": [2.0, 6.0]}\n```', None, 1.0), ("temporal grounding", '{"time": "2-6"}', None, None),
     ("spatial grounding", '{"boxes": [0, 0, 10, 10]}', None, 1.0),
     ("spatial grounding", '{"boxes": [5, 5, 15, 15]}', None, 1 / 7),  # inter 25 / union 175
     ("spatial grounding", "[5, 5, 15, 15]", None, 1 / 7), ("spatial grounding", '{"boxes": [[5, 5, 15, 15]]}', None, 1 / 7),
     ("spatial grounding", '{"boxes": [20, 20, 30, 30]}', None, 0.0), ("spatial grounding", '{"boxes": [1, 2, 3]}', None, None),
+    ("spatial grounding", '{"boxes": [10, 10, 0, 0]}', None, None),  # x2 < x1 (an [x, y, w, h] box, say)
+    ("spatial grounding", "[0, 0, 0, 10]", "[0, 0, 0, 10]", None),  # gt not in {"boxes": ..}: a data error
+    ("spatial grounding", '{"boxes": [3, 3, 3, 3]}', '{"boxes": [3, 3, 3, 3]}', 1.0),  # equal empty boxes match
     ("spatial-temporal grounding", GT["spatial-temporal grounding"], None, 1.0),
-    # time IoU 2/4 x mean box IoU (1 + 50/150) / 2
-    ("spatial-temporal grounding", '{"time": [0, 2], "boxes": {"0": [0, 0, 10, 10], "1": [5, 0, 15, 10]}}', None, 1 / 3),
-    ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0.0": [0, 0, 10, 10]}}', None, 0.5),  # second 1 missing
+    # 0.5 * time IoU 2/4 + 0.5 * mean box IoU over common seconds (1 + 50/150) / 2
+    ("spatial-temporal grounding", '{"time": [0, 2], "boxes": {"0": [0, 0, 10, 10], "1": [5, 0, 15, 10]}}', None, 7 / 12),
+    ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0.0": [0, 0, 10, 10]}}', None, 1.0),  # common: second 0
+    ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"7": [0, 0, 10, 10]}}', None, 0.5),  # no common second
+    ("spatial-temporal grounding", '{"time": [2, 6], "boxes": {"1": [0, 0, 5, 10]}}', None, 0.5 * 1 / 3 + 0.5 * 0.5),
     ("spatial-temporal grounding", '{"time": [0, 4]}', None, None),
     ("spatial-temporal grounding", '{"time": [4, 0], "boxes": {"0": [0, 0, 10, 10]}}', None, None),
     ("tracking", GT["tracking"], None, 1.0),
-    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.5),  # (1 + 0 + 1/2) / 3: frame 1 missing
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.75),  # (1 + 1/2) / 2 over frames 0, 2
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10], "9": [1, 1, 2, 2]}}', None, 1.0),
+    ("tracking", '{"boxes": {"5": [0, 0, 10, 10]}}', None, 0.0),  # no common frame
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, None), ("tracking", '{"boxes": {}}', None, None),
     ("code", "def f(x):\n    return x + 1", None, 1.0), ("code", "```python\nprint('hi')\n```", None, 1.0),
     ("code", "def f(:\n  pass", None, 0.0), ("code", "print('unclosed", None, 0.0), ("code", "x = '\\d'", None, 1.0),
+    ("svg-code", '<svg width="10"><rect x="1"/></svg>', "<svg/>", 1.0), ("svg-code", "<svg><rect></svg>", "<svg/>", 0.0),
+    ("svg-code", '<!DOCTYPE s [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;"><!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;&b;&b;">]><s>&c;&c;&c;&c;&c;&c;&c;&c;</s>', "<svg/>", 1.0),
 ]
 
 
 @pytest.mark.parametrize("ptype, ans, gt, want", CASES)
 def test_accuracy_table(ptype, ans, gt, want):
     c = score(ptype, f"<answer>{ans}</answer>", answer=gt)
+    assert c == score(ptype, f"<answer>{ans}</answer>", answer=gt, data_type="image", images=["x.png"])  # images: the same
     assert c["parse_fail"] == float(want is None)
     assert c["accuracy"] == pytest.approx(want or 0.0, abs=1e-9)
     assert c["format"] == 1.0
@@ -164,14 +186,43 @@ def test_math_boxed_without_answer_tags():
     assert score("math", "so it is \\boxed{0.5}")["accuracy"] == 1.0
 
 
-def test_math_time_limit_cleans_up(warm):
+SLOW_MATH = ["(" * 300, "{" * 300, "\\frac{" * 200]  # math-verify alone takes seconds on each
+
+
+@pytest.mark.parametrize("slow", SLOW_MATH + ["2^{2^{2^{2^{2^{99}}}}}"])  # the power tower: a C-level big-int loop
+def test_math_time_limit_cleans_up(warm, slow):
     before = signal.getsignal(signal.SIGALRM)
     t0 = time.perf_counter()
-    assert score("math", "<answer>" + "(" * 300 + "</answer>")["accuracy"] == 0.0  # math-verify alone: seconds
+    assert score("math", f"<answer>{slow}</answer>")["accuracy"] == 0.0
     assert time.perf_counter() - t0 < rewards.MATH_TIMEOUT + 0.4
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is before
     assert score("math", "<answer>0.5</answer>")["accuracy"] == 1.0  # and it still works afterwards
     time.sleep(0.12)  # no late alarm goes off
+
+
+def test_math_time_limit_in_threads(warm):
+    """Two scoring threads at once (SIGALRM is main-thread only: the watchdog path); no exception leaks out later."""
+    out, errors = {}, []
+
+    def work(i):
+        try:
+            t0 = time.perf_counter()
+            out[i] = [score("math", f"<answer>{x}</answer>")["accuracy"] for x in SLOW_MATH]
+            out[i].append(time.perf_counter() - t0)
+            out[i].append(score("math", "<answer>0.5</answer>")["accuracy"])
+            time.sleep(0.15)  # a late MathTimeout would land here
+            out[i].append(sum(range(10 ** 5)))
+        except BaseException as e:  # noqa: BLE001  recorded and asserted on below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert not errors and len(out) == 2
+    for acc0, acc1, acc2, dt, ok, total in out.values():
+        assert (acc0, acc1, acc2, ok, total) == (0.0, 0.0, 0.0, 1.0, sum(range(10 ** 5)))
+        assert dt < 3 * (rewards.MATH_TIMEOUT + 0.4)
+    assert threading.active_count() == 1 + sum(t.is_alive() for t in threads) or time.sleep(0.2) or threading.active_count() == 1
 
 
 def test_code_is_never_executed(tmp_path):
@@ -224,6 +275,10 @@ def test_malformed_json_is_a_parse_failure(ptype, name):
     ("multiple_choice", "multiple choice"), ("free-form", "open-ended"), ("video qa", "open-ended"),
     ("MULTIPLE CHOICE ", "multiple choice"), ("  Video   QA", "open-ended"), ("mcq", "multiple choice"),
     ("count", "counting"), ("yes/no", "boolean"), ("temporal_grounding", "temporal grounding"), ("OCR", "ocr"),
+    ("binary classification", "boolean"), ("number", "numerical"), ("open_ended", "open-ended"), ("mathematics", "math"),
+    ("video description", "open-ended"), ("coding", "code"), ("svg-code", "code"), ("multiple-choice", "multiple choice"),
+    ("multi-choice", "multiple choice"), ("REC", "counting"), ("SSR", "boolean"), ("CRR", "boolean"),
+    ("caption", "open-ended"), ("captioning", "open-ended"), ("spatial_temporal_grounding", "spatial-temporal grounding"),
 ])
 def test_aliases(alias, want):
     assert canonical_type(alias) == want
@@ -278,12 +333,12 @@ BAD_GT = [
     ("temporal grounding", '{"time": [5, 2]}'), ("temporal grounding", '{"time": [1]}'), ("temporal grounding", "2 to 6"),
     ("temporal grounding", '{"time": [0, NaN]}'),
     ("spatial grounding", '{"boxes": [1, 2, 3]}'), ("spatial grounding", "[0, 0, 1, 1]"), ("spatial grounding", "{}"),
-    ("spatial grounding", '{"boxes": [0, 0, 1e999, 1]}'),
+    ("spatial grounding", '{"boxes": [0, 0, 1e999, 1]}'), ("spatial grounding", '{"boxes": [10, 0, 0, 10]}'),
     ("spatial-temporal grounding", '{"time": [4, 0], "boxes": {"0": [0, 0, 1, 1]}}'),
     ("spatial-temporal grounding", '{"time": [0, 4]}'), ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0": [0, 1]}}'),
     ("tracking", '{"boxes": {}}'), ("tracking", '{"boxes": {"0": [1, 2, 3]}}'), ("tracking", '{"boxes": [0, 0, 1, 1]}'),
-    ("tracking", '{"boxes": {"0": [0, 0, 1' + "0" * 400 + ", 1]}}"),
-    ("dance", "x"),
+    ("tracking", '{"boxes": {"0": [0, 0, 1' + "0" * 400 + ", 1]}}"), ("tracking", '{"boxes": {"0": [0, 5, 1, 1]}}'),
+    ("dance", "x"), ("html-code", "<p>hi</p>"),
 ]
 
 
@@ -343,7 +398,7 @@ def test_property_wrapped_in_answer_tags(ptype, text):
 
 
 # ---------------------------------------------------------------------------------------------------
-# bounded time: 200 KB of pathological input takes < 1 s per call for every type
+# bounded time: 200 KB of pathological input takes < MATH_TIMEOUT + 0.5 s per call for every type
 PATHOLOGICAL = {
     "answer tags": "<answer>" * 20000, "braces": "{" * 100000 + "}" * 100000, "open braces": "{" * 200000,
     "phrase": "answer is " * 20000, "think tags": "<think>" * 20000 + "</think>" * 5000,
@@ -371,5 +426,5 @@ def test_bounded_time(warm, name):
         overall, _ = compute_reward(text, sample(ptype), format_template="think_answer")
         format_reward(text)
         dt = time.perf_counter() - t0
-        assert dt < 1.0, f"{ptype} on {name}: {dt:.2f} s"
+        assert dt < rewards.MATH_TIMEOUT + 0.5, f"{ptype} on {name}: {dt:.2f} s"
         assert 0.0 <= overall <= 1.0 and math.isfinite(overall)
