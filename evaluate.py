@@ -247,7 +247,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list) -> list[dict]:
     if path is None:
         raise FileNotFoundError(f"{name}: no annotations at {cfg.data_dir}/{name}[.json|.jsonl]")
     if ad.get("own"):
-        return data.load_samples(path if os.path.isfile(path) else os.path.join(path, "val.jsonl"))
+        return data.load_samples(path if os.path.isfile(path) else os.path.join(path, "val.jsonl"))[:cfg.max_samples or None]
     rows = read_rows(path)
     if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
         rows = [(w, {**r, **qa}) for w, r in rows for qa in r[ad["nested"]]]

@@ -75,9 +75,9 @@ def main():
     same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]
     print(f"\n{n} samples, {args.size}x{args.size} px, {args.seconds:.0f} s videos, greedy, max_tokens {args.max_tokens}, "
           f"identical per-sample results: {same}")
-    print(f"{'mode':<34}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames")
-    print(f"{'plain loop (decode, generate, wait)':<34}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | {plain['frames']}")
-    print(f"{'async pipeline (warm cache)':<34}| {t_pipe:8.2f} | {n / t_pipe:9.2f} | {pipe['engine_busy']:11.2f} | "
+    print(f"{'mode':<36}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames")
+    print(f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | {plain['frames']}")
+    print(f"{'async pipeline (warm cache)':<36}| {t_pipe:8.2f} | {n / t_pipe:9.2f} | {pipe['engine_busy']:11.2f} | "
           f"{pipe['mean_in_flight']:9.1f} | {pipe['frames']}")
     print(f"eval speedup: {t_plain / t_pipe:.2f}x")
 
