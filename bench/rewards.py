@@ -25,8 +25,9 @@ def box(r, k=100):
     return [x, y, x + r.randint(1, k), y + r.randint(1, k)]
 
 
-def jitter(b, r, d=8):
-    return [v + r.randint(-d, d) for v in b]
+def jitter(b, r, d=8):  # kept ordered (x1 <= x2, y1 <= y2): an inverted box is a parse failure
+    x1, y1, x2, y2 = [v + r.randint(-d, d) for v in b]
+    return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
 
 
 def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
