@@ -53,7 +53,7 @@ ALIASES = {
     "video description": "open-ended", "caption": "open-ended", "captioning": "open-ended", "mathematics": "math",
     "coding": "code", "svg-code": "code",  # html-code is left out: HTML is not XML, and we have no HTML parser
     "temporal_grounding": "temporal grounding", "spatial_grounding": "spatial grounding",
-    "spatial-temporal grounding": "spatial-temporal grounding", "spatial_temporal_grounding": "spatial-temporal grounding",
+    "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def _alarm(signum, frame):
 
 
 def _watchdog(tid: int, armed: list, done: threading.Event):
-    """Outside the main thread: after MATH_TIMEOUT s raise MathTimeout in thread `tid`, again every 50 ms while armed."""
+    """Outside the main thread: after MATH_TIMEOUT s raise MathTimeout in thread `tid`, then every 50 ms while armed."""
     wait = MATH_TIMEOUT
     while not done.wait(wait) and armed[0]:
         with _ARM_LOCK:  # injects only while armed: acc_math disarms, then clears under the same lock
@@ -396,7 +396,9 @@ def mean_box_iou(pred: dict, gt: dict) -> float:
 def acc_st(ans, s):
     x, g = parse_json(ans), parse_json(ground_truth(s))
     span, boxes = as_span(x), as_boxes(x)
-    return None if span is None or boxes is None else 0.5 * iou_1d(span, as_span(g)) + 0.5 * mean_box_iou(boxes, as_boxes(g))
+    if span is None or boxes is None:
+        return None
+    return 0.5 * iou_1d(span, as_span(g)) + 0.5 * mean_box_iou(boxes, as_boxes(g))
 
 
 def acc_tracking(ans, s):

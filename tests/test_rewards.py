@@ -82,6 +82,7 @@ def test_extract_answer(text, want):
 # ---------------------------------------------------------------------------------------------------
 # table-driven cases per problem type: (type, completion's answer, ground truth or None, accuracy; None = parse failure)
 ROUGE_EX = ((5 / 6) + 0.6 + (5 / 6)) / 3  # "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
+BOMB = "<!DOCTYPE s [<!ENTITY a0 'xxxxxxxxxx'>" + "".join(f"<!ENTITY a{i} '{f'&a{i - 1};' * 10}'>" for i in range(1, 10)) + "]><s>&a9;</s>"
 CASES = [
     ("multiple choice", "B", None, 1.0), ("multiple choice", "(B)", None, 1.0), ("multiple choice", "b", None, 1.0),
     ("multiple choice", "B.", None, 1.0), ("multiple choice", "B. a dog is running", None, 1.0),
@@ -157,6 +158,8 @@ CASES = [
     ("code", "def f(x):\n    return x + 1", None, 1.0), ("code", "```python\nprint('hi')\n```", None, 1.0),
     ("code", "def f(:\n  pass", None, 0.0), ("code", "print('unclosed", None, 0.0), ("code", "x = '\\d'", None, 1.0),
     ("svg-code", '<svg width="10"><rect x="1"/></svg>', "<svg/>", 1.0), ("svg-code", "<svg><rect></svg>", "<svg/>", 0.0),
+    ("svg-code", BOMB, "<svg/>", 0.0),  # expat refuses the billion laughs (in ~0.2 s)
+    ("svg-code", '<!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/passwd">]><s>&x;</s>', "<svg/>", 0.0),  # never fetched
     ("svg-code", '<!DOCTYPE s [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;"><!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;&b;&b;">]><s>&c;&c;&c;&c;&c;&c;&c;&c;</s>', "<svg/>", 1.0),
 ]
 
