@@ -1,0 +1,361 @@
+"""The RL algorithm family in train.py: hand-computed values, gradient checks, split invariance, smoke runs.
+
+    .venv/bin/python -m pytest -q tests/test_algos.py
+
+The pure functions are checked on small tensors against values worked out by hand (verl 0.9.1 definitions,
+../shared/reference/algorithms.md). Split invariance runs the real tiny model: the loss and gradient of a batch
+of 8 must not change when it is cut into 4 micro-batches of 2, nor under FSDP2 on 2 ranks (torchrun, gloo).
+The same torchrun job then runs 2 training steps of every configs/<algorithm>.yaml, one after the other in
+the same processes, sampling with the HF engine (a 3rd vLLM engine built in one torchrun process hung here;
+tests/test_train.py covers the vLLM path of the same loop).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train import (advantages, agg_loss, is_weight, kl_penalty, overlong_penalty, policy_loss,  # noqa: E402
+                   split_batch, whiten)
+
+ALGOS = ["grpo", "drgrpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gdpo"]
+COMBOS = [("ppo", "token-mean"), ("ppo", "seq-mean-token-sum"), ("ppo", "seq-mean-token-mean"),
+          ("ppo", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")]
+t = torch.tensor
+approx = pytest.approx
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+def test_grpo_group_stats_all_equal_and_singleton():
+    a = advantages(t([1., 0., 0., 1., 2., 2., 2., 2.]), 4, "grpo")
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert a.tolist() == approx([x * .5 / (s + 1e-6) for x in (1, -1, -1, 1)] + [0.0] * 4, abs=1e-6)  # all-equal: 0
+    assert advantages(t([3., -1.]), 1, "grpo").tolist() == approx([3 / (1 + 1e-6), -1 / (1 + 1e-6)])  # mean 0, std 1
+
+
+def test_drgrpo_rloo_remax():
+    r = t([1., 0., 0., 1.])
+    assert advantages(r, 4, "drgrpo").tolist() == approx([.5, -.5, -.5, .5])
+    assert advantages(r, 4, "rloo").tolist() == approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])  # r_i - mean of the others
+    assert advantages(t([2., 5.]), 1, "rloo").tolist() == [2., 5.]  # verl's loop version: no baseline
+    assert advantages(t([2., 5.]), 1, "drgrpo").tolist() == [2., 5.]
+    assert advantages(r, 4, "remax", baseline=t([1., 1., 0., 0.])).tolist() == [0., -1., 0., 1.]
+
+
+def masked_whiten_verl(x, lengths):
+    """verl's masked_whiten on the (B, T) broadcast of x, written out on tokens (the independent check)."""
+    T = int(max(lengths))
+    mask = (torch.arange(T)[None] < t(lengths)[:, None]).double()
+    v = x.double()[:, None].expand(-1, T)
+    n = mask.sum()
+    mean = (v * mask).sum() / n
+    var = (((v - mean) ** 2) * mask).sum() / n * n / (n - 1)
+    return ((v - mean) * torch.rsqrt(var + 1e-8))[:, 0]
+
+
+def test_whitening_estimators():
+    assert whiten(t([1., 0.]), t([1, 3])).tolist() == approx([1.5, -.5], abs=1e-6)  # by hand: mean 1/4, std 1/2
+    r, lens = t([1., 0., 0., 1., 3., 1., 0., 0.]), [4, 2, 7, 1, 3, 3, 5, 6]
+    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(masked_whiten_verl(r, lens).tolist(), abs=1e-5)
+    centered = t([.5, -.5, -.5, .5, 2., 0., -1., -1.])  # group means 0.5 and 1
+    assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens)).tolist() == \
+        approx(masked_whiten_verl(centered, lens).tolist(), abs=1e-5)
+
+
+def test_gdpo_normalizes_components_separately():
+    acc, fmt = t([1., 1., 0., 0.]), t([1., 0., 0., 0.])
+    a = advantages(acc + fmt, 4, "gdpo", lengths=t([2, 2, 2, 2]), components=[acc, fmt])
+    ga, gf = math.sqrt(3) / 2, 1.5  # per-component GRPO: acc -> +-0.866, fmt -> [1.5, -.5, -.5, -.5]
+    s = [ga + gf, ga - gf / 3, -ga - gf / 3, -ga - gf / 3]  # sums to 0
+    std = math.sqrt(2 * sum(x * x for x in s) / 7)  # over 8 tokens, unbiased: sum 2 x^2 / (8 - 1)
+    assert a.tolist() == approx([x / std for x in s], abs=1e-5)
+    grpo = advantages(acc + fmt, 4, "grpo")
+    assert not torch.allclose(a, grpo, atol=1e-3)  # the decoupled normalization is a different estimator
+
+
+def test_unknown_keywords_raise():
+    with pytest.raises(ValueError, match="adv_estimator"):
+        advantages(t([1., 0.]), 2, "grpoo")
+    with pytest.raises(ValueError, match="loss_type"):
+        policy_loss(t([[0.]]), t([[0.]]), t([1.]), t([[1.]]), "ppo2")
+    with pytest.raises(ValueError, match="loss_agg"):
+        agg_loss(t([[1.]]), t([[1.]]), "token-sum", 1, 1, 1)
+    with pytest.raises(ValueError, match="kl_type"):
+        kl_penalty(t([0.]), t([0.]), "k4")
+
+
+# ----------------------------------------------------------------------------------------------- policy losses
+def grad_of(loss_type, logp0, old, adv, mask, agg="token-mean", **kw):
+    logp = logp0.clone().requires_grad_(True)
+    tok, clipped = policy_loss(logp, old, adv, mask, loss_type, **kw)
+    loss = agg_loss(tok, mask, agg, mask.sum().item(), float((mask.sum(-1) > 0).sum()), 8)
+    loss.backward()
+    return loss.item(), logp.grad, tok.detach(), clipped
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo"])
+def test_on_policy_is_plain_policy_gradient(loss_type):
+    logp = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    adv, mask = t([1., -2., .5]), t([[1., 1., 1., 0.], [1., 1., 0., 0.], [1., 1., 1., 1.]])
+    _, g, _, clipped = grad_of(loss_type, logp, logp.clone(), adv, mask)
+    assert torch.allclose(g, -adv[:, None] * mask / mask.sum(), atol=1e-7)  # grad of -A logp, token-mean
+    assert clipped.sum() == 0
+
+
+def test_ppo_clip_boundaries_and_dual_clip():
+    ratio = t([[0.5, 1.1, 1.28, 1.3], [0.5, 0.8, 2.0, 4.0]])
+    logp0, old, mask = ratio.log(), torch.zeros(2, 4), torch.ones(2, 4)
+    _, g, tok, clipped = grad_of("ppo", logp0, old, t([1., -1.]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    # A > 0: below 1 - eps is not clipped (pessimistic max), above 1 + eps is; exactly at the bound is not
+    # A < 0: below 1 - eps is clipped (loss 0.8), above is not, and above c the loss stops at c |A| (dual clip)
+    assert tok.tolist() == [approx([-0.5, -1.1, -1.28, -1.28]), approx([0.8, 0.8, 2.0, 3.0])]
+    assert clipped.tolist() == [[0., 0., 0., 1.], [1., 0., 0., 0.]]
+    has_grad = (g.abs() > 0).tolist()
+    assert has_grad == [[True, True, True, False], [False, True, True, False]]
+    assert g[0, 1].item() == approx(-1.1 / 8)  # d(-A r)/dlogp = -A r, token-mean over 8 tokens
+    _, _, tok_nodual, _ = grad_of("ppo", logp0, old, t([1., -1.]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=0)
+    assert tok_nodual[1, 3].item() == approx(4.0)  # dual clip off
+
+
+def test_gspo_gradient_is_sequence_level():
+    g0 = torch.Generator().manual_seed(1)
+    mask, adv = t([[1., 1., 1., 0., 0.], [1.] * 5, [1., 1., 0., 0., 0.]]), t([1., -1., 0.5])
+    noise = torch.randn(3, 5, generator=g0) * 0.1 * mask
+    noise = noise - (noise.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)) * mask  # zero mean per row
+    logp0 = torch.randn(3, 5, generator=g0) - 2
+    old = logp0 - noise - t([[math.log(1.02)], [math.log(1.2)], [math.log(1.2)]])  # s = 1.02, 1.2, 1.2
+    loss, g, _, clipped = grad_of("gspo", logp0, old, adv, mask, "seq-mean-token-mean", clip_low=0.05, clip_high=0.05)
+    # the paper's objective: -(1/B) sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t(logp - old))
+    logp = logp0.clone().requires_grad_(True)
+    s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    ref = -torch.minimum(s * adv, s.clamp(0.95, 1.05) * adv).mean()
+    ref.backward()
+    assert s.tolist() == approx([1.02, 1.2, 1.2], abs=1e-5)
+    assert loss == approx(ref.item(), abs=1e-6)
+    assert torch.allclose(g, logp.grad, atol=1e-7)
+    # every token of a row gets the same gradient s_i A_i / (B |y_i|): inside the clip range, and A < 0 above it
+    assert g[0, :3].tolist() == approx([-1.02 / 9] * 3) and g[1].tolist() == approx([1.2 / 15] * 5)
+    assert (g[2] == 0).all() and clipped[2, :2].tolist() == [1., 1.]  # A > 0 above 1 + eps: clipped
+
+
+def test_cispo_weight_is_clipped_and_detached():
+    ratio = t([[0.5, 1.0, 1.5]])
+    logp0, old, mask, adv = ratio.log() - 1, torch.full((1, 3), -1.0), torch.ones(1, 3), t([2.0])
+    _, g, tok, clipped = grad_of("cispo", logp0, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    w = t([[0.8, 1.0, 1.2]])
+    assert torch.allclose(tok, -w * 2.0 * logp0)
+    assert torch.allclose(g, -w * 2.0 / 3)  # exactly -clip(r) A / N: no gradient through the weight
+    assert clipped.tolist() == [[1., 0., 1.]]
+
+
+# ----------------------------------------------------------------------------------------------- aggregation, KL, IS
+def test_agg_modes_by_hand_all_masked_row():
+    x = t([[1., 2., 3.], [4., 0., 0.], [9., 9., 9.]])
+    mask = t([[1., 1., 0.], [1., 0., 0.], [0., 0., 0.]])  # last row fully masked: not a sequence
+    assert agg_loss(x, mask, "token-mean", 3, 2, 3).item() == approx(7 / 3)
+    assert agg_loss(x, mask, "seq-mean-token-sum", 3, 2, 3).item() == approx(3.5)
+    assert agg_loss(x, mask, "seq-mean-token-mean", 3, 2, 3).item() == approx(2.75)
+    assert agg_loss(x, mask, "seq-mean-token-sum-norm", 3, 2, 4).item() == approx(7 / 8)
+
+
+def test_kl_estimators():
+    logp, ref = t([0.0, 0.0, -50.0]), t([math.log(0.5), 0.0, 0.0])
+    d = -math.log(0.5)
+    assert kl_penalty(logp, ref, "k1").tolist() == approx([d, 0, -50])
+    assert kl_penalty(logp, ref, "abs").tolist() == approx([d, 0, 50])
+    assert kl_penalty(logp, ref, "k2").tolist() == approx([d * d / 2, 0, 1250])
+    assert kl_penalty(logp, ref, "k3").tolist() == approx([0.5 + d - 1, 0, 10.0], abs=1e-6)  # clamps: +-20 in, 10 out
+
+
+def test_truncated_importance_weights():
+    old = t([[math.log(3), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
+    rollout = t([[0.0, 0.0, 0.0], [float("nan")] * 3])  # second row: offline, no sampler log-probs
+    mask = t([[1., 1., 0.], [1., 1., 1.]])
+    assert is_weight(old, rollout, mask, "token", 2.0).tolist() == [approx([2.0, 0.5, 0.0]), [1., 1., 1.]]
+    assert is_weight(old, rollout, mask, "token", 2.0, "mask").tolist() == [approx([0.0, 0.5, 0.0]), [1., 1., 1.]]
+    assert is_weight(old, rollout, mask, "sequence", 2.0).tolist() == [approx([1.5, 1.5, 0.0]), [1., 1., 1.]]
+    assert is_weight(old, rollout, mask, "sequence", 1.2).tolist() == [approx([1.2, 1.2, 0.0]), [1., 1., 1.]]
+
+
+def test_overlong_penalty_and_split():
+    assert [overlong_penalty(n, 12, 4) for n in (3, 8, 10, 12, 13)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert split_batch(8, 1, 8) == [[list(range(8))]]
+    assert split_batch(8, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert split_batch(7, 2, 4) == [[[0, 1, 2]], [[3, 4, 5, 6]]]
+
+
+@pytest.mark.parametrize("loss_type,agg", COMBOS)
+def test_micro_batch_invariance_tensors(loss_type, agg):
+    """Summed over micro-batches with global counts, the loss and gradient equal the whole batch's."""
+    g0 = torch.Generator().manual_seed(2)
+    logp0, old = torch.randn(8, 6, generator=g0) * 0.3 - 3, torch.randn(8, 6, generator=g0) * 0.3 - 3
+    lens = t([6, 0, 3, 1, 5, 2, 6, 4])
+    mask, adv = (torch.arange(6)[None] < lens[:, None]).float(), torch.randn(8, generator=g0)
+    n_tok, n_seq = mask.sum().item(), float((lens > 0).sum())
+    out = []
+    for parts in ([slice(0, 8)], [slice(i, i + 2) for i in range(0, 8, 2)]):
+        logp, total = logp0.clone().requires_grad_(True), 0.0
+        for p in parts:
+            tok, _ = policy_loss(logp[p], old[p], adv[p], mask[p], loss_type)
+            loss = agg_loss(tok, mask[p], agg, n_tok, n_seq, 6)
+            loss.backward()
+            total += loss.item()
+        out.append((total, logp.grad))
+    assert out[0][0] == approx(out[1][0], abs=1e-6) and torch.allclose(out[0][1], out[1][1], atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------- real model
+def model_batch(model_dir, data_dir):
+    """Processor, 8 rollouts (2 video prompts x 4 random responses, one empty) and advantages: deterministic."""
+    import data
+    from conftest import tiny_config
+    from rollout import Rollout, vision_token_ids
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(model_dir)
+    cfg = tiny_config(model=model_dir)
+    samples = [s for s in data.load_samples(f"{data_dir}/train.jsonl") if s.get("videos")][:2]
+    prompts = [data.prepare(s, processor, cfg) for s in samples]
+    banned = vision_token_ids(processor.tokenizer)
+    allowed = t([i for i in range(300) if i not in banned])
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for i, n in enumerate([5, 1, 3, 0, 4, 2, 5, 3]):
+        ids = allowed[torch.randint(len(allowed), (n,), generator=g)].tolist()
+        logp = (torch.randn(n, generator=g) * 0.8 - 6).tolist()  # the "sampler" log-probs
+        rollouts.append(Rollout(prompts[i // 4], ids, logp, "", "stop"))
+    return processor, rollouts, torch.randn(8, generator=g), banned
+
+
+def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_batch_size):
+    """Loss and full gradients of the batch `rollouts` (this rank's rows) cut into micro-batches, as main() does."""
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from train import collate, global_counts, micro_loss
+    cfg = tiny_config(loss_type=loss_type, loss_agg=agg, kl_coef=0.1, entropy_coef=0.01, tis="token", tis_cap=1.2,
+                      max_response_len=8)
+    tok, world = processor.tokenizer, dist.get_world_size() if dist.is_initialized() else 1
+    plan = split_batch(len(rollouts), 1, micro_batch_size)[0]
+    batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, tok, torch.device("cpu")) for mb in plan]
+    n_tok, n_seq = global_counts(batches)
+    total = torch.zeros(1, dtype=torch.float64)
+    for mb, b in zip(plan, batches):
+        rl = b["rollout_logp"].nan_to_num()
+        old = rl + 0.3 * torch.sin(13 * rl)  # a trainer/sampler mismatch, elementwise: split-independent
+        loss, _ = micro_loss(model, b, adv[mb], old, old - 0.2, cfg, banned, n_tok, n_seq)
+        (loss * world).backward()
+        total += loss.item()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total.item(), grads
+
+
+def assert_same(a, b):
+    assert a[0] == approx(b[0], rel=1e-5, abs=1e-7)
+    assert a[1].keys() == b[1].keys() and len(a[1]) > 10
+    for k in a[1]:
+        tol = 1e-5 * a[1][k].abs().max().item() + 1e-9
+        assert torch.allclose(a[1][k], b[1][k], atol=tol, rtol=1e-4), k
+
+
+@pytest.fixture(scope="module")
+def algo_data():
+    import make_synthetic_data
+    from conftest import ROOT
+    out = os.path.join(ROOT, ".cache/data/test_algos")
+    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_grads(tiny_model, algo_data):
+    from conftest import tiny_config
+    from train import load_model
+    model = load_model(tiny_config(model=tiny_model), torch.device("cpu"))
+    processor, rollouts, adv, banned = model_batch(tiny_model, algo_data)
+    return {combo: split_grads(model, processor, rollouts, adv, banned, *combo, 8) for combo in COMBOS}, \
+        (model, processor, rollouts, adv, banned)
+
+
+def test_micro_batch_invariance_real_model(reference_grads):
+    ref, (model, processor, rollouts, adv, banned) = reference_grads
+    for combo in COMBOS:
+        assert_same(ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 2))
+    assert ref[COMBOS[0]][0] != approx(ref[COMBOS[1]][0])  # the modes do aggregate differently
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tiny_model, algo_data, tmp_path_factory):
+    """One 2-rank torchrun job: the FSDP2 gradients of the invariance batch, then 2 steps of every algorithm."""
+    from conftest import ROOT
+    out = tmp_path_factory.mktemp("algos")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), str(out), tiny_model, algo_data]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return out
+
+
+def test_rank_invariance_fsdp2(reference_grads, torchrun_job):
+    got = torch.load(torchrun_job / "grads.pt", weights_only=True)
+    for combo in COMBOS:
+        loss, grads = got["/".join(combo)]
+        assert_same(reference_grads[0][combo], (loss.item(), grads))
+
+
+def metrics(out, name):
+    return [json.loads(line) for line in open(out / name / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("name", ALGOS)
+def test_two_step_smoke(torchrun_job, name):
+    rows = metrics(torchrun_job, name)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "entropy", "kl", "clipfrac"))
+        assert r["mismatch/mean"] < 1e-4  # the HF engine samples from the training model itself
+    if name == "dapo":  # no offline mix here: the random model's groups are all-equal, dropped, then refilled
+        assert 1 <= rows[0]["dyn/rounds"] <= 2 and rows[0]["dyn/dropped"] >= rows[0]["dyn/refilled"]
+        assert rows[0]["zero_std_groups"] * 4 == rows[0]["dyn/refilled"]  # kept groups all have reward spread
+        assert "reward/overlong" in rows[0] and rows[0]["tis/weight"] == approx(1.0, abs=1e-3)
+    else:
+        assert rows[0]["dyn/rounds"] == 1 and rows[0]["grad_norm"] > 0  # the offline answer gives a signal
+    if name == "remax":
+        assert "reward/greedy" in rows[0]
+    if name in ("grpo", "reinforce_pp_baseline", "reinforce_pp"):  # reference == policy at step 1 only
+        assert abs(rows[0]["kl"]) < 1e-6 and abs(rows[1]["kl"]) > 0
+
+
+def torchrun_main(out, model_dir, data_dir):
+    """Under torchrun: rank r takes rows [4r, 4r + 4) of the invariance batch in micro-batches of 2, then
+    runs each algorithm config for 2 steps in this same process."""
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from train import init_dist, load_config, load_model, main
+    rank, world, device = init_dist()
+    model = load_model(tiny_config(model=model_dir), device)
+    processor, rollouts, adv, banned = model_batch(model_dir, data_dir)
+    rows = slice(4 * rank, 4 * rank + 4)
+    got = {"/".join(c): split_grads(model, processor, rollouts[rows], adv[rows], banned, *c, 2) for c in COMBOS}
+    if rank == 0:
+        torch.save({k: (torch.tensor(v[0]), v[1]) for k, v in got.items()}, os.path.join(out, "grads.pt"))
+    del model
+    for name in ALGOS:
+        extra = ["--no-mix-offline", "--max-gen-rounds", "2"] if name == "dapo" else []
+        main(load_config(["--config", f"configs/{name}.yaml", "--model", model_dir, "--train-data",
+                          f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", os.path.join(out, name),
+                          "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--no-save",
+                          "--cache-dir", os.path.join(out, "frames"), "--micro-batch-size", "4", "--rollout", "hf", *extra]))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torchrun_main(*sys.argv[1:4])
