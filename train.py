@@ -629,11 +629,10 @@ def main(cfg: Config):
         t1 = time.time()
         plan = split_batch(len(rollouts), cfg.mini_batches, cfg.micro_batch_size)
         batches = [[collate([rollouts[j] for j in mb], tok.pad_token_id, tok, device) for mb in mini] for mini in plan]
+        logps = lambda m, on: [[token_logp(m, b, cfg.temperature, banned)[0] if on else None for b in mini]  # noqa: E731
+                               for mini in batches]
         with torch.no_grad():
-            old_logps = [[token_logp(model, b, cfg.temperature, banned)[0] if need_old else None for b in mini]
-                         for mini in batches]
-            ref_logps = [[token_logp(ref, b, cfg.temperature, banned)[0] if ref else None for b in mini]
-                         for mini in batches]
+            old_logps, ref_logps = logps(model, need_old), logps(ref, ref is not None)
         kl_reward = torch.zeros_like(reward)
         if cfg.kl_in_reward and ref is not None:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_reward = torch.cat([(kl_penalty(o, r, cfg.kl_type) * b["mask"]).sum(-1).cpu() for mo, mr, mb in
