@@ -201,19 +201,27 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     return Prompt(sample, text, ids, dict(out), videos, images)
 
 
-def dummy_vision_inputs(processor) -> dict:
-    """One tiny image (one merged 2x2 patch block of zeros) as a complete model input, CPU tensors.
+def dummy_prompts(processor) -> dict:
+    """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch
+    block; a video of one temporal patch), for rows that carry no response and no loss.
 
-    FSDP2 all-gathers each vision block when it runs; a rank whose micro-batch holds no image or video
-    would skip the tower while the others wait in its collectives (a hang), and its grads would miss the
-    reduce-scatter. The trainer runs this through the model and adds 0 * its output to the loss, so every
-    parameter takes part in every step with no effect on the gradient."""
-    f = vision_factor(processor)
-    text = "<|vision_start|><|image_pad|><|vision_end|>"
-    out = processor(text=[text], images=[torch.zeros(3, f, f, dtype=torch.uint8)], return_tensors="pt", do_resize=False)
-    ids = out.pop("input_ids")
-    out.pop("mm_token_type_ids", None)
-    return dict(input_ids=ids, attention_mask=out.pop("attention_mask"), mm=dict(out))
+    Qwen-VL runs its vision tower once for the images and once for the videos of a forward, and FSDP2
+    all-gathers every vision block at each run. Ranks whose micro-batches differ in modalities would
+    issue different collectives (a hang, or gloo's "collective mismatch") and miss gradient
+    reduce-scatters. The trainer appends one of these rows for each modality a micro-batch lacks, so
+    every forward on every rank runs the same modules in the same order."""
+    f, tok = vision_factor(processor), processor.tokenizer
+    meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
+    out = {}
+    for kind, pad, kw in (("image", "<|image_pad|>", dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)])),
+                          ("video", "<|video_pad|>", dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)],
+                                                          video_metadata=[meta], do_sample_frames=False))):
+        text = f"<|vision_start|>{pad}<|vision_end|>"
+        mm = processor(text=[text], return_tensors="pt", do_resize=False, **kw)
+        ids = mm.pop("input_ids")[0].tolist()
+        mm.pop("attention_mask", None), mm.pop("mm_token_type_ids", None)
+        out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, dict(mm))
+    return out
 
 
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):

@@ -78,25 +78,51 @@ def test_marker_places_media_in_the_prompt(processor, media):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
-def test_dummy_vision_input_touches_every_parameter_with_zero_grad(arch):
-    """The zero-weight pass gives every parameter a gradient tensor (so FSDP reduce-scatters it on every
-    rank) and changes no gradient value."""
+def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
+    """Appending the response-less image and video rows gives every parameter a gradient tensor (so FSDP
+    reduce-scatters it on every rank) and leaves every gradient value as it was."""
     import make_tiny_model
+    import train
+    from rollout import Rollout, vision_token_ids
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from rollout import mm_token_types
     d = make_tiny_model.ensure(arch, root=os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache/models"))
     proc, model = AutoProcessor.from_pretrained(d), AutoModelForImageTextToText.from_pretrained(d)
-    x = data.dummy_vision_inputs(proc)
-    ids = torch.tensor([proc.tokenizer.encode("hello there")])
-    text_loss = model(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits.float().logsumexp(-1).mean()
-    text_loss.backward()
-    ref = {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
-    assert any(g is None for g in ref.values())  # text alone leaves the vision tower out
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"],
-                mm_token_type_ids=mm_token_types(x["input_ids"], proc.tokenizer), **x["mm"])
-    (model(input_ids=ids, mm_token_type_ids=torch.zeros_like(ids)).logits.float().logsumexp(-1).mean()
-     + 0 * out.logits.sum()).backward()
-    for n, q in model.named_parameters():
-        assert q.grad is not None, n
-        assert torch.equal(q.grad, ref[n] if ref[n] is not None else torch.zeros_like(q)), n
+    tok = proc.tokenizer
+    text = data.prepare(sample(data_type="text"), proc, tiny_config(model=d))
+    rows = [Rollout(text, [30, 31, 32], None, "", "stop")]
+    grads = []
+    for dummies in (None, data.dummy_prompts(proc)):
+        model.zero_grad(set_to_none=True)
+        b = train.collate(rows, tok.pad_token_id, tok, "cpu", dummies)
+        assert b["input_ids"].shape[0] == (1 if dummies is None else 3) and b["mask"].shape[0] == 1
+        logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
+        (-(logp * b["mask"]).sum()).backward()
+        grads.append({n: q.grad for n, q in model.named_parameters()})
+    assert any(g is None for g in grads[0].values())  # text alone leaves the vision tower out
+    for n, g in grads[1].items():
+        assert g is not None, n
+        ref = grads[0][n] if grads[0][n] is not None else torch.zeros_like(g)
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["split", "uneven"])
+def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_model, synth, layout):
+    """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
+    image and a video (the tower runs twice), rank 1 text only (without the dummy rows: a collective
+    mismatch). Each finishes and its gradient equals one process computing all the rows."""
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["tests/grad_worker.py", tiny_model, os.path.join(synth, "train.jsonl")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for cmd in ([sys.executable, *args, str(tmp_path / "ref.safetensors"), layout],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args,
+                 str(tmp_path / "fsdp.safetensors"), layout]):
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    ref, got = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "fsdp.safetensors")
+    assert ref.keys() == got.keys()
+    assert any(k.startswith("model.visual.blocks") and ref[k].abs().sum() > 0 for k in ref)  # vision got gradient
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)

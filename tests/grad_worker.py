@@ -1,0 +1,49 @@
+"""Worker for tests/test_joint.py: one forward/backward of fixed rollouts; rank 0 writes the full gradients.
+
+    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors split   # rank 0 image, rank 1 video
+    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors uneven  # rank 0 image+video, rank 1 text
+    python tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors                              # reference: all rows, one process
+"""
+import os
+import sys
+
+import torch
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+import data  # noqa: E402
+import train  # noqa: E402
+from conftest import tiny_config  # noqa: E402
+from rollout import Rollout, vision_token_ids  # noqa: E402
+
+
+def main(model_dir, data_path, out, layout="split"):
+    from safetensors.torch import save_file
+    from transformers import AutoProcessor
+    rank, world, device = train.init_dist()
+    cfg = tiny_config(model=model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    tok = processor.tokenizer
+    samples = data.load_samples(data_path)
+    pick = [next(s for s in samples if s.get("images")), next(s for s in samples if s.get("videos")),
+            dict(samples[0], videos=[], images=[], data_type="text")]
+    rollouts = [Rollout(data.prepare(s, processor, cfg), ids, None, "", "stop")
+                for s, ids in zip(pick, ([30, 31, 32], [40, 41], [50, 51, 52]))]
+    parts = {"split": [[0], [1]], "uneven": [[0, 1], [2]]}[layout]
+    mine = [rollouts[i] for i in (sum(parts, []) if world == 1 else parts[rank])]
+    torch.manual_seed(0)
+    model = train.load_model(cfg, device)
+    n = sum(len(rollouts[i].response_ids) for i in sum(parts, []))
+    b = train.collate(mine, tok.pad_token_id, tok, device, data.dummy_prompts(processor) if world > 1 else None)
+    logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
+    loss = -(logp * b["mask"]).sum() / n * world  # n response tokens in all; FSDP averages grads over ranks
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).contiguous()
+             for n, p in model.named_parameters()}  # full_tensor is a collective: every rank calls it
+    if rank == 0:
+        save_file(grads, out)
+    if world > 1:
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
