@@ -266,20 +266,12 @@ _SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(?:s|sec|seconds)?\s*(?:-|–|to)\s*(\d+(
 def score(response: str, s: dict, ad: dict) -> tuple[str | None, float | None]:
     """(parsed answer, score in [0, 1]); score None = unparseable (counted, scored 0)."""
     t = rewards.canonical_type(s["problem_type"])
-    text = (response or "")[:rewards.MAX_LEN]
+    text = (response or "")[-rewards.MAX_LEN:]  # the answer is at the end
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
     ans = rewards.extract_answer(text) or text.strip()  # eval prompts ask for a bare letter/number: no tags
     if t == "temporal grounding" and rewards.as_span(rewards.parse_json(ans)) is None and (m := _SPAN.search(ans)):
         ans = json.dumps({"time": sorted(float(x) for x in m.groups())})  # "12.3 - 25.7 seconds" (lmms-eval style)
-    if t == "spatial-temporal grounding":  # EasyVideoR1/STVG: 0.5 tIoU + 0.5 box IoU over seconds in both
-        x, g = rewards.parse_json(ans), rewards.parse_json(rewards.ground_truth(s))
-        span, boxes, gb = rewards.as_span(x), rewards.as_boxes(x), rewards.as_boxes(g)
-        if span is None:
-            return None, None
-        both = [k for k in gb if boxes and k in boxes]
-        box = sum(rewards.iou_box(boxes[k], gb[k]) for k in both) / len(both) if both else 0.0
-        return json.dumps(x), 0.5 * rewards.iou_1d(span, rewards.as_span(g)) + 0.5 * box
     try:
         v = rewards.ACCURACY.get(t, rewards.acc_open)(ans, s)
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, RecursionError, OverflowError):
