@@ -1,0 +1,149 @@
+"""What the frame cache buys on realistic videos: 1280x720, 30 fps, one each of 30/60/90/120 s (synthetic
+color-task clips from scripts/make_synthetic_data.py), with one frame setting throughout (FRAMES: 2 fps, <= 16
+frames, as Video-R1 trains, at the tiny model's 3136-pixel budget).
+
+    .venv/bin/python bench/cache.py          # about 5 minutes on 2 cores (--steps 6 --seconds 30,60,90,120)
+
+1. `python cache.py` builds a cold cache for the clips (its summary line is printed).
+2. per-sample load: cache.load_video(mode=decode_only) vs the warm cache, per clip.
+3. `torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml` on the tiny model, all clips every step
+   (--prompts-per-step = the clip count, FRAMES), once with --video-source decode_only, once with the warm cache; time/step
+   is the median over steps 2.. (step 1 warms up). The warm run must do 0 decodes per step.
+Prints a table of both with their ratio; the last line is `cache step speedup: <ratio>x`.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+# Video-R1's training sampling (2 fps, <= 16 frames) at the tiny model's pixel budget (tiny_cpu.yaml's)
+FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
+FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]  # train.py's
+BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+
+
+def make_clips(out: str, seconds: list[int]) -> str:
+    """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all."""
+    import make_synthetic_data
+    rows = []
+    for s in seconds:
+        d = os.path.join(out, f"{s}s")
+        paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30, seconds=s)
+        for line in open(paths["train"]):
+            row = json.loads(line)
+            rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
+    with open(os.path.join(out, "train.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return os.path.join(out, "train.jsonl")
+
+
+def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, out: str) -> list[dict]:
+    """A real 2-rank run; returns metrics.jsonl's rows."""
+    shutil.rmtree(out, ignore_errors=True)
+    n = sum(1 for _ in open(data))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", data, "--val-data", "",
+           "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step", str(n), "--eval-every", "0",
+           "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", default="30,60,90,120", help="clip durations, one clip each")
+    ap.add_argument("--steps", type=int, default=6, help="train steps per run (the first is not timed)")
+    ap.add_argument("--out", default=os.path.join(ROOT, ".cache/bench/cache"))
+    a = ap.parse_args()
+    import cache
+    import make_tiny_model
+    t0 = time.time()
+    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    train_jsonl = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
+    videos = [json.loads(line)["videos"][0] for line in open(train_jsonl)]
+    print(f"{len(videos)} clips 1280x720 30 fps, {a.seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
+
+    # ---- 1. the preprocessing command, into a cold cache
+    frames_dir = os.path.join(a.out, "frames")
+    shutil.rmtree(frames_dir, ignore_errors=True)
+    flags = [x for k, v in FRAMES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    p = subprocess.run([sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")
+    print("$ python cache.py ...:", p.stdout.strip(), flush=True)
+
+    # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
+    cache.load_video(videos[0], **FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
+    load = {}
+    for name, settings, d in (("bench", FRAMES, frames_dir), ("qwen2_5_vl_7b", BIG, os.path.join(a.out, "frames_7b"))):
+        decode_s, cached_s = [], []
+        for v in videos:
+            t = time.perf_counter()
+            ref = cache.load_video(v, **settings, mode="decode_only")
+            decode_s.append(time.perf_counter() - t)
+            file = cache.entry_path(d, v, {**settings, "total_pixels": 0})
+            if not os.path.exists(file):  # the 7B settings had no preprocessing run: store what was just decoded
+                os.makedirs(os.path.dirname(file), exist_ok=True)
+                cache.write_entry(file, *ref)
+            t = time.perf_counter()
+            for _ in range(5):
+                frames, meta = cache.load_video(v, **settings, cache_dir=d, mode="cache_only")
+            cached_s.append((time.perf_counter() - t) / 5)
+            assert (frames == ref[0]).all() and meta == ref[1], f"{v}: cached frames differ from decoded ones"
+        load[name] = (decode_s, cached_s, frames)
+        print(f"per-sample load at {name} settings measured ({sum(decode_s):.0f}s of decoding)", flush=True)
+
+    # what train.py does per sample before vLLM: frames + chat template + processor (data.prepare), both ways
+    import data
+    from train import load_config
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(model)
+    prep_s = {}
+    for src in ("decode_only", "prefer_cache"):
+        cfg = load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--cache-dir", frames_dir,
+                           "--video-source", src, *FLAGS])
+        t = time.perf_counter()
+        for s in data.load_samples(train_jsonl):
+            data.prepare(s, processor, cfg)
+        prep_s[src] = (time.perf_counter() - t) / len(videos)
+
+    # ---- 3. training steps: decode_only vs the warm cache
+    runs = {src: train_steps(model, train_jsonl, frames_dir, src, a.steps, os.path.join(a.out, f"run_{src}"))
+            for src in ("decode_only", "prefer_cache")}
+    warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]
+    assert warm_decodes == [0] * a.steps, f"a warm cache must not decode: cache/decode per step {warm_decodes}"
+    med = {src: {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith(("time/", "cache/"))}
+            for src, rows in runs.items()}
+    ms = lambda xs: 1000 * statistics.mean(xs)  # noqa: E731
+    lines = [(f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB", ms(dec), ms(c))
+             for k, (dec, c, f) in load.items()]
+    lines.append(("prepare/sample (ms): frames+template+processor", 1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
+    times = [k for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync") if k in med["prefer_cache"]]
+    lines += [(f"train {k} (s, median steps 2-{a.steps})", med["decode_only"][k], med["prefer_cache"][k]) for k in times]
+    lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
+              for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
+    print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
+    print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
+    for name, dec, warm in lines:
+        ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
+        print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
+    w = med["prefer_cache"]
+    parts = ", ".join(f"{k[5:]} {w[k]:.2f}" for k in times[1:])
+    print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} prepares "
+          f"and vLLM sampling. bench total {time.time() - t0:.0f}s")
+    print(f"cache step speedup: {med['decode_only']['time/step'] / w['time/step']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
