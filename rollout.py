@@ -18,6 +18,7 @@ holding them cannot be fed back through the model), and both report log-probs of
 distribution: softmax(logits / T) with those tokens at -inf. The trainer computes the same quantity,
 so `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -39,6 +40,17 @@ class Rollout:
     finish: str = "stop"             # "stop" | "length" | "offline"
 
 
+def request_seed(*parts) -> int:
+    """A sampling seed from (cfg.seed, step, rank, prompt index): what a request samples does not depend on what
+    ran before it, so a resumed run samples exactly what the uninterrupted run did."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def failed(prompts: list, e: Exception) -> RuntimeError:
+    """An engine failure (OOM, a crashed worker, bad input) names the samples it was generating."""
+    return RuntimeError(f"rollout failed for samples {[p.sample['id'] for p in prompts]}: {type(e).__name__}: {e}")
+
+
 def vision_token_ids(tokenizer) -> list[int]:
     ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
@@ -52,7 +64,8 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tp, self.tokenizer = tp, tokenizer
+        self.tp, self.tokenizer, self.seed, self.rank = tp, tokenizer, seed, rank
+        self.step = 0  # set by the trainer each step: part of every request's sampling seed
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
@@ -69,9 +82,14 @@ class VLLMEngine:
     def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
         from vllm import SamplingParams
         self.wake()
-        sp = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                            allowed_token_ids=self.allowed, skip_special_tokens=True)
-        outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
+        # a TP group generates together: its ranks must pass identical requests, seeds included
+        sp = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, skip_special_tokens=True,
+                             allowed_token_ids=self.allowed, seed=request_seed(self.seed, self.step, self.rank // self.tp, i))
+              for i in range(len(prompts))]
+        try:
+            outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
+        except Exception as e:  # re-raised with the sample ids, never swallowed
+            raise failed(prompts, e) from e
         rollouts = []
         for p, out in zip(prompts, outs):
             # vLLM expanded the placeholders itself: it must have built exactly the trainer's prompt
@@ -118,9 +136,10 @@ class VLLMEngine:
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model."""
 
-    def __init__(self, model, tokenizer, eos_ids: list[int]):
+    def __init__(self, model, tokenizer, eos_ids: list[int], seed: int = 0):
         self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
         self.banned = vision_token_ids(tokenizer)
+        self.seed, self.step = seed, 0  # the trainer sets step: each prompt samples from request_seed(...)
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
@@ -134,13 +153,16 @@ class HFEngine:
             self.model.unshard()
         try:
             return self._generate(prompts, n, temperature, max_tokens, device, synced)
+        except Exception as e:  # re-raised with the sample ids, never swallowed
+            raise failed(prompts, e) from e
         finally:
             if hasattr(self.model, "reshard"):
                 self.model.reshard()
 
     def _generate(self, prompts, n, temperature, max_tokens, device, synced) -> list[Rollout]:
-        rollouts = []
-        for p in prompts:
+        rollouts, rank = [], dist.get_rank() if dist.is_initialized() else 0
+        for i, p in enumerate(prompts):
+            torch.manual_seed(request_seed(self.seed, self.step, rank, i))
             ids = torch.tensor([p.prompt_ids] * n, device=device)
             # pixel rows, grids and per-video tensors all stack along dim 0: n copies of the sample's media
             mm = {k: v.repeat(n, *[1] * (v.dim() - 1)).to(device) for k, v in p.mm.items()}

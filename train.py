@@ -33,9 +33,13 @@ The math follows verl 0.9.1 (../shared/reference/algorithms.md). Deviations, on 
 5. Dynamic sampling never fails a step: after max_gen_rounds the batch is filled up with dropped
    (all-equal) groups, counted in dyn/refilled. The TIS mask mode drops weights above the cap only.
 """
+import datetime
+import itertools
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -84,6 +88,16 @@ class Config:
     """min pixels per image"""
     image_max_pixels: int = 1003520
     """max pixels per image"""
+    val_video_fps: float = 0.0
+    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
+    val_video_max_frames: int = 0
+    """validation: max frames per video (0 = video_max_frames)"""
+    val_video_max_pixels: int = 0
+    """validation: max pixels per frame (0 = video_max_pixels)"""
+    val_video_total_pixels: int = 0
+    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
+    val_image_max_pixels: int = 0
+    """validation: max pixels per image (0 = image_max_pixels)"""
     video_source: str = "prefer_cache"
     """prefer_cache | cache_only | decode_only (see cache.py)"""
     cache_dir: str = ".cache/frames"
@@ -109,6 +123,11 @@ class Config:
     """sleep vLLM during the train phase where the platform supports it (CUDA)"""
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
+    mix_threshold: float = 0.0
+    """threshold mode: swap only when the group's online accuracy (mean over its n rollouts) is below this
+    (0 = always swap). The offline response is treated as on-policy: the probabilities of the policy that wrote it
+    are unknown, so its ratio is taken against the trainer's own old_logp (1 in the first update) and its TIS
+    weight is 1; its share, reward and advantage are logged apart as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -183,6 +202,15 @@ class Config:
     """save an HF-format checkpoint (loads in vLLM and transformers) at the end"""
     wandb_project: str = ""
     """wandb project ('' = off); offline mode when WANDB_API_KEY is unset"""
+    # --- long runs (checkpoint section)
+    save_every: int = 0
+    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = only on SIGTERM/SIGINT); export: scripts/export_hf.py"""
+    keep_last: int = 2
+    """checkpoints kept, older ones are deleted (0 = keep all)"""
+    resume: str = ""
+    """'' = start fresh | auto = the latest complete checkpoint in out_dir/ckpt (fresh if none) | a checkpoint folder"""
+    dist_timeout: float = 1800.0
+    """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
 
 
 def load_config(argv=None) -> Config:
@@ -199,7 +227,7 @@ def load_config(argv=None) -> Config:
     return tyro.cli(Config, default=base, args=argv)
 
 
-def init_dist():
+def init_dist(timeout_s: float = 1800.0):
     """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,7 +235,8 @@ def init_dist():
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     if not dist.is_initialized():  # main() may run again in the same process (tests)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
 
@@ -333,7 +362,7 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int]):
     R = batch["mask"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 mm_token_type_ids=batch["mm_token_type_ids"], logits_to_keep=R + 1, **batch["mm"])
-    logits = out.logits[:, :-1].float() / temperature                 # (B, R, V)
+    logits = out.logits[:batch.get("rows"), :-1].float() / temperature  # (B, R, V), dummy rows dropped
     logits[..., banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
     lse = torch.logsumexp(logits, -1)                                  # (B, R)
     logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
@@ -341,8 +370,15 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int]):
     return logp, entropy
 
 
-def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device) -> dict:
-    """Left-pad prompts, right-pad responses; concatenate the media of every row in order."""
+def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
+    """Left-pad prompts, right-pad responses; concatenate the media of every row in order.
+    dummies (data.dummy_prompts): a response-less row is appended for each modality no row has, so the
+    vision tower runs for images and for videos in every forward on every rank (FSDP2's all-gathers and
+    reduce-scatters stay aligned); token_logp drops those rows, their gradient is exactly zero."""
+    rows = len(rollouts)
+    have = {k for r in rollouts for k in r.prompt.mm}
+    rollouts = rollouts + [Rollout(p, [], None, "", "dummy") for kind, p in (dummies or {}).items()
+                           if ("pixel_values" if kind == "image" else "pixel_values_videos") not in have]
     P = max(len(r.prompt.prompt_ids) for r in rollouts)
     R = max(max(len(r.response_ids) for r in rollouts), 1)
     B = len(rollouts)
@@ -360,9 +396,9 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device) -> dict:
     keys = sorted({k for r in rollouts for k in r.prompt.mm})
     mm = {k: torch.cat([r.prompt.mm[k] for r in rollouts if k in r.prompt.mm]).to(device) for k in keys}
     input_ids = input_ids.to(device)
-    return dict(input_ids=input_ids, attention_mask=attn.to(device), mask=mask.to(device), mm=mm,
-                rollout_logp=rollout_logp.to(device),
-                response_ids=input_ids[:, P:], mm_token_type_ids=mm_token_types(input_ids, tokenizer))
+    return dict(input_ids=input_ids, attention_mask=attn.to(device), mask=mask[:rows].to(device), mm=mm,
+                rollout_logp=rollout_logp[:rows].to(device), rows=rows,
+                response_ids=input_ids[:rows, P:], mm_token_type_ids=mm_token_types(input_ids, tokenizer))
 
 
 def offline_rollout(prompt: data.Prompt, tokenizer, eos_id: int, max_len: int) -> Rollout:
@@ -371,6 +407,17 @@ def offline_rollout(prompt: data.Prompt, tokenizer, eos_id: int, max_len: int) -
     text = prompt.sample["offline_output"]
     ids = (tokenizer.encode(text, add_special_tokens=False) + [eos_id])[:max_len]
     return Rollout(prompt, ids, None, text, "offline")
+
+
+def swap_offline(group: list[Rollout], scores: list, cfg: Config, tok, eos_id: int) -> tuple[list, list]:
+    """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group (always, or with
+    mix_threshold > 0 only when the group's online accuracy is below it). Returns (group, scores), new lists."""
+    p = group[0].prompt
+    online_acc = sum(c["accuracy"] for _, c in scores) / len(scores)
+    if not cfg.mix_offline or not p.sample.get("offline_output") or (cfg.mix_threshold and online_acc >= cfg.mix_threshold):
+        return group, scores
+    off = offline_rollout(p, tok, eos_id, cfg.max_response_len)
+    return group[:-1] + [off], scores[:-1] + [score(off, cfg)]
 
 
 def score(r: Rollout, cfg: Config) -> tuple[float, dict]:
@@ -394,9 +441,8 @@ def sample_round(engine, samples: list, prep, cfg: Config, rank: int, world: int
     groups = []
     for i in range(k):
         g = rollouts[i * n:(i + 1) * n]
-        if cfg.mix_offline and g[0].prompt.sample.get("offline_output"):
-            g[-1] = offline_rollout(g[0].prompt, tok, eos_id, cfg.max_response_len)
-        groups.append((g, [score(r, cfg) for r in g], score(greedy[i], cfg)[0] if greedy[i] else 0.0))
+        g, sc = swap_offline(g, [score(r, cfg) for r in g], cfg, tok, eos_id)
+        groups.append((g, sc, score(greedy[i], cfg)[0] if greedy[i] else 0.0))
     return groups
 
 
@@ -476,11 +522,19 @@ def batch_advantages(reward, scored: list, baseline: list, lengths: list, cfg: C
     return adv[start:start + x.shape[1]]
 
 
-def epochs(n: int, seed: int):
-    """Sample indices forever, a fresh permutation per epoch (the same on every rank)."""
+def epochs(n: int, seed: int, pos: dict):
+    """Sample indices forever, a fresh permutation per epoch (the same on every rank). pos {"epoch", "cursor"}
+    says where to start (a checkpoint's data position) and is kept at the next index, so it can be saved."""
     g = torch.Generator().manual_seed(seed)
-    while True:
-        yield from torch.randperm(n, generator=g).tolist()
+    for epoch in itertools.count():
+        perm = torch.randperm(n, generator=g).tolist()  # drawn for passed epochs too: g must advance
+        if epoch < pos["epoch"]:
+            continue
+        pos["epoch"] = epoch
+        while pos["cursor"] < n:
+            pos["cursor"] += 1
+            yield perm[pos["cursor"] - 1]
+        pos["cursor"] = 0
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -536,14 +590,18 @@ def gather(obj):
     return out
 
 
-def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int) -> float:
-    """Greedy held-out accuracy (the accuracy reward component), over all ranks."""
+def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
+    """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
+    evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
+    import evaluate
     share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
     outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len)[start:start + k]
-    accs = [rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.format_template)[1]["accuracy"]
-            for r in outs]
-    allv = [a for part in gather(accs) for a in part]
-    return sum(allv) / max(1, len(allv))
+    rows = [x for part in gather([evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs])
+            for x in part]
+    if rank == 0:
+        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
+        evaluate.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
+    return evaluate.aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
 
 def save_checkpoint(model, processor, path: str, rank: int):
@@ -571,8 +629,142 @@ def plot_curve(rows: list[dict], path: str):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Bad samples met during training: reported and replaced, every rank in lockstep
+
+def try_prep(prep, s: dict, cfg: Config):
+    """(Prompt, None), or with skip_invalid (None, a skip report); without it the error names the sample."""
+    try:
+        return prep(s), None
+    except ValueError as e:  # data.DataError, cache.VideoError, the resizer's ValueError on absurd sizes
+        if not cfg.skip_invalid:
+            raise data.DataError(f"sample {s['id']}: {e}") from e
+        return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(e)}
+
+
+def prep_all(prep, samples: list, cfg: Config, skipped: list) -> list:
+    out = [try_prep(prep, s, cfg) for s in samples]
+    skipped += [r for _, r in out if r]
+    return [p for p, _ in out if p]
+
+
+def next_valid(stream, samples: list, prep, cfg: Config, rank: int, world: int, skipped: list, memo: dict) -> list:
+    """The next prompts_per_step samples, each prepared (into memo, by object id) on the ranks that generate it.
+    A sample that fails (skip_invalid) is reported and its slot refilled from the stream; the failures are
+    gathered, so every rank refills the same slots, reports the same skips and keeps the same stream position."""
+    memo.clear()
+    batch, todo, tp = [samples[next(stream)] for _ in range(cfg.prompts_per_step)], range(cfg.prompts_per_step), cfg.rollout_tp
+    while todo:
+        done = {i: try_prep(prep, batch[i], cfg) for i in todo if i % world // tp == rank // tp}  # tp_share's rows
+        memo.update({id(batch[i]): p for i, (p, _) in done.items() if p})
+        bad = {i: r for part in gather({i: r for i, (_, r) in done.items() if r}) for i, r in part.items()}
+        todo = sorted(bad)
+        for i in todo:
+            skipped.append(bad[i])
+            batch[i] = samples[next(stream)]
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: sharded (torch.distributed.checkpoint), atomic, the last keep_last kept; exact resume; preemption.
+#   out_dir/ckpt/step_N/   DCP shards (model, optimizer), rng_<rank>.safetensors, meta.json (step, data position,
+#                          config, wandb id, skips), config + processor (scripts/export_hf.py needs nothing else)
+#   out_dir/ckpt/latest    the name of the newest complete step_N (written last, atomically)
+
+def catch_stop_signals() -> list:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) only record the signal: the loop checkpoints at the next step boundary."""
+    got = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, frame: got.append(num))
+    return got
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank when it is true on any: a signal may reach only some ranks."""
+    t = torch.tensor(float(flag), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_optim_state(model, opt) -> dict:
+    """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def save_ckpt(cfg: Config, step: int, model, opt, processor, meta: dict, rank: int):
+    """Every rank writes its shards and RNG state into step_N.tmp; after a barrier rank 0 adds meta.json, renames
+    the folder to step_N, then points `latest` at it: a crash at any moment leaves `latest` complete."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    root = os.path.join(cfg.out_dir, "ckpt")
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier attempt at this step
+    barrier()
+    dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
+    barrier()  # every rank's files are written
+    if rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        processor.save_pretrained(tmp), model.config.save_pretrained(tmp), model.generation_config.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
+        os.rename(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+        for old in steps[:-cfg.keep_last] if cfg.keep_last else []:
+            shutil.rmtree(os.path.join(root, old))
+    barrier()
+
+
+def find_ckpt(cfg: Config) -> str:
+    """The folder to resume from: '' (none), cfg.resume itself, or for 'auto' the one `latest` names ('' if none)."""
+    latest = os.path.join(cfg.out_dir, "ckpt", "latest")
+    if cfg.resume != "auto":
+        return cfg.resume
+    return os.path.join(cfg.out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
+
+
+def load_ckpt(path: str, model, opt) -> dict:
+    """Model, optimizer and this rank's RNG restored in place (DCP reshards: the world size may change; a new rank
+    keeps its fresh RNG). Returns meta.json (step, data position, wandb id, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
+    state = model_optim_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
+    if os.path.exists(rng):
+        rng = load_file(rng)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def write_skipped(cfg: Config, skipped: list):
+    with open(os.path.join(cfg.out_dir, "skipped.jsonl"), "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in skipped)
+
+
+# ---------------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    rank, world, device = init_dist()
+    rank, world, device = init_dist(cfg.dist_timeout)
     torch.manual_seed(cfg.seed)
     assert cfg.prompts_per_step % world == 0, "prompts_per_step must be divisible by the world size"
     assert world % cfg.rollout_tp == 0, "world size must be divisible by rollout_tp"
@@ -589,33 +781,45 @@ def main(cfg: Config):
     model = load_model(cfg, device)
     ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    ckpt = find_ckpt(cfg)
+    state = load_ckpt(ckpt, model, opt) if ckpt else {}  # before the engine is built: it gets these weights
+    skipped = state.get("skipped", skipped)
     eos_ids = model.generation_config.eos_token_id
     eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
     banned = vision_token_ids(tok)
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
+        # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
+                            dtype="bfloat16" if device.type == "cuda" else "float32",
                             gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep,
                             seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
-        engine = HFEngine(model, tok, eos_ids)
+        engine = HFEngine(model, tok, eos_ids, cfg.seed)
+    signals = catch_stop_signals()  # after the engine: ours must be the handlers that run
     stats = {"cache_hit": 0, "cache_miss": 0, "decode": 0, "decode_s": 0.0}
-    prep = lambda s: data.prepare(s, processor, cfg, stats, template)  # noqa: E731
-    val_prompts = [prep(s) for s in val_samples]
+    memo = {}  # this step's prompts, prepared by next_valid
+    prep = lambda s: memo.get(id(s)) or data.prepare(s, processor, cfg, stats, template)  # noqa: E731
+    vcfg = replace(cfg, **{k[4:]: v for k, v in asdict(cfg).items() if k.startswith(("val_video_", "val_image_")) and v})
+    val_prompts = prep_all(lambda s: data.prepare(s, processor, vcfg, stats, template), val_samples, vcfg, skipped)
     rows, wb = [], None
     if rank == 0 and cfg.wandb_project:
         import wandb
-        wb = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir,
+        wb = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"), resume="allow",
                         mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
-    acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank, world) if val_prompts else float("nan")
+    acc_before = state["acc_before"] if state else evaluate_accuracy(engine, val_prompts, cfg, rank, world) if val_prompts else float("nan")
+    print0(f"resumed from {ckpt} (step {state['step']})") if state else None
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
-    stream = epochs(len(train_samples), cfg.seed)  # the same order on every rank
-    next_samples = lambda: [train_samples[next(stream)] for _ in range(cfg.prompts_per_step)]  # noqa: E731
+    pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
+    stream = epochs(len(train_samples), cfg.seed, pos)  # the same order on every rank
+    next_samples = lambda: next_valid(stream, train_samples, prep, cfg, rank, world, skipped, memo)  # noqa: E731
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
-    for step in range(1, cfg.max_steps + 1):
+    write_skipped(cfg, skipped) if rank == 0 else None  # load-time skips; training-time ones as they happen
+    for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
-        before = dict(stats)
+        before, n_skipped, engine.step = dict(stats), len(skipped), step
         # ------------------------------------------------------------------ sample (+ DAPO dynamic sampling)
         groups, dyn = sample_batch(engine, next_samples, prep, cfg, rank, world, tok, eos_ids[0])
         engine.sleep()
@@ -628,7 +832,7 @@ def main(cfg: Config):
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
         plan = split_batch(len(rollouts), cfg.mini_batches, cfg.micro_batch_size)
-        batches = [[collate([rollouts[j] for j in mb], tok.pad_token_id, tok, device) for mb in mini] for mini in plan]
+        batches = [[collate([rollouts[j] for j in mb], tok.pad_token_id, tok, device, dummies) for mb in mini] for mini in plan]
         logps = lambda m, on: [[token_logp(m, b, cfg.temperature, banned)[0] if on else None for b in mini]  # noqa: E731
                                for mini in batches]
         with torch.no_grad():
@@ -673,13 +877,15 @@ def main(cfg: Config):
             "m": m, "stats": {k2: stats[k2] - before[k2] for k2 in stats},
         }
         parts = gather(local)
+        ids = [i for part in gather([g[0][0].prompt.sample["id"] for g in groups]) for i in part]
         if rank == 0:
             row = step_metrics(parts, step, cfg, float(gnorm), lr_at(step - 1, cfg), n_tok,
                                dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0))
-            row["data/skipped"] = len(skipped)
+            row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
+            write_skipped(cfg, skipped) if len(skipped) > n_skipped else None
         # ------------------------------------------------------------------ eval / save
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps and val_prompts:
-            acc = evaluate_accuracy(engine, val_prompts, cfg, rank, world)
+            acc = evaluate_accuracy(engine, val_prompts, cfg, rank, world, step)
             if rank == 0:
                 row["eval/accuracy"] = acc
         if rank == 0:
@@ -689,14 +895,19 @@ def main(cfg: Config):
                 f.write(json.dumps(row) + "\n")
             if wb:
                 wb.log(row, step=step)
-    acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank, world) if val_prompts else float("nan")
+        # ------------------------------------------------------------------ checkpoint / preemption
+        stop = any_rank(bool(signals), device)
+        if stop or (cfg.save_every and step % cfg.save_every == 0):
+            meta = dict(step=step, data=pos, config=asdict(cfg), wandb_id=wb and wb.id, acc_before=acc_before, skipped=skipped)
+            save_ckpt(cfg, step, model, opt, processor, meta, rank)
+        if stop:
+            print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
+            return acc_before, float("nan")
+    acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank, world, cfg.max_steps) if val_prompts else float("nan")
     if rank == 0 and rows:
         rows[-1]["eval/accuracy"] = acc_after
         rows.insert(0, {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before})
         plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"))
-        if skipped:
-            with open(os.path.join(cfg.out_dir, "skipped.jsonl"), "w") as f:
-                f.writelines(json.dumps(s) + "\n" for s in skipped)
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
