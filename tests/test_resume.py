@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -41,3 +43,101 @@ def test_two_nodes_on_loopback(tmp_path, tiny_model, synth):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints, exact resume, preemption, export. Runs use --val-data '' (no eval) to stay cheap.
+
+def torchrun(model, data_dir, out, *extra, steps=4):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           *train_cmd(model, data_dir, out, "--val-data", "", "--max-steps", str(steps), "--cache-dir",
+                      str(out.parent / "frames"), *extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def last_rows(out) -> dict:
+    """step -> the last row written for it (a resumed run writes the steps after its checkpoint again)."""
+    return {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
+
+
+def worker(p, rank: int):
+    """torchrun's worker process of this rank (a direct child, RANK in its environment)."""
+    import psutil
+    return next(c for c in psutil.Process(p.pid).children() if c.environ().get("RANK") == str(rank))
+
+
+def wait_for(path, p, timeout=300):
+    import time
+    t = time.time()
+    while not os.path.exists(path):
+        assert p.poll() is None and time.time() - t < timeout, f"{path} never appeared: " + p.stdout.read()[-4000:]
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model, synth):
+    """4 steps, a checkpoint every 2 (keep_last 1), and the HF-format final folder."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    p = torchrun(tiny_model, synth, out, "--save-every", "2", "--keep-last", "1", "--save")
+    log = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, log[-4000:]
+    return out
+
+
+def test_sigkill_one_rank_then_resume_matches(tmp_path, tiny_model, synth, uninterrupted):
+    out = tmp_path / "run"
+    p = torchrun(tiny_model, synth, out, "--save-every", "2")
+    wait_for(out / "ckpt" / "latest", p)  # step 2 is complete ...
+    worker(p, 1).kill()                   # ... and rank 1 dies mid-run (SIGKILL: no handler, no checkpoint)
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode != 0, log[-3000:]
+    assert open(out / "ckpt" / "latest").read() == "step_00000002"
+    p = torchrun(tiny_model, synth, out, "--resume", "auto")
+    log = p.communicate(timeout=600)[0]
+    assert p.returncode == 0 and "resumed from" in log, log[-4000:]
+    full, resumed = last_rows(uninterrupted), last_rows(out)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (3, 4):  # same data, same samples, same update: equal up to fp noise (bit-equal in practice)
+        a, b = full[step], resumed[step]
+        assert a["data/ids"] == b["data/ids"]
+        for k in ("reward/mean", "loss", "grad_norm", "entropy", "len/mean", "mismatch/mean", "lr"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (step, k)
+    # keep_last 1: only the newest checkpoint, no half-written folders
+    assert sorted(os.listdir(uninterrupted / "ckpt")) == ["latest", "step_00000004"]
+
+
+def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
+    out = tmp_path / "run"
+    p = torchrun(tiny_model, synth, out, steps=50)
+    wait_for(out / "metrics.jsonl", p)
+    worker(p, 1).terminate()  # only rank 1 is told: the ranks agree at the step boundary
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log[-4000:]
+    rows = last_rows(out)
+    stopped = max(rows)
+    assert stopped < 50 and "stop signal" in log
+    assert open(out / "ckpt" / "latest").read() == f"step_{stopped:08d}"
+    meta = json.load(open(out / "ckpt" / f"step_{stopped:08d}" / "meta.json"))
+    assert meta["step"] == stopped and meta["data"]["epoch"] * 40 + meta["data"]["cursor"] == 4 * stopped  # 40 samples
+
+
+def test_export_loads_in_transformers_and_vllm(tmp_path, uninterrupted):
+    import export_hf
+    import torch
+    from safetensors.torch import load_file
+    hf = export_hf.export(str(uninterrupted / "ckpt" / "latest"), str(tmp_path / "hf"))
+    final = load_file(str(uninterrupted / "final" / "model.safetensors"))  # saved by the run itself at step 4
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(hf, dtype=torch.float32)
+    sd = model.state_dict()
+    assert final.keys() <= sd.keys()
+    assert all(torch.equal(sd[k], final[k]) for k in final)
+    code = ("from vllm import LLM, SamplingParams\n"
+            f"llm = LLM(model={hf!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
+            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'], SamplingParams(max_tokens=4, temperature=0))\n"
+            "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
+    assert int(p.stdout.split("TOKENS ")[1]) > 0
