@@ -126,3 +126,29 @@ def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_mode
     assert any(k.startswith("model.visual.blocks") and ref[k].abs().sum() > 0 for k in ref)  # vision got gradient
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_offline_swap_slot_tokens_and_threshold(processor, synth):
+    """The offline trajectory replaces the LAST rollout; its tokens are exactly the tokenized text + EOS (cut to
+    max_response_len like a sampled completion, EOS first to go); threshold mode swaps only below threshold."""
+    import train
+    from rollout import Rollout
+    tok = processor.tokenizer
+    s = next(x for x in data.load_samples(os.path.join(synth, "train.jsonl")) if x["id"].startswith("color"))
+    p = data.prepare(s, processor, tiny_config())
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    right, wrong = s["offline_output"], "<answer>Z</answer>"
+    group = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t) for t in (wrong, right, wrong, wrong)]
+    cfg = tiny_config(group_size=4, max_response_len=64)
+    scores = [train.score(r, cfg) for r in group]
+    g, sc = train.swap_offline(group, scores, cfg, tok, eos)
+    assert g[:3] == group[:3] and sc[:3] == scores[:3] and g is not group  # inputs untouched, only the last slot
+    assert g[3].finish == "offline" and g[3].logp is None and g[3].text == right
+    assert g[3].response_ids == tok.encode(right, add_special_tokens=False) + [eos]
+    assert sc[3][1]["accuracy"] == 1.0
+    short = train.swap_offline(group, scores, tiny_config(group_size=4, max_response_len=3), tok, eos)[0][3]
+    assert short.response_ids == tok.encode(right, add_special_tokens=False)[:3]  # truncated: no EOS
+    # threshold mode: online accuracy here is 1/4
+    assert train.swap_offline(group, scores, tiny_config(mix_threshold=0.5), tok, eos)[0][3].finish == "offline"
+    assert train.swap_offline(group, scores, tiny_config(mix_threshold=0.25), tok, eos)[0] is group  # 0.25 !< 0.25
+    assert train.swap_offline(group, scores, tiny_config(mix_offline=False), tok, eos)[0] is group
