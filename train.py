@@ -83,7 +83,7 @@ class Config:
     video_max_pixels: int = 100352
     """max pixels per frame"""
     video_total_pixels: int = 0
-    """pixel budget over all frames of a video (0 = no budget)"""
+    """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, at most 768 per frame)"""
     image_min_pixels: int = 3136
     """min pixels per image"""
     image_max_pixels: int = 1003520
@@ -798,7 +798,7 @@ def main(cfg: Config):
     else:
         engine = HFEngine(model, tok, eos_ids, cfg.seed)
     signals = catch_stop_signals()  # after the engine: ours must be the handlers that run
-    stats = {"cache_hit": 0, "cache_miss": 0, "decode": 0, "decode_s": 0.0}
+    stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     memo = {}  # this step's prompts, prepared by next_valid
     prep = lambda s: memo.get(id(s)) or data.prepare(s, processor, cfg, stats, template)  # noqa: E731
     vcfg = replace(cfg, **{k[4:]: v for k, v in asdict(cfg).items() if k.startswith(("val_video_", "val_image_")) and v})
