@@ -273,7 +273,11 @@ def score(response: str, s: dict, ad: dict) -> tuple[str | None, float | None]:
     if t == "temporal grounding" and rewards.as_span(rewards.parse_json(ans)) is None and (m := _SPAN.search(ans)):
         ans = json.dumps({"time": sorted(float(x) for x in m.groups())})  # "12.3 - 25.7 seconds" (lmms-eval style)
     try:
-        v = rewards.ACCURACY.get(t, rewards.acc_open)(ans, s)
+        if t == "regression":  # the official VSI-Bench MRA compares with <=
+            p = rewards.parse_number(ans)
+            v = None if p is None else rewards.mra(p, rewards.parse_number(rewards.ground_truth(s)), inclusive=True)
+        else:
+            v = rewards.ACCURACY.get(t, rewards.acc_open)(ans, s)
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, RecursionError, OverflowError):
         v = None
     parsed = rewards.choice_letter(ans, s["options"]) if t == "multiple choice" else ans

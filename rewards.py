@@ -38,8 +38,11 @@ import warnings
 import xml.etree.ElementTree as ET
 from functools import lru_cache
 
+import numpy as np
+
 THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # MRA thresholds 0.50..0.95
 MARGINS = [round(1 - t, 2) for t in THRESHOLDS]  # 1 - t as exact decimals: 1 - 0.7 is 0.30000000000000004 in floats
+VSI_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()  # the official code's float margins (0.30000000000000004)
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * max(1, |gt|)
 MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
 MATH_TIMEOUT = 1.0  # seconds of math-verify per call (SIGALRM in the main thread, else a watchdog thread)
@@ -197,10 +200,12 @@ def iou_box(a, b) -> float:
     return ix * iy / union if union > 0 else float(a == b)  # two equal empty boxes match, as in iou_1d
 
 
-def mra(pred: float, gt: float) -> float:
-    """Mean relative accuracy (VSI-Bench): share of thresholds t with |pred - gt| / |gt| < 1 - t."""
+def mra(pred: float, gt: float, inclusive: bool = False) -> float:
+    """Mean relative accuracy: share of thresholds t with |pred - gt| / |gt| < 1 - t (EasyVideoR1's training
+    reward); inclusive=True uses <=, as the official VSI-Bench code (evaluate.py)."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
-    return sum(rel < m for m in MARGINS) / len(MARGINS)
+    margins = VSI_MARGINS if inclusive else MARGINS
+    return sum(rel <= m if inclusive else rel < m for m in margins) / len(margins)
 
 
 def _tokens(s: str) -> list[str]:
