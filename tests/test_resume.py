@@ -122,17 +122,15 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
     assert meta["step"] == stopped and meta["data"]["epoch"] * 40 + meta["data"]["cursor"] == 4 * stopped  # 40 samples
 
 
-def test_export_loads_in_transformers_and_vllm(tmp_path, uninterrupted):
+def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupted):
     import export_hf
     import torch
-    from safetensors.torch import load_file
     hf = export_hf.export(str(uninterrupted / "ckpt" / "latest"), str(tmp_path / "hf"))
-    final = load_file(str(uninterrupted / "final" / "model.safetensors"))  # saved by the run itself at step 4
     from transformers import AutoModelForImageTextToText
-    model = AutoModelForImageTextToText.from_pretrained(hf, dtype=torch.float32)
-    sd = model.state_dict()
-    assert final.keys() <= sd.keys()
-    assert all(torch.equal(sd[k], final[k]) for k in final)
+    load = lambda d: AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).state_dict()  # noqa: E731
+    exported, final = load(hf), load(str(uninterrupted / "final"))  # final: saved by the run itself at step 4
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    assert any(not torch.equal(exported[k], v) for k, v in load(tiny_model).items())  # the trained weights
     code = ("from vllm import LLM, SamplingParams\n"
             f"llm = LLM(model={hf!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
             "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'], SamplingParams(max_tokens=4, temperature=0))\n"
