@@ -169,7 +169,7 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28)
         with Image.open(path) as im:
             im = im.convert("RGB")
             arr = np.asarray(im)
-    except (OSError, UnidentifiedImageError) as e:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: > 2x PIL's pixel cap
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
     return resize(arr[None], h, w)[0]

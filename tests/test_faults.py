@@ -28,10 +28,13 @@ def broken_media(root) -> dict:
     make_synthetic_data.write_video(f("one_frame.mp4"), np.zeros((1, 56, 56, 3), np.uint8), fps=4)
     open(f("corrupt.png"), "wb").write(b"\x89PNG not really")
     Image.new("RGB", (600, 2)).save(f("absurd.png"))  # aspect ratio 300: no sane resize exists
+    if not os.path.exists(f("bomb.png")):  # 182M pixels (1 bit each): over 2x PIL's cap, refused before decoding
+        Image.new("1", (13500, 13500)).save(f("bomb.png"))
     return {"missing": ("videos", f("missing.mp4"), "not found"), "corrupt": ("videos", f("corrupt.mp4"), "cannot decode"),
             "empty": ("videos", f("empty.mp4"), "cannot decode"), "one_frame": ("videos", f("one_frame.mp4"), "frames"),
             "bad_image": ("images", f("corrupt.png"), "cannot read image"), "absurd": ("images", f("absurd.png"), "aspect"),
-            "missing_image": ("images", f("missing.png"), "cannot read image")}
+            "missing_image": ("images", f("missing.png"), "cannot read image"),
+            "bomb": ("images", f("bomb.png"), "DecompressionBomb")}
 
 
 def broken_lines(good: dict) -> dict:

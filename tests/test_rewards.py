@@ -475,5 +475,7 @@ def test_bounded_time(warm, name):
         overall, _ = compute_reward(text, sample(ptype), format_template="think_answer")
         format_reward(text)
         dt = time.perf_counter() - t0
-        assert dt < rewards.MATH_TIMEOUT + 0.5, f"{ptype} on {name}: {dt:.2f} s"
+        # a bound, not a speed target: catastrophic backtracking on these inputs takes minutes; the slack
+        # absorbs a loaded machine (1.53 s seen for math with the full suite's vLLM threads around)
+        assert dt < rewards.MATH_TIMEOUT + 2.0, f"{ptype} on {name}: {dt:.2f} s"
         assert 0.0 <= overall <= 1.0 and math.isfinite(overall)
