@@ -136,8 +136,10 @@ class VLLMEngine:
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model."""
 
-    def __init__(self, model, tokenizer, eos_ids: list[int], seed: int = 0):
-        self.model, self.tokenizer, self.eos_ids = model, tokenizer, eos_ids
+    def __init__(self, model, tokenizer, eos_ids: list[int], seed: int = 0, dummies: dict | None = None):
+        # dummies (data.dummy_prompts, multi-rank FSDP only): like the trainer's micro-batches, every prefill gets a
+        # throw-away row of each modality its prompt lacks, so all ranks run the vision tower the same number of times
+        self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
         self.seed, self.step = seed, 0  # the trainer sets step: each prompt samples from request_seed(...)
 
@@ -163,17 +165,22 @@ class HFEngine:
         rollouts, rank = [], dist.get_rank() if dist.is_initialized() else 0
         for i, p in enumerate(prompts):
             torch.manual_seed(request_seed(self.seed, self.step, rank, i))
-            ids = torch.tensor([p.prompt_ids] * n, device=device)
-            # pixel rows, grids and per-video tensors all stack along dim 0: n copies of the sample's media
-            mm = {k: v.repeat(n, *[1] * (v.dim() - 1)).to(device) for k, v in p.mm.items()}
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **mm,
+            rows = [p] * n + [d for kind, d in (self.dummies or {}).items()
+                              if ("pixel_values" if kind == "image" else "pixel_values_videos") not in p.mm]
+            P = max(len(r.prompt_ids) for r in rows)  # left-pad (only dummy rows are ever shorter)
+            ids = torch.tensor([[self.tokenizer.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows],
+                               device=device)
+            attn = torch.tensor([[0] * (P - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device)
+            # pixel rows, grids and per-video tensors all stack along dim 0, in row order
+            mm = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in {k for r in rows for k in r.mm}}
+            out = self.model.generate(input_ids=ids, attention_mask=attn, **mm,
                                       mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                       do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
                                       max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
                                       pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.banned,
                                       output_logits=True, return_dict_in_generate=True, synced_gpus=synced)
-            seq = out.sequences[:, ids.shape[1]:]                       # (n, R)
-            logits = torch.stack(out.logits, 1).float()                 # (n, R, V)
+            seq = out.sequences[:n, P:]                                 # (n, R)
+            logits = torch.stack(out.logits, 1)[:n].float()             # (n, R, V)
             logits[..., self.banned] = float("-inf")
             logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
             for row, lp in zip(seq.tolist(), logp.tolist()):

@@ -796,7 +796,7 @@ def main(cfg: Config):
                             seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
-        engine = HFEngine(model, tok, eos_ids, cfg.seed)
+        engine = HFEngine(model, tok, eos_ids, cfg.seed, dummies)
     signals = catch_stop_signals()  # after the engine: ours must be the handlers that run
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     memo = {}  # this step's prompts, prepared by next_valid
