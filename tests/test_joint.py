@@ -14,10 +14,13 @@ from PIL import Image
 import data
 
 
-@pytest.fixture(scope="module")
-def processor(tiny_model):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def processor(request):
+    """Each tiny checkpoint's processor: patch 14 (28 px per merged token) and 16 (32 px)."""
+    import make_tiny_model
     from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(tiny_model)
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache/models")
+    return AutoProcessor.from_pretrained(make_tiny_model.ensure(request.param, root=root))
 
 
 @pytest.fixture(scope="module")
