@@ -456,9 +456,7 @@ def sample_batch(engine, next_samples, prep, cfg: Config, rank: int, world: int,
         for grp in sample_round(engine, next_samples(), prep, cfg, rank, world, tok, eos_id):
             rs = [s[0] for s in grp[1]]
             (kept if not cfg.dynamic_sampling or len(rs) == 1 or max(rs) > min(rs) else dropped).append(grp)
-        short = torch.tensor(float(len(kept) < need))
-        if dist.is_initialized():
-            dist.all_reduce(short)  # all ranks take the same number of rounds (TP groups generate together)
+        short = all_reduce([float(len(kept) < need)])[0]  # all ranks take the same number of rounds
         if not short or rounds >= cfg.max_gen_rounds:
             break
     refilled = max(0, need - len(kept))
@@ -474,11 +472,9 @@ def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[l
 
 def global_counts(batches: list[dict]) -> tuple[float, float]:
     """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    c = torch.tensor([sum(b["mask"].sum().item() for b in batches),
-                      sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(c)
-    return c[0].item(), c[1].item()
+    n_tok, n_seq = all_reduce([sum(b["mask"].sum().item() for b in batches),
+                               sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)])
+    return n_tok, n_seq
 
 
 def micro_loss(model, b: dict, adv, old_logp, ref_logp, cfg: Config, banned: list[int], n_tok: float, n_seq: float):
@@ -581,6 +577,15 @@ def tp_share(items: list, rank: int, world: int, tp: int):
     return [x for part in parts for x in part], start, len(parts[rank - g0])
 
 
+def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def gather(obj):
     """All ranks' objects, in rank order (small metric dicts only)."""
     if not dist.is_initialized():
@@ -678,12 +683,9 @@ def catch_stop_signals() -> list:
     return got
 
 
-def any_rank(flag: bool, device) -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any: a signal may reach only some ranks."""
-    t = torch.tensor(float(flag), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(all_reduce([float(flag)], dist.ReduceOp.MAX)[0])
 
 
 def barrier():
@@ -896,7 +898,7 @@ def main(cfg: Config):
             if wb:
                 wb.log(row, step=step)
         # ------------------------------------------------------------------ checkpoint / preemption
-        stop = any_rank(bool(signals), device)
+        stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data=pos, config=asdict(cfg), wandb_id=wb and wb.id, acc_before=acc_before, skipped=skipped)
             save_ckpt(cfg, step, model, opt, processor, meta, rank)
