@@ -224,6 +224,12 @@ def dummy_prompts(processor) -> dict:
     return out
 
 
+def missing_dummies(dummies: dict | None, present) -> list:
+    """The dummy prompts (dummy_prompts) of each modality whose pixel key is not in `present` (the mm keys in use)."""
+    key = {"image": "pixel_values", "video": "pixel_values_videos"}
+    return [p for kind, p in (dummies or {}).items() if key[kind] not in present]
+
+
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""

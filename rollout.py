@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Prompt, vllm_input
+from data import Prompt, missing_dummies, vllm_input
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 
@@ -165,8 +165,7 @@ class HFEngine:
         rollouts, rank = [], dist.get_rank() if dist.is_initialized() else 0
         for i, p in enumerate(prompts):
             torch.manual_seed(request_seed(self.seed, self.step, rank, i))
-            rows = [p] * n + [d for kind, d in (self.dummies or {}).items()
-                              if ("pixel_values" if kind == "image" else "pixel_values_videos") not in p.mm]
+            rows = [p] * n + missing_dummies(self.dummies, p.mm)
             P = max(len(r.prompt_ids) for r in rows)  # left-pad (only dummy rows are ever shorter)
             ids = torch.tensor([[self.tokenizer.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows],
                                device=device)

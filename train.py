@@ -377,8 +377,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
     reduce-scatters stay aligned); token_logp drops those rows, their gradient is exactly zero."""
     rows = len(rollouts)
     have = {k for r in rollouts for k in r.prompt.mm}
-    rollouts = rollouts + [Rollout(p, [], None, "", "dummy") for kind, p in (dummies or {}).items()
-                           if ("pixel_values" if kind == "image" else "pixel_values_videos") not in have]
+    rollouts = rollouts + [Rollout(p, [], None, "", "dummy") for p in data.missing_dummies(dummies, have)]
     P = max(len(r.prompt.prompt_ids) for r in rollouts)
     R = max(max(len(r.response_ids) for r in rollouts), 1)
     B = len(rollouts)
