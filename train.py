@@ -599,6 +599,8 @@ def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int,
     evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
     import evaluate
     share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
+    # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
+    share = share + prompts[:1] * (len(tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
     outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len)[start:start + k]
     rows = [x for part in gather([evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs])
             for x in part]

@@ -65,3 +65,14 @@ def test_hf_rollout_two_ranks_warm_cache(tmp_path, tiny_model, color_data):
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
+
+
+def test_hf_rollout_two_ranks_uneven_eval(tmp_path, tiny_model, color_data):
+    """3 held-out prompts on 2 ranks: the HF engine's generate is collective (FSDP), so both ranks must call it
+    equally often; each prompt is still scored once."""
+    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf", "--eval-max-samples", "3",
+                                  "--max-steps", "1", "--no-save", "--dist-timeout", "120")
+    assert len(rows) == 1 and "held-out accuracy: before" in stdout
+    for step in (0, 1):
+        ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]
+        assert len(ids) == len(set(ids)) == 3
