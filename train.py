@@ -786,7 +786,6 @@ def main(cfg: Config):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt = find_ckpt(cfg)
     state = load_ckpt(ckpt, model, opt) if ckpt else {}  # before the engine is built: it gets these weights
-    skipped = state.get("skipped", skipped)
     eos_ids = model.generation_config.eos_token_id
     eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
     banned = vision_token_ids(tok)
@@ -806,6 +805,7 @@ def main(cfg: Config):
     prep = lambda s: memo.get(id(s)) or data.prepare(s, processor, cfg, stats, template)  # noqa: E731
     vcfg = replace(cfg, **{k[4:]: v for k, v in asdict(cfg).items() if k.startswith(("val_video_", "val_image_")) and v})
     val_prompts = prep_all(lambda s: data.prepare(s, processor, vcfg, stats, template), val_samples, vcfg, skipped)
+    skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
     rows, wb = [], None
     if rank == 0 and cfg.wandb_project:
         import wandb

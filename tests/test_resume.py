@@ -139,3 +139,21 @@ def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupt
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
     assert int(p.stdout.split("TOKENS ")[1]) > 0
+
+
+def test_resume_keeps_skip_report_exact(tmp_path, tiny_model, synth):
+    """A held-out sample whose video is missing is skipped once; a resumed run restores that report from the
+    checkpoint instead of adding it a second time."""
+    val = tmp_path / "val.jsonl"
+    good = [json.loads(line) for line in open(os.path.join(synth, "val.jsonl"))][:2]
+    good = [{**s, "videos": [os.path.join(synth, v) for v in s.get("videos", [])]} for s in good]  # val.jsonl moves
+    bad = {**good[0], "id": "val-missing-video", "videos": [str(tmp_path / "missing.mp4")], "images": []}
+    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
+    out = tmp_path / "run"
+    for extra in (("--max-steps", "1", "--save-every", "1"), ("--max-steps", "2", "--resume", "auto")):
+        p = torchrun(tiny_model, synth, out, "--val-data", str(val), "--skip-invalid", *extra)
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, log[-4000:]
+        skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
+        assert [s["where"] for s in skipped] == ["val-missing-video"]
+        assert last_rows(out)[max(last_rows(out))]["data/skipped"] == 1
