@@ -210,7 +210,7 @@ def dummy_prompts(processor) -> dict:
     issue different collectives (a hang, or gloo's "collective mismatch") and miss gradient
     reduce-scatters. The trainer appends one of these rows for each modality a micro-batch lacks, so
     every forward on every rank runs the same modules in the same order."""
-    f, tok = vision_factor(processor), processor.tokenizer
+    f = vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
     out = {}
     for kind, pad, kw in (("image", "<|image_pad|>", dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)])),
@@ -264,9 +264,3 @@ def vllm_input(p: Prompt) -> dict:
         mm["image"] = ims if len(ims) > 1 else ims[0]
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
-
-
-def shard(items: list, rank: int, world: int) -> list:
-    """Rank r's share of a global list: every world-th item, starting at r."""
-    return items[rank::world]
-
