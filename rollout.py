@@ -59,7 +59,7 @@ def vision_token_ids(tokenizer) -> list[int]:
 class VLLMEngine:
     def __init__(self, model_dir: str, tokenizer, tp: int = 1, max_model_len: int = 4096, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
-                 max_images: int = 4, trust_remote_code: bool = False):
+                 max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -72,12 +72,12 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
-                       logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": max_images, "video": 1},
+                       logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": max_images, "video": max_videos},
                        trust_remote_code=trust_remote_code, **kw)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
-        self.asleep = False
+        self.asleep = set()  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
 
     def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
         from vllm import SamplingParams
@@ -125,12 +125,15 @@ class VLLMEngine:
     def sleep(self):
         if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)  # level 1: weights to CPU RAM, KV cache dropped
-            self.asleep = True
+            self.asleep = {"weights", "kv_cache"}
 
     def wake(self, tags=None):
-        if self.can_sleep and self.asleep:
-            self.llm.wake_up(tags=tags)
-            self.asleep = tags is not None and "kv_cache" not in tags
+        """Restore what sleep() released (tags=None: all of it); never wakes a part twice (sync wakes the
+        weights alone, to overwrite them, before generate wakes the KV cache)."""
+        todo = sorted(self.asleep if tags is None else self.asleep & set(tags))
+        if self.can_sleep and todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
 
 
 class HFEngine:

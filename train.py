@@ -795,7 +795,9 @@ def main(cfg: Config):
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
                             dtype="bfloat16" if device.type == "cuda" else "float32",
                             gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep,
-                            seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+                            seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
+                            max_images=max([len(s.get("images", [])) for s in train_samples + val_samples] + [1]),
+                            max_videos=max([len(s.get("videos", [])) for s in train_samples + val_samples] + [1]))
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
         engine = HFEngine(model, tok, eos_ids, cfg.seed, dummies)
@@ -820,6 +822,7 @@ def main(cfg: Config):
     next_samples = lambda: next_valid(stream, train_samples, prep, cfg, rank, world, skipped, memo)  # noqa: E731
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     write_skipped(cfg, skipped) if rank == 0 else None  # load-time skips; training-time ones as they happen
+    acc_after = float("nan")  # held-out accuracy after the last step (evaluated inside the loop, so it is logged)
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         before, n_skipped, engine.step = dict(stats), len(skipped), step
@@ -887,10 +890,10 @@ def main(cfg: Config):
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             write_skipped(cfg, skipped) if len(skipped) > n_skipped else None
         # ------------------------------------------------------------------ eval / save
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps and val_prompts:
-            acc = evaluate_accuracy(engine, val_prompts, cfg, rank, world, step)
+        if val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0):
+            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank, world, step)  # the last one is the result
             if rank == 0:
-                row["eval/accuracy"] = acc
+                row["eval/accuracy"] = acc_after
         if rank == 0:
             rows.append(row)
             print0(" | ".join([f"step {step}"] + [f"{k2} {v:.4g}" for k2, v in row.items() if k2 in LOG_KEYS]))
@@ -906,9 +909,7 @@ def main(cfg: Config):
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
-    acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank, world, cfg.max_steps) if val_prompts else float("nan")
     if rank == 0 and rows:
-        rows[-1]["eval/accuracy"] = acc_after
         rows.insert(0, {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before})
         plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:

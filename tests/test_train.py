@@ -44,6 +44,7 @@ def test_two_rank_fsdp_vllm_steps(tmp_path, tiny_model, color_data, tp):
     out, rows, stdout = run_train(tmp_path, tiny_model, color_data, "--rollout-tp", str(tp))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert "eval/accuracy" not in rows[0] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0  # the final eval is logged
     assert rows[0]["offline/share"] == pytest.approx(0.25)  # 1 of each group of 4 is the offline trajectory
     assert rows[0]["mismatch/mean"] < 5e-3  # vLLM and the trainer hold the same weights at step 1
     # a cold cache decodes each distinct video once, even when tp ranks load the same prompts (per-key lock)
