@@ -854,7 +854,7 @@ def main(cfg: Config):
         # ------------------------------------------------------------------ loss and step
         for group_param in opt.param_groups:
             group_param["lr"] = lr_at(step - 1, cfg)
-        m = {"kl": kl_reward.sum().item()}
+        m, gnorms = {"kl": kl_reward.sum().item()}, []  # grad_norm logged: the mean over this step's optimizer steps
         for epoch in range(cfg.ppo_epochs):
             for mini, bs, olds, refs in zip(plan, batches, old_logps, ref_logps):
                 n_tok_mb, n_seq_mb = global_counts(bs)
@@ -864,7 +864,7 @@ def main(cfg: Config):
                     for k2, v in mm.items() if epoch == 0 else ():
                         m[k2] = max(m.get(k2, 0.0), v) if k2 == "mismatch_max" else m.get(k2, 0.0) + v
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+                gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         m["loss"] /= len(plan)
@@ -885,7 +885,7 @@ def main(cfg: Config):
         parts = gather(local)
         ids = [i for part in gather([g[0][0].prompt.sample["id"] for g in groups]) for i in part]
         if rank == 0:
-            row = step_metrics(parts, step, cfg, float(gnorm), lr_at(step - 1, cfg), n_tok,
+            row = step_metrics(parts, step, cfg, sum(gnorms) / len(gnorms), lr_at(step - 1, cfg), n_tok,
                                dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0))
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             write_skipped(cfg, skipped) if len(skipped) > n_skipped else None
