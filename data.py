@@ -79,7 +79,7 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
     appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped)."""
     with open(path, encoding="utf-8") as f:
         if path.endswith(".json"):
-            rows = [(f"{path}:{i}", r) for i, r in enumerate(json.load(f))]
+            rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(json.load(f))]  # item number, 1-based like lines
         else:
             rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(f) if line.strip()]
     out = []

@@ -209,7 +209,7 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
         stem = os.path.basename(f).split(".")[0]
         with open(f, encoding="utf-8") as fh:
             rows = json.load(fh) if f.endswith(".json") else [json.loads(x) if x.strip() else None for x in fh]
-        out += [(f"{f}:{i + (not f.endswith('.json'))}", dict(r, _file=stem)) for i, r in enumerate(rows) if r is not None]
+        out += [(f"{f}:{i + 1}", dict(r, _file=stem)) for i, r in enumerate(rows) if r is not None]
     return out
 
 

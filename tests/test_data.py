@@ -92,3 +92,11 @@ def test_prepare_video_and_image_and_placeholder_check(tiny_model, synth):
                                 p.mm, proc, vid["id"])
     with pytest.raises(data.DataError, match="max_prompt_len"):
         data.prepare(vid, proc, tiny_config(max_prompt_len=10))
+
+
+def test_json_array_items_are_numbered_like_lines(tmp_path):
+    """A .json array names its items 1-based, as a .jsonl names its lines: the second item is ':2'."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([GOOD, {k: v for k, v in GOOD.items() if k != "answer"}]))
+    with pytest.raises(data.DataError, match=rf"{path}:2: sample .*'answer'"):
+        data.load_samples(str(path))
