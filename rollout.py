@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from data import Prompt, missing_dummies, vllm_input
+from data import Prompt, concat_media, missing_dummies, vllm_input
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 
@@ -173,8 +173,7 @@ class HFEngine:
             ids = torch.tensor([[self.tokenizer.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows],
                                device=device)
             attn = torch.tensor([[0] * (P - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device)
-            # pixel rows, grids and per-video tensors all stack along dim 0, in row order
-            mm = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in {k for r in rows for k in r.mm}}
+            mm = {k: v.to(device) for k, v in concat_media(rows).items()}
             out = self.model.generate(input_ids=ids, attention_mask=attn, **mm,
                                       mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                       do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import data
+import evaluate
 import rewards
 from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, vision_token_ids
 
@@ -392,8 +393,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         mask[i, :len(y)] = 1
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
-    keys = sorted({k for r in rollouts for k in r.prompt.mm})
-    mm = {k: torch.cat([r.prompt.mm[k] for r in rollouts if k in r.prompt.mm]).to(device) for k in keys}
+    mm = {k: v.to(device) for k, v in data.concat_media([r.prompt for r in rollouts]).items()}
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), mask=mask[:rows].to(device), mm=mm,
                 rollout_logp=rollout_logp[:rows].to(device), rows=rows,
@@ -597,7 +597,6 @@ def gather(obj):
 def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
     """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
     evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
-    import evaluate
     share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
     share = share + prompts[:1] * (len(tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
@@ -761,8 +760,7 @@ def load_ckpt(path: str, model, opt) -> dict:
 
 
 def write_skipped(cfg: Config, skipped: list):
-    with open(os.path.join(cfg.out_dir, "skipped.jsonl"), "w") as f:
-        f.writelines(json.dumps(s) + "\n" for s in skipped)
+    evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic: never a torn report
 
 
 # ---------------------------------------------------------------------------------------------------
