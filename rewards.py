@@ -84,6 +84,21 @@ def last_answer(text: str) -> str | None:
     return None if j < 0 else text[j + 8:text.find("</answer>", j)]
 
 
+def answer_text(text: str) -> str:
+    """The answer taken out of our output format, before any type-specific reading (training rewards and
+    evaluate.py's official readers both start here): the content of the last closed <answer> tag when there is
+    one, else the response without its closed <think> blocks; '' when a <think> is left open (nothing was
+    committed after it)."""
+    text = (text or "")[-MAX_LEN:]
+    body = strip_think(text)
+    ans = last_answer(body)
+    if ans is not None:
+        return ans.strip()
+    if "<think>" in body:  # an unfinished <think>: its text is reasoning, not an answer
+        return ""
+    return body.strip()
+
+
 def extract_answer(text: str) -> str | None:
     text = (text or "")[-MAX_LEN:]
     k = text.rfind("</think>")
