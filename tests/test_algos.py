@@ -283,6 +283,7 @@ def reference_grads(tiny_model, algo_data):
         (model, processor, rollouts, adv, banned)
 
 
+@pytest.mark.slow
 def test_micro_batch_invariance_real_model(reference_grads):
     ref, (model, processor, rollouts, adv, banned) = reference_grads
     for combo in COMBOS:
@@ -303,6 +304,7 @@ def torchrun_job(tiny_model, algo_data, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_rank_invariance_fsdp2(reference_grads, torchrun_job):
     got = torch.load(torchrun_job / "grads.pt", weights_only=True)
     for combo in COMBOS:
@@ -314,6 +316,7 @@ def metrics(out, name):
     return [json.loads(line) for line in open(out / name / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALGOS)
 def test_two_step_smoke(torchrun_job, name):
     rows = metrics(torchrun_job, name)

@@ -126,6 +126,7 @@ def read(path):
         return [json.loads(x) for x in f]
 
 
+@pytest.mark.slow
 def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path):
     os.remove(os.path.join(videos, "videomme", "vid2.mp4"))  # one missing video: a counted failure, not a crash
     cfg = run_cfg(tiny_model, videos, synth, tmp_path / "async")

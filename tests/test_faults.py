@@ -115,6 +115,7 @@ def test_engine_failure_names_samples(tiny_model, synth):
         HFEngine(model, proc.tokenizer, [proc.tokenizer.eos_token_id]).generate([p], 2, 1.0, 4)
 
 
+@pytest.mark.slow
 def test_collective_timeout_fails_instead_of_hanging():
     """Rank 1 never joins rank 0's all_reduce: with dist_timeout 5 s rank 0 fails within seconds."""
     code = ("import time, torch, torch.distributed as dist, train\n"
@@ -127,6 +128,7 @@ def test_collective_timeout_fails_instead_of_hanging():
     assert "timed out" in (p.stdout + p.stderr).lower() or "timeout" in (p.stdout + p.stderr).lower(), p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, synth):
     """~300 broken samples (bad lines, missing/corrupt/empty/1-frame videos, unreadable/absurd images) among 8
     good ones, through loading, the frame cache, vLLM rollout and reward in a 2-rank run with skip_invalid."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, tiny_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.slow]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 

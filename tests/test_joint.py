@@ -108,6 +108,7 @@ def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["split", "uneven"])
 def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_model, synth, layout):
     """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
@@ -157,6 +158,7 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     assert train.swap_offline(group, scores, tiny_config(mix_offline=False), tok, eos)[0] is group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rollout", ["hf", "vllm"])
 def test_two_ranks_text_vs_video_train(tmp_path, tiny_model, synth, rollout):
     """A real 2-rank run where, every step, one rank holds a text-only prompt and the other a video prompt: HF

@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # torchrun jobs, killed and resumed
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -14,6 +14,8 @@ import data
 from rollout import HFEngine, VLLMEngine, vision_token_ids
 from train import collate, token_logp
 
+pytestmark = pytest.mark.slow  # a vLLM engine
+
 # Measured on this CPU, both in fp32: per-token |diff| is zero-mean noise, mean ~7e-4, max 3.7e-3 over
 # 192 tokens (vLLM's CPU kernels are not bit-identical to transformers' sdpa). A real bug (wrong M-RoPE
 # positions, stale weights, temperature applied twice) moves log-probs by 0.1 or more.

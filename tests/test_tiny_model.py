@@ -118,6 +118,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_vllm_generates_from_video(ckpt):
     """Both archs in one fresh process: vLLM's import (~14 s) is paid once, and pytest stays free of engines."""
     jobs = [(a, ckpt[a], FACTOR[a]) for a in mtm.ARCHS]

@@ -13,6 +13,8 @@ import torch
 from conftest import ROOT
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
+
 
 @pytest.fixture(scope="module")
 def color_data():
