@@ -7,8 +7,8 @@ frames, as Video-R1 trains, at the tiny model's 3136-pixel budget).
 1. `python cache.py` builds a cold cache for the clips (its summary line is printed).
 2. per-sample load: cache.load_video(mode=decode_only) vs the warm cache, per clip.
 3. `torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml` on the tiny model, all clips every step
-   (--prompts-per-step = the clip count, FRAMES), once with --video-source decode_only, once with the warm cache; time/step
-   is the median over steps 2.. (step 1 warms up). The warm run must do 0 decodes per step.
+   (--prompts-per-step = the clip count, FRAMES), once with --video-source decode_only, once with the warm cache;
+   time/step is the median over steps 2.. (step 1 warms up). The warm run must do 0 decodes per step.
 Prints a table of both with their ratio; the last line is `cache step speedup: <ratio>x`.
 """
 import argparse
@@ -22,9 +22,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-# Video-R1's training sampling (2 fps, <= 16 frames) at the tiny model's pixel budget (tiny_cpu.yaml's)
+# Video-R1's training sampling (2 fps, <= 16 frames) at the tiny model's pixel budget (tiny_cpu.yaml's), as
+# cache.load_video's arguments and as train.py's flags
 FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
-FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]  # train.py's
+FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]
 BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -36,7 +37,8 @@ def make_clips(out: str, seconds: list[int]) -> str:
     rows = []
     for s in seconds:
         d = os.path.join(out, f"{s}s")
-        paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30, seconds=s)
+        paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30,
+                                         seconds=s)
         for line in open(paths["train"]):
             row = json.loads(line)
             rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
@@ -77,8 +79,8 @@ def main():
     frames_dir = os.path.join(a.out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
     flags = [x for k, v in FRAMES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    p = subprocess.run([sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True)
+    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
     if p.returncode:
         sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")
     print("$ python cache.py ...:", p.stdout.strip(), flush=True)
@@ -125,12 +127,13 @@ def main():
     assert warm_decodes == [0] * a.steps, f"a warm cache must not decode: cache/decode per step {warm_decodes}"
     med = {src: {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith(("time/", "cache/"))}
             for src, rows in runs.items()}
-    ms = lambda xs: 1000 * statistics.mean(xs)  # noqa: E731
-    lines = [(f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB", ms(dec), ms(c))
-             for k, (dec, c, f) in load.items()]
-    lines.append(("prepare/sample (ms): frames+template+processor", 1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
+    lines = [(f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB",
+              1000 * statistics.mean(dec), 1000 * statistics.mean(c)) for k, (dec, c, f) in load.items()]
+    lines.append(("prepare/sample (ms): frames+template+processor",
+                  1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
     times = [k for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync") if k in med["prefer_cache"]]
-    lines += [(f"train {k} (s, median steps 2-{a.steps})", med["decode_only"][k], med["prefer_cache"][k]) for k in times]
+    lines += [(f"train {k} (s, median steps 2-{a.steps})", med["decode_only"][k], med["prefer_cache"][k])
+              for k in times]
     lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
               for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
     print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
@@ -140,8 +143,8 @@ def main():
         print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
     w = med["prefer_cache"]
     parts = ", ".join(f"{k[5:]} {w[k]:.2f}" for k in times[1:])
-    print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} prepares "
-          f"and vLLM sampling. bench total {time.time() - t0:.0f}s")
+    print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} "
+          f"prepares and vLLM sampling. bench total {time.time() - t0:.0f}s")
     print(f"cache step speedup: {med['decode_only']['time/step'] / w['time/step']:.2f}x")
 
 

@@ -56,7 +56,8 @@ def main():
     # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait
     base = replace(cfg, engine="sync", batch_size=1, video_source="decode_only", out_dir=os.path.join(work, "plain"))
     engine, generate, _ = E.make_engine(base, processor.tokenizer)
-    asyncio.run(E.evaluate(replace(base, max_samples=4, out_dir=os.path.join(work, "warm1")), engine, generate, None, processor))
+    warmup = replace(base, max_samples=4, out_dir=os.path.join(work, "warm1"))
+    asyncio.run(E.evaluate(warmup, engine, generate, None, processor))
     t = time.perf_counter()
     plain = asyncio.run(E.evaluate(base, engine, generate, None, processor))["nvr1"]
     t_plain = time.perf_counter() - t
@@ -68,7 +69,8 @@ def main():
     async def run_fast():
         engine, _, allowed = E.make_engine(fast, processor.tokenizer)
         try:
-            await E.evaluate_all(replace(fast, max_samples=4, out_dir=os.path.join(work, "warm2")), engine, None, allowed, processor)
+            warmup = replace(fast, max_samples=4, out_dir=os.path.join(work, "warm2"))
+            await E.evaluate_all(warmup, engine, None, allowed, processor)
             load, _ = E.make_loader(processor, fast, "nvr1")
             for s in E.load_benchmark("nvr1", fast, []):
                 load(s)  # warm cache: every video decoded once, before timing
@@ -81,10 +83,11 @@ def main():
 
     n = plain["metrics"]["n"]
     same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]
-    print(f"\n{n} samples, {args.width}x{args.height} px {args.fps:g} fps {args.seconds:g} s videos, greedy, max_tokens {args.max_tokens}, "
-          f"identical per-sample results: {same}")
+    print(f"\n{n} samples, {args.width}x{args.height} px {args.fps:g} fps {args.seconds:g} s videos, greedy, "
+          f"max_tokens {args.max_tokens}, identical per-sample results: {same}")
     print(f"{'mode':<36}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames")
-    print(f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | {plain['frames']}")
+    print(f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | "
+          f"{plain['frames']}")
     print(f"{'async pipeline (warm cache)':<36}| {t_pipe:8.2f} | {n / t_pipe:9.2f} | {pipe['engine_busy']:11.2f} | "
           f"{pipe['mean_in_flight']:9.1f} | {pipe['frames']}")
     print(f"eval speedup: {t_plain / t_pipe:.2f}x")

@@ -44,8 +44,8 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         v = round(r.uniform(0.5, 20), 1)
         return {"answer": str(v)}, f"{v * r.uniform(0.9, 1.1):.2f}", f"{v * r.uniform(1.5, 3):.1f} meters"
     if ptype == "boolean":
-        yes = r.random() < 0.5
-        return {"answer": "yes" if yes else "no"}, r.choice(["yes", "Yes."] if yes else ["no", "No."]), "no" if yes else "yes"
+        gt, wrong = r.choice([("yes", "no"), ("no", "yes")])
+        return {"answer": gt}, r.choice([gt, gt.capitalize() + "."]), wrong
     if ptype == "open-ended":
         gt = " ".join(r.choices(WORDS, k=r.randint(4, 12)))
         return {"answer": gt}, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
@@ -59,8 +59,8 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
     if ptype == "temporal grounding":
         s = round(r.uniform(0, 20), 1)
         e = round(s + r.uniform(1, 10), 1)
-        right, wrong = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)], [e + 1, e + r.uniform(2, 9)]
-        return {"answer": json.dumps({"time": [s, e]})}, json.dumps({"time": sorted(right)}), json.dumps({"time": wrong})
+        right, wrong = sorted([s + r.uniform(-1, 1), e + r.uniform(-1, 1)]), [e + 1, e + r.uniform(2, 9)]
+        return {"answer": json.dumps({"time": [s, e]})}, json.dumps({"time": right}), json.dumps({"time": wrong})
     if ptype == "spatial grounding":
         b = box(r)
         return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
@@ -76,7 +76,8 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
                 json.dumps({"time": [1, 2], "boxes": wrong}))
     if ptype == "code":
         return ({"answer": "def f(x):\n    return x"},
-                r.choice(["def f(x):\n    return x * 2", "```python\nimport math\nprint(math.pi)\n```", "x = [i for i in range(3)]"]),
+                r.choice(["def f(x):\n    return x * 2", "```python\nimport math\nprint(math.pi)\n```",
+                          "x = [i for i in range(3)]"]),
                 r.choice(["def f(x)\n    return x", "print('unclosed", "for i in range(3) print(i)"]))
     raise KeyError(ptype)
 

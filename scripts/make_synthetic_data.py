@@ -7,7 +7,7 @@
 Tasks (the sample id starts with the task name, e.g. color-train-00012):
   color        multiple choice (the demo task): the background color of every frame (A. red B. green C. blue
                D. yellow); a small gray/white distractor square moves on top and carries no answer.
-  direction    multiple choice: which way a big square (>= 1/3 of the frame side) moves (A. left B. right C. up D. down).
+  direction    multiple choice: which way a big square (side >= frame/3) moves (A. left B. right C. up D. down).
   count        numerical: how many squares (1-4, one per quadrant, never overlapping) are in the video.
   appear       temporal grounding: {"time": [s, e]}, s the time of the first frame showing a big square, e the
                time of the first frame after it is gone (frame i is at i / fps).
@@ -110,7 +110,8 @@ def render_yuv(H, W, bg, rects):
 def glide(rng, T, H, W, side):
     """A constant-speed path between two random top-left corners (at least a side apart, so it visibly moves)
     that keep a side x side square in frame."""
-    corner = lambda: np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
+    def corner():
+        return np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
     p0, p1 = corner(), corner()
     while np.abs(p1 - p0).max() < side:
         p1 = corner()
@@ -162,14 +163,16 @@ def gen_count(rng, k, T, H, W, fps):
         # starts kept >= 1 px inside the quadrant so snapping down to even cannot push a square out of it
         y, x = qy + rng.integers(1, H // 2 - side), qx + rng.integers(1, W // 2 - side)
         shapes.append(rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))]))
-    return dark(rng), [shapes] * T, "How many shapes are in the video?", str(n), None, "numerical", f"<answer>{n}</answer>"
+    return dark(rng), [shapes] * T, "How many shapes are in the video?", str(n), None, "numerical", \
+        f"<answer>{n}</answer>"
 
 
 def gen_appear(rng, _, T, H, W, fps):
     s = int(rng.integers(1, T - 1))      # first visible frame, >= 1: the shape really appears
     e = int(rng.integers(s + 1, T))      # first frame without it, <= T - 1: it really disappears
     side = min(H, W) // 2
-    r = rect(rng.integers(0, H - side + 1), rng.integers(0, W - side + 1), side, side, PALETTE[rng.integers(len(PALETTE))])
+    y, x = rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)
+    r = rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))])
     ans = json.dumps({"time": [round(s / fps, 2), round(e / fps, 2)]})
     return dark(rng), [[r] if s <= t < e else [] for t in range(T)], \
         "When does the shape appear? Answer with start and end seconds.", ans, None, "temporal grounding", \
@@ -192,7 +195,8 @@ def _done(out, args, paths) -> bool:
             with open(paths[split]) as f:
                 for line in f:
                     row = json.loads(line)
-                    if not all(os.path.exists(os.path.join(out, m)) for m in row.get("videos", []) + row.get("images", [])):
+                    media = row.get("videos", []) + row.get("images", [])
+                    if not all(os.path.exists(os.path.join(out, m)) for m in media):
                         return False
         return True
     except (OSError, ValueError):
@@ -238,7 +242,8 @@ def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, wi
                     if (key[0] % VAL_BUCKETS == 0) == (split == "val") and key not in seen:
                         break
                 else:
-                    raise RuntimeError(f"{task}: no new {split} scene after 10000 draws; use a larger frame or fewer samples")
+                    raise RuntimeError(f"{task}: no new {split} scene after 10000 draws; "
+                                       "use a larger frame or fewer samples")
                 seen.add(key)
                 sid = f"{task}-{split}-{i:05d}"
                 row = {"id": sid, "problem": problem, "answer": answer}

@@ -68,12 +68,15 @@ QWEN3_VL_TEMPLATE = """{%- if tools %}
         """ + _SYSTEM_TEXT + """
         {{- '\\n\\n' }}
     {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        ~ "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
     {%- for tool in tools %}
         {{- "\\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+        ~ "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, "
+        ~ "\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
 {%- else %}
     {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\\n' }}
