@@ -36,6 +36,7 @@ def tiny_config(**kw):
     from train import Config
     base = dict(model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=4.0, video_min_frames=4,
                 video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, image_min_pixels=3136,
-                image_max_pixels=3136, max_prompt_len=1024, max_model_len=1024, cache_dir="", video_source="decode_only")
+                image_max_pixels=3136, max_prompt_len=1024, max_model_len=1024, cache_dir="",
+                video_source="decode_only")
     base.update(kw)
     return Config(**base)

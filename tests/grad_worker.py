@@ -1,8 +1,8 @@
 """Worker for tests/test_joint.py: one forward/backward of fixed rollouts; rank 0 writes the full gradients.
 
-    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors split   # rank 0 image, rank 1 video
-    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors uneven  # rank 0 image+video, rank 1 text
-    python tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors                              # reference: all rows, one process
+    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors split   # rank 0 image, 1 video
+    torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors uneven  # 0 image+video, 1 text
+    python tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors                      # reference: all rows, one process
 """
 import os
 import sys

@@ -60,7 +60,8 @@ def masked_whiten_verl(x, lengths):
 def test_whitening_estimators():
     assert whiten(t([1., 0.]), t([1, 3])).tolist() == approx([1.5, -.5], abs=1e-6)  # by hand: mean 1/4, std 1/2
     r, lens = t([1., 0., 0., 1., 3., 1., 0., 0.]), [4, 2, 7, 1, 3, 3, 5, 6]
-    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(masked_whiten_verl(r, lens).tolist(), abs=1e-5)
+    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(masked_whiten_verl(r, lens).tolist(),
+                                                                                abs=1e-5)
     centered = t([.5, -.5, -.5, .5, 2., 0., -1., -1.])  # group means 0.5 and 1
     assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens)).tolist() == \
         approx(masked_whiten_verl(centered, lens).tolist(), abs=1e-5)
@@ -355,7 +356,8 @@ def torchrun_main(out, model_dir, data_dir):
         main(load_config(["--config", f"configs/{name}.yaml", "--model", model_dir, "--train-data",
                           f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", os.path.join(out, name),
                           "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--no-save",
-                          "--cache-dir", os.path.join(out, "frames"), "--micro-batch-size", "4", "--rollout", "hf", *extra]))
+                          "--cache-dir", os.path.join(out, "frames"), "--micro-batch-size", "4", "--rollout", "hf",
+                          *extra]))
     dist.barrier()
 
 

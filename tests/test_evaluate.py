@@ -57,7 +57,8 @@ def test_adapter(name, videos):
         for bad in ("", "I cannot tell.", "<answer></answer>"):
             assert not E.score(bad, s, ad)[1]  # None (unparseable) or 0, never credit
         row = E.record(s, name, "prompt", "I cannot tell.")
-        assert row["score"] == 0.0 and row["doc_id"] == s["id"] and {"input", "target", "resps", "filtered_resps"} <= set(row)
+        assert row["score"] == 0.0 and row["doc_id"] == s["id"]
+        assert {"input", "target", "resps", "filtered_resps"} <= set(row)
     metrics = E.aggregate([E.record(s, name, "p", right(s, ad)) for s in samples], name)
     assert metrics["accuracy"] == 100.0 and metrics["n"] == len(samples)
     assert all(f"{k}/" in " ".join(metrics) for k in ad.get("keys", ()))  # breakdowns are reported
@@ -73,7 +74,8 @@ def test_unanswered_and_malformed_records(tmp_path):
 
 
 def rows(bench, scores, **fields):
-    return [{"score": v, "parse_fail": False, "error": "", **{k: f[i] for k, f in fields.items()}} for i, v in enumerate(scores)]
+    return [{"score": v, "parse_fail": False, "error": "", **{k: f[i] for k, f in fields.items()}}
+            for i, v in enumerate(scores)]
 
 
 def test_official_metrics():
@@ -84,8 +86,8 @@ def test_official_metrics():
     assert E.score("5.2", vsi[0], ad)[1] == pytest.approx(0.5)
     assert rewards.mra(5.2, 4) == pytest.approx(0.4)
     assert E.score("four", vsi[0], ad)[1] == 1.0 and E.score("100", vsi[0], ad)[1] == 0.0
-    m = E.aggregate(rows("vsibench", [0.4, 1.0, 0.0, 1.0], category=["object_counting", "object_rel_direction",
-                                                                    "object_rel_direction", "room_size_estimation"]), "vsibench")
+    categories = ["object_counting", "object_rel_direction", "object_rel_direction", "room_size_estimation"]
+    m = E.aggregate(rows("vsibench", [0.4, 1.0, 0.0, 1.0], category=categories), "vsibench")
     assert m["overall"] == pytest.approx((40 + 50 + 100) / 3) and m["accuracy"] == pytest.approx(60)
     ch = E.load_benchmark("charades_sta", E.Config(data_dir=FIXTURES, video_dir="/v"), [])[0]  # gt [0, 1.2]
     ious = [E.score(r, ch, E.ADAPTERS["charades_sta"])[1] or 0.0 for r in
@@ -116,8 +118,9 @@ def run_cfg(tiny_model, videos, synth, out, **kw):
         for f in os.listdir(FIXTURES) + ["nvr1"]:
             (ann / f).symlink_to(synth if f == "nvr1" else os.path.join(FIXTURES, f))
     base = dict(model=tiny_model, benchmarks="nvr1,videomme,vsibench,charades_sta", data_dir=str(ann), video_dir=videos,
-                out_dir=str(out), max_tokens=12, max_model_len=1024, max_prompt_len=1024, video_fps=4.0, video_max_frames=8,
-                video_max_pixels=3136, image_max_pixels=3136, cache_dir=str(out) + "-frames", max_in_flight=8)
+                out_dir=str(out), max_tokens=12, max_model_len=1024, max_prompt_len=1024, video_fps=4.0,
+                video_max_frames=8, video_max_pixels=3136, image_max_pixels=3136, cache_dir=str(out) + "-frames",
+                max_in_flight=8)
     return E.Config(**{**base, **kw})
 
 
@@ -151,6 +154,7 @@ def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path)
     assert (res2["nvr1"]["resumed"], res2["nvr1"]["torn_lines"]) == (2, 1)
     assert read(log) == a["nvr1"] and res2["nvr1"]["metrics"] == res["nvr1"]["metrics"]
     # the HF fallback runs the same adapters and scoring (same row per doc_id)
-    h = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"), max_tokens=4)))
+    h = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"),
+                                       max_tokens=4)))
     hrows = read(tmp_path / "hf" / "nvr1" / "samples.jsonl")
     assert [r["doc_id"] for r in hrows] == [r["doc_id"] for r in a["nvr1"]] and h["nvr1"]["metrics"]["n"] == len(hrows)

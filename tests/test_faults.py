@@ -30,9 +30,11 @@ def broken_media(root) -> dict:
     Image.new("RGB", (600, 2)).save(f("absurd.png"))  # aspect ratio 300: no sane resize exists
     if not os.path.exists(f("bomb.png")):  # 182M pixels (1 bit each): over 2x PIL's cap, refused before decoding
         Image.new("1", (13500, 13500)).save(f("bomb.png"))
-    return {"missing": ("videos", f("missing.mp4"), "not found"), "corrupt": ("videos", f("corrupt.mp4"), "cannot decode"),
+    return {"missing": ("videos", f("missing.mp4"), "not found"),
+            "corrupt": ("videos", f("corrupt.mp4"), "cannot decode"),
             "empty": ("videos", f("empty.mp4"), "cannot decode"), "one_frame": ("videos", f("one_frame.mp4"), "frames"),
-            "bad_image": ("images", f("corrupt.png"), "cannot read image"), "absurd": ("images", f("absurd.png"), "aspect"),
+            "bad_image": ("images", f("corrupt.png"), "cannot read image"),
+            "absurd": ("images", f("absurd.png"), "aspect"),
             "missing_image": ("images", f("missing.png"), "cannot read image"),
             "bomb": ("images", f("bomb.png"), "DecompressionBomb")}
 
@@ -60,7 +62,8 @@ def fuzz_dataset(tmp_path, synth, n_broken=300, seed=0) -> tuple[str, list, dict
         kind = rng.choice(sorted(media) + sorted(lines))
         if kind in media:
             key, path, says = media[kind]
-            s = {k: v for k, v in good[0].items() if k not in ("data_type", "videos")} | {"id": f"broken-{i}", key: [path]}
+            s = {k: v for k, v in good[0].items() if k not in ("data_type", "videos")}
+            s |= {"id": f"broken-{i}", key: [path]}
             rows.append((json.dumps(s), (s["id"], says)))
         else:
             rows.append((lines[kind], (None, "")))
@@ -138,7 +141,8 @@ def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, sy
            "--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data", path, "--val-data", "",
            "--out-dir", str(out), "--max-steps", "3", "--group-size", "4", "--prompts-per-step", "4",
            "--cache-dir", str(tmp_path / "frames"), "--video-source", "prefer_cache", "--skip-invalid", "--no-save"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     skipped = [json.loads(x) for x in open(out / "skipped.jsonl")]
@@ -148,7 +152,8 @@ def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, sy
         assert says in reports.get(sid or f"{path}:{line}", "<not reported>"), (line, sid, says)
     # counted in the metrics: load-time skips + per-step skips add up to the report file
     assert rows[-1]["data/skipped"] == len(skipped)
-    assert sum(r["data/skipped_step"] for r in rows) == len(skipped) - sum(1 for r in skipped if r["where"].startswith(path))
+    at_load = sum(1 for r in skipped if r["where"].startswith(path))
+    assert sum(r["data/skipped_step"] for r in rows) == len(skipped) - at_load
     # every good sample was trained on, and nothing else was
     trained = [i for r in rows for i in r["data/ids"]]
     assert set(good_ids) <= set(trained) and set(trained) <= set(good_ids)

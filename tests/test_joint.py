@@ -142,7 +142,8 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     p = data.prepare(s, processor, tiny_config())
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     right, wrong = s["offline_output"], "<answer>Z</answer>"
-    group = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t) for t in (wrong, right, wrong, wrong)]
+    group = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t)
+             for t in (wrong, right, wrong, wrong)]
     cfg = tiny_config(group_size=4, max_response_len=64)
     scores = [train.score(r, cfg) for r in group]
     g, sc = train.swap_offline(group, scores, cfg, tok, eos)

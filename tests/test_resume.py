@@ -23,9 +23,10 @@ def free_port() -> int:
 
 
 def train_cmd(model, data_dir, out, *extra):
-    return ["train.py", "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", f"{data_dir}/train.jsonl",
-            "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out), "--max-steps", "2", "--group-size", "4",
-            "--prompts-per-step", "4", "--eval-max-samples", "4", "--eval-every", "0", "--no-save", *extra]
+    return ["train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
+            "--train-data", f"{data_dir}/train.jsonl", "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out),
+            "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--eval-max-samples", "4",
+            "--eval-every", "0", "--no-save", *extra]
 
 
 def test_two_nodes_on_loopback(tmp_path, tiny_model, synth):
@@ -135,7 +136,8 @@ def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupt
     assert any(not torch.equal(exported[k], v) for k, v in load(tiny_model).items())  # the trained weights
     code = ("from vllm import LLM, SamplingParams\n"
             f"llm = LLM(model={hf!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
-            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'], SamplingParams(max_tokens=4, temperature=0))\n"
+            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
+            "                   SamplingParams(max_tokens=4, temperature=0))\n"
             "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))

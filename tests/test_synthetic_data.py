@@ -51,6 +51,10 @@ def shape_mask(frame):
     return np.abs(frame - bg).sum(-1) > 60
 
 
+def read(out, split):
+    return open(os.path.join(out, f"{split}.jsonl")).read()
+
+
 def media_digests(out, split):
     return [hashlib.sha1(open(os.path.join(out, m), "rb").read()).hexdigest()
             for r in rows(out, split) for m in r.get("videos", []) + r.get("images", [])]
@@ -140,9 +144,8 @@ def test_appear_span_is_in_the_pixels(data):
 def test_deterministic_by_seed(data, tmp_path):
     same, other = make(tmp_path / "same"), make(tmp_path / "other", seed=1)
     for split in ("train", "val"):
-        read = lambda d: open(os.path.join(d, f"{split}.jsonl")).read()
-        assert read(same) == read(data) and media_digests(same, split) == media_digests(data, split)
-        assert read(other) != read(data)
+        assert read(same, split) == read(data, split) and media_digests(same, split) == media_digests(data, split)
+        assert read(other, split) != read(data, split)
         assert set(media_digests(other, split)).isdisjoint(media_digests(data, split))
 
 

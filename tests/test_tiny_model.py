@@ -67,7 +67,8 @@ def test_tokenizer_and_config(ckpt, arch):
               "<think>the square moves left</think><answer>B</answer>"]:
         ids = tok.encode(s, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=True) == s
-    ids = tok.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>", add_special_tokens=False)
+    ids = tok.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>",
+                     add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"  # the Qwen specials are special, ADDED are not
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
     assert cfg.text_config.vocab_size == len(tok) and cfg.text_config.head_dim == 64

@@ -38,7 +38,8 @@ def run_train(tmp_path, model, data_dir, *extra, nproc=2):
 
 
 def weights(folder):
-    return {k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(folder, f)).items()}
+    files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
+    return {k: v for file in files for k, v in load_file(file).items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
