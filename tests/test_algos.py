@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest -q tests/test_algos.py
 
 The pure functions are checked on small tensors against values worked out by hand (verl 0.9.1 definitions,
-../shared/reference/algorithms.md). Split invariance runs the real tiny model: the loss and gradient of a batch
+docs/algorithms.md). Split invariance runs the real tiny model: the loss and gradient of a batch
 of 8 must not change when it is cut into 4 micro-batches of 2, nor under FSDP2 on 2 ranks (torchrun, gloo).
 The same torchrun job then runs 2 training steps of every configs/<algorithm>.yaml, one after the other in
 the same processes, sampling with the HF engine (a 3rd vLLM engine built in one torchrun process hung here;
