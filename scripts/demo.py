@@ -22,8 +22,7 @@ def main():
     import make_tiny_model
     t0 = time.time()
     make_tiny_model.ensure("qwen2_5_vl", root=".cache/models")
-    make_synthetic_data.make(".cache/data/color", ["color"], num_train=512, num_val=64, seed=0, size=56, fps=4,
-                             seconds=2.0)
+    make_synthetic_data.make(".cache/data/color", ["color"], num_train=512, num_val=64)  # 56x56, 4 fps, 2 s, seed 0
     print(f"tiny model and synthetic videos ready ({time.time() - t0:.0f}s)", flush=True)
     shutil.rmtree("runs/tiny_cpu", ignore_errors=True)  # a fresh run every time
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

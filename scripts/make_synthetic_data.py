@@ -19,6 +19,7 @@ are relative to its directory. A second call with the same arguments (DIR/meta.j
 """
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -63,17 +64,12 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
     with av.open(tmp, "w", format="mp4") as f:
         s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
         s.width, s.height, s.pix_fmt = W, H, "yuv420p"
-        for i, fr in enumerate(_chain(first, frames)):
+        for i, fr in enumerate(itertools.chain([first], frames)):
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(fr), format=pix_fmt)
             vf.pts = i  # in 1/fps units (the codec time base), so decoders report exactly i / fps
             f.mux(s.encode(vf))
         f.mux(s.encode())
     os.replace(tmp, path)
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 # ---- scenes: a flat background plus axis-aligned rectangles per frame, as plain ints -----------------------
