@@ -32,7 +32,9 @@ if __name__ == "__main__":
     for spec in a.runs:
         run, _, label = spec.partition(":")
         ax.plot(*curve(run), "o-", label=label or os.path.basename(run.rstrip("/")))
-    ax.set_xlabel("step"), ax.set_ylabel("held-out accuracy (greedy)"), ax.set_ylim(-0.02, 1.02)
-    ax.set_title(a.title), ax.legend(), ax.grid(alpha=0.3)
-    fig.tight_layout(), fig.savefig(a.out, dpi=100)
+    ax.set(xlabel="step", ylabel="held-out accuracy (greedy)", ylim=(-0.02, 1.02), title=a.title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=100)
     print(a.out)

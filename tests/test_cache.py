@@ -198,7 +198,9 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     os.makedirs(tmp_path / "videos")
     shutil.copy(video, tmp_path / "videos" / "b.mp4")
     (tmp_path / "videos" / "bad.mp4").write_bytes(b"garbage")
-    row = lambda v: json.dumps({"problem": "q", "answer": "A", "problem_type": "multiple choice", "videos": [v]}) + "\n"  # noqa: E731
+
+    def row(v):
+        return json.dumps({"problem": "q", "answer": "A", "problem_type": "multiple choice", "videos": [v]}) + "\n"
     (tmp_path / "train.jsonl").write_text(row("v.mp4") + row("videos/bad.mp4") + row("./v.mp4") + row("videos/b.mp4"))
     (tmp_path / "val.jsonl").write_text(row(video) + row("videos/missing.mp4"))
     out = tmp_path / "c"

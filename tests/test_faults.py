@@ -22,7 +22,9 @@ def broken_media(root) -> dict:
     """kind -> (a broken media file, what its error must say)."""
     import make_synthetic_data
     os.makedirs(root, exist_ok=True)
-    f = lambda name: os.path.join(root, name)  # noqa: E731
+
+    def f(name):
+        return os.path.join(root, name)
     open(f("corrupt.mp4"), "wb").write(random.Random(0).randbytes(3000))
     open(f("empty.mp4"), "wb").close()
     make_synthetic_data.write_video(f("one_frame.mp4"), np.zeros((1, 56, 56, 3), np.uint8), fps=4)

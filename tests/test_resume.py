@@ -130,7 +130,9 @@ def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupt
     import torch
     hf = export_hf.export(str(uninterrupted / "ckpt" / "latest"), str(tmp_path / "hf"))
     from transformers import AutoModelForImageTextToText
-    load = lambda d: AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).state_dict()  # noqa: E731
+
+    def load(d):
+        return AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).state_dict()
     exported, final = load(hf), load(str(uninterrupted / "final"))  # final: saved by the run itself at step 4
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     assert any(not torch.equal(exported[k], v) for k, v in load(tiny_model).items())  # the trained weights
