@@ -22,8 +22,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-# Video-R1's training sampling (2 fps, <= 16 frames) at the tiny model's pixel budget (tiny_cpu.yaml's), as
-# cache.load_video's arguments and as train.py's flags
+# Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
 FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
 FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]
 BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
