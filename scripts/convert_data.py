@@ -1,0 +1,164 @@
+"""Convert a public video-RL training set into our JSONL (README "Data format"), reporting what it cannot map.
+
+    python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
+    python scripts/convert_data.py --source easyvideor1 --src their_train.jsonl --media-root /data/videos \
+        --out data/train.jsonl
+
+Sources (field names and types as released):
+  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1): a JSON array of {problem_id: int,
+               problem, data_type: "image"|"video", problem_type, options: [str] ([] unless multiple choice),
+               solution: "<answer>X</answer>", path: "./subset/x.mp4", data_source; the COT file adds process:
+               "<think>...</think>"}. Video-R1 reads `path` below its Video-R1-data folder, the JSON's own folder:
+               that is the default --media-root.
+  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1, examples/*/*.yaml): {problem, answer,
+               problem_type, data_type, videos: [str], images: [str], options, has_offline_trajectory,
+               offline_output, problem_id, data_source}; relative paths are joined with its data.image_dir, our
+               --media-root (when unset, EasyVideoR1 reads them from the working directory: pass that).
+Problem types become ours (rewards.canonical_type: "free-form" -> "open-ended", "OCR" -> "ocr"); answers lose their
+<answer> tags; media paths are written relative to the output file, which is how data.py reads them. Every written
+record passes data.validate_sample. A record that cannot be mapped goes to OUT.skipped.jsonl ({index: its position in
+the source, 0-based, id, reason, detail}); the counts by reason are printed and written to OUT.report.json.
+"""
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import data  # noqa: E402  (the project root is put on sys.path above)
+import rewards  # noqa: E402
+
+
+@dataclass
+class Config:
+    source: Literal["video-r1", "easyvideor1"]
+    """which release `src` is (field names differ, see the module docstring)"""
+    src: str
+    """the source file: a JSON array, or JSONL (one object per line)"""
+    out: str = "data/train.jsonl"
+    """the JSONL to write; OUT.skipped.jsonl and OUT.report.json go beside it"""
+    media_root: str = ""
+    """folder that relative media paths are below ('' = the source file's folder)"""
+    offline_output: bool = False
+    """copy curated reasoning into offline_output: Video-R1's `process` + its answer, EasyVideoR1's `offline_output`
+    where has_offline_trajectory is true (used by train.py's --mix-offline)"""
+    check_media: bool = True
+    """skip (and report) records whose media file does not exist under media_root"""
+
+
+class Unmapped(ValueError):
+    """A record we cannot convert: `reason` is the short category counted in the report, `detail` the specifics."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+def as_text(value) -> str:
+    """A JSON value as our string field: strings unchanged, numbers and grounding objects as JSON text."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def from_video_r1(r: dict, use_offline: bool) -> dict:
+    if r["data_type"] not in ("video", "image"):
+        raise Unmapped("unknown data_type", repr(r["data_type"]))
+    out = dict(problem=r["problem"], answer=rewards.ground_truth({"answer": as_text(r["solution"])}),
+               problem_type=r["problem_type"], data_type=r["data_type"], options=r.get("options") or [])
+    out[r["data_type"] + "s"] = [r["path"]]
+    if use_offline and r.get("process"):  # Video-R1's SFT target is process + "\n" + solution
+        out["offline_output"] = f"{r['process'].strip()}\n<answer>{out['answer']}</answer>"
+    return out
+
+
+def from_easyvideor1(r: dict, use_offline: bool) -> dict:
+    out = {k: r[k] for k in ("data_type", "videos", "images", "options") if k in r}
+    out |= dict(problem=r["problem"], problem_type=r["problem_type"],
+                answer=rewards.ground_truth({"answer": as_text(r["answer"])}))
+    if use_offline and r.get("has_offline_trajectory") and r.get("offline_output"):
+        out["offline_output"] = r["offline_output"]
+    return out
+
+
+def convert(r, index: int, c: Config, media_root: str) -> dict:
+    """One source record -> one validated sample in our schema, or Unmapped."""
+    if not isinstance(r, dict):
+        raise Unmapped("not a JSON object", type(r).__name__)
+    try:
+        s = (from_video_r1 if c.source == "video-r1" else from_easyvideor1)(r, c.offline_output)
+    except KeyError as e:
+        raise Unmapped(f"missing field {e}") from None
+    ptype = rewards.canonical_type(s["problem_type"])
+    if ptype not in rewards.ACCURACY:  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+        raise Unmapped(f"no reward for problem_type {s['problem_type']!r}")
+    s = {"id": f"{c.source}-{index}", **s, "problem_type": ptype}
+    s |= {k: r[k] for k in ("problem_id", "data_source") if k in r}  # kept for tracing back to the source
+    out_dir = os.path.dirname(os.path.abspath(c.out))
+    for key in ("videos", "images", "options"):
+        if key in s and not s[key]:
+            del s[key]  # [] means none: leave the field out
+    for key in ("videos", "images"):
+        if not isinstance(s.get(key, []), list) or not all(isinstance(p, str) and p for p in s.get(key, [])):
+            raise Unmapped(f"{key} not a list of file paths", repr(s[key])[:200])  # e.g. inline image bytes
+        files = [os.path.normpath(os.path.join(media_root, p)) for p in s.get(key, [])]
+        missing = [f for f in files if c.check_media and not os.path.exists(f)]
+        if missing:
+            raise Unmapped("media file missing", missing[0])
+        if files:
+            s[key] = [os.path.relpath(f, out_dir) for f in files]
+    try:
+        data.validate_sample(s, f"{c.out}:{index}")
+    except data.DataError as e:
+        field = re.search(r"field '(\w+)'", str(e))
+        raise Unmapped(f"invalid {field.group(0) if field else 'record'}", str(e).split(": ", 1)[1]) from None
+    return s
+
+
+def read_records(path: str) -> list:
+    """The source's records in order; a JSONL line that is not JSON becomes an Unmapped in its place."""
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith(".jsonl"):
+            return json.load(f)
+        lines = [line for line in f if line.strip()]
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            records.append(Unmapped("malformed JSON", f"{e.msg} at column {e.colno}"))
+    return records
+
+
+def main(c: Config) -> dict:
+    media_root = c.media_root or os.path.dirname(os.path.abspath(c.src))
+    stem = c.out.removesuffix(".jsonl")
+    written, skipped = [], []
+    for index, r in enumerate(read_records(c.src)):
+        try:
+            if isinstance(r, Unmapped):
+                raise r
+            written.append(convert(r, index, c, media_root))
+        except Unmapped as e:
+            rid = r.get("problem_id") if isinstance(r, dict) else None
+            skipped.append({"index": index, "id": rid, "reason": e.reason, "detail": e.detail})
+    os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
+    for path, rows in ((c.out, written), (stem + ".skipped.jsonl", skipped)):
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    report = dict(source=c.source, src=c.src, out=c.out, converted=len(written), skipped=len(skipped),
+                  offline_output=sum("offline_output" in s for s in written),
+                  reasons=dict(Counter(s["reason"] for s in skipped).most_common()))
+    with open(stem + ".report.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"converted {len(written)} | skipped {len(skipped)} (listed in {stem}.skipped.jsonl) -> {c.out}")
+    for reason, n in report["reasons"].items():
+        print(f"  {n:8d}  {reason}")
+    return report
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Config))
