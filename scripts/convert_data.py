@@ -17,7 +17,7 @@ Sources (field names and types as released):
 Problem types become ours (rewards.canonical_type: "free-form" -> "open-ended", "OCR" -> "ocr"); answers lose their
 <answer> tags; media paths are written relative to the output file, which is how data.py reads them. Every written
 record passes data.validate_sample. A record that cannot be mapped goes to OUT.skipped.jsonl ({index: its position in
-the source, 0-based, id, reason, detail}); the counts by reason are printed and written to OUT.report.json.
+the source, 0-based, problem_id, reason, detail}); the counts by reason are printed and written to OUT.report.json.
 """
 import json
 import os
@@ -67,17 +67,17 @@ def from_video_r1(r: dict, use_offline: bool) -> dict:
     if r["data_type"] not in ("video", "image"):
         raise Unmapped("unknown data_type", repr(r["data_type"]))
     out = dict(problem=r["problem"], answer=rewards.ground_truth({"answer": as_text(r["solution"])}),
-               problem_type=r["problem_type"], data_type=r["data_type"], options=r.get("options") or [])
-    out[r["data_type"] + "s"] = [r["path"]]
+               problem_type=r["problem_type"], data_type=r["data_type"], options=r.get("options") or [],
+               **{r["data_type"] + "s": [r["path"]]})
     if use_offline and r.get("process"):  # Video-R1's SFT target is process + "\n" + solution
         out["offline_output"] = f"{r['process'].strip()}\n<answer>{out['answer']}</answer>"
     return out
 
 
 def from_easyvideor1(r: dict, use_offline: bool) -> dict:
-    out = {k: r[k] for k in ("data_type", "videos", "images", "options") if k in r}
-    out |= dict(problem=r["problem"], problem_type=r["problem_type"],
-                answer=rewards.ground_truth({"answer": as_text(r["answer"])}))
+    out = dict(problem=r["problem"], answer=rewards.ground_truth({"answer": as_text(r["answer"])}),
+               problem_type=r["problem_type"])
+    out |= {k: r[k] for k in ("data_type", "options", "videos", "images") if k in r}
     if use_offline and r.get("has_offline_trajectory") and r.get("offline_output"):
         out["offline_output"] = r["offline_output"]
     return out
@@ -142,8 +142,8 @@ def main(c: Config) -> dict:
                 raise r
             written.append(convert(r, index, c, media_root))
         except Unmapped as e:
-            rid = r.get("problem_id") if isinstance(r, dict) else None
-            skipped.append({"index": index, "id": rid, "reason": e.reason, "detail": e.detail})
+            source_id = r.get("problem_id") if isinstance(r, dict) else None
+            skipped.append({"index": index, "problem_id": source_id, "reason": e.reason, "detail": e.detail})
     os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
     for path, rows in ((c.out, written), (stem + ".skipped.jsonl", skipped)):
         with open(path, "w", encoding="utf-8") as f:
