@@ -1,23 +1,19 @@
 """Convert a public video-RL training set into our JSONL (README "Data format"), reporting what it cannot map.
 
     python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
-    python scripts/convert_data.py --source easyvideor1 --src their_train.jsonl --media-root /data/videos \
-        --out data/train.jsonl
 
-Sources (field names and types as released):
-  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1): a JSON array of {problem_id: int,
-               problem, data_type: "image"|"video", problem_type, options: [str] ([] unless multiple choice),
-               solution: "<answer>X</answer>", path: "./subset/x.mp4", data_source; the COT file adds process:
-               "<think>...</think>"}. Video-R1 reads `path` below its Video-R1-data folder, the JSON's own folder:
-               that is the default --media-root.
-  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1, examples/*/*.yaml): {problem, answer,
-               problem_type, data_type, videos: [str], images: [str], options, has_offline_trajectory,
-               offline_output, problem_id, data_source}; relative paths are joined with its data.image_dir, our
-               --media-root (when unset, EasyVideoR1 reads them from the working directory: pass that).
-Problem types become ours (rewards.canonical_type: "free-form" -> "open-ended", "OCR" -> "ocr"); answers lose their
-<answer> tags; media paths are written relative to the output file, which is how data.py reads them. Every written
-record passes data.validate_sample. A record that cannot be mapped goes to OUT.skipped.jsonl ({index: its position in
-the source, 0-based, problem_id, reason, detail}); the counts by reason are printed and written to OUT.report.json.
+Sources, with their field names (sample records: tests/fixtures/convert/):
+  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1), a JSON array of {problem_id,
+               problem, data_type: image|video, problem_type, options, solution: "<answer>X</answer>", path:
+               "./subset/x.mp4", data_source; COT adds process: "<think>...</think>"}. Video-R1 reads `path` below
+               its Video-R1-data folder, where the JSON lies: the default --media-root.
+  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1): {problem, answer, problem_type, data_type,
+               videos, images, options, has_offline_trajectory, offline_output, problem_id, data_source}; it joins
+               relative paths with its data.image_dir (else the working directory): pass that as --media-root.
+Problem types become ours (rewards.canonical_type: "free-form" -> "open-ended"), answers lose their <answer> tags,
+media paths are written relative to the output file (as data.py reads them), and every written record passes
+data.validate_sample. A record that cannot be mapped goes to OUT.skipped.jsonl as {index (0-based position in the
+array, or line - 1), problem_id, reason, detail}; the counts by reason are printed and written to OUT.report.json.
 """
 import json
 import os
@@ -51,22 +47,18 @@ class Config:
 
 
 class Unmapped(ValueError):
-    """A record we cannot convert: `reason` is the short category counted in the report, `detail` the specifics."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
+    """A record we cannot convert; args: (reason, the short category counted in the report; detail)."""
 
 
-def as_text(value) -> str:
-    """A JSON value as our string field: strings unchanged, numbers and grounding objects as JSON text."""
-    return value if isinstance(value, str) else json.dumps(value)
+def bare_answer(value) -> str:
+    """Our ground truth: without <answer> tags; a number or a grounding object becomes its JSON text."""
+    return rewards.ground_truth({"answer": value if isinstance(value, str) else json.dumps(value)})
 
 
 def from_video_r1(r: dict, use_offline: bool) -> dict:
     if r["data_type"] not in ("video", "image"):
         raise Unmapped("unknown data_type", repr(r["data_type"]))
-    out = dict(problem=r["problem"], answer=rewards.ground_truth({"answer": as_text(r["solution"])}),
+    out = dict(problem=r["problem"], answer=bare_answer(r["solution"]),
                problem_type=r["problem_type"], data_type=r["data_type"], options=r.get("options") or [],
                **{r["data_type"] + "s": [r["path"]]})
     if use_offline and r.get("process"):  # Video-R1's SFT target is process + "\n" + solution
@@ -75,8 +67,7 @@ def from_video_r1(r: dict, use_offline: bool) -> dict:
 
 
 def from_easyvideor1(r: dict, use_offline: bool) -> dict:
-    out = dict(problem=r["problem"], answer=rewards.ground_truth({"answer": as_text(r["answer"])}),
-               problem_type=r["problem_type"])
+    out = dict(problem=r["problem"], answer=bare_answer(r["answer"]), problem_type=r["problem_type"])
     out |= {k: r[k] for k in ("data_type", "options", "videos", "images") if k in r}
     if use_offline and r.get("has_offline_trajectory") and r.get("offline_output"):
         out["offline_output"] = r["offline_output"]
@@ -90,25 +81,23 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
     try:
         s = (from_video_r1 if c.source == "video-r1" else from_easyvideor1)(r, c.offline_output)
     except KeyError as e:
-        raise Unmapped(f"missing field {e}") from None
+        raise Unmapped(f"missing field {e}", f"the record has {sorted(r)}") from None
     ptype = rewards.canonical_type(s["problem_type"])
     if ptype not in rewards.ACCURACY:  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
-        raise Unmapped(f"no reward for problem_type {s['problem_type']!r}")
+        raise Unmapped(f"no reward for problem_type {s['problem_type']!r}", f"ours: {sorted(rewards.ACCURACY)}")
     s = {"id": f"{c.source}-{index}", **s, "problem_type": ptype}
     s |= {k: r[k] for k in ("problem_id", "data_source") if k in r}  # kept for tracing back to the source
     out_dir = os.path.dirname(os.path.abspath(c.out))
-    for key in ("videos", "images", "options"):
-        if key in s and not s[key]:
-            del s[key]  # [] means none: leave the field out
     for key in ("videos", "images"):
-        if not isinstance(s.get(key, []), list) or not all(isinstance(p, str) and p for p in s.get(key, [])):
-            raise Unmapped(f"{key} not a list of file paths", repr(s[key])[:200])  # e.g. inline image bytes
-        files = [os.path.normpath(os.path.join(media_root, p)) for p in s.get(key, [])]
-        missing = [f for f in files if c.check_media and not os.path.exists(f)]
+        paths = s.get(key, [])
+        if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+            raise Unmapped(f"{key} not a list of file paths", repr(paths)[:200])  # e.g. inline image bytes
+        files = [os.path.normpath(os.path.join(media_root, p)) for p in paths]
+        missing = [f for f in files if not os.path.exists(f)] if c.check_media else []
         if missing:
             raise Unmapped("media file missing", missing[0])
-        if files:
-            s[key] = [os.path.relpath(f, out_dir) for f in files]
+        s[key] = [os.path.relpath(f, out_dir) for f in files]
+    s = {k: v for k, v in s.items() if v != []}  # no videos, images or options: leave the field out
     try:
         data.validate_sample(s, f"{c.out}:{index}")
     except data.DataError as e:
@@ -117,33 +106,23 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
     return s
 
 
-def read_records(path: str) -> list:
-    """The source's records in order; a JSONL line that is not JSON becomes an Unmapped in its place."""
-    with open(path, encoding="utf-8") as f:
-        if not path.endswith(".jsonl"):
-            return json.load(f)
-        lines = [line for line in f if line.strip()]
-    records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            records.append(Unmapped("malformed JSON", f"{e.msg} at column {e.colno}"))
-    return records
-
-
 def main(c: Config) -> dict:
     media_root = c.media_root or os.path.dirname(os.path.abspath(c.src))
     stem = c.out.removesuffix(".jsonl")
+    with open(c.src, encoding="utf-8") as f:
+        records = list(f) if c.src.endswith(".jsonl") else json.load(f)
     written, skipped = [], []
-    for index, r in enumerate(read_records(c.src)):
+    for index, r in enumerate(records):
+        if isinstance(r, str) and not r.strip():
+            continue  # a blank JSONL line holds no record
         try:
-            if isinstance(r, Unmapped):
-                raise r
+            r = json.loads(r) if isinstance(r, str) else r  # a JSONL line
             written.append(convert(r, index, c, media_root))
+        except json.JSONDecodeError as e:
+            skipped.append(dict(index=index, problem_id=None, reason="malformed JSON", detail=e.msg))
         except Unmapped as e:
             source_id = r.get("problem_id") if isinstance(r, dict) else None
-            skipped.append({"index": index, "problem_id": source_id, "reason": e.reason, "detail": e.detail})
+            skipped.append(dict(index=index, problem_id=source_id, reason=e.args[0], detail=e.args[1]))
     os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
     for path, rows in ((c.out, written), (stem + ".skipped.jsonl", skipped)):
         with open(path, "w", encoding="utf-8") as f:
