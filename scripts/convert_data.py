@@ -41,7 +41,7 @@ class Config:
     """folder that relative media paths are below ('' = the source file's folder)"""
     offline_output: bool = False
     """copy curated reasoning into offline_output: Video-R1's `process` + its answer, EasyVideoR1's `offline_output`
-    where has_offline_trajectory is true (used by train.py's --mix-offline)"""
+    where has_offline_trajectory is true (train.py then swaps it into its group: --mix-offline is on by default)"""
     check_media: bool = True
     """skip (and report) records whose media file does not exist under media_root"""
 
