@@ -2,18 +2,16 @@
 
     python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
 
-Sources, with their field names (sample records: tests/fixtures/convert/):
-  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1), a JSON array of {problem_id,
-               problem, data_type: image|video, problem_type, options, solution: "<answer>X</answer>", path:
-               "./subset/x.mp4", data_source; COT adds process: "<think>...</think>"}. Video-R1 reads `path` below
-               its Video-R1-data folder, where the JSON lies: the default --media-root.
-  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1): {problem, answer, problem_type, data_type,
-               videos, images, options, has_offline_trajectory, offline_output, problem_id, data_source}; it joins
-               relative paths with its data.image_dir (else the working directory): pass that as --media-root.
-Problem types become ours (rewards.canonical_type: "free-form" -> "open-ended"), answers lose their <answer> tags,
-media paths are written relative to the output file (as data.py reads them), and every written record passes
-data.validate_sample. A record that cannot be mapped goes to OUT.skipped.jsonl as {index (0-based position in the
-array, or line - 1), problem_id, reason, detail}; the counts by reason are printed and written to OUT.report.json.
+Sources (sample records in their exact field names and types: tests/fixtures/convert/):
+  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1): a JSON array of {problem_id, problem,
+               data_type, problem_type, options, solution: "<answer>X</answer>", path: "./subset/x.mp4", data_source,
+               and in COT, process: "<think>...</think>"}; `path` is below Video-R1-data/, where the JSON lies.
+  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1): our own field names plus has_offline_trajectory;
+               relative paths are below its data.image_dir (else the working directory): pass that as --media-root.
+Problem types become ours (rewards.canonical_type), answers lose their <answer> tags, media paths are written relative
+to the output file (as data.py reads them), and every written record passes data.validate_sample. A record that cannot
+be mapped goes to OUT.skipped.jsonl as {index (array position, or line number - 1), problem_id, reason, detail};
+the counts by reason are printed and written to OUT.report.json.
 """
 import json
 import os
