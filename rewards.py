@@ -167,6 +167,9 @@ _FRAC = re.compile(r"\\[dt]?frac\{([^{}]{1,30})\}\{([^{}]{1,30})\}")  # \frac{1}
 # a percent sign, a k suffix or a scale word
 _NUM = re.compile(r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
                   r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?")
+_UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seventeen" before "seven"
+# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
+_WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
 _HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
 
 
@@ -184,21 +187,16 @@ def number_spans(s: str) -> list[tuple[int, int, float]]:
         if m[4]:
             value = value / float(m[4]) if float(m[4]) else math.nan
         out.append((m.start(), m.end(), value * SCALES.get((m[5] or "").strip(), 1)))
-    runs = []  # number words: [start, end, total, current] of each run ("one thousand two hundred")
-    for m in re.finditer(r"[a-z]+", s):
-        joined = bool(runs) and not s[runs[-1][1]:m.start()].strip(" -")
-        if m[0] in WORDS or joined and m[0] in SCALES:
-            if not joined:
-                runs.append([m.start(), m.end(), 0, 0])
-            run = runs[-1]
-            if m[0] in WORDS:
-                run[3] += WORDS[m[0]]
-            elif m[0] == "hundred":
-                run[3] = max(run[3], 1) * 100
+    for m in _WORD_RUN.finditer(s):  # "one thousand two hundred": total 1000, then current 2 -> 200
+        total, current = 0, 0
+        for w in m[0].replace("-", " ").split():
+            if w in WORDS:
+                current += WORDS[w]
+            elif w == "hundred":
+                current = max(current, 1) * 100
             else:
-                run[2], run[3] = run[2] + max(run[3], 1) * SCALES[m[0]], 0
-            run[1] = m.end()
-    out += [(start, end, float(total + current)) for start, end, total, current in runs]
+                total, current = total + max(current, 1) * SCALES[w], 0
+        out.append((m.start(), m.end(), float(total + current)))
     return sorted(x for x in out if math.isfinite(x[2]))
 
 
@@ -306,14 +304,10 @@ def iou_1d(a, b) -> float:
     return inter / union if union > 0 else float(a == b)
 
 
-def area(box) -> float:
-    return max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
-
-
-def iou_box(a, b) -> float:
+def iou_box(a, b) -> float:  # boxes as as_box returns them: x1 <= x2, y1 <= y2
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    union = area(a) + area(b) - ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
     return ix * iy / union if union > 0 else float(a == b)  # two equal empty boxes match, as in iou_1d
 
 
@@ -324,10 +318,6 @@ def mra(pred: float, gt: float) -> float:
     so gt 100, pred 80 fails t = 0.8 and scores 0.6)."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
     return sum(rel <= m for m in MRA_MARGINS) / len(MRA_MARGINS)
-
-
-def _tokens(s: str) -> list[str]:
-    return re.findall(r"\w+", s.lower())
 
 
 def squad_norm(s: str) -> str:
@@ -431,7 +421,7 @@ def polarity(ans: str) -> int | None:
     """1 for yes/true, 0 for no/false: the first such word, flipped after "not" ("It is not true" is no); -1, a wrong
     answer, for a hedge: two different ones joined only by and/or/maybe/punctuation ("Yes and no", "yes/no");
     None when there is none. "Yes, but no other person does." commits to yes."""
-    words = _tokens(ans)
+    words = re.findall(r"\w+", ans.lower())
     i = next((k for k, w in enumerate(words) if w in POLAR), None)
     if i is None:
         return None
