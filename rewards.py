@@ -1,16 +1,14 @@
-"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]`, in one dict. Adding a
-task is one function and one entry in ACCURACY. The rules are those a benchmark grader applies, so that the policy is
-paid for what the benchmark pays for.
+"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]`, in one dict, scoring
+what a benchmark grader would score. Adding a task is one function and one entry in ACCURACY.
 
     overall, components = compute_reward(completion, sample)     # overall = w_acc * acc + w_fmt * fmt
 
 Problem types (ALIASES maps public datasets' names onto these):
-    multiple choice      the option letter, read out of "B", "(B)", "Option B", "The answer is B", "**B**", "答案是B",
-                         or the text of one of sample["options"]; two different letters ("B or A") score 0
-    numerical            numbers in any common writing (see number_spans); relative tolerance NUM_RTOL
-    counting             the same numbers, but exact
-    regression           mean relative accuracy (mra), the official VSI-Bench rule
-    boolean              the committed yes/no/true/false (see polarity)
+    multiple choice      the option letter out of "B", "Option B", "The answer is (B)", "**B**", "答案是B", ..., or the
+                         text of one of sample["options"] (choice_letter)
+    numerical            numbers as models write them (number_spans), relative tolerance NUM_RTOL; counting: exact
+    regression           mean relative accuracy, the official VSI-Bench rule (mra)
+    boolean              the committed yes/no/true/false (polarity)
     open-ended           short ground truths: SQuAD (normalized exact match, else token F1); longer ones: mean of
                          ROUGE-1/2/L F1 with the Porter stemmer (the rouge-score package)
     ocr                  1 - word error rate, clipped to [0, 1]
@@ -18,20 +16,18 @@ Problem types (ALIASES maps public datasets' names onto these):
     temporal grounding   1-D IoU of {"time": [start, end]}, or of a span in text ("from 12.3 to 25.7 seconds")
     spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, a bare list, or a tuple in text
     spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1); no
-                         usable boxes count 0 (so 0.5 * time IoU), a malformed box counts IoU 0 for its second
-    tracking             mean box IoU over the frames both have (0 if none), a malformed box counting 0
-    code, svg-code, html-code   similarity (difflib ratio) of normalized token streams: Python by its syntax tree
-                         (formatting and comments gone, bound names renamed v0, v1, ...), HTML/SVG by tags, sorted
-                         attributes and words; 1.0 only for an equivalent program text; never executed
+                         usable boxes give 0.5 * time IoU, a malformed box IoU 0 for its second; tracking: the mean
+                         box IoU over the frames both have (0 if none), a malformed box counting 0
+    code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, MarkupTokens): 1.0 only for
+                         an equivalent program text; never executed
 Hedges ("3 or 4", "between 999 and 1001", "B, A", "Yes and no") are answers, wrong ones: 0, not a parse failure.
 
-Answer extraction (extract_answer), on tags read case- and space-insensitively (`< Answer >`): closed <think> blocks
-are removed and an unclosed <think> ends the text (reasoning is never scored); then the LAST <answer>...</answer>
+Answer extraction (extract_answer), tags read case- and space-insensitively (`< Answer >`): closed <think> blocks are
+removed and an unclosed <think> ends the text (reasoning is never scored); then the LAST <answer>...</answer>
 (innermost when nested; a blank one is None); else the last \\boxed{...}; else a "final answer: X" / "the answer is X"
-phrase; else the text after </think>; else the whole text when it is a bare short answer (at most BARE_WORDS words);
-else None (a parse failure: scored 0 and counted in components["parse_fail"]). Only the last MAX_LEN characters are
-read (the answer comes last). All parsing uses str.find, one-pass scans and regexes with bounded repeats: linear time.
-Rewards never raise on model output and always return a value in [0, 1].
+phrase; else the text after </think>; else a bare short answer (at most BARE_WORDS words); else None (a parse
+failure: scored 0, counted in components["parse_fail"]). Only the last MAX_LEN characters are read (the answer comes
+last); str.find, one-pass scans and bounded regex repeats only: linear time. Never raises; always in [0, 1].
 """
 import ast
 import ctypes
@@ -222,12 +218,8 @@ _JSON_CHAR = re.compile(r'[{}\[\]"\\]')
 
 
 def parse_json(s: str):
-    """json.loads(s), else the LAST complete top-level {...} or [...] in the text that parses (a model correcting
+    """The LAST complete top-level {...} or [...] in s that json.loads (all of s when it is one; a model correcting
     itself writes its final answer last); None if none. One scan over brackets and quotes: linear time."""
-    try:
-        return json.loads(s)
-    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting recurses
-        pass
     spans, depth, start, in_str, skip = [], 0, 0, False, -1
     for m in _JSON_CHAR.finditer(s):
         c, i = m[0], m.start()
@@ -248,7 +240,7 @@ def parse_json(s: str):
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting recurses
             pass
     return None
 
@@ -275,8 +267,7 @@ def as_box(b) -> list[float] | None:  # [x1, y1, x2, y2] with x1 <= x2, y1 <= y2
     return b if None not in b and b[0] <= b[2] and b[1] <= b[3] else None
 
 
-def text_numbers(ans: str, n: int) -> list[float] | None:
-    """When the answer holds no JSON: its first n numbers ("from 12.3 to 25.7 seconds", "(10, 20, 30, 40)")."""
+def text_numbers(ans: str, n: int) -> list[float] | None:  # no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"
     spans = number_spans(ans) if not isinstance(parse_json(ans), (dict, list)) else []
     return [v for _, _, v in spans[:n]] if len(spans) >= n else None
 
