@@ -515,6 +515,8 @@ def acc_math(ans, s):
     """math-verify's own timeouts are whole-second signal.alarm()s that fail outside the main thread: they are off,
     and time_limit bounds parse + verify instead."""
     from math_verify import parse, verify
+    if "".join(ans.split()) == "".join(ground_truth(s).split()):  # the same text: equal without asking sympy
+        return 1.0
     _math_warm()
     try:
         with time_limit(MATH_TIMEOUT):
