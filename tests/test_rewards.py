@@ -86,6 +86,14 @@ def test_extract_answer(text, want):
     assert extract_answer(text) == want
 
 
+@pytest.mark.parametrize("text, want", [  # the step evaluate.py shares: tag content, else the text, '' in a <think>
+    ("< Answer >B</ANSWER>", "B"), ("<think>x</think> B ", "B"), ("<think>x <answer>B</answer>", ""),
+    ("<answer>A</answer><think>more", "A"), ("plain text", "plain text"), ("", ""), (None, ""),
+])
+def test_answer_text(text, want):
+    assert rewards.answer_text(text) == want
+
+
 # ---------------------------------------------------------------------------------------------------
 # table-driven cases per problem type: (type, completion's answer, ground truth or None, accuracy; None = parse failure)
 ROUGE_EX = ((5 / 6) + 0.6 + (5 / 6)) / 3  # "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
