@@ -18,7 +18,7 @@ Problem types (ALIASES maps public datasets' names onto these):
     spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1); no
                          usable boxes give 0.5 * time IoU, a malformed box IoU 0 for its second; tracking: the mean
                          box IoU over the frames both have (0 if none), a malformed box counting 0
-    code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, MarkupTokens): 1.0 only for
+    code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, markup_tokens): 1.0 only for
                          an equivalent program text; never executed
 Hedges ("3 or 4", "between 999 and 1001", "B, A", "Yes and no") are answers, wrong ones: 0, not a parse failure.
 
@@ -41,7 +41,6 @@ import string
 import threading
 from collections import Counter
 from functools import lru_cache, partial
-from html.parser import HTMLParser
 
 import numpy as np
 from rouge_score import rouge_scorer
@@ -81,16 +80,16 @@ def blank(text: str) -> bool:  # nothing visible: only spaces, zero-width charac
     return not any(c.isprintable() and not c.isspace() for c in text)
 
 
-def strip_think(text: str) -> str:
-    """Remove every closed <think>...</think> block (leftmost first, like a lazy regex, but linear) and everything from
-    an unclosed <think> on: its text is reasoning, not an answer."""
+def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> str:
+    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and everything from an
+    unclosed start on: the text of an unfinished <think> is reasoning, not an answer."""
     out, i = [], 0
-    while (j := text.find("<think>", i)) >= 0:
+    while (j := text.find(start, i)) >= 0:
         out.append(text[i:j])
-        k = text.find("</think>", j)
+        k = text.find(end, j + len(start))
         if k < 0:
             return "".join(out)
-        i = k + len("</think>")
+        i = k + len(end)
     return "".join(out) + text[i:]
 
 
@@ -106,7 +105,7 @@ def answer_text(text: str) -> str:
     evaluate.py's official readers both start here): the content of the last closed <answer> tag when there is
     one, else the response without its closed <think> blocks; '' when a <think> is left open before any answer
     (nothing was committed after it). Tags match case- and space-insensitively."""
-    body = strip_think(canon_tags((text or "")[-MAX_LEN:]))
+    body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
     ans = last_answer(body)
     return (body if ans is None else ans).strip()
 
@@ -125,7 +124,7 @@ def boxed(text: str) -> str | None:
 def extract_answer(text: str) -> str | None:
     """The answer of a completion (module docstring), None when there is none."""
     text = canon_tags((text or "")[-MAX_LEN:])
-    body = strip_think(text)
+    body = strip_blocks(text)
     ans = last_answer(body)
     if ans is None:
         ans = boxed(body)
@@ -558,23 +557,25 @@ def acc_tracking(ans, s):
     return None if boxes is None else mean_box_iou(boxes, as_boxes(parse_json(ground_truth(s))))
 
 
-class MarkupTokens(HTMLParser):
-    """HTML/SVG as tokens: tags, attributes sorted, words; comments, spacing and attribute order do not count."""
+_MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")
+_ATTR = re.compile(r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?""")
 
-    def __init__(self, text: str):
-        super().__init__()
-        self.tokens = []
-        self.feed(text)
-        self.close()
 
-    def handle_starttag(self, tag, attrs):
-        self.tokens += [f"<{tag}", *sorted(f"{k}={' '.join((v or '').split())}" for k, v in attrs)]
-
-    def handle_endtag(self, tag):
-        self.tokens.append(f"</{tag}")
-
-    def handle_data(self, data):
-        self.tokens += data.split()
+def markup_tokens(text: str) -> list[str]:
+    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words. Comments, spacing, attribute order and
+    <x/> against <x></x> do not count. Bounded regexes, not html.parser (quadratic on "<!--" * n, and it raises)."""
+    text, tokens, i = strip_blocks(text, "<!--", "-->"), [], 0
+    for m in _MARKUP_TAG.finditer(text):
+        tag, attrs = m[2].lower(), sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3]))
+        tokens += text[i:m.start()].split()
+        if m[1]:
+            tokens.append(f"</{tag}")
+        else:
+            tokens += [f"<{tag}", *(f"{k}={v}" for k, v in attrs)]
+        if m[3].rstrip().endswith("/"):  # <x/> is <x></x>
+            tokens.append(f"</{tag}")
+        i = m.end()
+    return tokens + text[i:].split()
 
 
 BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
@@ -600,11 +601,11 @@ def python_tokens(code: str) -> list[str] | None:
 
 
 def acc_code(ans, s, markup: bool = False):
-    """difflib ratio of the normalized token streams of answer and reference (python_tokens; MarkupTokens for svg-code,
+    """difflib ratio of the normalized token streams of answer and reference (python_tokens; markup_tokens for svg-code,
     html-code and a reference starting with "<"); 0 when the answer does not parse as Python."""
     code, ref = (re.sub(r"^```\w*\n?|```$", "", x.strip()).strip() for x in (ans, ground_truth(s)))
     if markup or ref.startswith("<"):
-        pred, gold = MarkupTokens(code).tokens, MarkupTokens(ref).tokens
+        pred, gold = markup_tokens(code), markup_tokens(ref)
     else:
         pred, gold = python_tokens(code), python_tokens(ref)
     if not pred or not gold:

@@ -537,6 +537,8 @@ PATHOLOGICAL = {
     "short parens": "<answer>" + "(" * 300 + "</answer>", "short braces": "<answer>" + "{" * 300 + "</answer>",
     "phrase in tags": "<answer>" + "answer is " * 50 + "</answer>", "15k braces": "<answer>" + "{" * 15000 + "</answer>",
     "15k brackets": "<answer>" + "[" * 15000 + "</answer>", "15k words": "<answer>" + "a " * 7000 + "</answer>",
+    # html.parser takes seconds on the first and raises on the second (Python 3.11): markup_tokens uses neither
+    "open comments": "<answer>" + "<!--" * 4900 + "</answer>", "marked sections": "<answer>" + "<![" * 6000 + "</answer>",
 }
 
 
