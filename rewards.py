@@ -225,12 +225,14 @@ def parse_json(s: str):
         if i == skip:  # the character after a backslash inside a string
             continue
         if in_str:
-            skip = i + 1 if c == "\\" else skip
+            if c == "\\":
+                skip = i + 1
             in_str = c != '"'
         elif c == '"':
             in_str = depth > 0  # quotes in prose, outside any bracket, open no string
         elif c in "{[":
-            start = i if depth == 0 else start
+            if depth == 0:
+                start = i
             depth += 1
         elif depth > 0 and c in "}]":
             depth -= 1
