@@ -1,51 +1,57 @@
-"""rewards.py: one accuracy function per problem type, `(completion, sample) -> float in [0, 1]`,
-in one dict. Adding a task is one function and one entry in ACCURACY.
+"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]`, in one dict, scoring
+what a benchmark grader would score. Adding a task is one function and one entry in ACCURACY.
 
     overall, components = compute_reward(completion, sample)     # overall = w_acc * acc + w_fmt * fmt
 
 Problem types (ALIASES maps public datasets' names onto these):
-    multiple choice      letter, or the text of one of sample["options"]
-    numerical            numbers, fractions, percentages, number words ("twenty one"); tolerance NUM_RTOL
-    counting             the same numbers, but exact
-    regression           mean relative accuracy (MRA): share of t in 0.50, 0.55, ..., 0.95 with |pred - gt| / |gt| < 1 - t
-    boolean              yes/no/true/false
-    open-ended           mean of ROUGE-1/2/L F1; exact match (case/punctuation-insensitive) for short answers
+    multiple choice      the option letter out of "B", "Option B", "The answer is (B)", "**B**", "答案是B", ..., or the
+                         text of one of sample["options"] (choice_letter)
+    numerical            numbers as models write them (number_spans), relative tolerance NUM_RTOL; counting: exact
+    regression           mean relative accuracy, the official VSI-Bench rule (mra)
+    boolean              the committed yes/no/true/false (polarity)
+    open-ended           short ground truths: SQuAD (normalized exact match, else token F1); longer ones: mean of
+                         ROUGE-1/2/L F1 with the Porter stemmer (the rouge-score package)
     ocr                  1 - word error rate, clipped to [0, 1]
-    math                 math-verify equivalence, under a wall-clock limit of MATH_TIMEOUT s (see acc_math)
-    temporal grounding   1-D IoU of {"time": [start, end]}, start <= end
-    spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, x1 <= x2 and y1 <= y2
-    spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1)
-    tracking             mean box IoU over the frames both have (0 if none)
-    code                 1 if the answer parses: as Python (ast.parse), or as XML when it starts with "<"
-                         (svg-code); never executed
+    math                 math-verify equivalence, under time_limit(MATH_TIMEOUT)
+    temporal grounding   1-D IoU of {"time": [start, end]}, or of a span in text ("from 12.3 to 25.7 seconds")
+    spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, a bare list, or a tuple in text
+    spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1); no
+                         usable boxes give 0.5 * time IoU, a malformed box IoU 0 for its second; tracking: the mean
+                         box IoU over the frames both have (0 if none), a malformed box counting 0
+    code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, markup_tokens): 1.0 only for
+                         an equivalent program text; never executed
+Hedges ("3 or 4", "between 999 and 1001", "B, A", "Yes and no") are answers, wrong ones: 0, not a parse failure.
 
-Answer extraction (extract_answer), in order: <think>...</think> blocks are removed; the LAST
-<answer>...</answer> (innermost when nested; an empty one is None); else the last \\boxed{...}; else a
-"the answer is X" phrase; else the text after </think>; else None (a parse failure: scored 0 and counted
-in components["parse_fail"]). Only the last MAX_LEN characters are read (the answer comes last). Extraction and
-JSON parsing use str.find, not backtracking regexes: linear time.
-Rewards never raise on model output and always return a value in [0, 1].
+Answer extraction (extract_answer), tags read case- and space-insensitively (`< Answer >`): closed <think> blocks are
+removed and an unclosed <think> ends the text (reasoning is never scored); then the LAST <answer>...</answer>
+(innermost when nested; a blank one is None); else the last \\boxed{...}; else a "final answer: X" / "the answer is X"
+phrase; else the text after </think>; else a bare short answer (at most BARE_WORDS words); else None (a parse
+failure: scored 0, counted in components["parse_fail"]). Only the last MAX_LEN characters are read (the answer comes
+last); str.find, one-pass scans and bounded regex repeats only: linear time. Never raises; always in [0, 1].
 """
 import ast
 import ctypes
+import difflib
 import gc
 import json
 import math
 import re
 import signal
+import string
 import threading
-import warnings
-import xml.etree.ElementTree as ET
-from functools import lru_cache
+from collections import Counter
+from functools import lru_cache, partial
 
 import numpy as np
+from rouge_score import rouge_scorer
 
-THRESHOLDS = [round(0.5 + 0.05 * i, 2) for i in range(10)]  # MRA thresholds 0.50..0.95
-MARGINS = [round(1 - t, 2) for t in THRESHOLDS]  # 1 - t as exact decimals: 1 - 0.7 is 0.30000000000000004 in floats
-VSI_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()  # the official code's float margins (0.30000000000000004)
-NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * max(1, |gt|)
+MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()  # VSI-Bench's margins as its code computes them, in floats
+NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * |gt|, relative at every scale
 MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
-MATH_TIMEOUT = 1.0  # seconds of math-verify per call (SIGALRM in the main thread, else a watchdog thread)
+MATH_TIMEOUT = 1.0  # seconds of math-verify per call (see time_limit)
+BARE_WORDS = 8  # with no tag, phrase or </think>, a text of at most this many words is the answer itself
+SHORT_ANSWER = 5  # open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
+CODE_TOKENS = 2000  # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
 
 ALIASES = {
     "multiple_choice": "multiple choice", "mcq": "multiple choice", "mc": "multiple choice",
@@ -54,26 +60,36 @@ ALIASES = {
     "binary classification": "boolean", "yes/no": "boolean", "yes_no": "boolean", "ssr": "boolean", "crr": "boolean",
     "open_ended": "open-ended", "free-form": "open-ended", "free_form": "open-ended", "video qa": "open-ended",
     "video description": "open-ended", "caption": "open-ended", "captioning": "open-ended", "mathematics": "math",
-    "coding": "code", "svg-code": "code",  # html-code is left out: HTML is not XML, and we have no HTML parser
+    "coding": "code", "svg": "svg-code", "html": "html-code",
     "temporal_grounding": "temporal grounding", "spatial_grounding": "spatial grounding",
     "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
 # ---------------------------------------------------------------------------------------------------
-# extraction: str.find and linear-time patterns only (no nested quantifiers), on length-capped input
-_PHRASE = re.compile(r"answer is[:\s]*([^\n]{1,1000})", re.I)
-_NUM = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
-WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                                    "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+# extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
+_TAG = re.compile(r"<\s{0,9}(/?)\s{0,9}(answer|think)\s{0,9}>", re.I)
+_PHRASE = re.compile(r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I)
 
 
-def strip_think(text: str) -> str:
-    """Remove every closed <think>...</think> block (leftmost first, like a lazy regex, but linear)."""
+def canon_tags(text: str) -> str:
+    """`< Answer >`, `</THINK >` -> `<answer>`, `</think>`: every later step matches the tags exactly."""
+    return _TAG.sub(lambda m: f"<{m[1]}{m[2].lower()}>", text)
+
+
+def blank(text: str) -> bool:  # nothing visible: only spaces, zero-width characters (format chars), NULs
+    return not any(c.isprintable() and not c.isspace() for c in text)
+
+
+def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> str:
+    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and everything from an
+    unclosed start on: the text of an unfinished <think> is reasoning, not an answer."""
     out, i = [], 0
-    while (j := text.find("<think>", i)) >= 0 and (k := text.find("</think>", j)) >= 0:
+    while (j := text.find(start, i)) >= 0:
         out.append(text[i:j])
-        i = k + len("</think>")
+        k = text.find(end, j + len(start))
+        if k < 0:
+            return "".join(out)
+        i = k + len(end)
     return "".join(out) + text[i:]
 
 
@@ -87,41 +103,43 @@ def last_answer(text: str) -> str | None:
 def answer_text(text: str) -> str:
     """The answer taken out of our output format, before any type-specific reading (training rewards and
     evaluate.py's official readers both start here): the content of the last closed <answer> tag when there is
-    one, else the response without its closed <think> blocks; '' when a <think> is left open (nothing was
-    committed after it)."""
-    text = (text or "")[-MAX_LEN:]
-    body = strip_think(text)
+    one, else the response without its closed <think> blocks; '' when a <think> is left open before any answer
+    (nothing was committed after it). Tags match case- and space-insensitively."""
+    body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
     ans = last_answer(body)
-    if ans is not None:
-        return ans.strip()
-    if "<think>" in body:  # an unfinished <think>: its text is reasoning, not an answer
-        return ""
-    return body.strip()
+    return (body if ans is None else ans).strip()
+
+
+def boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or empty."""
+    i = text.rfind("\\boxed{")
+    depth = 1
+    for j in range(i + 7, min(len(text), i + 1007) if i >= 0 else 0):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7:j].strip(), flags=re.S).strip() or None
+    return None
 
 
 def extract_answer(text: str) -> str | None:
-    text = (text or "")[-MAX_LEN:]
-    k = text.rfind("</think>")
-    after_think = text[k + 8:] if k >= 0 else ""
-    text = strip_think(text)
-    ans = last_answer(text)
-    if ans is not None:
-        return ans.strip() or None
-    if (i := text.rfind("\\boxed{")) >= 0:  # the last \boxed{...}, braces balanced, \text{} unwrapped
-        depth = 1
-        for j in range(i + 7, min(len(text), i + 1007)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                if box := re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7:j].strip(), flags=re.S).strip():
-                    return box
-                break
-    if (hits := _PHRASE.findall(text)) and (ans := hits[-1].strip().rstrip(".").strip()):
-        return ans
-    return after_think.strip() or None
+    """The answer of a completion (module docstring), None when there is none."""
+    text = canon_tags((text or "")[-MAX_LEN:])
+    body = strip_blocks(text)
+    ans = last_answer(body)
+    if ans is None:
+        ans = boxed(body)
+    if ans is None and (hits := _PHRASE.findall(body)):
+        ans = hits[-1].strip().rstrip(".")
+    if ans is None and "</think>" in text:  # reasoning, then the answer as it is
+        ans = body.rpartition("</think>")[2]  # a stray </think> (the <think> was in the prompt) ends the reasoning
+    bare = len(body.split()) <= BARE_WORDS and len(body) <= 20 * BARE_WORDS
+    if ans is None and bare and "answer>" not in body and "\\boxed" not in body:  # a broken tag or box is not bare
+        ans = body
+    return None if ans is None or blank(ans) else ans.strip()
 
 
 def ground_truth(sample: dict) -> str:
-    gt = str(sample.get("answer", ""))
+    gt = canon_tags(str(sample.get("answer", "")))
     ans = last_answer(gt)
     return (gt if ans is None else ans).strip()
 
@@ -133,55 +151,126 @@ def canonical_type(problem_type: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # parsers (None on failure, never raise)
+WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                    "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+SCALES = {"%": 0.01, "k": 1e3, "hundred": 1e2, "thousand": 1e3, "million": 1e6, "billion": 1e9}
+_DASHES = str.maketrans(dict.fromkeys("\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63\uff0d", "-"))
+_TIMES = re.compile(r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?")  # 1 \times 10^3 -> 1e3
+_FRAC = re.compile(r"\\[dt]?frac\{([^{}]{1,30})\}\{([^{}]{1,30})\}")  # \frac{1}{2} -> 1/2
+# a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators; a fraction;
+# a percent sign, a k suffix or a scale word
+_NUM = re.compile(r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
+                  r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?")
+_UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seventeen" before "seven"
+# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
+_WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
+_HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
+
+
+def number_text(s: str) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
+    return _FRAC.sub(r"\1/\2", _TIMES.sub(r"e\1", s.lower().translate(_DASHES)))
+
+
+def number_spans(s: str) -> list[tuple[int, int, float]]:
+    """(start, end, value) in number_text(s) of every finite number, in order: "3", "−1,000.5", "1e3", "1 \\times 10^3",
+    "1/2", "\\frac{1}{2}", "50%" (= 0.5), "2.5k", "3 million", "twenty-one", "one thousand". x/0, 1e999 are left out."""
+    s = number_text(s)
+    out = []
+    for m in _NUM.finditer(s):
+        value = float((m[1] or "") + m[2].replace(",", "") + (m[3] or ""))
+        if m[4]:
+            value = value / float(m[4]) if float(m[4]) else math.nan
+        out.append((m.start(), m.end(), value * SCALES.get((m[5] or "").strip(), 1)))
+    for m in _WORD_RUN.finditer(s):  # "one thousand two hundred": total 1000, then current 2 -> 200
+        total, current = 0, 0
+        for w in m[0].replace("-", " ").split():
+            if w in WORDS:
+                current += WORDS[w]
+            elif w == "hundred":
+                current = max(current, 1) * 100
+            else:
+                total, current = total + max(current, 1) * SCALES[w], 0
+        out.append((m.start(), m.end(), float(total + current)))
+    return sorted(x for x in out if math.isfinite(x[2]))
+
+
 def parse_number(s: str) -> float | None:
-    """First number in s: "3", "-1,000.5", "1e3", "1/2", "50%" (= 0.5), "twenty-one"; None if none (or x/0)."""
-    s = s.strip().lower()
-    m = _NUM.search(s)
-    if not m:
-        ws = re.findall(r"[a-z]+", s) + [""]
-        i = next((i for i, x in enumerate(ws) if x in WORDS), None)
-        if i is None:
-            return None
-        v, unit = WORDS[ws[i]], WORDS.get(ws[i + 1], 0)
-        return float(v + unit if v >= 20 and unit < 10 else v)  # "twenty one"; "twenty twelve" is 20
-    try:
-        v = float(m.group(0).replace(",", ""))
-    except ValueError:
-        return None
-    rest = s[m.end():m.end() + 40]
-    if frac := re.match(r"\s*/\s*(\d+(?:\.\d+)?)", rest):
-        d = float(frac.group(1))
-        v = v / d if d else math.nan
-    elif rest.lstrip().startswith("%"):
-        v = v / 100
-    return v if math.isfinite(v) else None
+    """The first number in s (see number_spans), None if none."""
+    spans = number_spans(s)
+    return spans[0][2] if spans else None
+
+
+def committed_number(s: str) -> float | None:
+    """The number an answer commits to: its first one; NaN (scores 0, matches nothing, but is an answer) when it hedges
+    between two different numbers ("3 or 4", "3, 4", "3-4", "between 999 and 1001"); None when there is none."""
+    s = number_text(s)
+    spans = number_spans(s)
+    for (_, end, v1), (start, _, v2) in zip(spans, spans[1:]):
+        gap = s[end:start]
+        if v1 != v2 and (_HEDGE_GAP.fullmatch(gap) or re.search(r"\bor\b", gap[:40])):
+            return math.nan
+    return spans[0][2] if spans else None
+
+
+_JSON_CHAR = re.compile(r'[{}\[\]"\\]')
 
 
 def parse_json(s: str):
-    """json.loads(s), else of the outermost {...} or [...] inside prose; None if neither parses."""
-    cands = [s] + [s[s.find(a):s.rfind(b) + 1] for a, b in ("{}", "[]") if s.find(a) >= 0]
-    for c in cands:
+    """The LAST complete top-level {...} or [...] in s that json.loads (all of s when it is one; a model correcting
+    itself writes its final answer last); None if none. One scan over brackets and quotes: linear time."""
+    spans, depth, start, in_str, skip = [], 0, 0, False, -1
+    for m in _JSON_CHAR.finditer(s):
+        c, i = m[0], m.start()
+        if i == skip:  # the character after a backslash inside a string
+            continue
+        if in_str:
+            if c == "\\":
+                skip = i + 1
+            in_str = c != '"'
+        elif c == '"':
+            in_str = depth > 0  # quotes in prose, outside any bracket, open no string
+        elif c in "{[":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif depth > 0 and c in "}]":
+            depth -= 1
+            if depth == 0:
+                spans.append((start, i + 1))
+    for a, b in reversed(spans):
         try:
-            return json.loads(c)
+            return json.loads(s[a:b])
         except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting recurses
             pass
     return None
 
 
-def finite(v) -> bool:  # a JSON number (not a bool), finite as a float: NaN, inf and 10**400 are rejected
-    return type(v) is float and math.isfinite(v) or type(v) is int and abs(v) < 1e300
+def as_float(v) -> float | None:  # a JSON number or a string holding one ("12.3"); not a bool, NaN, inf or 10**400
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            return None
+    ok = type(v) is float and math.isfinite(v) or type(v) is int and abs(v) < 1e300
+    return float(v) if ok else None
 
 
 def as_span(x) -> list[float] | None:  # [start, end] with start <= end, else None (for answers and ground truth)
     t = x.get("time") if isinstance(x, dict) else x
-    ok = isinstance(t, (list, tuple)) and len(t) == 2 and all(finite(v) for v in t) and t[0] <= t[1]
-    return [float(t[0]), float(t[1])] if ok else None
+    t = [as_float(v) for v in t] if isinstance(t, (list, tuple)) and len(t) == 2 else [None]
+    return t if None not in t and t[0] <= t[1] else None
 
 
 def as_box(b) -> list[float] | None:  # [x1, y1, x2, y2] with x1 <= x2, y1 <= y2 (an [x, y, w, h] usually fails)
     b = b[0] if isinstance(b, list) and len(b) == 1 else b  # [[x1, y1, x2, y2]]: a list of one box
-    ok = isinstance(b, (list, tuple)) and len(b) == 4 and all(finite(v) for v in b) and b[0] <= b[2] and b[1] <= b[3]
-    return [float(v) for v in b] if ok else None
+    b = [as_float(v) for v in b] if isinstance(b, (list, tuple)) and len(b) == 4 else [None]
+    return b if None not in b and b[0] <= b[2] and b[1] <= b[3] else None
+
+
+def text_numbers(ans: str, n: int) -> list[float] | None:  # no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"
+    spans = number_spans(ans) if not isinstance(parse_json(ans), (dict, list)) else []
+    return [v for _, _, v in spans[:n]] if len(spans) >= n else None
 
 
 def frame_key(k) -> str:  # frame/second keys compare as numbers: "1", "1.0" and 1 are the same frame
@@ -192,11 +281,11 @@ def frame_key(k) -> str:  # frame/second keys compare as numbers: "1", "1.0" and
 
 
 def as_boxes(x) -> dict | None:
+    """{frame: box, or None for a malformed one (it scores IoU 0)}; None when there is no non-empty dict of boxes."""
     b = x.get("boxes") if isinstance(x, dict) else None
-    if not isinstance(b, dict):
+    if not isinstance(b, dict) or not b:
         return None
-    out = {frame_key(k): as_box(v) for k, v in b.items()}
-    return None if not out or any(v is None for v in out.values()) else out
+    return {frame_key(k): as_box(v) for k, v in b.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,48 +296,44 @@ def iou_1d(a, b) -> float:
     return inter / union if union > 0 else float(a == b)
 
 
-def iou_box(a, b) -> float:
+def iou_box(a, b) -> float:  # boxes as as_box returns them: x1 <= x2, y1 <= y2
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    area = lambda x: max(0.0, x[2] - x[0]) * max(0.0, x[3] - x[1])  # noqa: E731
-    union = area(a) + area(b) - ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
     return ix * iy / union if union > 0 else float(a == b)  # two equal empty boxes match, as in iou_1d
 
 
-def mra(pred: float, gt: float, inclusive: bool = False) -> float:
-    """Mean relative accuracy: share of thresholds t with |pred - gt| / |gt| < 1 - t (EasyVideoR1's training
-    reward); inclusive=True uses <=, as the official VSI-Bench code (evaluate.py)."""
+def mra(pred: float, gt: float) -> float:
+    """Mean relative accuracy, the official VSI-Bench rule, in training and evaluation alike: the share of t in 0.50,
+    0.55, ..., 0.95 with |pred - gt| / |gt| <= 1 - t, with 1 - t computed in floats as its code does (MRA_MARGINS:
+    1 - 0.9 is 0.10000000000000009, so gt 10, pred 11 passes t = 0.9 and scores 0.9; 1 - 0.8 is 0.19999999999999996,
+    so gt 100, pred 80 fails t = 0.8 and scores 0.6)."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
-    margins = VSI_MARGINS if inclusive else MARGINS
-    return sum(rel <= m if inclusive else rel < m for m in margins) / len(margins)
+    return sum(rel <= m for m in MRA_MARGINS) / len(MRA_MARGINS)
 
 
-def _tokens(s: str) -> list[str]:
-    return re.findall(r"\w+", s.lower())
+def squad_norm(s: str) -> str:
+    """SQuAD's normalize_answer: lower case, punctuation removed, articles (a, an, the) removed, spaces collapsed."""
+    s = "".join(c for c in s.lower() if c not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
 
-def _f1(overlap: int, n_pred: int, n_ref: int) -> float:
-    return 0.0 if overlap == 0 else 2 * overlap / (n_pred + n_ref)
+def token_f1(pred: str, ref: str) -> float:
+    """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact match)."""
+    p, r = squad_norm(pred).split(), squad_norm(ref).split()
+    if not p or not r:
+        return float(p == r)
+    same = sum((Counter(p) & Counter(r)).values())
+    return 0.0 if same == 0 else 2 * same / (len(p) + len(r))
+
+
+_ROUGE = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
 def rouge(pred: str, ref: str) -> float:
-    """Mean of ROUGE-1, ROUGE-2 and ROUGE-L F1 on lower-cased word tokens."""
-    from collections import Counter
-    p, r = _tokens(pred)[:2000], _tokens(ref)[:2000]
-    if not p or not r:
-        return 0.0
-    scores = []
-    for n in (1, 2):
-        pg, rg = Counter(zip(*[p[i:] for i in range(n)])), Counter(zip(*[r[i:] for i in range(n)]))
-        scores.append(_f1(sum((pg & rg).values()), sum(pg.values()), sum(rg.values())))
-    prev = [0] * (len(r) + 1)  # LCS by dynamic programming, O(len(p) * len(r))
-    for x in p:
-        cur = [0]
-        for j, y in enumerate(r):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    scores.append(_f1(prev[-1], len(p), len(r)))
-    return sum(scores) / 3
+    """Mean of ROUGE-1, ROUGE-2 and ROUGE-L F1 as the rouge-score package computes them (lower-cased ASCII words,
+    Porter-stemmed)."""
+    return sum(x.fmeasure for x in _ROUGE.score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
 
 
 def wer(pred: str, ref: str) -> float:
@@ -264,12 +349,15 @@ def wer(pred: str, ref: str) -> float:
     return prev[-1] / len(r)
 
 
-def norm_text(s: str) -> str:
-    return " ".join(_tokens(s))
-
-
 # ---------------------------------------------------------------------------------------------------
 # accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable
+_LEAD = re.compile(r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
+                   r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?", re.I)
+_MARKUP = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{|[*${}]")
+_LETTER = re.compile(r"(?<![A-Za-z0-9'’])(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z0-9'’]))")
+_WORD_NEXT = re.compile(r"[ \t]{1,3}(?!(?:and|or)\b)[a-z]")  # "A dog", "I think"; not "A or B"
+
+
 def option_table(options: list[str]) -> list[tuple[str, str]]:
     """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its position's."""
     ms = [(re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S), o) for o in options or []]
@@ -277,16 +365,29 @@ def option_table(options: list[str]) -> list[tuple[str, str]]:
 
 
 def choice_letter(ans: str, options: list[str]) -> str | None:
-    """The option letter an answer names: "B", "(b)", "B. dog", or exactly the text of option B."""
+    """The option letter an answer names, None if none. Read in order, after markup (**, $, \\boxed{}) and a lead-in
+    ("Answer:", "Option", "The answer is", "答案是") are dropped: a bare letter ("B", "(b)"); the text of one option
+    (SQuAD-normalized: "A dog" is the option "dog", not letter A); a letter opening the answer ("B. dog", "(C) red");
+    else every capital letter standing alone, except "A" and "I" before a word (article, pronoun: "I think it's A" is
+    A). Two or more different letters are a hedge, returned joined ("A+B"): an answer that matches no ground truth."""
     table = option_table(options)
-    m = re.match(r"\s*\(?([A-Za-z])\)?(?:[.):\s]|$)", ans)
-    ok = m is not None and (not table or m.group(1).upper() in {lt for lt, _ in table})
-    if ok and re.fullmatch(r"\s*\(?[A-Za-z]\)?[.):]?\s*", ans):  # a bare letter
-        return m.group(1).upper()
-    for lt, body in table:  # the option's text ("A dog ..." must not read as letter A)
-        if norm_text(body) and norm_text(ans) == norm_text(body):
+    letters = {lt for lt, _ in table} or set(string.ascii_uppercase)
+    s = _MARKUP.sub(" ", ans)
+    s = s[_LEAD.match(s).end():].strip() if _LEAD.match(s) else s.strip()
+    if bare := re.fullmatch(r"\(?([A-Za-z])\)?[.):]?", s):
+        return bare[1].upper() if bare[1].upper() in letters else None
+    text = squad_norm(s)
+    for lt, body in table:
+        if text and text == squad_norm(body):
             return lt
-    return m.group(1).upper() if ok else None
+    if lead := re.match(r"\(([A-Za-z])\)|([A-Za-z])[.):]", s):
+        got = (lead[1] or lead[2]).upper()
+        return got if got in letters else None
+    found = set()
+    for m in _LETTER.finditer(s):
+        if not (m[2] in ("A", "I") and _WORD_NEXT.match(s, m.end())):
+            found.add((m[1] or m[2]).upper())
+    return "+".join(sorted(found & letters)) or None
 
 
 def acc_choice(ans, s):
@@ -295,25 +396,42 @@ def acc_choice(ans, s):
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL):
-    p, g = parse_number(ans), parse_number(ground_truth(s))
-    return None if p is None else float(abs(p - g) <= rtol * max(1.0, abs(g)) * (1 + 1e-9))  # 1.01 vs 1: on the edge
+    """|pred - gt| <= rtol * |gt| (relative at every scale: 0.01 is not 0.001; exact when gt is 0); a hedge is 0."""
+    p, g = committed_number(ans), parse_number(ground_truth(s))
+    return None if p is None else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
 def acc_regression(ans, s):
-    p = parse_number(ans)
-    return None if p is None else mra(p, parse_number(ground_truth(s)))
+    p = committed_number(ans)
+    return None if p is None else mra(p, parse_number(ground_truth(s)))  # a hedge (NaN) passes no threshold
+
+
+POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
+
+
+def polarity(ans: str) -> int | None:
+    """1 for yes/true, 0 for no/false: the first such word, flipped after "not" ("It is not true" is no); -1, a wrong
+    answer, for a hedge: two different ones joined only by and/or/maybe/punctuation ("Yes and no", "yes/no");
+    None when there is none. "Yes, but no other person does." commits to yes."""
+    words = re.findall(r"\w+", ans.lower())
+    i = next((k for k, w in enumerate(words) if w in POLAR), None)
+    if i is None:
+        return None
+    rest = [w for w in words[i + 1:i + 4] if w not in ("and", "or", "maybe", "perhaps", "possibly")][:1]
+    if rest and rest[0] in POLAR and POLAR[rest[0]] != POLAR[words[i]]:
+        return -1
+    return POLAR[words[i]] ^ (i > 0 and words[i - 1] == "not")
 
 
 def acc_boolean(ans, s):
-    norm = lambda x: {"yes": 1, "true": 1, "no": 0, "false": 0}.get(norm_text(x).split(" ")[0] if norm_text(x) else "")  # noqa: E731
-    p = norm(ans)
-    return None if p is None else float(p == norm(ground_truth(s)))
+    p = polarity(ans)
+    return None if p is None else float(p == polarity(ground_truth(s)))
 
 
 def acc_open(ans, s):
     gt = ground_truth(s)
-    if len(_tokens(gt)) <= 3:  # short answers: exact match; ROUGE would reward partial words
-        return float(norm_text(ans) == norm_text(gt))
+    if len(re.findall(r"[a-z0-9]+", gt.lower())) <= SHORT_ANSWER:  # as few words as rouge-score would see
+        return token_f1(ans, gt)
     return rouge(ans, gt)
 
 
@@ -336,14 +454,50 @@ def _alarm(signum, frame):
         raise MathTimeout
 
 
-def _watchdog(tid: int, armed: list, done: threading.Event):
-    """Outside the main thread: after MATH_TIMEOUT s raise MathTimeout in thread `tid`, then every 50 ms while armed."""
-    wait = MATH_TIMEOUT
+def _watchdog(tid: int, seconds: float, armed: list, done: threading.Event):
+    """After `seconds` raise MathTimeout in thread `tid`, then every 50 ms while armed."""
+    wait = seconds
     while not done.wait(wait) and armed[0]:
-        with _ARM_LOCK:  # injects only while armed: acc_math disarms, then clears under the same lock
+        with _ARM_LOCK:  # injects only while armed: time_limit disarms, then clears under the same lock
             if armed[0]:
                 _ASYNC_RAISE(ctypes.c_ulong(tid), ctypes.py_object(MathTimeout))
         wait = 0.05
+
+
+class time_limit:
+    """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50 ms until the block
+    ends, in case a bare `except:` swallows one. In the main thread a SIGALRM timer, which also stops a long big-int C
+    loop (CPython polls for signals there). Elsewhere a watchdog thread raising MathTimeout into this one, which acts
+    between bytecodes only, so there one huge C-level step (2^{2^{2^{99}}}) is NOT stopped: score in the main thread.
+    The garbage collector is off meanwhile: an exception raised in a gc callback is swallowed (reported unraisable)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.tid, self.done = seconds, threading.get_ident(), threading.Event()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.armed = _MAIN_ARMED if self.main else [True]
+
+    def __enter__(self):
+        self.gc_on = gc.isenabled()
+        gc.disable()
+        if self.main:
+            self.old = signal.signal(signal.SIGALRM, _alarm)
+            self.armed[0] = True
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.05)
+        else:
+            args = (self.tid, self.seconds, self.armed, self.done)
+            threading.Thread(target=_watchdog, args=args, daemon=True).start()
+
+    def __exit__(self, *exc):
+        self.armed[0] = False  # first: a plain store, where no signal handler runs and no async exception lands
+        if self.main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
+        else:
+            with _ARM_LOCK:
+                _ASYNC_RAISE(ctypes.c_ulong(self.tid), None)  # drop one injected but not yet delivered
+            self.done.set()
+        if self.gc_on:
+            gc.enable()
 
 
 @lru_cache(maxsize=1)
@@ -359,66 +513,45 @@ def _math_gold(gt: str):
 
 
 def acc_math(ans, s):
-    """math-verify's own timeouts are whole-second signal.alarm()s that fail outside the main thread, so we turn them
-    off and bound parse + verify ourselves. In the main thread: a SIGALRM timer, which also stops a long big-int C
-    loop (CPython polls for signals there). Elsewhere: a watchdog thread raising MathTimeout into this one, which acts
-    between bytecodes only, so there one huge C-level step (2^{2^{2^{99}}}) is NOT stopped: score in the main thread.
-    Both repeat every 50 ms until disarmed, in case a bare `except:` swallows one; and the garbage collector is off
-    meanwhile, since an exception raised inside a gc callback is swallowed too (and reported as unraisable)."""
+    """math-verify's own timeouts are whole-second signal.alarm()s that fail outside the main thread: they are off,
+    and time_limit bounds parse + verify instead."""
     from math_verify import parse, verify
+    if "".join(ans.split()) == "".join(ground_truth(s).split()):  # the same text: equal without asking sympy
+        return 1.0
     _math_warm()
-    main, tid, done = threading.current_thread() is threading.main_thread(), threading.get_ident(), threading.Event()
-    armed, gc_on = _MAIN_ARMED if main else [True], gc.isenabled()
-    gc.disable()
-    if main:
-        old = signal.signal(signal.SIGALRM, _alarm)
-        _MAIN_ARMED[0] = True
-        signal.setitimer(signal.ITIMER_REAL, MATH_TIMEOUT, 0.05)
-    else:
-        threading.Thread(target=_watchdog, args=(tid, armed, done), daemon=True).start()
     try:
-        try:
+        with time_limit(MATH_TIMEOUT):
             gold, pred = _math_gold(ground_truth(s)), parse(f"${ans[:2000]}$", parsing_timeout=None)
             return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
-        finally:
-            armed[0] = False  # first: a plain store, where no signal handler runs and no async exception lands
-            if main:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, signal.SIG_DFL if old is None else old)
-            else:
-                with _ARM_LOCK:
-                    _ASYNC_RAISE(ctypes.c_ulong(tid), None)  # drop one injected but not yet delivered
-                done.set()
-            if gc_on:
-                gc.enable()
     except (Exception, MathTimeout):  # noqa: BLE001  math-verify raises a zoo of sympy errors: all mean "not equal"
         return 0.0
 
 
 def acc_temporal(ans, s):
-    p = as_span(parse_json(ans))
+    p = as_span(parse_json(ans)) or as_span(text_numbers(ans, 2))  # JSON, else "from 12.3 to 25.7 seconds"
     return None if p is None else iou_1d(p, as_span(parse_json(ground_truth(s))))
 
 
 def acc_spatial(ans, s):
     x = parse_json(ans)
-    p = as_box(x.get("boxes") if isinstance(x, dict) else x)  # {"boxes": box} or a bare [x1, y1, x2, y2]
+    p = as_box(x.get("boxes") if isinstance(x, dict) else x) or as_box(text_numbers(ans, 4))  # or "(1, 2, 3, 4)"
     return None if p is None else iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
 
 
 def mean_box_iou(pred: dict, gt: dict) -> float:
-    """Mean IoU over the frames both have (EasyVideoR1, STVG): frames outside the predicted span are not penalised
-    here, the time IoU is; no common frame scores 0."""
+    """Mean IoU over the frames both have (EasyVideoR1, STVG), a malformed predicted box counting 0: frames outside the
+    predicted span are not penalised here, the time IoU is; no common frame scores 0."""
     common = pred.keys() & gt.keys()
-    return sum(iou_box(pred[k], gt[k]) for k in common) / len(common) if common else 0.0
+    return sum(iou_box(pred[k], gt[k]) for k in common if pred[k]) / len(common) if common else 0.0
 
 
 def acc_st(ans, s):
     x, g = parse_json(ans), parse_json(ground_truth(s))
     span, boxes = as_span(x), as_boxes(x)
-    if span is None or boxes is None:
+    if span is None and boxes is None:
         return None
-    return 0.5 * iou_1d(span, as_span(g)) + 0.5 * mean_box_iou(boxes, as_boxes(g))
+    time_iou = 0.0 if span is None else iou_1d(span, as_span(g))
+    return 0.5 * time_iou + 0.5 * (0.0 if boxes is None else mean_box_iou(boxes, as_boxes(g)))
 
 
 def acc_tracking(ans, s):
@@ -426,36 +559,83 @@ def acc_tracking(ans, s):
     return None if boxes is None else mean_box_iou(boxes, as_boxes(parse_json(ground_truth(s))))
 
 
-def acc_code(ans, s):
-    code = re.sub(r"^```\w*\n?|```$", "", ans.strip()).strip()
+_MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")
+_ATTR = re.compile(r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?""")
+
+
+def markup_tokens(text: str) -> list[str]:
+    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words. Comments, spacing, attribute order and
+    <x/> against <x></x> do not count. Bounded regexes, not html.parser (quadratic on "<!--" * n, and it raises)."""
+    text, tokens, i = strip_blocks(text, "<!--", "-->"), [], 0
+    for m in _MARKUP_TAG.finditer(text):
+        tag, attrs = m[2].lower(), sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3]))
+        tokens += text[i:m.start()].split()
+        if m[1]:
+            tokens.append(f"</{tag}")
+        else:
+            tokens += [f"<{tag}", *(f"{k}={v}" for k, v in attrs)]
+        if m[3].rstrip().endswith("/"):  # <x/> is <x></x>
+            tokens.append(f"</{tag}")
+        i = m.end()
+    return tokens + text[i:].split()
+
+
+BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
+
+
+def python_tokens(code: str) -> list[str] | None:
+    """Tokens of ast.unparse(code) (formatting and comments gone) with every bound name (assigned, defined, argument)
+    renamed v0, v1, ... in order of appearance, so renaming a variable keeps the text; builtins and attributes are
+    kept. None if it does not parse. Never executed."""
     try:
-        with warnings.catch_warnings():  # e.g. SyntaxWarning for "\d" in a string literal: not our log's business
-            warnings.simplefilter("ignore")
-            # syntax only, never executed; expat expands no external entities and refuses entity bombs
-            ET.fromstring(code) if code.startswith("<") else ast.parse(code)
-        return 1.0
-    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ET.ParseError is a SyntaxError
+        tree = ast.parse(code)
+        names = {}
+        for node in ast.walk(tree):
+            field = BINDS.get(type(node))
+            if field and (field != "id" or isinstance(node.ctx, ast.Store)):
+                names.setdefault(getattr(node, field), f"v{len(names)}")
+        for node in ast.walk(tree):
+            if (field := BINDS.get(type(node))) and getattr(node, field) in names:
+                setattr(node, field, names[getattr(node, field)])
+        return re.findall(r"\w+|[^\w\s]", ast.unparse(tree))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def acc_code(ans, s, markup: bool = False):
+    """difflib ratio of the normalized token streams of answer and reference (python_tokens; markup_tokens for svg-code,
+    html-code and a reference starting with "<"); 0 when the answer does not parse as Python."""
+    code, ref = (re.sub(r"^```\w*\n?|```$", "", x.strip()).strip() for x in (ans, ground_truth(s)))
+    if markup or ref.startswith("<"):
+        pred, gold = markup_tokens(code), markup_tokens(ref)
+    else:
+        pred, gold = python_tokens(code), python_tokens(ref)
+    if not pred or not gold:
         return 0.0
+    return difflib.SequenceMatcher(None, pred[:CODE_TOKENS], gold[:CODE_TOKENS], autojunk=False).ratio()
 
 
 ACCURACY = {
-    "multiple choice": acc_choice, "numerical": acc_number, "counting": lambda a, s: acc_number(a, s, rtol=0.0),
-    "regression": acc_regression,
-    "boolean": acc_boolean, "open-ended": acc_open, "ocr": acc_ocr, "math": acc_math,
-    "temporal grounding": acc_temporal, "spatial grounding": acc_spatial,
-    "spatial-temporal grounding": acc_st, "tracking": acc_tracking, "code": acc_code,
+    "multiple choice": acc_choice, "numerical": acc_number, "counting": partial(acc_number, rtol=0.0),
+    "regression": acc_regression, "boolean": acc_boolean, "open-ended": acc_open, "ocr": acc_ocr, "math": acc_math,
+    "temporal grounding": acc_temporal, "spatial grounding": acc_spatial, "spatial-temporal grounding": acc_st,
+    "tracking": acc_tracking, "code": acc_code, "svg-code": partial(acc_code, markup=True),
+    "html-code": partial(acc_code, markup=True),
 }
 
+_ANSWER = r"<answer>(?:(?!</?answer>).){0,5000}</answer>\s*"
 FORMATS = {
-    "answer": re.compile(r"\s*<answer>(?:(?!</?answer>).){0,5000}</answer>\s*", re.S),
-    "think_answer": re.compile(r"\s*<think>(?:(?!</?think>).){0,20000}</think>\s*<answer>(?:(?!</?answer>).){0,5000}</answer>\s*", re.S),
+    "answer": re.compile(r"\s*" + _ANSWER, re.S),
+    "think_answer": re.compile(r"\s*<think>(?:(?!</?think>).){0,20000}</think>\s*" + _ANSWER, re.S),
 }
 
 
 def format_reward(completion: str, template: str = "answer") -> float:
-    """1 if the whole completion is exactly the template (one answer block, optional surrounding space)."""
+    """1 if the whole completion is exactly the template (one answer block, optional surrounding space) and the answer
+    holds something visible (not only spaces, zero-width characters or NULs)."""
     c = (completion or "")[:MAX_LEN]
-    return float(FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1)
+    ok = FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1
+    return float(ok and not blank(c[c.find("<answer>") + 8:c.find("</answer>")]))
 
 
 def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: float = 0.1,
@@ -478,25 +658,27 @@ def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: flo
 def validate_answer(sample: dict) -> None:
     """Raise ValueError (naming the sample) when the ground truth does not fit its problem type."""
     t, gt, sid = canonical_type(sample.get("problem_type", "")), ground_truth(sample), sample.get("id", "?")
-    bad = None
-    if not gt and t != "code":
+    bad, x = None, parse_json(gt)
+    if not gt:
         bad = "answer is empty"
     elif t == "multiple choice":
         opts = sample.get("options") or []
-        if choice_letter(gt, opts) is None:
+        if len(choice_letter(gt, opts) or "") != 1:
             bad = f"answer {gt!r} is not one of the option letters {[lt for lt, _ in option_table(opts)] or 'A-Z'}"
-    elif t in ("numerical", "counting", "regression") and parse_number(gt) is None:
-        bad = f"answer {gt!r} is not a number"
-    elif t == "boolean" and acc_boolean(gt, {"answer": "yes"}) is None:
+    elif t in ("numerical", "counting", "regression") and ((p := committed_number(gt)) is None or math.isnan(p)):
+        bad = f"answer {gt!r} is not one number"
+    elif t == "boolean" and polarity(gt) not in (0, 1):
         bad = f"answer {gt!r} is not yes/no/true/false"
-    elif t == "temporal grounding" and as_span(parse_json(gt)) is None:
+    elif t == "temporal grounding" and as_span(x) is None:
         bad = f'answer {gt[:80]!r} is not {{"time": [start, end]}} with start <= end'
-    elif t == "spatial grounding" and not (isinstance(x := parse_json(gt), dict) and as_box(x.get("boxes"))):
+    elif t == "spatial grounding" and not (isinstance(x, dict) and as_box(x.get("boxes"))):
         bad = f'answer {gt[:80]!r} is not {{"boxes": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2'
-    elif t == "spatial-temporal grounding" and (as_span(x := parse_json(gt)) is None or as_boxes(x) is None):
+    elif t == "spatial-temporal grounding" and (as_span(x) is None or None in (as_boxes(x) or {None: None}).values()):
         bad = f'answer {gt[:80]!r} is not {{"time": [s, e], "boxes": {{"<sec>": [x1, y1, x2, y2]}}}} with s <= e'
-    elif t == "tracking" and as_boxes(parse_json(gt)) is None:
+    elif t == "tracking" and None in (as_boxes(x) or {None: None}).values():
         bad = f'answer {gt[:80]!r} is not {{"boxes": {{"<frame>": [x1, y1, x2, y2]}}}} with x1 <= x2, y1 <= y2'
+    elif t == "code" and not (gt.startswith("<") or python_tokens(gt)):
+        bad = f"answer {gt[:80]!r} is neither Python that parses nor markup"
     elif t not in ACCURACY:
         bad = f"unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)} and aliases)"
     if bad:

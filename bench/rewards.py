@@ -34,18 +34,19 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
     """(sample, a correct answer, a wrong answer) for one problem type."""
     if ptype == "multiple choice":
         gt = r.choice("ABCD")
-        right = r.choice([gt, f"({gt})", f"{gt}.", OPTIONS["ABCD".index(gt)]])
+        right = r.choice([gt, f"({gt})", f"Answer: {gt}", f"**{gt}**", OPTIONS["ABCD".index(gt)][3:]])
         return {"answer": gt, "options": OPTIONS}, right, r.choice([c for c in "ABCD" if c != gt])
     if ptype in ("numerical", "counting"):
         n = r.randint(0, 20)
         right = r.choice([str(n), f"{n}.0", f"There are {n}.", list(rewards.WORDS)[n]])
-        return {"answer": str(n)}, right, str(n + r.randint(1, 5))
+        return {"answer": str(n)}, right, r.choice([str(n + r.randint(1, 5)), f"{n} or {n + 1}"])
     if ptype == "regression":
         v = round(r.uniform(0.5, 20), 1)
         return {"answer": str(v)}, f"{v * r.uniform(0.9, 1.1):.2f}", f"{v * r.uniform(1.5, 3):.1f} meters"
     if ptype == "boolean":
-        gt, wrong = r.choice([("yes", "no"), ("no", "yes")])
-        return {"answer": gt}, r.choice([gt, gt.capitalize() + "."]), wrong
+        yes = r.random() < 0.5
+        right = r.choice(["yes", "It is true.", "I think yes"] if yes else ["no", "No, it is not."])
+        return {"answer": "yes" if yes else "no"}, right, r.choice(["no" if yes else "yes", "Yes and no"])
     if ptype == "open-ended":
         gt = " ".join(r.choices(WORDS, k=r.randint(4, 12)))
         return {"answer": gt}, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
@@ -59,8 +60,9 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
     if ptype == "temporal grounding":
         s = round(r.uniform(0, 20), 1)
         e = round(s + r.uniform(1, 10), 1)
-        right, wrong = sorted([s + r.uniform(-1, 1), e + r.uniform(-1, 1)]), [e + 1, e + r.uniform(2, 9)]
-        return {"answer": json.dumps({"time": [s, e]})}, json.dumps({"time": right}), json.dumps({"time": wrong})
+        right, wrong = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)], [e + 1, e + r.uniform(2, 9)]
+        right = r.choice([json.dumps({"time": sorted(right)}), "from {:.1f} to {:.1f} seconds".format(*sorted(right))])
+        return {"answer": json.dumps({"time": [s, e]})}, right, json.dumps({"time": wrong})
     if ptype == "spatial grounding":
         b = box(r)
         return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
@@ -75,10 +77,14 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         return ({"answer": json.dumps(gt)}, json.dumps({"time": [0, len(frames) - 1], "boxes": right or frames}),
                 json.dumps({"time": [1, 2], "boxes": wrong}))
     if ptype == "code":
-        return ({"answer": "def f(x):\n    return x"},
-                r.choice(["def f(x):\n    return x * 2", "```python\nimport math\nprint(math.pi)\n```",
-                          "x = [i for i in range(3)]"]),
-                r.choice(["def f(x)\n    return x", "print('unclosed", "for i in range(3) print(i)"]))
+        return ({"answer": "def f(x):\n    return [i * x for i in range(3)]"},
+                r.choice(["def g(y):\n    return [j * y for j in range(3)]",
+                          "def f(x):  # scaled\n  return [i*x for i in range(3)]"]),
+                r.choice(["def f(x)\n    return x", "pass", "def f(x):\n    return x * 2"]))
+    if ptype in ("svg-code", "html-code"):
+        ref = '<svg width="10"><rect x="1" y="2"/></svg>' if ptype == "svg-code" else "<p>Hello <b>world</b></p>"
+        right = ref.replace("/>", "></rect>").replace("<b>", "<B>")
+        return {"answer": ref}, right, r.choice(["hello", "<svg><circle r='3'/></svg>", "<p>Bye</p>"])
     raise KeyError(ptype)
 
 
