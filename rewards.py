@@ -17,7 +17,8 @@ Problem types (ALIASES maps public datasets' names onto these):
     spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, a bare list, or a tuple in text
     spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1); no
                          usable boxes give 0.5 * time IoU, a malformed box IoU 0 for its second; tracking: the mean
-                         box IoU over the frames both have (0 if none), a malformed box counting 0
+                         box IoU over the ground truth's frames, a missing or malformed box counting 0 (EasyVideoR1
+                         averages over the frames both have, which pays 1.0 for one perfect frame: a reward hack)
     code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, markup_tokens): 1.0 only for
                          an equivalent program text; never executed
 Hedges ("3 or 4", "between 999 and 1001", "B, A", "Yes and no") are answers, wrong ones: 0, not a parse failure.
@@ -556,7 +557,10 @@ def acc_st(ans, s):
 
 def acc_tracking(ans, s):
     boxes = as_boxes(parse_json(ans))
-    return None if boxes is None else mean_box_iou(boxes, as_boxes(parse_json(ground_truth(s))))
+    if boxes is None:
+        return None
+    gt = as_boxes(parse_json(ground_truth(s)))
+    return sum(iou_box(boxes[k], gt[k]) for k in gt if boxes.get(k)) / len(gt)
 
 
 _MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")

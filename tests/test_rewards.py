@@ -210,12 +210,13 @@ CASES = [
     (ST, '{"time": [0, 4], "boxes": {"0": [0, 0, 10, 10], "1": [0, 1]}}', None, 0.75),  # malformed: IoU 0
     (ST, '{"time": [4, 0], "boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10]}}', None, 0.5),  # bad span: tIoU 0
     (ST, '{"boxes": {"0": [0, 0, 10, 10]}}', None, 0.5), (ST, '{"when": [0, 4]}', None, None),
-    # tracking: mean IoU over common frames, a malformed box counting 0
+    # tracking: mean IoU over the ground truth's 3 frames, a missing or malformed box counting 0
     ("tracking", GT["tracking"], None, 1.0),
-    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.75),  # (1 + 1/2) / 2 over frames 0, 2
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.5),  # (1 + 0 + 1/2) / 3: frame 1 missing
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10], "9": [1, 1, 2, 2]}}', None, 1.0),
     ("tracking", '{"boxes": {"5": [0, 0, 10, 10]}}', None, 0.0),  # no common frame
-    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, 0.5),
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, 1 / 3),
+    ("tracking", '{"boxes": {"1": [0, 0, 10, 10]}}', None, 1 / 3),  # one perfect frame of three is not a full score
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [10, 10, 0, 0], "2": [0, 0, 10, 10]}}', None, 2 / 3),
     ("tracking", '{"boxes": {}}', None, None),
     # code: difflib ratio 2M / T of normalized token streams; 1 only for an equivalent program text
