@@ -86,8 +86,8 @@ def clips():
                                   num_train=4, num_val=2, seed=0, size=64, fps=30, seconds=6.0)
     wide = make_synthetic_data.make(os.path.join(ROOT, ".cache/data/test_qwen3_wide"), ["color", "direction"],
                                     num_train=4, num_val=2, seed=1, width=96, height=64, fps=10, seconds=3.0)
-    return {"sq": [s for s in data.load_samples(sq["train"]) if s.get("videos")], "sq_dir": os.path.dirname(sq["train"]),
-            "wide": [s for s in data.load_samples(wide["train"]) if s.get("videos")]}
+    videos = {k: [s for s in data.load_samples(d["train"]) if s.get("videos")] for k, d in (("sq", sq), ("wide", wide))}
+    return dict(videos, sq_dir=os.path.dirname(sq["train"]))
 
 
 @pytest.fixture(scope="module")
