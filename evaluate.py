@@ -417,7 +417,7 @@ def judge_rows(rows: list[dict], cfg: Config):
 
 def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids). async: AsyncLLM; sync: rollout.VLLMEngine; hf: rollout.HFEngine."""
-    from rollout import HFEngine, VLLMEngine, vision_token_ids
+    from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
     if cfg.engine == "hf":
         import torch
         from transformers import AutoModelForImageTextToText
@@ -435,7 +435,8 @@ def make_engine(cfg: Config, tokenizer):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed, enable_chunked_prefill=True,
             enforce_eager=not current_platform.is_cuda(), limit_mm_per_prompt={"image": 1, "video": 1},
-            trust_remote_code=cfg.trust_remote_code))
+            trust_remote_code=cfg.trust_remote_code,
+            mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
         return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
     else:
