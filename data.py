@@ -316,18 +316,14 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
     from the stream; the failures are gathered, so every rank refills the same slots, reports the same skips and
     keeps the same stream position."""
     from ckpt import gather
-    tp = cfg.rollout_tp
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips = [None] * len(batch), []
-    todo = list(range(len(batch)))
+    prompts, skips, todo = [None] * len(batch), [], list(range(len(batch)))
     while todo:
-        bad = {}
-        for i in todo:
-            if i % world // tp == rank // tp:
-                prompts[i], report = try_prep(prep, batch[i], cfg)
-                if report:
-                    bad[i] = report
-        bad = {i: r for part in gather(bad) for i, r in part.items()}
+        reports = {}
+        mine = [i for i in todo if i % world // cfg.rollout_tp == rank // cfg.rollout_tp]  # tp_share's rows
+        for i in mine:
+            prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
+        bad = {i: report for part in gather(reports) for i, report in part.items() if report}
         todo = sorted(bad)
         for i in todo:
             skips.append(bad[i])

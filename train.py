@@ -389,9 +389,22 @@ def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
+def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[list[int]]]:
+    """Row indices of each micro-batch of each mini-batch: contiguous, mini-batch sizes differ by at most 1."""
+    bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
+    return [[list(range(i, min(i + micro_batch_size, hi))) for i in range(lo, hi, micro_batch_size)]
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
 
 # ---------------------------------------------------------------------------------------------------
-# The loss on a micro-batch
+# The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
 
 def token_logp(model, batch: dict, temperature: float, banned: list[int]):
     """Log-prob and entropy of each response token at the sampling temperature: (B, R), (B, R).
@@ -501,6 +514,27 @@ def kl_reward_to_go(minibatches: list[list[dict]], max_len: int, kl_type: str) -
     return torch.cat(rows).double()
 
 
+def batch_advantages(groups: list, kl_to_go, cfg: Config) -> torch.Tensor:
+    """Advantages (B, max_response_len) of this rank's rows (its Groups), computed on the global batch (whitening
+    needs every rank's rewards; groups never span ranks). Component keys for GDPO: accuracy, format (+ overlong)."""
+    keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
+    mine = {"reward": [x for g in groups for x in g.rewards],
+            "baseline": [g.baseline for g in groups for _ in g.rollouts],
+            "lengths": [len(r.response_ids) for g in groups for r in g.rollouts]}
+    mine.update({k: [c[k] for g in groups for c in g.components] for k in keys})
+    parts = gather((mine, kl_to_go))
+    full = {k: torch.tensor([x for p, _ in parts for x in p[k]], dtype=torch.float64) for k in mine}   # (B_all,)
+    kl_all = None if kl_to_go is None else torch.cat([kl for _, kl in parts])                    # (B_all, R)
+    adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
+                     lengths=full["lengths"], baseline=full["baseline"], components=[full[k] for k in keys],
+                     kl_to_go=kl_all, eps=cfg.adv_eps)
+    if adv.dim() == 1:  # one value per sequence: the same at every token
+        adv = adv[:, None].expand(-1, cfg.max_response_len)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    start = sum(len(p["reward"]) for p, _ in parts[:rank])
+    return adv[start:start + len(mine["reward"])].float()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Sampling and reward: groups are scored as they are generated (DAPO's dynamic sampling filters on the scores)
 
@@ -607,10 +641,10 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
     reached; then dropped groups fill the batch (counted)."""
     need, kept, dropped, skips = cfg.prompts_per_step // world, [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
-        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank, world)
+        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        for group in sample_round(engine, prompts, cfg, seed, rank, world, tok, eos_id):
+        for group in sample_round(engine, prompts, cfg, seed=seed, rank=rank, world=world, tok=tok, eos_id=eos_id):
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -618,41 +652,8 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         if not all_reduce([float(len(kept) < need)])[0]:  # all ranks take the same number of rounds
             break
     refilled = max(0, need - len(kept))
-    return Batch((kept + dropped[:refilled])[:need], skips, gen_round + 1, len(dropped), refilled)
-
-
-def batch_advantages(groups: list[Group], kl_to_go, cfg: Config) -> torch.Tensor:
-    """Advantages (B, max_response_len) of this rank's rows, computed on the global batch (whitening needs every
-    rank's rewards; groups never span ranks). Component keys for GDPO: accuracy, format (+ overlong)."""
-    keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
-    mine = {"reward": [x for g in groups for x in g.rewards],
-            "baseline": [g.baseline for g in groups for _ in g.rollouts],
-            "lengths": [len(r.response_ids) for g in groups for r in g.rollouts]}
-    mine.update({k: [c[k] for g in groups for c in g.components] for k in keys})
-    parts = gather((mine, kl_to_go))
-    full = {k: torch.tensor([x for p, _ in parts for x in p[k]], dtype=torch.float64) for k in mine}   # (B_all,)
-    kl_all = None if kl_to_go is None else torch.cat([kl for _, kl in parts])                    # (B_all, R)
-    adv = advantages(full["reward"], cfg.group_size, cfg.adv_estimator, lengths=full["lengths"],
-                     baseline=full["baseline"], components=[full[k] for k in keys], kl_to_go=kl_all, eps=cfg.adv_eps)
-    if adv.dim() == 1:  # one value per sequence: the same at every token
-        adv = adv[:, None].expand(-1, cfg.max_response_len)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    start = sum(len(p["reward"]) for p, _ in parts[:rank])
-    return adv[start:start + len(mine["reward"])].float()
-
-
-def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[list[int]]]:
-    """Row indices of each micro-batch of each mini-batch: contiguous, mini-batch sizes differ by at most 1."""
-    bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
-    return [[list(range(i, min(i + micro_batch_size, hi))) for i in range(lo, hi, micro_batch_size)]
-            for lo, hi in zip(bounds, bounds[1:])]
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return Batch(groups=(kept + dropped[:refilled])[:need], skips=skips, rounds=gen_round + 1, dropped=len(dropped),
+                 refilled=refilled)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -708,7 +709,7 @@ def main(cfg: Config):
         acc_before = state["acc_before"]
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank, world)
+        acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
@@ -759,7 +760,7 @@ def main(cfg: Config):
             for mini in minibatches:
                 n_tok_mb, n_seq_mb = global_counts(mini)
                 for b in mini:
-                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok_mb, n_seq_mb)
+                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb)
                     (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
                     if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
                         for k, v in metrics.items():
@@ -797,7 +798,7 @@ def main(cfg: Config):
                 write_skipped(cfg, skipped)
         # ------------------------------------------------------------------ eval / save
         if val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0):
-            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank, world, step)  # the last one is the result
+            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
             if rank == 0:
                 row["eval/accuracy"] = acc_after
         if rank == 0:
@@ -811,7 +812,7 @@ def main(cfg: Config):
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, skipped=skipped)
-            ckpt.save(cfg.out_dir, step, model, opt, processor, meta, keep_last=cfg.keep_last, rank=rank)
+            ckpt.save(cfg.out_dir, step, model, opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
