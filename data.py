@@ -311,10 +311,9 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
 
 
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
-    """The next prompts_per_step samples, prepared on the ranks that generate them (their TP group: train.tp_share's
-    rows; None elsewhere), and the skip reports. A sample that fails (skip_invalid) is reported and its slot refilled
-    from the stream; the failures are gathered, so every rank refills the same slots, reports the same skips and
-    keeps the same stream position."""
+    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
+    reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
+    the same slots, reports the same skips and keeps the same stream position."""
     from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
     prompts, skips, todo = [None] * len(batch), [], list(range(len(batch)))

@@ -548,8 +548,7 @@ class Group:
 
 
 def score(r: Rollout, cfg: Config) -> dict:
-    """rewards.compute_reward's components (with "overall") plus DAPO's soft overlong penalty (its own component,
-    so GDPO sees it)."""
+    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty (a component: GDPO sees it)."""
     overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.format_template)
     if cfg.overlong_buffer:
         comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
@@ -618,9 +617,7 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
 
 def has_spread(group: Group, metric: str) -> bool:
     """DAPO's filter: the group's metric (accuracy or the overall reward) differs between its rollouts."""
-    values = group.rewards
-    if metric == "accuracy":
-        values = [c["accuracy"] for c in group.components]
+    values = group.rewards if metric == "reward" else [c[metric] for c in group.components]
     return len(values) == 1 or max(values) > min(values)
 
 
@@ -704,9 +701,8 @@ def main(cfg: Config):
         import wandb
         logger = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
                             resume="allow", mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
-    acc_before = float("nan")
+    acc_before = state["acc_before"] if state else float("nan")
     if state:
-        acc_before = state["acc_before"]
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
         acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world)
@@ -716,7 +712,7 @@ def main(cfg: Config):
     stream = data.Stream(len(train_samples), cfg.seed, pos["epoch"], pos["cursor"])  # the same order on every rank
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     if rank == 0:
-        write_skipped(cfg, skipped)  # load-time skips; training-time ones as they happen
+        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
     acc_after = float("nan")  # held-out accuracy after the last step (evaluated inside the loop, so it is logged)
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
@@ -795,7 +791,7 @@ def main(cfg: Config):
                                times=times)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if len(skipped) > n_skipped:
-                write_skipped(cfg, skipped)
+                evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
         # ------------------------------------------------------------------ eval / save
         if val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0):
             acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
@@ -842,10 +838,6 @@ class NoLogger:
 
     def finish(self):
         pass
-
-
-def write_skipped(cfg: Config, skipped: list):
-    evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic: never a torn report
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
