@@ -278,8 +278,7 @@ def vllm_input(p: Prompt) -> dict:
 
 @dataclass
 class Stream:
-    """Sample indices forever: a fresh permutation of range(n) per epoch, the same on every rank. (epoch, cursor)
-    is the position of the next index, saved in every checkpoint."""
+    """Sample indices forever, a fresh permutation per epoch, the same on every rank; checkpoints hold the position."""
     n: int
     seed: int
     epoch: int = 0

@@ -158,8 +158,7 @@ class Config:
     kl_type: str = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
-    """subtract kl_coef * KL(old || ref) from the reward instead of adding a KL loss term (reinforce++, remax: summed
-    from each token to the end, a per-token return; the other estimators: over the whole sequence)"""
+    """subtract kl_coef * KL(old || ref) from the return instead of a KL loss (reinforce++, remax: from each token)"""
     entropy_coef: float = 0.0
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     tis: str = ""
@@ -498,14 +497,12 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
 
 def global_counts(batches: list[dict]) -> tuple[float, float]:
     """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    n_tok, n_seq = all_reduce([sum(b["mask"].sum().item() for b in batches),
-                               sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)])
-    return n_tok, n_seq
+    return tuple(all_reduce([sum(b["mask"].sum().item() for b in batches),
+                             sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)]))
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], max_len: int, kl_type: str) -> torch.Tensor:
-    """KL(old || ref) summed from each response token to the end (verl's apply_kl_penalty on the rollout-time
-    log-probs, gamma 1): (B, max_len), this rank's rows in order."""
+    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1): (B, max_len)."""
     rows = []
     for mini in minibatches:
         for b in mini:
@@ -584,9 +581,8 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
 
 
 def check_offline(samples: list[dict], tokenizer, cfg: Config) -> tuple[list, list]:
-    """Special tokens in an offline_output (<|image_pad|>, <|im_end|>, ...) would be tokenized as tokens the trainer
-    bans (log-prob -1e9) or ends the turn with: a data error naming the sample before any model loads (skip_invalid:
-    a skip report). Returns (kept samples, skip reports)."""
+    """Special tokens in an offline_output (<|image_pad|>: banned, log-prob -1e9; <|im_end|>) are a data error naming
+    the sample, before any model loads (skip_invalid: a skip report). Returns (kept samples, skip reports)."""
     special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
     kept, skips = [], []
     for s in samples:
@@ -850,8 +846,7 @@ def mean(xs: list) -> float:
 
 def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float, n_tok: float, times: dict) -> dict:
     """Global metrics from every rank's raw values (exact means, not means of means)."""
-    cat = {k: [x for p in parts for x in p[k]] for k in ("reward", "comp", "types", "offline", "adv", "len",
-                                                          "truncated", "baseline")}
+    cat = {k: [x for p in parts for x in p[k]] for k in parts[0] if k not in ("m", "stats")}   # per-row lists
     msum = {k: sum(p["m"][k] for p in parts) for k in parts[0]["m"]}
     rew, comp, types, off = cat["reward"], cat["comp"], cat["types"], cat["offline"]
     row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],
