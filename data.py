@@ -271,3 +271,59 @@ def vllm_input(p: Prompt) -> dict:
         mm["image"] = ims if len(ims) > 1 else ims[0]
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training stream, and bad samples met during training: reported and replaced, every rank in lockstep
+
+@dataclass
+class Stream:
+    """Sample indices forever, a fresh permutation per epoch, the same on every rank; checkpoints hold the position."""
+    n: int
+    seed: int
+    epoch: int = 0
+    cursor: int = 0
+
+    def take(self) -> int:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)  # each epoch's order from the seed
+        index = torch.randperm(self.n, generator=g)[self.cursor].item()
+        self.cursor += 1
+        if self.cursor == self.n:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        return index
+
+
+def try_prep(prep, s: dict, cfg):
+    """(Prompt, None), or with skip_invalid (None, a skip report); without it the error names the sample."""
+    try:
+        return prep(s), None
+    except ValueError as e:  # DataError, cache.VideoError, the resizer's ValueError on absurd sizes
+        if not cfg.skip_invalid:
+            raise DataError(f"sample {s['id']}: {e}") from e
+        return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(e)}
+
+
+def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
+    """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
+    out = [try_prep(prep, s, cfg) for s in samples]
+    return [p for p, _ in out if p], [report for _, report in out if report]
+
+
+def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
+    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
+    reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
+    the same slots, reports the same skips and keeps the same stream position."""
+    from ckpt import gather
+    batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
+    prompts, skips, todo = [None] * len(batch), [], list(range(len(batch)))
+    while todo:
+        reports = {}
+        mine = [i for i in todo if i % world // cfg.rollout_tp == rank // cfg.rollout_tp]  # tp_share's rows
+        for i in mine:
+            prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
+        bad = {i: report for part in gather(reports) for i, report in part.items() if report}
+        todo = sorted(bad)
+        for i in todo:
+            skips.append(bad[i])
+            batch[i] = samples[stream.take()]
+    return prompts, skips

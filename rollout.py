@@ -84,7 +84,6 @@ class VLLMEngine:
         from vllm.platforms import current_platform
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.tp, self.tokenizer, self.seed, self.rank = tp, tokenizer, seed, rank
-        self.step = 0  # set by the trainer each step: part of every request's sampling seed
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
@@ -99,12 +98,13 @@ class VLLMEngine:
         self.allowed = [i for i in range(vocab) if i not in banned]
         self.asleep = set()  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
 
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int,
+                 seed: int = 0) -> list[Rollout]:
         from vllm import SamplingParams
         self.wake()
         # a TP group generates together: its ranks must pass identical requests, seeds included
         sp = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, skip_special_tokens=True,
-                             allowed_token_ids=self.allowed, seed=request_seed(self.seed, self.step, self.rank // self.tp, i))
+                             allowed_token_ids=self.allowed, seed=request_seed(seed, self.rank // self.tp, i))
               for i in range(len(prompts))]
         try:
             outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
@@ -164,10 +164,11 @@ class HFEngine:
         # throw-away row of each modality its prompt lacks, so all ranks run the vision tower the same number of times
         self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
-        self.seed, self.step = seed, 0  # the trainer sets step: each prompt samples from request_seed(...)
+        self.seed = seed
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int) -> list[Rollout]:
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int,
+                 seed: int = 0) -> list[Rollout]:
         device = next(self.model.parameters()).device
         synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
         if hasattr(self.model, "unshard"):
@@ -177,17 +178,17 @@ class HFEngine:
             self.model._get_fsdp_state()._lazy_init()
             self.model.unshard()
         try:
-            return self._generate(prompts, n, temperature, max_tokens, device, synced)
+            return self._generate(prompts, n, temperature, max_tokens, seed, device, synced)
         except Exception as e:  # re-raised with the sample ids, never swallowed
             raise failed(prompts, e) from e
         finally:
             if hasattr(self.model, "reshard"):
                 self.model.reshard()
 
-    def _generate(self, prompts, n, temperature, max_tokens, device, synced) -> list[Rollout]:
+    def _generate(self, prompts, n, temperature, max_tokens, seed, device, synced) -> list[Rollout]:
         rollouts, rank = [], dist.get_rank() if dist.is_initialized() else 0
         for i, p in enumerate(prompts):
-            torch.manual_seed(request_seed(self.seed, self.step, rank, i))
+            torch.manual_seed(request_seed(seed, rank, i))
             rows = [p] * n + missing_dummies(self.dummies, p.mm)
             P = max(len(r.prompt_ids) for r in rows)  # left-pad (only dummy rows are ever shorter)
             ids = torch.tensor([[self.tokenizer.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows],

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train import (advantages, agg_loss, is_weight, kl_penalty, overlong_penalty, policy_loss,  # noqa: E402
-                   split_batch, whiten)
+from train import (Config, Group, advantages, agg_loss, check_config, has_spread, is_weight,  # noqa: E402
+                   kl_penalty, load_config, overlong_penalty, policy_loss, reward_to_go, split_batch, whiten)
 
 ALGOS = ["grpo", "drgrpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gdpo"]
 COMBOS = [("ppo", "token-mean"), ("ppo", "seq-mean-token-sum"), ("ppo", "seq-mean-token-mean"),
@@ -76,6 +76,89 @@ def test_gdpo_normalizes_components_separately():
     assert a.tolist() == approx([x / std for x in s], abs=1e-5)
     grpo = advantages(acc + fmt, 4, "grpo")
     assert not torch.allclose(a, grpo, atol=1e-3)  # the decoupled normalization is a different estimator
+
+
+def test_kl_in_reward_is_reward_to_go():
+    """Defect 1: with kl_in_reward, REINFORCE++ and ReMax return at token t the reward minus the KL from t onwards
+    (gamma 1, as verl); the other estimators take the whole sequence's KL off the reward."""
+    kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])  # kl_coef * KL per token; row 2 has 2 tokens
+    to_go = reward_to_go(kl)
+    assert to_go.tolist() == [approx([0.6, 0.5, 0.3]), approx([0.9, 0.5, 0.0])]
+    reward, lengths = t([1., 0.]), t([3, 2])
+    remax = advantages(reward, 1, "remax", lengths=lengths, baseline=t([.5, .5]), kl_to_go=to_go)
+    assert remax.tolist() == [approx([-0.1, 0.0, 0.2]), approx([-1.4, -1.0, 0.0])]  # 1 - 0.6 - 0.5, ...
+    # returns [0.4, 0.5, 0.7], [-0.9, -0.5] over 5 tokens: mean 0.04, unbiased variance 1.952 / 4
+    std = math.sqrt(1.952 / 4 + 1e-8)
+    rpp = advantages(reward, 1, "reinforce++", lengths=lengths, kl_to_go=to_go)
+    assert rpp.tolist() == [approx([.36 / std, .46 / std, .66 / std]), approx([-.94 / std, -.54 / std, 0.0])]
+    # GRPO: rewards 1 - 0.6 and 0 - 0.9 in one group of 2: +-0.65 / std(0.4, -0.9)
+    a = 0.65 / (math.sqrt(2 * 0.65 ** 2) + 1e-6)
+    assert advantages(reward, 2, "grpo", lengths=lengths, kl_to_go=to_go).tolist() == approx([a, -a])
+
+
+@pytest.mark.parametrize("n", [3, 4, 7, 8])
+def test_constant_group_advantage_is_exactly_zero(n):
+    """Defect 2: a group whose rewards are all 0.9 (or 0.1, 0.7) gets exactly 0, not a float32 rounding error
+    divided by a tiny std (about -0.06); the advantages are float64."""
+    for v in (0.9, 0.1, 0.7):
+        reward = t([v] * n + [1.0] + [0.0] * (n - 1), dtype=torch.float32)
+        for estimator in ("grpo", "drgrpo", "rloo"):  # (batch whitening then shifts every group: not 0)
+            a = advantages(reward, n, estimator)
+            assert a.dtype == torch.float64
+            assert a[:n].tolist() == [0.0] * n, (estimator, v)
+            assert a[n] > 0 > a[n + 1]
+
+
+def test_dynamic_sampling_filters_on_configured_metric():
+    """Defect 3: DAPO drops groups whose ACCURACY is the same for every rollout (its default), even when the overall
+    reward differs (here the format reward); dyn_filter_metric: reward filters on the overall reward."""
+    comps = [{"accuracy": 1.0, "format": 1.0, "overall": 1.0}, {"accuracy": 1.0, "format": 0.0, "overall": 0.9}]
+    same_acc = Group([None, None], [1.0, 0.9], comps)
+    assert Config().dyn_filter_metric == "accuracy"
+    assert not has_spread(same_acc, "accuracy") and has_spread(same_acc, "reward")
+    comps = [{"accuracy": 1.0, "overall": 0.9}, {"accuracy": 0.0, "overall": 0.9}]  # e.g. an overlong penalty
+    assert has_spread(Group([None, None], [0.9, 0.9], comps), "accuracy")
+    assert not has_spread(Group([None, None], [0.9, 0.9], comps), "reward")
+    assert has_spread(Group([None], [0.5], comps[:1]), "accuracy")  # a group of 1 is never dropped
+
+
+def test_clip_ratio_c_must_exceed_one():
+    """Defect 4: a dual-clip bound in (0, 1] would cap the loss of every negative-advantage token below its
+    unclipped value: a config error. 0 turns it off."""
+    for c in (0.5, 1.0, -2.0):
+        with pytest.raises(ValueError, match="clip_ratio_c"):
+            check_config(Config(clip_ratio_c=c))
+    for c in (0.0, 1.5, 10.0):
+        check_config(Config(clip_ratio_c=c))
+
+
+def test_offline_output_with_special_tokens_is_a_data_error(tiny_model):
+    """Defect 5: an offline_output holding a special token (<|image_pad|>) would be tokenized as that token, which
+    the trainer bans (log-prob -1e9): an error naming the sample before any model loads, or a skip report."""
+    from conftest import tiny_config
+    from transformers import AutoTokenizer
+    from train import check_offline
+    import data
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ok = {"id": "ok", "offline_output": "<answer>B</answer>"}
+    bad = {"id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"}
+    with pytest.raises(data.DataError, match=r"sample s7: offline_output .*<\|image_pad\|>"):
+        check_offline([ok, bad], tok, tiny_config())
+    kept, skips = check_offline([ok, bad, {"id": "no-offline"}], tok, tiny_config(skip_invalid=True))
+    assert [s["id"] for s in kept] == ["ok", "no-offline"]
+    assert len(skips) == 1 and skips[0]["where"] == "s7" and "<|image_pad|>" in skips[0]["error"]
+
+
+def test_config_files_apply_in_order():
+    """`--config run.yaml recipe.yaml`: the recipe's keys over the run's, flags over both; an algorithm YAML holds
+    only algorithm keys (none of the run settings)."""
+    import yaml
+    cfg = load_config(["--config", "configs/tiny_cpu.yaml", "configs/dapo.yaml", "--clip-high", "0.3"])
+    assert (cfg.max_steps, cfg.group_size, cfg.out_dir) == (60, 8, "runs/tiny_cpu")  # tiny_cpu.yaml
+    assert (cfg.max_response_len, cfg.dynamic_sampling, cfg.clip_high) == (12, True, 0.3)  # dapo.yaml, then the flag
+    run = set(yaml.safe_load(open("configs/tiny_cpu.yaml"))) - {"max_response_len"}
+    for name in ALGOS:
+        assert not run & set(yaml.safe_load(open(f"configs/{name}.yaml"))), name
 
 
 def test_unknown_keywords_raise():
@@ -245,8 +328,9 @@ def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_b
     total = torch.zeros(1, dtype=torch.float64)
     for mb, b in zip(plan, batches):
         rl = b["rollout_logp"].nan_to_num()
-        old = rl + 0.3 * torch.sin(13 * rl)  # a trainer/sampler mismatch, elementwise: split-independent
-        loss, _ = micro_loss(model, b, adv[mb], old, old - 0.2, cfg, banned, n_tok, n_seq)
+        b["old_logp"] = rl + 0.3 * torch.sin(13 * rl)  # a trainer/sampler mismatch, elementwise: split-independent
+        b["ref_logp"], b["adv"] = b["old_logp"] - 0.2, adv[mb]
+        loss, _ = micro_loss(model, b, cfg, banned, n_tok, n_seq)
         (loss * world).backward()
         total += loss.item()
     if dist.is_initialized():
@@ -352,10 +436,12 @@ def torchrun_main(out, model_dir, data_dir):
         torch.save({k: (torch.tensor(v[0]), v[1]) for k, v in got.items()}, os.path.join(out, "grads.pt"))
     del model
     for name in ALGOS:
-        extra = ["--no-mix-offline", "--max-gen-rounds", "2"] if name == "dapo" else []
-        main(load_config(["--config", f"configs/{name}.yaml", "--model", model_dir, "--train-data",
-                          f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", os.path.join(out, name),
-                          "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--no-save",
+        # dapo: filtered on the reward here, so that zero_std_groups (reward spread) counts exactly the refilled groups
+        extra = ["--no-mix-offline", "--max-gen-rounds", "2", "--dyn-filter-metric", "reward"] if name == "dapo" else []
+        main(load_config(["--config", "configs/tiny_cpu.yaml", f"configs/{name}.yaml", "--model", model_dir,
+                          "--train-data", f"{data_dir}/train.jsonl", "--val-data", "",
+                          "--out-dir", os.path.join(out, name), "--max-steps", "2", "--group-size", "4",
+                          "--prompts-per-step", "4", "--no-save",
                           "--cache-dir", os.path.join(out, "frames"), "--micro-batch-size", "4", "--rollout", "hf",
                           *extra]))
     dist.barrier()

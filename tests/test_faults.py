@@ -90,7 +90,6 @@ def test_errors_name_file_line_sample(tmp_path, synth):
 def test_media_errors_name_sample_and_file(tmp_path, tiny_model, synth):
     """A sample whose media fail at training time: an error naming the sample and the file, or a skip report."""
     import data
-    import train
     from transformers import AutoProcessor
     proc = AutoProcessor.from_pretrained(tiny_model)
     cfg = tiny_config()
@@ -99,8 +98,8 @@ def test_media_errors_name_sample_and_file(tmp_path, tiny_model, synth):
     for kind, (key, path, says) in broken_media(tmp_path).items():
         s = {**good, "id": f"s-{kind}", "videos": [], "images": [], key: [path]}
         with pytest.raises(data.DataError, match=f"sample s-{kind}: .*{says}"):
-            train.try_prep(prep, s, cfg)
-        p, report = train.try_prep(prep, s, tiny_config(skip_invalid=True))
+            data.try_prep(prep, s, cfg)
+        p, report = data.try_prep(prep, s, tiny_config(skip_invalid=True))
         assert p is None and report["where"] == f"s-{kind}" and report["media"] == [path] and says in report["error"]
 
 

@@ -142,21 +142,22 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     p = data.prepare(s, processor, tiny_config())
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     right, wrong = s["offline_output"], "<answer>Z</answer>"
-    group = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t)
-             for t in (wrong, right, wrong, wrong)]
+    rollouts = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t)
+                for t in (wrong, right, wrong, wrong)]
     cfg = tiny_config(group_size=4, max_response_len=64)
-    scores = [train.score(r, cfg) for r in group]
-    g, sc = train.swap_offline(group, scores, cfg, tok, eos)
-    assert g[:3] == group[:3] and sc[:3] == scores[:3] and g is not group  # inputs untouched, only the last slot
-    assert g[3].finish == "offline" and g[3].logp is None and g[3].text == right
-    assert g[3].response_ids == tok.encode(right, add_special_tokens=False) + [eos]
-    assert sc[3][1]["accuracy"] == 1.0
-    short = train.swap_offline(group, scores, tiny_config(group_size=4, max_response_len=3), tok, eos)[0][3]
+    group = train.scored_group(rollouts, cfg)
+    g = train.swap_offline(group, cfg, tok, eos)
+    assert g.rollouts[:3] == rollouts[:3] and g.components[:3] == group.components[:3] and g is not group
+    assert g.rollouts[3].finish == "offline" and g.rollouts[3].logp is None and g.rollouts[3].text == right
+    assert g.rollouts[3].response_ids == tok.encode(right, add_special_tokens=False) + [eos]
+    assert g.components[3]["accuracy"] == 1.0 and g.rewards[3] == g.components[3]["overall"]
+    assert group.rollouts[3].text == wrong  # the input group is untouched
+    short = train.swap_offline(group, tiny_config(group_size=4, max_response_len=3), tok, eos).rollouts[3]
     assert short.response_ids == tok.encode(right, add_special_tokens=False)[:3]  # truncated: no EOS
     # threshold mode: online accuracy here is 1/4
-    assert train.swap_offline(group, scores, tiny_config(mix_threshold=0.5), tok, eos)[0][3].finish == "offline"
-    assert train.swap_offline(group, scores, tiny_config(mix_threshold=0.25), tok, eos)[0] is group  # 0.25 !< 0.25
-    assert train.swap_offline(group, scores, tiny_config(mix_offline=False), tok, eos)[0] is group
+    assert train.swap_offline(group, tiny_config(mix_threshold=0.5), tok, eos).rollouts[3].finish == "offline"
+    assert train.swap_offline(group, tiny_config(mix_threshold=0.25), tok, eos) is group  # 0.25 !< 0.25
+    assert train.swap_offline(group, tiny_config(mix_offline=False), tok, eos) is group
 
 
 @pytest.mark.slow

@@ -1,0 +1,120 @@
+"""ckpt.py: sharded checkpoints (out_dir/ckpt/step_N: DCP shards, per-rank RNG, meta.json, config + processor;
+`latest` names the newest complete one), exact resume, preemption, and the collectives they use."""
+import json
+import os
+import shutil
+import signal
+
+import torch
+import torch.distributed as dist
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collectives: every rank calls them at the same point of the loop
+
+def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def gather(obj) -> list:
+    """All ranks' objects, in rank order (small metric dicts only)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any: a signal may reach only some ranks."""
+    return bool(all_reduce([float(flag)], dist.ReduceOp.MAX)[0])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints
+
+def catch_stop_signals() -> list:
+    """SIGTERM/SIGINT (preemption, Ctrl-C) only record the signal: the loop checkpoints at the next step boundary."""
+    got = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda num, frame: got.append(num))
+    return got
+
+
+def model_optim_state(model, opt) -> dict:
+    """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: int, rank: int):
+    """Every rank writes its shards and RNG state into step_N.tmp; after a barrier rank 0 adds meta.json, renames
+    the folder to step_N, then points `latest` at it: a crash at any moment leaves `latest` complete."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    root = os.path.join(out_dir, "ckpt")
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier attempt at this step
+    barrier()
+    dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
+    barrier()  # every rank's files are written
+    if rank == 0:
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        processor.save_pretrained(tmp)
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
+        os.rename(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+        if keep_last:
+            for old in steps[:-keep_last]:
+                shutil.rmtree(os.path.join(root, old))
+    barrier()
+
+
+def find(out_dir: str, resume: str) -> str:
+    """The folder to resume from: '' (none), `resume` itself, or for 'auto' the one `latest` names ('' if none)."""
+    latest = os.path.join(out_dir, "ckpt", "latest")
+    if resume != "auto":
+        return resume
+    return os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
+
+
+def load(path: str, model, opt) -> dict:
+    """Model, optimizer and this rank's RNG restored in place (DCP reshards: the world size may change; a new rank
+    keeps its fresh RNG). Returns meta.json (step, data position, wandb id, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
+    state = model_optim_state(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
+    if os.path.exists(rng):
+        rng = load_file(rng)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
