@@ -12,10 +12,8 @@ write it), cache_only (a missing entry is an error; never decodes or writes) or 
 The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale)
 and every frame setting. Writes go to a temp file + os.replace (a killed process never leaves a torn
 entry); a per-key lock file makes concurrent loaders (ranks, workers) decode once: the others wait, then
-hit. An entry is served only if it is what its key's settings produce: a truncated or corrupt entry (safetensors'
-checks, our crc32 over key, metadata and frames), non-uint8 or misshapen frames, or metadata that does not follow
-from the settings is reported and rebuilt (an error under cache_only). Videos are decoded one frame at a time, and
-frames over max_decode_pixels are refused from the container header before any decoding.
+hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
+under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
 """
 import fcntl
 import hashlib
@@ -165,10 +163,6 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
             os.remove(tmp)
 
 
-def count(stats: dict, key: str, value: float = 1):
-    stats[key] = stats.get(key, 0) + value
-
-
 def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
                max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
                mode: str = "prefer_cache", stats: dict | None = None,
@@ -185,20 +179,20 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
     if not cache_dir or mode == "decode_only":
         t = time.time()
         out = decode_video(path, **settings, max_decode_pixels=max_decode_pixels)
-        count(stats, "decode")
-        count(stats, "decode_s", time.time() - t)
+        stats["decode"] = stats.get("decode", 0) + 1
+        stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
         return out
     file = entry_path(cache_dir, path, settings)
     if mode == "cache_only":  # never decodes, never writes: a read-only shared cache works
         if not os.path.exists(file):
-            count(stats, "cache_miss")
+            stats["cache_miss"] = stats.get("cache_miss", 0) + 1
             raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
         try:
             out = check_entry(file, *read_entry(file), settings)
         except ValueError as e:
-            count(stats, "cache_corrupt")
+            stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
             raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
-        count(stats, "cache_hit")
+        stats["cache_hit"] = stats.get("cache_hit", 0) + 1
         return out
     os.makedirs(os.path.dirname(file), exist_ok=True)
     with open(file + ".lock", "a") as lock:
@@ -206,12 +200,12 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
-                count(stats, "cache_hit")
+                stats["cache_hit"] = stats.get("cache_hit", 0) + 1
                 return out
             except ValueError as e:
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
-                count(stats, "cache_corrupt")
-        count(stats, "cache_miss")
+                stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+        stats["cache_miss"] = stats.get("cache_miss", 0) + 1
         out = load_video(path, **settings, mode="decode_only", stats=stats, max_decode_pixels=max_decode_pixels)
         write_entry(file, *out)
         return out

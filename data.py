@@ -42,9 +42,7 @@ REQUIRED = ("problem", "answer", "problem_type")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud800" escapes load as lone surrogates: no tokenizer encodes them
 MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
-TEMPLATE_SECONDS = 2.0  # check_template: a template must render on a sample within this
 TEMPLATE_MEMORY = 1 << 30  # check_template: bytes the rendering may allocate
 
 
@@ -68,9 +66,11 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
         if k in s and not all(isinstance(x, str) and x for x in s[k]):
             raise DataError(f"{where}: sample {sid}: field '{k}' must be a list of non-empty strings")
     check_text(s, f"{where}: sample {sid}", special_tokens)
-    has = "video" if s.get("videos") else "image" if s.get("images") else "text"
-    if s.get("videos") and s.get("images"):
-        has = "video"  # image + video in one sample (Video-MMMU style): routed as video
+    has = "text"
+    if s.get("images"):
+        has = "image"
+    if s.get("videos"):
+        has = "video"  # image + video in one sample (Video-MMMU style) too: routed as video
     if "data_type" in s and s["data_type"] not in ("video", "image", "text"):
         raise DataError(f"{where}: sample {sid}: field 'data_type' is {s['data_type']!r}, not video/image/text")
     if "data_type" in s and s["data_type"] != has and not (s.get("videos") and s.get("images")):
@@ -89,29 +89,24 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
 
 
 def check_text(sample: dict, who: str, special_tokens) -> None:
-    """Every text field (strings and lists of strings, offline_output included): a lone surrogate, which the
-    tokenizer cannot encode, or one of the model's special tokens is a DataError naming `who` and the field."""
+    """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
+    which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
+    refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
     texts = [(k, v) for k, v in sample.items() if isinstance(v, str)]
     texts += [(k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)]
     for k, text in texts:
-        bad = SURROGATE.search(text)
+        bad = refused.search(text)
         if bad:
-            raise DataError(f"{who}: field '{k}' has a lone surrogate \\u{ord(bad[0]):04x} at character {bad.start()}")
-        for token in special_tokens:
-            if token in text:
-                raise DataError(f"{who}: field '{k}' contains the model's special token {token}")
+            raise DataError(f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
+                            "a special token of the model")
 
 
 def parse_json(raw: bytes, where: str):
-    """bytes -> JSON value. Bytes that are not UTF-8, malformed JSON, nesting deeper than Python's stack or an
+    """bytes -> JSON value; bytes that are not UTF-8, malformed JSON, nesting deeper than Python's stack or an
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from e
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from e
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
 
 
@@ -172,24 +167,22 @@ def render_prompt(sample: dict, template: str | None = None) -> str:
     return "".join(parts)
 
 
-def render_in_child(template: str, sample: dict, conn) -> None:
-    """check_template's forked child: caps its own address space at TEMPLATE_MEMORY above what it inherited, renders,
-    and sends (text, None) or (None, the error)."""
-    inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
-    try:
-        conn.send((render_prompt(sample, template), None))
-    except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all sent to the parent
-        conn.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
-
-
-def check_template(template: str, sample: dict, seconds: float = TEMPLATE_SECONDS) -> str:
+def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
     """Render a user prompt template once on `sample`, in a forked child bounded in time (`seconds`), memory
     (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of loops, 9**(9**9) or 'x' * 10**10 are a config error
     (ValueError) at startup, not a hang at every step: the child is killed, whatever C code it is stuck in."""
     import multiprocessing
+
+    def render_in_child():  # caps its address space above what it inherited; sends (text, None) or (None, error)
+        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
+        try:
+            send.send((render_prompt(sample, template), None))
+        except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
+            send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
+
     recv, send = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.get_context("fork").Process(target=render_in_child, args=(template, sample, send))
+    child = multiprocessing.get_context("fork").Process(target=render_in_child)
     child.start()
     send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
     try:
