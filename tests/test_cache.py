@@ -30,9 +30,12 @@ def video(tmp_path):
 
 REF_CASES = [  # (our settings, qwen-vl-utils' element, image_patch_size): clamps, budgets, up/down-scaling, Qwen3's 32
     (SETTINGS, dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=20000), 14),
-    (dict(SETTINGS, fps=1.0, min_frames=7, factor=32, max_pixels=8000), dict(fps=1.0, min_frames=7, max_frames=16, min_pixels=3136, max_pixels=8000), 16),
-    (dict(SETTINGS, fps=10.0, max_frames=13, total_pixels=40000), dict(fps=10.0, min_frames=4, max_frames=13, min_pixels=3136, max_pixels=20000, total_pixels=40000), 14),
-    (dict(SETTINGS, min_pixels=15000, max_pixels=30000), dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=15000, max_pixels=30000), 14),
+    (dict(SETTINGS, fps=1.0, min_frames=7, factor=32, max_pixels=8000),
+     dict(fps=1.0, min_frames=7, max_frames=16, min_pixels=3136, max_pixels=8000), 16),
+    (dict(SETTINGS, fps=10.0, max_frames=13, total_pixels=40000),
+     dict(fps=10.0, min_frames=4, max_frames=13, min_pixels=3136, max_pixels=20000, total_pixels=40000), 14),
+    (dict(SETTINGS, min_pixels=15000, max_pixels=30000),
+     dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=15000, max_pixels=30000), 14),
 ]
 
 
@@ -66,7 +69,8 @@ def test_matches_qwen_vl_utils_on_a_long_video(tmp_path, monkeypatch):
     path = str(tmp_path / "long.mp4")
     write_video(path, (np.full((36, 64, 3), i % 256, np.uint8) for i in range(2398)), 23.976)
     ele = dict(fps=2.0, min_frames=4, max_frames=768, min_pixels=3136, max_pixels=3136)
-    (ref, ref_meta), _ = qv.fetch_video({"video": path, **ele}, return_video_sample_fps=True, return_video_metadata=True)
+    (ref, ref_meta), _ = qv.fetch_video({"video": path, **ele}, return_video_sample_fps=True,
+                                        return_video_metadata=True)
     frames, meta = cache.load_video(path, **ele, mode="decode_only")
     assert meta["frames_indices"] == ref_meta["frames_indices"] and len(meta["frames_indices"]) == 200
     assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
@@ -208,7 +212,8 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--data", str(tmp_path / "val.jsonl"),
            "--out", str(out), "--workers", "2", "--fps", "2", "--min-frames", "4", "--max-frames", "16",
            "--min-pixels", "3136", "--max-pixels", "20000", "--factor", "28"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "videos: 100%" in p.stderr  # the progress bar
     summary = p.stdout.splitlines()[0]

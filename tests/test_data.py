@@ -85,11 +85,11 @@ def test_prepare_video_and_image_and_placeholder_check(tiny_model, synth):
     assert n_pad == int(p.mm["video_grid_thw"].prod()) // 4 > 0
     assert stats["decode"] == 1
     q = data.prepare(img, proc, cfg)
-    assert q.prompt_ids.count(proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == int(q.mm["image_grid_thw"].prod()) // 4
+    image_pad, video_pad = proc.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    assert q.prompt_ids.count(image_pad) == int(q.mm["image_grid_thw"].prod()) // 4
     # a prompt whose placeholders do not match the features is caught, naming the sample
     with pytest.raises(data.DataError, match=f"sample {vid['id']}: video placeholder tokens"):
-        data.check_placeholders(p.prompt_ids[:-3] + [proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")] * 3 + p.prompt_ids[-3:],
-                                p.mm, proc, vid["id"])
+        data.check_placeholders(p.prompt_ids[:-3] + [video_pad] * 3 + p.prompt_ids[-3:], p.mm, proc, vid["id"])
     with pytest.raises(data.DataError, match="max_prompt_len"):
         data.prepare(vid, proc, tiny_config(max_prompt_len=10))
 
