@@ -2,6 +2,7 @@
 
     load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line and field)
     render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
+    check_template(t, s)   a user template rendered once with bounded time, memory and output (run at startup)
     prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt
 
 A Prompt holds everything both consumers need, computed once per sample per step:
