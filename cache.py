@@ -5,14 +5,15 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
     python cache.py --data train.jsonl --data val.jsonl --out .cache/frames --workers 2 \
         --fps 2 --max-frames 32 --min-pixels 3136 --max-pixels 100352 --factor 28
 
-shows a progress bar, then `videos | cache_hit | decode | failed | bytes | seconds`; a video that fails is
+shows a progress bar, then `videos | cache_hit | rebuilt | decode | failed | bytes | seconds`; a video that fails is
 listed with its error in OUT/failed.jsonl and the run goes on. train.py, rollout and evaluation call
 `load_video(path, ...)` with the same settings and a mode: prefer_cache (read the entry, else decode and
 write it), cache_only (a missing entry is an error; never decodes or writes) or decode_only (no cache).
 The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale)
 and every frame setting. Writes go to a temp file + os.replace (a killed process never leaves a torn
 entry); a per-key lock file makes concurrent loaders (ranks, workers) decode once: the others wait, then
-hit. A truncated or corrupt entry fails safetensors' checks or our crc32, is reported and rebuilt.
+hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
+under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
 """
 import fcntl
 import hashlib
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FORMAT = "nvr1-frames-v2"  # bump when stored frames or metadata change: every older entry becomes a miss
+FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
 SETTINGS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels", "factor")
+MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
 
 class VideoError(ValueError):
@@ -66,25 +68,36 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
-                 total_pixels: int, factor: int) -> tuple[np.ndarray, dict]:
-    """Decode with decord, sample, resize. Raises VideoError naming the file."""
+                 total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
+    """Decode with decord, sample, resize, one frame at a time (peak memory: one full-size frame, not all of them).
+    Frames over max_decode_pixels are refused from the container header. Raises VideoError naming the file."""
+    import av
     import decord
     try:
+        with av.open(path) as container:  # reads the header only: nothing is decoded yet
+            codec = container.streams.video[0].codec_context
+        if codec.width * codec.height > max_decode_pixels:
+            raise VideoError(f"{path}: frames of {codec.width}x{codec.height} are over max_decode_pixels="
+                             f"{max_decode_pixels}")
         vr = decord.VideoReader(path, num_threads=1)
         total, vfps = len(vr), float(vr.get_avg_fps())
         if total < 2 or vfps <= 0:
             raise VideoError(f"{path}: video has {total} frames at {vfps} fps (need at least 2 frames)")
         idx = sample_indices(total, vfps, fps, min_frames, max_frames)
-        frames = vr.get_batch(idx).asnumpy()
+        cap = frame_pixels(len(idx), min_pixels, max_pixels, total_pixels, factor)
+        frames = []
+        for i in idx:  # resizing a frame is independent of the others: the same pixels as one batch
+            frame = vr.get_batch([i]).asnumpy()
+            frames.append(resize(frame, *smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)))
+        frames = np.concatenate(frames)  # frames whose size changes mid-video fail here
     except VideoError:
         raise
-    except (RuntimeError, decord.DECORDError, ValueError, OSError) as e:
+    except (RuntimeError, decord.DECORDError, ValueError, OSError, IndexError, av.FFmpegError) as e:
         raise VideoError(f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
-    H, W = frames.shape[1:3]
-    h, w = smart_resize(H, W, factor, min_pixels, frame_pixels(len(idx), min_pixels, max_pixels, total_pixels, factor))
     meta = dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
-                sample_fps=len(idx) / total * vfps, height=h, width=w, video_backend="decord")
-    return resize(frames, h, w), meta
+                sample_fps=len(idx) / total * vfps, height=frames.shape[1], width=frames.shape[2],
+                video_backend="decord")
+    return frames, meta
 
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
@@ -95,25 +108,55 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     return os.path.join(cache_dir, key[:2], key + ".safetensors")
 
 
+def checksum(file: str, frames: np.ndarray, video: str) -> str:
+    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
+    return str(zlib.crc32(frames.tobytes(), zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode()))))
+
+
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
-    """Raises ValueError on a torn or corrupt entry (safetensors' size checks + our crc32)."""
+    """Raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, a header that does not say
+    uint8 (T, H, W, 3) frames, our crc32, metadata that is not a JSON object."""
     from safetensors import safe_open
     try:
         with safe_open(file, "np") as f:
-            meta, frames = f.metadata(), f.get_tensor("frames")
+            meta, frames = f.metadata() or {}, f.get_tensor("frames")
     except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
         raise ValueError(f"{file}: unreadable cache entry ({type(e).__name__}: {e})") from e
-    if not meta or zlib.crc32(frames.tobytes()) != int(meta.get("crc32", -1)):
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
+        raise ValueError(f"{file}: cache entry holds {frames.dtype} {frames.shape}, not uint8 (T, H, W, 3) frames")
+    if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
-    return frames, json.loads(meta["video"])
+    video = json.loads(meta["video"])
+    if not isinstance(video, dict):
+        raise ValueError(f"{file}: cache entry metadata is a {type(video).__name__}, not an object")
+    return frames, video
+
+
+def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
+    """(frames, meta) if they are what decode_video makes under the key's settings: the metadata follows from the
+    video's frame count and fps, the indices and frame count from the settings, the size fits the pixel cap."""
+    try:
+        total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
+        idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
+        expect = dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
+                      sample_fps=len(idx) / total * vfps, height=h, width=w, video_backend="decord")
+        cap = frame_pixels(len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor")))
+        fits = h % settings["factor"] == 0 and w % settings["factor"] == 0 and 0 < h * w <= cap
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})") from e
+    if meta != expect or frames.shape != (len(idx), h, w, 3) or not fits:
+        raise ValueError(f"{file}: cache entry does not match its key's settings (frames {frames.shape}, "
+                         f"metadata {json.dumps(meta)[:300]})")
+    return frames, meta
 
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
+    video = json.dumps(meta)
     try:
-        save_file({"frames": frames}, tmp, metadata={"video": json.dumps(meta), "crc32": str(zlib.crc32(frames.tobytes()))})
+        save_file({"frames": frames}, tmp, metadata={"video": video, "crc32": checksum(file, frames, video)})
         os.replace(tmp, file)  # atomic: readers see the old entry, no entry, or the whole new one
     finally:
         if os.path.exists(tmp):
@@ -122,42 +165,48 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
 
 def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
                max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
-               mode: str = "prefer_cache", stats: dict | None = None) -> tuple[np.ndarray, dict]:
+               mode: str = "prefer_cache", stats: dict | None = None,
+               max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
     """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata; from the cache or decoded.
     stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
     if mode not in MODES:
         raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
     stats = stats if stats is not None else {}
-    add = lambda k, v=1: stats.__setitem__(k, stats.get(k, 0) + v)  # noqa: E731
-    if not os.path.isfile(path):
-        raise VideoError(f"{path}: video file not found")
+    if not os.path.isfile(path):  # also refuses a FIFO or a device, which would block decoding for ever
+        raise VideoError(f"{path}: video file not found (or not a regular file)")
     settings = dict(fps=fps, min_frames=min_frames, max_frames=max_frames, min_pixels=min_pixels,
                     max_pixels=max_pixels, total_pixels=total_pixels or 0, factor=factor)  # None = 0: one key
     if not cache_dir or mode == "decode_only":
         t = time.time()
-        out = decode_video(path, **settings)
-        add("decode"), add("decode_s", time.time() - t)
+        out = decode_video(path, **settings, max_decode_pixels=max_decode_pixels)
+        stats["decode"] = stats.get("decode", 0) + 1
+        stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
         return out
     file = entry_path(cache_dir, path, settings)
     if mode == "cache_only":  # never decodes, never writes: a read-only shared cache works
         if not os.path.exists(file):
-            add("cache_miss")
+            stats["cache_miss"] = stats.get("cache_miss", 0) + 1
             raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-        add("cache_hit")
-        return read_entry(file)
+        try:
+            out = check_entry(file, *read_entry(file), settings)
+        except ValueError as e:
+            stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+            raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
+        stats["cache_hit"] = stats.get("cache_hit", 0) + 1
+        return out
     os.makedirs(os.path.dirname(file), exist_ok=True)
     with open(file + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one decode per key: concurrent loaders wait here, then hit
         if os.path.exists(file):
             try:
-                out = read_entry(file)
-                add("cache_hit")
+                out = check_entry(file, *read_entry(file), settings)
+                stats["cache_hit"] = stats.get("cache_hit", 0) + 1
                 return out
             except ValueError as e:
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
-                add("cache_corrupt")
-        add("cache_miss")
-        out = load_video(path, **settings, mode="decode_only", stats=stats)
+                stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+        stats["cache_miss"] = stats.get("cache_miss", 0) + 1
+        out = load_video(path, **settings, mode="decode_only", stats=stats, max_decode_pixels=max_decode_pixels)
         write_entry(file, *out)
         return out
 
@@ -165,11 +214,13 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
 def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28) -> np.ndarray:
     """uint8 (H, W, 3), smart-resized to the factor within the image pixel budget."""
     from PIL import Image, UnidentifiedImageError
+    if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
+        raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
     try:
         with Image.open(path) as im:
             im = im.convert("RGB")
             arr = np.asarray(im)
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: > 2x PIL's pixel cap
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: 2x PIL's cap
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
     return resize(arr[None], h, w)[0]
@@ -198,13 +249,15 @@ class Config:
     """train.py's --video-total-pixels (0 = the reference default, 128000 tokens)"""
     factor: int = 28
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
+    max_decode_pixels: int = MAX_DECODE_PIXELS
+    """videos with larger frames are refused (listed in failed.jsonl) before any decoding"""
 
 
 def preprocess_one(path: str, c: Config) -> tuple[dict, int, str | None]:
     """(stats, entry bytes, error): a failure of any kind is returned, to be reported, never raised."""
     stats, settings = {}, {k: getattr(c, k) for k in SETTINGS}
     try:
-        load_video(path, **settings, cache_dir=c.out, stats=stats)
+        load_video(path, **settings, cache_dir=c.out, stats=stats, max_decode_pixels=c.max_decode_pixels)
         return stats, os.path.getsize(entry_path(c.out, path, settings)), None
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
         return stats, 0, str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"
@@ -217,13 +270,15 @@ def preprocess(c: Config) -> dict:
     from tqdm import tqdm
 
     from data import load_samples  # resolves relative paths; a bad row is an error naming file:line
-    videos = list(dict.fromkeys(os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])))
-    t, total, failed = time.time(), dict(videos=len(videos), cache_hit=0, decode=0, failed=0, bytes=0), []
+    videos = [os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])]
+    videos = list(dict.fromkeys(videos))
+    t, total, failed = time.time(), dict(videos=len(videos), cache_hit=0, rebuilt=0, decode=0, failed=0, bytes=0), []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):
             stats, nbytes, err = job.result()
             total["cache_hit"] += stats.get("cache_hit", 0)
+            total["rebuilt"] += stats.get("cache_corrupt", 0)
             total["decode"] += stats.get("decode", 0)
             total["bytes"] += nbytes
             if err:

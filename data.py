@@ -2,6 +2,7 @@
 
     load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line and field)
     render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
+    check_template(t, s)   a user template rendered once with bounded time, memory and output (run at startup)
     prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt
 
 A Prompt holds everything both consumers need, computed once per sample per step:
@@ -23,6 +24,8 @@ Sample schema (one JSON object per line; EasyVideoR1-compatible):
 """
 import json
 import os
+import re
+import resource
 from dataclasses import dataclass, field
 
 import torch
@@ -35,33 +38,45 @@ import rewards
 FIELDS = {"problem": str, "answer": str, "problem_type": str, "videos": list, "images": list,
           "data_type": str, "options": list, "offline_output": str, "id": str}
 REQUIRED = ("problem", "answer", "problem_type")
+# Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
+# tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
+TEMPLATE_MEMORY = 1 << 30  # check_template: bytes the rendering may allocate
 
 
 class DataError(ValueError):
     """A sample that breaks the schema; the message names file, line, sample id and field."""
 
 
-def validate_sample(s, where: str) -> dict:
+def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
-    sid = s.get("id", where)
+    sid = str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()  # printable despite a lone surrogate
     for k in REQUIRED:
         if k not in s:
             raise DataError(f"{where}: sample {sid}: missing field '{k}'")
     for k, v in s.items():
         if k in FIELDS and not isinstance(v, FIELDS[k]):
-            raise DataError(f"{where}: sample {sid}: field '{k}' must be {FIELDS[k].__name__}, got {type(v).__name__}")
+            raise DataError(f"{where}: sample {sid}: field '{k}' must be {FIELDS[k].__name__}, "
+                            f"got {type(v).__name__}")
     for k in ("videos", "images", "options"):
         if k in s and not all(isinstance(x, str) and x for x in s[k]):
             raise DataError(f"{where}: sample {sid}: field '{k}' must be a list of non-empty strings")
-    has = "video" if s.get("videos") else "image" if s.get("images") else "text"
-    if s.get("videos") and s.get("images"):
-        has = "video"  # image + video in one sample (Video-MMMU style): routed as video
+    check_text(s, f"{where}: sample {sid}", special_tokens)
+    has = "text"
+    if s.get("images"):
+        has = "image"
+    if s.get("videos"):
+        has = "video"  # image + video in one sample (Video-MMMU style) too: routed as video
     if "data_type" in s and s["data_type"] not in ("video", "image", "text"):
         raise DataError(f"{where}: sample {sid}: field 'data_type' is {s['data_type']!r}, not video/image/text")
     if "data_type" in s and s["data_type"] != has and not (s.get("videos") and s.get("images")):
-        raise DataError(f"{where}: sample {sid}: field 'data_type' says {s['data_type']!r} but the sample has {has} media")
+        raise DataError(f"{where}: sample {sid}: field 'data_type' says {s['data_type']!r} "
+                        f"but the sample has {has} media")
     s = dict(s, id=str(sid), data_type=s.get("data_type", has))
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
@@ -74,23 +89,45 @@ def validate_sample(s, where: str) -> dict:
     return s
 
 
-def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None) -> list[dict]:
+def check_text(sample: dict, who: str, special_tokens) -> None:
+    """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
+    which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
+    refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
+    texts = [(k, v) for k, v in sample.items() if isinstance(v, str)]
+    texts += [(k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)]
+    for k, text in texts:
+        bad = refused.search(text)
+        if bad:
+            raise DataError(f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
+                            "a special token of the model")
+
+
+def parse_json(raw: bytes, where: str):
+    """bytes -> JSON value; bytes that are not UTF-8, malformed JSON, nesting deeper than Python's stack or an
+    integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None,
+                 special_tokens=SPECIAL_TOKENS) -> list[dict]:
     """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
-    appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped)."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(json.load(f))]  # item number, 1-based like lines
-        else:
-            rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(f) if line.strip()]
+    appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped).
+    special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it loaded)."""
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
+        raw = f.read()
+    if path.endswith(".json"):
+        rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(parse_json(raw, path))]  # item number, 1-based
+    else:
+        rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()]
     out = []
     for where, row in rows:
         try:
-            if isinstance(row, str):
-                try:
-                    row = json.loads(row)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from e
-            out.append(validate_sample(row, where))
+            if isinstance(row, bytes):
+                row = parse_json(row, where)
+            out.append(validate_sample(row, where, special_tokens))
         except DataError as e:
             if not skip_invalid:
                 raise
@@ -103,12 +140,14 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
 ANSWER = "Put your final answer inside <answer> </answer> tags."
 TEMPLATES = {
-    "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. " + ANSWER,
+    "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. "
+                       + ANSWER,
     "numerical": "{{ problem }}\nAnswer with a single number. " + ANSWER,
     "counting": "{{ problem }}\nAnswer with a single number. " + ANSWER,
     "regression": "{{ problem }}\nAnswer with a single number. " + ANSWER,
     "boolean": "{{ problem }}\nAnswer yes or no. " + ANSWER,
-    "temporal grounding": '{{ problem }}\nAnswer with the start and end time in seconds as <answer>{"time": [start, end]}</answer>.',
+    "temporal grounding": '{{ problem }}\nAnswer with the start and end time in seconds as '
+                          '<answer>{"time": [start, end]}</answer>.',
     "spatial grounding": '{{ problem }}\nAnswer with the box as <answer>{"boxes": [x1, y1, x2, y2]}</answer>.',
     "default": "{{ problem }}\n" + ANSWER,
 }
@@ -116,10 +155,49 @@ _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=F
 
 
 def render_prompt(sample: dict, template: str | None = None) -> str:
-    """The user text for a sample. `template` (Jinja2 source) overrides the per-type default."""
+    """The user text for a sample. `template` (Jinja2 source) overrides the per-type default. Output over
+    MAX_PROMPT_CHARS is a DataError naming the sample, caught while it streams (never built whole)."""
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
-    return _jinja.from_string(src).render({**sample, "problem_type": ptype})
+    parts, size = [], 0
+    for part in _jinja.from_string(src).generate({**sample, "problem_type": ptype}):
+        size += len(part)
+        if size > MAX_PROMPT_CHARS:
+            raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
+        parts.append(part)
+    return "".join(parts)
+
+
+def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
+    """Render a user prompt template once on `sample`, in a forked child bounded in time (`seconds`), memory
+    (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of loops, 9**(9**9) or 'x' * 10**10 are a config error
+    (ValueError) at startup, not a hang at every step: the child is killed, whatever C code it is stuck in."""
+    import multiprocessing
+
+    def render_in_child():  # caps its address space above what it inherited; sends (text, None) or (None, error)
+        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
+        try:
+            send.send((render_prompt(sample, template), None))
+        except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
+            send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
+
+    recv, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=render_in_child)
+    child.start()
+    send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+    try:
+        if not recv.poll(seconds):
+            raise ValueError(f"prompt template: rendering on sample {sample['id']} took over {seconds} s")
+        text, error = recv.recv()
+    except EOFError:
+        error = f"the rendering process died (exit code {child.exitcode})"
+    finally:
+        child.kill()
+        child.join()
+    if error:
+        raise ValueError(f"prompt template fails on sample {sample['id']}: {error}")
+    return text
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:
@@ -176,6 +254,9 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     over-long prompt: we never right-truncate through vision tokens.
     """
     factor, sid = vision_factor(processor), sample["id"]
+    # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
+    specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
+    check_text(sample, f"sample {sid}", specials)
     videos = [cache.load_video(p, fps=cfg.video_fps, min_frames=cfg.video_min_frames, max_frames=cfg.video_max_frames,
                                min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
                                total_pixels=cfg.video_total_pixels, factor=factor, cache_dir=cfg.cache_dir,
@@ -193,7 +274,8 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     # frames are already sampled and smart-resized by cache.py: the processor must not redo either
     out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **kw)
     ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask", None), out.pop("mm_token_type_ids", None)
+    out.pop("attention_mask", None)
+    out.pop("mm_token_type_ids", None)
     check_placeholders(ids, out, processor, sid)
     if len(ids) > cfg.max_prompt_len:
         raise DataError(f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "

@@ -5,6 +5,8 @@
 import json
 import multiprocessing as mp
 import os
+import re
+import zlib
 
 import numpy as np
 import pytest
@@ -189,6 +191,12 @@ def test_cache_only_and_bad_videos(video, tmp_path):
         cache.load_video(str(tmp_path / "missing.mp4"), **SETTINGS)
 
 
+def rows(*videos) -> str:
+    """JSONL with one multiple-choice sample per video."""
+    sample = {"problem": "q", "answer": "A", "problem_type": "multiple choice"}
+    return "".join(json.dumps(dict(sample, videos=[v])) + "\n" for v in videos)
+
+
 def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     """The real command: two data files, one video listed 3 times under 2 spellings, a corrupt and a missing one."""
     import shutil
@@ -198,21 +206,19 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     os.makedirs(tmp_path / "videos")
     shutil.copy(video, tmp_path / "videos" / "b.mp4")
     (tmp_path / "videos" / "bad.mp4").write_bytes(b"garbage")
-
-    def row(v):
-        return json.dumps({"problem": "q", "answer": "A", "problem_type": "multiple choice", "videos": [v]}) + "\n"
-    (tmp_path / "train.jsonl").write_text(row("v.mp4") + row("videos/bad.mp4") + row("./v.mp4") + row("videos/b.mp4"))
-    (tmp_path / "val.jsonl").write_text(row(video) + row("videos/missing.mp4"))
+    (tmp_path / "train.jsonl").write_text(rows("v.mp4", "videos/bad.mp4", "./v.mp4", "videos/b.mp4"))
+    (tmp_path / "val.jsonl").write_text(rows(video, "videos/missing.mp4"))
     out = tmp_path / "c"
     cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--data", str(tmp_path / "val.jsonl"),
            "--out", str(out), "--workers", "2", "--fps", "2", "--min-frames", "4", "--max-frames", "16",
            "--min-pixels", "3136", "--max-pixels", "20000", "--factor", "28"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "videos: 100%" in p.stderr  # the progress bar
     summary = p.stdout.splitlines()[0]
-    assert summary.startswith("videos 4 | cache_hit 0 | decode 2 | failed 2 | bytes ") and "| seconds " in summary
+    assert summary.startswith("videos 4 | cache_hit 0 | rebuilt 0 | decode 2 | failed 2 | bytes ")
+    assert "| seconds " in summary
     nbytes = int(summary.split("bytes ")[1].split()[0])
     assert nbytes == sum(os.path.getsize(f) for f in entries(out) if f.endswith(".safetensors")) > 0
     failed = {os.path.basename(x["video"]): x["error"] for x in map(json.loads, open(out / "failed.jsonl"))}
@@ -224,3 +230,93 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
     frames, _ = cache.load_video(video, **SETTINGS, cache_dir=str(out), mode="cache_only")
     assert np.array_equal(frames, cache.load_video(video, **SETTINGS, mode="decode_only")[0])
+
+
+def edit_header(file, edit):
+    """Rewrite a safetensors file's JSON header with edit(header), keeping the data bytes: a header that lies."""
+    raw = open(file, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    open(file, "wb").write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def set_dtype_f32(header):  # the same bytes read as float32 (T, H, W / 4, 3): the crc over the bytes still holds
+    header["frames"]["dtype"] = "F32"
+    header["frames"]["shape"][2] //= 4
+
+
+def set_shape_twice_as_many(header):  # the same bytes read as (2T, H / 2, W, 3)
+    header["frames"]["shape"][0] *= 2
+    header["frames"]["shape"][1] //= 2
+
+
+def set_fps_in_place(header):  # metadata edited in the file, crc left as it was
+    header["__metadata__"]["video"] = header["__metadata__"]["video"].replace('"fps": 10.0', '"fps": 1000000000.0')
+
+
+def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
+    """The real command on a cache whose entries lie (header dtype/shape, float frames, fps 1e9, indices, `video` a
+    list, no `video`, an in-place metadata edit, another key's entry): each one is reported and rebuilt, never served
+    (before: served as hits, or a KeyError); under cache_only each is an error naming the video."""
+    import shutil
+    import subprocess
+    import sys
+    from conftest import ROOT
+    from safetensors.numpy import save_file
+    names = ["dtype", "shape", "float", "fps", "indices", "list", "no_video", "in_place", "copied", "intact"]
+    for name in names:
+        shutil.copy(video, tmp_path / f"{name}.mp4")
+    (tmp_path / "train.jsonl").write_text(rows(*(f"{n}.mp4" for n in names)))
+    out = tmp_path / "c"
+    cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--out", str(out), "--workers", "2",
+           "--fps", "2", "--min-frames", "4", "--max-frames", "16", "--min-pixels", "3136", "--max-pixels", "20000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.stdout.startswith("videos 10 | cache_hit 0 | rebuilt 0 | decode 10 | failed 0 |"), p.stderr[-3000:]
+    good, meta = cache.load_video(video, **SETTINGS, mode="decode_only")
+    file = {n: cache.entry_path(str(out), str(tmp_path / f"{n}.mp4"), dict(SETTINGS, total_pixels=0)) for n in names}
+    edit_header(file["dtype"], set_dtype_f32)
+    edit_header(file["shape"], set_shape_twice_as_many)
+    edit_header(file["in_place"], set_fps_in_place)
+    cache.write_entry(file["float"], good.astype(np.float32), meta)
+    cache.write_entry(file["fps"], good, dict(meta, fps=1e9))
+    cache.write_entry(file["indices"], good, dict(meta, frames_indices=meta["frames_indices"][::-1]))
+    cache.write_entry(file["list"], good, [meta])
+    save_file({"frames": good}, file["no_video"], metadata={"crc32": str(zlib.crc32(good.tobytes()))})  # v2 crc
+    shutil.copy(file["intact"], file["copied"])
+    for name in names[:-1]:
+        with pytest.raises(cache.VideoError, match=f"{name}.mp4: .*cache entry.*mode cache_only"):
+            cache.load_video(str(tmp_path / f"{name}.mp4"), **SETTINGS, cache_dir=str(out), mode="cache_only")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.stdout.startswith("videos 10 | cache_hit 1 | rebuilt 9 | decode 9 | failed 0 |"), p.stderr[-3000:]
+    reports = re.findall(r"cache: (.*?); rebuilding", p.stderr)  # tqdm's \r-lines may share a line with a report
+    assert sorted(next(n for n in names if file[n] in r) for r in reports) == sorted(names[:-1])
+    for name in names:  # rebuilt in place: every entry is now served, with the decoded frames
+        frames, m = cache.load_video(str(tmp_path / f"{name}.mp4"), **SETTINGS, cache_dir=str(out), mode="cache_only")
+        assert np.array_equal(frames, good) and m == meta
+
+
+def test_frames_over_the_pixel_limit_are_refused_before_decoding(video, tmp_path):
+    """A 100x76 clip under max_decode_pixels=100*75: refused from its header (no frame decoded), naming the file and
+    the size; at 100*76 it decodes to the same frames as without a limit."""
+    with pytest.raises(cache.VideoError, match=r"v.mp4: frames of 100x76 are over max_decode_pixels=7500"):
+        cache.load_video(video, **SETTINGS, mode="decode_only", max_decode_pixels=100 * 75)
+    frames, _ = cache.load_video(video, **SETTINGS, mode="decode_only", max_decode_pixels=100 * 76)
+    assert np.array_equal(frames, cache.load_video(video, **SETTINGS, mode="decode_only")[0])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
+    """A FIFO (nobody writes to it) or a character device as an image or a video: a media error, not a hang."""
+    path = str(tmp_path / "fifo.png")
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*not a regular file"):
+        cache.load_image(path, min_pixels=3136, max_pixels=20000)
+    with pytest.raises(cache.VideoError, match=f"{path}: video file not found .*not a regular file"):
+        cache.load_video(path, **SETTINGS, mode="decode_only")
