@@ -169,7 +169,7 @@ def test_easyvideor1(tmp_path):
         {"id": "easyvideor1-11", "problem": "What is 7 * 6?", "answer": "42", "problem_type": "math",
          "data_type": "text", "problem_id": "math-1"},  # empty videos/images lists are left out
         {"id": "easyvideor1-12", "problem": "<image>Write an SVG that draws this icon.",
-         "answer": '<svg xmlns="http://www.w3.org/2000/svg"><circle r="4"/></svg>', "problem_type": "code",
+         "answer": '<svg xmlns="http://www.w3.org/2000/svg"><circle r="4"/></svg>', "problem_type": "svg-code",
          "data_type": "image", "images": cat, "problem_id": "code-1"},
     ]
     rows = read_jsonl(out)
