@@ -1,23 +1,17 @@
-"""evaluate.py: video benchmarks with their official answer reading and aggregation, on vLLM's asynchronous engine.
+"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's asynchronous engine.
 
     python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
     python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
 
-Annotations are read in each benchmark's released format from {data_dir}/{name}.json|.jsonl|.parquet (or a folder
-of them, e.g. MVBench's json/<task>.json), videos from {video_dir}/{name}/. Everything is checked before the engine
-starts: benchmark names, annotation files, every record (a bad one is reported with file:line and field), every
-video, the frame budget against the prompt length, and the resume log's model and settings.
-
-One rule for every answer: rewards.answer_text takes it out of our output format (the <answer> content, else the
-whole response), then the benchmark's official rule reads it and the official aggregation sums it up
-(docs/benchmarks.md lists the source, rule, aggregation and known deviations per benchmark). A sample that cannot
-be evaluated (missing video, bad record, a prompt over the limit, any exception) is listed in results.json and
-never scored: the exit code is 1 unless allow_failures. Pipeline (engine="async"): loader threads read frames
-(cache.load_video, cached or decoded) and hand each request to AsyncLLM as soon as it is ready; at most
-max_in_flight samples are alive at once; each result is scored and appended to {out_dir}/{name}/samples.jsonl the
-moment it finishes, and results.json is rewritten after every benchmark. A rerun resumes from that log only when
-its model and settings ({name}/run.json) match. engine="sync" is the colocated rollout.VLLMEngine (what train.py
-has), engine="hf" transformers generate (no vLLM).
+Annotations are read as released from {data_dir}/{name}.json|.jsonl|.parquet (or a folder of them, e.g. MVBench's
+json/<task>.json), videos from {video_dir}/{name}/. Names, files, records, videos, the frame budget and the resume
+log are checked before the engine starts. Every answer: rewards.answer_text takes it out of our format, then the
+benchmark's official rule reads it (docs/benchmarks.md: source, rule, aggregation, deviations). A sample that cannot
+be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
+Pipeline (engine="async"): loader threads read frames (cached or decoded) and hand each request to AsyncLLM as soon
+as it is ready, at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl
+as it finishes, results.json is rewritten after every benchmark, and a rerun resumes only under the same model
+and settings ({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
 """
 import asyncio
 import copy
@@ -30,6 +24,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
@@ -72,8 +67,9 @@ class Config:
     """threads reading frames and building prompts"""
     batch_size: int = 16
     """sync/hf engines: prompts per generate call"""
-    max_model_len: int = 16384
-    """vLLM context length: holds max_video_frames x max_pixels of vision tokens plus text and response"""
+    max_model_len: int = 0
+    """vLLM context length; 0 = 16384 (64 frames x 262,144 px of vision tokens, text and response), capped at the
+    model's max_position_embeddings"""
     max_prompt_len: int = 0
     """longer prompts are an error for that sample (never truncated); 0 = max_model_len - max_tokens"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -404,11 +400,10 @@ def gt_letter(s: dict) -> str:
 
 
 def read_letter(text: str, s: dict):
-    """Video-MME's official rule (VLMEvalKit extract_characters_regex): drop the answer prefixes, give up on more
-    than 10 words without a letter, else the first option letter (upper case) anywhere."""
+    """Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter."""
     for p in PREFIXES:
         text = text.replace(p, "")
-    m = re.search(f"[{letters_of(s)}]", text)  # (its "over 10 words without a letter" check gives the same)
+    m = re.search(f"[{letters_of(s)}]", text)
     return (m.group(0), float(m.group(0) == gt_letter(s))) if m else (None, 0.0)
 
 
@@ -427,9 +422,7 @@ def read_minerva(text: str, s: dict):
 
 
 def read_vsi(text: str, s: dict):
-    """VSI-Bench's official rule: the first space-separated token with a trailing '.' stripped; letters compare
-    case-insensitively, numbers go through float() and mean relative accuracy (so "4%", "1,250", "four" read as
-    nothing)."""
+    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by float() and MRA."""
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
@@ -441,9 +434,7 @@ def read_vsi(text: str, s: dict):
 
 
 def read_mvbench(text: str, s: dict):
-    """MVBench's check_ans: the first word must hold an option letter; right when it (dots removed) is inside "(b)"
-    or holds it. The official prompt ends the assistant turn with "Best option:(", so the model writes "B) ...";
-    a model that writes the primer itself ("Best option: (B)") is read after it. An empty answer is wrong."""
+    """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
     text = text.strip()
     if text.lower().startswith("best option:"):
         text = text[len("best option:"):].strip()
@@ -463,8 +454,7 @@ def read_lvbench(text: str, s: dict):
 
 
 def read_ovo(text: str, s: dict):
-    """OVO-Bench's score.py: a letter is right when the right letter occurs anywhere in the answer (case-sensitive);
-    counting (REC) joins every digit run and compares with the count; SSR/CRR: "Y"/"N", or "Yes"/"No" inside."""
+    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or "Yes"/"No" in."""
     gt = rewards.ground_truth(s)
     if s["problem_type"] == "counting":
         digits = "".join(re.findall(r"\d+", text))
@@ -491,9 +481,7 @@ def mmmu_norm(x: str) -> list:
 
 
 def mmmu_open(text: str, gt: str):
-    """MMMU parse_open_response + eval_open: per sentence the shortest text after a key word ("is ", "so ", ...,
-    "=" in the last one), plus every number in those; right when a number equals the gold's (both rounded to 2
-    decimals) or the gold's text is inside a predicted text."""
+    """MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals."""
     sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
     for i, sub in enumerate(sentences):
         words = ["could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result "]
@@ -515,9 +503,7 @@ def mmmu_open(text: str, gt: str):
 
 
 def read_mmmu(text: str, s: dict):
-    """MMMU's parse_multi_choice_response / parse_open_response + eval_open (Video-MMMU, and lmms-eval's EgoSchema,
-    NExT-QA). Letters: "(B)", then " B ", then (over 5 words) an option's text; several: the last one. Open answers:
-    the shortest text after a key word of each sentence plus every number in it, compared rounded to 2 decimals."""
+    """MMMU parse_multi_choice_response: "(B)", then " B ", then an option's text; several: the last written."""
     if s["problem_type"] != "multiple choice":
         return mmmu_open(text, rewards.ground_truth(s))
     table = rewards.option_table(s["options"])
@@ -547,8 +533,7 @@ def clock_seconds(m: re.Match) -> str:
 
 
 def read_span(text: str, s: dict):
-    """Temporal grounding: our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span in the text with clock
-    times (00:12, 1:02:03) as seconds, as lmms-eval's Charades-STA reader; IoU with the ground truth."""
+    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds; IoU."""
     obj = rewards.parse_json(text)
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
     if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
@@ -650,12 +635,10 @@ JUDGE = ("Judge whether the model answer is semantically consistent with the gro
 
 
 def failure(s: dict, e: BaseException) -> str:
-    """The error of a sample that could not be evaluated: where it came from, its id, and the exception's origin."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    at = f" at {os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}" if tb is not None else ""
-    return f"{s.get('where', '?')} sample {s['id']}: {type(e).__name__}: {e}{at}"
+    """Why a sample could not be evaluated: its file:line and id, the exception and the line that raised it."""
+    at = traceback.extract_tb(e.__traceback__)[-1:]
+    where = f" at {os.path.basename(at[0].filename)}:{at[0].lineno}" if at else ""
+    return f"{s.get('where', '?')} sample {s['id']}: {type(e).__name__}: {e}{where}"
 
 
 def make_loader(processor, cfg, bench: str):
@@ -789,14 +772,24 @@ def resolve(cfg: Config) -> Config:
     model = os.path.realpath(cfg.model)
     out_dir = cfg.out_dir or os.path.join(
         "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
-    cfg = replace(cfg, out_dir=out_dir, max_prompt_len=cfg.max_prompt_len or cfg.max_model_len - cfg.max_tokens)
+    positions = 16384
+    if os.path.exists(os.path.join(cfg.model, "config.json")):
+        with open(os.path.join(cfg.model, "config.json")) as f:
+            hf = json.load(f)
+        positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
+    max_model_len, capped = cfg.max_model_len or min(16384, positions), not cfg.max_model_len and positions < 16384
+    cfg = replace(cfg, out_dir=out_dir, max_model_len=max_model_len,
+                  max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
     # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
     tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
-    if tokens + 256 > cfg.max_prompt_len:
-        raise ValueError(f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x "
-                         f"{cfg.video_max_pixels} pixels) but max_prompt_len is {cfg.max_prompt_len}: raise "
-                         "--max-model-len or lower --video-max-frames / --video-max-pixels / --video-total-pixels")
+    msg = (f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
+           f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
+           "/ --video-max-pixels / --video-total-pixels")
+    if tokens + 256 > cfg.max_prompt_len and not capped:
+        raise ValueError(msg)
+    if tokens + 256 > cfg.max_prompt_len:  # the model's own limit: longer videos fail one by one, reported
+        print(f"warning: {msg} (the model has {positions} positions)", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -826,21 +819,8 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
                 run=run, done=done, torn=torn, folder=folder)
 
 
-class Progress:
-    """done/total, rate and ETA on stderr, at most every `every` seconds and at the end."""
-
-    def __init__(self, bench: str, total: int, every: float = 10.0):
-        self.bench, self.total, self.every, self.n = bench, total, every, 0
-        self.start = self.last = time.perf_counter()
-
-    def step(self):
-        self.n += 1
-        now = time.perf_counter()
-        if now - self.last >= self.every or self.n == self.total:
-            rate = self.n / max(now - self.start, 1e-9)
-            print(f"{self.bench}: {self.n}/{self.total} | {rate:.2f} samples/s | ETA "
-                  f"{(self.total - self.n) / max(rate, 1e-9):.0f} s", file=sys.stderr, flush=True)
-            self.last = now
+def shut_down(timeout: float | None = None):
+    """An engine's shutdown once it has run."""
 
 
 async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
@@ -858,12 +838,15 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
         return await evaluate_all(cfg, engine, generate, allowed, processor, jobs)
     finally:
         if own and hasattr(engine, "shutdown"):
-            engine.shutdown()  # AsyncLLM's engine core, now: left to __del__ at exit it prints a traceback
+            engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
+            engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
 
 
 async def evaluate_all(cfg: Config, engine, generate, allowed, processor, jobs: dict | None = None) -> dict:
-    jobs = jobs or {b: prepare_benchmark(b, resolve(cfg)) for b in cfg.benchmarks.split(",")}
-    cfg, results = resolve(cfg), {}
+    if jobs is None:  # called directly (bench/evaluate.py), not through evaluate()
+        cfg = resolve(cfg)
+        jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
+    results = {}
     for bench, job in jobs.items():
         try:
             results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
@@ -871,6 +854,7 @@ async def evaluate_all(cfg: Config, engine, generate, allowed, processor, jobs: 
             results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
             print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
         write_results(results, cfg)
+    print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
 
 
@@ -883,7 +867,7 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     todo, t = [s for s in samples if s["id"] not in done], time.perf_counter()
     stats = {"allowed": allowed, "guess_seed": cfg.seed if cfg.random_fallback else None}
     load, load_stats = make_loader(processor, cfg, bench)
-    progress = Progress(bench, len(todo))
+    progress = dict(n=0, start=time.perf_counter(), last=time.perf_counter())
     with open(path, "a", encoding="utf-8") as fh:
         def write(r):
             if ad.get("judge") and r["problem_type"] == "open-ended":
@@ -891,7 +875,12 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
-            progress.step()
+            progress["n"] += 1
+            now, n = time.perf_counter(), progress["n"]
+            if now - progress["last"] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
+                rate, progress["last"] = n / (now - progress["start"]), now
+                print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
+                      file=sys.stderr, flush=True)
         if generate is None:
             await run_async(engine, todo, load, cfg, bench, write, stats)
         else:
@@ -937,9 +926,12 @@ def write_results(results: dict, cfg: Config):
 
 def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    results = asyncio.run(evaluate(cfg))
+    try:
+        results = asyncio.run(evaluate(cfg))
+    except (ValueError, OSError) as e:  # bad settings or inputs, found before the engine: the message is enough
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     failures = sum(r.get("unevaluable", 0) for r in results.values())
-    print(f"results: {os.path.join(resolve(cfg).out_dir, 'results.json')}", flush=True)
     if failures:
         print(f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
               file=sys.stderr, flush=True)
