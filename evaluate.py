@@ -356,7 +356,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     missing field, unparseable line) go to bad with where and error (or raise when bad is None)."""
     path, ad, errors = find_annotations(name, cfg.data_dir), ADAPTERS[name], []
     if ad.get("own"):
-        return data.load_samples(path)[:cfg.max_samples or None]
+        return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
     rows, out = read_rows(path, errors), []
     if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
         flat = []
