@@ -91,11 +91,13 @@ def test_official_number_span_and_yes_no_rules():
     forms = ("00:12 - 00:26", "from 00:12 to 00:26", "12.0 - 26.0 seconds", '<answer>{"time": [12, 19]}</answer>',
              "00:00:12 to 00:00:19", "no idea")
     assert [E.score(r, ch, E.ADAPTERS["charades_sta"])[1] for r in forms] == [1.0, 1.0, 1.0, 0.5, 0.5, None]
-    t = time.perf_counter()
     for bad in ("1" * 20000, "1 " * 10000, "1." * 10000, ":1" * 10000):  # bounded time at the length cap
+        t = time.perf_counter()
         E.score(bad, ch, E.ADAPTERS["charades_sta"])
+        assert time.perf_counter() - t < 0.05  # the span regex: 11-14 s on a 20,000-digit run before
+        t = time.perf_counter()
         E.score(bad, mmmu, E.ADAPTERS["videommmu"])
-    assert (time.perf_counter() - t) / 8 < 0.05
+        assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear
     ovo = dict(vsi, problem_type="boolean", answer="yes", ovo_task="SSR")
     assert [E.score(r, ovo, E.ADAPTERS["ovobench"])[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [1, 1, 0, 0, 0]
     rec = dict(vsi, problem_type="counting", answer="12", ovo_task="REC")
