@@ -1,35 +1,34 @@
-"""evaluate.py: video benchmarks with their official metrics, on vLLM's asynchronous engine.
+"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's asynchronous engine.
 
     python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
     python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
 
-Annotations are read in each benchmark's official format from {data_dir}/{name}.json|.jsonl (or a folder of
-them, e.g. MVBench's json/<task>.json), videos from {video_dir}/{name}/. Pipeline (engine="async"): loader
-threads read frames (cache.load_video via data.prepare, cached or decoded) and the chat prompt, and hand each
-request to AsyncLLM as soon as it is ready; at most max_in_flight samples are loaded or generating at any time,
-so memory stays flat; each result is scored and appended to {out_dir}/{name}/samples.jsonl the moment it
-finishes. A rerun skips every doc_id already there (resumable: a crash loses nothing). engine="sync" is the
-colocated rollout.VLLMEngine (what train.py has), engine="hf" transformers generate (no vLLM).
-
-An adapter is a dict: how to read an official record (question/options/answer/video fields, options inline in
-the question when opts is None), the prompt (sandboxed Jinja2 over the sample), and the official aggregate
-(breakdown keys, macro means, grounding recalls, grouped scores). Scorers are rewards.py's. Open-ended items of
-judge benchmarks go to an LLM judge (judge_model); without one they are scored by rewards' rule (ROUGE/exact)
-and results.json says so. Deviations: unparseable answers score 0 (never a random option), audio/subtitles
-are not used, MVBench STAR/STA clips are not cut to [start, end], Video-MME-v2 logic-chain scores are missing.
+Annotations are read as released from {data_dir}/{name}.json|.jsonl|.parquet (or a folder of them, e.g. MVBench's
+json/<task>.json), videos from {video_dir}/{name}/. Names, files, records, videos, the frame budget and the resume
+log are checked before the engine starts. Every answer: rewards.answer_text takes it out of our format, then the
+benchmark's official rule reads it (docs/benchmarks.md: source, rule, aggregation, deviations). A sample that cannot
+be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
+Pipeline (engine="async"): loader threads read frames (cached or decoded) and hand each request to AsyncLLM as soon
+as it is ready, at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl
+as it finishes, results.json is rewritten after every benchmark, and a rerun resumes only under the same model
+and settings ({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
 """
 import asyncio
 import copy
 import glob
+import hashlib
 import json
 import os
+import random
 import re
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
-import cache
 import data
 import rewards
 from data import DataError
@@ -42,12 +41,12 @@ class Config:
     benchmarks: str = "nvr1"
     """comma-separated adapter names (see ADAPTERS)"""
     data_dir: str = "data/benchmarks"
-    """annotation files: {data_dir}/{name}.json, .jsonl or a folder of them"""
+    """annotation files: {data_dir}/{name}.json|.jsonl|.parquet or a folder of them (nvr1: also {data_dir}/val.jsonl)"""
     video_dir: str = "data/videos"
     """videos: {video_dir}/{name}/<the path the record names>"""
-    out_dir: str = "runs/eval"
-    """results.json, results.md and {name}/samples.jsonl (the resume log)"""
-    engine: str = "async"
+    out_dir: str = ""
+    """results.json, results.md and {name}/samples.jsonl (the resume log); '' = runs/eval/<model name>-<path hash>"""
+    engine: Literal["async", "sync", "hf"] = "async"
     """async (vLLM AsyncLLM pipeline) | sync (colocated vLLM LLM, batch by batch) | hf (transformers generate)"""
     max_samples: int = 0
     """per benchmark, the first N samples (0 = all)"""
@@ -56,23 +55,35 @@ class Config:
     temperature: float = 0.0
     """0 = greedy (deterministic)"""
     seed: int = 0
-    """sampling seed"""
+    """sampling seed, and the seed of the random-option fallback"""
+    random_fallback: bool = False
+    """an unreadable answer gets a seeded random option where the official scorer guesses (LongVideoBench, Video-MMMU,
+    EgoSchema, NExT-QA): the official setting; off, it is scored 0 and counted as parse_fail"""
+    allow_failures: bool = False
+    """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
     max_in_flight: int = 64
     """samples loaded or generating at once (the bound on memory)"""
     loader_threads: int = 2
     """threads reading frames and building prompts"""
     batch_size: int = 16
     """sync/hf engines: prompts per generate call"""
-    max_model_len: int = 4096
-    """vLLM context length"""
-    dtype: str = "auto"
-    """vLLM dtype"""
+    max_model_len: int = 0
+    """vLLM context length; 0 = 16384 (64 frames x 262,144 px of vision tokens, text and response), capped at the
+    model's max_position_embeddings"""
+    max_prompt_len: int = 0
+    """longer prompts are an error for that sample (never truncated); 0 = max_model_len - max_tokens"""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """vLLM dtype (auto = the checkpoint's, bf16 for Qwen-VL)"""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel GPUs per engine"""
+    data_parallel_size: int = 1
+    """vLLM data parallel engines (async engine): tensor_parallel_size x data_parallel_size = the node's GPUs"""
+    gpu_memory_utilization: float = 0.9
+    """share of each GPU's memory vLLM may take"""
     judge_model: str = ""
     """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
-    max_prompt_len: int = 4096
-    """longer prompts are an error for that sample (counted in failed), never truncated"""
     video_fps: float = 2.0
     """frames per second of video"""
     video_min_frames: int = 4
@@ -89,26 +100,35 @@ class Config:
     """min pixels per image"""
     image_max_pixels: int = 1003520
     """max pixels per image"""
-    video_source: str = "prefer_cache"
+    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
     """prefer_cache | cache_only | decode_only (cache.py)"""
     cache_dir: str = ".cache/frames"
     """frame cache folder ('' = none)"""
 
 
+# settings that change a benchmark's answers: a resume log written under others is refused
+ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallback", "max_model_len", "max_prompt_len",
+                   "dtype", "judge_model", "video_fps", "video_min_frames", "video_max_frames", "video_min_pixels",
+                   "video_max_pixels", "video_total_pixels", "image_min_pixels", "image_max_pixels")
+
+
 # ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; prompt; aggregate
+# adapters: official record -> data.py sample; prompt; answer reader; aggregate. read: the official rule for letter
+# answers (READERS); index: the answer is an option index; guess: the official scorer picks a random option when it
+# cannot read one (used with random_fallback); keys: breakdowns; macro: official mean of means; group: grouped score
 LETTER = "\nAnswer with the option's letter from the given choices directly."
 OPTS = "{{ options | join('\n') }}"
 P_MC = "{{ problem }}\n" + OPTS + LETTER
 P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choice question based on the video.\n"
-          "Respond with only the letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }} Possible answer "
-          "choices:\n" + OPTS + "\n{% else %}Answer the following question based on the video.\nQuestion: {{ problem }}"
-          "{% endif %}{% if 'grounding' in problem_type %}\nPlease provide the time span in seconds as JSON within the "
-          '<answer>...</answer> tags.\nExample:\n<answer>{"time": [12.3, 25.7]}</answer>\n{% if problem_type != '
-          "'temporal grounding' %}Also give one box per integer second: \"boxes\": {\"<sec>\": [x1, y1, x2, y2]}.\n"
-          "{% endif %}{% endif %}\nThe best answer is: ")
+          "Respond with only the letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }} Possible "
+          "answer choices:\n" + OPTS + "\n{% else %}Answer the following question based on the video.\nQuestion: "
+          "{{ problem }}{% endif %}{% if 'grounding' in problem_type %}\nPlease provide the time span in seconds as "
+          'JSON within the <answer>...</answer> tags.\nExample:\n<answer>{"time": [12.3, 25.7]}</answer>\n'
+          "{% if problem_type != 'temporal grounding' %}Also give one box per integer second: \"boxes\": "
+          "{\"<sec>\": [x1, y1, x2, y2]}.\n{% endif %}{% endif %}\nThe best answer is: ")
 EVR1 = dict(q="problem", opts="options", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
-            ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"], r["problem_type"]))
+            ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
+                                                                                       r["problem_type"]))
 VSI_NA = ("object_counting", "object_abs_distance", "object_size_estimation", "room_size_estimation")
 A = dict  # one adapter
 
@@ -123,174 +143,440 @@ ADAPTERS = {
                   keys=("duration", "domain", "task_type"), prompt="Select the best answer to the following "
                   "multiple-choice question based on the video. Respond with only the letter (A, B, C, or D) of the "
                   "correct option.\nQuestion: {{ problem }}\n" + OPTS + "\nThe best answer is:"),
-    "videomme_v2": A(q="question", opts="options", ans="answer", video="{video_id}.mp4", keys=("level",), group="group_id",
-                     prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the following multiple-"
-                     "choice question based on the video. Respond with only the letter (A, B, C, D, E, F, G, or H) of the correct option."),
+    "videomme_v2": A(q="question", opts="options", ans="answer", video="{video_id}.mp4", keys=("level", "group_type"),
+                     group="video_id", prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the "
+                     "following multiple-choice question based on the video. Respond with only the letter (A, B, C, "
+                     "D, E, F, G, or H) of the correct option."),
     "mvbench": A(q="question", opts="candidates", ans="answer", video="{video}", keys=("task",), macro=("task",),
-                 fix=lambda r: {"task": r["_file"]},
-                 prompt="Carefully watch the video and pay attention to the cause and sequence of events, the detail and "
-                 "movement of objects, and the action and pose of persons. Based on your observations, select the best "
-                 "option that accurately addresses the question.\nQuestion: {{ problem }}\nOptions:\n{% for o in options %}"
-                 "({{ o[0] }}) {{ o[3:] }}\n{% endfor %}Only give the best option."),
+                 read="mvbench", fix=lambda r: {"task": r["_file"]},
+                 prompt="Carefully watch the video and pay attention to the cause and sequence of events, the detail "
+                 "and movement of objects, and the action and pose of persons. Based on your observations, select "
+                 "the best option that accurately addresses the question.\nQuestion: {{ problem }}\nOptions:\n"
+                 "{% for o in options %}({{ o[0] }}) {{ o[3:] }}\n{% endfor %}Only give the best option."),
     "tempcompass": A(q="question", opts=None, ans="answer", video="{video_id}.mp4", keys=("dim", "format"),
                      fix=lambda r: {"format": r["_file"]}, judge=True,
-                     ptype=lambda r: ("boolean" if str(r["answer"]).lower() in ("yes", "no") else
-                                      "open-ended" if r["_file"] == "captioning" else "multiple choice"),
-                     prompt="{{ problem }}{% if problem_type == 'boolean' %}\nPlease answer yes or no:{% elif problem_type "
-                     "== 'multiple choice' %}\nPlease directly give the best option:{% endif %}"),
-    "motionbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{video_path}", keys=("question_type",),
+                     ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(r["_file"],
+                                                                                         "multiple choice"),
+                     prompt="{{ problem }}{% if problem_type == 'boolean' %}\nPlease answer yes or no:{% elif "
+                     "problem_type == 'multiple choice' %}\nPlease directly give the best option:{% endif %}"),
+    "motionbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{video_path}",
+                     keys=("question_type",), read="first",
                      prompt="{{ problem }}\nAnswer with only the option letter (A, B, C, D, E, or F)."),
-    "lvbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{key}.mp4", keys=("question_type",),
+    "lvbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{key}.mp4",
+                 keys=("question_type",), read="lvbench",
                  prompt="{{ problem }}\nAnswer the question with the option letter"),
     "longvideobench": A(q="question", opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
-                        video="{video_path}", keys=("duration_group", "question_category"), prompt=P_MC),
+                        video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True,
+                        prompt=P_MC),
     "mlvu": A(q="question", opts=None, ans="answer", video="{video_name}", keys=("task_type",), macro=("task_type",),
               prompt="{{ problem }}\nOnly give the best option.\nBest option: ("),
     "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",),
-                prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the following multiple-choice "
-                "question based on the video. Respond with only the letter (A, B, C, D, E, or F) of the correct option."),
-    "minerva": A(q="question", opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", video="{video_id}.mp4",
-                 prompt=P_MC),
-    "vcrbench": A(q="question", opts="choices", ans="answer", id="id", video="{video_path}", keys=("dimension",), judge=True,
-                  ptype=lambda r: judge_type(r, "multiple-choice", True),
-                  prompt="Please analyze the video and answer the question about its content.\nQuestion: {{ problem }}\n"
-                  "{% if options %}" + OPTS + "\n{% endif %}Answer: "),
+                prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the following multiple-"
+                "choice question based on the video. Respond with only the letter (A, B, C, D, E, or F) of the "
+                "correct option."),
+    "minerva": A(q="question", opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
+                 video="{video_id}.mp4", read="minerva", prompt=P_MC),
+    "vcrbench": A(q="question", opts="choices", ans="answer", id="id", video="{video_path}", keys=("dimension",),
+                  judge=True, ptype=lambda r: judge_type(r, "multiple-choice", True),
+                  prompt="Please analyze the video and answer the question about its content.\nQuestion: "
+                  "{{ problem }}\n{% if options %}" + OPTS + "\n{% endif %}Answer: "),
     "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer", prompt="{{ problem }}"),
     "longvideoreason": A(EVR1),
-    "mmvu": A(q="question", opts="choices", ans="answer", id="id", video="{subject}/{file}", keys=("question_type", "subject"),
-              judge=True, ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
+    "mmvu": A(q="question", opts="choices", ans="answer", id="id", video="{subject}/{file}",
+              keys=("question_type", "subject"), judge=True, read="first",
+              ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
               fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:])),  # a hub URL
-              prompt="\nQuestion:{{ problem }}\n" + OPTS + "\nVisual Information: processed video\nDo not generate any "
-              "intermediate reasoning process. {% if options %}Answer directly with the option letter from the\ngiven "
-              "choices.{% else %}Directly output the final answer.{% endif %}\n"),
+              prompt="\nQuestion:{{ problem }}\n" + OPTS + "\nVisual Information: processed video\nDo not generate "
+              "any intermediate reasoning process. {% if options %}Answer directly with the option letter from the"
+              "\ngiven choices.{% else %}Directly output the final answer.{% endif %}\n"),
     "videommmu": A(q="question", opts="options", ans="answer", id="id", video="{id}.mp4", keys=("track", "discipline"),
-                   fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
-                   ptype=lambda r: "multiple choice" if r["question_type"] == "multiple-choice" else "numerical",
+                   read="mmmu", guess=True, fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
+                   ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended", "numerical"),
                    prompt="{{ problem }}\n" + OPTS + "\nPlease ignore the Quiz question in last frame of the video."),
     "videomathqa": A(q="question", opts="options", ans="answer", id="question_id", video="{videoID}.mp4",
-                     keys=("category", "length"), prompt="Select the best answer to the following multiple-choice question "
-                     "based on the video. Respond with the letter (A, B, C, D or E) of the correct option.\n{{ problem }}\n"
-                     + OPTS + "\n\nAnswer with the option's letter (A, B, C, D or E) from the given choices directly."),
+                     keys=("category", "length"), prompt="Select the best answer to the following multiple-choice "
+                     "question based on the video. Respond with the letter (A, B, C, D or E) of the correct option.\n"
+                     "{{ problem }}\n" + OPTS + "\n\nAnswer with the option's letter (A, B, C, D or E) from the given "
+                     "choices directly."),
     "vsibench": A(q="question", opts="options", ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4",
-                  keys=("category",), macro=("category",),  # overall: mean of 8 categories, rel_direction pre-averaged
+                  keys=("category", "question_type"), macro=("category", "question_type"), read="vsi",
                   fix=lambda r: {"category": re.sub(r"_(easy|medium|hard)$", "", r["question_type"])},
                   ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice",
                   prompt="These are frames of a video.\n{{ problem }}\n{% if options %}Options:\n" + OPTS + LETTER +
                   "{% else %}\nPlease answer the question using a single word or phrase.{% endif %}"),
     "charades_sta": A(q="problem", opts=None, ans="answer", video="{video}", tiou=True, ptype="temporal grounding",
-                      fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the visual "
-                                     f"event described by the sentence '{r['caption']}', determining its starting and ending times."},
-                      prompt=P_EVR1),
+                      fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the "
+                                     f"visual event described by the sentence '{r['caption']}', determining its "
+                                     "starting and ending times."}, prompt=P_EVR1),
     "stvg": A(EVR1, tiou=True),
-    "ovobench": A(EVR1, keys=("ovo_category", "ovo_task"), macro=("ovo_category", "ovo_task"),
-                  fix=lambda r: {"solution": ("yes" if str(r.get("ovo_type")) == "1" else "no")}
+    "ovobench": A(EVR1, keys=("ovo_category", "ovo_task"), macro=("ovo_category", "ovo_task"), read="ovo",
+                  fix=lambda r: {"solution": "yes" if str(r.get("ovo_type")) == "1" else "no"}
                   if r["problem_type"] in ("SSR", "CRR") else {}),
     "odvbench": A(EVR1, keys=("odv_task", "odv_subtask")),
     "livesports3k_qa": A(EVR1, keys=("q_type_livesports", "ocr_livesports")),
-    "egoschema": A(q="question", opts="option", ans="answer", id="question_idx", video="{video_idx}.mp4", prompt=P_MC),
+    "egoschema": A(q="question", opts="option", ans="answer", id="question_idx", video="{video_idx}.mp4", index=True,
+                   read="mmmu", guess=True, prompt=P_MC),
     "nextqa": A(q="question", opts=tuple(f"a{i}" for i in range(5)), ans="answer", video="{video}.mp4", keys=("type",),
-                prompt="{{ problem }}\n" + OPTS),
+                index=True, read="mmmu", guess=True, prompt="{{ problem }}\n" + OPTS),
     "perceptiontest": A(q="question", opts="options", ans="answer_id", id="question_id", video="{video_name}.mp4",
-                        keys=("area", "reasoning"), prompt=P_MC),
+                        keys=("area", "reasoning"), index=True, read="first", prompt=P_MC),
     "worldsense": A(q="question", opts="candidates", ans="answer", id="index", video="{video_path}",
                     keys=("task_domain", "task_type", "duration", "audio_class"),
                     prompt="Carefully watch this video and pay attention to every detail. Based on your observations, "
                     "select the best option that accurately addresses the question.\n{{ problem }}\n" + OPTS +
                     "\nRespond with only the letter (A, B, C, or D) of the correct option."),
 }
-_LETTERED = re.compile(r"\s*\(?[A-Z][.):]")
+# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
+# "Option 1: x" (1-based)
+_OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
 
 
-def read_rows(path: str) -> list[tuple[str, dict]]:
-    """(where, record) from a .json array, a .jsonl, or a folder of them; record["_file"] is the file's stem."""
-    files = sorted(glob.glob(os.path.join(path, "*.json*"))) if os.path.isdir(path) else [path]
+def option_letter(m: re.Match) -> str:
+    label = m.group(1) or m.group(2)
+    return chr(64 + int(label)) if label.isdigit() else label
+
+
+def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
+    """(where, record) from .json arrays, .jsonl, .parquet, or a folder of them; record["_file"] is the file's stem.
+    A file or line that does not parse is appended to bad (where, error) and the rest is read."""
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".json", ".jsonl", ".parquet")))
     out = []
     for f in files:
         stem = os.path.basename(f).split(".")[0]
-        with open(f, encoding="utf-8") as fh:
-            rows = json.load(fh) if f.endswith(".json") else [json.loads(x) if x.strip() else None for x in fh]
-        out += [(f"{f}:{i + 1}", dict(r, _file=stem)) for i, r in enumerate(rows) if r is not None]
+        try:
+            if f.endswith(".parquet"):
+                import pyarrow.parquet as pq
+                rows = pq.read_table(f).to_pylist()
+            elif f.endswith(".json"):
+                with open(f, encoding="utf-8") as fh:
+                    rows = json.load(fh)
+                if not isinstance(rows, list):
+                    raise DataError(f"expected a JSON array of records, got {type(rows).__name__}")
+            else:
+                rows = []
+                with open(f, encoding="utf-8") as fh:
+                    for i, line in enumerate(fh):
+                        try:
+                            rows.append(json.loads(line) if line.strip() else None)
+                        except json.JSONDecodeError as e:
+                            bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
+                            rows.append(None)
+        except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+            bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
+            continue
+        out += [(f"{f}:{i + 1}", dict(r, _file=stem) if isinstance(r, dict) else r) for i, r in enumerate(rows)
+                if r is not None]
     return out
 
 
+def option_list(r: dict, ad: dict, question: str) -> list[str]:
+    """The options as "A. text" lines, from a list, a {letter: text} dict, a newline-separated string, several fields,
+    or (opts None) the lettered lines of the question."""
+    opts = ad["opts"]
+    if isinstance(opts, tuple):
+        raw = [r[k] for k in opts if r.get(k) not in (None, "", "N/A")]
+    elif opts:
+        raw = r[opts] or []
+    else:
+        raw = [line for line in question.split("\n") if _OPTION.match(line)]
+    if isinstance(raw, str):
+        raw = raw.split("\n")
+    if isinstance(raw, dict):
+        raw = [f"{k}. {v}" for k, v in raw.items()]
+    if not isinstance(raw, list) or not all(isinstance(o, (str, int, float)) for o in raw):
+        raise DataError(f"field {opts!r} must be a list of options, got {type(raw).__name__}")
+    matches = [_OPTION.match(str(o)) for o in raw]
+    if raw and all(matches):
+        return [f"{option_letter(m)}. {m.group(3).strip()}" for m in matches]
+    return [f"{chr(65 + i)}. {o}" for i, o in enumerate(raw)]
+
+
+def answer_letter(ans, options: list[str], ad: dict) -> str:
+    """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
+    if ad.get("index"):  # an option index, as int or string (EgoSchema "1", Perception Test "0", LongVideoBench 2)
+        if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
+            raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
+        return chr(65 + int(ans))
+    if not isinstance(ans, (str, int, float)) or isinstance(ans, bool):
+        raise DataError(f"answer must be a string or number, got {type(ans).__name__}")
+    texts = [o[3:] for o in options]
+    if str(ans) in texts:  # the text of the right candidate (MVBench)
+        return chr(65 + texts.index(str(ans)))
+    m = _OPTION.match(str(ans)) if options else None
+    return option_letter(m) if m else str(ans)  # "C. blue", "Caption B: ...", "(B)"
+
+
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
-    """One official record -> a validated data.py sample (None: no ground truth, e.g. EgoSchema's hidden test)."""
+    """One official record -> a validated data.py sample (None: no ground truth, e.g. EgoSchema's hidden test).
+    Raises DataError naming where and the field."""
+    if not isinstance(r, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(r).__name__}")
     try:
-        r = {**r, **ad.get("fix", lambda _: {})(r)}
-        q, ans = str(r[ad["q"]]), r[ad["ans"]]
-        opts = ad["opts"]
-        raw = ([r[k] for k in opts if r.get(k) not in (None, "", "N/A")] if isinstance(opts, tuple) else
-               r[opts] or [] if opts else [ln for ln in q.split("\n") if _LETTERED.match(ln)])  # inline: from the question
-        raw = raw.split("\n") if isinstance(raw, str) else [f"{k}. {v}" for k, v in raw.items()] if isinstance(raw, dict) else raw
-        lettered = all(_LETTERED.match(o) for o in raw)
-        options = [o.strip() for o in raw] if lettered else [f"{chr(65 + i)}. {o}" for i, o in enumerate(raw)]
+        r = {**r, **ad.get("fix", dict)(r)}
+        question, ans = r[ad["q"]], r[ad["ans"]]
+        if not isinstance(question, str):
+            raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
         if ans is None or str(ans).strip() in ("", "NA", "None"):
             return None
-        if isinstance(ans, int) and not isinstance(ans, bool) and options:
-            ans = chr(65 + ans)  # an option index
-        elif not lettered and ans in raw:
-            ans = chr(65 + raw.index(ans))  # the text of the right candidate (MVBench)
         pt = ad.get("ptype", "multiple choice")
-        pt = pt(r) if callable(pt) else pt
-        video = os.path.join(video_root, ad["video"].format(**r))
-        sid = str(r.get(ad.get("id"), where.rsplit("/", 1)[-1])) if ad.get("id") in r else f"{r['_file']}:{where.rsplit(':', 1)[1]}"
+        if callable(pt):
+            pt = pt(r)
+        options = option_list(r, ad, question) if pt == "multiple choice" else []
+        sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
+        if ad.get("id") in r:
+            sid = str(r[ad["id"]])
+        s = {"id": sid, "problem": question, "answer": answer_letter(ans, options, ad), "problem_type": pt,
+             "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
+             **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
     except KeyError as e:
         raise DataError(f"{where}: missing field {e}") from e
-    s = {"id": sid, "problem": q, "answer": str(ans), "problem_type": pt, "options": options if pt == "multiple choice" else [],
-         "videos": [video], **{k: r[k] for k in ad.get("keys", ()) if k in r}}
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from e
+    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a wrong-typed field of the record
+        raise DataError(f"{where}: bad field ({type(e).__name__}: {e})") from e
     return data.validate_sample(s, where)
 
 
-def load_benchmark(name: str, cfg: Config, skipped: list) -> list[dict]:
-    ad = ADAPTERS[name]
-    path = next((p for p in (os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", "")) if os.path.exists(p)), None)
-    if path is None:
-        raise FileNotFoundError(f"{name}: no annotations at {cfg.data_dir}/{name}[.json|.jsonl]")
+def find_annotations(name: str, data_dir: str) -> str:
+    if name not in ADAPTERS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(ADAPTERS)}")
+    paths = [os.path.join(data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
+    if ADAPTERS[name].get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
+        paths = [os.path.join(data_dir, name, "val.jsonl"), os.path.join(data_dir, "val.jsonl")] + paths
+    for p in paths:
+        if os.path.exists(p):
+            return p
+    raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
+
+
+def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
+    """The samples of one benchmark. Records without ground truth go to skipped; records that break (wrong type,
+    missing field, unparseable line) go to bad with where and error (or raise when bad is None)."""
+    path, ad, errors = find_annotations(name, cfg.data_dir), ADAPTERS[name], []
     if ad.get("own"):
-        return data.load_samples(path if os.path.isfile(path) else os.path.join(path, "val.jsonl"))[:cfg.max_samples or None]
-    rows = read_rows(path)
+        return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
+    rows, out = read_rows(path, errors), []
     if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
-        rows = [(w, {**r, **qa}) for w, r in rows for qa in r[ad["nested"]]]
-    out = []
+        flat = []
+        for where, r in rows:
+            qas = r.get(ad["nested"]) if isinstance(r, dict) else None
+            if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
+                errors.append({"where": where, "error": f"field {ad['nested']!r} must be a list of question objects"})
+                continue
+            flat += [(where, {**r, **qa}) for qa in qas]
+        rows = flat
     for where, r in rows:
-        s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
-        out.append(s) if s else skipped.append({"where": where, "error": "no ground truth"})
+        try:
+            s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
+        except DataError as e:
+            errors.append({"where": where, "error": str(e)})
+            continue
+        if s is None:
+            skipped.append({"where": where, "error": "no ground truth"})
+        else:
+            out.append(dict(s, where=where))
+    if errors and bad is None:
+        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
+    if bad is not None:
+        bad.extend(errors)
     return out[:cfg.max_samples or None]
 
 
 # ---------------------------------------------------------------------------------------------------
-# scoring (rewards.py's scorers) and official aggregates
-_SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(?:s|sec|seconds)?\s*(?:-|–|to)\s*(\d+(?:\.\d+)?)")
+# official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
+# Every pattern is linear (bounded quantifiers, no nested ones) on text already cut to rewards.MAX_LEN.
+PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer", "The best option is",
+            "The correct option is", "Best answer:", "Best option:", "Final Answer:", "Answer:", "Option:")
 
 
-def score(response: str, s: dict, ad: dict) -> tuple[str | None, float | None]:
-    """(parsed answer, score in [0, 1]); score None = unparseable (counted, scored 0)."""
-    t = rewards.canonical_type(s["problem_type"])
-    text = (response or "")[-rewards.MAX_LEN:]  # the answer is at the end
+def letters_of(s: dict) -> str:
+    return "".join(lt for lt, _ in rewards.option_table(s["options"]))
+
+
+def gt_letter(s: dict) -> str:
+    return rewards.choice_letter(rewards.ground_truth(s), s["options"]) or rewards.ground_truth(s)
+
+
+def read_letter(text: str, s: dict):
+    """Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter."""
+    for p in PREFIXES:
+        text = text.replace(p, "")
+    m = re.search(f"[{letters_of(s)}]", text)
+    return (m.group(0), float(m.group(0) == gt_letter(s))) if m else (None, 0.0)
+
+
+def read_first(text: str, s: dict):
+    """Perception Test, MotionBench, MMVU: the first option letter standing as a word (\\b[A-D]\\b)."""
+    m = re.search(rf"\b([{letters_of(s)}])\b", text)
+    return (m.group(1), float(m.group(1) == gt_letter(s))) if m else (None, 0.0)
+
+
+def read_minerva(text: str, s: dict):
+    """MINERVA: "answer is X" / "option: X", else the last option letter anywhere."""
+    lt = letters_of(s)
+    m = re.search(rf"(?:answer|option)\s{{0,9}}(?:is|:)\s{{0,9}}([{lt}])", text, re.I)
+    hits = [m.group(1)] if m else re.findall(f"[{lt}]", text)[-1:]
+    return (hits[-1], float(hits[-1] == gt_letter(s))) if hits else (None, 0.0)
+
+
+def read_vsi(text: str, s: dict):
+    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by float() and MRA."""
+    token = text.split(" ")[0].rstrip(".").strip()
+    if s["problem_type"] == "multiple choice":
+        return token or None, float(token.lower() == gt_letter(s).lower())
+    try:
+        value = float(token)
+    except ValueError:
+        return None, 0.0
+    return token, rewards.mra(value, float(rewards.ground_truth(s)))
+
+
+def read_mvbench(text: str, s: dict):
+    """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
+    text = text.strip()
+    if text.lower().startswith("best option:"):
+        text = text[len("best option:"):].strip()
+    first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
+    if not any(c in first for c in "abcdefg"):
+        return None, 0.0
+    return first, float(first.replace(".", "") in gt or gt in first)
+
+
+def read_lvbench(text: str, s: dict):
+    """LVBench's polish_answer: cut at the first ')', keep what follows '(', first word, first character."""
+    text = text.strip()
+    text = text[:text.index(")")] if ")" in text else text
+    text = text[text.index("(") + 1:] if "(" in text else text
+    got = text.split()[0][0] if text.split() else None
+    return got, float(got == gt_letter(s))
+
+
+def read_ovo(text: str, s: dict):
+    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or "Yes"/"No" in."""
+    gt = rewards.ground_truth(s)
+    if s["problem_type"] == "counting":
+        digits = "".join(re.findall(r"\d+", text))
+        return digits or None, float(digits == gt)
+    if s["problem_type"] == "boolean":
+        word = "Yes" if gt == "yes" else "No"
+        return text or None, float(text == word[0] or word in text)
+    return text or None, float(gt_letter(s) in text)
+
+
+# MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs (linear time)
+_MMMU_NUMBERS = (r"-?\b\d{1,3}(?:,\d{3}){1,12}\b", r"-?\d{1,40}(?:\.\d{1,40})?[eE][+-]?\d{1,4}",
+                 r"-?(?:\d{1,40}\.\d{1,40}|\.\d{1,40}|\d{1,40})(?![eE][+-]?\d)(?![,\d])")
+
+
+def mmmu_norm(x: str) -> list:
+    """MMMU normalize_str: a number -> [its value rounded to 2 decimals]; a one-letter string gets spaces."""
+    x = x.strip()
+    try:
+        return [round(float(x.replace(",", "")), 2)]
+    except ValueError:
+        x = x.lower()
+        return [" " + x, x + " "] if len(x) == 1 else [x]
+
+
+def mmmu_open(text: str, gt: str):
+    """MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals."""
+    sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
+    for i, sub in enumerate(sentences):
+        words = ["could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result "]
+        words += ["="] if i == len(sentences) - 1 else []
+        tails = [sub.split(w)[-1].strip() for w in words if w in sub]
+        if tails and min(tails, key=len) not in ":,.!?;'":
+            key.append(min(tails, key=len))
+    key = key or [text.strip().strip(".").lower()]
+    numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
+    preds = {p for x in key + numbers for p in mmmu_norm(x)}
+    golds = mmmu_norm(gt)
+    ok = False
+    for p in preds:
+        if isinstance(p, str):
+            ok |= any(isinstance(g, str) and g in p for g in golds)
+        else:
+            ok |= p in golds
+    return (text or None), float(ok)
+
+
+def read_mmmu(text: str, s: dict):
+    """MMMU parse_multi_choice_response: "(B)", then " B ", then an option's text; several: the last written."""
+    if s["problem_type"] != "multiple choice":
+        return mmmu_open(text, rewards.ground_truth(s))
+    table = rewards.option_table(s["options"])
+    for c in ",.!?;:'":
+        text = text.strip(c)
+    padded = f" {text} "
+    cands = [(padded.rfind(f"({lt})"), lt) for lt, _ in table if f"({lt})" in padded]
+    cands = cands or [(padded.rfind(f" {lt} "), lt) for lt, _ in table if f" {lt} " in padded]
+    if not cands and len(padded.split()) > 5:
+        cands = [(padded.lower().rfind(body.lower()), lt) for lt, body in table if body and body.lower() in
+                 padded.lower()]
+    got = max(cands)[1] if cands else None  # several: the one written last
+    return got, float(got == gt_letter(s))
+
+
+READERS = {"letter": read_letter, "first": read_first, "minerva": read_minerva, "vsi": read_vsi,
+           "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu}
+# a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
+_CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
+_SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
+                   r"(\d{1,9}(?:\.\d{1,6})?)")
+
+
+def clock_seconds(m: re.Match) -> str:
+    h, mi, sec = ([0] + [int(x) for x in m.group(1, 2, 3) if x is not None])[-3:]
+    return f"{h * 3600 + mi * 60 + sec}.{m.group(4) or 0}"
+
+
+def read_span(text: str, s: dict):
+    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds; IoU."""
+    obj = rewards.parse_json(text)
+    ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
+    if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
+        text = json.dumps({"time": sorted(float(x) for x in m.groups())})
+    v = rewards.ACCURACY[rewards.canonical_type(s["problem_type"])](text, s)
+    return (text if v is not None else None), v or 0.0
+
+
+def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
+    """(what was read, score in [0, 1]); score None = nothing could be read (counted in parse_fail, scored 0).
+    guess_seed: where the official scorer guesses (ad["guess"]), an unreadable answer gets the option
+    random.Random(f"{seed}:{id}") picks."""
+    text = rewards.answer_text(response)
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
-    ans = rewards.extract_answer(text) or text.strip()  # eval prompts ask for a bare letter/number: no tags
-    if t == "temporal grounding" and rewards.as_span(rewards.parse_json(ans)) is None and (m := _SPAN.search(ans)):
-        ans = json.dumps({"time": sorted(float(x) for x in m.groups())})  # "12.3 - 25.7 seconds" (lmms-eval style)
+    t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
+    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else None
+    if t == "temporal grounding":
+        rule = read_span
     try:
-        if t == "regression":  # the official VSI-Bench MRA compares with <=
-            p = rewards.parse_number(ans)
-            v = None if p is None else rewards.mra(p, rewards.parse_number(rewards.ground_truth(s)), inclusive=True)
+        if rule is None or ad.get("own"):  # our schema, and types without an official reader: the reward's rule
+            v = rewards.ACCURACY.get(t, rewards.acc_open)(text, s)
+            parsed = text if v is not None else None
         else:
-            v = rewards.ACCURACY.get(t, rewards.acc_open)(ans, s)
-    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, RecursionError, OverflowError):
-        v = None
-    parsed = rewards.choice_letter(ans, s["options"]) if t == "multiple choice" else ans
-    return (parsed if v is not None else None), v
+            parsed, v = rule(text, s)
+    except Exception:  # noqa: BLE001 - a reader never costs the run: the answer counts as unreadable
+        parsed, v = None, None
+    if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
+        parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
+        return parsed, float(parsed == gt_letter(s))
+    return parsed, (v if parsed is not None else None)
 
 
-def record(s: dict, bench: str, prompt: str, response: str, error: str = "") -> dict:
-    """One per-sample line, lmms-eval field names (doc_id, input, target, resps, filtered_resps) + score."""
+def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
+    """One per-sample line, lmms-eval field names (doc_id, input, target, resps, filtered_resps) + score. A row with
+    an error could not be evaluated: it is listed, never scored."""
     ad = ADAPTERS[bench]
-    parsed, v = score(response, s, ad) if not error else (None, None)
+    parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
+    keep = (*ad.get("keys", ()), ad.get("group"))
     return {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
-            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error, "error": error,
-            "problem_type": rewards.canonical_type(s["problem_type"]), **{k: s[k] for k in ad.get("keys", ()) if k in s}}
+            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
+            "error": error, "problem_type": rewards.canonical_type(s["problem_type"]),
+            **{k: s[k] for k in keep if k in s}}
 
 
 def mean(xs) -> float:
@@ -299,37 +585,46 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over values of keys[0] of (the macro over keys[1:] within it): MLVU M-Avg, VSI overall, OVO total."""
+    """Mean over values of keys[0] of (the macro over keys[1:] within it): MLVU M-Avg, VSI overall (rel_direction =
+    mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
     groups = {}
     for r in rows:
         groups.setdefault(str(r.get(keys[0])), []).append(r)
     return sum(macro(g, keys[1:]) if keys[1:] else mean(x["score"] for x in g) for g in groups.values()) / len(groups)
 
 
+def group_score(rows: list[dict], key: str) -> float:
+    """Video-MME-v2: per group (the questions of one video_id) (right/asked)^2, so 1..4 right of 4 give
+    1/16, 4/16, 9/16, 1; mean over groups."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r["score"])
+    return mean((sum(g) / len(g)) ** 2 for g in groups.values())
+
+
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """The official aggregate and breakdown of one benchmark, in percent."""
-    ad, sc = ADAPTERS[bench], [r["score"] for r in rows]
+    """The official aggregate and breakdown of one benchmark, in percent, over the rows that could be evaluated
+    (failed rows are counted, never scored)."""
+    ad, n_all = ADAPTERS[bench], len(rows)
+    rows = [r for r in rows if not r["error"]]
+    sc = [r["score"] for r in rows]
     m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
-         "failed": sum(bool(r["error"]) for r in rows)}
+         "failed": n_all - len(rows)}
     if ad.get("macro") and rows:
         m["overall"] = macro(rows, ad["macro"])
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
         m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
-    if ad.get("group") and all(ad["group"] in r for r in rows):  # Video-MME-v2 relevance: (k/n)^2 per group
-        groups = {}
-        for r in rows:
-            groups.setdefault(r[ad["group"]], []).append(r["score"])
-        m["group_score"] = mean((sum(g) / len(g)) ** 2 for g in groups.values())
+    if ad.get("group") and rows and all(ad["group"] in r for r in rows):
+        m["group_score"] = group_score(rows, ad["group"])
+        for gt in sorted({str(r.get("group_type")) for r in rows if "group_type" in r}):
+            m[f"group_score/{gt}"] = group_score([r for r in rows if str(r.get("group_type")) == gt], ad["group"])
     for k in ad.get("keys", ()):
-        vals = sorted({v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}, key=str)
-        m.update({f"{k}/{v}": mean(r["score"] for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]) for v in vals})
+        sub = ad["macro"][ad["macro"].index(k) + 1:] if k in ad.get("macro", ()) else ()
+        values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
+        for v in sorted(values, key=str):
+            part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
+            m[f"{k}/{v}"] = macro(part, sub) if sub else mean(r["score"] for r in part)
     return m
-
-
-def evaluate_prompts(generate, prompts: list, bench: str = "nvr1") -> tuple[list[dict], dict]:
-    """For train.py: generate(prompts) -> texts with any engine; rows and the aggregate. Same scoring as a run."""
-    rows = [record(p.sample, bench, p.text, t) for p, t in zip(prompts, generate(prompts))]
-    return rows, aggregate(rows, bench)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,6 +632,13 @@ def evaluate_prompts(generate, prompts: list, bench: str = "nvr1") -> tuple[list
 JUDGE = ("Judge whether the model answer is semantically consistent with the ground truth answer.\nReply with a brief "
          "reason, then output \"Judgement: 1\" if consistent or \"Judgement: 0\" if not.\nGround Truth: {answer}\n"
          "Model Answer: {pred}")
+
+
+def failure(s: dict, e: BaseException) -> str:
+    """Why a sample could not be evaluated: its file:line and id, the exception and the line that raised it."""
+    at = traceback.extract_tb(e.__traceback__)[-1:]
+    where = f" at {os.path.basename(at[0].filename)}:{at[0].lineno}" if at else ""
+    return f"{s.get('where', '?')} sample {s['id']}: {type(e).__name__}: {e}{where}"
 
 
 def make_loader(processor, cfg, bench: str):
@@ -354,10 +656,10 @@ def make_loader(processor, cfg, bench: str):
 async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, stats: dict):
     """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once."""
     from vllm import SamplingParams
-    sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, skip_special_tokens=True,
-                        allowed_token_ids=stats.pop("allowed"))
-    loop, sem, pool = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight), ThreadPoolExecutor(cfg.loader_threads)
-    busy = dict(n=0, since=time.perf_counter(), busy=0.0, area=0.0)
+    sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                        skip_special_tokens=True, allowed_token_ids=stats.pop("allowed"))
+    loop, sem = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight)
+    pool, busy = ThreadPoolExecutor(cfg.loader_threads), dict(n=0, since=time.perf_counter(), busy=0.0, area=0.0)
 
     def track(d):  # time with >= 1 request in the engine, and the mean number in it
         now = time.perf_counter()
@@ -369,15 +671,15 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
         async with sem:
             try:
                 p = await loop.run_in_executor(pool, load, s)
-            except (DataError, cache.VideoError, OSError) as e:
-                return write(record(s, bench, "", "", f"{type(e).__name__}: {e}"))
-            track(+1)
-            try:
-                async for out in engine.generate(data.vllm_input(p), sp, request_id=f"{bench}:{s['id']}"):
-                    pass
-            finally:
-                track(-1)
-        write(record(s, bench, p.text, out.outputs[0].text))
+                track(+1)
+                try:
+                    async for out in engine.generate(data.vllm_input(p), sp, request_id=f"{bench}:{s['id']}"):
+                        pass
+                finally:
+                    track(-1)
+            except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
+                return write(record(s, bench, "", "", failure(s, e)))
+        write(record(s, bench, p.text, out.outputs[0].text, guess_seed=stats["guess_seed"]))
 
     t = time.perf_counter()
     await asyncio.gather(*(one(s) for s in samples))
@@ -387,36 +689,37 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     stats.update(engine_busy=busy["busy"] / max(wall, 1e-9), mean_in_flight=busy["area"] / max(wall, 1e-9))
 
 
-def run_sync(generate, samples: list, load, cfg: Config, bench: str, write):
+def run_sync(generate, samples: list, load, cfg: Config, bench: str, write, stats: dict):
     """The plain loop: load a batch (decode or cache), generate, wait, repeat."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
         for s in samples[i:i + cfg.batch_size]:
             try:
                 ok.append(load(s))
-            except (DataError, cache.VideoError, OSError) as e:
-                write(record(s, bench, "", "", f"{type(e).__name__}: {e}"))
-        for p, text in zip(ok, generate(ok) if ok else []):
-            write(record(p.sample, bench, p.text, text))
+            except Exception as e:  # noqa: BLE001 - reported and counted, the run goes on
+                write(record(s, bench, "", "", failure(s, e)))
+        if ok:
+            for p, text in zip(ok, generate(ok)):
+                write(record(p.sample, bench, p.text, text, guess_seed=stats["guess_seed"]))
 
 
 def judge_rows(rows: list[dict], cfg: Config):
     """Rescore open-ended rows of judge benchmarks with the judge model (greedy; EasyVideoR1 uses T=0.1)."""
-    todo = [r for r in rows if r.get("judge") == "none"]
+    todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if not (todo and cfg.judge_model):
         return
     from vllm import LLM, SamplingParams
     llm = LLM(model=cfg.judge_model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
               trust_remote_code=cfg.trust_remote_code)
-    msgs = [[{"role": "user", "content": JUDGE.format(answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0])}]
-            for r in todo]
+    msgs = [[{"role": "user", "content": JUDGE.format(answer=r["target"], pred=r["filtered_resps"][0] or
+                                                      r["resps"][0])}] for r in todo]
     for r, o in zip(todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)):
         v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
         r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
 
 
 def make_engine(cfg: Config, tokenizer):
-    """(engine, generate or None, allowed token ids). async: AsyncLLM; sync: rollout.VLLMEngine; hf: rollout.HFEngine."""
+    """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
     from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
     if cfg.engine == "hf":
         import torch
@@ -426,21 +729,22 @@ def make_engine(cfg: Config, tokenizer):
         eos = model.generation_config.eos_token_id
         engine = HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
     elif cfg.engine == "sync":
-        engine = VLLMEngine(cfg.model, tokenizer, max_model_len=cfg.max_model_len, dtype=cfg.dtype, seed=cfg.seed,
+        engine = VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
+                            dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
                             sleep=False, max_images=1, trust_remote_code=cfg.trust_remote_code)
-    elif cfg.engine == "async":
+    else:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed, enable_chunked_prefill=True,
-            enforce_eager=not current_platform.is_cuda(), limit_mm_per_prompt={"image": 1, "video": 1},
+            model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
+            enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
+            tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
             trust_remote_code=cfg.trust_remote_code,
             mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
         return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
-    else:
-        raise ValueError(f"engine: unknown {cfg.engine!r} (async | sync | hf)")
     return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens)], None
 
 
@@ -464,8 +768,67 @@ def write_jsonl(path: str, rows: list[dict]):
     os.replace(path + ".tmp", path)
 
 
+def resolve(cfg: Config) -> Config:
+    """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
+    model = os.path.realpath(cfg.model)
+    out_dir = cfg.out_dir or os.path.join(
+        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
+    positions = 16384
+    if os.path.exists(os.path.join(cfg.model, "config.json")):
+        with open(os.path.join(cfg.model, "config.json")) as f:
+            hf = json.load(f)
+        positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
+    max_model_len, capped = cfg.max_model_len or min(16384, positions), not cfg.max_model_len and positions < 16384
+    cfg = replace(cfg, out_dir=out_dir, max_model_len=max_model_len,
+                  max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
+    # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
+    frames = cfg.video_max_frames * cfg.video_max_pixels
+    tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
+    msg = (f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
+           f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
+           "/ --video-max-pixels / --video-total-pixels")
+    if tokens + 256 > cfg.max_prompt_len and not capped:
+        raise ValueError(msg)
+    if tokens + 256 > cfg.max_prompt_len:  # the model's own limit: longer videos fail one by one, reported
+        print(f"warning: {msg} (the model has {positions} positions)", file=sys.stderr, flush=True)
+    return cfg
+
+
+def prepare_benchmark(bench: str, cfg: Config) -> dict:
+    """Load, check and resume one benchmark (before any engine starts): samples, records that failed, the rows
+    already done under the same model and settings."""
+    skipped, bad = [], []
+    samples = load_benchmark(bench, cfg, skipped, bad)
+    if len({s["id"] for s in samples}) < len(samples):
+        raise DataError(f"{bench}: duplicate sample ids: the resume log could not tell them apart")
+    missing = [s for s in samples if not all(os.path.exists(v) for v in s.get("videos", []) + s.get("images", []))]
+    bad += [{"where": s["where"], "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}"}
+            for s in missing]
+    folder = os.path.join(cfg.out_dir, bench)
+    run = {"model": os.path.realpath(cfg.model), "benchmark": bench, **{k: getattr(cfg, k) for k in ANSWER_SETTINGS}}
+    old = {}
+    if os.path.exists(os.path.join(folder, "run.json")):
+        with open(os.path.join(folder, "run.json"), encoding="utf-8") as f:
+            old = json.load(f)
+    done, torn = read_log(os.path.join(folder, "samples.jsonl"))
+    if done and old != run:
+        diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
+        raise DataError(f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
+                        f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it")
+    missing_ids = {s["id"] for s in missing}
+    return dict(samples=[s for s in samples if s["id"] not in missing_ids], missing=missing, skipped=skipped, bad=bad,
+                run=run, done=done, torn=torn, folder=folder)
+
+
+def shut_down(timeout: float | None = None):
+    """An engine's shutdown once it has run."""
+
+
 async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
-    """Every benchmark of cfg: resume, run, judge, aggregate; writes results.json, results.md. Returns results."""
+    """Every benchmark of cfg: check all, then run, judge, aggregate; results.json and results.md are rewritten
+    after each benchmark. Returns results."""
+    cfg = resolve(cfg)
+    jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
         from transformers import AutoProcessor
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -473,64 +836,109 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     if own:
         engine, generate, allowed = make_engine(cfg, processor.tokenizer)
     try:
-        return await evaluate_all(cfg, engine, generate, allowed, processor)
+        return await evaluate_all(cfg, engine, generate, allowed, processor, jobs)
     finally:
         if own and hasattr(engine, "shutdown"):
-            engine.shutdown()  # AsyncLLM's engine-core process
+            engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
+            engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
 
 
-async def evaluate_all(cfg: Config, engine, generate, allowed, processor) -> dict:
+async def evaluate_all(cfg: Config, engine, generate, allowed, processor, jobs: dict | None = None) -> dict:
+    if jobs is None:  # called directly (bench/evaluate.py), not through evaluate()
+        cfg = resolve(cfg)
+        jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
     results = {}
-    for bench in cfg.benchmarks.split(","):
-        skipped = []
-        samples = load_benchmark(bench, cfg, skipped)
-        if len({s["id"] for s in samples}) < len(samples):
-            raise DataError(f"{bench}: duplicate sample ids: the resume log could not tell them apart")
-        path = os.path.join(cfg.out_dir, bench, "samples.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        done, torn = read_log(path)
-        write_jsonl(path, list(done.values()))  # drop torn lines before appending
-        todo, stats, t = [s for s in samples if s["id"] not in done], {"allowed": allowed}, time.perf_counter()
-        load, load_stats = make_loader(processor, cfg, bench)
-        with open(path, "a", encoding="utf-8") as fh:
-            def write(r):
-                r = {**r, "judge": "none"} if ADAPTERS[bench].get("judge") and r["problem_type"] == "open-ended" else r
-                fh.write(json.dumps(r) + "\n")
-                fh.flush()
-                done[r["doc_id"]] = r
-            if generate is None:
-                await run_async(engine, todo, load, cfg, bench, write, stats)
-            else:
-                run_sync(generate, todo, load, cfg, bench, write)
-        rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
-        judge_rows(rows, cfg)
-        write_jsonl(path, rows)
-        stats.pop("allowed", None)
-        n_judge = sum(r.get("judge") not in (None, "none") for r in rows)
-        results[bench] = {"metrics": aggregate(rows, bench), "skipped": len(skipped), "resumed": len(samples) - len(todo),
-                          "torn_lines": torn, "seconds": round(time.perf_counter() - t, 3), "samples": path,
-                          "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")}, **stats,
-                          "judge": (cfg.judge_model if n_judge else "none: open-ended items scored by rule (ROUGE/exact), "
-                                    "not the official LLM judge") if any("judge" in r for r in rows) else "not needed"}
-        print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in results[bench]["metrics"].items() if "/" not in k), flush=True)
-    write_results(results, cfg)
+    for bench, job in jobs.items():
+        try:
+            results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
+        except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
+            results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
+            print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
+        write_results(results, cfg)
+    print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
+
+
+async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
+    samples, done, path, ad = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl"), ADAPTERS[bench]
+    os.makedirs(job["folder"], exist_ok=True)
+    write_jsonl(path, list(done.values()))  # drop torn lines before appending
+    with open(os.path.join(job["folder"], "run.json"), "w", encoding="utf-8") as f:
+        json.dump(job["run"], f, indent=1)
+    todo, t = [s for s in samples if s["id"] not in done], time.perf_counter()
+    stats = {"allowed": allowed, "guess_seed": cfg.seed if cfg.random_fallback else None}
+    load, load_stats = make_loader(processor, cfg, bench)
+    progress = dict(n=0, start=time.perf_counter(), last=time.perf_counter())
+    with open(path, "a", encoding="utf-8") as fh:
+        def write(r):
+            if ad.get("judge") and r["problem_type"] == "open-ended":
+                r = {**r, "judge": "none"}
+            fh.write(json.dumps(r) + "\n")
+            fh.flush()
+            done[r["doc_id"]] = r
+            progress["n"] += 1
+            now, n = time.perf_counter(), progress["n"]
+            if now - progress["last"] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
+                rate, progress["last"] = n / (now - progress["start"]), now
+                print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
+                      file=sys.stderr, flush=True)
+        if generate is None:
+            await run_async(engine, todo, load, cfg, bench, write, stats)
+        else:
+            run_sync(generate, todo, load, cfg, bench, write, stats)
+    rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
+    judge_rows(rows, cfg)
+    write_jsonl(path, rows)
+    failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
+    n_judge = sum(r.get("judge") not in (None, "none") for r in rows)
+    judge = "not needed"
+    if any("judge" in r for r in rows):
+        judge = cfg.judge_model if n_judge else "none: open-ended items scored by rule (ROUGE/exact), not the judge"
+    res = {"metrics": aggregate(rows, bench), "unevaluable": len(failed), "failed_samples": failed,
+           "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
+           "seconds": round(time.perf_counter() - t, 3), "samples": path, "judge": judge,
+           "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")},
+           **{k: v for k, v in stats.items() if k not in ("allowed", "guess_seed")}}
+    print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
+          f" | unevaluable {len(failed)}", flush=True)
+    return res
 
 
 def write_results(results: dict, cfg: Config):
     os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "results.json"), "w") as f:
+    with open(os.path.join(cfg.out_dir, "results.json.tmp"), "w") as f:
         json.dump({"settings": asdict(cfg), "benchmarks": results}, f, indent=1)
+    os.replace(os.path.join(cfg.out_dir, "results.json.tmp"), os.path.join(cfg.out_dir, "results.json"))
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
-             f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels {cfg.video_max_pixels}",
-             "", "| benchmark | metric | value | n |", "|---|---|---|---|"]
+             f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
+             f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}", "",
+             "| benchmark | metric | value | n |", "|---|---|---|---|"]
     for b, r in results.items():
+        if "error" in r:
+            lines.append(f"| {b} | FAILED | {r['error']} | |")
+            continue
         lines += [f"| {b} | {k} | {v:.2f} | {r['metrics']['n']} |" for k, v in r["metrics"].items() if k != "n"]
-        lines += [f"| {b} | judge | {r['judge']} | |"] if r["judge"] != "not needed" else []
+        lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} | |")
+        if r["judge"] != "not needed":
+            lines.append(f"| {b} | judge | {r['judge']} | |")
     with open(os.path.join(cfg.out_dir, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
+def main(cfg: Config) -> int:
+    """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
+    try:
+        results = asyncio.run(evaluate(cfg))
+    except (ValueError, OSError) as e:  # bad settings or inputs, found before the engine: the message is enough
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    failures = sum(r.get("unevaluable", 0) for r in results.values())
+    if failures:
+        print(f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
+              file=sys.stderr, flush=True)
+    return 1 if failures and not cfg.allow_failures else 0
+
+
 if __name__ == "__main__":
     import tyro
-    asyncio.run(evaluate(tyro.cli(Config)))
+    sys.exit(main(tyro.cli(Config)))
