@@ -440,7 +440,7 @@ def make_engine(cfg: Config, tokenizer):
         return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
     else:
         raise ValueError(f"engine: unknown {cfg.engine!r} (async | sync | hf)")
-    return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens)], None
+    return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens, cfg.seed)], None
 
 
 def read_log(path: str) -> tuple[dict, int]:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import data
 import evaluate
 import rewards
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, vision_token_ids
+from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, vision_token_ids
 
 
 @dataclass
@@ -429,13 +429,13 @@ def score(r: Rollout, cfg: Config) -> tuple[float, dict]:
     return overall, comp
 
 
-def sample_round(engine, samples: list, prep, cfg: Config, rank: int, world: int, tok, eos_id: int) -> list:
+def sample_round(engine, samples: list, prep, cfg: Config, rank: int, world: int, tok, eos_id: int, seed: int) -> list:
     """One generation round for this rank's share of `samples`: [(rollouts, scores, greedy_reward)] per group.
     ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline."""
     share, start, k = tp_share(samples, rank, world, cfg.rollout_tp)
     prompts, n = [prep(s) for s in share], cfg.group_size
-    rollouts = engine.generate(prompts, n, cfg.temperature, cfg.max_response_len)[start * n:(start + k) * n]
-    greedy = engine.generate(prompts, 1, 0.0, cfg.max_response_len)[start:start + k] \
+    rollouts = engine.generate(prompts, n, cfg.temperature, cfg.max_response_len, seed)[start * n:(start + k) * n]
+    greedy = engine.generate(prompts, 1, 0.0, cfg.max_response_len, seed)[start:start + k] \
         if cfg.adv_estimator == "remax" else [None] * k
     groups = []
     for i in range(k):
@@ -445,14 +445,14 @@ def sample_round(engine, samples: list, prep, cfg: Config, rank: int, world: int
     return groups
 
 
-def sample_batch(engine, next_samples, prep, cfg: Config, rank: int, world: int, tok, eos_id: int):
+def sample_batch(engine, next_samples, prep, cfg: Config, rank: int, world: int, tok, eos_id: int, seed: int):
     """This rank's prompts_per_step / world groups. With DAPO dynamic sampling, groups whose rewards are all
     equal are dropped and more rounds are generated until every rank is full or max_gen_rounds is reached;
     then dropped groups fill the batch (counted). Returns groups and {rounds, dropped, refilled}."""
     need, kept, dropped, rounds = cfg.prompts_per_step // world, [], [], 0
     while True:
         rounds += 1
-        for grp in sample_round(engine, next_samples(), prep, cfg, rank, world, tok, eos_id):
+        for grp in sample_round(engine, next_samples(), prep, cfg, rank, world, tok, eos_id, seed):
             rs = [s[0] for s in grp[1]]
             (kept if not cfg.dynamic_sampling or len(rs) == 1 or max(rs) > min(rs) else dropped).append(grp)
         short = all_reduce([float(len(kept) < need)])[0]  # all ranks take the same number of rounds
@@ -600,7 +600,7 @@ def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int,
     share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
     share = share + prompts[:1] * (len(tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
-    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len)[start:start + k]
+    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)[start:start + k]
     rows = [x for part in gather([evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs])
             for x in part]
     if rank == 0:
@@ -798,7 +798,7 @@ def main(cfg: Config):
                             max_videos=max([len(s.get("videos", [])) for s in train_samples + val_samples] + [1]))
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
-        engine = HFEngine(model, tok, eos_ids, cfg.seed, dummies)
+        engine = HFEngine(model, tok, eos_ids, dummies)
     signals = catch_stop_signals()  # after the engine: ours must be the handlers that run
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     memo = {}  # this step's prompts, prepared by next_valid
@@ -823,9 +823,10 @@ def main(cfg: Config):
     acc_after = float("nan")  # held-out accuracy after the last step (evaluated inside the loop, so it is logged)
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
-        before, n_skipped, engine.step = dict(stats), len(skipped), step
+        before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample (+ DAPO dynamic sampling)
-        groups, dyn = sample_batch(engine, next_samples, prep, cfg, rank, world, tok, eos_ids[0])
+        seed = request_seed(cfg.seed, step, 0)
+        groups, dyn = sample_batch(engine, next_samples, prep, cfg, rank, world, tok, eos_ids[0], seed)
         engine.sleep()
         t_gen = time.time() - t0
         # ------------------------------------------------------------------ reward
