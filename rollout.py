@@ -224,12 +224,12 @@ def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
 
 
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
-    """(name, full tensor) for every entry of a (FSDP2) state dict, in order. FSDP2 DTensors (Shard(0)) are gathered
-    in buckets of one dtype, one all_gather_into_tensor per bucket of at most bucket_bytes gathered (a larger tensor
-    is a bucket alone). A collective: every rank must consume the whole iterator."""
+    """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
+    dtype and about bucket_bytes (a larger tensor is a bucket alone), one collective per bucket: every rank must
+    consume the whole iterator."""
     bucket, size = [], 0
     for name, t in state.items():
-        nbytes = padded_rows(t) * t.shape[1:].numel() * t.element_size() * world_of(t)
+        nbytes = t.numel() * t.element_size()
         if bucket and (not isinstance(t, DTensor) or t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
             yield from gather_bucket(bucket)
             bucket, size = [], 0
@@ -241,34 +241,24 @@ def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     yield from gather_bucket(bucket)
 
 
-def world_of(t) -> int:
-    return t.device_mesh.size() if isinstance(t, DTensor) else 1
-
-
-def padded_rows(t) -> int:
-    """Rows of each rank's dim-0 shard: FSDP2 splits like torch.chunk, ceil(N / world) (the last ranks' short)."""
-    return -(-t.shape[0] // world_of(t))
-
-
 def gather_bucket(bucket: list):
-    """One collective for a bucket of Shard(0) DTensors: each rank's local shards, zero-padded to padded_rows, packed
-    in one flat buffer; the gathered (world, numel) buffer holds rank r's shards in row r. Yields full tensors."""
+    """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
+    last ranks' shorter or empty; each rank packs its shards, zero-padded to that size, into one flat buffer."""
     if not bucket:
         return
     first = bucket[0][1]
     if any(t.placements != (Shard(0),) for _, t in bucket):
         raise ValueError(f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}")
-    sizes = [padded_rows(t) * t.shape[1:].numel() for _, t in bucket]
-    flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.to_local().device)
+    world = first.device_mesh.size()
+    rows = [-(-t.shape[0] // world) for _, t in bucket]
+    sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.to_local().device)
     for (_, t), off in zip(bucket, offsets):
-        local = t.to_local().reshape(-1)
-        flat[off:off + local.numel()] = local
-    world = world_of(first)
+        flat[off:off + t.to_local().numel()] = t.to_local().reshape(-1)
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
     dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
-    out = out.view(world, -1)
-    for (name, t), off, k in zip(bucket, offsets, sizes):
-        # rank r's chunk of t is out[r, off:off+k]: stacked in rank order they are t, padded; cut the padding rows
-        yield name, out[:, off:off + k].reshape(world * padded_rows(t), *t.shape[1:])[:t.shape[0]]
+    for (name, t), r, off, k in zip(bucket, rows, offsets, sizes):
+        # rank j's shard of t is row j's [off, off + k): in rank order they are t and its padding rows
+        yield name, out.view(world, -1)[:, off:off + k].reshape(world * r, *t.shape[1:])[:t.shape[0]]
