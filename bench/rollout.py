@@ -92,7 +92,8 @@ def main():
           "| step speedup |\n|" + "---|" * 10)
     for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
         for b, a in zip(res["before", engine, ranks], res["after", engine, ranks]):
-            ms = [f"{1000 * x:.0f} ms" for x in (b["med"] or [0, 0]) + a["med"]]
+            ms = [f"{1000 * x:.0f} ms" for x in a["med"]]
+            ms = [f"{1000 * x:.0f} ms" for x in b["med"]] + ms if b["med"] else ["crash", "crash"] + ms
             speedup = f"{sum(b['med']) / sum(a['med']):.2f}x" if b["med"] else "before crashed"
             print(f"| {engine} | {ranks} | {b['task']} | {b['prompts']} | {b['tokens']} | {ms[0]} | {ms[2]} | {ms[1]} "
                   f"| {ms[3]} | {speedup} |")
