@@ -745,7 +745,7 @@ def make_engine(cfg: Config, tokenizer):
             mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
         return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
-    return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens)], None
+    return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens, cfg.seed)], None
 
 
 def read_log(path: str) -> tuple[dict, int]:

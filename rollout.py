@@ -2,16 +2,16 @@
 
 Two engines with one interface, so the training loop never knows which one it has:
 
-    engine.generate(prompts, n, temperature, max_tokens) -> list[Rollout]   (n per prompt, grouped)
-    engine.sync(model)     push the trainer's weights (FSDP2 DTensors gathered to full HF-named tensors)
+    engine.generate(prompts, n, temperature, max_tokens, seed) -> list[Rollout]   (n per prompt, grouped)
+    engine.sync(model)     push the trainer's weights (FSDP2 shards gathered in dtype buckets, full HF-named tensors)
     engine.sleep() / engine.wake()   free / restore the engine's GPU memory around the train phase
 
 VLLMEngine  vLLM built on EVERY rank with distributed_executor_backend="external_launcher"
             (a rank-0-only engine hangs: vLLM's group creation is collective over the default group).
             tp=1: one engine per rank, each rank generates its own prompts. tp=world: one engine over
             all ranks; every rank of a TP group must pass the same prompts (train.py arranges that).
-HFEngine    transformers `generate` on the FSDP2 model itself (synced_gpus so ranks stay in lockstep);
-            for machines without vLLM, and as a reference in tests.
+HFEngine    transformers `generate` on the FSDP2 model itself, all of a call's rows in one batch (synced_gpus so
+            ranks stay in lockstep); for machines without vLLM, and as a reference in tests.
 
 Both sample with the image/video pad tokens masked out (a random model samples them, and a response
 holding them cannot be fed back through the model), and both report log-probs of the *processed*
@@ -25,10 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from data import Prompt, concat_media, missing_dummies, vllm_input
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
+# the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled
+SYNC_BUCKET_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -42,8 +45,8 @@ class Rollout:
 
 
 def request_seed(*parts) -> int:
-    """A sampling seed from (cfg.seed, step, rank, prompt index): what a request samples does not depend on what
-    ran before it, so a resumed run samples exactly what the uninterrupted run did."""
+    """A sampling seed from its parts, e.g. (cfg.seed, step, round), then (call seed, rank, prompt index): what a
+    request samples does not depend on what ran before it, so a resumed run samples what the uninterrupted run did."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
 
@@ -83,23 +86,27 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tp, self.tokenizer, self.seed, self.rank = tp, tokenizer, seed, rank
+        self.tp, self.tokenizer, self.rank = tp, tokenizer, rank
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
+        # Chunked prefill splits a prompt over two engine steps and rewinds the request's generator for the token it
+        # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
+        # that does not fit a step's token budget waits for the next step, whole.
+        chunk = not current_platform.is_cpu()
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
-                       logprobs_mode="processed_logprobs", limit_mm_per_prompt={"image": max_images, "video": max_videos},
-                       trust_remote_code=trust_remote_code,
+                       enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
+                       logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
+                       limit_mm_per_prompt={"image": max_images, "video": max_videos},
                        mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code), **kw)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
         self.asleep = set()  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
 
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int,
-                 seed: int = 0) -> list[Rollout]:
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int) -> list[Rollout]:
         from vllm import SamplingParams
         self.wake()
         # a TP group generates together: its ranks must pass identical requests, seeds included
@@ -126,17 +133,14 @@ class VLLMEngine:
     def sync(self, model):
         """Stream full HF-named tensors into vLLM, then drop every cache derived from the old weights.
 
-        vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and
-        GPU; the plain model.load_weights path fails on CPU. The in-process executor (external_launcher
-        or VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so a generator is consumed lazily: one
-        full tensor at a time is gathered (DTensor.full_tensor is a collective: all ranks iterate in the
-        same order), which keeps peak memory at one parameter, not one model.
+        vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and GPU; the plain
+        model.load_weights path fails on CPU. The in-process executor (external_launcher or
+        VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so the generator is consumed lazily: one bucket of
+        shards is gathered at a time (full_tensors), never the whole model.
         """
-        self.wake(tags=["weights"]) if self.can_sleep else None
-        def weights():
-            for name, t in model.state_dict().items():
-                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        if self.can_sleep:
+            self.wake(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_tensors(model.state_dict())})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
@@ -159,18 +163,24 @@ class VLLMEngine:
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model."""
 
-    def __init__(self, model, tokenizer, eos_ids: list[int], seed: int = 0, dummies: dict | None = None):
+    def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
         # dummies (data.dummy_prompts, multi-rank FSDP only): like the trainer's micro-batches, every prefill gets a
-        # throw-away row of each modality its prompt lacks, so all ranks run the vision tower the same number of times
+        # throw-away row of each modality its prompts lack, so all ranks run the vision tower the same number of times
         self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
-        self.seed = seed
+        self.configs = {}  # (temperature, max_tokens) -> GenerationConfig: built and validated once, not per call
+
+    def config(self, temperature: float, max_tokens: int):
+        from transformers import GenerationConfig
+        if (temperature, max_tokens) not in self.configs:
+            self.configs[temperature, max_tokens] = GenerationConfig(
+                do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
+                max_new_tokens=max_tokens, eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id,
+                suppress_tokens=self.banned, output_logits=True, return_dict_in_generate=True)
+        return self.configs[temperature, max_tokens]
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int,
-                 seed: int = 0) -> list[Rollout]:
-        device = next(self.model.parameters()).device
-        synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
+    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int) -> list[Rollout]:
         if hasattr(self.model, "unshard"):
             # generate() runs the vision encoder outside the root module's forward, so FSDP2's root hook
             # never gathers the root-held parameters (patch embedding, merger): gather them by hand. The
@@ -178,38 +188,42 @@ class HFEngine:
             self.model._get_fsdp_state()._lazy_init()
             self.model.unshard()
         try:
-            return self._generate(prompts, n, temperature, max_tokens, seed, device, synced)
+            return self._generate(prompts, n, temperature, max_tokens, seed)
         except Exception as e:  # re-raised with the sample ids, never swallowed
             raise failed(prompts, e) from e
         finally:
             if hasattr(self.model, "reshard"):
                 self.model.reshard()
 
-    def _generate(self, prompts, n, temperature, max_tokens, seed, device, synced) -> list[Rollout]:
-        rollouts, rank = [], dist.get_rank() if dist.is_initialized() else 0
-        for i, p in enumerate(prompts):
-            torch.manual_seed(request_seed(seed, rank, i))
-            rows = [p] * n + missing_dummies(self.dummies, p.mm)
-            P = max(len(r.prompt_ids) for r in rows)  # left-pad (only dummy rows are ever shorter)
-            ids = torch.tensor([[self.tokenizer.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows],
-                               device=device)
-            attn = torch.tensor([[0] * (P - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device)
-            mm = {k: v.to(device) for k, v in concat_media(rows).items()}
-            out = self.model.generate(input_ids=ids, attention_mask=attn, **mm,
-                                      mm_token_type_ids=mm_token_types(ids, self.tokenizer),
-                                      do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
-                                      max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
-                                      pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.banned,
-                                      output_logits=True, return_dict_in_generate=True, synced_gpus=synced)
-            seq = out.sequences[:n, P:]                                 # (n, R)
-            logits = torch.stack(out.logits, 1)[:n].float()             # (n, R, V)
-            logits[..., self.banned] = float("-inf")
-            logp = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
-            for row, lp in zip(seq.tolist(), logp.tolist()):
-                k = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))  # keep EOS, drop padding
-                finish = "stop" if k < len(row) or (row and row[-1] in self.eos_ids) else "length"
-                text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
-                rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
+    def _generate(self, prompts, n, temperature, max_tokens, seed) -> list[Rollout]:
+        """All prompts x n rows (+ dummies) in ONE left-padded generate call; one seed per (call, rank): rows of a
+        batch share the global RNG stream, so what a row samples depends on the batch, not on earlier calls."""
+        device = next(self.model.parameters()).device
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
+        torch.manual_seed(request_seed(seed, rank))
+        rows = [p for p in prompts for _ in range(n)]
+        rows += missing_dummies(self.dummies, {k for p in prompts for k in p.mm})
+        P = max(len(r.prompt_ids) for r in rows)
+        pad = [P - len(r.prompt_ids) for r in rows]
+        ids = torch.tensor([[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)], device=device)
+        attn = torch.tensor([[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device)
+        mm = {k: v.to(device) for k, v in concat_media(rows).items()}
+        out = self.model.generate(input_ids=ids, attention_mask=attn, **mm, synced_gpus=synced,
+                                  mm_token_type_ids=mm_token_types(ids, self.tokenizer),
+                                  generation_config=self.config(temperature, max_tokens))
+        seq = out.sequences[:len(prompts) * n, P:]                      # (B, R)
+        logp = torch.zeros(seq.shape)
+        for t, logits in enumerate(out.logits):  # R steps of (B + dummies, V): no stacked (B, R, V) copy
+            logits = logits[:len(seq)].float()
+            logits[:, self.banned] = float("-inf")
+            logp[:, t] = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq[:, t:t + 1])[:, 0].cpu()
+        rollouts = []
+        for p, row, lp in zip(rows, seq.tolist(), logp.tolist()):
+            k = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))  # keep EOS, drop padding
+            finish = "stop" if k < len(row) or (row and row[-1] in self.eos_ids) else "length"
+            text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
+            rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
         return rollouts
 
     def sync(self, model):
@@ -227,3 +241,44 @@ def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
     image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
     return (ids == image_id).int() + 2 * (ids == video_id).int()
+
+
+def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
+    """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
+    dtype and about bucket_bytes (a larger tensor is a bucket alone), one collective per bucket: every rank must
+    consume the whole iterator."""
+    bucket, size = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if bucket and (not isinstance(t, DTensor) or t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
+            yield from gather_bucket(bucket)
+            bucket, size = [], 0
+        if isinstance(t, DTensor):
+            bucket.append((name, t))
+            size += nbytes
+        else:
+            yield name, t
+    yield from gather_bucket(bucket)
+
+
+def gather_bucket(bucket: list):
+    """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
+    last ranks' shorter or empty; each rank packs its shards, zero-padded to that size, into one flat buffer."""
+    if not bucket:
+        return
+    first = bucket[0][1]
+    if any(t.placements != (Shard(0),) for _, t in bucket):
+        raise ValueError(f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}")
+    world = first.device_mesh.size()
+    rows = [-(-t.shape[0] // world) for _, t in bucket]
+    sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.to_local().device)
+    for (_, t), off in zip(bucket, offsets):
+        flat[off:off + t.to_local().numel()] = t.to_local().reshape(-1)
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
+    dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
+    for (name, t), r, off, k in zip(bucket, rows, offsets, sizes):
+        # rank j's shard of t is row j's [off, off + k): in rank order they are t and its padding rows
+        yield name, out.view(world, -1)[:, off:off + k].reshape(world * r, *t.shape[1:])[:t.shape[0]]

@@ -684,7 +684,7 @@ def main(cfg: Config):
                             max_videos=max([v for _, v in media] + [1]))
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
-        engine = HFEngine(model, tok, eos_ids, cfg.seed, dummies)
+        engine = HFEngine(model, tok, eos_ids, dummies)
     signals = ckpt.catch_stop_signals()  # after the engine: ours must be the handlers that run
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, template=template)

@@ -4,15 +4,25 @@
 
 Checks: vLLM builds exactly the trainer's prompt ids; vLLM's sampled-token log-probs agree with the
 trainer's recomputation on the same inputs; after a weight sync vLLM samples from the new weights;
-the HF engine and vLLM agree on greedy outputs.
+the HF engine and vLLM agree on greedy outputs; 8 prompts x 8 (a step that chunked and crashed) runs with
+per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights.
+This file is also the torchrun worker of the 2-rank test:
+
+    torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import tiny_config
 
-import data
-from rollout import HFEngine, VLLMEngine, vision_token_ids
-from train import collate, token_logp
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+from conftest import ROOT, tiny_config  # noqa: E402
+
+import data  # noqa: E402
+from rollout import HFEngine, VLLMEngine, full_tensors, vision_token_ids  # noqa: E402
+from train import collate, token_logp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a vLLM engine
 
@@ -34,9 +44,25 @@ def setup(tiny_model, synth):
     return proc, model, prompts, engine
 
 
+def hf_engine(model, tokenizer) -> HFEngine:
+    eos = model.generation_config.eos_token_id
+    return HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
+
+
+def trainer_logp_diff(model, rollouts, tokenizer) -> float:
+    """max |logp_engine - logp_trainer| over the response tokens of rollouts (one batch, trainer's forward)."""
+    b = collate(rollouts, tokenizer.pad_token_id, tokenizer, "cpu")
+    with torch.no_grad():
+        logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
+    ref = torch.zeros_like(logp)
+    for i, r in enumerate(rollouts):
+        ref[i, :len(r.logp)] = torch.tensor(r.logp)
+    return ((logp - ref).abs() * b["mask"]).max().item()
+
+
 def test_logp_agree_with_trainer(setup):
     proc, model, prompts, engine = setup
-    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12)
+    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
     assert len(rollouts) == 16 and all(r.response_ids and len(r.logp) == len(r.response_ids) for r in rollouts)
     banned = vision_token_ids(proc.tokenizer)
     assert not any(t in banned for r in rollouts for t in r.response_ids)
@@ -56,8 +82,8 @@ def test_hf_engine_matches_vllm_greedy(setup):
     proc, model, prompts, engine = setup
     eos = model.generation_config.eos_token_id
     hf = HFEngine(model, proc.tokenizer, eos if isinstance(eos, list) else [eos])
-    a = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10)
-    b = hf.generate(prompts, n=1, temperature=0.0, max_tokens=10)
+    a = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)
+    b = hf.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)  # one batch: left padding changes nothing
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
 
 
@@ -68,12 +94,127 @@ def test_weight_sync_changes_samples(setup):
     with torch.no_grad():
         new.lm_head.weight.zero_()
     engine.sync(new)
-    rollouts = engine.generate(prompts[:2], n=4, temperature=1.0, max_tokens=6)
+    rollouts = engine.generate(prompts[:2], n=4, temperature=1.0, max_tokens=6, seed=2)
     expect = -torch.log(torch.tensor(float(len(engine.allowed)))).item()
     got = [lp for r in rollouts for lp in r.logp]
     assert max(abs(x - expect) for x in got) < 1e-4
     engine.sync(model)  # and back: greedy output equals the original model's again
-    g1 = engine.generate(prompts[:2], n=1, temperature=0.0, max_tokens=6)
-    eos = model.generation_config.eos_token_id
-    g2 = HFEngine(model, proc.tokenizer, eos if isinstance(eos, list) else [eos]).generate(prompts[:2], 1, 0.0, 6)
+    g1 = engine.generate(prompts[:2], n=1, temperature=0.0, max_tokens=6, seed=0)
+    g2 = hf_engine(model, proc.tokenizer).generate(prompts[:2], 1, 0.0, 6, seed=0)
     assert [r.response_ids for r in g1] == [r.response_ids for r in g2]
+
+
+def test_eight_prompts_by_eight_images(setup, synth):
+    """The step that crashed ("CPU Generator does not use offset"): 64 requests of an image prompt do not fit one
+    engine step, and chunked prefill split one and rewound its CPU generator. Per-request seeds still hold."""
+    proc, model, _, engine = setup
+    samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")][:8]
+    prompts = [data.prepare(s, proc, tiny_config()) for s in samples]
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert len(prompts) == 8 and 64 * len(prompts[0].prompt_ids) > budget  # the step spans several engine steps
+    a = engine.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=3)
+    assert len(a) == 64 and all(len(r.logp) == len(r.response_ids) > 0 for r in a)
+    assert len({tuple(r.response_ids) for r in a}) > 8  # 64 draws, not one repeated per prompt
+    # request i samples from request_seed(seed, rank, i): alone or within the step, prompt 0 samples the same
+    b = engine.generate(prompts[:1], n=8, temperature=1.0, max_tokens=4, seed=3)
+    assert [r.response_ids for r in b] == [r.response_ids for r in a[:8]]
+
+
+def test_hf_engine_one_batch(setup, synth):
+    """An image and a video prompt (different lengths, left-padded) x 3 rows in one generate call: rows come back
+    grouped by prompt, their log-probs are the trainer's, and the call's seed alone decides the samples."""
+    proc, model, prompts, _ = setup
+    image = data.prepare(next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")), proc,
+                         tiny_config())
+    mixed = [image, prompts[0]]
+    assert len(image.prompt_ids) != len(prompts[0].prompt_ids)
+    hf = hf_engine(model, proc.tokenizer)
+    a = hf.generate(mixed, 3, 1.0, 6, seed=5)
+    assert [r.prompt for r in a] == [image] * 3 + [prompts[0]] * 3
+    # the same fp32 model in the same library: only KV-cache vs full-forward rounding, ~1e-6
+    assert trainer_logp_diff(model, a, proc.tokenizer) < 1e-4
+    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=5)] == [r.response_ids for r in a]
+    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=6)] != [r.response_ids for r in a]
+
+
+def test_two_rank_sync_is_exact(tiny_model, synth):
+    """FSDP2 on 2 ranks (torchrun, gloo): the bucketed gather returns every full tensor exactly (uneven and empty
+    shards included), vLLM then holds the trainer's weights, and its log-probs agree with the trainer's again."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, tiny_model,
+           f"{synth}/train.jsonl"]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0 and p.stdout.count("SYNC OK") == 2, (p.stdout + p.stderr)[-5000:]
+
+
+def vllm_weights(worker) -> dict:
+    """vLLM's weights as it holds them; on CPU most linear layers keep only a packed oneDNN copy (an empty .weight)."""
+    return {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if p.numel()}
+
+
+def hf_name(name: str) -> str:
+    """vLLM and transformers name the same weight with different prefixes: compare without them."""
+    return ".".join(x for x in name.split(".") if x not in ("model", "language_model"))
+
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: concatenated
+
+
+def main(model_dir: str, data_path: str):
+    import train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import AutoProcessor
+    rank, world, device = train.init_dist()
+    # uneven shards (5 and 7 rows), an empty one (1 row), two dtypes, a plain tensor; budgets of 1 byte (every tensor
+    # a bucket of its own) and 1 MB (consecutive float32 tensors share one collective)
+    full = {"a": torch.arange(15.0).reshape(5, 3), "b": torch.arange(4.0)[None], "c": torch.arange(6.0).reshape(3, 2),
+            "d": torch.arange(14, dtype=torch.float64).reshape(7, 2), "plain": torch.ones(2)}
+    mesh = init_device_mesh(device.type, (world,))
+    sharded = {k: v if k == "plain" else distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    assert sharded["b"].to_local().shape == ((1, 4), (0, 4))[rank]
+    for bucket_bytes in (1, 2**20):
+        got = list(full_tensors(sharded, bucket_bytes))
+        assert [k for k, _ in got] == list(full) and all(torch.equal(v, full[k]) for k, v in got), bucket_bytes
+    cfg = tiny_config(model=model_dir)
+    proc = AutoProcessor.from_pretrained(model_dir)
+    tok = proc.tokenizer
+    model = train.load_model(cfg, device)
+    torch.manual_seed(rank)
+    with torch.no_grad():  # "trained" weights, not the checkpoint vLLM loaded; 0.01: noise of 0.05 sharpens the
+        # policy so much that the two engines' fp32 kernels disagree by 0.06 (kernel noise grows with the logits)
+        for p in model.parameters():
+            p.to_local().add_(0.01 * torch.randn_like(p.to_local()))
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    assert all(torch.equal(v, state[k]) for k, v in full_tensors(model.state_dict()))
+    engine = VLLMEngine(model_dir, tok, max_model_len=1024, dtype="float32")
+    samples = [s for s in data.load_samples(data_path) if s.get("videos")][2 * rank:2 * rank + 2]
+    prompts = [data.prepare(s, proc, cfg) for s in samples]
+    dummies = data.dummy_prompts(proc)
+
+    def logp_diff() -> float:
+        rollouts = engine.generate(prompts, 2, 1.0, 6, seed=0)
+        b = collate(rollouts, tok.pad_token_id, tok, device, dummies)
+        with torch.no_grad():
+            logp = token_logp(model, b, 1.0, vision_token_ids(tok))[0]
+        ref = torch.zeros_like(logp)
+        for i, r in enumerate(rollouts):
+            ref[i, :len(r.logp)] = torch.tensor(r.logp)
+        return ((logp - ref).abs() * b["mask"]).max().item()
+
+    before = logp_diff()
+    engine.sync(model)
+    after = logp_diff()
+    by_name = {hf_name(k): v for k, v in state.items()}
+    held = engine.llm.collective_rpc(vllm_weights)[0]
+    for name, v in held.items():
+        fused = [name.replace(f, part) for f, parts in FUSED.items() if f in name for part in parts]
+        expect = torch.cat([by_name[hf_name(x)] for x in fused or [name]])
+        # vLLM pads the vocabulary rows (452 -> 512 here): compare the real rows
+        assert torch.equal(v.flatten()[:expect.numel()], expect.flatten()), name
+    assert before > 10 * LOGP_TOL and after < LOGP_TOL, (before, after)
+    print(f"SYNC OK rank {rank}: {len(held)} vLLM weights equal; |dlogp| {before:.3f} before sync, {after:.1e} after")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
