@@ -16,47 +16,41 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from common import PATH, ROOT, TORCHRUN, run, table
+
+sys.path[:0] = PATH
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
 FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
 FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]
 BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
-def make_clips(out: str, seconds: list[int]) -> str:
-    """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all."""
+def make_clips(out: str, seconds: list[int]) -> tuple[str, list[str]]:
+    """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all, and the clips."""
     import make_synthetic_data
     rows = []
     for s in seconds:
         d = os.path.join(out, f"{s}s")
         paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30,
                                          seconds=s)
-        for line in open(paths["train"]):
-            row = json.loads(line)
-            rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
+        row = json.loads(open(paths["train"]).readline())  # the one sample
+        rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
     with open(os.path.join(out, "train.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    return os.path.join(out, "train.jsonl")
+    return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
 
 
 def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, out: str) -> list[dict]:
     """A real 2-rank run; returns metrics.jsonl's rows."""
     shutil.rmtree(out, ignore_errors=True)
     n = sum(1 for _ in open(data))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", data, "--val-data", "",
-           "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step", str(n), "--eval-every", "0",
-           "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS]
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if p.returncode:
-        sys.exit(f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    run([*TORCHRUN, "--nproc_per_node=2", "train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
+         "--train-data", data, "--val-data", "", "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step",
+         str(n), "--eval-every", "0", "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS],
+        f"train.py --video-source {source}")
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
@@ -70,19 +64,16 @@ def main():
     import make_tiny_model
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    train_jsonl = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
-    videos = [json.loads(line)["videos"][0] for line in open(train_jsonl)]
+    train_jsonl, videos = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
     print(f"{len(videos)} clips 1280x720 30 fps, {a.seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
 
     # ---- 1. the preprocessing command, into a cold cache
     frames_dir = os.path.join(a.out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
     flags = [x for k, v in FRAMES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags]
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if p.returncode:
-        sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")
-    print("$ python cache.py ...:", p.stdout.strip(), flush=True)
+    summary = run([sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags],
+                  "cache.py")
+    print("$ python cache.py ...:", summary.strip(), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
     cache.load_video(videos[0], **FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
@@ -135,11 +126,9 @@ def main():
               for k in times]
     lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
               for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
-    print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
-    print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
-    for name, dec, warm in lines:
-        ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
-        print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
+    ratios = [f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-" for name, dec, warm in lines]
+    table(["measure", "decode_only", "warm cache", "ratio"],
+          [[name, f"{dec:.4g}", f"{warm:.4g}", ratio] for (name, dec, warm), ratio in zip(lines, ratios)])
     w = med["prefer_cache"]
     parts = ", ".join(f"{k[5:]} {w[k]:.2f}" for k in times[1:])
     print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} "
