@@ -16,16 +16,18 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
-from common import PATH, ROOT, TORCHRUN, run, table
-
-sys.path[:0] = PATH
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
 FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
 FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]
 BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
 def make_clips(out: str, seconds: list[int]) -> tuple[str, list[str]]:
@@ -47,10 +49,13 @@ def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, 
     """A real 2-rank run; returns metrics.jsonl's rows."""
     shutil.rmtree(out, ignore_errors=True)
     n = sum(1 for _ in open(data))
-    run([*TORCHRUN, "--nproc_per_node=2", "train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
-         "--train-data", data, "--val-data", "", "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step",
-         str(n), "--eval-every", "0", "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS],
-        f"train.py --video-source {source}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", data, "--val-data", "",
+           "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step", str(n), "--eval-every", "0",
+           "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
@@ -71,9 +76,11 @@ def main():
     frames_dir = os.path.join(a.out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
     flags = [x for k, v in FRAMES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    summary = run([sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags],
-                  "cache.py")
-    print("$ python cache.py ...:", summary.strip(), flush=True)
+    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags]
+    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")
+    print("$ python cache.py ...:", p.stdout.strip(), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
     cache.load_video(videos[0], **FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
@@ -126,9 +133,11 @@ def main():
               for k in times]
     lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
               for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
-    ratios = [f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-" for name, dec, warm in lines]
-    table(["measure", "decode_only", "warm cache", "ratio"],
-          [[name, f"{dec:.4g}", f"{warm:.4g}", ratio] for (name, dec, warm), ratio in zip(lines, ratios)])
+    print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
+    print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
+    for name, dec, warm in lines:
+        ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
+        print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
     w = med["prefer_cache"]
     parts = ", ".join(f"{k[5:]} {w[k]:.2f}" for k in times[1:])
     print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} "

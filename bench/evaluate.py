@@ -17,9 +17,8 @@ import sys
 import time
 from dataclasses import replace
 
-from common import PATH, ROOT, table
-
-sys.path[:0] = PATH
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 
 def main():
@@ -86,10 +85,11 @@ def main():
     same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]
     print(f"\n{n} samples, {args.width}x{args.height} px {args.fps:g} fps {args.seconds:g} s videos, greedy, "
           f"max_tokens {args.max_tokens}, identical per-sample results: {same}")
-    table(["mode", "seconds", "samples/s", "engine busy", "in flight", "frames"],
-          [["plain loop (decode, generate, wait)", f"{t_plain:.2f}", f"{n / t_plain:.2f}", "-", 1, plain["frames"]],
-           ["async pipeline (warm cache)", f"{t_pipe:.2f}", f"{n / t_pipe:.2f}", f"{pipe['engine_busy']:.2f}",
-            f"{pipe['mean_in_flight']:.1f}", pipe["frames"]]])
+    print(f"{'mode':<36}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames")
+    print(f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | "
+          f"{plain['frames']}")
+    print(f"{'async pipeline (warm cache)':<36}| {t_pipe:8.2f} | {n / t_pipe:9.2f} | {pipe['engine_busy']:11.2f} | "
+          f"{pipe['mean_in_flight']:9.1f} | {pipe['frames']}")
     print(f"eval speedup: {t_plain / t_pipe:.2f}x")
 
 

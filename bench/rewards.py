@@ -8,13 +8,12 @@ Prints `problem type | rewards/s | mean reward | parse_fail rate`, then as its l
 """
 import argparse
 import json
+import os
 import random
 import sys
 import time
 
-from common import ROOT, table
-
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
 
 OPTIONS = ["A. red", "B. green", "C. blue", "D. yellow"]
@@ -128,8 +127,11 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         rows.append((ptype, len(data) / dt, sum(o for o, _ in scored) / len(data),
                      sum(c["parse_fail"] for _, c in scored) / len(data)))
-    table(["problem type", "rewards/s", "mean reward", "parse_fail rate"],
-          [[ptype, f"{rate:.0f}", f"{mean:.3f}", f"{fails:.3f}"] for ptype, rate, mean, fails in rows])
+    w = max(len(p) for p, *_ in rows)
+    print(f"{'problem type':<{w}} | rewards/s | mean reward | parse_fail rate")
+    print(f"{'-' * w}-|-----------|-------------|----------------")
+    for p, rate, mean, pf in rows:
+        print(f"{p:<{w}} | {rate:9.0f} | {mean:11.3f} | {pf:15.3f}")
     print(f"rewards/s: {int(min(rate for _, rate, _, _ in rows))}")
 
 

@@ -15,11 +15,10 @@ import sys
 import tempfile
 import time
 
-from common import PATH, ROOT, TORCHRUN, run, table
-
-sys.path[:0] = PATH
-BEFORE = "2737071"  # main before issue 21 was merged: its rollout.py is the baseline
-SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8 last: main's vLLM engine crashes on it
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+BEFORE = "2737071"  # main before issue 21 was merged: its rollout.py is the baseline ("main" holds the new one now)
+SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8 last: the old vLLM engine crashes on it
 
 
 def worker(version: str, engine_kind: str, model_dir: str, data_path: str, rollout_dir: str, out: str):
@@ -79,22 +78,27 @@ def main():
     with open(os.path.join(tmp, "rollout.py"), "w") as f:
         f.write(subprocess.run(["git", "show", f"{BEFORE}:rollout.py"], cwd=ROOT, capture_output=True, text=True,
                                check=True).stdout)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     res = {}
     for engine, ranks, version in [(e, r, v) for e in ("hf", "vllm") for r in (1, 2) for v in ("before", "after")]:
         out = os.path.join(tmp, f"{version}_{engine}_{ranks}.json")
         code = tmp if version == "before" else ROOT
-        run([*TORCHRUN, f"--nproc_per_node={ranks}", __file__, "--worker", version, engine, model, data_dir["train"],
-             code, out], f"{version} {engine} {ranks} ranks", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                            __file__, "--worker", version, engine, model, data_dir["train"], code, out], cwd=ROOT,
+                           env=env, capture_output=True, text=True)
+        if p.returncode:
+            sys.exit(f"{version} {engine} {ranks} ranks failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
         res[version, engine, ranks] = json.load(open(out))
-    rows = []
+    print("\n| engine | ranks | task | prompts x 8 | prompt tokens | gen before | gen after | sync before | sync after "
+          "| step speedup |\n|" + "---|" * 10)
     for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
         for b, a in zip(res["before", engine, ranks], res["after", engine, ranks]):
             before = [f"{1000 * x:.0f} ms" for x in b["med"]] if b["med"] else ["crash", "crash"]
-            gen, sync = zip(before, [f"{1000 * x:.0f} ms" for x in a["med"]])
+            (gen_b, gen_a), (sync_b, sync_a) = zip(before, [f"{1000 * x:.0f} ms" for x in a["med"]])
             speedup = f"{sum(b['med']) / sum(a['med']):.2f}x" if b["med"] else "before crashed"
-            rows.append([engine, ranks, b["task"], b["prompts"], b["tokens"], *gen, *sync, speedup])
-    table(["engine", "ranks", "task", "prompts x 8", "prompt tokens", "gen before", "gen after", "sync before",
-           "sync after", "step speedup"], rows)
+            print(f"| {engine} | {ranks} | {b['task']} | {b['prompts']} | {b['tokens']} | {gen_b} | {gen_a} | {sync_b} "
+                  f"| {sync_a} | {speedup} |")
     print(f"\nbench total {time.time() - t0:.0f}s; a shared 2-core CPU: timings are noisy")
     b, a = (res[v, "hf", 2][SHAPES.index(("video", 8))]["med"] for v in ("before", "after"))
     print(f"rollout step speedup: {sum(b) / sum(a):.2f}x")
