@@ -68,14 +68,12 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
     if ptype in ("spatial-temporal grounding", "tracking"):
         frames = {str(i): box(r) for i in range(r.randint(2, 16))}
-        right = {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9}
-        wrong = {k: box(r) for k in frames}
-        if ptype == "tracking":
-            return ({"answer": json.dumps({"boxes": frames})}, json.dumps({"boxes": right or frames}),
-                    json.dumps({"boxes": wrong}))
-        gt = {"time": [0, len(frames)], "boxes": frames}
-        return ({"answer": json.dumps(gt)}, json.dumps({"time": [0, len(frames) - 1], "boxes": right or frames}),
-                json.dumps({"time": [1, 2], "boxes": wrong}))
+        right = {"boxes": {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9} or frames}
+        gt, wrong = {"boxes": frames}, {"boxes": {k: box(r) for k in frames}}
+        if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
+            gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
+            wrong = {"time": [1, 2], **wrong}
+        return {"answer": json.dumps(gt)}, json.dumps(right), json.dumps(wrong)
     if ptype == "code":
         return ({"answer": "def f(x):\n    return [i * x for i in range(3)]"},
                 r.choice(["def g(y):\n    return [j * y for j in range(3)]",
