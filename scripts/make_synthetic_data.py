@@ -241,8 +241,7 @@ def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, wi
                     write_video(os.path.join(out, media), (render_yuv(H, W, bg, r) for r in rects), fps, "yuv420p")
                 row = {"id": sid, "problem": problem, "answer": answer, f"{dtype}s": [media], "data_type": dtype,
                        "problem_type": ptype, "options": options, "offline_output": offline}
-                row = {k: v for k, v in row.items() if v is not None}  # tasks without options leave the field out
-                rows.append(row)
+                rows.append({k: v for k, v in row.items() if v is not None})  # no options: the field is left out
         with open(paths[split] + ".part", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(paths[split] + ".part", paths[split])
