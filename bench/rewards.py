@@ -117,21 +117,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rewards.compute_reward("<answer>1</answer>", {"problem_type": "math", "answer": "1"})  # imports math-verify
-    rows = []
+    width = max(map(len, rewards.ACCURACY))
+    print(f"{'problem type':<{width}} | rewards/s | mean reward | parse_fail rate")
+    print(f"{'-' * width}-|-----------|-------------|----------------")
+    rates = []
     for ptype in rewards.ACCURACY:
         data = completions(ptype, args.n, args.seed)
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
-        dt = time.perf_counter() - t0
-        rows.append((ptype, len(data) / dt, sum(o for o, _ in scored) / len(data),
-                     sum(c["parse_fail"] for _, c in scored) / len(data)))
-    w = max(len(p) for p, *_ in rows)
-    print(f"{'problem type':<{w}} | rewards/s | mean reward | parse_fail rate")
-    print(f"{'-' * w}-|-----------|-------------|----------------")
-    for p, rate, mean, pf in rows:
-        print(f"{p:<{w}} | {rate:9.0f} | {mean:11.3f} | {pf:15.3f}")
-    print(f"rewards/s: {int(min(rate for _, rate, _, _ in rows))}")
-
+        rates.append(len(data) / (time.perf_counter() - t0))
+        mean, fails = sum(o for o, _ in scored) / len(data), sum(c["parse_fail"] for _, c in scored) / len(data)
+        print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
+    print(f"rewards/s: {int(min(rates))}")
 
 if __name__ == "__main__":
     main()
