@@ -30,20 +30,19 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
-def make_clips(out: str, seconds: list[int]) -> str:
-    """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all."""
+def make_clips(out: str, seconds: list[int]) -> tuple[str, list[str]]:
+    """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all, and the clips."""
     import make_synthetic_data
     rows = []
     for s in seconds:
         d = os.path.join(out, f"{s}s")
         paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30,
                                          seconds=s)
-        for line in open(paths["train"]):
-            row = json.loads(line)
-            rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
+        row = json.loads(open(paths["train"]).readline())  # the one sample
+        rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
     with open(os.path.join(out, "train.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    return os.path.join(out, "train.jsonl")
+    return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
 
 
 def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, out: str) -> list[dict]:
@@ -70,8 +69,7 @@ def main():
     import make_tiny_model
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    train_jsonl = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
-    videos = [json.loads(line)["videos"][0] for line in open(train_jsonl)]
+    train_jsonl, videos = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
     print(f"{len(videos)} clips 1280x720 30 fps, {a.seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
 
     # ---- 1. the preprocessing command, into a cold cache

@@ -68,14 +68,12 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
     if ptype in ("spatial-temporal grounding", "tracking"):
         frames = {str(i): box(r) for i in range(r.randint(2, 16))}
-        right = {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9}
-        wrong = {k: box(r) for k in frames}
-        if ptype == "tracking":
-            return ({"answer": json.dumps({"boxes": frames})}, json.dumps({"boxes": right or frames}),
-                    json.dumps({"boxes": wrong}))
-        gt = {"time": [0, len(frames)], "boxes": frames}
-        return ({"answer": json.dumps(gt)}, json.dumps({"time": [0, len(frames) - 1], "boxes": right or frames}),
-                json.dumps({"time": [1, 2], "boxes": wrong}))
+        right = {"boxes": {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9} or frames}
+        gt, wrong = {"boxes": frames}, {"boxes": {k: box(r) for k in frames}}
+        if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
+            gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
+            wrong = {"time": [1, 2], **wrong}
+        return {"answer": json.dumps(gt)}, json.dumps(right), json.dumps(wrong)
     if ptype == "code":
         return ({"answer": "def f(x):\n    return [i * x for i in range(3)]"},
                 r.choice(["def g(y):\n    return [j * y for j in range(3)]",
@@ -119,21 +117,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     rewards.compute_reward("<answer>1</answer>", {"problem_type": "math", "answer": "1"})  # imports math-verify
-    rows = []
+    width = max(map(len, rewards.ACCURACY))
+    print(f"{'problem type':<{width}} | rewards/s | mean reward | parse_fail rate")
+    print(f"{'-' * width}-|-----------|-------------|----------------")
+    rates = []
     for ptype in rewards.ACCURACY:
         data = completions(ptype, args.n, args.seed)
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
-        dt = time.perf_counter() - t0
-        rows.append((ptype, len(data) / dt, sum(o for o, _ in scored) / len(data),
-                     sum(c["parse_fail"] for _, c in scored) / len(data)))
-    w = max(len(p) for p, *_ in rows)
-    print(f"{'problem type':<{w}} | rewards/s | mean reward | parse_fail rate")
-    print(f"{'-' * w}-|-----------|-------------|----------------")
-    for p, rate, mean, pf in rows:
-        print(f"{p:<{w}} | {rate:9.0f} | {mean:11.3f} | {pf:15.3f}")
-    print(f"rewards/s: {int(min(rate for _, rate, _, _ in rows))}")
-
+        rates.append(len(data) / (time.perf_counter() - t0))
+        mean, fails = sum(o for o, _ in scored) / len(data), sum(c["parse_fail"] for _, c in scored) / len(data)
+        print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
+    print(f"rewards/s: {int(min(rates))}")
 
 if __name__ == "__main__":
     main()

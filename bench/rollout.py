@@ -1,10 +1,10 @@
-"""Per-step rollout time (generate + weight sync), main's rollout.py ("before") vs this checkout's ("after").
+"""Per-step rollout time (generate + weight sync), rollout.py before issue 21 ("before") vs this checkout's ("after").
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
 
 The tiny Qwen2.5-VL, synthetic video "color" and image "image_color" tasks, HF and vLLM engines, 1 and 2 ranks (FSDP2,
 gloo), 4 and 8 prompts per step (split over the ranks) x 8 completions of 8 tokens. "before" imports `git show
-main:rollout.py` from a temporary folder; each (version, engine, ranks) is a fresh torchrun. Rank 0's times after a
+BEFORE:rollout.py` from a temporary folder; each (version, engine, ranks) is a fresh torchrun. Rank 0's times after a
 barrier, medians of 3 steps after a warm-up. Last line: generate + sync, 2 ranks, 8 x 8 video, HF engine.
 """
 import json
@@ -17,11 +17,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8 last: main's vLLM engine crashes on it
+BEFORE = "2737071"  # main before issue 21 was merged: its rollout.py is the baseline ("main" holds the new one now)
+SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8 last: the old vLLM engine crashes on it
 
 
 def worker(version: str, engine_kind: str, model_dir: str, data_path: str, rollout_dir: str, out: str):
-    sys.path.insert(0, rollout_dir)  # main's rollout.py or this checkout's
+    sys.path.insert(0, rollout_dir)  # the baseline's rollout.py or this checkout's
     import torch
     import torch.distributed as dist
     from transformers import AutoProcessor
@@ -46,9 +47,9 @@ def worker(version: str, engine_kind: str, model_dir: str, data_path: str, rollo
         for step in range(4):
             ok, t0 = torch.ones(1), time.perf_counter()
             try:
-                engine.step = step  # main's engines read it; this checkout's take the call's seed
+                engine.step = step  # the baseline's engines read it; this checkout's take the call's seed
                 engine.generate(prompts, 8, 1.0, 8, *[rollout.request_seed(0, step, 0)] * (version == "after"))
-            except RuntimeError as e:  # main's vLLM engine at 8 image prompts x 8 ("does not use offset")
+            except RuntimeError as e:  # the baseline's vLLM engine at 8 image prompts x 8 ("does not use offset")
                 print(f"rank {rank} {task} x {n_prompts}: {str(e)[-100:]}", flush=True)
                 ok.zero_()
             dist.all_reduce(ok, dist.ReduceOp.MIN)  # the barrier too: the slowest rank's generate counts
@@ -75,7 +76,8 @@ def main():
                                         num_train=8, num_val=0, seed=0, size=56, fps=4, seconds=2.0)
     tmp = tempfile.mkdtemp()
     with open(os.path.join(tmp, "rollout.py"), "w") as f:
-        f.write(subprocess.run(["git", "show", "main:rollout.py"], cwd=ROOT, capture_output=True, text=True).stdout)
+        f.write(subprocess.run(["git", "show", f"{BEFORE}:rollout.py"], cwd=ROOT, capture_output=True, text=True,
+                               check=True).stdout)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     res = {}
@@ -92,11 +94,11 @@ def main():
           "| step speedup |\n|" + "---|" * 10)
     for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
         for b, a in zip(res["before", engine, ranks], res["after", engine, ranks]):
-            ms = [f"{1000 * x:.0f} ms" for x in a["med"]]
-            ms = [f"{1000 * x:.0f} ms" for x in b["med"]] + ms if b["med"] else ["crash", "crash"] + ms
+            before = [f"{1000 * x:.0f} ms" for x in b["med"]] if b["med"] else ["crash", "crash"]
+            (gen_b, gen_a), (sync_b, sync_a) = zip(before, [f"{1000 * x:.0f} ms" for x in a["med"]])
             speedup = f"{sum(b['med']) / sum(a['med']):.2f}x" if b["med"] else "before crashed"
-            print(f"| {engine} | {ranks} | {b['task']} | {b['prompts']} | {b['tokens']} | {ms[0]} | {ms[2]} | {ms[1]} "
-                  f"| {ms[3]} | {speedup} |")
+            print(f"| {engine} | {ranks} | {b['task']} | {b['prompts']} | {b['tokens']} | {gen_b} | {gen_a} | {sync_b} "
+                  f"| {sync_a} | {speedup} |")
     print(f"\nbench total {time.time() - t0:.0f}s; a shared 2-core CPU: timings are noisy")
     b, a = (res[v, "hf", 2][SHAPES.index(("video", 8))]["med"] for v in ("before", "after"))
     print(f"rollout step speedup: {sum(b) / sum(a):.2f}x")

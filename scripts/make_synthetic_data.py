@@ -83,8 +83,7 @@ def rect(y, x, h, w, rgb):
 
 def render_rgb(H, W, bg, rects):
     f = np.empty((H, W, 3), np.uint8)
-    f[:] = bg
-    for y, x, h, w, c in rects:
+    for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:  # the background is a rectangle over the whole frame
         f[y:y + h, x:x + w] = c
     return f
 
@@ -93,25 +92,26 @@ def render_yuv(H, W, bg, rects):
     f = np.empty((H * 3 // 2, W), np.uint8)  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
     flat = f.reshape(-1)
     planes = (f[:H], flat[H * W:H * W * 5 // 4].reshape(H // 2, W // 2), flat[H * W * 5 // 4:].reshape(H // 2, W // 2))
-    for p, v in zip(planes, yuv(bg)):
-        p[:] = v
-    for y, x, h, w, c in rects:
-        Y, U, V = yuv(c)
-        planes[0][y:y + h, x:x + w] = Y
-        planes[1][y // 2:(y + h) // 2, x // 2:(x + w) // 2] = U
-        planes[2][y // 2:(y + h) // 2, x // 2:(x + w) // 2] = V
+    for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:
+        for plane, value, scale in zip(planes, yuv(c), (1, 2, 2)):  # U and V at half resolution
+            plane[y // scale:(y + h) // scale, x // scale:(x + w) // scale] = value
     return f
 
 
+def path(p0, p1, T):
+    """T points from p0 to p1 at constant speed."""
+    return [p0 + (p1 - p0) * t / max(1, T - 1) for t in range(T)]
+
+
 def glide(rng, T, H, W, side):
-    """A constant-speed path between two random top-left corners (at least a side apart, so it visibly moves)
-    that keep a side x side square in frame."""
+    """A path between two random top-left corners (at least a side apart, so it visibly moves) that keep a
+    side x side square in frame."""
     def corner():
         return np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
     p0, p1 = corner(), corner()
     while np.abs(p1 - p0).max() < side:
         p1 = corner()
-    return [p0 + (p1 - p0) * t / max(1, T - 1) for t in range(T)]
+    return path(p0, p1, T)
 
 
 def dark(rng):
@@ -142,10 +142,8 @@ def gen_direction(rng, d, T, H, W, fps):
         a0, a1 = a1, a0  # left / up: decreasing coordinate
     perp = rng.integers(0, (H if d < 2 else W) - side + 1)
     color = PALETTE[rng.integers(len(PALETTE))]
-    rects = []
-    for t in range(T):
-        a = a0 + (a1 - a0) * t / max(1, T - 1)
-        rects.append([rect(perp, a, side, side, color) if d < 2 else rect(a, perp, side, side, color)])
+    ends = [np.array([perp, a]) if d < 2 else np.array([a, perp]) for a in (a0, a1)]  # (y, x) top-left corners
+    rects = [[rect(y, x, side, side, color)] for y, x in path(*ends, T)]
     L = LETTERS[d]
     return dark(rng), rects, "In which direction does the square move?", L, DIR_OPTIONS, "multiple choice", \
         f"<think>The square moves {DIRS[d]}.</think><answer>{L}</answer>"
@@ -187,16 +185,10 @@ def _done(out, args, paths) -> bool:
         with open(paths["meta"]) as f:
             if json.load(f) != args:
                 return False
-        for split in ("train", "val"):
-            with open(paths[split]) as f:
-                for line in f:
-                    row = json.loads(line)
-                    media = row.get("videos", []) + row.get("images", [])
-                    if not all(os.path.exists(os.path.join(out, m)) for m in media):
-                        return False
-        return True
+        rows = [json.loads(line) for split in ("train", "val") for line in open(paths[split])]
     except (OSError, ValueError):
         return False
+    return all(os.path.exists(os.path.join(out, m)) for r in rows for m in r.get("videos", []) + r.get("images", []))
 
 
 def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, width=None, height=None) -> dict:
@@ -242,19 +234,14 @@ def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, wi
                                        "use a larger frame or fewer samples")
                 seen.add(key)
                 sid = f"{task}-{split}-{i:05d}"
-                row = {"id": sid, "problem": problem, "answer": answer}
+                media = f"{dtype}s/{sid}.{'png' if dtype == 'image' else 'mp4'}"
                 if dtype == "image":
-                    row["images"] = [f"images/{sid}.png"]
-                    Image.fromarray(render_rgb(H, W, bg, rects[0])).save(os.path.join(out, row["images"][0]))
+                    Image.fromarray(render_rgb(H, W, bg, rects[0])).save(os.path.join(out, media))
                 else:
-                    row["videos"] = [f"videos/{sid}.mp4"]
-                    write_video(os.path.join(out, row["videos"][0]), (render_yuv(H, W, bg, r) for r in rects), fps,
-                                pix_fmt="yuv420p")
-                row.update(data_type=dtype, problem_type=ptype)
-                if options:
-                    row["options"] = options
-                row["offline_output"] = offline
-                rows.append(row)
+                    write_video(os.path.join(out, media), (render_yuv(H, W, bg, r) for r in rects), fps, "yuv420p")
+                row = {"id": sid, "problem": problem, "answer": answer, f"{dtype}s": [media], "data_type": dtype,
+                       "problem_type": ptype, "options": options, "offline_output": offline}
+                rows.append({k: v for k, v in row.items() if v is not None})  # no options: the field is left out
         with open(paths[split] + ".part", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(paths[split] + ".part", paths[split])
