@@ -27,6 +27,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Literal
 
 import data
@@ -399,26 +400,15 @@ def gt_letter(s: dict) -> str:
     return rewards.choice_letter(rewards.ground_truth(s), s["options"]) or rewards.ground_truth(s)
 
 
-def read_letter(text: str, s: dict):
-    """Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter."""
-    for p in PREFIXES:
+def read_pattern(text: str, s: dict, rules: tuple, drop: tuple = ()):
+    """The letter the first rule (pattern, which hit: 0 first, -1 last) finds, {L} being the option letters, after
+    the `drop` phrases are removed."""
+    for p in drop:
         text = text.replace(p, "")
-    m = re.search(f"[{letters_of(s)}]", text)
-    return (m.group(0), float(m.group(0) == gt_letter(s))) if m else (None, 0.0)
-
-
-def read_first(text: str, s: dict):
-    """Perception Test, MotionBench, MMVU: the first option letter standing as a word (\\b[A-D]\\b)."""
-    m = re.search(rf"\b([{letters_of(s)}])\b", text)
-    return (m.group(1), float(m.group(1) == gt_letter(s))) if m else (None, 0.0)
-
-
-def read_minerva(text: str, s: dict):
-    """MINERVA: "answer is X" / "option: X", else the last option letter anywhere."""
-    lt = letters_of(s)
-    m = re.search(rf"(?:answer|option)\s{{0,9}}(?:is|:)\s{{0,9}}([{lt}])", text, re.I)
-    hits = [m.group(1)] if m else re.findall(f"[{lt}]", text)[-1:]
-    return (hits[-1], float(hits[-1] == gt_letter(s))) if hits else (None, 0.0)
+    for pattern, pick in rules:
+        if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
+            return hits[pick], float(hits[pick] == gt_letter(s))
+    return None, 0.0
 
 
 def read_vsi(text: str, s: dict):
@@ -519,8 +509,15 @@ def read_mmmu(text: str, s: dict):
     return got, float(got == gt_letter(s))
 
 
-READERS = {"letter": read_letter, "first": read_first, "minerva": read_minerva, "vsi": read_vsi,
-           "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu}
+READERS = {
+    # Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter
+    "letter": partial(read_pattern, rules=(("[{L}]", 0),), drop=PREFIXES),
+    # Perception Test, MotionBench, MMVU: the first option letter standing as a word
+    "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
+    # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
+    "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
+    "vsi": read_vsi, "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu,
+}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -653,11 +650,12 @@ def make_loader(processor, cfg, bench: str):
     return load, all_stats
 
 
-async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, stats: dict):
-    """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once."""
+async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, allowed) -> dict:
+    """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once. Returns
+    the share of time the engine was busy and the mean number of requests in it."""
     from vllm import SamplingParams
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                        skip_special_tokens=True, allowed_token_ids=stats.pop("allowed"))
+                        skip_special_tokens=True, allowed_token_ids=allowed)
     loop, sem = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight)
     pool, busy = ThreadPoolExecutor(cfg.loader_threads), dict(n=0, since=time.perf_counter(), busy=0.0, area=0.0)
 
@@ -678,18 +676,18 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                 finally:
                     track(-1)
             except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
-                return write(record(s, bench, "", "", failure(s, e)))
-        write(record(s, bench, p.text, out.outputs[0].text, guess_seed=stats["guess_seed"]))
+                return write(s, "", "", failure(s, e))
+        write(s, p.text, out.outputs[0].text)
 
     t = time.perf_counter()
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
     track(0)
     wall = time.perf_counter() - t
-    stats.update(engine_busy=busy["busy"] / max(wall, 1e-9), mean_in_flight=busy["area"] / max(wall, 1e-9))
+    return {"engine_busy": busy["busy"] / max(wall, 1e-9), "mean_in_flight": busy["area"] / max(wall, 1e-9)}
 
 
-def run_sync(generate, samples: list, load, cfg: Config, bench: str, write, stats: dict):
+def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
     """The plain loop: load a batch (decode or cache), generate, wait, repeat."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
@@ -697,10 +695,11 @@ def run_sync(generate, samples: list, load, cfg: Config, bench: str, write, stat
             try:
                 ok.append(load(s))
             except Exception as e:  # noqa: BLE001 - reported and counted, the run goes on
-                write(record(s, bench, "", "", failure(s, e)))
+                write(s, "", "", failure(s, e))
         if ok:
             for p, text in zip(ok, generate(ok)):
-                write(record(p.sample, bench, p.text, text, guess_seed=stats["guess_seed"]))
+                write(p.sample, p.text, text)
+    return {}
 
 
 def judge_rows(rows: list[dict], cfg: Config):
@@ -826,7 +825,7 @@ def shut_down(timeout: float | None = None):
 
 async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
     """Every benchmark of cfg: check all, then run, judge, aggregate; results.json and results.md are rewritten
-    after each benchmark. Returns results."""
+    after each benchmark. Returns results. An engine passed in (bench/evaluate.py) is reused and left running."""
     cfg = resolve(cfg)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
@@ -835,26 +834,19 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     own = engine is None
     if own:
         engine, generate, allowed = make_engine(cfg, processor.tokenizer)
+    results = {}
     try:
-        return await evaluate_all(cfg, engine, generate, allowed, processor, jobs)
+        for bench, job in jobs.items():
+            try:
+                results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
+            except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
+                results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
+                print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
+            write_results(results, cfg)
     finally:
         if own and hasattr(engine, "shutdown"):
             engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
             engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
-
-
-async def evaluate_all(cfg: Config, engine, generate, allowed, processor, jobs: dict | None = None) -> dict:
-    if jobs is None:  # called directly (bench/evaluate.py), not through evaluate()
-        cfg = resolve(cfg)
-        jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
-    results = {}
-    for bench, job in jobs.items():
-        try:
-            results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
-        except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
-            results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
-            print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
-        write_results(results, cfg)
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
 
@@ -866,11 +858,12 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     with open(os.path.join(job["folder"], "run.json"), "w", encoding="utf-8") as f:
         json.dump(job["run"], f, indent=1)
     todo, t = [s for s in samples if s["id"] not in done], time.perf_counter()
-    stats = {"allowed": allowed, "guess_seed": cfg.seed if cfg.random_fallback else None}
+    guess_seed = cfg.seed if cfg.random_fallback else None
     load, load_stats = make_loader(processor, cfg, bench)
     progress = dict(n=0, start=time.perf_counter(), last=time.perf_counter())
     with open(path, "a", encoding="utf-8") as fh:
-        def write(r):
+        def write(s: dict, prompt: str, response: str, error: str = ""):
+            r = record(s, bench, prompt, response, error, guess_seed)
             if ad.get("judge") and r["problem_type"] == "open-ended":
                 r = {**r, "judge": "none"}
             fh.write(json.dumps(r) + "\n")
@@ -883,9 +876,9 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
                 print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
                       file=sys.stderr, flush=True)
         if generate is None:
-            await run_async(engine, todo, load, cfg, bench, write, stats)
+            engine_stats = await run_async(engine, todo, load, cfg, bench, write, allowed)
         else:
-            run_sync(generate, todo, load, cfg, bench, write, stats)
+            engine_stats = run_sync(generate, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge_rows(rows, cfg)
     write_jsonl(path, rows)
@@ -898,7 +891,7 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
            "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
            "seconds": round(time.perf_counter() - t, 3), "samples": path, "judge": judge,
            "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")},
-           **{k: v for k, v in stats.items() if k not in ("allowed", "guess_seed")}}
+           **engine_stats}
     print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
           f" | unevaluable {len(failed)}", flush=True)
     return res
