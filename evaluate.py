@@ -535,8 +535,12 @@ def read_span(text: str, s: dict):
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
     if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
         text = json.dumps({"time": sorted(float(x) for x in m.groups())})
-    v = rewards.ACCURACY[rewards.canonical_type(s["problem_type"])](text, s)
-    return (text if v is not None else None), v or 0.0
+    return read_reward(text, s)
+
+
+def read_reward(text: str, s: dict):  # our schema, and types without an official reader: the training reward's rule
+    v = rewards.ACCURACY.get(rewards.canonical_type(s["problem_type"]), rewards.acc_open)(text, s)
+    return (text if v is not None else None), v
 
 
 def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
@@ -547,15 +551,13 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
     t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
-    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else None
+    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else read_reward
     if t == "temporal grounding":
         rule = read_span
+    if ad.get("own"):
+        rule = read_reward
     try:
-        if rule is None or ad.get("own"):  # our schema, and types without an official reader: the reward's rule
-            v = rewards.ACCURACY.get(t, rewards.acc_open)(text, s)
-            parsed = text if v is not None else None
-        else:
-            parsed, v = rule(text, s)
+        parsed, v = rule(text, s)
     except Exception:  # noqa: BLE001 - a reader never costs the run: the answer counts as unreadable
         parsed, v = None, None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
@@ -582,12 +584,14 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over values of keys[0] of (the macro over keys[1:] within it): MLVU M-Avg, VSI overall (rel_direction =
-    mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
+    """Mean over values of keys[0] of (the macro over keys[1:] within it), the plain mean without keys: MLVU M-Avg,
+    VSI overall (rel_direction = mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
+    if not keys:
+        return mean(r["score"] for r in rows)
     groups = {}
     for r in rows:
         groups.setdefault(str(r.get(keys[0])), []).append(r)
-    return sum(macro(g, keys[1:]) if keys[1:] else mean(x["score"] for x in g) for g in groups.values()) / len(groups)
+    return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
 def group_score(rows: list[dict], key: str) -> float:
@@ -603,12 +607,12 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     """The official aggregate and breakdown of one benchmark, in percent, over the rows that could be evaluated
     (failed rows are counted, never scored)."""
     ad, n_all = ADAPTERS[bench], len(rows)
-    rows = [r for r in rows if not r["error"]]
+    macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
     sc = [r["score"] for r in rows]
     m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
          "failed": n_all - len(rows)}
-    if ad.get("macro") and rows:
-        m["overall"] = macro(rows, ad["macro"])
+    if macro_keys and rows:
+        m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
         m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
     if ad.get("group") and rows and all(ad["group"] in r for r in rows):
@@ -616,11 +620,11 @@ def aggregate(rows: list[dict], bench: str) -> dict:
         for gt in sorted({str(r.get("group_type")) for r in rows if "group_type" in r}):
             m[f"group_score/{gt}"] = group_score([r for r in rows if str(r.get("group_type")) == gt], ad["group"])
     for k in ad.get("keys", ()):
-        sub = ad["macro"][ad["macro"].index(k) + 1:] if k in ad.get("macro", ()) else ()
+        sub = macro_keys[macro_keys.index(k) + 1:] if k in macro_keys else ()  # a level of the macro: its own macro
         values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
         for v in sorted(values, key=str):
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
-            m[f"{k}/{v}"] = macro(part, sub) if sub else mean(r["score"] for r in part)
+            m[f"{k}/{v}"] = macro(part, sub)
     return m
 
 
