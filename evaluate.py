@@ -114,12 +114,14 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
 
 
 # ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; prompt; answer reader; aggregate. read: the official rule for letter
+# adapters: official record -> data.py sample; prompt; answer reader; aggregate. q, opts, ans: the record's question,
+# options and answer fields (opts None: the options are lines of the question); read: the official rule for letter
 # answers (READERS); index: the answer is an option index; guess: the official scorer picks a random option when it
 # cannot read one (used with random_fallback); keys: breakdowns; macro: official mean of means; group: grouped score
 LETTER = "\nAnswer with the option's letter from the given choices directly."
 OPTS = "{{ options | join('\n') }}"
 P_MC = "{{ problem }}\n" + OPTS + LETTER
+SELECT = "Select the best answer to the following multiple-choice question based on the video. Respond with only the "
 P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choice question based on the video.\n"
           "Respond with only the letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }} Possible "
           "answer choices:\n" + OPTS + "\n{% else %}Answer the following question based on the video.\nQuestion: "
@@ -127,85 +129,80 @@ P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choi
           'JSON within the <answer>...</answer> tags.\nExample:\n<answer>{"time": [12.3, 25.7]}</answer>\n'
           "{% if problem_type != 'temporal grounding' %}Also give one box per integer second: \"boxes\": "
           "{\"<sec>\": [x1, y1, x2, y2]}.\n{% endif %}{% endif %}\nThe best answer is: ")
-EVR1 = dict(q="problem", opts="options", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
-            ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
-                                                                                       r["problem_type"]))
 VSI_NA = ("object_counting", "object_abs_distance", "object_size_estimation", "room_size_estimation")
-A = dict  # one adapter
+
+
+def A(base: dict | None = None, **fields) -> dict:  # one adapter: the field names most releases use, then overrides
+    return {"q": "question", "opts": "options", "ans": "answer", **(base or {}), **fields}
 
 
 def judge_type(r, key, mc_value):  # MC or open-ended (judged) by one field's value
     return "multiple choice" if r.get(key) == mc_value else "open-ended"
 
 
+EVR1 = A(q="problem", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
+         ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
+                                                                                    r["problem_type"]))
 ADAPTERS = {
     "nvr1": A(own=True, keys=("problem_type",)),  # data.py's schema and prompts: the training validation set
-    "videomme": A(q="question", opts="options", ans="answer", id="question_id", video="{videoID}.mp4",
-                  keys=("duration", "domain", "task_type"), prompt="Select the best answer to the following "
-                  "multiple-choice question based on the video. Respond with only the letter (A, B, C, or D) of the "
-                  "correct option.\nQuestion: {{ problem }}\n" + OPTS + "\nThe best answer is:"),
-    "videomme_v2": A(q="question", opts="options", ans="answer", video="{video_id}.mp4", keys=("level", "group_type"),
-                     group="video_id", prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the "
-                     "following multiple-choice question based on the video. Respond with only the letter (A, B, C, "
-                     "D, E, F, G, or H) of the correct option."),
-    "mvbench": A(q="question", opts="candidates", ans="answer", video="{video}", keys=("task",), macro=("task",),
-                 read="mvbench", fix=lambda r: {"task": r["_file"]},
+    "videomme": A(id="question_id", video="{videoID}.mp4", keys=("duration", "domain", "task_type"),
+                  prompt=SELECT + "letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }}\n" + OPTS +
+                  "\nThe best answer is:"),
+    "videomme_v2": A(video="{video_id}.mp4", keys=("level", "group_type"), group="video_id",
+                     prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, F, G, or H) "
+                     "of the correct option."),
+    "mvbench": A(opts="candidates", video="{video}", keys=("task",), macro=("task",), read="mvbench",
+                 fix=lambda r: {"task": r["_file"]},
                  prompt="Carefully watch the video and pay attention to the cause and sequence of events, the detail "
                  "and movement of objects, and the action and pose of persons. Based on your observations, select "
                  "the best option that accurately addresses the question.\nQuestion: {{ problem }}\nOptions:\n"
                  "{% for o in options %}({{ o[0] }}) {{ o[3:] }}\n{% endfor %}Only give the best option."),
-    "tempcompass": A(q="question", opts=None, ans="answer", video="{video_id}.mp4", keys=("dim", "format"),
-                     fix=lambda r: {"format": r["_file"]}, judge=True,
-                     ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(r["_file"],
-                                                                                         "multiple choice"),
+    "tempcompass": A(opts=None, video="{video_id}.mp4", keys=("dim", "format"), fix=lambda r: {"format": r["_file"]},
+                     judge=True, ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(
+                         r["_file"], "multiple choice"),
                      prompt="{{ problem }}{% if problem_type == 'boolean' %}\nPlease answer yes or no:{% elif "
                      "problem_type == 'multiple choice' %}\nPlease directly give the best option:{% endif %}"),
-    "motionbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{video_path}",
-                     keys=("question_type",), read="first",
+    "motionbench": A(nested="qa", opts=None, id="uid", video="{video_path}", keys=("question_type",), read="first",
                      prompt="{{ problem }}\nAnswer with only the option letter (A, B, C, D, E, or F)."),
-    "lvbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{key}.mp4",
-                 keys=("question_type",), read="lvbench",
+    "lvbench": A(nested="qa", opts=None, id="uid", video="{key}.mp4", keys=("question_type",), read="lvbench",
                  prompt="{{ problem }}\nAnswer the question with the option letter"),
-    "longvideobench": A(q="question", opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
+    "longvideobench": A(opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
                         video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True,
                         prompt=P_MC),
-    "mlvu": A(q="question", opts=None, ans="answer", video="{video_name}", keys=("task_type",), macro=("task_type",),
+    "mlvu": A(opts=None, video="{video_name}", keys=("task_type",), macro=("task_type",),
               prompt="{{ problem }}\nOnly give the best option.\nBest option: ("),
     "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",),
-                prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the following multiple-"
-                "choice question based on the video. Respond with only the letter (A, B, C, D, E, or F) of the "
+                prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, or F) of the "
                 "correct option."),
-    "minerva": A(q="question", opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
+    "minerva": A(opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
                  video="{video_id}.mp4", read="minerva", prompt=P_MC),
-    "vcrbench": A(q="question", opts="choices", ans="answer", id="id", video="{video_path}", keys=("dimension",),
-                  judge=True, ptype=lambda r: judge_type(r, "multiple-choice", True),
+    "vcrbench": A(opts="choices", id="id", video="{video_path}", keys=("dimension",), judge=True,
+                  ptype=lambda r: judge_type(r, "multiple-choice", True),
                   prompt="Please analyze the video and answer the question about its content.\nQuestion: "
                   "{{ problem }}\n{% if options %}" + OPTS + "\n{% endif %}Answer: "),
     "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer", prompt="{{ problem }}"),
     "longvideoreason": A(EVR1),
-    "mmvu": A(q="question", opts="choices", ans="answer", id="id", video="{subject}/{file}",
-              keys=("question_type", "subject"), judge=True, read="first",
-              ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
+    "mmvu": A(opts="choices", id="id", video="{subject}/{file}", keys=("question_type", "subject"), judge=True,
+              read="first", ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
               fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:])),  # a hub URL
               prompt="\nQuestion:{{ problem }}\n" + OPTS + "\nVisual Information: processed video\nDo not generate "
               "any intermediate reasoning process. {% if options %}Answer directly with the option letter from the"
               "\ngiven choices.{% else %}Directly output the final answer.{% endif %}\n"),
-    "videommmu": A(q="question", opts="options", ans="answer", id="id", video="{id}.mp4", keys=("track", "discipline"),
-                   read="mmmu", guess=True, fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
+    "videommmu": A(id="id", video="{id}.mp4", keys=("track", "discipline"), read="mmmu", guess=True,
+                   fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
                    ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended", "numerical"),
                    prompt="{{ problem }}\n" + OPTS + "\nPlease ignore the Quiz question in last frame of the video."),
-    "videomathqa": A(q="question", opts="options", ans="answer", id="question_id", video="{videoID}.mp4",
-                     keys=("category", "length"), prompt="Select the best answer to the following multiple-choice "
-                     "question based on the video. Respond with the letter (A, B, C, D or E) of the correct option.\n"
-                     "{{ problem }}\n" + OPTS + "\n\nAnswer with the option's letter (A, B, C, D or E) from the given "
-                     "choices directly."),
-    "vsibench": A(q="question", opts="options", ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4",
-                  keys=("category", "question_type"), macro=("category", "question_type"), read="vsi",
+    "videomathqa": A(id="question_id", video="{videoID}.mp4", keys=("category", "length"),
+                     prompt="Select the best answer to the following multiple-choice question based on the video. "
+                     "Respond with the letter (A, B, C, D or E) of the correct option.\n{{ problem }}\n" + OPTS +
+                     "\n\nAnswer with the option's letter (A, B, C, D or E) from the given choices directly."),
+    "vsibench": A(ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4", keys=("category", "question_type"),
+                  macro=("category", "question_type"), read="vsi",
                   fix=lambda r: {"category": re.sub(r"_(easy|medium|hard)$", "", r["question_type"])},
                   ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice",
                   prompt="These are frames of a video.\n{{ problem }}\n{% if options %}Options:\n" + OPTS + LETTER +
                   "{% else %}\nPlease answer the question using a single word or phrase.{% endif %}"),
-    "charades_sta": A(q="problem", opts=None, ans="answer", video="{video}", tiou=True, ptype="temporal grounding",
+    "charades_sta": A(q="problem", opts=None, video="{video}", tiou=True, ptype="temporal grounding",
                       fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the "
                                      f"visual event described by the sentence '{r['caption']}', determining its "
                                      "starting and ending times."}, prompt=P_EVR1),
@@ -215,13 +212,13 @@ ADAPTERS = {
                   if r["problem_type"] in ("SSR", "CRR") else {}),
     "odvbench": A(EVR1, keys=("odv_task", "odv_subtask")),
     "livesports3k_qa": A(EVR1, keys=("q_type_livesports", "ocr_livesports")),
-    "egoschema": A(q="question", opts="option", ans="answer", id="question_idx", video="{video_idx}.mp4", index=True,
-                   read="mmmu", guess=True, prompt=P_MC),
-    "nextqa": A(q="question", opts=tuple(f"a{i}" for i in range(5)), ans="answer", video="{video}.mp4", keys=("type",),
-                index=True, read="mmmu", guess=True, prompt="{{ problem }}\n" + OPTS),
-    "perceptiontest": A(q="question", opts="options", ans="answer_id", id="question_id", video="{video_name}.mp4",
-                        keys=("area", "reasoning"), index=True, read="first", prompt=P_MC),
-    "worldsense": A(q="question", opts="candidates", ans="answer", id="index", video="{video_path}",
+    "egoschema": A(opts="option", id="question_idx", video="{video_idx}.mp4", index=True, read="mmmu", guess=True,
+                   prompt=P_MC),
+    "nextqa": A(opts=tuple(f"a{i}" for i in range(5)), video="{video}.mp4", keys=("type",), index=True, read="mmmu",
+                guess=True, prompt="{{ problem }}\n" + OPTS),
+    "perceptiontest": A(ans="answer_id", id="question_id", video="{video_name}.mp4", keys=("area", "reasoning"),
+                        index=True, read="first", prompt=P_MC),
+    "worldsense": A(opts="candidates", id="index", video="{video_path}",
                     keys=("task_domain", "task_type", "duration", "audio_class"),
                     prompt="Carefully watch this video and pay attention to every detail. Based on your observations, "
                     "select the best option that accurately addresses the question.\n{{ problem }}\n" + OPTS +
