@@ -27,6 +27,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Literal
 
 import data
@@ -113,12 +114,14 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
 
 
 # ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; prompt; answer reader; aggregate. read: the official rule for letter
+# adapters: official record -> data.py sample; prompt; answer reader; aggregate. q, opts, ans: the record's question,
+# options and answer fields (opts None: the options are lines of the question); read: the official rule for letter
 # answers (READERS); index: the answer is an option index; guess: the official scorer picks a random option when it
 # cannot read one (used with random_fallback); keys: breakdowns; macro: official mean of means; group: grouped score
 LETTER = "\nAnswer with the option's letter from the given choices directly."
 OPTS = "{{ options | join('\n') }}"
 P_MC = "{{ problem }}\n" + OPTS + LETTER
+SELECT = "Select the best answer to the following multiple-choice question based on the video. Respond with only the "
 P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choice question based on the video.\n"
           "Respond with only the letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }} Possible "
           "answer choices:\n" + OPTS + "\n{% else %}Answer the following question based on the video.\nQuestion: "
@@ -126,85 +129,80 @@ P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choi
           'JSON within the <answer>...</answer> tags.\nExample:\n<answer>{"time": [12.3, 25.7]}</answer>\n'
           "{% if problem_type != 'temporal grounding' %}Also give one box per integer second: \"boxes\": "
           "{\"<sec>\": [x1, y1, x2, y2]}.\n{% endif %}{% endif %}\nThe best answer is: ")
-EVR1 = dict(q="problem", opts="options", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
-            ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
-                                                                                       r["problem_type"]))
 VSI_NA = ("object_counting", "object_abs_distance", "object_size_estimation", "room_size_estimation")
-A = dict  # one adapter
+
+
+def A(base: dict | None = None, **fields) -> dict:  # one adapter: the field names most releases use, then overrides
+    return {"q": "question", "opts": "options", "ans": "answer", **(base or {}), **fields}
 
 
 def judge_type(r, key, mc_value):  # MC or open-ended (judged) by one field's value
     return "multiple choice" if r.get(key) == mc_value else "open-ended"
 
 
+EVR1 = A(q="problem", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
+         ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
+                                                                                    r["problem_type"]))
 ADAPTERS = {
     "nvr1": A(own=True, keys=("problem_type",)),  # data.py's schema and prompts: the training validation set
-    "videomme": A(q="question", opts="options", ans="answer", id="question_id", video="{videoID}.mp4",
-                  keys=("duration", "domain", "task_type"), prompt="Select the best answer to the following "
-                  "multiple-choice question based on the video. Respond with only the letter (A, B, C, or D) of the "
-                  "correct option.\nQuestion: {{ problem }}\n" + OPTS + "\nThe best answer is:"),
-    "videomme_v2": A(q="question", opts="options", ans="answer", video="{video_id}.mp4", keys=("level", "group_type"),
-                     group="video_id", prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the "
-                     "following multiple-choice question based on the video. Respond with only the letter (A, B, C, "
-                     "D, E, F, G, or H) of the correct option."),
-    "mvbench": A(q="question", opts="candidates", ans="answer", video="{video}", keys=("task",), macro=("task",),
-                 read="mvbench", fix=lambda r: {"task": r["_file"]},
+    "videomme": A(id="question_id", video="{videoID}.mp4", keys=("duration", "domain", "task_type"),
+                  prompt=SELECT + "letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }}\n" + OPTS +
+                  "\nThe best answer is:"),
+    "videomme_v2": A(video="{video_id}.mp4", keys=("level", "group_type"), group="video_id",
+                     prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, F, G, or H) "
+                     "of the correct option."),
+    "mvbench": A(opts="candidates", video="{video}", keys=("task",), macro=("task",), read="mvbench",
+                 fix=lambda r: {"task": r["_file"]},
                  prompt="Carefully watch the video and pay attention to the cause and sequence of events, the detail "
                  "and movement of objects, and the action and pose of persons. Based on your observations, select "
                  "the best option that accurately addresses the question.\nQuestion: {{ problem }}\nOptions:\n"
                  "{% for o in options %}({{ o[0] }}) {{ o[3:] }}\n{% endfor %}Only give the best option."),
-    "tempcompass": A(q="question", opts=None, ans="answer", video="{video_id}.mp4", keys=("dim", "format"),
-                     fix=lambda r: {"format": r["_file"]}, judge=True,
-                     ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(r["_file"],
-                                                                                         "multiple choice"),
+    "tempcompass": A(opts=None, video="{video_id}.mp4", keys=("dim", "format"), fix=lambda r: {"format": r["_file"]},
+                     judge=True, ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(
+                         r["_file"], "multiple choice"),
                      prompt="{{ problem }}{% if problem_type == 'boolean' %}\nPlease answer yes or no:{% elif "
                      "problem_type == 'multiple choice' %}\nPlease directly give the best option:{% endif %}"),
-    "motionbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{video_path}",
-                     keys=("question_type",), read="first",
+    "motionbench": A(nested="qa", opts=None, id="uid", video="{video_path}", keys=("question_type",), read="first",
                      prompt="{{ problem }}\nAnswer with only the option letter (A, B, C, D, E, or F)."),
-    "lvbench": A(nested="qa", q="question", opts=None, ans="answer", id="uid", video="{key}.mp4",
-                 keys=("question_type",), read="lvbench",
+    "lvbench": A(nested="qa", opts=None, id="uid", video="{key}.mp4", keys=("question_type",), read="lvbench",
                  prompt="{{ problem }}\nAnswer the question with the option letter"),
-    "longvideobench": A(q="question", opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
+    "longvideobench": A(opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
                         video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True,
                         prompt=P_MC),
-    "mlvu": A(q="question", opts=None, ans="answer", video="{video_name}", keys=("task_type",), macro=("task_type",),
+    "mlvu": A(opts=None, video="{video_name}", keys=("task_type",), macro=("task_type",),
               prompt="{{ problem }}\nOnly give the best option.\nBest option: ("),
     "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",),
-                prompt="Question: {{ problem }}\n" + OPTS + "\nSelect the best answer to the following multiple-"
-                "choice question based on the video. Respond with only the letter (A, B, C, D, E, or F) of the "
+                prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, or F) of the "
                 "correct option."),
-    "minerva": A(q="question", opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
+    "minerva": A(opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
                  video="{video_id}.mp4", read="minerva", prompt=P_MC),
-    "vcrbench": A(q="question", opts="choices", ans="answer", id="id", video="{video_path}", keys=("dimension",),
-                  judge=True, ptype=lambda r: judge_type(r, "multiple-choice", True),
+    "vcrbench": A(opts="choices", id="id", video="{video_path}", keys=("dimension",), judge=True,
+                  ptype=lambda r: judge_type(r, "multiple-choice", True),
                   prompt="Please analyze the video and answer the question about its content.\nQuestion: "
                   "{{ problem }}\n{% if options %}" + OPTS + "\n{% endif %}Answer: "),
     "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer", prompt="{{ problem }}"),
     "longvideoreason": A(EVR1),
-    "mmvu": A(q="question", opts="choices", ans="answer", id="id", video="{subject}/{file}",
-              keys=("question_type", "subject"), judge=True, read="first",
-              ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
+    "mmvu": A(opts="choices", id="id", video="{subject}/{file}", keys=("question_type", "subject"), judge=True,
+              read="first", ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
               fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:])),  # a hub URL
               prompt="\nQuestion:{{ problem }}\n" + OPTS + "\nVisual Information: processed video\nDo not generate "
               "any intermediate reasoning process. {% if options %}Answer directly with the option letter from the"
               "\ngiven choices.{% else %}Directly output the final answer.{% endif %}\n"),
-    "videommmu": A(q="question", opts="options", ans="answer", id="id", video="{id}.mp4", keys=("track", "discipline"),
-                   read="mmmu", guess=True, fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
+    "videommmu": A(id="id", video="{id}.mp4", keys=("track", "discipline"), read="mmmu", guess=True,
+                   fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
                    ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended", "numerical"),
                    prompt="{{ problem }}\n" + OPTS + "\nPlease ignore the Quiz question in last frame of the video."),
-    "videomathqa": A(q="question", opts="options", ans="answer", id="question_id", video="{videoID}.mp4",
-                     keys=("category", "length"), prompt="Select the best answer to the following multiple-choice "
-                     "question based on the video. Respond with the letter (A, B, C, D or E) of the correct option.\n"
-                     "{{ problem }}\n" + OPTS + "\n\nAnswer with the option's letter (A, B, C, D or E) from the given "
-                     "choices directly."),
-    "vsibench": A(q="question", opts="options", ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4",
-                  keys=("category", "question_type"), macro=("category", "question_type"), read="vsi",
+    "videomathqa": A(id="question_id", video="{videoID}.mp4", keys=("category", "length"),
+                     prompt="Select the best answer to the following multiple-choice question based on the video. "
+                     "Respond with the letter (A, B, C, D or E) of the correct option.\n{{ problem }}\n" + OPTS +
+                     "\n\nAnswer with the option's letter (A, B, C, D or E) from the given choices directly."),
+    "vsibench": A(ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4", keys=("category", "question_type"),
+                  macro=("category", "question_type"), read="vsi",
                   fix=lambda r: {"category": re.sub(r"_(easy|medium|hard)$", "", r["question_type"])},
                   ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice",
                   prompt="These are frames of a video.\n{{ problem }}\n{% if options %}Options:\n" + OPTS + LETTER +
                   "{% else %}\nPlease answer the question using a single word or phrase.{% endif %}"),
-    "charades_sta": A(q="problem", opts=None, ans="answer", video="{video}", tiou=True, ptype="temporal grounding",
+    "charades_sta": A(q="problem", opts=None, video="{video}", tiou=True, ptype="temporal grounding",
                       fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the "
                                      f"visual event described by the sentence '{r['caption']}', determining its "
                                      "starting and ending times."}, prompt=P_EVR1),
@@ -214,13 +212,13 @@ ADAPTERS = {
                   if r["problem_type"] in ("SSR", "CRR") else {}),
     "odvbench": A(EVR1, keys=("odv_task", "odv_subtask")),
     "livesports3k_qa": A(EVR1, keys=("q_type_livesports", "ocr_livesports")),
-    "egoschema": A(q="question", opts="option", ans="answer", id="question_idx", video="{video_idx}.mp4", index=True,
-                   read="mmmu", guess=True, prompt=P_MC),
-    "nextqa": A(q="question", opts=tuple(f"a{i}" for i in range(5)), ans="answer", video="{video}.mp4", keys=("type",),
-                index=True, read="mmmu", guess=True, prompt="{{ problem }}\n" + OPTS),
-    "perceptiontest": A(q="question", opts="options", ans="answer_id", id="question_id", video="{video_name}.mp4",
-                        keys=("area", "reasoning"), index=True, read="first", prompt=P_MC),
-    "worldsense": A(q="question", opts="candidates", ans="answer", id="index", video="{video_path}",
+    "egoschema": A(opts="option", id="question_idx", video="{video_idx}.mp4", index=True, read="mmmu", guess=True,
+                   prompt=P_MC),
+    "nextqa": A(opts=tuple(f"a{i}" for i in range(5)), video="{video}.mp4", keys=("type",), index=True, read="mmmu",
+                guess=True, prompt="{{ problem }}\n" + OPTS),
+    "perceptiontest": A(ans="answer_id", id="question_id", video="{video_name}.mp4", keys=("area", "reasoning"),
+                        index=True, read="first", prompt=P_MC),
+    "worldsense": A(opts="candidates", id="index", video="{video_path}",
                     keys=("task_domain", "task_type", "duration", "audio_class"),
                     prompt="Carefully watch this video and pay attention to every detail. Based on your observations, "
                     "select the best option that accurately addresses the question.\n{{ problem }}\n" + OPTS +
@@ -399,26 +397,15 @@ def gt_letter(s: dict) -> str:
     return rewards.choice_letter(rewards.ground_truth(s), s["options"]) or rewards.ground_truth(s)
 
 
-def read_letter(text: str, s: dict):
-    """Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter."""
-    for p in PREFIXES:
+def read_pattern(text: str, s: dict, rules: tuple, drop: tuple = ()):
+    """The letter the first rule (pattern, which hit: 0 first, -1 last) finds, {L} being the option letters, after
+    the `drop` phrases are removed."""
+    for p in drop:
         text = text.replace(p, "")
-    m = re.search(f"[{letters_of(s)}]", text)
-    return (m.group(0), float(m.group(0) == gt_letter(s))) if m else (None, 0.0)
-
-
-def read_first(text: str, s: dict):
-    """Perception Test, MotionBench, MMVU: the first option letter standing as a word (\\b[A-D]\\b)."""
-    m = re.search(rf"\b([{letters_of(s)}])\b", text)
-    return (m.group(1), float(m.group(1) == gt_letter(s))) if m else (None, 0.0)
-
-
-def read_minerva(text: str, s: dict):
-    """MINERVA: "answer is X" / "option: X", else the last option letter anywhere."""
-    lt = letters_of(s)
-    m = re.search(rf"(?:answer|option)\s{{0,9}}(?:is|:)\s{{0,9}}([{lt}])", text, re.I)
-    hits = [m.group(1)] if m else re.findall(f"[{lt}]", text)[-1:]
-    return (hits[-1], float(hits[-1] == gt_letter(s))) if hits else (None, 0.0)
+    for pattern, pick in rules:
+        if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
+            return hits[pick], float(hits[pick] == gt_letter(s))
+    return None, 0.0
 
 
 def read_vsi(text: str, s: dict):
@@ -519,8 +506,15 @@ def read_mmmu(text: str, s: dict):
     return got, float(got == gt_letter(s))
 
 
-READERS = {"letter": read_letter, "first": read_first, "minerva": read_minerva, "vsi": read_vsi,
-           "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu}
+READERS = {
+    # Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter
+    "letter": partial(read_pattern, rules=(("[{L}]", 0),), drop=PREFIXES),
+    # Perception Test, MotionBench, MMVU: the first option letter standing as a word
+    "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
+    # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
+    "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
+    "vsi": read_vsi, "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu,
+}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -538,8 +532,12 @@ def read_span(text: str, s: dict):
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
     if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
         text = json.dumps({"time": sorted(float(x) for x in m.groups())})
-    v = rewards.ACCURACY[rewards.canonical_type(s["problem_type"])](text, s)
-    return (text if v is not None else None), v or 0.0
+    return read_reward(text, s)
+
+
+def read_reward(text: str, s: dict):  # our schema, and types without an official reader: the training reward's rule
+    v = rewards.ACCURACY.get(rewards.canonical_type(s["problem_type"]), rewards.acc_open)(text, s)
+    return (text if v is not None else None), v
 
 
 def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
@@ -550,15 +548,13 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
     t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
-    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else None
+    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else read_reward
     if t == "temporal grounding":
         rule = read_span
+    if ad.get("own"):
+        rule = read_reward
     try:
-        if rule is None or ad.get("own"):  # our schema, and types without an official reader: the reward's rule
-            v = rewards.ACCURACY.get(t, rewards.acc_open)(text, s)
-            parsed = text if v is not None else None
-        else:
-            parsed, v = rule(text, s)
+        parsed, v = rule(text, s)
     except Exception:  # noqa: BLE001 - a reader never costs the run: the answer counts as unreadable
         parsed, v = None, None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
@@ -585,12 +581,14 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over values of keys[0] of (the macro over keys[1:] within it): MLVU M-Avg, VSI overall (rel_direction =
-    mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
+    """Mean over values of keys[0] of (the macro over keys[1:] within it), the plain mean without keys: MLVU M-Avg,
+    VSI overall (rel_direction = mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
+    if not keys:
+        return mean(r["score"] for r in rows)
     groups = {}
     for r in rows:
         groups.setdefault(str(r.get(keys[0])), []).append(r)
-    return sum(macro(g, keys[1:]) if keys[1:] else mean(x["score"] for x in g) for g in groups.values()) / len(groups)
+    return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
 def group_score(rows: list[dict], key: str) -> float:
@@ -606,12 +604,12 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     """The official aggregate and breakdown of one benchmark, in percent, over the rows that could be evaluated
     (failed rows are counted, never scored)."""
     ad, n_all = ADAPTERS[bench], len(rows)
-    rows = [r for r in rows if not r["error"]]
+    macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
     sc = [r["score"] for r in rows]
     m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
          "failed": n_all - len(rows)}
-    if ad.get("macro") and rows:
-        m["overall"] = macro(rows, ad["macro"])
+    if macro_keys and rows:
+        m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
         m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
     if ad.get("group") and rows and all(ad["group"] in r for r in rows):
@@ -619,11 +617,11 @@ def aggregate(rows: list[dict], bench: str) -> dict:
         for gt in sorted({str(r.get("group_type")) for r in rows if "group_type" in r}):
             m[f"group_score/{gt}"] = group_score([r for r in rows if str(r.get("group_type")) == gt], ad["group"])
     for k in ad.get("keys", ()):
-        sub = ad["macro"][ad["macro"].index(k) + 1:] if k in ad.get("macro", ()) else ()
+        sub = macro_keys[macro_keys.index(k) + 1:] if k in macro_keys else ()  # a level of the macro: its own macro
         values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
         for v in sorted(values, key=str):
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
-            m[f"{k}/{v}"] = macro(part, sub) if sub else mean(r["score"] for r in part)
+            m[f"{k}/{v}"] = macro(part, sub)
     return m
 
 
@@ -653,11 +651,12 @@ def make_loader(processor, cfg, bench: str):
     return load, all_stats
 
 
-async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, stats: dict):
-    """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once."""
+async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, allowed) -> dict:
+    """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once. Returns
+    the share of time the engine was busy and the mean number of requests in it."""
     from vllm import SamplingParams
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                        skip_special_tokens=True, allowed_token_ids=stats.pop("allowed"))
+                        skip_special_tokens=True, allowed_token_ids=allowed)
     loop, sem = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight)
     pool, busy = ThreadPoolExecutor(cfg.loader_threads), dict(n=0, since=time.perf_counter(), busy=0.0, area=0.0)
 
@@ -678,18 +677,18 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                 finally:
                     track(-1)
             except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
-                return write(record(s, bench, "", "", failure(s, e)))
-        write(record(s, bench, p.text, out.outputs[0].text, guess_seed=stats["guess_seed"]))
+                return write(s, "", "", failure(s, e))
+        write(s, p.text, out.outputs[0].text)
 
     t = time.perf_counter()
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
     track(0)
     wall = time.perf_counter() - t
-    stats.update(engine_busy=busy["busy"] / max(wall, 1e-9), mean_in_flight=busy["area"] / max(wall, 1e-9))
+    return {"engine_busy": busy["busy"] / max(wall, 1e-9), "mean_in_flight": busy["area"] / max(wall, 1e-9)}
 
 
-def run_sync(generate, samples: list, load, cfg: Config, bench: str, write, stats: dict):
+def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
     """The plain loop: load a batch (decode or cache), generate, wait, repeat."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
@@ -697,10 +696,11 @@ def run_sync(generate, samples: list, load, cfg: Config, bench: str, write, stat
             try:
                 ok.append(load(s))
             except Exception as e:  # noqa: BLE001 - reported and counted, the run goes on
-                write(record(s, bench, "", "", failure(s, e)))
+                write(s, "", "", failure(s, e))
         if ok:
             for p, text in zip(ok, generate(ok)):
-                write(record(p.sample, bench, p.text, text, guess_seed=stats["guess_seed"]))
+                write(p.sample, p.text, text)
+    return {}
 
 
 def judge_rows(rows: list[dict], cfg: Config):
@@ -826,7 +826,7 @@ def shut_down(timeout: float | None = None):
 
 async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
     """Every benchmark of cfg: check all, then run, judge, aggregate; results.json and results.md are rewritten
-    after each benchmark. Returns results."""
+    after each benchmark. Returns results. An engine passed in (bench/evaluate.py) is reused and left running."""
     cfg = resolve(cfg)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
@@ -835,26 +835,19 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     own = engine is None
     if own:
         engine, generate, allowed = make_engine(cfg, processor.tokenizer)
+    results = {}
     try:
-        return await evaluate_all(cfg, engine, generate, allowed, processor, jobs)
+        for bench, job in jobs.items():
+            try:
+                results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
+            except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
+                results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
+                print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
+            write_results(results, cfg)
     finally:
         if own and hasattr(engine, "shutdown"):
             engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
             engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
-
-
-async def evaluate_all(cfg: Config, engine, generate, allowed, processor, jobs: dict | None = None) -> dict:
-    if jobs is None:  # called directly (bench/evaluate.py), not through evaluate()
-        cfg = resolve(cfg)
-        jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
-    results = {}
-    for bench, job in jobs.items():
-        try:
-            results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
-        except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
-            results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
-            print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
-        write_results(results, cfg)
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
 
@@ -866,11 +859,12 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     with open(os.path.join(job["folder"], "run.json"), "w", encoding="utf-8") as f:
         json.dump(job["run"], f, indent=1)
     todo, t = [s for s in samples if s["id"] not in done], time.perf_counter()
-    stats = {"allowed": allowed, "guess_seed": cfg.seed if cfg.random_fallback else None}
+    guess_seed = cfg.seed if cfg.random_fallback else None
     load, load_stats = make_loader(processor, cfg, bench)
     progress = dict(n=0, start=time.perf_counter(), last=time.perf_counter())
     with open(path, "a", encoding="utf-8") as fh:
-        def write(r):
+        def write(s: dict, prompt: str, response: str, error: str = ""):
+            r = record(s, bench, prompt, response, error, guess_seed)
             if ad.get("judge") and r["problem_type"] == "open-ended":
                 r = {**r, "judge": "none"}
             fh.write(json.dumps(r) + "\n")
@@ -883,9 +877,9 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
                 print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
                       file=sys.stderr, flush=True)
         if generate is None:
-            await run_async(engine, todo, load, cfg, bench, write, stats)
+            engine_stats = await run_async(engine, todo, load, cfg, bench, write, allowed)
         else:
-            run_sync(generate, todo, load, cfg, bench, write, stats)
+            engine_stats = run_sync(generate, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge_rows(rows, cfg)
     write_jsonl(path, rows)
@@ -898,7 +892,7 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
            "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
            "seconds": round(time.perf_counter() - t, 3), "samples": path, "judge": judge,
            "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")},
-           **{k: v for k, v in stats.items() if k not in ("allowed", "guess_seed")}}
+           **engine_stats}
     print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
           f" | unevaluable {len(failed)}", flush=True)
     return res

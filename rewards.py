@@ -101,21 +101,24 @@ def last_answer(text: str) -> str | None:
     return None if j < 0 else text[j + 8:text.find("</answer>", j)]
 
 
+def in_answer_tag(text: str) -> str:  # the last <answer> tag's content when there is one, else all of text
+    ans = last_answer(text)
+    return (text if ans is None else ans).strip()
+
+
 def answer_text(text: str) -> str:
-    """The answer taken out of our output format, before any type-specific reading (training rewards and
-    evaluate.py's official readers both start here): the content of the last closed <answer> tag when there is
-    one, else the response without its closed <think> blocks; '' when a <think> is left open before any answer
-    (nothing was committed after it). Tags match case- and space-insensitively."""
-    body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
-    ans = last_answer(body)
-    return (body if ans is None else ans).strip()
+    """The answer taken out of our output format, where evaluate.py's official readers start: in_answer_tag of the
+    response without its <think> blocks ('' when a <think> is left open: nothing was committed after it)."""
+    return in_answer_tag(strip_blocks(canon_tags((text or "")[-MAX_LEN:])))
 
 
 def boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or empty."""
     i = text.rfind("\\boxed{")
+    if i < 0:
+        return None
     depth = 1
-    for j in range(i + 7, min(len(text), i + 1007) if i >= 0 else 0):
+    for j in range(i + 7, min(len(text), i + 1007)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7:j].strip(), flags=re.S).strip() or None
@@ -140,9 +143,7 @@ def extract_answer(text: str) -> str | None:
 
 
 def ground_truth(sample: dict) -> str:
-    gt = canon_tags(str(sample.get("answer", "")))
-    ans = last_answer(gt)
-    return (gt if ans is None else ans).strip()
+    return in_answer_tag(canon_tags(str(sample.get("answer", ""))))
 
 
 def canonical_type(problem_type: str) -> str:
@@ -539,11 +540,9 @@ def acc_spatial(ans, s):
     return None if p is None else iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
 
 
-def mean_box_iou(pred: dict, gt: dict) -> float:
-    """Mean IoU over the frames both have (EasyVideoR1, STVG), a malformed predicted box counting 0: frames outside the
-    predicted span are not penalised here, the time IoU is; no common frame scores 0."""
-    common = pred.keys() & gt.keys()
-    return sum(iou_box(pred[k], gt[k]) for k in common if pred[k]) / len(common) if common else 0.0
+def mean_box_iou(pred: dict, gt: dict, frames) -> float:  # a missing or malformed predicted box counts 0
+    frames = list(frames)
+    return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / len(frames) if frames else 0.0
 
 
 def acc_st(ans, s):
@@ -552,7 +551,10 @@ def acc_st(ans, s):
     if span is None and boxes is None:
         return None
     time_iou = 0.0 if span is None else iou_1d(span, as_span(g))
-    return 0.5 * time_iou + 0.5 * (0.0 if boxes is None else mean_box_iou(boxes, as_boxes(g)))
+    if boxes is None:
+        return 0.5 * time_iou
+    gt = as_boxes(g)  # over the frames both have (EasyVideoR1, STVG): frames off the predicted span cost time IoU
+    return 0.5 * time_iou + 0.5 * mean_box_iou(boxes, gt, boxes.keys() & gt.keys())
 
 
 def acc_tracking(ans, s):
@@ -560,7 +562,7 @@ def acc_tracking(ans, s):
     if boxes is None:
         return None
     gt = as_boxes(parse_json(ground_truth(s)))
-    return sum(iou_box(boxes[k], gt[k]) for k in gt if boxes.get(k)) / len(gt)
+    return mean_box_iou(boxes, gt, gt)  # over the ground truth's frames (module docstring)
 
 
 _MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")

@@ -70,12 +70,12 @@ def main():
         engine, _, allowed = E.make_engine(fast, processor.tokenizer)
         try:
             warmup = replace(fast, max_samples=4, out_dir=os.path.join(work, "warm2"))
-            await E.evaluate_all(warmup, engine, None, allowed, processor)
+            await E.evaluate(warmup, engine, None, allowed, processor)
             load, _ = E.make_loader(processor, fast, "nvr1")
             for s in E.load_benchmark("nvr1", fast, []):
                 load(s)  # warm cache: every video decoded once, before timing
             t = time.perf_counter()
-            res = await E.evaluate_all(fast, engine, None, allowed, processor)
+            res = await E.evaluate(fast, engine, None, allowed, processor)
             return res["nvr1"], time.perf_counter() - t
         finally:
             engine.shutdown()
