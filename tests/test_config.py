@@ -76,7 +76,8 @@ def test_check_config_reports_every_bad_combination():
     with pytest.raises(ValueError) as e:
         check_config(cfg, world=4)
     lines = str(e.value).splitlines()[1:]
-    expected = ["lr must be > 0", "warmup_steps must be >= 0", "prompts_per_step 6 must be divisible by the world size 4",
+    expected = ["lr must be > 0", "warmup_steps must be >= 0",
+                "prompts_per_step 6 must be divisible by the world size 4",
                 "rollout_tp > 1 needs rollout vllm", "mini_batches 4 > the 2 rollouts per rank",
                 "min_lr_ratio 2.0 must be in [0, 1]", "gpu_memory_utilization 1.5 must be <= 1",
                 "mix_threshold needs mix_offline", "overlong_buffer 100 > max_response_len 64",
@@ -136,3 +137,32 @@ def test_dry_run_prints_config_counts_and_longest_prompt(tmp_path, tiny_model, c
     n = len(proc.tokenizer(text.replace("<|video_pad|>", "<|video_pad|>" * 16)).input_ids)
     assert f"train: longest prompt {n} tokens (sample long, max_prompt_len 1024)" in printed
     assert not out.exists() or not os.listdir(out)
+
+
+def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
+    """`cache.py --config train.yaml` takes the data files, cache folder, frame settings and the model's factor from
+    the training config (flags after it override), and its entries are the ones training reads."""
+    import cache
+    import make_synthetic_data
+    src = str(tmp_path / "data")
+    make_synthetic_data.make(src, ["color"], num_train=2, num_val=1, seed=0, size=56, fps=4, seconds=2.0)
+    run = {"model": tiny_model, "train_data": f"{src}/train.jsonl", "val_data": f"{src}/val.jsonl",
+           "cache_dir": str(tmp_path / "frames"), "video_fps": 2.0, "video_min_frames": 2, "video_max_frames": 6,
+           "video_min_pixels": 3136, "video_max_pixels": 3136, "video_total_pixels": 0}
+    path = write(tmp_path, yaml.safe_dump(run), "run.yaml")
+    c = cache.load_config(["--config", path, "--workers", "1"])
+    assert (c.data, c.out, c.factor, c.workers) == ([run["train_data"], run["val_data"]], run["cache_dir"], 28, 1)
+    assert (c.fps, c.min_frames, c.max_frames, c.min_pixels, c.max_pixels) == (2.0, 2, 6, 3136, 3136)
+    assert cache.load_config(["--config", path, "--max-frames", "4"]).max_frames == 4
+    # a held-out frame budget of its own (val_*): the held-out file is not cached with training's settings
+    other = write(tmp_path, yaml.safe_dump(dict(run, val_video_max_frames=4)), "val4.yaml")
+    assert cache.load_config(["--config", other]).data == [run["train_data"]]
+    assert cache.preprocess(c)["decode"] == 3
+    cfg = load_config(["--config", path])
+    sample = data.load_samples(cfg.train_data)[0]
+    stats = {}
+    cache.load_video(sample["videos"][0], fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+                     max_frames=cfg.video_max_frames, min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
+                     total_pixels=cfg.video_total_pixels, factor=28, cache_dir=cfg.cache_dir, mode="cache_only",
+                     stats=stats)
+    assert stats["cache_hit"] == 1
