@@ -166,3 +166,31 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
                      total_pixels=cfg.video_total_pixels, factor=28, cache_dir=cfg.cache_dir, mode="cache_only",
                      stats=stats)
     assert stats["cache_hit"] == 1
+
+
+def test_export_bfloat16(tmp_path, tiny_model):
+    """scripts/export_hf.py --dtype bfloat16: every saved tensor is bf16 and equals the checkpoint's fp32 tensor
+    rounded to bf16; config.json says so. The checkpoint: the tiny model as torch.distributed.checkpoint shards next
+    to its config and processor files (what ckpt.save writes)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+    step = tmp_path / "step_1"
+    shutil.copytree(tiny_model, step, ignore=shutil.ignore_patterns("*.safetensors*"))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(step))
+    p = subprocess.run([sys.executable, "scripts/export_hf.py", str(step), str(tmp_path / "hf"), "--dtype", "bfloat16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    saved = {k: v for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")
+             for k, v in load_file(str(tmp_path / "hf" / f)).items()}
+    assert len(saved) == len(model.state_dict()) and all(v.dtype == torch.bfloat16 for v in saved.values())
+    exported = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), dtype="auto").state_dict()
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
+    assert json.load(open(tmp_path / "hf" / "config.json"))["dtype"] == "bfloat16"
