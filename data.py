@@ -112,8 +112,7 @@ TEMPLATES = {
     "counting": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
     "regression": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
     "boolean": "{{ problem }}\nAnswer yes or no. {{ instruction }}",
-    "temporal grounding": '{{ problem }}\nAnswer with the start and end time in seconds, {"time": [start, end]}. '
-                          "{{ instruction }}",
+    "temporal grounding": '{{ problem }}\nAnswer with {"time": [start, end]} in seconds. {{ instruction }}',
     "spatial grounding": '{{ problem }}\nAnswer with the box, {"boxes": [x1, y1, x2, y2]}. {{ instruction }}',
     "default": "{{ problem }}\n{{ instruction }}",
 }
@@ -125,8 +124,7 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
     is the sentence that asks for the response format."""
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
-    instruction = INSTRUCTIONS[response_format]
-    return _jinja.from_string(src).render({**sample, "problem_type": ptype, "instruction": instruction})
+    return _jinja.from_string(src).render(sample, problem_type=ptype, instruction=INSTRUCTIONS[response_format])
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:

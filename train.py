@@ -38,8 +38,10 @@ import dataclasses
 import datetime
 import functools
 import json
+import logging
 import math
 import os
+import re
 import sys
 import time
 import typing
@@ -134,10 +136,8 @@ class Config:
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """threshold mode: swap only when the group's online accuracy (mean over its n rollouts) is below this
-    (0 = always swap). The offline response is treated as on-policy: the probabilities of the policy that wrote it
-    are unknown, so its ratio is taken against the trainer's own old_logp (1 in the first update) and its TIS
-    weight is 1; its share, reward and advantage are logged apart as offline/*"""
+    """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
+    offline response is trained as on-policy (deviation 4 above), logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -244,6 +244,9 @@ def load_config(argv=None) -> Config:
     return tyro.cli(Config, default=base, args=argv)
 
 
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str
+
+
 def yaml_overlay(base: Config, path: str) -> Config:
     """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key).
     A float from a string: PyYAML (YAML 1.1) reads `1e-6` as the string '1e-6'."""
@@ -255,11 +258,8 @@ def yaml_overlay(base: Config, path: str) -> Config:
         if key not in types:
             raise ValueError(f"{path}: unknown key {key!r}")
         choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and type(value) in (int, str):
-            try:
-                value = float(value)
-            except ValueError:
-                pass
+        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
+            value = float(value)
         if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
             raise ValueError(f"{path}: {key}: {value!r} is not {' | '.join(map(repr, choices)) or types[key].__name__}")
         base = replace(base, **{key: value})
@@ -279,35 +279,27 @@ def check_config(cfg: Config, world: int = 1):
                     "mix_threshold", "log_every", "video_total_pixels")
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
-    rollouts_per_rank = cfg.prompts_per_step // world * cfg.group_size
-    for fails, message in [
-        (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} must be divisible by the world size"
-                                       f" {world}"),
-        (world % cfg.rollout_tp, f"the world size {world} must be divisible by rollout_tp {cfg.rollout_tp}"),
+    per_rank = cfg.prompts_per_step // world * cfg.group_size  # rollouts per rank and step
+    bad += [message for fails, message in [
+        (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} % world size {world} != 0"),
+        (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
         (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
-        (cfg.mini_batches > rollouts_per_rank, f"mini_batches {cfg.mini_batches} > the {rollouts_per_rank} rollouts "
-                                               "per rank and step"),
-        (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c}: the dual-clip bound must be "
-                                                     "> 1 (or 0 = off)"),
+        (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
+        (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
         (not 0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]"),
         (cfg.gpu_memory_utilization > 1, f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1"),
         (cfg.mix_threshold > 1, f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)"),
         (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
-        (cfg.overlong_buffer > cfg.max_response_len, f"overlong_buffer {cfg.overlong_buffer} > max_response_len "
-                                                     f"{cfg.max_response_len}"),
-        (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, f"max_prompt_len {cfg.max_prompt_len} > "
-                                                                           f"max_model_len {cfg.max_model_len}"),
+        (cfg.overlong_buffer > cfg.max_response_len, "overlong_buffer > max_response_len"),
+        (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, "max_prompt_len > max_model_len"),
         (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
         (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
         (cfg.image_min_pixels > cfg.image_max_pixels, "image_min_pixels > image_max_pixels"),
         (cfg.video_source == "cache_only" and not cfg.cache_dir, "video_source cache_only needs a cache_dir"),
         (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
-        (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo normalizes the reward components, "
-                                                           "which carry no KL; use a KL loss"),
+        (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
         (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
-    ]:
-        if fails:
-            bad.append(message)
+    ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
 
@@ -757,6 +749,7 @@ def main(cfg: Config):
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
         # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
@@ -900,10 +893,8 @@ def main(cfg: Config):
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
     if rank == 0 and rows:
-        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:  # the steps before a resume too
-            logged = {r["step"]: r for r in map(json.loads, f)}  # a step logged twice (resumed before it): the last
-        first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
-        plot_curve([first] + [logged[s] for s in sorted(logged)], os.path.join(cfg.out_dir, "curve.png"))
+        plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
+                   os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
@@ -1009,6 +1000,12 @@ def init_dist(timeout_s: float = 1800.0):
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
 
+def harmless_vllm_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
+    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
+    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
+
+
 def print0(*a):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*a, flush=True)
@@ -1073,6 +1070,15 @@ def save_checkpoint(model, processor, path: str, rank: int):
         model.save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
+
+
+def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
+    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
+    twice (the run resumed from a checkpoint before it) by its last row."""
+    with open(metrics_path) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
+    return [first] + [logged[s] for s in sorted(logged)]
 
 
 def plot_curve(rows: list[dict], path: str):

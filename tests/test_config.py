@@ -76,15 +76,14 @@ def test_check_config_reports_every_bad_combination():
     with pytest.raises(ValueError) as e:
         check_config(cfg, world=4)
     lines = str(e.value).splitlines()[1:]
-    expected = ["lr must be > 0", "warmup_steps must be >= 0",
-                "prompts_per_step 6 must be divisible by the world size 4",
-                "rollout_tp > 1 needs rollout vllm", "mini_batches 4 > the 2 rollouts per rank",
+    expected = ["lr must be > 0", "warmup_steps must be >= 0", "prompts_per_step 6 % world size 4 != 0",
+                "rollout_tp > 1 needs rollout vllm", "mini_batches 4 > 2 rollouts per rank and step",
                 "min_lr_ratio 2.0 must be in [0, 1]", "gpu_memory_utilization 1.5 must be <= 1",
-                "mix_threshold needs mix_offline", "overlong_buffer 100 > max_response_len 64",
+                "mix_threshold needs mix_offline", "overlong_buffer > max_response_len",
                 "video_min_frames > video_max_frames", "video_source cache_only needs a cache_dir",
                 "kl_in_reward needs kl_coef > 0", "resume 'no/such/dir': no such folder"]
     assert len(lines) == len(expected) and all(line.strip().startswith(x) for line, x in zip(lines, expected)), lines
-    with pytest.raises(ValueError, match="gdpo normalizes"):
+    with pytest.raises(ValueError, match="gdpo's reward components carry no KL"):
         check_config(Config(kl_in_reward=True, kl_coef=0.1, adv_estimator="gdpo"))
     for name in os.listdir(os.path.join(ROOT, "configs")):
         world = 8 if name.startswith("qwen") else 2
@@ -194,3 +193,16 @@ def test_export_bfloat16(tmp_path, tiny_model):
     assert exported.keys() == model.state_dict().keys()
     assert all(torch.equal(exported[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
     assert json.load(open(tmp_path / "hf" / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_curve_keeps_the_steps_before_a_resume(tmp_path):
+    """curve.png is drawn from metrics.jsonl, not from this process's rows: a run that crashed after step 3 and
+    resumed from its step-1 checkpoint logged steps 1, 2, 3, 2, 3, 4; the curve has 0..4, steps 2 and 3 as re-run."""
+    from train import curve_rows
+    logged = [1, 2, 3, 2, 3, 4]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i, step in enumerate(logged):
+            f.write(json.dumps({"step": step, "reward/mean": i / 10, "reward/accuracy": 0.0}) + "\n")
+    rows = curve_rows(str(tmp_path / "metrics.jsonl"), acc_before=0.25)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["reward/mean"] for r in rows[1:]] == [0.0, 0.3, 0.4, 0.5] and rows[0]["eval/accuracy"] == 0.25
