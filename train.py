@@ -768,11 +768,7 @@ def main(cfg: Config):
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped += skips
     skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
-    rows, logger = [], NoLogger()
-    if rank == 0 and cfg.wandb_project:
-        import wandb
-        logger = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
-                            resume="allow")  # online, offline or disabled: as `wandb login` and WANDB_MODE say
+    rows, logger = [], start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
@@ -941,6 +937,14 @@ def write_samples(shown: list[dict], cfg: Config, logger, step: int):
         import wandb
         cells = [[json.dumps(v) if isinstance(v, dict) else v for v in r.values()] for r in shown]
         logger.log({"samples": wandb.Table(columns=list(shown[0]), data=cells)}, step=step)
+
+
+def start_logger(cfg: Config, run_id: str | None, rank: int):
+    """Rank 0's wandb run (resumed by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
+    if rank or not cfg.wandb_project:
+        return NoLogger()
+    import wandb
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=run_id, resume="allow")
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",

@@ -206,3 +206,32 @@ def test_curve_keeps_the_steps_before_a_resume(tmp_path):
     rows = curve_rows(str(tmp_path / "metrics.jsonl"), acc_before=0.25)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["reward/mean"] for r in rows[1:]] == [0.0, 0.3, 0.4, 0.5] and rows[0]["eval/accuracy"] == 0.25
+
+
+@pytest.mark.parametrize("mode", ["disabled", "offline"])
+def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
+    """wandb is no longer forced offline without WANDB_API_KEY: WANDB_MODE decides (disabled writes nothing at all);
+    an offline run holds the samples table that write_samples logs next to samples.jsonl."""
+    import glob
+
+    import wandb
+
+    from train import start_logger, write_samples
+    wandb.teardown()  # wandb reads WANDB_MODE once per process, at its first init: a fresh start, as a new run has
+    monkeypatch.setenv("WANDB_MODE", mode)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = Config(wandb_project="nvr1-test", out_dir=str(tmp_path))
+    logger = start_logger(cfg, None, rank=0)
+    shown = [{"step": 1, "id": "s1", "response": "<answer>B</answer>", "finish": "stop",
+              "reward": {"overall": 1.0, "accuracy": 1.0, "format": 1.0}, "advantage": 0.5}]
+    write_samples(shown, cfg, logger, step=1)
+    logger.finish()
+    assert [json.loads(line) for line in open(tmp_path / "samples.jsonl")] == shown
+    tables = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*.json"))
+    if mode == "disabled":
+        assert not glob.glob(str(tmp_path / "wandb" / "*run-*"))
+    else:
+        table = json.load(open(tables[0]))
+        assert table["columns"] == list(shown[0]) and table["data"][0][2] == "<answer>B</answer>"
+        assert json.loads(table["data"][0][4]) == shown[0]["reward"]
+    assert start_logger(cfg, None, rank=1).id is None  # other ranks never start a run
