@@ -62,8 +62,7 @@ from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed,
 @dataclass
 class Config:
     config: tuple[str, ...] = ()
-    """YAML files that set the defaults, each over the ones before it (unknown keys and mistyped values fail);
-    the other flags override them"""
+    """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
     dry_run: bool = False
     """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
     # --- model and data

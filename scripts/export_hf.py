@@ -8,13 +8,16 @@ saved with: DCP gathers the shards into full tensors.
 """
 import os
 import sys
+from typing import Literal
 
 import torch
+import tyro
+from tyro.conf import Positional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: str, out: str, dtype: str = "float32"):
+def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32"):
     """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself.
     dtype: the saved weights' (the checkpoint holds fp32 master weights)."""
     import torch.distributed.checkpoint as dcp
@@ -33,10 +36,4 @@ def export(ckpt: str, out: str, dtype: str = "float32"):
 
 
 if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt")
-    parser.add_argument("out")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args = parser.parse_args()
-    print(export(args.ckpt, args.out, args.dtype))
+    print(tyro.cli(export))
