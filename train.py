@@ -307,7 +307,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per split, the prompt
     length of the sample with the most media and the longest text (processor-expanded, vision tokens included)."""
     import yaml
-    print(yaml.safe_dump(asdict(cfg), sort_keys=False), end="")
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
         if rows:

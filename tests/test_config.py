@@ -124,8 +124,10 @@ def test_dry_run_prints_config_counts_and_longest_prompt(tmp_path, tiny_model, c
                        "", "--video-source", "decode_only", "--dry-run"])
     assert main(cfg) is None
     printed = capsys.readouterr().out
-    resolved = yaml.safe_load(printed.split("\ndata: ")[0])
-    assert resolved["lr"] == 0.001 and resolved["dry_run"] is True and resolved["train_data"] == f"{src}/train.jsonl"
+    resolved = printed.split("\ndata: ")[0]
+    assert yaml.safe_load(resolved)["lr"] == 0.001 and yaml.safe_load(resolved)["train_data"] == f"{src}/train.jsonl"
+    path = write(tmp_path, resolved, "resolved.yaml")  # read back, it is the same run
+    assert load_config(["--config", path]) == dataclasses.replace(cfg, config=(path,), dry_run=False)
     assert "data: 6 train, 3 val, 0 skipped" in printed
     # by definition: the chat-templated text with one <|video_pad|> per merged patch: 8 frames of 56x56 -> grid
     # (4, 4, 4) -> 64 patches / 2x2 merge = 16 video tokens
