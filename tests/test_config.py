@@ -169,6 +169,7 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
     assert stats["cache_hit"] == 1
 
 
+@pytest.mark.slow  # a subprocess that imports transformers and torch.distributed.checkpoint: ~20-70 s here
 def test_export_bfloat16(tmp_path, tiny_model):
     """scripts/export_hf.py --dtype bfloat16: every saved tensor is bf16 and equals the checkpoint's fp32 tensor
     rounded to bf16; config.json says so. The checkpoint: the tiny model as torch.distributed.checkpoint shards next
