@@ -229,6 +229,9 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28)
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Config:
+    config: str = ""
+    """a training YAML (train.py --config): its train_data, val_data, cache_dir, video_* settings and its model's
+    factor set the defaults below, so the cache cannot drift from training; flags override them"""
     data: list[str] = field(default_factory=list)
     """JSON/JSONL files whose `videos` to preprocess (paths relative to each file's folder)"""
     out: str = ".cache/frames"
@@ -291,9 +294,29 @@ def preprocess(c: Config) -> dict:
     return total
 
 
-if __name__ == "__main__":
+def load_config(argv: list[str]) -> Config:
+    """The CLI: `--config train.yaml` sets the defaults from training's settings (the held-out file only when its
+    frame budget is training's: train.py's val_* fields); the other flags override them."""
     import tyro
-    cfg = tyro.cli(Config, config=(tyro.conf.UseAppendAction,))  # --data a.jsonl --data b.jsonl
+    default = Config()
+    if "--config" in argv:
+        import train
+        from transformers import AutoProcessor
+
+        from data import vision_factor
+        t = train.load_config(["--config", argv[argv.index("--config") + 1]])
+        files = [t.train_data]
+        if t.val_data and train.val_config(t) == t:
+            files.append(t.val_data)
+        factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
+        default = Config(t.config[0], files, t.cache_dir, fps=t.video_fps, min_frames=t.video_min_frames,
+                         max_frames=t.video_max_frames, min_pixels=t.video_min_pixels, max_pixels=t.video_max_pixels,
+                         total_pixels=t.video_total_pixels, factor=factor)
+    return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
+
+
+if __name__ == "__main__":
+    cfg = load_config(sys.argv[1:])
     summary = preprocess(cfg)
     print(" | ".join(f"{k} {v}" for k, v in summary.items()))
     if summary["failed"]:

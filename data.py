@@ -138,29 +138,33 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
 
 # ---------------------------------------------------------------------------------------------------
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
-ANSWER = "Put your final answer inside <answer> </answer> tags."
+# The instruction follows the format the reward checks (train.Config.response_format): one setting, not two.
+INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.",
+                "think_answer": "First think step by step inside <think> </think> tags, then put your final answer "
+                                "inside <answer> </answer> tags."}
 TEMPLATES = {
     "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. "
-                       + ANSWER,
-    "numerical": "{{ problem }}\nAnswer with a single number. " + ANSWER,
-    "counting": "{{ problem }}\nAnswer with a single number. " + ANSWER,
-    "regression": "{{ problem }}\nAnswer with a single number. " + ANSWER,
-    "boolean": "{{ problem }}\nAnswer yes or no. " + ANSWER,
-    "temporal grounding": '{{ problem }}\nAnswer with the start and end time in seconds as '
-                          '<answer>{"time": [start, end]}</answer>.',
-    "spatial grounding": '{{ problem }}\nAnswer with the box as <answer>{"boxes": [x1, y1, x2, y2]}</answer>.',
-    "default": "{{ problem }}\n" + ANSWER,
+                       "{{ instruction }}",
+    "numerical": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    "counting": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    "regression": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    "boolean": "{{ problem }}\nAnswer yes or no. {{ instruction }}",
+    "temporal grounding": '{{ problem }}\nAnswer with {"time": [start, end]} in seconds. {{ instruction }}',
+    "spatial grounding": '{{ problem }}\nAnswer with the box, {"boxes": [x1, y1, x2, y2]}. {{ instruction }}',
+    "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
 
 
-def render_prompt(sample: dict, template: str | None = None) -> str:
-    """The user text for a sample. `template` (Jinja2 source) overrides the per-type default. Output over
-    MAX_PROMPT_CHARS is a DataError naming the sample, caught while it streams (never built whole)."""
+def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
+    """The user text for a sample. `template` (Jinja2 source) overrides the per-type default; `{{ instruction }}` in it
+    is the sentence that asks for the response format. Output over MAX_PROMPT_CHARS is a DataError naming the sample,
+    caught while it streams (never built whole)."""
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
+    context = {**sample, "problem_type": ptype, "instruction": INSTRUCTIONS[response_format]}
     parts, size = [], 0
-    for part in _jinja.from_string(src).generate({**sample, "problem_type": ptype}):
+    for part in _jinja.from_string(src).generate(context):
         size += len(part)
         if size > MAX_PROMPT_CHARS:
             raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
@@ -245,7 +249,8 @@ def vision_factor(processor) -> int:
     return ip.patch_size * ip.merge_size
 
 
-def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None) -> Prompt:
+def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
+            response_format: str = "answer") -> Prompt:
     """Load media (cache or decode), render the chat prompt and run the processor once.
 
     cfg carries the frame settings (video_fps, video_min_frames, video_max_frames, video_min_pixels,
@@ -263,7 +268,7 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
                                mode=cfg.video_source, stats=stats) for p in sample.get("videos", [])]
     images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor)
               for p in sample.get("images", [])]
-    text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template)),
+    text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template, response_format)),
                                          tokenize=False, add_generation_prompt=True)
     kw = {}
     if videos:

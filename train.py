@@ -34,13 +34,17 @@ The math follows verl 0.9.1 (docs/algorithms.md). Deviations, on purpose:
 5. Dynamic sampling never fails a step: after max_gen_rounds the batch is filled up with dropped
    (all-equal) groups, counted in dyn/refilled. The TIS mask mode drops weights above the cap only.
 """
+import dataclasses
 import datetime
 import functools
 import json
+import logging
 import math
 import os
+import re
 import sys
 import time
+import typing
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -57,6 +61,10 @@ from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed,
 
 @dataclass
 class Config:
+    config: tuple[str, ...] = ()
+    """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
+    dry_run: bool = False
+    """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
     # --- model and data
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
@@ -101,13 +109,13 @@ class Config:
     """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
     val_image_max_pixels: int = 0
     """validation: max pixels per image (0 = image_max_pixels)"""
-    video_source: str = "prefer_cache"
-    """prefer_cache | cache_only | decode_only (see cache.py)"""
+    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
+    """where frames come from (see cache.py)"""
     cache_dir: str = ".cache/frames"
     """frame cache folder ('' = no cache)"""
     # --- rollout
-    rollout: str = "vllm"
-    """vllm | hf (transformers generate on the training model)"""
+    rollout: Literal["vllm", "hf"] = "vllm"
+    """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
     rollout_tp: int = 1
     """vLLM tensor parallel size: 1 = an engine per rank, world size = one engine over all ranks"""
     group_size: int = 8
@@ -127,23 +135,21 @@ class Config:
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """threshold mode: swap only when the group's online accuracy (mean over its n rollouts) is below this
-    (0 = always swap). The offline response is treated as on-policy: the probabilities of the policy that wrote it
-    are unknown, so its ratio is taken against the trainer's own old_logp (1 in the first update) and its TIS
-    weight is 1; its share, reward and advantage are logged apart as offline/*"""
+    """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
+    offline response is trained as on-policy (deviation 4 above), logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
     w_fmt: float = 0.1
     """weight of the format reward"""
-    format_template: str = "answer"
-    """format reward template: answer (<answer>..</answer>) | think_answer"""
+    response_format: Literal["answer", "think_answer"] = "answer"
+    """what the default prompts ask for and the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
-    adv_estimator: str = "grpo"
+    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
     adv_eps: float = 1e-6
     """epsilon in (r - mean) / (std + eps)"""
-    loss_type: str = "ppo"
+    loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
     """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight x logp)"""
     clip_low: float = 0.2
     """clip: ratio >= 1 - clip_low"""
@@ -151,21 +157,22 @@ class Config:
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
-    loss_agg: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
     kl_coef: float = 0.0
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
-    kl_type: str = "k3"
+    kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
     """subtract kl_coef * KL(old || ref) from the return instead of a KL loss (reinforce++, remax: from each token)"""
     entropy_coef: float = 0.0
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
-    tis: str = ""
+    tis: Literal["", "token", "sequence"] = ""
     """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
     tis_cap: float = 2.0
     """upper bound of that importance weight"""
-    tis_mode: str = "truncate"
+    tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose dyn_filter_metric is the same for every rollout, generate more until the batch is full"""
@@ -206,7 +213,11 @@ class Config:
     save: bool = True
     """save an HF-format checkpoint (loads in vLLM and transformers) at the end"""
     wandb_project: str = ""
-    """wandb project ('' = off); offline mode when WANDB_API_KEY is unset"""
+    """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
+    log_every: int = 1
+    """write sampled completions to out_dir/samples.jsonl (and a wandb table) every N steps (0 = never)"""
+    log_samples: int = 4
+    """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
     save_every: int = 0
     """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = only on SIGTERM/SIGINT), see scripts/export_hf.py"""
@@ -219,34 +230,95 @@ class Config:
 
 
 def load_config(argv=None) -> Config:
-    """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it (unknown keys fail); the
-    other flags override them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
+    """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
+    them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
     import tyro
-    import yaml
     argv = list(sys.argv[1:] if argv is None else argv)
     base = Config()
     if "--config" in argv:
-        i = argv.index("--config")
-        end = i + 1
+        end = argv.index("--config") + 1
         while end < len(argv) and not argv[end].startswith("--"):
+            base = yaml_overlay(base, argv[end])
             end += 1
-        for path in argv[i + 1:end]:
-            with open(path) as f:
-                base = replace(base, **(yaml.safe_load(f) or {}))  # TypeError on a typo'd key
-        del argv[i:end]
     return tyro.cli(Config, default=base, args=argv)
 
 
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str
+
+
+def yaml_overlay(base: Config, path: str) -> Config:
+    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key).
+    A float from a string: PyYAML (YAML 1.1) reads `1e-6` as the string '1e-6'."""
+    import yaml
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    types = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "config"}
+    for key, value in values.items():
+        if key not in types:
+            raise ValueError(f"{path}: unknown key {key!r}")
+        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
+        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
+            value = float(value)
+        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
+            raise ValueError(f"{path}: {key}: {value!r} is not {' | '.join(map(repr, choices)) or types[key].__name__}")
+        base = replace(base, **{key: value})
+    return base
+
+
 def check_config(cfg: Config, world: int = 1):
-    """Settings that cannot work together fail here, before anything loads."""
-    if cfg.prompts_per_step % world:
-        raise ValueError(f"prompts_per_step {cfg.prompts_per_step} must be divisible by the world size {world}")
-    if world % cfg.rollout_tp:
-        raise ValueError(f"the world size {world} must be divisible by rollout_tp {cfg.rollout_tp}")
-    if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
-        raise ValueError(f"clip_ratio_c {cfg.clip_ratio_c}: the dual-clip bound must be > 1 (or 0 = off)")
-    if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
-        raise ValueError("kl_in_reward: gdpo normalizes the reward components, which carry no KL; use a KL loss")
+    """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
+    choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
+    bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
+    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
+                "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
+                "log_samples", "lr", "temperature", "video_fps", "tis_cap", "gpu_memory_utilization", "adv_eps",
+                "dist_timeout")
+    not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
+                    "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
+                    "mix_threshold", "log_every", "video_total_pixels")
+    bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
+    bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
+    per_rank = cfg.prompts_per_step // world * cfg.group_size  # rollouts per rank and step
+    bad += [message for fails, message in [
+        (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} % world size {world} != 0"),
+        (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
+        (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
+        (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
+        (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
+        (not 0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]"),
+        (cfg.gpu_memory_utilization > 1, f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1"),
+        (cfg.mix_threshold > 1, f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)"),
+        (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
+        (cfg.overlong_buffer > cfg.max_response_len, "overlong_buffer > max_response_len"),
+        (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, "max_prompt_len > max_model_len"),
+        (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
+        (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
+        (cfg.image_min_pixels > cfg.image_max_pixels, "image_min_pixels > image_max_pixels"),
+        (cfg.video_source == "cache_only" and not cfg.cache_dir, "video_source cache_only needs a cache_dir"),
+        (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
+        (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
+        (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
+    ] if fails]
+    if bad:
+        raise ValueError("invalid config:\n  " + "\n  ".join(bad))
+
+
+def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
+    """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per split, the prompt
+    length of the sample with the most media and the longest text (processor-expanded, vision tokens included)."""
+    import yaml
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")
+    print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
+    for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
+        if rows:
+            size = [(len(s.get("videos", []) + s.get("images", [])),
+                     len(processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids))
+                    for s in rows]
+            longest = rows[max(range(len(rows)), key=size.__getitem__)]
+            prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
+            print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
+                  f"{cfg.max_prompt_len})")
 
 
 def val_config(cfg: Config) -> Config:
@@ -546,7 +618,7 @@ class Group:
 
 def score(r: Rollout, cfg: Config) -> dict:
     """rewards.compute_reward's components and "overall", + DAPO's overlong penalty (a component: GDPO sees it)."""
-    overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.format_template)
+    overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
     if cfg.overlong_buffer:
         comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
                                                                   cfg.overlong_buffer)
@@ -665,6 +737,8 @@ def main(cfg: Config):
     skipped += skips
     val_samples = data.load_samples(cfg.val_data, cfg.skip_invalid, skipped) if cfg.val_data else []
     val_samples = val_samples[:cfg.eval_max_samples]
+    if cfg.dry_run:
+        return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
     ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
@@ -675,6 +749,7 @@ def main(cfg: Config):
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
         # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
@@ -687,16 +762,13 @@ def main(cfg: Config):
         engine = HFEngine(model, tok, eos_ids, dummies)
     signals = ckpt.catch_stop_signals()  # after the engine: ours must be the handlers that run
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
-    prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, template=template)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, template=template)
+    fmt = dict(template=template, response_format=cfg.response_format)
+    prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
+    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped += skips
     skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
-    rows, logger = [], NoLogger()
-    if rank == 0 and cfg.wandb_project:
-        import wandb
-        logger = wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
-                            resume="allow", mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
+    rows, logger = [], start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
@@ -709,7 +781,10 @@ def main(cfg: Config):
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
-    acc_after = float("nan")  # held-out accuracy after the last step (evaluated inside the loop, so it is logged)
+    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated inside the loop: it is logged)
+    if state.get("step", 0) >= cfg.max_steps:
+        print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
+    t_start = time.time()
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
@@ -778,6 +853,7 @@ def main(cfg: Config):
             "len": lengths, "adv": adv[:, 0].tolist(),
             "offline": [r.finish == "offline" for r in rollouts], "truncated": [r.finish == "length" for r in rollouts],
             "m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
+            "samples": sample_rows(batch.groups, adv, step, cfg),
         }
         parts = gather(local)
         ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups]) for i in part]
@@ -795,7 +871,11 @@ def main(cfg: Config):
                 row["eval/accuracy"] = acc_after
         if rank == 0:
             rows.append(row)
-            print0(" | ".join([f"step {step}"] + [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]))
+            per_step = (time.time() - t_start) / (step - state.get("step", 0))
+            eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
+            shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
+            print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
+            write_samples([x for p in parts for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
             with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             logger.log(row, step=step)
@@ -803,20 +883,21 @@ def main(cfg: Config):
         stop = ckpt.any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
-                        wandb_id=logger.id, acc_before=acc_before, skipped=skipped)
+                        wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
             ckpt.save(cfg.out_dir, step, model, opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
     if rank == 0 and rows:
-        rows.insert(0, {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"),
-                        "eval/accuracy": acc_before})
-        plot_curve(rows, os.path.join(cfg.out_dir, "curve.png"))
+        plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
+                   os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
         save_checkpoint(model, processor, os.path.join(cfg.out_dir, "final"), rank)
     logger.finish()
+    if isinstance(engine, VLLMEngine):
+        engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
     print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     ckpt.barrier()
     return acc_before, acc_after
@@ -834,6 +915,36 @@ class NoLogger:
 
     def finish(self):
         pass
+
+
+def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) -> list[dict]:
+    """What the model writes, every log_every steps: the first completion of each of this rank's first log_samples
+    groups, its reward components and advantage (at its first token: per-token estimators vary along it)."""
+    if not cfg.log_every or step % cfg.log_every:
+        return []
+    return [{"step": step, "id": g.rollouts[0].prompt.sample["id"], "response": g.rollouts[0].text,
+             "finish": g.rollouts[0].finish, "reward": g.components[0], "advantage": adv[i * cfg.group_size, 0].item()}
+            for i, g in enumerate(groups[:cfg.log_samples])]
+
+
+def write_samples(shown: list[dict], cfg: Config, logger, step: int):
+    """Append sample_rows' rows to out_dir/samples.jsonl; with wandb on, log them as a table too."""
+    if not shown:
+        return
+    with open(os.path.join(cfg.out_dir, "samples.jsonl"), "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in shown)
+    if cfg.wandb_project:
+        import wandb
+        cells = [[json.dumps(v) if isinstance(v, dict) else v for v in r.values()] for r in shown]
+        logger.log({"samples": wandb.Table(columns=list(shown[0]), data=cells)}, step=step)
+
+
+def start_logger(cfg: Config, run_id: str | None, rank: int):
+    """Rank 0's wandb run (resumed by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
+    if rank or not cfg.wandb_project:
+        return NoLogger()
+    import wandb
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=run_id, resume="allow")
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
@@ -891,6 +1002,12 @@ def init_dist(timeout_s: float = 1800.0):
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+
+
+def harmless_vllm_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
+    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
+    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
 
 
 def print0(*a):
@@ -957,6 +1074,15 @@ def save_checkpoint(model, processor, path: str, rank: int):
         model.save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
+
+
+def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
+    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
+    twice (the run resumed from a checkpoint before it) by its last row."""
+    with open(metrics_path) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
+    return [first] + [logged[s] for s in sorted(logged)]
 
 
 def plot_curve(rows: list[dict], path: str):

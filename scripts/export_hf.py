@@ -4,17 +4,22 @@ saved with: DCP gathers the shards into full tensors.
 
     python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60
     python scripts/export_hf.py runs/tiny_cpu/ckpt/latest runs/tiny_cpu/hf_latest   # the `latest` pointer works too
+    python scripts/export_hf.py runs/X/ckpt/latest runs/X/hf --dtype bfloat16        # half the size, for serving
 """
 import os
 import sys
+from typing import Literal
 
 import torch
+import tyro
+from tyro.conf import Positional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: str, out: str):
-    """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself."""
+def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32"):
+    """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself.
+    dtype: the saved weights' (the checkpoint holds fp32 master weights)."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
@@ -25,11 +30,10 @@ def export(ckpt: str, out: str):
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=ckpt)  # in place, strict: a missing tensor raises
     model.generation_config = GenerationConfig.from_pretrained(ckpt)
+    model.to(getattr(torch, dtype))
     train.save_checkpoint(model, AutoProcessor.from_pretrained(ckpt), out, rank=0)
     return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    print(export(sys.argv[1], sys.argv[2]))
+    print(tyro.cli(export))

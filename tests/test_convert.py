@@ -186,4 +186,4 @@ def test_easyvideor1(tmp_path):
     assert os.path.samefile(samples[0]["videos"][0], media / "videos/car.mp4")
     assert os.path.samefile(samples[1]["images"][0], media / "images/cat.jpg")
     assert data.render_prompt(samples[0]).endswith("Options:\nA. Red\nB. Blue\nC. Green\nD. White\n"
-                                                   "Answer with the option's letter. " + data.ANSWER)
+                                                   "Answer with the option's letter. " + data.INSTRUCTIONS["answer"])

@@ -34,7 +34,7 @@ def run_train(tmp_path, model, data_dir, *extra, nproc=2):
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return out, rows, p.stdout
+    return out, rows, p.stdout + p.stderr
 
 
 def weights(folder):
@@ -53,6 +53,19 @@ def test_two_rank_fsdp_vllm_steps(tmp_path, tiny_model, color_data, tp):
     # a cold cache decodes each distinct video once, even when tp ranks load the same prompts (per-key lock)
     assert [r["cache/decode"] for r in rows] == [4, 4]
     assert "held-out accuracy: before" in stdout
+    # quiet: vLLM's CPU worker warned on every torch.set_num_threads (twice per request); one line per step with ETA
+    assert "torch.set_num_threads" not in stdout and "Traceback" not in stdout
+    assert any(x.startswith("step 2/2 |") and x.endswith("| ETA 0:00:00") for x in stdout.splitlines())
+    # samples.jsonl: every step (log_every 1), the first completion of each group, scored as by the reward function
+    import data
+    import rewards
+    samples = {s["id"]: s for s in data.load_samples(f"{color_data}/train.jsonl")}
+    shown = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert [r["step"] for r in shown] == [1] * 4 + [2] * 4  # prompts_per_step 4: min(log_samples 4, groups)
+    for r, row in zip(shown, [rows[0]] * 4 + [rows[1]] * 4):
+        assert r["id"] in row["data/ids"] and r["finish"] in ("stop", "length") and math.isfinite(r["advantage"])
+        overall, components = rewards.compute_reward(r["response"], samples[r["id"]])
+        assert r["reward"] == dict(components, overall=overall)
     before, after = weights(tiny_model), weights(out / "final")
     assert before.keys() == after.keys()
     changed = [k for k in before if not torch.equal(before[k], after[k])]
@@ -73,10 +86,17 @@ def test_hf_rollout_two_ranks_warm_cache(tmp_path, tiny_model, color_data):
 
 def test_hf_rollout_two_ranks_uneven_eval(tmp_path, tiny_model, color_data):
     """3 held-out prompts on 2 ranks: the HF engine's generate is collective (FSDP), so both ranks must call it
-    equally often; each prompt is still scored once."""
-    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf", "--eval-max-samples", "3",
-                                  "--max-steps", "1", "--no-save", "--dist-timeout", "120")
+    equally often; each prompt is still scored once. `--resume auto` on the finished run trains nothing and reports
+    the saved held-out accuracies (it once printed "after nan")."""
+    args = ("--rollout", "hf", "--eval-max-samples", "3", "--max-steps", "1", "--no-save", "--dist-timeout", "120",
+            "--save-every", "1")
+    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, *args)
     assert len(rows) == 1 and "held-out accuracy: before" in stdout
     for step in (0, 1):
         ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]
         assert len(ids) == len(set(ids)) == 3
+    result = [x for x in stdout.splitlines() if x.startswith("held-out accuracy:")]
+    _, rows, again = run_train(tmp_path, tiny_model, color_data, *args, "--resume", "auto")
+    assert len(rows) == 1 and "max_steps 1 reached, nothing to train" in again
+    assert [x for x in again.splitlines() if x.startswith("held-out accuracy:")] == result
+    assert "nan" not in result[0] and result[0].endswith(f"after {rows[0]['eval/accuracy']:.2f}")
