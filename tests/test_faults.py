@@ -339,3 +339,20 @@ def test_nan_loss_stops_before_the_update(tmp_path, tiny_model, synth):
     assert p.returncode != 0, log[-4000:]
     assert "step 1: the loss (" in log and "is not finite; samples ['" in log, log[-4000:]
     assert not (out / "ckpt").exists() and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_pruning_never_deletes_what_latest_names(tmp_path, tiny_model):
+    """ckpt.save with keep_last -1 (check_config refuses it; before, it deleted the checkpoint just written), then a
+    run resumed from an older folder writing step 2 below step 4 (before, keep_last 1 deleted the new step 2): the
+    folder `latest` names always exists."""
+    import ckpt
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    opt, proc = torch.optim.AdamW(model.parameters()), AutoProcessor.from_pretrained(tiny_model)
+    root = tmp_path / "ckpt"
+    for step, keep_last in ((1, -1), (4, 1), (2, 1)):
+        ckpt.save(str(tmp_path), step, model, opt, proc, meta={"step": step}, keep_last=keep_last, rank=0)
+        latest = (root / "latest").read_text()
+        assert latest == f"step_{step:08d}" and (root / latest / "meta.json").exists()
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
