@@ -330,12 +330,12 @@ def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
 
 @pytest.mark.slow
 def test_nan_loss_stops_before_the_update(tmp_path, tiny_model, synth):
-    """--adv-eps 0: a group whose rollouts all score the same (most, at random init) gets the advantage 0 / 0 = NaN.
-    The run stops at step 1 naming its samples, before the optimizer step, and writes no checkpoint (before: rc 0,
+    """--adv-eps 0 with every reward weight 0: each group's rollouts score the same, so GRPO's advantage is 0 / 0 =
+    NaN. The run stops at step 1 naming its samples, before the optimizer step, and writes no checkpoint (before: rc 0,
     loss NaN, checkpoints and a final model of NaN weights)."""
     out = tmp_path / "run"
-    p, log = run_train(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--adv-eps", "0",
-                                 "--save-every", "1", "--save"))
+    p, log = run_train(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--adv-eps", "0", "--w-acc", "0",
+                                 "--w-fmt", "0", "--save-every", "1", "--save"))
     assert p.returncode != 0, log[-4000:]
     assert "step 1: the loss (" in log and "is not finite; samples ['" in log, log[-4000:]
     assert not (out / "ckpt").exists() and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
