@@ -9,7 +9,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -232,17 +231,20 @@ def train_cmd(model, train_data, out, *extra) -> list:
 
 
 def start(cmd) -> subprocess.Popen:
-    """A torchrun job in its own process group (stdout + stderr in one pipe), so a hung one can be killed whole."""
+    """A torchrun job, stdout + stderr in one pipe."""
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def finish(p: subprocess.Popen, timeout: float) -> str:
-    """The job's log once it ends; past the timeout (a hang) its whole process group is killed and the test fails."""
+    """The job's log once it ends; past the timeout (a hang) the job is killed, workers first (torchrun starts each in
+    a session of its own, and they may ignore SIGTERM), and the test fails."""
+    import psutil
     try:
         return p.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        for proc in psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]:
+            proc.kill()
         raise AssertionError(f"still running after {timeout} s: " + p.communicate()[0][-4000:])
 
 
