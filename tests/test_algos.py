@@ -140,7 +140,8 @@ def test_offline_output_with_special_tokens_is_a_data_error(tmp_path, synth):
     good = json.loads(open(f"{synth}/train.jsonl").readline())
     path = tmp_path / "train.jsonl"
     rows = [{**good, "id": "ok", "offline_output": "<answer>B</answer>"},
-            {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"}, {**good, "id": "no-offline", "offline_output": ""}]
+            {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"},
+            {**good, "id": "no-offline", "offline_output": ""}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(data.DataError, match=r"jsonl:2: sample s7: field 'offline_output' contains '<\|image_pad"):
         data.load_samples(str(path), special_tokens=["<|image_pad|>"])
