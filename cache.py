@@ -211,13 +211,17 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         return out
 
 
-def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28) -> np.ndarray:
-    """uint8 (H, W, 3), smart-resized to the factor within the image pixel budget."""
+def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
+               max_decode_pixels: int = MAX_DECODE_PIXELS) -> np.ndarray:
+    """uint8 (H, W, 3), smart-resized to the factor within the image pixel budget; over max_decode_pixels: refused
+    from the header."""
     from PIL import Image, UnidentifiedImageError
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
     try:
         with Image.open(path) as im:
+            if im.width * im.height > max_decode_pixels:
+                raise ValueError(f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}")
             im = im.convert("RGB")
             arr = np.asarray(im)
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: 2x PIL's cap

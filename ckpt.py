@@ -43,11 +43,18 @@ def barrier():
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints
 
-def catch_stop_signals() -> list:
-    """SIGTERM/SIGINT (preemption, Ctrl-C) only record the signal: the loop checkpoints at the next step boundary."""
+def catch_stop_signals(catch: bool = True) -> list:
+    """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
+    loop checkpoints at the next step boundary and exits 0. A second one, or any with catch=False (startup, the end of
+    a run: no step to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
     got = []
+
+    def record(num, frame):
+        got.append(num)
+        catch_stop_signals(catch=False)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda num, frame: got.append(num))
+        signal.signal(sig, record if catch else signal.SIG_DFL)
     return got
 
 
@@ -84,9 +91,11 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(os.path.basename(final))
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
+        # the folder `latest` names is never pruned (a run resumed from an older folder writes below newer steps)
+        others = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
+                        and d != os.path.basename(final))
         if keep_last:
-            for old in steps[:-keep_last]:
+            for old in others[:max(0, len(others) - keep_last + 1)]:  # keep_last - 1 of them stay
                 shutil.rmtree(os.path.join(root, old))
     barrier()
 

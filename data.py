@@ -254,8 +254,8 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     """Load media (cache or decode), render the chat prompt and run the processor once.
 
     cfg carries the frame settings (video_fps, video_min_frames, video_max_frames, video_min_pixels,
-    video_max_pixels, video_total_pixels, image_min_pixels, image_max_pixels, cache_dir, video_source,
-    max_prompt_len). Raises DataError naming the sample on a placeholder/feature mismatch or an
+    video_max_pixels, video_total_pixels, image_min_pixels, image_max_pixels, max_decode_pixels, cache_dir,
+    video_source, max_prompt_len). Raises DataError naming the sample on a placeholder/feature mismatch or an
     over-long prompt: we never right-truncate through vision tokens.
     """
     factor, sid = vision_factor(processor), sample["id"]
@@ -265,9 +265,10 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     videos = [cache.load_video(p, fps=cfg.video_fps, min_frames=cfg.video_min_frames, max_frames=cfg.video_max_frames,
                                min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
                                total_pixels=cfg.video_total_pixels, factor=factor, cache_dir=cfg.cache_dir,
-                               mode=cfg.video_source, stats=stats) for p in sample.get("videos", [])]
-    images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor)
-              for p in sample.get("images", [])]
+                               mode=cfg.video_source, stats=stats, max_decode_pixels=cfg.max_decode_pixels)
+              for p in sample.get("videos", [])]
+    images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor,
+                               max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
     text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template, response_format)),
                                          tokenize=False, add_generation_prompt=True)
     kw = {}
@@ -381,13 +382,16 @@ class Stream:
 
 
 def try_prep(prep, s: dict, cfg):
-    """(Prompt, None), or with skip_invalid (None, a skip report); without it the error names the sample."""
+    """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
+    exception is the sample's (a tokenizer's TypeError, a processor's bare StopIteration, a template's
+    ZeroDivisionError), never a crash with an internal error; a bug failing every sample hits max_consecutive_invalid"""
     try:
         return prep(s), None
-    except ValueError as e:  # DataError, cache.VideoError, the resizer's ValueError on absurd sizes
+    except Exception as e:
+        error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
         if not cfg.skip_invalid:
-            raise DataError(f"sample {s['id']}: {e}") from e
-        return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(e)}
+            raise error from e
+        return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(error)}
 
 
 def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
@@ -399,16 +403,22 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
     reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
-    the same slots, reports the same skips and keeps the same stream position."""
+    the same slots, reports the same skips and keeps the same stream position. More than max_consecutive_invalid
+    failures in a row (stream order) are a DataError: a data set without a valid sample must not refill for ever."""
     from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips, todo = [None] * len(batch), [], list(range(len(batch)))
+    prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
     while todo:
         reports = {}
         mine = [i for i in todo if i % world // cfg.rollout_tp == rank // cfg.rollout_tp]  # tp_share's rows
         for i in mine:
             prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
+        for i in todo:  # todo is in stream order
+            run = run + 1 if i in bad else 0
+            if run > cfg.max_consecutive_invalid:
+                raise DataError(f"{run} invalid samples in a row (max_consecutive_invalid={cfg.max_consecutive_invalid}"
+                                f"): does the data set hold a valid sample? The last: {bad[i]['error']}")
         todo = sorted(bad)
         for i in todo:
             skips.append(bad[i])

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Literal
 
+import cache
 import data
 import rewards
 from data import DataError
@@ -101,6 +102,8 @@ class Config:
     """min pixels per image"""
     image_max_pixels: int = 1003520
     """max pixels per image"""
+    max_decode_pixels: int = cache.MAX_DECODE_PIXELS
+    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
     video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
     """prefer_cache | cache_only | decode_only (cache.py)"""
     cache_dir: str = ".cache/frames"

@@ -51,6 +51,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+import cache
 import ckpt
 import data
 import evaluate
@@ -78,6 +79,8 @@ class Config:
     """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
+    max_consecutive_invalid: int = 1000
+    """skip_invalid: more invalid samples in a row than this fail the run (the data set may hold no valid sample)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
@@ -99,6 +102,8 @@ class Config:
     """min pixels per image"""
     image_max_pixels: int = 1003520
     """max pixels per image"""
+    max_decode_pixels: int = cache.MAX_DECODE_PIXELS
+    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
     val_video_fps: float = 0.0
     """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
     val_video_max_frames: int = 0
@@ -298,6 +303,8 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
         (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
         (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
+        # vLLM samples greedily below 1e-5 and the trainer's logits / 0 are NaN: greedy rollouts cannot be trained on
+        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (greedy rollouts cannot be trained)"),
     ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
@@ -652,23 +659,6 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     return scored_group(group.rollouts[:-1] + [off], cfg, group.baseline)
 
 
-def check_offline(samples: list[dict], tokenizer, cfg: Config) -> tuple[list, list]:
-    """Special tokens in an offline_output (<|image_pad|>: banned, log-prob -1e9; <|im_end|>) are a data error naming
-    the sample, before any model loads (skip_invalid: a skip report). Returns (kept samples, skip reports)."""
-    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    kept, skips = [], []
-    for s in samples:
-        found = sorted({t for t in special if t in s.get("offline_output", "")})
-        error = data.DataError(f"sample {s['id']}: offline_output holds special tokens {found}")
-        if found and not cfg.skip_invalid:
-            raise error
-        if found:
-            skips.append({"where": s["id"], "media": [], "error": str(error)})
-        else:
-            kept.append(s)
-    return kept, skips
-
-
 def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int) -> list:
     """One generation round for this rank's share of `prompts` (data.next_valid): a scored Group per prompt.
     ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline."""
@@ -732,11 +722,15 @@ def main(cfg: Config):
     tok = processor.tokenizer
     template = open(cfg.prompt_template).read() if cfg.prompt_template else None
     skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
-    train_samples = data.load_samples(cfg.train_data, cfg.skip_invalid, skipped)
-    train_samples, skips = check_offline(train_samples, tok, cfg)
-    skipped += skips
-    val_samples = data.load_samples(cfg.val_data, cfg.skip_invalid, skipped) if cfg.val_data else []
-    val_samples = val_samples[:cfg.eval_max_samples]
+    # the model's special tokens in any text field (offline_output: <|image_pad|> is banned, <|im_end|> ends a turn)
+    specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
+    train_samples = load(cfg.train_data)
+    if not train_samples:
+        raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
+    if template:
+        data.check_template(template, train_samples[0])
+    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
     if cfg.dry_run:
         return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
@@ -760,7 +754,7 @@ def main(cfg: Config):
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
         engine = HFEngine(model, tok, eos_ids, dummies)
-    signals = ckpt.catch_stop_signals()  # after the engine: ours must be the handlers that run
+    ckpt.catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
@@ -785,6 +779,7 @@ def main(cfg: Config):
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
+    signals = ckpt.catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
@@ -823,17 +818,23 @@ def main(cfg: Config):
         for group_param in opt.param_groups:
             group_param["lr"] = lr_at(step - 1, cfg)
         gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
+        ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups]) for i in part]
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
                 n_tok_mb, n_seq_mb = global_counts(mini)
+                loss_sum = 0.0
                 for b in mini:
                     loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb)
                     (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
+                    loss_sum += metrics["loss"]
                     if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
                         for k, v in metrics.items():
                             m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+                if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: stop before the step
+                    raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
+                                             f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         m["loss"] /= len(minibatches)
@@ -856,7 +857,6 @@ def main(cfg: Config):
             "samples": sample_rows(batch.groups, adv, step, cfg),
         }
         parts = gather(local)
-        ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups]) for i in part]
         if rank == 0:
             times = dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0)
             row = step_metrics(parts, step, cfg, gnorm=sum(gnorms) / len(gnorms), lr=lr_at(step - 1, cfg), n_tok=n_tok,
@@ -888,6 +888,7 @@ def main(cfg: Config):
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
+    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if rank == 0 and rows:
         plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
                    os.path.join(cfg.out_dir, "curve.png"))

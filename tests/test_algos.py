@@ -132,21 +132,33 @@ def test_clip_ratio_c_must_exceed_one():
         check_config(Config(clip_ratio_c=c))
 
 
-def test_offline_output_with_special_tokens_is_a_data_error(tiny_model):
+def test_offline_output_with_special_tokens_is_a_data_error(tmp_path, synth):
     """Defect 5: an offline_output holding a special token (<|image_pad|>) would be tokenized as that token, which
-    the trainer bans (log-prob -1e9): an error naming the sample before any model loads, or a skip report."""
-    from conftest import tiny_config
-    from transformers import AutoTokenizer
-    from train import check_offline
+    the trainer bans (log-prob -1e9): an error naming the line and sample at load time (train.main passes the
+    tokenizer's special tokens to load_samples), or a skip report."""
     import data
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    ok = {"id": "ok", "offline_output": "<answer>B</answer>"}
-    bad = {"id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"}
-    with pytest.raises(data.DataError, match=r"sample s7: offline_output .*<\|image_pad\|>"):
-        check_offline([ok, bad], tok, tiny_config())
-    kept, skips = check_offline([ok, bad, {"id": "no-offline"}], tok, tiny_config(skip_invalid=True))
+    good = json.loads(open(f"{synth}/train.jsonl").readline())
+    path = tmp_path / "train.jsonl"
+    rows = [{**good, "id": "ok", "offline_output": "<answer>B</answer>"},
+            {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"},
+            {**good, "id": "no-offline", "offline_output": ""}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(data.DataError, match=r"jsonl:2: sample s7: field 'offline_output' contains '<\|image_pad"):
+        data.load_samples(str(path), special_tokens=["<|image_pad|>"])
+    skipped = []
+    kept = data.load_samples(str(path), skip_invalid=True, skipped=skipped, special_tokens=["<|image_pad|>"])
     assert [s["id"] for s in kept] == ["ok", "no-offline"]
-    assert len(skips) == 1 and skips[0]["where"] == "s7" and "<|image_pad|>" in skips[0]["error"]
+    assert len(skipped) == 1 and skipped[0]["where"] == f"{path}:2" and "<|image_pad|>" in skipped[0]["error"]
+
+
+def test_greedy_temperature_and_negative_keep_last_are_config_errors():
+    """--temperature 0 (vLLM: greedy below 1e-5) would train on NaN log-probs; a negative --keep-last deleted the
+    checkpoint just written."""
+    for bad, says in ((dict(temperature=0.0), "temperature 0.0"), (dict(temperature=1e-6), "greedy"),
+                      (dict(keep_last=-1), "keep_last -1")):
+        with pytest.raises(ValueError, match=says):
+            check_config(Config(**bad))
+    check_config(Config(temperature=1e-5, keep_last=0))
 
 
 def test_config_files_apply_in_order():

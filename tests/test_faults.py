@@ -4,12 +4,14 @@ never joins a collective fails the run after dist_timeout instead of hanging it.
 
     .venv/bin/python -m pytest -q tests/test_faults.py
 """
+import functools
 import json
 import os
 import random
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -61,6 +63,13 @@ def broken_lines(good: dict) -> dict:
             "deep": "[" * 100_000 + "]" * 100_000, "huge_int": '{"problem": ' + "9" * 5000 + "}"}
 
 
+# A prompt template that fails on the samples whose problem holds a marker, each with another exception type (on
+# <|video_pad|> the HF processor raises a bare StopIteration)
+FAILING_TEMPLATE = ("{{ problem }}{% if 'ZERO' in problem %}{{ 1 // 0 }}{% elif 'TYPE' in problem %}{{ problem + 1 }}"
+                    "{% elif 'PAD' in problem %}<|video_pad|>{% endif %}")
+TEMPLATE_FAILS = {"ZERO": "ZeroDivisionError", "TYPE": "TypeError", "PAD": "StopIteration"}
+
+
 def fuzz_dataset(tmp_path, synth, n_broken=300, seed=0) -> tuple[str, list, dict]:
     """8 good synthetic samples mixed with n_broken broken ones. Returns (path, good ids, expected skips:
     line number -> (sample id or None for load-time rejects, text its error must contain))."""
@@ -73,15 +82,20 @@ def fuzz_dataset(tmp_path, synth, n_broken=300, seed=0) -> tuple[str, list, dict
     media, lines = broken_media(tmp_path / "broken"), broken_lines(good[0])
     rows = [(json.dumps(s), None) for s in good]
     for i in range(n_broken):
-        kind = rng.choice(sorted(media) + sorted(lines))
-        if kind in media:
+        kind = rng.choice(sorted(media) + sorted(lines) + sorted(TEMPLATE_FAILS))
+        if kind in TEMPLATE_FAILS:  # fails in prepare, with FAILING_TEMPLATE
+            s = {**good[0], "id": f"broken-{i}", "problem": good[0]["problem"] + kind}
+            rows.append((json.dumps(s), (s["id"], TEMPLATE_FAILS[kind])))
+        elif kind in media:
             key, path, says = media[kind]
             s = {k: v for k, v in good[0].items() if k not in ("data_type", "videos")}
             s |= {"id": f"broken-{i}", key: [path]}
             rows.append((json.dumps(s), (s["id"], says)))
         else:
             rows.append((lines[kind], (None, "")))
-    rng.shuffle(rows)
+    rest = rows[1:]
+    rng.shuffle(rest)
+    rows = rows[:1] + rest  # a good first sample: the run checks the prompt template on it at startup
     path = str(tmp_path / "fuzz.jsonl")
     with open(path, "w", errors="surrogateescape") as f:
         f.writelines(r + "\n" for r, _ in rows)
@@ -113,6 +127,38 @@ def test_media_errors_name_sample_and_file(tmp_path, tiny_model, synth):
             data.try_prep(prep, s, cfg)
         p, report = data.try_prep(prep, s, tiny_config(skip_invalid=True))
         assert p is None and report["where"] == f"s-{kind}" and report["media"] == [path] and says in report["error"]
+
+
+def test_any_preparation_failure_names_the_sample(tiny_model, synth):
+    """A sample on which the prompt template raises ZeroDivisionError, TypeError, or makes the processor raise a bare
+    StopIteration: a DataError naming the sample and the exception, or a skip report; never the exception itself."""
+    import data
+    from transformers import AutoProcessor
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    good = data.load_samples(os.path.join(synth, "train.jsonl"))[0]
+    prep = functools.partial(data.prepare, processor=proc, cfg=tiny_config(), template=FAILING_TEMPLATE)
+    assert data.try_prep(prep, good, tiny_config())[0].sample["id"] == good["id"]  # the template works on the others
+    for marker, exception in TEMPLATE_FAILS.items():
+        s = {**good, "id": f"s-{marker}", "problem": good["problem"] + marker}
+        with pytest.raises(data.DataError, match=f"^sample s-{marker}: {exception}"):
+            data.try_prep(prep, s, tiny_config())
+        p, report = data.try_prep(prep, s, tiny_config(skip_invalid=True))
+        assert p is None and report["where"] == f"s-{marker}" and exception in report["error"]
+
+
+def test_max_decode_pixels_reaches_the_loaders(tiny_model, synth):
+    """train.Config.max_decode_pixels goes to cache.load_video and cache.load_image: 56x56 frames and images are
+    refused under a cap of 56 * 56 - 1 pixels, and load at 56 * 56."""
+    import data
+    from transformers import AutoProcessor
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    samples = data.load_samples(os.path.join(synth, "train.jsonl"))
+    video, image = next(s for s in samples if s.get("videos")), next(s for s in samples if s.get("images"))
+    for s in (video, image):
+        with pytest.raises(data.DataError, match=f"sample {s['id']}: .*over max_decode_pixels=3135"):
+            data.try_prep(functools.partial(data.prepare, processor=proc, cfg=tiny_config(max_decode_pixels=3135)), s,
+                          tiny_config())
+        assert data.prepare(s, proc, tiny_config(max_decode_pixels=3136)).sample["id"] == s["id"]
 
 
 def test_engine_failure_names_samples(tiny_model, synth):
@@ -147,17 +193,15 @@ def test_collective_timeout_fails_instead_of_hanging():
 @pytest.mark.slow
 def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, synth):
     """~300 broken samples (bad lines: malformed, not UTF-8, 100k deep, lone surrogates, special tokens; missing,
-    corrupt, empty, 1-frame, over-8K videos; unreadable, absurd, bomb images; a FIFO and a device as media) among 8
-    good ones, through loading, the frame cache, vLLM rollout and reward in a 2-rank run with skip_invalid."""
+    corrupt, empty, 1-frame, over-8K videos; unreadable, absurd, bomb images; a FIFO and a device as media; a prompt
+    template raising ZeroDivisionError, TypeError, StopIteration) among 8 good ones, through loading, the frame cache,
+    vLLM rollout and reward in a 2-rank run with skip_invalid."""
     path, good_ids, expected = fuzz_dataset(tmp_path, synth)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py",
-           "--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data", path, "--val-data", "",
-           "--out-dir", str(out), "--max-steps", "3", "--group-size", "4", "--prompts-per-step", "4",
-           "--cache-dir", str(tmp_path / "frames"), "--video-source", "prefer_cache", "--skip-invalid", "--no-save"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (tmp_path / "template.jinja").write_text(FAILING_TEMPLATE)
+    p, log = run_train(train_cmd(tiny_model, path, out, "--max-steps", "3", "--cache-dir", str(tmp_path / "frames"),
+                                 "--skip-invalid", "--prompt-template", str(tmp_path / "template.jinja")))
+    assert p.returncode == 0, log[-6000:]
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     skipped = [json.loads(x) for x in open(out / "skipped.jsonl")]
     # every broken sample is reported, with what went wrong (3 steps x 4 prompts > 8 good: the whole epoch is drawn)
@@ -173,3 +217,144 @@ def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, sy
     assert set(good_ids) <= set(trained) and set(trained) <= set(good_ids)
     assert all(len(r["data/ids"]) == 4 for r in rows)
     shutil.rmtree(tmp_path / "frames", ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs that can never start, signals, NaN: the training command under torchrun (2 ranks)
+
+def train_cmd(model, train_data, out, *extra) -> list:
+    """The training command on the tiny model, 2 ranks, no held-out set, no final save (later flags win)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            "train.py", "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", str(train_data),
+            "--val-data", "", "--out-dir", str(out), "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4",
+            "--cache-dir", str(out.parent / "frames"), "--video-source", "prefer_cache", "--no-save", *extra]
+
+
+def start(cmd) -> subprocess.Popen:
+    """A torchrun job, stdout + stderr in one pipe."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float) -> str:
+    """The job's log once it ends; past the timeout (a hang) the job is killed, workers first (torchrun starts each in
+    a session of its own, and they may ignore SIGTERM), and the test fails."""
+    import psutil
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        for proc in psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]:
+            proc.kill()
+        raise AssertionError(f"still running after {timeout} s: " + p.communicate()[0][-4000:])
+
+
+def run_train(cmd, timeout: float = 600) -> tuple[subprocess.Popen, str]:
+    p = start(cmd)
+    return p, finish(p, timeout)
+
+
+def all_missing(tmp_path, synth) -> str:
+    """The synthetic video samples, each with a video path that does not exist."""
+    rows = [json.loads(x) for x in open(os.path.join(synth, "train.jsonl"))]
+    path = tmp_path / "missing.jsonl"
+    path.write_text("".join(json.dumps({**s, "videos": [str(tmp_path / f"missing-{i}.mp4")]}) + "\n"
+                            for i, s in enumerate(rows) if s.get("videos")))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_no_valid_training_sample_fails_at_startup(tmp_path, tiny_model, synth):
+    """An empty training file, or --skip-invalid with every line invalid: a clear error before any step (before: an
+    IndexError from the empty sample stream)."""
+    lines = broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline()))
+    empty, broken = tmp_path / "empty.jsonl", tmp_path / "broken.jsonl"
+    empty.write_text("")
+    broken.write_text("".join(line + "\n" for line in lines.values()), errors="surrogateescape")
+    for path, n_skipped in ((empty, 0), (broken, len(lines))):
+        p, log = run_train(train_cmd(tiny_model, path, tmp_path / "run", "--skip-invalid"), timeout=300)
+        assert p.returncode != 0 and f"{path}: no valid training sample ({n_skipped} skipped)" in log, log[-4000:]
+
+
+@pytest.mark.slow
+def test_every_sample_invalid_fails_after_max_consecutive_invalid(tmp_path, tiny_model, synth):
+    """--skip-invalid and every video missing: the run fails after max_consecutive_invalid failures in a row, with
+    the last error (before: step 1 refilled its slots from the stream for ever)."""
+    p, log = run_train(train_cmd(tiny_model, all_missing(tmp_path, synth), tmp_path / "run", "--skip-invalid",
+                                 "--max-consecutive-invalid", "20"), timeout=300)
+    assert p.returncode != 0, log[-4000:]
+    assert "21 invalid samples in a row (max_consecutive_invalid=20)" in log, log[-4000:]
+    assert "video file not found" in log
+
+
+@pytest.mark.slow
+def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
+    """A step that never ends (every video missing, max_consecutive_invalid out of reach): the first SIGTERM only asks
+    for a checkpoint at the step boundary, the second ends the run (before: both were only recorded)."""
+    from test_resume import wait_for, worker
+    out = tmp_path / "run"
+    p = start(train_cmd(tiny_model, all_missing(tmp_path, synth), out, "--skip-invalid", "--max-consecutive-invalid",
+                        str(10 ** 9)))
+    wait_for(out / "skipped.jsonl", p)  # written by rank 0 just before step 1
+    time.sleep(5)
+    worker(p, 1).terminate()
+    time.sleep(5)
+    assert p.poll() is None  # the first signal waits for the step boundary, which never comes
+    worker(p, 1).terminate()
+    log = finish(p, timeout=120)
+    assert p.returncode != 0 and "stop signal" not in log and not (out / "ckpt").exists(), log[-4000:]
+
+
+@pytest.mark.slow
+def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
+    """A SIGTERM while the held-out prompts are prepared (blocked here on the frame cache's lock, which the test holds)
+    ends the run at once (before: it was recorded for a step boundary, and the run stayed blocked)."""
+    import fcntl
+    import cache
+    from test_resume import wait_for, worker
+    sample = json.loads(open(os.path.join(synth, "val.jsonl")).readline())
+    video, val, out = os.path.join(synth, sample["videos"][0]), tmp_path / "val.jsonl", tmp_path / "run"
+    val.write_text(json.dumps({**sample, "videos": [video]}) + "\n")
+    settings = dict(fps=4.0, min_frames=4, max_frames=8, min_pixels=3136, max_pixels=3136, total_pixels=0, factor=28)
+    lock = cache.entry_path(str(tmp_path / "frames"), video, settings) + ".lock"  # configs/tiny_cpu.yaml's entry
+    os.makedirs(os.path.dirname(lock))
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = start(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--val-data", str(val)))
+        wait_for(out, p)
+        t = time.time()
+        while os.path.realpath(lock) not in [f.path for f in worker(p, 1).open_files()]:  # rank 1 waits on the lock
+            assert p.poll() is None and time.time() - t < 300
+            time.sleep(0.5)
+        worker(p, 1).terminate()
+        log = finish(p, timeout=120)
+    assert p.returncode != 0 and not (out / "metrics.jsonl").exists(), log[-4000:]
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_before_the_update(tmp_path, tiny_model, synth):
+    """--adv-eps 0 with every reward weight 0: each group's rollouts score the same, so GRPO's advantage is 0 / 0 =
+    NaN. The run stops at step 1 naming its samples, before the optimizer step, and writes no checkpoint (before: rc 0,
+    loss NaN, checkpoints and a final model of NaN weights)."""
+    out = tmp_path / "run"
+    p, log = run_train(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--adv-eps", "0", "--w-acc", "0",
+                                 "--w-fmt", "0", "--save-every", "1", "--save"))
+    assert p.returncode != 0, log[-4000:]
+    assert "step 1: the loss (" in log and "is not finite; samples ['" in log, log[-4000:]
+    assert not (out / "ckpt").exists() and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_pruning_never_deletes_what_latest_names(tmp_path, tiny_model):
+    """ckpt.save with keep_last -1 (check_config refuses it; before, it deleted the checkpoint just written), then a
+    run resumed from an older folder writing step 2 below step 4 (before, keep_last 1 deleted the new step 2): the
+    folder `latest` names always exists."""
+    import ckpt
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    opt, proc = torch.optim.AdamW(model.parameters()), AutoProcessor.from_pretrained(tiny_model)
+    root = tmp_path / "ckpt"
+    for step, keep_last in ((1, -1), (4, 1), (2, 1)):
+        ckpt.save(str(tmp_path), step, model, opt, proc, meta={"step": step}, keep_last=keep_last, rank=0)
+        latest = (root / "latest").read_text()
+        assert latest == f"step_{step:08d}" and (root / latest / "meta.json").exists()
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
