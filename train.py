@@ -276,11 +276,11 @@ def check_config(cfg: Config, world: int = 1):
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
     positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
                 "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
-                "log_samples", "lr", "temperature", "video_fps", "tis_cap", "gpu_memory_utilization", "adv_eps",
+                "log_samples", "lr", "video_fps", "tis_cap", "gpu_memory_utilization",
                 "dist_timeout")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
-                    "mix_threshold", "log_every", "video_total_pixels")
+                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     per_rank = cfg.prompts_per_step // world * cfg.group_size  # rollouts per rank and step
