@@ -206,7 +206,8 @@ def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
 
 def chat_messages(sample: dict, text: str) -> list[dict]:
     """Chat messages with the media where the problem's <video>/<image> markers are (else first)."""
-    content, media = [], [("video", p) for p in sample.get("videos", [])] + [("image", p) for p in sample.get("images", [])]
+    content = []
+    media = [("video", p) for p in sample.get("videos", [])] + [("image", p) for p in sample.get("images", [])]
     markers = [m for m in ("<video>", "<image>") if m in text]
     if not markers:
         return [{"role": "user", "content": [{"type": kind} for kind, _ in media] + [{"type": "text", "text": text}]}]
@@ -352,8 +353,9 @@ def vllm_metadata(meta: dict) -> dict:
 def vllm_input(p: Prompt) -> dict:
     """The request for vLLM: unexpanded text + the same frames the trainer sees."""
     mm = {}
-    if p.videos:
-        mm["video"] = [(f, vllm_metadata(m)) for f, m in p.videos] if len(p.videos) > 1 else (p.videos[0][0], vllm_metadata(p.videos[0][1]))
+    videos = [(frames, vllm_metadata(meta)) for frames, meta in p.videos]
+    if videos:
+        mm["video"] = videos if len(videos) > 1 else videos[0]  # vLLM takes one item bare, several as a list
     if p.images:
         ims = [Image.fromarray(im) for im in p.images]
         mm["image"] = ims if len(ims) > 1 else ims[0]
