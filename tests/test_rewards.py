@@ -97,7 +97,8 @@ def test_answer_text(text, want):
 # ---------------------------------------------------------------------------------------------------
 # table-driven cases per problem type: (type, completion's answer, ground truth or None, accuracy; None = parse failure)
 ROUGE_EX = ((5 / 6) + 0.6 + (5 / 6)) / 3  # "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
-BOMB = "<!DOCTYPE s [<!ENTITY a0 'xxxxxxxxxx'>" + "".join(f"<!ENTITY a{i} '{f'&a{i - 1};' * 10}'>" for i in range(1, 10)) + "]><s>&a9;</s>"
+BOMB = "<!DOCTYPE s [<!ENTITY a0 'xxxxxxxxxx'>" + "".join(
+    f"<!ENTITY a{i} '{f'&a{i - 1};' * 10}'>" for i in range(1, 10)) + "]><s>&a9;</s>"
 PY_REF = "def f(x):\n    return x + 1"  # python_tokens: def v0 ( v1 ) : return v1 + 1  (10 tokens)
 SVG_REF = '<svg width="10"><rect x="1"/></svg>'  # <svg width=10 <rect x=1 </rect </svg  (6 tokens)
 HTML_REF = "<p>Hello <b>world</b></p>"  # <p Hello <b world </b </p  (6 tokens)
@@ -120,7 +121,8 @@ CASES = [
     ("multiple choice", "A or B", None, 0.0), ("multiple choice", "either (B) or (C)", None, 0.0),
     ("multiple choice", "E", None, None), ("multiple choice", "I think so", None, None),
     # numerical: signs survive every dash; scale words, k, LaTeX, separators, percent; relative tolerance 1%
-    ("numerical", "100", None, 1.0), ("numerical", "There are 100.", None, 1.0), ("numerical", "one hundred", None, 1.0),
+    ("numerical", "100", None, 1.0), ("numerical", "There are 100.", None, 1.0),
+    ("numerical", "one hundred", None, 1.0),
     ("numerical", "3", "3", 1.0), ("numerical", "three", "3", 1.0), ("numerical", "Three", "3.0", 1.0),
     ("numerical", "1/2", "0.5", 1.0), ("numerical", "0.5", "1/2", 1.0), ("numerical", "50%", "0.5", 1.0),
     ("numerical", "50 %", "0.5", 1.0), ("numerical", "1,000", "1000", 1.0), ("numerical", "1e3", "1000", 1.0),
@@ -156,7 +158,8 @@ CASES = [
     ("boolean", "It is true.", None, 1.0), ("boolean", "I think yes", None, 1.0),
     ("boolean", "Yes, but no other person does.", None, 1.0), ("boolean", "No", "no", 1.0),
     ("boolean", "no", "False", 1.0), ("boolean", "no", None, 0.0), ("boolean", "false", None, 0.0),
-    ("boolean", "It is not true.", None, 0.0), ("boolean", "Yes and no", None, 0.0), ("boolean", "yes or no", None, 0.0),
+    ("boolean", "It is not true.", None, 0.0), ("boolean", "Yes and no", None, 0.0),
+    ("boolean", "yes or no", None, 0.0),
     ("boolean", "yes/no", None, 0.0), ("boolean", "maybe", None, None), ("boolean", "Not sure", None, None),
     # open-ended: short ground truths by SQuAD (normalized EM, else token F1), long ones by rouge-score with stemming
     ("open-ended", "Red car.", "red car", 1.0), ("open-ended", "a red car", "red car", 1.0),  # articles dropped
@@ -178,7 +181,8 @@ CASES = [
     ("temporal grounding", '{"time": [2, 6]}', None, 1.0),
     ("temporal grounding", '{"time": [4, 10]}', None, 0.25),  # inter 2 / union 8
     ("temporal grounding", 'The span is {"time": [4, 10]}.', None, 0.25), ("temporal grounding", "[4, 10]", None, 0.25),
-    ("temporal grounding", '{"time": ["4", "10"]}', None, 0.25), ("temporal grounding", "from 4 to 10 seconds", None, 0.25),
+    ("temporal grounding", '{"time": ["4", "10"]}', None, 0.25),
+    ("temporal grounding", "from 4 to 10 seconds", None, 0.25),
     ("temporal grounding", "4s - 10s", None, 0.25), ("temporal grounding", "from 2 to 6", None, 1.0),
     ("temporal grounding", 'No, {"time": [7, 9]}. Corrected: {"time": [2, 6]}', None, 1.0),  # the last complete one
     ("temporal grounding", '{"time": [2, 6]} {"time": [7,', None, 1.0),
@@ -190,10 +194,12 @@ CASES = [
     # spatial grounding: JSON, a bare list, a tuple in text
     ("spatial grounding", '{"boxes": [0, 0, 10, 10]}', None, 1.0),
     ("spatial grounding", '{"boxes": [5, 5, 15, 15]}', None, 1 / 7),  # inter 25 / union 175
-    ("spatial grounding", "[5, 5, 15, 15]", None, 1 / 7), ("spatial grounding", '{"boxes": [[5, 5, 15, 15]]}', None, 1 / 7),
+    ("spatial grounding", "[5, 5, 15, 15]", None, 1 / 7),
+    ("spatial grounding", '{"boxes": [[5, 5, 15, 15]]}', None, 1 / 7),
     ("spatial grounding", "The box is (5, 5, 15, 15).", None, 1 / 7),
     ("spatial grounding", '{"boxes": ["5", "5", "15", "15"]}', None, 1 / 7),
-    ("spatial grounding", '{"boxes": [20, 20, 30, 30]}', None, 0.0), ("spatial grounding", '{"boxes": [1, 2, 3]}', None, None),
+    ("spatial grounding", '{"boxes": [20, 20, 30, 30]}', None, 0.0),
+    ("spatial grounding", '{"boxes": [1, 2, 3]}', None, None),
     ("spatial grounding", '{"boxes": [10, 10, 0, 0]}', None, None),  # x2 < x1 (an [x, y, w, h] box, say)
     ("spatial grounding", "[0, 0, 0, 10]", "[0, 0, 0, 10]", None),  # gt not in {"boxes": ..}: a data error
     ("spatial grounding", '{"boxes": [3, 3, 3, 3]}', '{"boxes": [3, 3, 3, 3]}', 1.0),  # equal empty boxes match
@@ -212,8 +218,10 @@ CASES = [
     (ST, '{"boxes": {"0": [0, 0, 10, 10]}}', None, 0.5), (ST, '{"when": [0, 4]}', None, None),
     # tracking: mean IoU over the ground truth's 3 frames, a missing or malformed box counting 0
     ("tracking", GT["tracking"], None, 1.0),
-    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.5),  # (1 + 0 + 1/2) / 3: frame 1 missing
-    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10], "9": [1, 1, 2, 2]}}', None, 1.0),
+    # (1 + 0 + 1/2) / 3: frame 1 missing
+    ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "2": [0, 0, 5, 10]}}', None, 0.5),
+    ("tracking",
+     '{"boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10], "2": [0, 0, 10, 10], "9": [1, 1, 2, 2]}}', None, 1.0),
     ("tracking", '{"boxes": {"5": [0, 0, 10, 10]}}', None, 0.0),  # no common frame
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, 1 / 3),
     ("tracking", '{"boxes": {"1": [0, 0, 10, 10]}}', None, 1 / 3),  # one perfect frame of three is not a full score
@@ -227,7 +235,8 @@ CASES = [
     ("code", "print(len)", "print(x)", 0.75),  # a free name is not renamed: builtins keep their meaning
     ("code", "pass", PY_REF, 0.0), ("code", "42", PY_REF, 0.0), ("code", "hello", PY_REF, 0.0),
     ("code", "N/A", PY_REF, 0.0), ("code", "def f(:\n  pass", PY_REF, 0.0), ("code", "print('unclosed", None, 0.0),
-    ("svg-code", SVG_REF, SVG_REF, 1.0), ("svg-code", '<svg  width="10"><!-- c --><rect x="1"></rect></svg>', SVG_REF, 1.0),
+    ("svg-code", SVG_REF, SVG_REF, 1.0),
+    ("svg-code", '<svg  width="10"><!-- c --><rect x="1"></rect></svg>', SVG_REF, 1.0),
     ("svg-code", '<svg><rect y="2" x="1"/></svg>', '<svg><rect x="1" y="2"/></svg>', 1.0),  # attribute order
     ("svg-code", '<svg width="10"><circle r="1"/></svg>', SVG_REF, 0.5),  # <svg width=10 ... </svg: 2 * 3 / 12
     ("svg-code", "hello", SVG_REF, 0.0), ("svg-code", "N/A", SVG_REF, 0.0),
@@ -242,7 +251,8 @@ CASES = [
 @pytest.mark.parametrize("ptype, ans, gt, want", CASES)
 def test_accuracy_table(ptype, ans, gt, want):
     c = score(ptype, f"<answer>{ans}</answer>", answer=gt)
-    assert c == score(ptype, f"<answer>{ans}</answer>", answer=gt, data_type="image", images=["x.png"])  # images: the same
+    # images: the same
+    assert c == score(ptype, f"<answer>{ans}</answer>", answer=gt, data_type="image", images=["x.png"])
     assert c["parse_fail"] == float(want is None)
     assert c["accuracy"] == pytest.approx(want or 0.0, abs=1e-9)
     assert c["format"] == 1.0
@@ -252,7 +262,8 @@ def test_rouge_and_wer_by_hand():
     assert rewards.rouge("the cat sat on the mat", "the cat is on the mat") == pytest.approx(ROUGE_EX)
     assert rewards.wer("hello word foo", "hello world foo bar") == 0.5
     assert rewards.wer("a", "") == 1.0 and rewards.wer("", "") == 0.0
-    assert rewards.iou_1d([2, 6], [4, 10]) == 0.25 and rewards.iou_box([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(1 / 7)
+    assert (rewards.iou_1d([2, 6], [4, 10]) == 0.25
+            and rewards.iou_box([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(1 / 7))
 
 
 def test_mra_exact_values():  # VSI-Bench: (|pred - gt| / gt <= 1 - np.linspace(0.5, 0.95, 10)).mean()
@@ -316,10 +327,12 @@ def test_code_is_never_executed(tmp_path):
 # malformed model output: never raises, value in [0, 1], parse failures counted
 MALFORMED = {
     "empty": ("", True), "spaces": ("   \n ", True), "1MB": ("x" * 1_000_000, True),
-    "blank": ("<answer>\u200b\x00 </answer>", True), "1MB in tags": ("<answer>" + "7" * 1_000_000 + "</answer>", True),  # cut at MAX_LEN: the tag never closes
+    "blank": ("<answer>\u200b\x00 </answer>", True),
+    "1MB in tags": ("<answer>" + "7" * 1_000_000 + "</answer>", True),  # cut at MAX_LEN: the tag never closes
     "unicode": ("<answer>ＢＢ 😀 ñ \u202e\u0000</answer>", None), "unclosed": ("<answer>B", True),
     "unclosed think": ("<think>B", True), "only close": ("B</answer>", True),
-    "nested": ("<answer><answer>B</answer></answer>", False), "several": ("<answer>A</answer><answer>B</answer>", False),
+    "nested": ("<answer><answer>B</answer></answer>", False),
+    "several": ("<answer>A</answer><answer>B</answer>", False),
     "NaN": ('<answer>{"time": [NaN, 5], "boxes": [0, 0, NaN, 1]}</answer>', None),
     "inf": ('<answer>{"time": [0, Infinity], "boxes": [0, 0, -Infinity, 1]}</answer>', None),
     "huge int": ('<answer>{"time": [0, 1' + "0" * 400 + '], "boxes": [0, 0, 1' + "0" * 400 + ", 1]}</answer>", None),
@@ -354,10 +367,13 @@ def test_malformed_json_is_a_parse_failure(ptype, name):
     ("multiple_choice", "multiple choice"), ("free-form", "open-ended"), ("video qa", "open-ended"),
     ("MULTIPLE CHOICE ", "multiple choice"), ("  Video   QA", "open-ended"), ("mcq", "multiple choice"),
     ("count", "counting"), ("yes/no", "boolean"), ("temporal_grounding", "temporal grounding"), ("OCR", "ocr"),
-    ("binary classification", "boolean"), ("number", "numerical"), ("open_ended", "open-ended"), ("mathematics", "math"),
-    ("video description", "open-ended"), ("coding", "code"), ("SVG", "svg-code"), ("html", "html-code"), ("multiple-choice", "multiple choice"),
+    ("binary classification", "boolean"), ("number", "numerical"), ("open_ended", "open-ended"),
+    ("mathematics", "math"),
+    ("video description", "open-ended"), ("coding", "code"), ("SVG", "svg-code"), ("html", "html-code"),
+    ("multiple-choice", "multiple choice"),
     ("multi-choice", "multiple choice"), ("REC", "counting"), ("SSR", "boolean"), ("CRR", "boolean"),
-    ("caption", "open-ended"), ("captioning", "open-ended"), ("spatial_temporal_grounding", "spatial-temporal grounding"),
+    ("caption", "open-ended"), ("captioning", "open-ended"),
+    ("spatial_temporal_grounding", "spatial-temporal grounding"),
 ])
 def test_aliases(alias, want):
     assert canonical_type(alias) == want
@@ -371,13 +387,17 @@ def test_unknown_type_scored_open_ended():
 
 @pytest.mark.parametrize("template, text, want", [
     ("answer", "<answer>B</answer>", 1.0), ("answer", " \n<answer>B</answer>\n", 1.0),
-    ("answer", "<answer>\nmulti\nline\n</answer>", 1.0), ("answer", "B", 0.0), ("answer", "", 0.0), ("answer", None, 0.0),
+    ("answer", "<answer>\nmulti\nline\n</answer>", 1.0), ("answer", "B", 0.0), ("answer", "", 0.0),
+    ("answer", None, 0.0),
     ("answer", "<think>x</think><answer>B</answer>", 0.0), ("answer", "<answer>A</answer><answer>B</answer>", 0.0),
-    ("answer", "<answer>B</answer></answer>", 0.0), ("answer", "<answer>B", 0.0), ("answer", "so <answer>B</answer>", 0.0),
+    ("answer", "<answer>B</answer></answer>", 0.0), ("answer", "<answer>B", 0.0),
+    ("answer", "so <answer>B</answer>", 0.0),
     ("answer", "<answer>" + "x" * 6000 + "</answer>", 0.0),  # answers are short
-    ("answer", "<answer></answer>", 0.0), ("answer", "<answer> \n</answer>", 0.0), ("answer", "<answer>\u200b</answer>", 0.0),
+    ("answer", "<answer></answer>", 0.0), ("answer", "<answer> \n</answer>", 0.0),
+    ("answer", "<answer>\u200b</answer>", 0.0),
     ("answer", "<answer>\x00</answer>", 0.0), ("think_answer", "<think>x</think><answer>\ufeff </answer>", 0.0),
-    ("think_answer", "<think>x</think>\n<answer>B</answer>", 1.0), ("think_answer", "<think>\n</think><answer>B</answer>", 1.0),
+    ("think_answer", "<think>x</think>\n<answer>B</answer>", 1.0),
+    ("think_answer", "<think>\n</think><answer>B</answer>", 1.0),
     ("think_answer", "<answer>B</answer>", 0.0), ("think_answer", "<think>x</think>", 0.0),
     ("think_answer", "<think><think>x</think></think><answer>B</answer>", 0.0),
     ("think_answer", "<think>x</think><answer>B</answer> more", 0.0),
@@ -390,9 +410,11 @@ def test_format_reward(template, text, want):
 
 def test_compute_reward_weighting_and_components():
     s = sample("multiple choice")
-    assert compute_reward("<answer>B</answer>", s) == (1.0, {"overall": 1.0, "accuracy": 1.0, "format": 1.0, "parse_fail": 0.0})
+    assert compute_reward("<answer>B</answer>", s) == (
+        1.0, {"overall": 1.0, "accuracy": 1.0, "format": 1.0, "parse_fail": 0.0})
     overall, c = compute_reward("The answer is B", s)  # right, badly formatted
-    assert overall == pytest.approx(0.9) and c == {"overall": overall, "accuracy": 1.0, "format": 0.0, "parse_fail": 0.0}
+    assert (overall == pytest.approx(0.9)
+            and c == {"overall": overall, "accuracy": 1.0, "format": 0.0, "parse_fail": 0.0})
     overall, c = compute_reward("<answer>A</answer>", s)  # wrong, well formatted
     assert overall == pytest.approx(0.1) and c["accuracy"] == 0.0 and c["parse_fail"] == 0.0
     overall, c = compute_reward("<answer>Z</answer>", s)  # unparseable
@@ -411,12 +433,14 @@ BAD_GT = [
     ("multiple choice", "E"), ("multiple choice", "dog"), ("multiple choice", ""),
     ("numerical", "many"), ("numerical", "1/0"), ("counting", ""), ("regression", "abc"),
     ("boolean", "maybe"), ("open-ended", ""), ("ocr", "  "), ("math", ""),
-    ("temporal grounding", '{"time": [5, 2]}'), ("temporal grounding", '{"time": [1]}'), ("temporal grounding", "2 to 6"),
+    ("temporal grounding", '{"time": [5, 2]}'), ("temporal grounding", '{"time": [1]}'),
+    ("temporal grounding", "2 to 6"),
     ("temporal grounding", '{"time": [0, NaN]}'),
     ("spatial grounding", '{"boxes": [1, 2, 3]}'), ("spatial grounding", "[0, 0, 1, 1]"), ("spatial grounding", "{}"),
     ("spatial grounding", '{"boxes": [0, 0, 1e999, 1]}'), ("spatial grounding", '{"boxes": [10, 0, 0, 10]}'),
     ("spatial-temporal grounding", '{"time": [4, 0], "boxes": {"0": [0, 0, 1, 1]}}'),
-    ("spatial-temporal grounding", '{"time": [0, 4]}'), ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0": [0, 1]}}'),
+    ("spatial-temporal grounding", '{"time": [0, 4]}'),
+    ("spatial-temporal grounding", '{"time": [0, 4], "boxes": {"0": [0, 1]}}'),
     ("tracking", '{"boxes": {}}'), ("tracking", '{"boxes": {"0": [1, 2, 3]}}'), ("tracking", '{"boxes": [0, 0, 1, 1]}'),
     ("tracking", '{"boxes": {"0": [0, 0, 1' + "0" * 400 + ", 1]}}"), ("tracking", '{"boxes": {"0": [0, 5, 1, 1]}}'),
     ("dance", "x"), ("code", ""), ("code", "def f(:"), ("numerical", "3 or 4"), ("boolean", "yes or no"),
@@ -448,8 +472,9 @@ def test_validate_answer_more_good_ones():
 
 # ---------------------------------------------------------------------------------------------------
 # property: arbitrary strings never raise and always score in [0, 1], for every problem type
-TOKENS = list("<>/answerthik{}[]()\\boxed0123456789.,:-\"% \n") + ["<answer>", "</answer>", "<think>", "</think>", "NaN",
-                                                                  '{"time": [', '{"boxes": {"0": [', "\\boxed{", "answer is "]
+TOKENS = list("<>/answerthik{}[]()\\boxed0123456789.,:-\"% \n") + [
+    "<answer>", "</answer>", "<think>", "</think>", "NaN",
+    '{"time": [', '{"boxes": {"0": [', "\\boxed{", "answer is "]
 TAGGY = st.lists(st.sampled_from(TOKENS), max_size=60).map("".join)  # strings the parsers have to look at twice
 
 
@@ -490,10 +515,12 @@ BOX = st.lists(st.integers(0, 1000), min_size=4, max_size=4).map(lambda b: [min(
                                                                            max(b[0], b[2]), max(b[1], b[3])])
 SPAN = st.lists(st.floats(0, 1e4), min_size=2, max_size=2).map(sorted)
 FRAMES = st.dictionaries(st.integers(0, 64).map(str), BOX, min_size=1, max_size=8)
-WORDS_ST = st.lists(st.text(st.characters(categories=["L", "N"]), min_size=1, max_size=8), min_size=1, max_size=30).map(" ".join)
+WORDS_ST = st.lists(st.text(st.characters(categories=["L", "N"]), min_size=1, max_size=8),
+                    min_size=1, max_size=30).map(" ".join)
 VALID_GT = {
     "multiple choice": st.sampled_from(["A", "B", "(C)", "D. blue", "a dog is running"]), "numerical": NUM,
-    "counting": st.integers(0, 10 ** 6).map(str), "regression": NUM, "boolean": st.sampled_from(["yes", "No", "TRUE", "false"]),
+    "counting": st.integers(0, 10 ** 6).map(str), "regression": NUM,
+    "boolean": st.sampled_from(["yes", "No", "TRUE", "false"]),
     "open-ended": WORDS_ST, "ocr": WORDS_ST,
     "math": st.tuples(st.integers(1, 99), st.integers(1, 99)).map(lambda f: f"\\frac{{{f[0]}}}{{{f[1]}}}") | NUM,
     "temporal grounding": SPAN.map(lambda t: json.dumps({"time": t})),
@@ -531,15 +558,19 @@ PATHOLOGICAL = {
     "answer tags": "<answer>" * 20000, "braces": "{" * 100000 + "}" * 100000, "open braces": "{" * 200000,
     "phrase": "answer is " * 20000, "think tags": "<think>" * 20000 + "</think>" * 5000,
     "boxed": "\\boxed{" * 20000, "in tags, brackets": "<answer>" + "[" * 200000 + "</answer>",
-    "in tags, braces": "<answer>" + "{" * 100000 + "</answer>", "in tags, parens": "<answer>" + "(" * 200000 + "</answer>",
-    "in tags, words": "<answer>" + "a b " * 50000 + "</answer>", "in tags, digits": "<answer>" + "1/" * 100000 + "</answer>",
+    "in tags, braces": "<answer>" + "{" * 100000 + "</answer>",
+    "in tags, parens": "<answer>" + "(" * 200000 + "</answer>",
+    "in tags, words": "<answer>" + "a b " * 50000 + "</answer>",
+    "in tags, digits": "<answer>" + "1/" * 100000 + "</answer>",
     "in tags, commas": "<answer>1" + ",0" * 100000 + "</answer>",
     # within MAX_LEN, so that the answer reaches the parsers (math-verify takes seconds on these)
     "short parens": "<answer>" + "(" * 300 + "</answer>", "short braces": "<answer>" + "{" * 300 + "</answer>",
-    "phrase in tags": "<answer>" + "answer is " * 50 + "</answer>", "15k braces": "<answer>" + "{" * 15000 + "</answer>",
+    "phrase in tags": "<answer>" + "answer is " * 50 + "</answer>",
+    "15k braces": "<answer>" + "{" * 15000 + "</answer>",
     "15k brackets": "<answer>" + "[" * 15000 + "</answer>", "15k words": "<answer>" + "a " * 7000 + "</answer>",
     # html.parser takes seconds on the first and raises on the second (Python 3.11): markup_tokens uses neither
-    "open comments": "<answer>" + "<!--" * 4900 + "</answer>", "marked sections": "<answer>" + "<![" * 6000 + "</answer>",
+    "open comments": "<answer>" + "<!--" * 4900 + "</answer>",
+    "marked sections": "<answer>" + "<![" * 6000 + "</answer>",
 }
 
 
@@ -576,7 +607,8 @@ def test_property_hedge_scores_zero(ptype, data, form, truth_first):
     elif ptype == "boolean":
         truth, wrong = data.draw(st.permutations(["yes", "no"]))
     else:
-        value = data.draw(st.integers(0, 10 ** 6) if ptype == "counting" else st.floats(-1e6, 1e6).map(lambda x: round(x, 3)))
+        value = data.draw(st.integers(0, 10 ** 6) if ptype == "counting"
+                          else st.floats(-1e6, 1e6).map(lambda x: round(x, 3)))
         truth, wrong = repr(value), repr(value + data.draw(st.sampled_from([1, -1, 2, 0.5])) * max(1, abs(value)))
     pair = (truth, wrong) if truth_first else (wrong, truth)
     c = score(ptype, f"<answer>{form.format(*pair)}</answer>", answer=truth)
