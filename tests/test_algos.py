@@ -155,7 +155,7 @@ def test_greedy_temperature_and_negative_keep_last_are_config_errors():
     """--temperature 0 (vLLM: greedy below 1e-5) would train on NaN log-probs; a negative --keep-last deleted the
     checkpoint just written."""
     for bad, says in ((dict(temperature=0.0), "temperature 0.0"), (dict(temperature=1e-6), "greedy"),
-                      (dict(keep_last=-1), "keep_last -1")):
+                      (dict(keep_last=-1), "keep_last must be >= 0, got -1")):
         with pytest.raises(ValueError, match=says):
             check_config(Config(**bad))
     check_config(Config(temperature=1e-5, keep_last=0))
