@@ -130,13 +130,10 @@ class VLLMEngine:
         GPU; the plain model.load_weights path fails on CPU. The in-process executor (external_launcher
         or VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so a generator is consumed lazily: one
         full tensor at a time is gathered (DTensor.full_tensor is a collective: all ranks iterate in the
-        same order), which keeps peak memory at one parameter, not one model.
+        same order), which keeps peak memory at one parameter, not one model (hf_weights).
         """
         self.wake(tags=["weights"]) if self.can_sleep else None
-        def weights():
-            for name, t in model.state_dict().items():
-                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
@@ -227,3 +224,20 @@ def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
     image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
     return (ids == image_id).int() + 2 * (ids == video_id).int()
+
+
+def hf_weights(model):
+    """(HF name, full tensor) of each of the model's weights, one at a time: DTensor.full_tensor is a collective, so
+    every rank iterates in the same order. A peft LoRA model yields its base model's names with the adapters merged,
+    W + scaling * B A (peft: `base_model.model.X.base_layer.weight`, `X.lora_A.default.weight` -> `X.weight`)."""
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            continue  # merged into their base weight below
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        m = lora.get(name.removesuffix(".base_layer.weight"))
+        if m is not None:
+            a, b = (x["default"].weight for x in (m.lora_A, m.lora_B))
+            a, b = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (a, b))
+            full = full + m.scaling["default"] * (b.to(full.dtype) @ a.to(full.dtype))
+        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), full
