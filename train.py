@@ -225,7 +225,7 @@ class Config:
     """dropout on the adapters' input during the loss forward (the log-prob passes and the sampler have none)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     """regex over module names (full match) that get adapters (default: the language model's attention and MLP);
-    the vision tower and merger are optional, e.g. append `|.*visual.*(qkv|proj|mlp.0|mlp.2)`"""
+    the vision tower and merger are optional, e.g. append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:

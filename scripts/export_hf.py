@@ -1,10 +1,13 @@
 """Convert a training checkpoint (torch.distributed.checkpoint folder) into a Hugging Face folder
 (safetensors + config + processor) that transformers and vllm.LLM load. One process, any world size it was
-saved with: DCP gathers the shards into full tensors.
+saved with: DCP gathers the shards into full tensors. A LoRA run's checkpoint holds the adapters only: the export
+is the adapter in PEFT's format (base: the run's `model`), or with --merge the base model with the adapters merged.
 
     python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60
     python scripts/export_hf.py runs/tiny_cpu/ckpt/latest runs/tiny_cpu/hf_latest   # the `latest` pointer works too
+    python scripts/export_hf.py runs/lora/ckpt/latest runs/lora/hf_merged --merge
 """
+import json
 import os
 import sys
 
@@ -13,23 +16,36 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: str, out: str):
+def export(ckpt: str, out: str, merge: bool = False):
     """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
     import train
     if os.path.isfile(ckpt):  # the `latest` pointer file
         ckpt = os.path.join(os.path.dirname(ckpt), open(ckpt).read().strip())
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)  # in place, strict: a missing tensor raises
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        cfg = train.Config(**json.load(f)["config"])
+    if cfg.lora_rank:  # the frozen base from cfg.model, its adapters from the checkpoint
+        model = train.load_model(cfg, torch.device("cpu"))
+    else:
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    # the tensors ckpt.save wrote (trainable ones), in place; strict: a missing tensor raises
+    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    dcp.load(state, checkpoint_id=ckpt)
     model.generation_config = GenerationConfig.from_pretrained(ckpt)
-    train.save_checkpoint(model, AutoProcessor.from_pretrained(ckpt), out, rank=0)
+    processor = AutoProcessor.from_pretrained(ckpt)
+    if cfg.lora_rank and not merge:
+        model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors (peft)
+        processor.save_pretrained(out)
+    else:
+        train.save_checkpoint(model, processor, out, rank=0)
     return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [a for a in sys.argv[1:] if a != "--merge"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    print(export(sys.argv[1], sys.argv[2]))
+    print(export(args[0], args[1], merge="--merge" in sys.argv))
