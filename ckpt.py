@@ -110,8 +110,9 @@ def load(path: str, model, opt) -> dict:
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
     state = model_optim_state(model, opt)
     dcp.load(state, checkpoint_id=path)
+    # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True))
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)

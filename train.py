@@ -467,10 +467,13 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 def reference_logp(model, ref, b: dict, temperature: float, banned: list[int]) -> torch.Tensor:
     """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy itself
-    with its adapters disabled, so no second model is in memory."""
+    with its adapters scaled to 0, so no second model is in memory. Not peft's disable_adapter: it switches the
+    adapters' requires_grad off and on, which under FSDP2 reaches the root's unsharded copies only, and the root-held
+    adapters (the vision merger) then silently stop training."""
+    from peft.helpers import rescale_adapter_scale
     if ref is not None:
         return token_logp(ref, b, temperature, banned)[0]
-    with model.disable_adapter():
+    with rescale_adapter_scale(model, 0.0):
         return token_logp(model, b, temperature, banned)[0]
 
 
