@@ -136,7 +136,8 @@ def test_two_ranks_vllm_agrees_resume_and_export(tmp_path, tiny_model, synth):
     assert sorted(os.listdir(adapter))[:2] == ["README.md", "adapter_config.json"]
     hf = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
-    assert all(torch.allclose(sd[k], final[k], atol=1e-6) for k in final)
+    want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
+    assert sd.keys() == want.keys() and all(torch.allclose(sd[k], want[k], atol=1e-6) for k in want)
     code = ("from vllm import LLM, SamplingParams\n"
             f"llm = LLM(model={merged!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
             "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
