@@ -218,7 +218,7 @@ class Config:
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
-    """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters disabled"""
+    """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters scaled to 0"""
     lora_alpha: float = 16.0
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
