@@ -60,8 +60,9 @@ def catch_stop_signals(catch: bool = True) -> list:
 
 def model_optim_state(model, opt) -> dict:
     """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(model, opt)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    # frozen parameters (a LoRA run's base model) are not saved: they are loaded from cfg.model and never change
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": msd, "optim": osd}
 
 
@@ -113,12 +114,14 @@ def load(path: str, model, opt) -> dict:
     keeps its fresh RNG). Returns meta.json (step, data position, wandb id, ...)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     if not os.path.exists(os.path.join(path, "meta.json")):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
     state = model_optim_state(model, opt)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)

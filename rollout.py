@@ -136,11 +136,15 @@ class VLLMEngine:
         vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and GPU; the plain
         model.load_weights path fails on CPU. The in-process executor (external_launcher or
         VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so the generator is consumed lazily: one bucket of
-        shards is gathered at a time (full_tensors), never the whole model.
+        shards is gathered at a time (full_tensors), never the whole model; a LoRA model streams its merged weights
+        one tensor at a time (hf_weights).
         """
         if self.can_sleep:
             self.wake(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_tensors(model.state_dict())})
+        weights = full_tensors(model.state_dict())
+        if any(".lora_" in name for name, _ in model.named_parameters()):
+            weights = hf_weights(model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
@@ -282,3 +286,20 @@ def gather_bucket(bucket: list):
     for (name, t), r, off, k in zip(bucket, rows, offsets, sizes):
         # rank j's shard of t is row j's [off, off + k): in rank order they are t and its padding rows
         yield name, out.view(world, -1)[:, off:off + k].reshape(world * r, *t.shape[1:])[:t.shape[0]]
+
+
+def hf_weights(model):
+    """(HF name, full tensor) of each of the model's weights, one at a time: DTensor.full_tensor is a collective, so
+    every rank iterates in the same order. A peft LoRA model yields its base model's names with the adapters merged,
+    W + scaling * B A (peft: `base_model.model.X.base_layer.weight`, `X.lora_A.default.weight` -> `X.weight`)."""
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    for name, t in model.state_dict().items():
+        if ".lora_" in name:
+            continue  # merged into their base weight below
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        m = lora.get(name.removesuffix(".base_layer.weight"))
+        if m is not None:
+            a, b = (x["default"].weight for x in (m.lora_A, m.lora_B))
+            a, b = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (a, b))
+            full = full + m.scaling["default"] * (b.to(full.dtype) @ a.to(full.dtype))
+        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), full

@@ -57,7 +57,7 @@ import data
 import evaluate
 import rewards
 from ckpt import all_reduce, gather
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, vision_token_ids
+from rollout import HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, vision_token_ids
 
 
 @dataclass
@@ -232,6 +232,16 @@ class Config:
     """'' = start fresh | auto = the latest complete checkpoint in out_dir/ckpt (fresh if none) | a folder"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
+    # --- LoRA (peft): the base model stays frozen, only the adapters train
+    lora_rank: int = 0
+    """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters scaled to 0"""
+    lora_alpha: float = 16.0
+    """the adapter's update is lora_alpha / lora_rank * B A"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input during the loss forward (the log-prob passes and the sampler have none)"""
+    lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    """regex over module names (full match) that get adapters (default: the language model's attention and MLP);
+    the vision tower and merger are optional, e.g. append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:
@@ -305,6 +315,8 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
         # vLLM samples greedily below 1e-5 and the trainer's logits / 0 are NaN: greedy rollouts cannot be trained on
         (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (greedy rollouts cannot be trained)"),
+        (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
+        (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
     ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
@@ -532,6 +544,18 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
                 old_logp=None, ref_logp=None, adv=None)  # (b, R) each, set by main; old_logp None: on-policy
 
 
+def reference_logp(model, ref, b: dict, temperature: float, banned: list[int]) -> torch.Tensor:
+    """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy itself
+    with its adapters scaled to 0, so no second model is in memory. Not peft's disable_adapter: it switches the
+    adapters' requires_grad off and on, which under FSDP2 reaches the root's unsharded copies only, and the root-held
+    adapters (the vision merger) then silently stop training."""
+    from peft.helpers import rescale_adapter_scale
+    if ref is not None:
+        return token_logp(ref, b, temperature, banned)[0]
+    with rescale_adapter_scale(model, 0.0):
+        return token_logp(model, b, temperature, banned)[0]
+
+
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows."""
     minibatches = []
@@ -734,8 +758,11 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
-    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    ref = None
+    if cfg.kl_coef > 0 and not cfg.lora_rank:
+        ref = load_model(cfg, device).eval().requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     state = ckpt.load(ckpt_path, model, opt) if ckpt_path else {}  # before the engine is built: it gets these weights
     eos_ids = model.generation_config.eos_token_id
@@ -801,11 +828,11 @@ def main(cfg: Config):
                 for b in mini:
                     if need_old:
                         b["old_logp"] = token_logp(model, b, cfg.temperature, banned)[0]
-                    if ref is not None:
-                        b["ref_logp"] = token_logp(ref, b, cfg.temperature, banned)[0]
+                    if cfg.kl_coef > 0:
+                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned)
         kl_to_go = None
         m = {"kl": 0.0}  # this step's metric sums over micro-batches
-        if cfg.kl_in_reward and ref is not None:  # verl apply_kl_penalty: on old (rollout-time) log-probs
+        if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
             m["kl"] = kl_to_go[:, 0].sum().item()
             kl_to_go = cfg.kl_coef * kl_to_go
@@ -819,6 +846,7 @@ def main(cfg: Config):
             group_param["lr"] = lr_at(step - 1, cfg)
         gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
         ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups]) for i in part]
+        model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
                 n_tok_mb, n_seq_mb = global_counts(mini)
@@ -830,13 +858,14 @@ def main(cfg: Config):
                     if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
                         for k, v in metrics.items():
                             m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
                 gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
                 if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: stop before the step
                     raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
                                              f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+        model.eval()
         m["loss"] /= len(minibatches)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         n_tok = sum(gather(float(sum(lengths))))
@@ -1017,8 +1046,8 @@ def print0(*a):
 
 
 def load_model(cfg: Config, device):
-    """HF model, FSDP2-sharded per decoder layer and vision block (one marked block), fp32 master
-    weights; bf16 compute on GPU."""
+    """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
+    marked block), fp32 master weights; bf16 compute on GPU."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
     cuda = device.type == "cuda"
@@ -1031,12 +1060,16 @@ def load_model(cfg: Config, device):
             pass
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
+    blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
+    if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                 lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets))
     if dist.is_initialized():
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        inner = model.model
-        for block in list(inner.language_model.layers) + list(inner.visual.blocks):
+        for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     return model
@@ -1067,12 +1100,15 @@ def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int,
 
 
 def save_checkpoint(model, processor, path: str, rank: int):
-    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(model, options=full) if dist.is_initialized() else model.state_dict()
+    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
+    merged in (scripts/export_hf.py writes the adapter alone)."""
+    sd = {}
+    for name, t in hf_weights(model):  # a collective: every rank gathers, rank 0 keeps
+        if rank == 0:
+            sd[name] = t.cpu()
     if rank == 0:
-        model.save_pretrained(path, state_dict=sd)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
 

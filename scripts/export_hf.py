@@ -1,11 +1,14 @@
 """Convert a training checkpoint (torch.distributed.checkpoint folder) into a Hugging Face folder
 (safetensors + config + processor) that transformers and vllm.LLM load. One process, any world size it was
-saved with: DCP gathers the shards into full tensors.
+saved with: DCP gathers the shards into full tensors. A LoRA run's checkpoint holds the adapters only: the export
+is the adapter in PEFT's format (base: the run's `model`), or with --merge the base model with the adapters merged.
 
     python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60
     python scripts/export_hf.py runs/tiny_cpu/ckpt/latest runs/tiny_cpu/hf_latest   # the `latest` pointer works too
     python scripts/export_hf.py runs/X/ckpt/latest runs/X/hf --dtype bfloat16        # half the size, for serving
+    python scripts/export_hf.py runs/lora/ckpt/latest runs/lora/hf_merged --merge
 """
+import json
 import os
 import sys
 from typing import Literal
@@ -17,21 +20,35 @@ from tyro.conf import Positional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32"):
+def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32",
+           merge: bool = False):
     """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself.
-    dtype: the saved weights' (the checkpoint holds fp32 master weights)."""
+    dtype: the saved weights' (the checkpoint holds fp32 master weights). merge: a LoRA run's adapters merged into
+    the base (W + scale * B A) instead of the adapter alone in PEFT's format."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
     import train
     if os.path.isfile(ckpt):  # the `latest` pointer file
         ckpt = os.path.join(os.path.dirname(ckpt), open(ckpt).read().strip())
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)  # in place, strict: a missing tensor raises
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        cfg = train.Config(**json.load(f)["config"])
+    if cfg.lora_rank:  # the frozen base from cfg.model, its adapters from the checkpoint
+        model = train.load_model(cfg, torch.device("cpu"))
+    else:
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    # the tensors ckpt.save wrote (trainable ones), in place; strict: a missing tensor raises
+    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    dcp.load(state, checkpoint_id=ckpt)
     model.generation_config = GenerationConfig.from_pretrained(ckpt)
     model.to(getattr(torch, dtype))
-    train.save_checkpoint(model, AutoProcessor.from_pretrained(ckpt), out, rank=0)
+    processor = AutoProcessor.from_pretrained(ckpt)
+    if cfg.lora_rank and not merge:
+        model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors (peft)
+        processor.save_pretrained(out)
+    else:
+        train.save_checkpoint(model, processor, out, rank=0)
     return out
 
 

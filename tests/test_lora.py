@@ -1,0 +1,148 @@
+"""LoRA (peft) on the real tiny Qwen2.5-VL: adapter sizes, the free reference policy, merged weights, and
+2-rank torchrun runs with colocated vLLM (sampler/trainer agreement, exact resume, export).
+
+    .venv/bin/python -m pytest -q tests/test_lora.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, tiny_config
+from safetensors.torch import load_file
+
+import data
+import train
+from rollout import Rollout, hf_weights, vision_token_ids
+
+LM = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+WITH_VISION = LM + r"|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]"
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model, synth):
+    """A micro-batch of 4 video prompts with fixed 5-token responses."""
+    from transformers import AutoProcessor
+    proc = AutoProcessor.from_pretrained(tiny_model)
+    samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("videos")][:4]
+    prompts = [data.prepare(s, proc, tiny_config()) for s in samples]
+    ids = proc.tokenizer.encode("<answer>B</answer>", add_special_tokens=False)[:5]
+    rollouts = [Rollout(p, ids, None, "") for p in prompts]
+    return proc, train.collate(rollouts, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+
+
+def lora_model(tiny_model, rank=4, targets=LM, seed=0):
+    """The trainer's LoRA model (train.load_model, one process: no FSDP) with random, nonzero B."""
+    torch.manual_seed(seed)
+    model = train.load_model(tiny_config(model=tiny_model, lora_rank=rank, lora_alpha=8.0, lora_targets=targets),
+                             torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_reference_is_the_base_model_with_adapters_disabled(tiny_model, batch):
+    proc, b = batch
+    banned = vision_token_ids(proc.tokenizer)
+    base = train.load_model(tiny_config(model=tiny_model), torch.device("cpu"))
+    model = lora_model(tiny_model)
+    with torch.no_grad():
+        want = train.token_logp(base, b, 1.0, banned)[0]
+        ref = train.reference_logp(model, None, b, 1.0, banned)
+        policy = train.token_logp(model, b, 1.0, banned)[0]
+    # adapters scaled to 0: the base model up to fp32 round-off (4.8e-7 here; B A x * 0 is added, other kernels)
+    assert ((ref - want).abs() * b["mask"]).max() < 1e-5
+    assert ((policy - want).abs() * b["mask"]).max() > 1e-3  # and on: B != 0 changes the policy
+
+
+def test_optimizer_state_is_proportional_to_adapter_size(tiny_model, batch):
+    """Only the adapters train: r * (in + out) per adapted linear layer, and AdamW keeps 2 floats per trainable one."""
+    proc, b = batch
+    r, h, inter, kv = 4, 128, 256, 64  # the tiny model: hidden 128, MLP 256, 1 KV head of 64, 2 layers
+    per_layer = r * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + inter) + (inter + h))  # q, k v, o, gate up, down
+    model = lora_model(tiny_model, rank=r)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == 2 * per_layer == 16384
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    train.token_logp(model, b, 1.0, vision_token_ids(proc.tokenizer))[0].sum().backward()
+    opt.step()
+    state = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert state == 2 * 16384  # exp_avg + exp_avg_sq: 32768 floats, against 2 x 669,120 for full fine-tuning
+
+
+def test_merged_weights_equal_peft_merge(tiny_model):
+    """The sync's merged tensors, under the base model's names, equal peft's own merge_and_unload."""
+    from transformers import AutoModelForImageTextToText
+    model = lora_model(tiny_model, targets=WITH_VISION)
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    merged = {k: v.clone() for k, v in hf_weights(model)}
+    want = model.merge_and_unload().state_dict()
+    assert list(merged) == list(base) == list(want)
+    assert all(torch.allclose(merged[k], want[k], atol=1e-6) for k in want)
+    qkv = "model.visual.blocks.0.attn.qkv.weight"
+    assert not torch.equal(merged[qkv], base[qkv])
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2 ranks under torchrun, colocated vLLM, LoRA on the language model and the vision tower, KL to the reference
+
+def torchrun(tiny_model, data_dir, out, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           "train.py", "--config", "configs/tiny_cpu.yaml", "configs/lora.yaml", "--model", tiny_model,
+           "--train-data", f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", str(out), "--group-size", "4",
+           "--prompts-per-step", "4", "--cache-dir", str(out.parent / "frames"), "--lora-targets", WITH_VISION,
+           "--kl-coef", "0.01", "--save-every", "2", "--keep-last", "0", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
+
+
+@pytest.mark.slow
+def test_two_ranks_vllm_agrees_resume_and_export(tmp_path, tiny_model, synth):
+    import export_hf
+    full = torchrun(tiny_model, synth, tmp_path / "full", "--max-steps", "4")
+    # sampler (merged weights) and trainer (W x + s B A x) agree while B moves away from 0 (test_rollout's LOGP_TOL)
+    assert all(full[s]["mismatch/max"] < 1e-2 for s in full) and full[4]["grad_norm"] > 0
+    assert full[1]["kl"] == 0.0 and full[4]["kl"] > 0  # step 1: B = 0, the policy IS the reference
+    base = load_file(f"{tiny_model}/model.safetensors")
+    final = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    changed = {k for k in base if not torch.equal(base[k], final[k])}
+    assert changed == {k for k in base if k.endswith(".weight") and any(
+        f".{m}." in k for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                 "qkv", "proj", "mlp.0", "mlp.2")) and "patch_embed" not in k}
+    # the checkpoint: adapters and their optimizer state only (the frozen base comes from `model`)
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(str(tmp_path / "full" / "ckpt" / "step_00000002")).read_metadata().state_dict_metadata
+    tensors = [k for k in keys if not k.startswith("optim.param_groups.")]
+    assert tensors and all(".lora_" in k for k in tensors)
+    # exact resume: 2 steps, then 2 more from the step-2 checkpoint, bit-equal to the uninterrupted run
+    torchrun(tiny_model, synth, tmp_path / "resumed", "--max-steps", "2")
+    resumed = torchrun(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", "auto")
+    for s in (3, 4):
+        for k in ("data/ids", "reward/mean", "loss", "grad_norm", "kl", "mismatch/mean"):
+            assert resumed[s][k] == full[s][k], (s, k)
+    # export: --merge is the run's own final folder; the PEFT adapter on the base gives the same weights
+    merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
+    assert all(torch.equal(v, final[k]) for k, v in load_file(f"{merged}/model.safetensors").items())
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+    adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
+    assert sorted(os.listdir(adapter))[:2] == ["README.md", "adapter_config.json"]
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
+    sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
+    want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
+    assert sd.keys() == want.keys() and all(torch.allclose(sd[k], want[k], atol=1e-6) for k in want)
+    code = ("from vllm import LLM, SamplingParams\n"
+            f"llm = LLM(model={merged!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
+            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
+            "                   SamplingParams(max_tokens=4, temperature=0))\n"
+            "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and int(p.stdout.split("TOKENS ")[1]) > 0, p.stderr[-3000:]
