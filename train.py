@@ -36,6 +36,7 @@ The math follows verl 0.9.1 (docs/algorithms.md). Deviations, on purpose:
 """
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import ckpt
 import data
@@ -183,6 +185,11 @@ class Config:
     """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
     micro_batch_size: int = 16
     """sequences per forward/backward on each rank"""
+    # --- memory
+    freeze_vision: bool = False
+    """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
+    logp_chunk: int = 1024
+    """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -405,25 +412,79 @@ def lr_at(step: int, cfg: Config) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int]):
-    """Log-prob and entropy of each response token at the sampling temperature: (B, R), (B, R).
+VISION = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
 
-    Prompts are left-padded and responses right-padded, so every response starts at the same column
-    and the model only projects the last R+1 hidden states onto the vocabulary (logits_to_keep)."""
-    R = batch["mask"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                mm_token_type_ids=batch["mm_token_type_ids"], logits_to_keep=R + 1, **batch["mm"])
-    logits = out.logits[:batch.get("rows"), :-1].float() / temperature  # (B, R, V), dummy rows dropped
-    logits[..., banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
-    lse = torch.logsumexp(logits, -1)                                  # (B, R)
-    logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)       # stable form, as verl
+
+def encode_vision(model, prompts: list, device) -> dict:
+    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
+    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
+    distinct = list({id(p): p for p in prompts}.values())
+    out = {}
+    for kind, (pixels, grid) in VISION.items():
+        mine = [p for p in distinct if pixels in p.mm]
+        if not mine:
+            continue
+        features = getattr(model, f"get_{kind}_features")  # the model's own entry point (Qwen3-VL: + deepstack)
+        enc = features(torch.cat([p.mm[pixels] for p in mine]).to(device),
+                       torch.cat([p.mm[grid] for p in mine]).to(device), return_dict=True)
+        counts = [len(p.mm[grid]) for p in mine]
+        starts = itertools.accumulate(counts, initial=0)
+        out[kind] = (enc, {id(p): range(s, s + n) for p, s, n in zip(mine, starts, counts)})
+    return out
+
+
+def row_vision(encoded: dict, prompts: list) -> dict:
+    """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
+    the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
+    out = {}
+    for kind, (enc, where) in encoded.items():
+        idx = [i for p in prompts for i in where.get(id(p), ())]
+        fields = {"pooler_output": tuple(enc.pooler_output[i] for i in idx)}
+        if getattr(enc, "deepstack_features", None) is not None:  # Qwen3-VL: added at early decoder layers
+            fields["deepstack_features"] = [tuple(level[i] for i in idx) for level in enc.deepstack_features]
+        out[kind] = replace(enc, **fields)
+    return out
+
+
+def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
+    """Log-prob of the targets and entropy at the sampling temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature             # (N, V)
+    logits[:, banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
+    lse = torch.logsumexp(logits, -1)                                                      # (N,)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)         # stable form, as verl
     return logp, entropy
 
 
+def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
+    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R).
+
+    The vision tower runs once per distinct media item (batch["vision"]: features encoded before, freeze_vision;
+    batch["encodes"] counts the items encoded here). Prompts are left-padded and responses right-padded, so every
+    response starts at the same column: the hidden states before it are projected onto the vocabulary `chunk`
+    positions at a time (0 = all), each chunk recomputed in backward, so no more than (chunk, V) logits live."""
+    R, rows = batch["mask"].shape[1], batch["rows"]
+    vision = batch["vision"]
+    if vision is None:
+        vision = encode_vision(model, batch["prompts"], batch["input_ids"].device)
+        batch["encodes"] += sum(len(where) for _, where in vision.values())
+    # logits_to_keep=1: the model's own projection covers one position; ours, below, the responses
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
+                mm_token_type_ids=batch["mm_token_type_ids"], mm_encoder_outputs=row_vision(vision, batch["prompts"]),
+                output_hidden_states=True, **batch["grids"])
+    hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
+    weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
+    targets = batch["response_ids"].flatten()                                              # (b R,)
+    step = chunk or len(targets)
+    parts = [checkpoint(chunk_logp, hidden[i:i + step], weight, targets[i:i + step], temperature, banned,
+                        use_reentrant=False) for i in range(0, len(targets), step)]
+    return torch.cat([p[0] for p in parts]).view(rows, R), torch.cat([p[1] for p in parts]).view(rows, R)
+
+
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
-    """One micro-batch: left-pad prompts, right-pad responses; concatenate the media of every row in order.
-    The per-token quantities the loss reads (old/ref log-probs, advantages) are filled in by main.
+    """One micro-batch: left-pad prompts, right-pad responses; each row's prompt (token_logp encodes the media of each
+    distinct one once) and the rows' grids in order (M-RoPE positions). The per-token quantities the loss reads
+    (old/ref log-probs, advantages) are filled in by main.
     dummies (data.dummy_prompts): a response-less row is appended for each modality no row has, so the
     vision tower runs for images and for videos in every forward on every rank (FSDP2's all-gathers and
     reduce-scatters stay aligned); token_logp drops those rows, their gradient is exactly zero."""
@@ -445,12 +506,15 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         mask[i, :len(y)] = 1
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
-    mm = {k: v.to(device) for k, v in data.concat_media([r.prompt for r in rollouts]).items()}
+    prompts = [r.prompt for r in rollouts]
+    grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
+             for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
     input_ids = input_ids.to(device)
-    return dict(input_ids=input_ids, attention_mask=attn.to(device), mm=mm, rows=rows,
+    return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, rows=rows,
                 mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:rows, P:],
                 mask=mask[:rows].to(device), rollout_logp=rollout_logp[:rows].to(device),       # (b, R) each
-                old_logp=None, ref_logp=None, adv=None)  # (b, R) each, set by main; old_logp None: on-policy
+                old_logp=None, ref_logp=None, adv=None,  # (b, R) each, set by main; old_logp None: on-policy
+                vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
@@ -467,7 +531,7 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
 def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float):
     """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
     the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned)                                # (b, R)
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)                              # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
@@ -726,15 +790,21 @@ def main(cfg: Config):
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
+        m = {"kl": 0.0, "vision_encodes": 0}  # this step's metric sums over micro-batches
         with torch.no_grad():
+            frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
+            if cfg.freeze_vision:
+                prompts = [r.prompt for r in rollouts] + data.missing_dummies(dummies, {})
+                frozen = encode_vision(model, prompts, device)
+                m["vision_encodes"] = sum(len(where) for _, where in frozen.values())
             for mini in minibatches:
                 for b in mini:
+                    b["vision"] = frozen
                     if need_old:
-                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned)[0]
+                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)[0]
                     if ref is not None:
-                        b["ref_logp"] = token_logp(ref, b, cfg.temperature, banned)[0]
+                        b["ref_logp"] = token_logp(ref, b, cfg.temperature, banned, cfg.logp_chunk)[0]
         kl_to_go = None
-        m = {"kl": 0.0}  # this step's metric sums over micro-batches
         if cfg.kl_in_reward and ref is not None:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
             m["kl"] = kl_to_go[:, 0].sum().item()
@@ -762,6 +832,7 @@ def main(cfg: Config):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         m["loss"] /= len(minibatches)
+        m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         n_tok = sum(gather(float(sum(lengths))))
         t_train = time.time() - t1
@@ -853,7 +924,8 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
            "clipfrac": msum["clipfrac"] / n_tok, "entropy": msum["entropy"] / n_tok, "kl": msum["kl"] / n_tok,
            "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
            "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
-           "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"]}
+           "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"],
+           "vision/encodes": msum["vision_encodes"]}
     for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
@@ -913,14 +985,17 @@ def load_model(cfg: Config, device):
             pass
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
+    model.model.visual.requires_grad_(not cfg.freeze_vision)
     if dist.is_initialized():
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
         inner = model.model
-        for block in list(inner.language_model.layers) + list(inner.visual.blocks):
+        for block in list(inner.language_model.layers) + list(inner.visual.blocks) + [inner.visual]:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+        # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
+        model._get_fsdp_state()._lazy_init()
     return model
 
 

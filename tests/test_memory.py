@@ -1,0 +1,104 @@
+"""Real-scale memory (issue 13): the vision tower once per distinct media item, chunked log-probs.
+
+Each path is checked against the plain transformers forward (every row carries its own copy of the media, full
+logits), in float32, on both tiny checkpoints.
+
+    .venv/bin/python -m pytest -q tests/test_memory.py
+"""
+import os
+
+import pytest
+import torch
+from conftest import ROOT, tiny_config
+
+import data
+import train
+from rollout import Rollout, vision_token_ids
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def setup(request, synth):
+    """Model, processor and 7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1."""
+    import make_tiny_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    d = make_tiny_model.ensure(request.param, root=os.path.join(ROOT, ".cache/models"))
+    processor = AutoProcessor.from_pretrained(d)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
+    samples = data.load_samples(os.path.join(synth, "train.jsonl"))
+    video = next(s for s in samples if s.get("videos"))
+    image = next(s for s in samples if s.get("images"))
+    both = dict(video, id="both", images=image["images"], data_type="video")
+    text = dict(video, id="text", videos=[], data_type="text")
+    cfg = tiny_config(model=d)
+    prompts = [data.prepare(s, processor, cfg) for s in (video, image, both, text)]
+    responses = [[30, 31, 32], [40], [50, 51], [60, 61, 62, 63], [70, 71], [], [80, 81]]
+    owner = [0, 0, 1, 1, 2, 2, 3]
+    rows = [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip(owner, responses)]
+    return model, processor, rows
+
+
+def per_row_logp(model, b, rows, banned):
+    """Today's path, from the model's own forward: every row carries its media, full (B, R, V) logits."""
+    mm = data.concat_media([r.prompt for r in rows])
+    R = b["mask"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
+                   mm_token_type_ids=b["mm_token_type_ids"], **mm).logits[:, :-1].float()
+    logits[..., banned] = -1e9
+    return torch.log_softmax(logits, -1).gather(-1, b["response_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def loss_and_grads(model, logp, mask):
+    """A loss that weighs every token differently, and the gradient of every parameter."""
+    model.zero_grad(set_to_none=True)
+    weights = torch.arange(1, mask.numel() + 1, dtype=torch.float32).view_as(mask) / mask.numel()
+    (-(logp * mask * weights).sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_vision_once_per_prompt_matches_per_row_forward(setup):
+    model, processor, rows = setup
+    tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
+    b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+    ref = per_row_logp(model, b, rows, banned)
+    ref_grads = loss_and_grads(model, ref, b["mask"])
+    logp, ent = train.token_logp(model, b, 1.0, banned, chunk=4)
+    assert b["encodes"] == 4  # 1 video + 1 image + (1 image + 1 video); 7 rows would be 8 items
+    torch.testing.assert_close(logp * b["mask"], ref * b["mask"], rtol=0, atol=1e-5)
+    grads = loss_and_grads(model, logp, b["mask"])
+    assert grads.keys() == ref_grads.keys()
+    assert any(k.startswith("model.visual.blocks") and ref_grads[k].abs().sum() > 0 for k in ref_grads)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-5 * ref_grads[k].abs().max().item(),
+                                   msg=k)
+
+
+def test_chunked_logp_and_entropy_equal_one_chunk(setup):
+    """Chunks of 3 positions (rows cut mid-way) vs all at once: values and gradients, float32. The entropy is checked
+    against its definition -sum p log p, over the vocabulary without the banned (vision) tokens."""
+    model, processor, rows = setup
+    tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
+    out = []
+    for chunk in (0, 3):
+        b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+        logp, ent = train.token_logp(model, b, 0.7, banned, chunk=chunk)
+        model.zero_grad(set_to_none=True)
+        ((logp * b["mask"]).sum() + 0.3 * (ent * b["mask"]).sum()).backward()
+        out.append((logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if p.grad is not None}))
+    (logp0, ent0, g0), (logp3, ent3, g3) = out
+    torch.testing.assert_close(logp3, logp0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent3, ent0, rtol=0, atol=1e-6)
+    for k in g0:
+        torch.testing.assert_close(g3[k], g0[k], rtol=1e-6, atol=1e-6 * g0[k].abs().max().item(), msg=k)
+    with torch.no_grad():  # the definition, at temperature 0.7, on row 0's first token
+        b = train.collate(rows[:1], tok.pad_token_id, tok, torch.device("cpu"))
+        R = b["mask"].shape[1]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
+                       mm_token_type_ids=b["mm_token_type_ids"], **rows[0].prompt.mm).logits[0, 0] / 0.7
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[banned] = False
+        p = torch.softmax(logits[keep], -1)
+        assert ent0[0, 0].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
+        y = rows[0].response_ids[0]
+        assert logp0[0, 0].item() == pytest.approx(p.log()[keep[:y].sum()].item(), abs=1e-5)  # y's place in `keep`
