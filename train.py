@@ -37,6 +37,7 @@ The math follows verl 0.9.1 (docs/algorithms.md). Deviations, on purpose:
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import logging
 import math
@@ -195,6 +196,17 @@ class Config:
     """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
     micro_batch_size: int = 16
     """sequences per forward/backward on each rank"""
+    # --- memory
+    freeze_vision: bool = False
+    """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
+    logp_chunk: int = 1024
+    """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's and vision block's activations in backward instead of keeping them"""
+    offload: bool = False
+    """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
+    max_tokens_per_micro_batch: int = 0
+    """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -317,6 +329,11 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (greedy rollouts cannot be trained)"),
         (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
         (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
+        (cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
+         "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun"),
+        (0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len,
+         f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + max_response_len "
+         f"{cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none"),
     ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
@@ -479,11 +496,33 @@ def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
-def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[list[int]]]:
-    """Row indices of each micro-batch of each mini-batch: contiguous, mini-batch sizes differ by at most 1."""
+def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
+                max_tokens: int = 0) -> list[list[list[int]]]:
+    """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
+    Micro-batches: rows in order, at most micro_batch_size of them or (max_tokens > 0) at most max_tokens padded
+    tokens, rows x (longest prompt + longest response). A group (rows sharing a prompt: its media are encoded once
+    per micro-batch) that does not fit in the current micro-batch starts a new one, unless it fits in none."""
+    def fits(rows: list[int]) -> bool:
+        if not max_tokens:
+            return len(rows) <= micro_batch_size
+        prompt = max(len(rollouts[j].prompt.prompt_ids) for j in rows)
+        return len(rows) * (prompt + max(len(rollouts[j].response_ids) for j in rows)) <= max_tokens
+
+    n = len(rollouts)
     bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
-    return [[list(range(i, min(i + micro_batch_size, hi))) for i in range(lo, hi, micro_batch_size)]
-            for lo, hi in zip(bounds, bounds[1:])]
+    plan = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        micro = [[]]
+        for _, run in itertools.groupby(range(lo, hi), key=lambda j: id(rollouts[j].prompt)):
+            group = list(run)  # consecutive rows sharing a prompt
+            if micro[-1] and not fits(micro[-1] + group) and fits(group):
+                micro.append([])
+            for i in group:
+                if micro[-1] and not fits(micro[-1] + [i]):
+                    micro.append([])
+                micro[-1].append(i)
+        plan.append([rows for rows in micro if rows])
+    return plan
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -496,24 +535,102 @@ def lr_at(step: int, cfg: Config) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int]):
-    """Log-prob and entropy of each response token at the sampling temperature: (B, R), (B, R).
+def encode_vision(model, prompts: list, device) -> dict:
+    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
+    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
+    distinct = list({id(p): p for p in prompts}.values())
+    out = {}
+    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
+                               ("video", "pixel_values_videos", "video_grid_thw")):
+        mine = [p for p in distinct if pixels in p.mm]
+        if not mine:
+            continue
+        features = getattr(model, f"get_{kind}_features")  # the model's own entry point (Qwen3-VL: + deepstack)
+        enc = features(torch.cat([p.mm[pixels] for p in mine]).to(device),
+                       torch.cat([p.mm[grid] for p in mine]).to(device), return_dict=True)
+        counts = [len(p.mm[grid]) for p in mine]
+        starts = itertools.accumulate(counts, initial=0)
+        out[kind] = (enc, {id(p): range(s, s + n) for p, s, n in zip(mine, starts, counts)})
+    return out
 
-    Prompts are left-padded and responses right-padded, so every response starts at the same column
-    and the model only projects the last R+1 hidden states onto the vocabulary (logits_to_keep)."""
-    R = batch["mask"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                mm_token_type_ids=batch["mm_token_type_ids"], logits_to_keep=R + 1, **batch["mm"])
-    logits = out.logits[:batch.get("rows"), :-1].float() / temperature  # (B, R, V), dummy rows dropped
-    logits[..., banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
-    lse = torch.logsumexp(logits, -1)                                  # (B, R)
-    logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)       # stable form, as verl
+
+def row_vision(encoded: dict, prompts: list) -> dict:
+    """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
+    the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
+    out = {}
+    for kind, (enc, where) in encoded.items():
+        idx = [i for p in prompts for i in where.get(id(p), ())]
+        fields = {"pooler_output": tuple(enc.pooler_output[i] for i in idx)}
+        if getattr(enc, "deepstack_features", None) is not None:  # Qwen3-VL: added at early decoder layers
+            fields["deepstack_features"] = [tuple(level[i] for i in idx) for level in enc.deepstack_features]
+        out[kind] = replace(enc, **fields)
+    return out
+
+
+def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
+    """Log-prob of the targets and entropy at the sampling temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature             # (N, V)
+    logits[:, banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
+    lse = torch.logsumexp(logits, -1)                                                      # (N,)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)         # stable form, as verl
     return logp, entropy
 
 
+class ChunkedLogp(torch.autograd.Function):
+    """chunk_logp over N positions, `chunk` at a time, holding no logits between forward and backward: backward
+    recomputes each chunk's and adds its weight gradient into one buffer, so (chunk, V) logits live at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, banned: list[int], chunk: int):
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.banned, ctx.chunk = temperature, banned, chunk
+        parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
+                 for i in range(0, len(targets), chunk)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        for i in range(0, len(targets), ctx.chunk):
+            h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature                   # (n, V)
+            z[:, ctx.banned] = -1e9
+            p = torch.softmax(z, -1)
+            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]     # (n, 1)
+            # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
+            dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
+            dz.scatter_add_(1, y[:, None], gl)
+            dz[:, ctx.banned] = 0.0
+            dz = (dz / ctx.temperature).to(weight.dtype)
+            grad_hidden[i:i + ctx.chunk] = dz @ weight
+            grad_weight.addmm_(dz.T, h)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
+    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
+    once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
+    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits."""
+    R, rows = batch["mask"].shape[1], batch["rows"]
+    vision = batch["vision"]
+    if vision is None:
+        vision = encode_vision(model, batch["prompts"], batch["input_ids"].device)
+        batch["encodes"] += sum(len(where) for _, where in vision.values())
+    # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1, use_cache=False,
+                mm_token_type_ids=batch["mm_token_type_ids"], mm_encoder_outputs=row_vision(vision, batch["prompts"]),
+                output_hidden_states=True, **batch["grids"])
+    hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
+    weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
+    targets = batch["response_ids"].flatten()                                              # (b R,)
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or len(targets))
+    return logp.view(rows, R), entropy.view(rows, R)
+
+
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
-    """One micro-batch: left-pad prompts, right-pad responses; concatenate the media of every row in order.
+    """One micro-batch: left-pad prompts, right-pad responses; the rows' prompts (media) and grids (M-RoPE positions).
     The per-token quantities the loss reads (old/ref log-probs, advantages) are filled in by main.
     dummies (data.dummy_prompts): a response-less row is appended for each modality no row has, so the
     vision tower runs for images and for videos in every forward on every rank (FSDP2's all-gathers and
@@ -536,30 +653,40 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         mask[i, :len(y)] = 1
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
-    mm = {k: v.to(device) for k, v in data.concat_media([r.prompt for r in rollouts]).items()}
+    prompts = [r.prompt for r in rollouts]
+    grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
+             for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
     input_ids = input_ids.to(device)
-    return dict(input_ids=input_ids, attention_mask=attn.to(device), mm=mm, rows=rows,
+    return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, rows=rows,
                 mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:rows, P:],
                 mask=mask[:rows].to(device), rollout_logp=rollout_logp[:rows].to(device),       # (b, R) each
-                old_logp=None, ref_logp=None, adv=None)  # (b, R) each, set by main; old_logp None: on-policy
+                old_logp=None, ref_logp=None, adv=None,  # (b, R) each, set by main; old_logp None: on-policy
+                vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
 
 
-def reference_logp(model, ref, b: dict, temperature: float, banned: list[int]) -> torch.Tensor:
+def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0) -> torch.Tensor:
     """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy itself
     with its adapters scaled to 0, so no second model is in memory. Not peft's disable_adapter: it switches the
     adapters' requires_grad off and on, which under FSDP2 reaches the root's unsharded copies only, and the root-held
     adapters (the vision merger) then silently stop training."""
     from peft.helpers import rescale_adapter_scale
     if ref is not None:
-        return token_logp(ref, b, temperature, banned)[0]
+        return token_logp(ref, b, temperature, banned, chunk)[0]
     with rescale_adapter_scale(model, 0.0):
-        return token_logp(model, b, temperature, banned)[0]
+        return token_logp(model, b, temperature, banned, chunk)[0]
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
-    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows."""
+    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows.
+    Every rank runs as many (FSDP): a rank that a token budget packed into fewer halves its largest ones."""
+    plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
-    for mini in split_batch(len(rollouts), cfg.mini_batches, cfg.micro_batch_size):
+    for mini, count in zip(plan, counts):
+        while len(mini) < count:
+            big = max(mini, key=len)
+            at = mini.index(big)
+            mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
         batches = [collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies) for rows in mini]
         for b, rows in zip(batches, mini):
             b["index"] = rows
@@ -570,7 +697,7 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
 def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float):
     """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
     the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned)                                # (b, R)
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)                              # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
@@ -737,7 +864,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
 
 # ---------------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    rank, world, device = init_dist(cfg.dist_timeout)
+    rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -823,13 +950,19 @@ def main(cfg: Config):
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
+        m = {"kl": 0.0, "vision_encodes": 0}  # this step's metric sums over micro-batches
         with torch.no_grad():
+            frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
+            if cfg.freeze_vision:
+                frozen = encode_vision(model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device)
+                m["vision_encodes"] = sum(len(where) for _, where in frozen.values())
             for mini in minibatches:
                 for b in mini:
+                    b["vision"] = frozen
                     if need_old:
-                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned)[0]
+                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)[0]
                     if cfg.kl_coef > 0:
-                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned)
+                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk)
         kl_to_go = None
         m = {"kl": 0.0}  # this step's metric sums over micro-batches
         if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
@@ -867,6 +1000,7 @@ def main(cfg: Config):
                 opt.zero_grad(set_to_none=True)
         model.eval()
         m["loss"] /= len(minibatches)
+        m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         n_tok = sum(gather(float(sum(lengths))))
         t_train = time.time() - t1
@@ -994,7 +1128,8 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
            "clipfrac": msum["clipfrac"] / n_tok, "entropy": msum["entropy"] / n_tok, "kl": msum["kl"] / n_tok,
            "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
            "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
-           "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"]}
+           "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"],
+           "vision/encodes": msum["vision_encodes"]}
     for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
@@ -1021,15 +1156,16 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # ---------------------------------------------------------------------------------------------------
 # Setup helpers
 
-def init_dist(timeout_s: float = 1800.0):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU."""
+def init_dist(timeout_s: float = 1800.0, offload: bool = False):
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     if not dist.is_initialized():  # main() may run again in the same process (tests)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
@@ -1047,8 +1183,10 @@ def print0(*a):
 
 def load_model(cfg: Config, device):
     """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
-    marked block), fp32 master weights; bf16 compute on GPU."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    marked block), fp32 master weights; bf16 compute on GPU. Activation checkpointing (module hooks,
+    non-reentrant) goes on before FSDP."""
+    from torch.distributed._composable import checkpoint as checkpoint_module
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
     cuda = device.type == "cuda"
     attn = "sdpa"
@@ -1060,7 +1198,12 @@ def load_model(cfg: Config, device):
             pass
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
-    blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
+    visual = model.model.visual  # taken before peft wraps the model (PeftModel.model is another object)
+    visual.requires_grad_(not cfg.freeze_vision)
+    blocks = list(model.model.language_model.layers) + list(visual.blocks)
+    if cfg.gradient_checkpointing:
+        for block in blocks:
+            checkpoint_module(block)
     if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
@@ -1069,9 +1212,12 @@ def load_model(cfg: Config, device):
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
+        for block in blocks + [visual]:
+            fully_shard(block, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
+        # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
+        model._get_fsdp_state()._lazy_init()
     return model
 
 
