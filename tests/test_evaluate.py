@@ -94,7 +94,7 @@ def test_official_number_span_and_yes_no_rules():
     for bad in ("1" * 20000, "1 " * 10000, "1." * 10000, ":1" * 10000):  # bounded time at the length cap
         t = time.perf_counter()
         E.score(bad, ch, E.ADAPTERS["charades_sta"])
-        assert time.perf_counter() - t < 0.05  # the span regex: 11-14 s on a 20,000-digit run before
+        assert time.perf_counter() - t < 0.5  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
         t = time.perf_counter()
         E.score(bad, mmmu, E.ADAPTERS["videommmu"])
         assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear

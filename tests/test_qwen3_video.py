@@ -22,6 +22,8 @@ import data
 from rollout import VLLMEngine, vision_token_ids
 from train import collate, token_logp
 
+pytestmark = pytest.mark.slow  # builds vLLM engines and runs torchrun
+
 LOGP_MAX, LOGP_MEAN = 1e-2, 1e-3  # the Qwen2.5-VL tolerance (tests/test_rollout.py); measured here: ~1e-6 / ~2e-7
 CLIP = dict(image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
 PIXELS = 64 * 64  # one 2x2 block of merged tokens per frame at Qwen3-VL's factor 32
@@ -46,7 +48,7 @@ def settings(model, **kw):
 
 def logp_gap(engine, model, proc, prompts) -> tuple[float, float]:
     """(max, mean) per-token |logp_vllm - logp_trainer| over 4 sampled 12-token completions per prompt."""
-    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12)
+    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=0)
     b = collate(rollouts, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
     with torch.no_grad():
         logp, _ = token_logp(model, b, 1.0, vision_token_ids(proc.tokenizer))
