@@ -964,7 +964,6 @@ def main(cfg: Config):
                     if cfg.kl_coef > 0:
                         b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk)
         kl_to_go = None
-        m = {"kl": 0.0}  # this step's metric sums over micro-batches
         if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
             m["kl"] = kl_to_go[:, 0].sum().item()
@@ -1208,7 +1207,9 @@ def load_model(cfg: Config, device):
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                  lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets))
-    if dist.is_initialized():
+    # one CPU process gains nothing from FSDP2 (no mixed precision on CPU), and a process group can exist without
+    # torchrun (vLLM's in-process engine creates one): shard on several ranks, or on a GPU for bf16 compute
+    if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()

@@ -186,6 +186,7 @@ def test_export_bfloat16(tmp_path, tiny_model):
     shutil.copytree(tiny_model, step, ignore=shutil.ignore_patterns("*.safetensors*"))
     model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(step))
+    (step / "meta.json").write_text(json.dumps({"config": {"model": tiny_model}}))  # as ckpt.save writes it
     p = subprocess.run([sys.executable, "scripts/export_hf.py", str(step), str(tmp_path / "hf"), "--dtype", "bfloat16"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
