@@ -1,0 +1,307 @@
+"""Does a train.py config fit in GPU memory? Per-GPU memory of the train and generation phases, before anything runs.
+
+    .venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml --gpus 8 --gpu-mem-gib 80
+    .venv/bin/python scripts/memory_plan.py --config configs/qwen3_vl_8b.yaml --frames 128 --tokens 32768
+    .venv/bin/python scripts/memory_plan.py --config configs/qwen3_vl_8b.yaml --remeasure   # ~3 min per model
+
+The model of train.py: FSDP2 over the `gpus` ranks keeps fp32 master weights, fp32 gradients and AdamW's two fp32
+moments, each 1/gpus per GPU (`offload`: in CPU RAM instead); the root module (embeddings, lm_head, vision merger) is
+gathered in bf16 with its bf16 gradients for the whole step, one decoder layer or vision block at a time besides
+(two: FSDP2 prefetches the next). vLLM holds gpu_memory_utilization x memory while it generates and sleeps in the
+train phase (vllm_sleep). The train phase peaks in the largest micro-batch: its decoder activations, its vision
+tower activations (one encode per distinct video, none with freeze_vision), the lm_head logits of a chunk of
+response positions, and the vision features kept for the step. 10% of the GPU is kept for the CUDA context, NCCL
+and allocator fragmentation. The longest prompt is a video of video_max_frames frames of a `video_hw` source at the
+largest size the frame settings allow, run through the model's processor (the tiny checkpoint's for a hub name:
+same patch, merge and temporal sizes; its tokenizer spends a few more tokens on the text).
+
+Activation bytes per token are measured, not guessed (measure()): a forward + backward of 1 and 2 decoder layers
+and vision blocks at the model's real width (random init from the published config values in SPECS, no download),
+in bf16 as FSDP2 computes on CUDA (fp32 for device=cpu), at two token counts, on this CPU, with and without
+checkpointing. Peak memory = the peak resident set above the one before (Linux VmHWM, reset through clear_refs),
+with glibc's mmap threshold pinned so freed tensors go back to the system. Cached in configs/memory_measured.json.
+"""
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+GIB = 2 ** 30
+# Published config.json values (no download); what truncation keeps: real widths, heads, activation functions
+SPECS = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": dict(
+        arch="qwen2_5_vl", layers=28, depth=32,
+        text=dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                  vocab_size=152064, tie_word_embeddings=False, rope_parameters=dict(
+                      rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision=dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+                    window_size=112, hidden_act="silu", tokens_per_second=2)),
+    "Qwen/Qwen2.5-VL-3B-Instruct": dict(
+        arch="qwen2_5_vl", layers=36, depth=32,
+        text=dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                  vocab_size=151936, tie_word_embeddings=True, rope_parameters=dict(
+                      rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
+        vision=dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
+                    window_size=112, hidden_act="silu", tokens_per_second=2)),
+    "Qwen/Qwen3-VL-8B-Instruct": dict(
+        arch="qwen3_vl", layers=36, depth=27,
+        text=dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_parameters=dict(
+                      rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20], mrope_interleaved=True)),
+        vision=dict(hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096, patch_size=16,
+                    num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")),
+}
+
+
+def spec_of(model: str) -> dict:
+    """SPECS[model], or the config.json of a local checkpoint in the same form."""
+    if model in SPECS:
+        return SPECS[model]
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    return dict(arch=c["model_type"], layers=c["text_config"]["num_hidden_layers"], depth=c["vision_config"]["depth"],
+                text=c["text_config"], vision=c["vision_config"])
+
+
+def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype):
+    """The spec's Qwen*VLForConditionalGeneration with `layers` decoder layers and `depth` vision blocks, random init
+    in `dtype` (no fp32 copy inflates the baseline), or on the meta device (dtype None: shapes only)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig
+    from transformers import Qwen3VLForConditionalGeneration
+    text = {k: v for k, v in spec["text"].items() if k != "layer_types"}  # derived from the depth
+    text.update(num_hidden_layers=layers, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    qwen3 = spec["arch"] == "qwen3_vl"
+    vision = dict(spec["vision"], depth=depth)
+    if depth < spec["depth"]:  # truncated: one block of each kind
+        vision.update({"deepstack_visual_indexes": [0]} if qwen3 else {"fullatt_block_indexes": [depth - 1]})
+    config = (Qwen3VLConfig if qwen3 else Qwen2_5_VLConfig)(text_config=text, vision_config=vision,
+                                                            tie_word_embeddings=text.get("tie_word_embeddings", False))
+    config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.bfloat16)
+    try:
+        with torch.device("meta" if dtype is None else "cpu"):
+            return (Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration)(config).train()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(key + ":")))
+
+
+def peak_bytes(fn, *args) -> int:
+    """How far fn(*args) raises the resident set at its peak above where it was before (Linux VmHWM after clear_refs)."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    base = status_kib("VmRSS")
+    fn(*args)
+    return (status_kib("VmHWM") - base) * 1024
+
+
+def decoder_step(model, tokens: int):
+    hidden = model.config.text_config.hidden_size
+    x = torch.randn(1, tokens, hidden, dtype=model.dtype, requires_grad=True)  # the merged text + vision embeddings
+    out = model.language_model(inputs_embeds=x).last_hidden_state
+    out.backward(torch.ones_like(out))
+
+
+def vision_step(model, patches: int):
+    vc = model.config.vision_config
+    pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype)
+    grid = torch.tensor([[patches // 256, 16, 16]])  # frames of 16 x 16 patches
+    out = model.visual(pixels, grid_thw=grid).pooler_output  # merged features, what the decoder takes
+    out.backward(torch.ones_like(out))
+
+
+def logits_step(weight, positions: int):
+    """train.token_logp's projection of `positions` response positions onto the vocabulary, as one chunk."""
+    import train
+    from torch.utils.checkpoint import checkpoint
+    hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, requires_grad=True)
+    targets = torch.randint(len(weight), (positions,))
+    logp, entropy = checkpoint(train.chunk_logp, hidden, weight, targets, 1.0, [0], use_reentrant=False)
+    (logp.sum() + entropy.sum()).backward()
+
+
+def measure(spec: dict, dtype: torch.dtype) -> dict:
+    """Bytes per token (decoder) and per patch (vision) of a forward + backward: {"decoder": {"plain": {"layer": a,
+    "rest": b}, "ckpt": {...}}, "vision": {...}}. L layers over T tokens peak at T * (L * a + b) above the weights and
+    their gradients: two depths give a and b, two token counts cancel what does not grow with T."""
+    out = {}
+    for part, step, cfg in (("decoder", decoder_step, spec["text"]), ("vision", vision_step, spec["vision"])):
+        n = 256 * max(1, 2048 // cfg["hidden_size"])  # a narrow model needs more tokens to rise above the noise
+        tokens, out[part] = (n, 2 * n), {}
+        for mode in ("plain", "ckpt"):
+            slope = {}
+            for depth in (1, 2):
+                model = build(spec, depth, depth, vocab=8, dtype=dtype).model
+                if mode == "ckpt":
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                peaks = [peak_bytes(step, model, n) for n in tokens]
+                slope[depth] = (peaks[1] - peaks[0]) / (tokens[1] - tokens[0])
+                del model
+            out[part][mode] = {"layer": slope[2] - slope[1], "rest": 2 * slope[1] - slope[2]}
+            print(f"measured {part} {mode}: {out[part][mode]}", flush=True)
+    weight = torch.randn(spec["text"]["vocab_size"], spec["text"]["hidden_size"], dtype=dtype, requires_grad=True)
+    peaks = [peak_bytes(logits_step, weight, n) for n in (64, 128)]
+    out["logit_bytes"] = (peaks[1] - peaks[0]) / 64 / len(weight)
+    print(f"measured logits: {out['logit_bytes']} bytes per logit", flush=True)
+    return out
+
+
+def measured(model: str, dtype: torch.dtype, path: str, remeasure: bool) -> dict:
+    """measure()'s result for the model and dtype, from the JSON cache at `path` (measured and added if missing)."""
+    cached = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            cached = json.load(f)
+    key = f"{os.path.basename(os.path.normpath(model))} {str(dtype).removeprefix('torch.')}"
+    if remeasure or key not in cached:
+        cached[key] = measure(spec_of(model), dtype)
+        with open(path, "w") as f:
+            json.dump(cached, f, indent=1)
+    return cached[key]
+
+
+def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
+    """(tokens, vision patches) of a multiple-choice question on a video of video_max_frames frames of a height x width
+    source, resized as cache.py does and expanded by the model's processor as data.prepare does."""
+    import cache
+    import data
+    import make_tiny_model
+    from transformers import AutoProcessor
+    spec = spec_of(cfg.model)
+    local = cfg.model if cfg.model not in SPECS else make_tiny_model.ensure(spec["arch"], os.path.join(ROOT, ".cache/models"))
+    processor = AutoProcessor.from_pretrained(local)
+    factor, n = data.vision_factor(processor), cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
+    budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
+    h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
+    sample = dict(problem="<video>What does the person do after opening the door?", problem_type="multiple choice",
+                  options=["A. sits down", "B. leaves", "C. waves", "D. reads"], videos=["v.mp4"])
+    text = processor.apply_chat_template(data.chat_messages(sample, data.render_prompt(sample)), tokenize=False,
+                                         add_generation_prompt=True)
+    meta = dict(fps=cfg.video_fps, duration=n / cfg.video_fps, total_num_frames=n, frames_indices=list(range(n)))
+    out = processor(text=[text], videos=[torch.zeros(n, 3, h, w, dtype=torch.uint8)], video_metadata=[meta],
+                    do_resize=False, do_sample_frames=False, return_tensors="pt")
+    return out["input_ids"].shape[1], int(out["video_grid_thw"].prod())
+
+
+def param_counts(spec: dict) -> tuple[int, int, int]:
+    """(all parameters, the largest decoder layer or vision block, the root's: what no layer or block holds)."""
+    model = build(spec, spec["layers"], spec["depth"], vocab=spec["text"]["vocab_size"], dtype=None)
+    blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in model.parameters())
+    return total, max(sizes), total - sum(sizes)
+
+
+@dataclass
+class Plan:
+    """Bytes per GPU by holder, and what they add up to in each phase."""
+    lines: dict       # label -> bytes
+    generation: float  # weights, optimizer state, vLLM
+    train: float       # the train phase's peak
+    rows: int          # rows in the largest micro-batch
+    verdict: str
+
+
+def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, prompt: int, patches: int) -> Plan:
+    total, block, root = param_counts(spec)
+    compute = 2 if cuda else 4  # bf16 compute copies (FSDP2 mixed precision) on CUDA, fp32 on CPU
+    row_len = prompt + cfg.max_response_len
+    rows = max(1, cfg.max_tokens_per_micro_batch // row_len) if cfg.max_tokens_per_micro_batch else cfg.micro_batch_size
+    mode = "ckpt" if cfg.gradient_checkpointing else "plain"
+    dec, vis = meas["decoder"][mode], meas["vision"][mode]
+    groups = -(-rows // cfg.group_size) + (cfg.group_size % rows > 0 and rows % cfg.group_size > 0)  # straddling
+    encodes = 0 if cfg.freeze_vision else min(rows, groups)
+    merged = patches // spec["vision"].get("spatial_merge_size", 2) ** 2
+    levels = 1 + len(spec["vision"].get("deepstack_visual_indexes", []))  # Qwen3-VL keeps deepstack features too
+    kept = cfg.prompts_per_step // gpus if cfg.freeze_vision else encodes  # freeze_vision: the step's prompts
+    positions = rows * cfg.max_response_len
+    on_gpu = 0 if cfg.offload else 1
+    lines = {
+        "parameters (fp32 shard)": 4 * total / gpus * on_gpu * (1 + (cfg.kl_coef > 0)),  # + the reference model
+        "gradients (fp32 shard)": 4 * total / gpus * on_gpu,
+        "optimizer (AdamW, 2 x fp32 shard)": 8 * total / gpus * on_gpu,
+        "gathered compute copies (root + 2 blocks, grads)": (2 * root + 2 * block) * compute * (gpus > 1),
+        f"vLLM ({cfg.gpu_memory_utilization} x GPU, asleep in train)": cfg.gpu_memory_utilization * gpu_mem * cuda,
+        f"activations ({rows} x {row_len} tokens, {mode})": rows * row_len * (spec["layers"] * dec["layer"] + dec["rest"]),
+        f"vision activations ({encodes} x {patches} patches)": encodes * patches * (spec["depth"] * vis["layer"] + vis["rest"]),
+        f"logits chunk ({min(cfg.logp_chunk or positions, positions)} x {spec['text']['vocab_size']})":
+            min(cfg.logp_chunk or positions, positions) * spec["text"]["vocab_size"] * meas["logit_bytes"],
+        f"vision features ({kept} x {merged} tokens)": kept * merged * levels * spec["text"]["hidden_size"] * compute,
+    }
+    values = list(lines.values())
+    generation = values[0] + values[2] + values[4]
+    train = sum(values) - values[4] * (cfg.vllm_sleep and cuda)
+    usable = 0.9 * gpu_mem
+    verdict = "FITS"
+    if generation > usable:
+        verdict = "DOES NOT FIT: gpu_memory_utilization (or offload: true)"
+    elif train > usable and not cfg.gradient_checkpointing:
+        verdict = "DOES NOT FIT: gradient_checkpointing: true"
+    elif train > usable and rows > 1:
+        verdict = f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row_len} tokens)"
+    elif train > usable and not cfg.offload:
+        verdict = "DOES NOT FIT: offload: true"
+    elif train > usable:
+        verdict = f"DOES NOT FIT: video_max_frames / video_max_pixels (one prompt is {prompt} tokens)"
+    return Plan(lines, generation, train, rows, verdict)
+
+
+@dataclass
+class Config:
+    config: tuple[str, ...] = ("configs/qwen2_5_vl_7b.yaml",)
+    """train.py YAML(s), each over the ones before it, as train.py --config"""
+    gpus: int = 8
+    """GPUs = FSDP2 ranks"""
+    gpu_mem_gib: float = 80.0
+    """memory per GPU"""
+    frames: int = 0
+    """video_max_frames instead of the config's (0 = the config's)"""
+    tokens: int = 0
+    """max_tokens_per_micro_batch instead of the config's (0 = the config's)"""
+    video_hw: tuple[int, int] = (720, 1280)
+    """height and width of the largest source video"""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """cuda: bf16 compute and a colocated vLLM; cpu: train.py on this machine (fp32, vLLM's memory not counted)"""
+    measurements: str = "configs/memory_measured.json"
+    """measure()'s results by model and dtype (missing ones are measured and added)"""
+    remeasure: bool = False
+    """measure again (minutes) instead of reading the cache"""
+
+
+def main(c: Config) -> Plan:
+    import train
+    cfg = train.load_config(["--config", *c.config])
+    cfg = dataclasses.replace(cfg, video_max_frames=c.frames or cfg.video_max_frames,
+                              max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch)
+    cuda = c.device == "cuda"
+    meas = measured(cfg.model, torch.bfloat16 if cuda else torch.float32, c.measurements, c.remeasure)
+    prompt, patches = longest_prompt(cfg, *c.video_hw)
+    p = plan(cfg, spec_of(cfg.model), meas, c.gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches)
+    print(f"{cfg.model}: {c.gpus} x {c.gpu_mem_gib:g} GiB, {cfg.video_max_frames} frames -> {prompt} prompt tokens "
+          f"({patches} patches) + {cfg.max_response_len} response tokens")
+    for label, value in p.lines.items():
+        print(f"  {label:<55} {value / GIB:8.2f} GiB")
+    print(f"  generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB "
+          f"of {0.9 * c.gpu_mem_gib:.0f} usable (90%)")
+    print(p.verdict)
+    return p
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Config))
