@@ -190,6 +190,9 @@ class Config:
     """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
+    max_tokens_per_micro_batch: int = 0
+    """token budget of a micro-batch, padding included: rows x (longest prompt + longest response); replaces
+    micro_batch_size when > 0 (EasyVideoR1's dynamic batching)"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -254,6 +257,9 @@ def check_config(cfg: Config, world: int = 1):
         raise ValueError(f"clip_ratio_c {cfg.clip_ratio_c}: the dual-clip bound must be > 1 (or 0 = off)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
         raise ValueError("kl_in_reward: gdpo normalizes the reward components, which carry no KL; use a KL loss")
+    if 0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len:
+        raise ValueError(f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
+                         f"max_response_len {cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none")
 
 
 def val_config(cfg: Config) -> Config:
@@ -395,11 +401,34 @@ def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
-def split_batch(n: int, mini_batches: int, micro_batch_size: int) -> list[list[list[int]]]:
-    """Row indices of each micro-batch of each mini-batch: contiguous, mini-batch sizes differ by at most 1."""
+def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
+                max_tokens: int = 0) -> list[list[list[int]]]:
+    """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
+    Micro-batches: rows in order, at most micro_batch_size of them or (max_tokens > 0) at most max_tokens padded
+    tokens, rows x (longest prompt + longest response). A group (rows sharing a prompt: its media are encoded once
+    per micro-batch) that does not fit in the current micro-batch starts a new one, unless it fits in none."""
+    def fits(rows: list[int]) -> bool:
+        if not max_tokens:
+            return len(rows) <= micro_batch_size
+        prompt = max(len(rollouts[j].prompt.prompt_ids) for j in rows)
+        return len(rows) * (prompt + max(len(rollouts[j].response_ids) for j in rows)) <= max_tokens
+
+    n = len(rollouts)
     bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
-    return [[list(range(i, min(i + micro_batch_size, hi))) for i in range(lo, hi, micro_batch_size)]
-            for lo, hi in zip(bounds, bounds[1:])]
+    plan = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        micro = [[]]
+        for i in range(lo, hi):
+            end = i + 1
+            starts = i == lo or rollouts[i].prompt is not rollouts[i - 1].prompt
+            while starts and end < hi and rollouts[end].prompt is rollouts[i].prompt:
+                end += 1
+            group = list(range(i, end))  # row i, or the whole group it starts
+            if micro[-1] and not fits(micro[-1] + group) and (fits(group) or not fits(micro[-1] + [i])):
+                micro.append([])
+            micro[-1].append(i)
+        plan.append([rows for rows in micro if rows])
+    return plan
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -518,9 +547,17 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
-    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows."""
+    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows.
+    Every rank runs as many micro-batches (FSDP's collectives): where a token budget packs a rank's rows into fewer,
+    its largest micro-batches are halved."""
+    plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
-    for mini in split_batch(len(rollouts), cfg.mini_batches, cfg.micro_batch_size):
+    for mini, count in zip(plan, counts):
+        while len(mini) < count:
+            big = max(mini, key=len)
+            at = mini.index(big)
+            mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
         batches = [collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies) for rows in mini]
         for b, rows in zip(batches, mini):
             b["index"] = rows

@@ -267,9 +267,21 @@ def test_truncated_importance_weights():
 
 def test_overlong_penalty_and_split():
     assert [overlong_penalty(n, 12, 4) for n in (3, 8, 10, 12, 13)] == [0.0, 0.0, -0.5, -1.0, -1.0]
-    assert split_batch(8, 1, 8) == [[list(range(8))]]
-    assert split_batch(8, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert split_batch(7, 2, 4) == [[[0, 1, 2]], [[3, 4, 5, 6]]]
+    from data import Prompt
+    from rollout import Rollout
+    one = [Rollout(Prompt({}, "", [0]), [1], None, "") for _ in range(8)]  # every row its own prompt
+    assert split_batch(one, 1, 8) == [[list(range(8))]]
+    assert split_batch(one, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert split_batch(one[:7], 2, 4) == [[[0, 1, 2]], [[3, 4, 5, 6]]]
+    # groups: A x 3 (prompt 10 tokens, responses 2, 4, 1), B x 3 (10; 3, 3, 3), C x 2 (20; 5, 0)
+    a, b, c = Prompt({}, "", [0] * 10), Prompt({}, "", [0] * 10), Prompt({}, "", [0] * 20)
+    rows = [Rollout(p, [1] * n, None, "") for p, n in zip([a, a, a, b, b, b, c, c], [2, 4, 1, 3, 3, 3, 5, 0])]
+    assert split_batch(rows, 1, 4) == [[[0, 1, 2], [3, 4, 5], [6, 7]]]  # a group is not cut where it fits whole
+    assert split_batch(rows, 1, 2) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]  # groups of 3 fit in no micro-batch of 2
+    assert split_batch(rows, 2, 4) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]  # B is cut by the mini-batch bound
+    # a budget of 40 padded tokens: A's rows 0-1 are 2 x (10 + 4) = 28, + row 2 42; B fits alone, 3 x 13 = 39; C's
+    # rows are 25 tokens each with padding, one per micro-batch
+    assert split_batch(rows, 1, 99, max_tokens=40) == [[[0, 1], [2], [3, 4, 5], [6], [7]]]
 
 
 @pytest.mark.parametrize("loss_type,agg", COMBOS)
@@ -314,7 +326,7 @@ def model_batch(model_dir, data_dir):
     return processor, rollouts, torch.randn(8, generator=g), banned
 
 
-def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_batch_size):
+def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_batch_size, max_tokens=0):
     """Loss and full gradients of the batch `rollouts` (this rank's rows) cut into micro-batches, as main() does."""
     import torch.distributed as dist
     from conftest import tiny_config
@@ -322,7 +334,7 @@ def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_b
     cfg = tiny_config(loss_type=loss_type, loss_agg=agg, kl_coef=0.1, entropy_coef=0.01, tis="token", tis_cap=1.2,
                       max_response_len=8)
     tok, world = processor.tokenizer, dist.get_world_size() if dist.is_initialized() else 1
-    plan = split_batch(len(rollouts), 1, micro_batch_size)[0]
+    plan = split_batch(rollouts, 1, micro_batch_size, max_tokens)[0]
     batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, tok, torch.device("cpu")) for mb in plan]
     n_tok, n_seq = global_counts(batches)
     total = torch.zeros(1, dtype=torch.float64)
@@ -371,8 +383,12 @@ def reference_grads(tiny_model, algo_data):
 @pytest.mark.slow
 def test_micro_batch_invariance_real_model(reference_grads):
     ref, (model, processor, rollouts, adv, banned) = reference_grads
+    P = len(rollouts[0].prompt.prompt_ids)
+    # responses 5 1 3 0 | 4 2 5 3: with a budget of 3 x (P + 5) padded tokens, [0, 1, 2] [3, 4, 5] [6, 7]
+    assert split_batch(rollouts, 1, 8, max_tokens=3 * (P + 5)) == [[[0, 1, 2], [3, 4, 5], [6, 7]]]
     for combo in COMBOS:
         assert_same(ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 2))
+        assert_same(ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 8, 3 * (P + 5)))
     assert ref[COMBOS[0]][0] != approx(ref[COMBOS[1]][0])  # the modes do aggregate differently
 
 
@@ -417,6 +433,13 @@ def test_two_step_smoke(torchrun_job, name):
         assert rows[0]["dyn/rounds"] == 1 and rows[0]["grad_norm"] > 0  # the offline answer gives a signal
     if name == "remax":
         assert "reward/greedy" in rows[0]
+    cfg = json.load(open(torchrun_job / name / "summary.json"))["config"]
+    passes = 1 + (cfg["kl_coef"] > 0) + (cfg["ppo_epochs"] > 1 or cfg["mini_batches"] > 1 or cfg["kl_in_reward"])
+    # per rank: 2 prompts (1 video each) + the 2 dummy media of FSDP's alignment rows (an image, a video)
+    if cfg["freeze_vision"]:
+        assert [r["vision/encodes"] for r in rows] == [2 * 4] * 2  # once per step
+    elif not cfg["max_tokens_per_micro_batch"]:  # micro-batches of 4 = one group: its video + the dummy image
+        assert [r["vision/encodes"] for r in rows] == [2 * 4 * passes] * 2
     if name in ("grpo", "reinforce_pp_baseline", "reinforce_pp"):  # reference == policy at step 1 only
         assert abs(rows[0]["kl"]) < 1e-6 and abs(rows[1]["kl"]) > 0
 
@@ -437,7 +460,9 @@ def torchrun_main(out, model_dir, data_dir):
     del model
     for name in ALGOS:
         # dapo: filtered on the reward here, so that zero_std_groups (reward spread) counts exactly the refilled groups
-        extra = ["--no-mix-offline", "--max-gen-rounds", "2", "--dyn-filter-metric", "reward"] if name == "dapo" else []
+        extra = {"dapo": ["--no-mix-offline", "--max-gen-rounds", "2", "--dyn-filter-metric", "reward"],
+                 "grpo": ["--freeze-vision"],  # with a reference model: 2 trainer passes, the vision tower once
+                 "cispo": ["--max-tokens-per-micro-batch", "300", "--max-prompt-len", "150"]}.get(name, [])
         main(load_config(["--config", "configs/tiny_cpu.yaml", f"configs/{name}.yaml", "--model", model_dir,
                           "--train-data", f"{data_dir}/train.jsonl", "--val-data", "",
                           "--out-dir", os.path.join(out, name), "--max-steps", "2", "--group-size", "4",
