@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0)
 SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
-            "gradient_checkpointing": dict(OFF, gradient_checkpointing=True), "logp_chunk 64": dict(OFF, logp_chunk=64),
+            "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
+            "logp_chunk 64": dict(OFF, logp_chunk=64),
             "max_tokens_per_micro_batch 2300": dict(OFF, max_tokens_per_micro_batch=2300),
             "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=2300)}
 

@@ -16,7 +16,7 @@ largest size the frame settings allow, run through the model's processor (the ti
 same patch, merge and temporal sizes; its tokenizer spends a few more tokens on the text).
 
 Activation bytes per token are measured, not guessed (measure()): a forward + backward of 1 and 2 decoder layers
-and vision blocks at the model's real width (random init from the published config values in SPECS, no download),
+and vision blocks at the model's real width (random init from the published config values, no download),
 in bf16 as FSDP2 computes on CUDA (fp32 for device=cpu), at two token counts, on this CPU, with and without
 checkpointing. Peak memory = the peak resident set above the one before (Linux VmHWM, reset through clear_refs),
 with glibc's mmap threshold pinned so freed tensors go back to the system. Cached in configs/memory_measured.json.
@@ -35,36 +35,19 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 GIB = 2 ** 30
-# Published config.json values (no download); what truncation keeps: real widths, heads, activation functions
-SPECS = {
-    "Qwen/Qwen2.5-VL-7B-Instruct": dict(
-        arch="qwen2_5_vl", layers=28, depth=32,
-        text=dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-                  vocab_size=152064, tie_word_embeddings=False, rope_parameters=dict(
-                      rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
-        vision=dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
-                    window_size=112, hidden_act="silu", tokens_per_second=2)),
-    "Qwen/Qwen2.5-VL-3B-Instruct": dict(
-        arch="qwen2_5_vl", layers=36, depth=32,
-        text=dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
-                  vocab_size=151936, tie_word_embeddings=True, rope_parameters=dict(
-                      rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])),
-        vision=dict(hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048, patch_size=14,
-                    window_size=112, hidden_act="silu", tokens_per_second=2)),
-    "Qwen/Qwen3-VL-8B-Instruct": dict(
-        arch="qwen3_vl", layers=36, depth=27,
-        text=dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                  head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_parameters=dict(
-                      rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20], mrope_interleaved=True)),
-        vision=dict(hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096, patch_size=16,
-                    num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")),
-}
+STORE = os.path.join(ROOT, "configs/memory.json")  # published config.json values of the hub models; measurements
+
+
+def load_store(path: str = STORE) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def spec_of(model: str) -> dict:
-    """SPECS[model], or the config.json of a local checkpoint in the same form."""
-    if model in SPECS:
-        return SPECS[model]
+    """The model's published values (configs/memory.json), or a local checkpoint's config.json in the same form."""
+    published = load_store()["published"]
+    if model in published:
+        return published[model]
     with open(os.path.join(model, "config.json")) as f:
         c = json.load(f)
     return dict(arch=c["model_type"], layers=c["text_config"]["num_hidden_layers"], depth=c["vision_config"]["depth"],
@@ -100,7 +83,7 @@ def status_kib(key: str) -> int:
 
 
 def peak_bytes(fn, *args) -> int:
-    """How far fn(*args) raises the resident set at its peak above where it was before (Linux VmHWM after clear_refs)."""
+    """How far fn(*args) raises the resident set at its peak above where it was (Linux VmHWM after clear_refs)."""
     ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -161,18 +144,15 @@ def measure(spec: dict, dtype: torch.dtype) -> dict:
     return out
 
 
-def measured(model: str, dtype: torch.dtype, path: str, remeasure: bool) -> dict:
-    """measure()'s result for the model and dtype, from the JSON cache at `path` (measured and added if missing)."""
-    cached = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            cached = json.load(f)
+def measured(model: str, dtype: torch.dtype, remeasure: bool = False, path: str = STORE) -> dict:
+    """measure()'s result for the model and dtype, cached in configs/memory.json (measured and added if missing)."""
+    store = load_store(path)
     key = f"{os.path.basename(os.path.normpath(model))} {str(dtype).removeprefix('torch.')}"
-    if remeasure or key not in cached:
-        cached[key] = measure(spec_of(model), dtype)
+    if remeasure or key not in store["measured"]:
+        store["measured"][key] = measure(spec_of(model), dtype)
         with open(path, "w") as f:
-            json.dump(cached, f, indent=1)
-    return cached[key]
+            json.dump(store, f, indent=1)
+    return store["measured"][key]
 
 
 def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
@@ -183,7 +163,9 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     import make_tiny_model
     from transformers import AutoProcessor
     spec = spec_of(cfg.model)
-    local = cfg.model if cfg.model not in SPECS else make_tiny_model.ensure(spec["arch"], os.path.join(ROOT, ".cache/models"))
+    local = cfg.model
+    if not os.path.isdir(local):  # a hub name: the tiny checkpoint of its family has the same processor sizes
+        local = make_tiny_model.ensure(spec["arch"], os.path.join(ROOT, ".cache/models"))
     processor = AutoProcessor.from_pretrained(local)
     factor, n = data.vision_factor(processor), cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
     budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
@@ -209,44 +191,46 @@ def param_counts(spec: dict) -> tuple[int, int, int]:
 
 @dataclass
 class Plan:
-    """Bytes per GPU by holder, and what they add up to in each phase."""
-    lines: dict       # label -> bytes
-    generation: float  # weights, optimizer state, vLLM
-    train: float       # the train phase's peak
-    rows: int          # rows in the largest micro-batch
+    """Bytes per GPU by holder; the peaks of the generation and train phases; rows of the largest micro-batch."""
+    lines: dict
+    generation: float
+    train: float
+    rows: int
     verdict: str
 
 
 def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, prompt: int, patches: int) -> Plan:
+    """What each holder takes on one GPU for the train.Config `cfg`, with a prompt of `prompt` tokens (`patches`)."""
     total, block, root = param_counts(spec)
-    compute = 2 if cuda else 4  # bf16 compute copies (FSDP2 mixed precision) on CUDA, fp32 on CPU
+    compute, on_gpu, group = (2 if cuda else 4), 1 - cfg.offload, cfg.group_size  # bf16 copies on CUDA, else fp32
     row_len = prompt + cfg.max_response_len
     rows = max(1, cfg.max_tokens_per_micro_batch // row_len) if cfg.max_tokens_per_micro_batch else cfg.micro_batch_size
+    encodes = rows // group if rows >= group else 1 + (group % rows > 0)  # split_batch keeps groups together
+    encodes *= 1 - cfg.freeze_vision
     mode = "ckpt" if cfg.gradient_checkpointing else "plain"
     dec, vis = meas["decoder"][mode], meas["vision"][mode]
-    groups = -(-rows // cfg.group_size) + (cfg.group_size % rows > 0 and rows % cfg.group_size > 0)  # straddling
-    encodes = 0 if cfg.freeze_vision else min(rows, groups)
     merged = patches // spec["vision"].get("spatial_merge_size", 2) ** 2
     levels = 1 + len(spec["vision"].get("deepstack_visual_indexes", []))  # Qwen3-VL keeps deepstack features too
-    kept = cfg.prompts_per_step // gpus if cfg.freeze_vision else encodes  # freeze_vision: the step's prompts
-    positions = rows * cfg.max_response_len
-    on_gpu = 0 if cfg.offload else 1
+    kept = cfg.prompts_per_step // gpus if cfg.freeze_vision else encodes  # freeze_vision: every prompt of the step
+    chunk = min(cfg.logp_chunk or rows * cfg.max_response_len, rows * cfg.max_response_len)
     lines = {
-        "parameters (fp32 shard)": 4 * total / gpus * on_gpu * (1 + (cfg.kl_coef > 0)),  # + the reference model
-        "gradients (fp32 shard)": 4 * total / gpus * on_gpu,
-        "optimizer (AdamW, 2 x fp32 shard)": 8 * total / gpus * on_gpu,
-        "gathered compute copies (root + 2 blocks, grads)": (2 * root + 2 * block) * compute * (gpus > 1),
-        f"vLLM ({cfg.gpu_memory_utilization} x GPU, asleep in train)": cfg.gpu_memory_utilization * gpu_mem * cuda,
-        f"activations ({rows} x {row_len} tokens, {mode})": rows * row_len * (spec["layers"] * dec["layer"] + dec["rest"]),
-        f"vision activations ({encodes} x {patches} patches)": encodes * patches * (spec["depth"] * vis["layer"] + vis["rest"]),
-        f"logits chunk ({min(cfg.logp_chunk or positions, positions)} x {spec['text']['vocab_size']})":
-            min(cfg.logp_chunk or positions, positions) * spec["text"]["vocab_size"] * meas["logit_bytes"],
+        "parameters (fp32 shards, + reference)": 4 * total / gpus * on_gpu * (1 + (cfg.kl_coef > 0)),
+        "gradients (fp32 shards)": 4 * total / gpus * on_gpu,
+        "optimizer (AdamW: 2 fp32 shards)": 8 * total / gpus * on_gpu,
+        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block) * compute * (gpus > 1),
+        f"vLLM ({cfg.gpu_memory_utilization} of the GPU)": cfg.gpu_memory_utilization * gpu_mem * cuda,
+        f"activations ({rows} x {row_len} tokens, {mode})":
+            rows * row_len * (spec["layers"] * dec["layer"] + dec["rest"]),
+        f"vision activations ({encodes} x {patches} patches)":
+            encodes * patches * (spec["depth"] * vis["layer"] + vis["rest"]),
+        f"logits chunk ({chunk} x {spec['text']['vocab_size']})":
+            chunk * spec["text"]["vocab_size"] * meas["logit_bytes"],
         f"vision features ({kept} x {merged} tokens)": kept * merged * levels * spec["text"]["hidden_size"] * compute,
     }
-    values = list(lines.values())
-    generation = values[0] + values[2] + values[4]
-    train = sum(values) - values[4] * (cfg.vllm_sleep and cuda)
-    usable = 0.9 * gpu_mem
+    held = list(lines.values())
+    generation = held[0] + held[2] + held[4]  # gradients are freed after each optimizer step
+    train = sum(held) - held[4] * (cfg.vllm_sleep and cuda)  # vLLM sleeps through the train phase (CUDA)
+    usable = 0.9 * gpu_mem  # the rest: CUDA context, NCCL buffers, allocator fragmentation
     verdict = "FITS"
     if generation > usable:
         verdict = "DOES NOT FIT: gpu_memory_utilization (or offload: true)"
@@ -254,10 +238,10 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         verdict = "DOES NOT FIT: gradient_checkpointing: true"
     elif train > usable and rows > 1:
         verdict = f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row_len} tokens)"
-    elif train > usable and not cfg.offload:
-        verdict = "DOES NOT FIT: offload: true"
+    elif train > usable and not cfg.freeze_vision:
+        verdict = "DOES NOT FIT: freeze_vision: true"
     elif train > usable:
-        verdict = f"DOES NOT FIT: video_max_frames / video_max_pixels (one prompt is {prompt} tokens)"
+        verdict = f"DOES NOT FIT: video_max_frames / video_max_pixels (one row is {row_len} tokens)"
     return Plan(lines, generation, train, rows, verdict)
 
 
@@ -277,10 +261,8 @@ class Config:
     """height and width of the largest source video"""
     device: Literal["cuda", "cpu"] = "cuda"
     """cuda: bf16 compute and a colocated vLLM; cpu: train.py on this machine (fp32, vLLM's memory not counted)"""
-    measurements: str = "configs/memory_measured.json"
-    """measure()'s results by model and dtype (missing ones are measured and added)"""
     remeasure: bool = False
-    """measure again (minutes) instead of reading the cache"""
+    """measure the model again (minutes) instead of reading configs/memory.json"""
 
 
 def main(c: Config) -> Plan:
@@ -289,15 +271,15 @@ def main(c: Config) -> Plan:
     cfg = dataclasses.replace(cfg, video_max_frames=c.frames or cfg.video_max_frames,
                               max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch)
     cuda = c.device == "cuda"
-    meas = measured(cfg.model, torch.bfloat16 if cuda else torch.float32, c.measurements, c.remeasure)
+    meas = measured(cfg.model, torch.bfloat16 if cuda else torch.float32, c.remeasure)
     prompt, patches = longest_prompt(cfg, *c.video_hw)
     p = plan(cfg, spec_of(cfg.model), meas, c.gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches)
-    print(f"{cfg.model}: {c.gpus} x {c.gpu_mem_gib:g} GiB, {cfg.video_max_frames} frames -> {prompt} prompt tokens "
-          f"({patches} patches) + {cfg.max_response_len} response tokens")
+    print(f"{cfg.model} on {c.gpus} x {c.gpu_mem_gib:g} GiB: {cfg.video_max_frames} frames of {c.video_hw[0]}x"
+          f"{c.video_hw[1]} -> {prompt} prompt tokens ({patches} patches) + {cfg.max_response_len} response tokens")
     for label, value in p.lines.items():
-        print(f"  {label:<55} {value / GIB:8.2f} GiB")
-    print(f"  generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB "
-          f"of {0.9 * c.gpu_mem_gib:.0f} usable (90%)")
+        print(f"  {label:<50} {value / GIB:7.2f} GiB")
+    print(f"  generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, "
+          f"usable {0.9 * c.gpu_mem_gib:.0f} GiB (90%)")
     print(p.verdict)
     return p
 
