@@ -190,6 +190,10 @@ class Config:
     """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer's and vision block's activations in backward instead of keeping them"""
+    offload: bool = False
+    """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
     max_tokens_per_micro_batch: int = 0
     """token budget of a micro-batch, padding included: rows x (longest prompt + longest response); replaces
     micro_batch_size when > 0 (EasyVideoR1's dynamic batching)"""
@@ -257,6 +261,8 @@ def check_config(cfg: Config, world: int = 1):
         raise ValueError(f"clip_ratio_c {cfg.clip_ratio_c}: the dual-clip bound must be > 1 (or 0 = off)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
         raise ValueError("kl_in_reward: gdpo normalizes the reward components, which carry no KL; use a KL loss")
+    if cfg.offload and not torch.cuda.is_available():
+        raise ValueError("offload: CPU offload moves GPU memory to the CPU; this machine has no CUDA device")
     if 0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len:
         raise ValueError(f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
                          f"max_response_len {cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none")
@@ -497,8 +503,8 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     if vision is None:
         vision = encode_vision(model, batch["prompts"], batch["input_ids"].device)
         batch["encodes"] += sum(len(where) for _, where in vision.values())
-    # logits_to_keep=1: the model's own projection covers one position; ours, below, the responses
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
+    # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1, use_cache=False,
                 mm_token_type_ids=batch["mm_token_type_ids"], mm_encoder_outputs=row_vision(vision, batch["prompts"]),
                 output_hidden_states=True, **batch["grids"])
     hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
@@ -752,7 +758,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
 
 # ---------------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    rank, world, device = init_dist(cfg.dist_timeout)
+    rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -989,15 +995,17 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # ---------------------------------------------------------------------------------------------------
 # Setup helpers
 
-def init_dist(timeout_s: float = 1800.0):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU."""
+def init_dist(timeout_s: float = 1800.0, offload: bool = False):
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo for the CPU-held
+    shards, which engine.sync and checkpoints gather)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     if not dist.is_initialized():  # main() may run again in the same process (tests)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
@@ -1009,8 +1017,9 @@ def print0(*a):
 
 def load_model(cfg: Config, device):
     """HF model, FSDP2-sharded per decoder layer and vision block (one marked block), fp32 master
-    weights; bf16 compute on GPU."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    weights; bf16 compute on GPU. Activation checkpointing (module hooks, non-reentrant) goes on before FSDP."""
+    from torch.distributed._composable import checkpoint as checkpoint_module
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
     cuda = device.type == "cuda"
     attn = "sdpa"
@@ -1023,14 +1032,20 @@ def load_model(cfg: Config, device):
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
     model.model.visual.requires_grad_(not cfg.freeze_vision)
+    blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
+    if cfg.gradient_checkpointing:
+        for block in blocks:
+            checkpoint_module(block)
+    if cfg.offload and not dist.is_initialized():
+        raise ValueError("offload: FSDP2's CPU offload needs torchrun (a process group)")
     if dist.is_initialized():
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        inner = model.model
-        for block in list(inner.language_model.layers) + list(inner.visual.blocks) + [inner.visual]:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
+        for block in blocks + [model.model.visual]:
+            fully_shard(block, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
         # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model

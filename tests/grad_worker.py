@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors split   # rank 0 image, 1 video
     torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors uneven  # 0 image+video, 1 text
     python tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors                      # reference: all rows, one process
+    a 5th argument "ckpt" turns on gradient_checkpointing (composed with FSDP2 on 2 ranks)
 """
 import os
 import sys
@@ -16,11 +17,11 @@ from conftest import tiny_config  # noqa: E402
 from rollout import Rollout, vision_token_ids  # noqa: E402
 
 
-def main(model_dir, data_path, out, layout="split"):
+def main(model_dir, data_path, out, layout="split", ckpt=""):
     from safetensors.torch import save_file
     from transformers import AutoProcessor
     rank, world, device = train.init_dist()
-    cfg = tiny_config(model=model_dir)
+    cfg = tiny_config(model=model_dir, gradient_checkpointing=ckpt == "ckpt")
     processor = AutoProcessor.from_pretrained(model_dir)
     tok = processor.tokenizer
     samples = data.load_samples(data_path)
@@ -46,4 +47,4 @@ def main(model_dir, data_path, out, layout="split"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -97,3 +97,34 @@ def test_train_two_steps_on_gpu(tmp_path, tiny_model):
     # bf16 compute vs the sampler: agreement to bf16 precision, not fp32's 1e-3
     assert rows[0]["mismatch/mean"] < 0.1
     assert (out / "final" / "config.json").exists()
+
+
+def test_offload_keeps_shards_and_optimizer_on_cpu(tiny_model, monkeypatch):
+    """offload: the FSDP2 shards, their gradients and AdamW's state live in CPU memory; a step still trains, and the
+    full tensors that engine.sync streams to vLLM can be gathered (the gloo backend beside nccl)."""
+    import torch.distributed as dist
+    from transformers import AutoProcessor
+
+    import data
+    import train
+    from rollout import Rollout, vision_token_ids
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29534").items():
+        monkeypatch.setenv(k, v)
+    _, _, device = train.init_dist(offload=True)
+    try:
+        tok = AutoProcessor.from_pretrained(tiny_model).tokenizer
+        model = train.load_model(tiny_config(model=tiny_model, offload=True), device)
+        p = model.model.language_model.layers[0].mlp.up_proj.weight
+        assert p.to_local().device.type == "cpu"
+        before = p.full_tensor().clone()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        rows = [Rollout(data.Prompt({}, "", list(range(10, 30))), [40, 41, 42], None, "")]
+        b = train.collate(rows, tok.pad_token_id, tok, device)
+        logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok), chunk=2)
+        (-(logp * b["mask"]).sum()).backward()
+        assert p.grad.to_local().device.type == "cpu" and torch.isfinite(p.grad.full_tensor()).all()
+        opt.step()
+        assert opt.state[p]["exp_avg"].to_local().device.type == "cpu"
+        assert not torch.equal(p.full_tensor(), before)
+    finally:
+        dist.destroy_process_group()

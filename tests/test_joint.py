@@ -109,11 +109,12 @@ def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["split", "uneven"])
-def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_model, synth, layout):
+@pytest.mark.parametrize("layout,ckpt", [("split", ""), ("uneven", ""), ("uneven", "ckpt")])
+def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_model, synth, layout, ckpt):
     """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
     image and a video (the tower runs twice), rank 1 text only (without the dummy rows: a collective
-    mismatch). Each finishes and its gradient equals one process computing all the rows."""
+    mismatch). Each finishes and its gradient equals one process computing all the rows (ckpt: the 2 ranks
+    with activation checkpointing, the reference without)."""
     import subprocess
     import sys
     from safetensors.torch import load_file
@@ -122,7 +123,7 @@ def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_mode
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for cmd in ([sys.executable, *args, str(tmp_path / "ref.safetensors"), layout],
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args,
-                 str(tmp_path / "fsdp.safetensors"), layout]):
+                 str(tmp_path / "fsdp.safetensors"), layout, ckpt]):
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     ref, got = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "fsdp.safetensors")

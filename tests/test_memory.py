@@ -102,3 +102,38 @@ def test_chunked_logp_and_entropy_equal_one_chunk(setup):
         assert ent0[0, 0].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
         y = rows[0].response_ids[0]
         assert logp0[0, 0].item() == pytest.approx(p.log()[keep[:y].sum()].item(), abs=1e-5)  # y's place in `keep`
+
+
+def test_activation_checkpointing_same_gradients_recomputes(setup):
+    """gradient_checkpointing: every decoder layer and vision block runs again in backward (counted by a forward
+    pre-hook), and the gradients equal those without it (float32)."""
+    model, processor, rows = setup
+    tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
+    d = model.config._name_or_path
+    out = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        m = train.load_model(tiny_config(model=d, gradient_checkpointing=on), torch.device("cpu"))
+        calls = []
+        for block in (m.model.language_model.layers[0], m.model.visual.blocks[0]):
+            # a pre-hook: the recomputation stops once it has what backward needs, before any forward hook
+            block.register_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))
+        b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+        logp, _ = train.token_logp(m, b, 1.0, banned)
+        n_forward = len(calls)
+        grads = loss_and_grads(m, logp, b["mask"])
+        out.append((logp.detach(), grads, n_forward, len(calls)))
+    (logp0, g0, fwd0, total0), (logp1, g1, fwd1, total1) = out
+    # layer 0 once, vision block 0 once for the images and once for the videos; all again in backward
+    assert fwd0 == fwd1 == 3 and total0 == 3 and total1 == 6
+    torch.testing.assert_close(logp1, logp0, rtol=0, atol=0)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_offload_is_an_error_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="offload"):
+        train.check_config(tiny_config(offload=True))
