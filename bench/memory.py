@@ -1,6 +1,6 @@
 """Peak memory of the train phase on long videos: the trainer before issue 13, each memory switch alone, all of them.
 
-    .venv/bin/python bench/memory.py          # ~10 min on 2 shared cores
+    .venv/bin/python bench/memory.py          # ~15 min on 2 shared cores
 
 The tiny Qwen2.5-VL, `prompts` synthetic 256-frame clips (112 x 112: 8,192 vision patches, a 2,100-token prompt),
 group_size rollouts each with max_response_len random tokens, all rows in one micro-batch unless the token budget
@@ -26,15 +26,15 @@ OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_
 SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
             "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
             "logp_chunk 64": dict(OFF, logp_chunk=64),
-            "max_tokens_per_micro_batch 2300": dict(OFF, max_tokens_per_micro_batch=2300),
-            "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=2300)}
+            "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704),
+            "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=704)}
 
 
 @dataclass
 class Config:
     frames: int = 256
     """frames per clip (8 fps: frames / 8 seconds)"""
-    size: int = 112
+    size: int = 56
     """frame side in pixels (video_max_pixels = size^2)"""
     prompts: int = 2
     """prompts (clips) in the step"""
@@ -52,7 +52,7 @@ def train_config(c: Config, **switches):
     import train
     return train.Config(model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0,
                         video_max_frames=c.frames, video_min_pixels=3136, video_max_pixels=c.size ** 2,
-                        max_prompt_len=1 << 20, cache_dir="", video_source="decode_only", group_size=c.group_size,
+                        max_prompt_len=640, cache_dir="", video_source="decode_only", group_size=c.group_size,
                         prompts_per_step=c.prompts, max_response_len=c.response_len,
                         micro_batch_size=c.prompts * c.group_size, **switches)
 

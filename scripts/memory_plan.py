@@ -27,10 +27,13 @@ import gc
 import json
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -93,53 +96,79 @@ def peak_bytes(fn, *args) -> int:
     return (status_kib("VmHWM") - base) * 1024
 
 
-def decoder_step(model, tokens: int):
+class TokenBytes(TorchDispatchMode):
+    """Live bytes, and their peak, of the tensors that ops create with a dimension in `sizes` (the tokens): activations
+    and their gradients, not weights, weight gradients or scratch buffers, which do not grow with the tokens."""
+
+    def __init__(self, sizes: set[int]):
+        super().__init__()
+        self.sizes, self.live, self.peak, self.seen = sizes, 0, 0, set()
+
+    def free(self, key: int, nbytes: int):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) and self.sizes & set(t.shape) else None
+            if storage is not None and storage.data_ptr() not in self.seen:  # a new buffer, not a view
+                self.seen.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
+        return out
+
+
+def decoder_step(model, tokens: int) -> set[int]:
     hidden = model.config.text_config.hidden_size
-    x = torch.randn(1, tokens, hidden, dtype=model.dtype, requires_grad=True)  # the merged text + vision embeddings
-    out = model.language_model(inputs_embeds=x).last_hidden_state
-    out.backward(torch.ones_like(out))
+    with TokenBytes({tokens}) as counter:
+        x = torch.randn(1, tokens, hidden, dtype=model.dtype, requires_grad=True)  # the text + vision embeddings
+        out = model.language_model(inputs_embeds=x).last_hidden_state
+        out.backward(torch.ones_like(out))
+    return counter.peak
 
 
-def vision_step(model, patches: int):
+def vision_step(model, patches: int) -> int:
     vc = model.config.vision_config
-    pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype)
-    grid = torch.tensor([[patches // 256, 16, 16]])  # frames of 16 x 16 patches
-    out = model.visual(pixels, grid_thw=grid).pooler_output  # merged features, what the decoder takes
-    out.backward(torch.ones_like(out))
+    with TokenBytes({patches, patches // 4}) as counter:  # patches, and the merged tokens
+        pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype)
+        grid = torch.tensor([[patches // 144, 12, 12]])  # frames of 12 x 12 patches
+        out = model.visual(pixels, grid_thw=grid).pooler_output  # merged features, what the decoder takes
+        out.backward(torch.ones_like(out))
+    return counter.peak
 
 
-def logits_step(weight, positions: int):
+def logits_step(weight, positions: int) -> int:
     """train.token_logp's projection of `positions` response positions onto the vocabulary, as one chunk."""
     import train
     from torch.utils.checkpoint import checkpoint
-    hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, requires_grad=True)
-    targets = torch.randint(len(weight), (positions,))
-    logp, entropy = checkpoint(train.chunk_logp, hidden, weight, targets, 1.0, [0], use_reentrant=False)
-    (logp.sum() + entropy.sum()).backward()
+    with TokenBytes({positions}) as counter:
+        hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, requires_grad=True)
+        targets = torch.randint(len(weight), (positions,))
+        logp, entropy = checkpoint(train.chunk_logp, hidden, weight, targets, 1.0, [0], use_reentrant=False)
+        (logp.sum() + entropy.sum()).backward()
+    return counter.peak
 
 
 def measure(spec: dict, dtype: torch.dtype) -> dict:
-    """Bytes per token (decoder) and per patch (vision) of a forward + backward: {"decoder": {"plain": {"layer": a,
-    "rest": b}, "ckpt": {...}}, "vision": {...}}. L layers over T tokens peak at T * (L * a + b) above the weights and
-    their gradients: two depths give a and b, two token counts cancel what does not grow with T."""
+    """Peak bytes per token (decoder, logits) and per patch (vision) of a forward + backward, counted by TokenBytes:
+    {"decoder": {"plain": {"layer": a, "rest": b}, "ckpt": {...}}, "vision": {...}, "logit_bytes": per logit}.
+    L layers over T tokens peak at T * (L * a + b): one and two layers give a and b."""
     out = {}
-    for part, step, cfg in (("decoder", decoder_step, spec["text"]), ("vision", vision_step, spec["vision"])):
-        n = 256 * max(1, 2048 // cfg["hidden_size"])  # a narrow model needs more tokens to rise above the noise
-        tokens, out[part] = (n, 2 * n), {}
+    for part, step, n in (("decoder", decoder_step, 250), ("vision", vision_step, 3 * 144)):
+        out[part] = {}
         for mode in ("plain", "ckpt"):
-            slope = {}
+            per_token = {}
             for depth in (1, 2):
                 model = build(spec, depth, depth, vocab=8, dtype=dtype).model
                 if mode == "ckpt":
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                peaks = [peak_bytes(step, model, n) for n in tokens]
-                slope[depth] = (peaks[1] - peaks[0]) / (tokens[1] - tokens[0])
-                del model
-            out[part][mode] = {"layer": slope[2] - slope[1], "rest": 2 * slope[1] - slope[2]}
+                per_token[depth] = step(model, n) / n
+            out[part][mode] = {"layer": per_token[2] - per_token[1], "rest": 2 * per_token[1] - per_token[2]}
             print(f"measured {part} {mode}: {out[part][mode]}", flush=True)
     weight = torch.randn(spec["text"]["vocab_size"], spec["text"]["hidden_size"], dtype=dtype, requires_grad=True)
-    peaks = [peak_bytes(logits_step, weight, n) for n in (64, 128)]
-    out["logit_bytes"] = (peaks[1] - peaks[0]) / 64 / len(weight)
+    out["logit_bytes"] = logits_step(weight, 100) / 100 / len(weight)
     print(f"measured logits: {out['logit_bytes']} bytes per logit", flush=True)
     return out
 
@@ -280,6 +309,8 @@ def main(c: Config) -> Plan:
         print(f"  {label:<50} {value / GIB:7.2f} GiB")
     print(f"  generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, "
           f"usable {0.9 * c.gpu_mem_gib:.0f} GiB (90%)")
+    if prompt > cfg.max_prompt_len:
+        print(f"note: {prompt}-token prompts exceed max_prompt_len {cfg.max_prompt_len} (data.prepare rejects them)")
     print(p.verdict)
     return p
 
