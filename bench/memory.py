@@ -9,7 +9,7 @@ runs the train phase of train.main once (micro-batches, the frozen features, mic
 micro-batch, clipping, the AdamW step) and reports its peak memory, its time, and the videos the vision tower
 encoded (a forward pre-hook on the tower). Peak memory: the peak resident set of that phase above the resident set
 at its start (Linux VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned so freed tensors
-leave the resident set; memory_plan.peak_bytes). "before #13" is the `main` branch's train.py (git show).
+leave the resident set; memory_plan.peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE).
 """
 import json
 import os
@@ -22,6 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+BEFORE = "5e47fd9"  # the last commit before issue 13: train.py encoded the media of every row
 OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0)
 SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
             "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
@@ -45,7 +46,7 @@ class Config:
     worker: str = ""
     """run one setting of SETTINGS in this process and print its JSON line (internal)"""
     out: str = os.path.join(ROOT, ".cache/bench/memory")
-    """clips and main's train.py go here"""
+    """clips and the train.py of BEFORE go here"""
 
 
 def train_config(c: Config, **switches):
@@ -60,7 +61,7 @@ def train_config(c: Config, **switches):
 def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
     """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU."""
     mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
-    if getattr(cfg, "freeze_vision", False):  # main's train.py has no such field
+    if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
         frozen = train.encode_vision(model, [r.prompt for r in rollouts], model.device)
         for b in mini:
             b["vision"] = frozen
@@ -75,10 +76,10 @@ def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
 
 def worker(c: Config) -> dict:
     """One setting in this fresh process: {"peak": bytes, "time": s, "encodes": videos encoded, "prompt", "patches"}."""
-    if c.worker == "before #13":
-        sys.path.insert(0, c.out)  # main's train.py
     import data
-    import memory_plan
+    import memory_plan  # puts ROOT first on sys.path
+    if c.worker == "before #13":
+        sys.path.insert(0, c.out)  # the train.py of commit BEFORE
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoProcessor
@@ -117,14 +118,14 @@ def run(c: Config, setting: str) -> dict:
 
 
 def prepare(c: Config):
-    """The clips and the tiny model, and main's train.py in c.out."""
+    """The clips and the tiny model, and the train.py of BEFORE in c.out."""
     import make_synthetic_data
     import make_tiny_model
     make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
     make_synthetic_data.make(os.path.join(c.out, "clips"), ["color"], num_train=c.prompts, num_val=0, seed=0,
                              size=c.size, fps=8, seconds=c.frames / 8)
     with open(os.path.join(c.out, "train.py"), "w") as f:
-        f.write(subprocess.run(["git", "show", "main:train.py"], cwd=ROOT, capture_output=True, text=True,
+        f.write(subprocess.run(["git", "show", f"{BEFORE}:train.py"], cwd=ROOT, capture_output=True, text=True,
                                check=True).stdout)
 
 

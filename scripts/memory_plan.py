@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml --gpus 8 --gpu-mem-gib 80
     .venv/bin/python scripts/memory_plan.py --config configs/qwen3_vl_8b.yaml --frames 128 --tokens 32768
-    .venv/bin/python scripts/memory_plan.py --config configs/qwen3_vl_8b.yaml --remeasure   # ~3 min per model
+    .venv/bin/python scripts/memory_plan.py --config configs/qwen3_vl_8b.yaml --remeasure   # minutes
 
 The model of train.py: FSDP2 over the `gpus` ranks keeps fp32 master weights, fp32 gradients and AdamW's two fp32
 moments, each 1/gpus per GPU (`offload`: in CPU RAM instead); the root module (embeddings, lm_head, vision merger) is
@@ -16,10 +16,11 @@ largest size the frame settings allow, run through the model's processor (the ti
 same patch, merge and temporal sizes; its tokenizer spends a few more tokens on the text).
 
 Activation bytes per token are measured, not guessed (measure()): a forward + backward of 1 and 2 decoder layers
-and vision blocks at the model's real width (random init from the published config values, no download),
-in bf16 as FSDP2 computes on CUDA (fp32 for device=cpu), at two token counts, on this CPU, with and without
-checkpointing. Peak memory = the peak resident set above the one before (Linux VmHWM, reset through clear_refs),
-with glibc's mmap threshold pinned so freed tensors go back to the system. Cached in configs/memory_measured.json.
+and vision blocks at the model's real width (random init from the published config values in configs/memory.json,
+no download), in bf16 as FSDP2 computes on CUDA (fp32 for device=cpu), on this CPU, with and without checkpointing;
+TokenBytes counts the peak live bytes of the tensors with a token dimension (what a GPU allocator would hold for
+them; weights and their gradients are counted above). Cached in configs/memory.json (--remeasure: again).
+tests/test_memory_plan.py checks the sum against the peak resident set of the tiny model's train phase (peak_bytes).
 """
 import ctypes
 import dataclasses
