@@ -249,17 +249,18 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         "optimizer (AdamW: 2 fp32 shards)": 8 * total / gpus * on_gpu,
         "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block) * compute * (gpus > 1),
         f"vLLM ({cfg.gpu_memory_utilization} of the GPU)": cfg.gpu_memory_utilization * gpu_mem * cuda,
-        f"activations ({rows} x {row_len} tokens, {mode})":
-            rows * row_len * (spec["layers"] * dec["layer"] + dec["rest"]),
-        f"vision activations ({encodes} x {patches} patches)":
-            encodes * patches * (spec["depth"] * vis["layer"] + vis["rest"]),
-        f"logits chunk ({chunk} x {spec['text']['vocab_size']})":
-            chunk * spec["text"]["vocab_size"] * meas["logit_bytes"],
+        f"activations ({rows} x {row_len} tokens, {mode})": rows * row_len * spec["layers"] * dec["layer"],
+        f"vision activations ({encodes} x {patches} patches)": encodes * patches * spec["depth"] * vis["layer"],
         f"vision features ({kept} x {merged} tokens)": kept * merged * levels * spec["text"]["hidden_size"] * compute,
+        # transients: one at a time (the logits in the lm_head's backward, then the layers', then the blocks')
+        f"+ the largest: logits chunk ({chunk} x {spec['text']['vocab_size']})":
+            chunk * spec["text"]["vocab_size"] * meas["logit_bytes"],
+        "+ the largest: a decoder layer's backward": rows * row_len * dec["rest"],
+        "+ the largest: a vision block's backward": encodes * patches * vis["rest"],
     }
     held = list(lines.values())
     generation = held[0] + held[2] + held[4]  # gradients are freed after each optimizer step
-    train = sum(held) - held[4] * (cfg.vllm_sleep and cuda)  # vLLM sleeps through the train phase (CUDA)
+    train = sum(held[:-3]) + max(held[-3:]) - held[4] * (cfg.vllm_sleep and cuda)  # vLLM sleeps in the train phase
     usable = 0.9 * gpu_mem  # the rest: CUDA context, NCCL buffers, allocator fragmentation
     verdict = "FITS"
     if generation > usable:

@@ -58,7 +58,7 @@ def test_verdict_names_the_knob():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["switches off", "gradient_checkpointing", "all on"])
+@pytest.mark.parametrize("setting", ["switches off", "gradient_checkpointing", "freeze_vision"])
 def test_plan_predicts_the_tiny_model_peak(setting, tiny_model):
     """The planner (device cpu, 1 process, measurements of the tiny model's layers) against the peak resident set of the
     train phase that bench/memory.py's worker measures in a fresh process, 256-frame clips: within 20%."""
