@@ -47,7 +47,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 import ckpt
 import data
@@ -195,8 +194,7 @@ class Config:
     offload: bool = False
     """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
     max_tokens_per_micro_batch: int = 0
-    """token budget of a micro-batch, padding included: rows x (longest prompt + longest response); replaces
-    micro_batch_size when > 0 (EasyVideoR1's dynamic batching)"""
+    """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -261,8 +259,8 @@ def check_config(cfg: Config, world: int = 1):
         raise ValueError(f"clip_ratio_c {cfg.clip_ratio_c}: the dual-clip bound must be > 1 (or 0 = off)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
         raise ValueError("kl_in_reward: gdpo normalizes the reward components, which carry no KL; use a KL loss")
-    if cfg.offload and not torch.cuda.is_available():
-        raise ValueError("offload: CPU offload moves GPU memory to the CPU; this machine has no CUDA device")
+    if cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()):
+        raise ValueError("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
     if 0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len:
         raise ValueError(f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
                          f"max_response_len {cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none")
@@ -424,15 +422,14 @@ def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: in
     plan = []
     for lo, hi in zip(bounds, bounds[1:]):
         micro = [[]]
-        for i in range(lo, hi):
-            end = i + 1
-            starts = i == lo or rollouts[i].prompt is not rollouts[i - 1].prompt
-            while starts and end < hi and rollouts[end].prompt is rollouts[i].prompt:
-                end += 1
-            group = list(range(i, end))  # row i, or the whole group it starts
-            if micro[-1] and not fits(micro[-1] + group) and (fits(group) or not fits(micro[-1] + [i])):
+        for _, run in itertools.groupby(range(lo, hi), key=lambda j: id(rollouts[j].prompt)):
+            group = list(run)  # consecutive rows sharing a prompt
+            if micro[-1] and not fits(micro[-1] + group) and fits(group):
                 micro.append([])
-            micro[-1].append(i)
+            for i in group:
+                if micro[-1] and not fits(micro[-1] + [i]):
+                    micro.append([])
+                micro[-1].append(i)
         plan.append([rows for rows in micro if rows])
     return plan
 
@@ -447,15 +444,13 @@ def lr_at(step: int, cfg: Config) -> float:
 # ---------------------------------------------------------------------------------------------------
 # The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
 
-VISION = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
-
-
 def encode_vision(model, prompts: list, device) -> dict:
     """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
     share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
     distinct = list({id(p): p for p in prompts}.values())
     out = {}
-    for kind, (pixels, grid) in VISION.items():
+    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
+                               ("video", "pixel_values_videos", "video_grid_thw")):
         mine = [p for p in distinct if pixels in p.mm]
         if not mine:
             continue
@@ -491,13 +486,42 @@ def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
     return logp, entropy
 
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
-    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R).
+class ChunkedLogp(torch.autograd.Function):
+    """chunk_logp over N positions, `chunk` at a time, holding no logits between forward and backward: backward
+    recomputes each chunk's and adds its weight gradient into one buffer, so (chunk, V) logits live at a time."""
 
-    The vision tower runs once per distinct media item (batch["vision"]: features encoded before, freeze_vision;
-    batch["encodes"] counts the items encoded here). Prompts are left-padded and responses right-padded, so every
-    response starts at the same column: the hidden states before it are projected onto the vocabulary `chunk`
-    positions at a time (0 = all), each chunk recomputed in backward, so no more than (chunk, V) logits live."""
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, banned: list[int], chunk: int):
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.banned, ctx.chunk = temperature, banned, chunk
+        parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
+                 for i in range(0, len(targets), chunk)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        for i in range(0, len(targets), ctx.chunk):
+            h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature                   # (n, V)
+            z[:, ctx.banned] = -1e9
+            p = torch.softmax(z, -1)
+            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]     # (n, 1)
+            # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
+            dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
+            dz.scatter_add_(1, y[:, None], gl)
+            dz[:, ctx.banned] = 0.0
+            dz = (dz / ctx.temperature).to(weight.dtype)
+            grad_hidden[i:i + ctx.chunk] = dz @ weight
+            grad_weight.addmm_(dz.T, h)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
+    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
+    once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
+    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits."""
     R, rows = batch["mask"].shape[1], batch["rows"]
     vision = batch["vision"]
     if vision is None:
@@ -510,16 +534,13 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
     weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
     targets = batch["response_ids"].flatten()                                              # (b R,)
-    step = chunk or len(targets)
-    parts = [checkpoint(chunk_logp, hidden[i:i + step], weight, targets[i:i + step], temperature, banned,
-                        use_reentrant=False) for i in range(0, len(targets), step)]
-    return torch.cat([p[0] for p in parts]).view(rows, R), torch.cat([p[1] for p in parts]).view(rows, R)
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or len(targets))
+    return logp.view(rows, R), entropy.view(rows, R)
 
 
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
-    """One micro-batch: left-pad prompts, right-pad responses; each row's prompt (token_logp encodes the media of each
-    distinct one once) and the rows' grids in order (M-RoPE positions). The per-token quantities the loss reads
-    (old/ref log-probs, advantages) are filled in by main.
+    """One micro-batch: left-pad prompts, right-pad responses; the rows' prompts (media) and grids (M-RoPE positions).
+    The per-token quantities the loss reads (old/ref log-probs, advantages) are filled in by main.
     dummies (data.dummy_prompts): a response-less row is appended for each modality no row has, so the
     vision tower runs for images and for videos in every forward on every rank (FSDP2's all-gathers and
     reduce-scatters stay aligned); token_logp drops those rows, their gradient is exactly zero."""
@@ -554,8 +575,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows.
-    Every rank runs as many micro-batches (FSDP's collectives): where a token budget packs a rank's rows into fewer,
-    its largest micro-batches are halved."""
+    Every rank runs as many (FSDP): a rank that a token budget packed into fewer halves its largest ones."""
     plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
@@ -837,8 +857,7 @@ def main(cfg: Config):
         with torch.no_grad():
             frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
             if cfg.freeze_vision:
-                prompts = [r.prompt for r in rollouts] + data.missing_dummies(dummies, {})
-                frozen = encode_vision(model, prompts, device)
+                frozen = encode_vision(model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device)
                 m["vision_encodes"] = sum(len(where) for _, where in frozen.values())
             for mini in minibatches:
                 for b in mini:
@@ -996,8 +1015,7 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # Setup helpers
 
 def init_dist(timeout_s: float = 1800.0, offload: bool = False):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo for the CPU-held
-    shards, which engine.sync and checkpoints gather)."""
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -1036,8 +1054,6 @@ def load_model(cfg: Config, device):
     if cfg.gradient_checkpointing:
         for block in blocks:
             checkpoint_module(block)
-    if cfg.offload and not dist.is_initialized():
-        raise ValueError("offload: FSDP2's CPU offload needs torchrun (a process group)")
     if dist.is_initialized():
         # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
