@@ -143,11 +143,10 @@ def vision_step(model, patches: int) -> int:
 def logits_step(weight, positions: int) -> int:
     """train.token_logp's projection of `positions` response positions onto the vocabulary, as one chunk."""
     import train
-    from torch.utils.checkpoint import checkpoint
     with TokenBytes({positions}) as counter:
         hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, requires_grad=True)
         targets = torch.randint(len(weight), (positions,))
-        logp, entropy = checkpoint(train.chunk_logp, hidden, weight, targets, 1.0, [0], use_reentrant=False)
+        logp, entropy = train.ChunkedLogp.apply(hidden, weight, targets, 1.0, [0], positions)
         (logp.sum() + entropy.sum()).backward()
     return counter.peak
 

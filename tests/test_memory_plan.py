@@ -15,6 +15,8 @@ from conftest import ROOT
 import memory_plan
 import train
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/memory.py's worker measures the peaks
+
 
 def test_longest_prompt_is_what_the_processor_makes(tiny_model):
     """720x1280 at video_max_pixels 262144, factor 28: scaled by sqrt(720 * 1280 / 262144) = 1.875 to 384 x 683,
