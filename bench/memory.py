@@ -28,7 +28,8 @@ SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, fr
             "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
             "logp_chunk 64": dict(OFF, logp_chunk=64),
             "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704),
-            "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=704)}
+            "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64,
+                           max_tokens_per_micro_batch=704)}
 
 
 @dataclass
