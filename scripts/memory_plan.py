@@ -112,16 +112,19 @@ class TokenBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            storage = t.untyped_storage() if isinstance(t, torch.Tensor) and self.sizes & set(t.shape) else None
-            if storage is not None and storage.data_ptr() not in self.seen:  # a new buffer, not a view
-                self.seen.add(storage.data_ptr())
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
+            if not isinstance(t, torch.Tensor) or not self.sizes & set(t.shape):
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in self.seen:  # a view of a buffer already counted
+                continue
+            self.seen.add(storage.data_ptr())
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())  # runs when it is freed
         return out
 
 
-def decoder_step(model, tokens: int) -> set[int]:
+def decoder_step(model, tokens: int) -> int:
     hidden = model.config.text_config.hidden_size
     with TokenBytes({tokens}) as counter:
         x = torch.randn(1, tokens, hidden, dtype=model.dtype, requires_grad=True)  # the text + vision embeddings
