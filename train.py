@@ -933,7 +933,6 @@ def main(cfg: Config):
                     if cfg.kl_coef > 0:
                         b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk)
         kl_to_go = None
-        m = {"kl": 0.0}  # this step's metric sums over micro-batches
         if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
             m["kl"] = kl_to_go[:, 0].sum().item()
