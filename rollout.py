@@ -19,15 +19,16 @@ distribution: softmax(logits / T) with those tokens at -inf. The trainer compute
 so `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
 import hashlib
+import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from data import Prompt, concat_media, missing_dummies, vllm_input
+from data import Prompt, missing_dummies, vllm_input
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 # the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled
@@ -212,9 +213,13 @@ class HFEngine:
         pad = [P - len(r.prompt_ids) for r in rows]
         ids = torch.tensor([[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)], device=device)
         attn = torch.tensor([[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device)
-        mm = {k: v.to(device) for k, v in concat_media(rows).items()}
-        out = self.model.generate(input_ids=ids, attention_mask=attn, **mm, synced_gpus=synced,
-                                  mm_token_type_ids=mm_token_types(ids, self.tokenizer),
+        # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not once per row: generate
+        # gets the features laid out per row for the prefill, and every row's grids for its M-RoPE positions
+        keys = sorted({k for r in rows for k in r.mm if not k.startswith("pixel_values")})
+        grids = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in keys}
+        vision = row_vision(encode_vision(self.model, rows, device), rows)
+        out = self.model.generate(input_ids=ids, attention_mask=attn, **grids, mm_encoder_outputs=vision,
+                                  synced_gpus=synced, mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                   generation_config=self.config(temperature, max_tokens))
         seq = out.sequences[:len(prompts) * n, P:]                      # (B, R)
         logp = torch.zeros(seq.shape)
@@ -238,6 +243,38 @@ class HFEngine:
 
     def wake(self, tags=None):
         pass
+
+
+def encode_vision(model, prompts: list, device) -> dict:
+    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
+    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
+    distinct = list({id(p): p for p in prompts}.values())
+    out = {}
+    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
+                               ("video", "pixel_values_videos", "video_grid_thw")):
+        mine = [p for p in distinct if pixels in p.mm]
+        if not mine:
+            continue
+        features = getattr(model, f"get_{kind}_features")  # the model's own entry point (Qwen3-VL: + deepstack)
+        enc = features(torch.cat([p.mm[pixels] for p in mine]).to(device),
+                       torch.cat([p.mm[grid] for p in mine]).to(device), return_dict=True)
+        counts = [len(p.mm[grid]) for p in mine]
+        starts = itertools.accumulate(counts, initial=0)
+        out[kind] = (enc, {id(p): range(s, s + n) for p, s, n in zip(mine, starts, counts)})
+    return out
+
+
+def row_vision(encoded: dict, prompts: list) -> dict:
+    """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
+    the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
+    out = {}
+    for kind, (enc, where) in encoded.items():
+        idx = [i for p in prompts for i in where.get(id(p), ())]
+        fields = {"pooler_output": tuple(enc.pooler_output[i] for i in idx)}
+        if getattr(enc, "deepstack_features", None) is not None:  # Qwen3-VL: added at early decoder layers
+            fields["deepstack_features"] = [tuple(level[i] for i in idx) for level in enc.deepstack_features]
+        out[kind] = replace(enc, **fields)
+    return out
 
 
 def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:

@@ -58,7 +58,8 @@ import data
 import evaluate
 import rewards
 from ckpt import all_reduce, gather
-from rollout import HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, vision_token_ids
+from rollout import (HFEngine, Rollout, VLLMEngine, encode_vision, hf_weights, mm_token_types, request_seed, row_vision,
+                     vision_token_ids)
 
 
 @dataclass
@@ -534,38 +535,6 @@ def lr_at(step: int, cfg: Config) -> float:
 
 # ---------------------------------------------------------------------------------------------------
 # The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
-
-def encode_vision(model, prompts: list, device) -> dict:
-    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
-    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
-    distinct = list({id(p): p for p in prompts}.values())
-    out = {}
-    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
-                               ("video", "pixel_values_videos", "video_grid_thw")):
-        mine = [p for p in distinct if pixels in p.mm]
-        if not mine:
-            continue
-        features = getattr(model, f"get_{kind}_features")  # the model's own entry point (Qwen3-VL: + deepstack)
-        enc = features(torch.cat([p.mm[pixels] for p in mine]).to(device),
-                       torch.cat([p.mm[grid] for p in mine]).to(device), return_dict=True)
-        counts = [len(p.mm[grid]) for p in mine]
-        starts = itertools.accumulate(counts, initial=0)
-        out[kind] = (enc, {id(p): range(s, s + n) for p, s, n in zip(mine, starts, counts)})
-    return out
-
-
-def row_vision(encoded: dict, prompts: list) -> dict:
-    """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
-    the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
-    out = {}
-    for kind, (enc, where) in encoded.items():
-        idx = [i for p in prompts for i in where.get(id(p), ())]
-        fields = {"pooler_output": tuple(enc.pooler_output[i] for i in idx)}
-        if getattr(enc, "deepstack_features", None) is not None:  # Qwen3-VL: added at early decoder layers
-            fields["deepstack_features"] = [tuple(level[i] for i in idx) for level in enc.deepstack_features]
-        out[kind] = replace(enc, **fields)
-    return out
-
 
 def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
     """Log-prob of the targets and entropy at the sampling temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""

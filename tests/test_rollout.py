@@ -21,7 +21,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 from conftest import ROOT, tiny_config  # noqa: E402
 
 import data  # noqa: E402
-from rollout import HFEngine, VLLMEngine, full_tensors, vision_token_ids  # noqa: E402
+from rollout import (HFEngine, VLLMEngine, full_tensors, mm_token_types, request_seed,  # noqa: E402
+                     vision_token_ids)
 from train import collate, token_logp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a vLLM engine
@@ -135,6 +136,42 @@ def test_hf_engine_one_batch(setup, synth):
     assert trainer_logp_diff(model, a, proc.tokenizer) < 1e-4
     assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=5)] == [r.response_ids for r in a]
     assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=6)] != [r.response_ids for r in a]
+
+
+def test_hf_engine_encodes_each_prompt_once(setup, synth):
+    """Issue 21: the vision tower sees each distinct prompt's media once, not once per row, and sampling is unchanged:
+    the same tokens and log-probs as transformers' generate handed every row's pixels (the engine before)."""
+    proc, model, prompts, _ = setup
+    image = data.prepare(next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")), proc,
+                         tiny_config())
+    mixed, n, tok = [image, prompts[0], prompts[1]], 4, proc.tokenizer
+    hf = hf_engine(model, tok)
+    seen = []  # (pixel rows, media items) per tower call
+    hook = model.model.visual.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append((len(args[0]), len(kwargs["grid_thw"]))), with_kwargs=True)
+    try:
+        got = hf.generate(mixed, n, 1.0, 6, seed=7)
+    finally:
+        hook.remove()
+    # one call per modality, over one copy of each prompt's media (not n copies)
+    assert sorted(seen) == sorted([(len(image.mm["pixel_values"]), 1),
+                                   (sum(len(p.mm["pixel_values_videos"]) for p in mixed[1:]), 2)])
+    # before: every row's pixels to generate, which encodes them all (left padding, same seed, same config)
+    rows = [p for p in mixed for _ in range(n)]
+    P = max(len(r.prompt_ids) for r in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows])
+    attn = (torch.arange(P)[None] >= torch.tensor([P - len(r.prompt_ids) for r in rows])[:, None]).long()
+    torch.manual_seed(request_seed(7, 0))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attn, **data.concat_media(rows),
+                             mm_token_type_ids=mm_token_types(ids, tok), generation_config=hf.config(1.0, 6))
+    for i, r in enumerate(got):
+        k = len(r.response_ids)
+        assert r.response_ids == out.sequences[i, P:P + k].tolist()
+        logits = torch.stack([step[i] for step in out.logits[:k]]).float()
+        logits[:, hf.banned] = float("-inf")
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(r.logp), ref, atol=1e-5, rtol=0)
 
 
 def test_two_rank_sync_is_exact(tiny_model, synth):
