@@ -36,7 +36,7 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py
+	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py && $(PY) bench/rollout.py && $(PY) bench/memory.py
 
 clean:
 	rm -rf .cache runs
