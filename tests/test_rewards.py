@@ -176,7 +176,7 @@ CASES = [
     ("math", "0.5", None, 1.0), ("math", "\\frac{1}{2}", None, 1.0), ("math", "1/2", None, 1.0),
     ("math", "\\frac{2}{4}", None, 1.0), ("math", "3", None, 0.0), ("math", "x^2+", None, 0.0),
     ("math", "\\sqrt{2}", "2^{1/2}", 1.0), ("math", "x + x", "2x", 1.0), ("math", "50\\%", None, 1.0),
-    ("math", "\\sin^2 x + \\cos^2 x", "1", 1.0),  # ~0.8 s of sympy: inside the time limit
+    ("math", "\\sin^2 x + \\cos^2 x", "1", 1.0),  # ~0.8 s of sympy on an idle machine (see test_accuracy_table)
     # temporal grounding: JSON (numbers as strings too; the last complete object), else a span in text
     ("temporal grounding", '{"time": [2, 6]}', None, 1.0),
     ("temporal grounding", '{"time": [4, 10]}', None, 0.25),  # inter 2 / union 8
@@ -249,7 +249,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("ptype, ans, gt, want", CASES)
-def test_accuracy_table(ptype, ans, gt, want):
+def test_accuracy_table(ptype, ans, gt, want, monkeypatch):
+    # the rules, not the time limit (tested below): a loaded machine stretched sympy's 0.8 s past 1 s of wall time
+    monkeypatch.setattr(rewards, "MATH_TIMEOUT", 30.0)
     c = score(ptype, f"<answer>{ans}</answer>", answer=gt)
     # images: the same
     assert c == score(ptype, f"<answer>{ans}</answer>", answer=gt, data_type="image", images=["x.png"])
@@ -275,15 +277,15 @@ def test_math_boxed_without_answer_tags():
     assert score("math", "so it is \\boxed{0.5}")["accuracy"] == 1.0
 
 
-SLOW_MATH = ["(" * 300, "{" * 300, "\\frac{" * 200]  # math-verify alone takes seconds on each
+SLOW_MATH = ["(" * 300, "{" * 300, "\\frac{" * 200]  # math-verify alone: 8 s, 9 s, 1.2 s of CPU (load 17)
 
 
 @pytest.mark.parametrize("slow", SLOW_MATH + ["2^{2^{2^{2^{2^{99}}}}}"])  # the power tower: a C-level big-int loop
 def test_math_time_limit_cleans_up(warm, slow):
     before = signal.getsignal(signal.SIGALRM)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time (see PATHOLOGICAL below): the limit is wall-clock, so load only lowers it
     assert score("math", f"<answer>{slow}</answer>")["accuracy"] == 0.0
-    assert time.perf_counter() - t0 < rewards.MATH_TIMEOUT + 0.4
+    assert time.thread_time() - t0 < rewards.MATH_TIMEOUT + 0.4
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is before
     assert score("math", "<answer>0.5</answer>")["accuracy"] == 1.0  # and it still works afterwards
     time.sleep(0.12)  # no late alarm goes off
@@ -295,9 +297,9 @@ def test_math_time_limit_in_threads(warm):
 
     def work(i):
         try:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # this thread's CPU time, as in test_math_time_limit_cleans_up
             out[i] = [score("math", f"<answer>{x}</answer>")["accuracy"] for x in SLOW_MATH]
-            out[i].append(time.perf_counter() - t0)
+            out[i].append(time.thread_time() - t0)
             out[i].append(score("math", "<answer>0.5</answer>")["accuracy"])
             time.sleep(0.15)  # a late MathTimeout would land here
             out[i].append(sum(range(10 ** 5)))
@@ -553,7 +555,9 @@ def test_property_arbitrary_samples(ptype, data, text):
 
 
 # ---------------------------------------------------------------------------------------------------
-# bounded time: 200 KB of pathological input takes < MATH_TIMEOUT + 0.5 s per call for every type
+# bounded time: 200 KB of pathological input takes < MATH_TIMEOUT + 2 s of CPU per call for every type. CPU time of
+# the scoring thread (time.thread_time), not wall time: other processes on a loaded machine stretch the wall clock,
+# never this thread's CPU time, while a runaway parse or regex (minutes, or forever) burns CPU time all along
 PATHOLOGICAL = {
     "answer tags": "<answer>" * 20000, "braces": "{" * 100000 + "}" * 100000, "open braces": "{" * 200000,
     "phrase": "answer is " * 20000, "think tags": "<think>" * 20000 + "</think>" * 5000,
@@ -583,13 +587,12 @@ def warm():
 def test_bounded_time(warm, name):
     text = PATHOLOGICAL[name]
     for ptype in TYPES:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         overall, _ = compute_reward(text, sample(ptype), format_template="think_answer")
         format_reward(text)
-        dt = time.perf_counter() - t0
-        # a bound, not a speed target: catastrophic backtracking on these inputs takes minutes; the slack
-        # absorbs a loaded machine (1.53 s seen for math with the full suite's vLLM threads around)
-        assert dt < rewards.MATH_TIMEOUT + 2.0, f"{ptype} on {name}: {dt:.2f} s"
+        dt = time.thread_time() - t0
+        # a bound, not a speed target: catastrophic backtracking on these inputs takes minutes
+        assert dt < rewards.MATH_TIMEOUT + 2.0, f"{ptype} on {name}: {dt:.2f} s of CPU"
         assert 0.0 <= overall <= 1.0 and math.isfinite(overall)
 
 
