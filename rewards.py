@@ -196,9 +196,8 @@ def number_spans(s: str) -> list[tuple[int, int, float]]:
 
 
 def committed_number(s: str) -> float | None:
-    """The number an answer (or a ground truth) commits to: its first one; NaN (scores 0, matches nothing, but is an
-    answer) when it hedges between two different numbers ("3 or 4", "3, 4", "3-4", "between 999 and 1001"); None when
-    there is none."""
+    """The number an answer (or ground truth) commits to: its first; NaN (an answer that matches nothing) when it hedges
+    between two different numbers ("3 or 4", "3, 4", "3-4", "between 999 and 1001"); None when there is none."""
     s = number_text(s)
     spans = number_spans(s)
     for (_, end, v1), (start, _, v2) in zip(spans, spans[1:]):
@@ -269,19 +268,13 @@ def text_numbers(ans: str, n: int) -> list[float] | None:  # no JSON: "from 12.3
     return [v for _, _, v in spans[:n]] if len(spans) >= n else None
 
 
-def frame_key(k) -> str:  # frame/second keys compare as numbers: "1", "1.0" and 1 are the same frame
-    try:
-        return repr(float(k))
-    except (ValueError, OverflowError):
-        return str(k)
-
-
 def as_boxes(x) -> dict | None:
-    """{frame: box, or None for a malformed one (it scores IoU 0)}; None when there is no non-empty dict of boxes."""
+    """{frame: box, or None for a malformed one (it scores IoU 0)}; None when there is no non-empty dict of boxes.
+    Frame keys compare as numbers: "1" and "1.0" are the same frame."""
     b = x.get("boxes") if isinstance(x, dict) else None
     if not isinstance(b, dict) or not b:
         return None
-    return {frame_key(k): as_box(v) for k, v in b.items()}
+    return {k if as_float(k) is None else repr(as_float(k)): as_box(v) for k, v in b.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -503,9 +496,7 @@ def _math_gold(gt: str):
     return parse(f"${gt}$", parsing_timeout=None)
 
 
-def acc_math(ans, s):
-    """math-verify's own timeouts are whole-second signal.alarm()s that fail outside the main thread: they are off,
-    and time_limit bounds parse + verify instead."""
+def acc_math(ans, s):  # math-verify's timeouts (whole-second, main-thread alarms) are off: time_limit bounds both
     from math_verify import parse, verify
     if "".join(ans.split()) == "".join(ground_truth(s).split()):  # the same text: equal without asking sympy
         return 1.0
@@ -578,9 +569,8 @@ BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunct
 
 
 def python_tokens(code: str) -> list[str] | None:
-    """Tokens of ast.unparse(code) (formatting and comments gone) with every bound name (assigned, defined, argument)
-    renamed v0, v1, ... in order of appearance, so renaming a variable keeps the text; builtins and attributes are
-    kept. None if it does not parse. Never executed."""
+    """Tokens of ast.unparse(code) (formatting, comments gone), bound names (assigned, defined, arguments) renamed v0,
+    v1, ... in order (a renamed variable keeps the text; builtins, attributes kept); None if it does not parse."""
     try:
         tree = ast.parse(code)
         names = {}
