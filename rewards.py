@@ -317,7 +317,7 @@ def token_f1(pred: str, ref: str) -> float:
 _ROUGE = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
-def rouge(pred: str, ref: str) -> float:  # the rouge-score package's F1s (lower-cased ASCII words, Porter-stemmed)
+def rouge(pred: str, ref: str) -> float:  # mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)
     return sum(x.fmeasure for x in _ROUGE.score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
 
 
