@@ -9,8 +9,10 @@ runs the train phase of train.main once (micro-batches, the frozen features, mic
 micro-batch, clipping, the AdamW step) and reports its peak memory, its time, and the videos the vision tower
 encoded (a forward pre-hook on the tower). Peak memory: the peak resident set of that phase above the resident set
 at its start (Linux VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned so freed tensors
-leave the resident set; memory_plan.peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE).
+leave the resident set; peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE).
 """
+import ctypes
+import gc
 import json
 import os
 import subprocess
@@ -75,10 +77,26 @@ def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
     opt.zero_grad(set_to_none=True)
 
 
+def status_kib(key: str) -> int:
+    """A /proc/self/status value in KiB."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(key + ":")))
+
+
+def peak_bytes(fn, *args) -> int:
+    """How far fn(*args) raises the resident set at its peak above where it was (Linux VmHWM after clear_refs)."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+    base = status_kib("VmRSS")
+    fn(*args)
+    return (status_kib("VmHWM") - base) * 1024
+
+
 def worker(c: Config) -> dict:
     """One setting in this fresh process: {"peak": bytes, "time": s, "encodes": videos encoded, "prompt", "patches"}."""
     import data
-    import memory_plan  # puts ROOT first on sys.path
     if c.worker == "before #13":
         sys.path.insert(0, c.out)  # the train.py of commit BEFORE
     import train
@@ -95,8 +113,8 @@ def worker(c: Config) -> dict:
     encodes = []
     model.model.visual.register_forward_pre_hook(count_videos(encodes), with_kwargs=True)
     t0 = time.time()
-    peak = memory_plan.peak_bytes(train_phase, train, model, opt, rollouts, cfg, processor.tokenizer,
-                                  vision_token_ids(processor.tokenizer))
+    peak = peak_bytes(train_phase, train, model, opt, rollouts, cfg, processor.tokenizer,
+                      vision_token_ids(processor.tokenizer))
     return dict(peak=peak, time=time.time() - t0, encodes=sum(encodes), prompt=len(prompts[0].prompt_ids),
                 patches=int(prompts[0].mm["video_grid_thw"].prod()))
 
