@@ -37,7 +37,7 @@ from data import DataError
 
 
 @dataclass
-class Config:
+class Config(cache.Media):
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)"""
     benchmarks: str = "nvr1"
@@ -86,28 +86,10 @@ class Config:
     """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
-    video_fps: float = 2.0
-    """frames per second of video"""
-    video_min_frames: int = 4
-    """at least this many frames"""
     video_max_frames: int = 64
-    """at most this many frames"""
-    video_min_pixels: int = 3136
-    """min pixels per frame"""
+    """at most this many frames per video (evaluation's default; training's is 32)"""
     video_max_pixels: int = 262144
-    """max pixels per frame"""
-    video_total_pixels: int = 0
-    """pixel budget over all frames of a video (0 = none)"""
-    image_min_pixels: int = 3136
-    """min pixels per image"""
-    image_max_pixels: int = 1003520
-    """max pixels per image"""
-    max_decode_pixels: int = cache.MAX_DECODE_PIXELS
-    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
-    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
-    """prefer_cache | cache_only | decode_only (cache.py)"""
-    cache_dir: str = ".cache/frames"
-    """frame cache folder ('' = none)"""
+    """max pixels per frame (evaluation's default; training's is 100352)"""
 
 
 # settings that change a benchmark's answers: a resume log written under others is refused
