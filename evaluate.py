@@ -99,6 +99,7 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
                    "dtype", "judge_model", "video_fps", "video_min_frames", "video_max_frames", "video_min_pixels",
                    "video_max_pixels", "video_total_pixels", "image_min_pixels", "image_max_pixels")
 
+
 # ---------------------------------------------------------------------------------------------------
 # adapters: official record -> data.py sample; answer reader; aggregate (the prompt: PROMPTS). q, opts, ans: the
 # record's question, options and answer fields (opts None: the options are lines of the question; a tuple: one field
