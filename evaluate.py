@@ -811,7 +811,8 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     os.makedirs(job["folder"], exist_ok=True)
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
-    todo, start, last = [s for s in samples if s["id"] not in done], time.perf_counter(), [time.perf_counter()]
+    todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
+    last = [start]  # when progress was last printed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
         def write(s: dict, prompt: str, response: str, error: str = ""):
@@ -819,7 +820,7 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
-            n, now = len(done) - (len(samples) - len(todo)), time.perf_counter()
+            n, now = len(done) - before, time.perf_counter()  # each row is a new doc_id
             if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
                 rate, last[0] = n / (now - start), now
                 print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
