@@ -3,7 +3,7 @@
 uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
 
     python cache.py --data train.jsonl --data val.jsonl --out .cache/frames --workers 2 \
-        --fps 2 --max-frames 32 --min-pixels 3136 --max-pixels 100352 --factor 28
+        --video-fps 2 --video-max-frames 32 --video-min-pixels 3136 --video-max-pixels 100352 --factor 28
 
 shows a progress bar, then `videos | cache_hit | rebuilt | decode | failed | bytes | seconds`; a video that fails is
 listed with its error in OUT/failed.jsonl and the run goes on. train.py, rollout and evaluation call
@@ -23,13 +23,13 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import numpy as np
 
 FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
-SETTINGS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels", "factor")
 MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
 
@@ -232,37 +232,59 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
 
 # ---------------------------------------------------------------------------------------------------
 @dataclass
-class Config:
+class Frames:
+    """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
+    declaration, one flag name each). The defaults are training's; evaluate.py raises video_max_frames/pixels."""
+    video_fps: float = 2.0
+    """frames sampled per second of video"""
+    video_min_frames: int = 4
+    """at least this many frames per video"""
+    video_max_frames: int = 32
+    """at most this many frames per video"""
+    video_min_pixels: int = 3136
+    """min pixels per frame (smart-resize lower bound)"""
+    video_max_pixels: int = 100352
+    """max pixels per frame"""
+    video_total_pixels: int = 0
+    """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
+    max_decode_pixels: int = MAX_DECODE_PIXELS
+    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
+
+
+@dataclass
+class Media(Frames):
+    """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
+    image_min_pixels: int = 3136
+    """min pixels per image"""
+    image_max_pixels: int = 1003520
+    """max pixels per image"""
+    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
+    """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
+    cache_dir: str = ".cache/frames"
+    """frame cache folder ('' = no cache)"""
+
+
+@dataclass
+class Config(Frames):
     config: str = ""
     """a training YAML (train.py --config): its train_data, val_data, cache_dir, video_* settings and its model's
-    factor set the defaults below, so the cache cannot drift from training; flags override them"""
+    factor set the defaults, so the cache cannot drift from training; flags override them"""
     data: list[str] = field(default_factory=list)
     """JSON/JSONL files whose `videos` to preprocess (paths relative to each file's folder)"""
     out: str = ".cache/frames"
     """cache folder (train.py's --cache-dir)"""
     workers: int = 2
     """decoding processes"""
-    fps: float = 2.0
-    """frames per second (train.py's --video-fps)"""
-    min_frames: int = 4
-    """train.py's --video-min-frames"""
-    max_frames: int = 32
-    """train.py's --video-max-frames"""
-    min_pixels: int = 3136
-    """train.py's --video-min-pixels"""
-    max_pixels: int = 100352
-    """train.py's --video-max-pixels"""
-    total_pixels: int = 0
-    """train.py's --video-total-pixels (0 = the reference default, 128000 tokens)"""
     factor: int = 28
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
-    max_decode_pixels: int = MAX_DECODE_PIXELS
-    """videos with larger frames are refused (listed in failed.jsonl) before any decoding"""
 
 
 def preprocess_one(path: str, c: Config) -> tuple[dict, int, str | None]:
     """(stats, entry bytes, error): a failure of any kind is returned, to be reported, never raised."""
-    stats, settings = {}, {k: getattr(c, k) for k in SETTINGS}
+    stats = {}
+    settings = dict(fps=c.video_fps, min_frames=c.video_min_frames, max_frames=c.video_max_frames,
+                    min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, total_pixels=c.video_total_pixels,
+                    factor=c.factor)
     try:
         load_video(path, **settings, cache_dir=c.out, stats=stats, max_decode_pixels=c.max_decode_pixels)
         return stats, os.path.getsize(entry_path(c.out, path, settings)), None
@@ -313,9 +335,8 @@ def load_config(argv: list[str]) -> Config:
         if t.val_data and train.val_config(t) == t:
             files.append(t.val_data)
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
-        default = Config(t.config[0], files, t.cache_dir, fps=t.video_fps, min_frames=t.video_min_frames,
-                         max_frames=t.video_max_frames, min_pixels=t.video_min_pixels, max_pixels=t.video_max_pixels,
-                         total_pixels=t.video_total_pixels, factor=factor)
+        frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
+        default = Config(config=t.config[0], data=files, out=t.cache_dir, factor=factor, **frames)
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
 
 

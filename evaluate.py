@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Literal
 
+import yaml
+
 import cache
 import data
 import rewards
@@ -37,7 +39,7 @@ from data import DataError
 
 
 @dataclass
-class Config:
+class Config(cache.Media):
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)"""
     benchmarks: str = "nvr1"
@@ -86,28 +88,10 @@ class Config:
     """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
-    video_fps: float = 2.0
-    """frames per second of video"""
-    video_min_frames: int = 4
-    """at least this many frames"""
     video_max_frames: int = 64
-    """at most this many frames"""
-    video_min_pixels: int = 3136
-    """min pixels per frame"""
+    """at most this many frames per video (evaluation's default; training's is 32)"""
     video_max_pixels: int = 262144
-    """max pixels per frame"""
-    video_total_pixels: int = 0
-    """pixel budget over all frames of a video (0 = none)"""
-    image_min_pixels: int = 3136
-    """min pixels per image"""
-    image_max_pixels: int = 1003520
-    """max pixels per image"""
-    max_decode_pixels: int = cache.MAX_DECODE_PIXELS
-    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
-    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
-    """prefer_cache | cache_only | decode_only (cache.py)"""
-    cache_dir: str = ".cache/frames"
-    """frame cache folder ('' = none)"""
+    """max pixels per frame (evaluation's default; training's is 100352)"""
 
 
 # settings that change a benchmark's answers: a resume log written under others is refused
@@ -117,21 +101,11 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
 
 
 # ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; prompt; answer reader; aggregate. q, opts, ans: the record's question,
-# options and answer fields (opts None: the options are lines of the question); read: the official rule for letter
-# answers (READERS); index: the answer is an option index; guess: the official scorer picks a random option when it
-# cannot read one (used with random_fallback); keys: breakdowns; macro: official mean of means; group: grouped score
-LETTER = "\nAnswer with the option's letter from the given choices directly."
-OPTS = "{{ options | join('\n') }}"
-P_MC = "{{ problem }}\n" + OPTS + LETTER
-SELECT = "Select the best answer to the following multiple-choice question based on the video. Respond with only the "
-P_EVR1 = ("{% if options %}Select the best answer to the following multiple-choice question based on the video.\n"
-          "Respond with only the letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }} Possible "
-          "answer choices:\n" + OPTS + "\n{% else %}Answer the following question based on the video.\nQuestion: "
-          "{{ problem }}{% endif %}{% if 'grounding' in problem_type %}\nPlease provide the time span in seconds as "
-          'JSON within the <answer>...</answer> tags.\nExample:\n<answer>{"time": [12.3, 25.7]}</answer>\n'
-          "{% if problem_type != 'temporal grounding' %}Also give one box per integer second: \"boxes\": "
-          "{\"<sec>\": [x1, y1, x2, y2]}.\n{% endif %}{% endif %}\nThe best answer is: ")
+# adapters: official record -> data.py sample; answer reader; aggregate (the prompt: PROMPTS). q, opts, ans: the
+# record's question, options and answer fields (opts None: the options are lines of the question; a tuple: one field
+# per option); read: the official rule for letter answers (READERS); index: the answer is an option index; guess: the
+# official scorer picks a random option when it cannot read one (with random_fallback); keys: breakdowns; macro:
+# official mean of means; group: grouped score; judge: open-ended items go to the judge; after: the answer follows
 VSI_NA = ("object_counting", "object_abs_distance", "object_size_estimation", "room_size_estimation")
 
 
@@ -143,90 +117,63 @@ def judge_type(r, key, mc_value):  # MC or open-ended (judged) by one field's va
     return "multiple choice" if r.get(key) == mc_value else "open-ended"
 
 
-EVR1 = A(q="problem", ans="solution", id="problem_id", video="{path}", prompt=P_EVR1,
+EVR1 = A(q="problem", ans="solution", id="problem_id", video="{path}",
          ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
                                                                                     r["problem_type"]))
 ADAPTERS = {
     "nvr1": A(own=True, keys=("problem_type",)),  # data.py's schema and prompts: the training validation set
-    "videomme": A(id="question_id", video="{videoID}.mp4", keys=("duration", "domain", "task_type"),
-                  prompt=SELECT + "letter (A, B, C, or D) of the correct option.\nQuestion: {{ problem }}\n" + OPTS +
-                  "\nThe best answer is:"),
-    "videomme_v2": A(video="{video_id}.mp4", keys=("level", "group_type"), group="video_id",
-                     prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, F, G, or H) "
-                     "of the correct option."),
+    "videomme": A(id="question_id", video="{videoID}.mp4", keys=("duration", "domain", "task_type")),
+    "videomme_v2": A(video="{video_id}.mp4", keys=("level", "group_type"), group="video_id"),
     "mvbench": A(opts="candidates", video="{video}", keys=("task",), macro=("task",), read="mvbench",
-                 fix=lambda r: {"task": r["_file"]},
-                 prompt="Carefully watch the video and pay attention to the cause and sequence of events, the detail "
-                 "and movement of objects, and the action and pose of persons. Based on your observations, select "
-                 "the best option that accurately addresses the question.\nQuestion: {{ problem }}\nOptions:\n"
-                 "{% for o in options %}({{ o[0] }}) {{ o[3:] }}\n{% endfor %}Only give the best option."),
+                 fix=lambda r: {"task": r["_file"]}),
     "tempcompass": A(opts=None, video="{video_id}.mp4", keys=("dim", "format"), fix=lambda r: {"format": r["_file"]},
                      judge=True, ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(
-                         r["_file"], "multiple choice"),
-                     prompt="{{ problem }}{% if problem_type == 'boolean' %}\nPlease answer yes or no:{% elif "
-                     "problem_type == 'multiple choice' %}\nPlease directly give the best option:{% endif %}"),
-    "motionbench": A(nested="qa", opts=None, id="uid", video="{video_path}", keys=("question_type",), read="first",
-                     prompt="{{ problem }}\nAnswer with only the option letter (A, B, C, D, E, or F)."),
-    "lvbench": A(nested="qa", opts=None, id="uid", video="{key}.mp4", keys=("question_type",), read="lvbench",
-                 prompt="{{ problem }}\nAnswer the question with the option letter"),
+                         r["_file"], "multiple choice")),
+    "motionbench": A(nested="qa", opts=None, id="uid", video="{video_path}", keys=("question_type",), read="first"),
+    "lvbench": A(nested="qa", opts=None, id="uid", video="{key}.mp4", keys=("question_type",), read="lvbench"),
     "longvideobench": A(opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
-                        video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True,
-                        prompt=P_MC),
-    "mlvu": A(opts=None, video="{video_name}", keys=("task_type",), macro=("task_type",),
-              prompt="{{ problem }}\nOnly give the best option.\nBest option: ("),
-    "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",),
-                prompt="Question: {{ problem }}\n" + OPTS + "\n" + SELECT + "letter (A, B, C, D, E, or F) of the "
-                "correct option."),
+                        video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True),
+    "mlvu": A(opts=None, video="{video_name}", keys=("task_type",), macro=("task_type",)),
+    "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",)),
     "minerva": A(opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
-                 video="{video_id}.mp4", read="minerva", prompt=P_MC),
+                 video="{video_id}.mp4", read="minerva"),
     "vcrbench": A(opts="choices", id="id", video="{video_path}", keys=("dimension",), judge=True,
-                  ptype=lambda r: judge_type(r, "multiple-choice", True),
-                  prompt="Please analyze the video and answer the question about its content.\nQuestion: "
-                  "{{ problem }}\n{% if options %}" + OPTS + "\n{% endif %}Answer: "),
-    "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer", prompt="{{ problem }}"),
+                  ptype=lambda r: judge_type(r, "multiple-choice", True)),
+    "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer"),
     "longvideoreason": A(EVR1),
     "mmvu": A(opts="choices", id="id", video="{subject}/{file}", keys=("question_type", "subject"), judge=True,
               read="first", ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
-              fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:])),  # a hub URL
-              prompt="\nQuestion:{{ problem }}\n" + OPTS + "\nVisual Information: processed video\nDo not generate "
-              "any intermediate reasoning process. {% if options %}Answer directly with the option letter from the"
-              "\ngiven choices.{% else %}Directly output the final answer.{% endif %}\n"),
+              fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:]))),  # a hub URL
     "videommmu": A(id="id", video="{id}.mp4", keys=("track", "discipline"), read="mmmu", guess=True,
                    fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
-                   ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended", "numerical"),
-                   prompt="{{ problem }}\n" + OPTS + "\nPlease ignore the Quiz question in last frame of the video."),
-    "videomathqa": A(id="question_id", video="{videoID}.mp4", keys=("category", "length"),
-                     prompt="Select the best answer to the following multiple-choice question based on the video. "
-                     "Respond with the letter (A, B, C, D or E) of the correct option.\n{{ problem }}\n" + OPTS +
-                     "\n\nAnswer with the option's letter (A, B, C, D or E) from the given choices directly."),
+                   ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended",
+                                                                                             "numerical")),
+    "videomathqa": A(id="question_id", video="{videoID}.mp4", keys=("category", "length")),
     "vsibench": A(ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4", keys=("category", "question_type"),
                   macro=("category", "question_type"), read="vsi",
                   fix=lambda r: {"category": re.sub(r"_(easy|medium|hard)$", "", r["question_type"])},
-                  ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice",
-                  prompt="These are frames of a video.\n{{ problem }}\n{% if options %}Options:\n" + OPTS + LETTER +
-                  "{% else %}\nPlease answer the question using a single word or phrase.{% endif %}"),
+                  ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice"),
     "charades_sta": A(q="problem", opts=None, video="{video}", tiou=True, ptype="temporal grounding",
                       fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the "
                                      f"visual event described by the sentence '{r['caption']}', determining its "
-                                     "starting and ending times."}, prompt=P_EVR1),
+                                     "starting and ending times."}),
     "stvg": A(EVR1, tiou=True),
     "ovobench": A(EVR1, keys=("ovo_category", "ovo_task"), macro=("ovo_category", "ovo_task"), read="ovo",
                   fix=lambda r: {"solution": "yes" if str(r.get("ovo_type")) == "1" else "no"}
                   if r["problem_type"] in ("SSR", "CRR") else {}),
     "odvbench": A(EVR1, keys=("odv_task", "odv_subtask")),
     "livesports3k_qa": A(EVR1, keys=("q_type_livesports", "ocr_livesports")),
-    "egoschema": A(opts="option", id="question_idx", video="{video_idx}.mp4", index=True, read="mmmu", guess=True,
-                   prompt=P_MC),
+    "egoschema": A(opts="option", id="question_idx", video="{video_idx}.mp4", index=True, read="mmmu", guess=True),
     "nextqa": A(opts=tuple(f"a{i}" for i in range(5)), video="{video}.mp4", keys=("type",), index=True, read="mmmu",
-                guess=True, prompt="{{ problem }}\n" + OPTS),
+                guess=True),
     "perceptiontest": A(ans="answer_id", id="question_id", video="{video_name}.mp4", keys=("area", "reasoning"),
-                        index=True, read="first", prompt=P_MC),
+                        index=True, read="first"),
     "worldsense": A(opts="candidates", id="index", video="{video_path}",
-                    keys=("task_domain", "task_type", "duration", "audio_class"),
-                    prompt="Carefully watch this video and pay attention to every detail. Based on your observations, "
-                    "select the best option that accurately addresses the question.\n{{ problem }}\n" + OPTS +
-                    "\nRespond with only the letter (A, B, C, or D) of the correct option."),
+                    keys=("task_domain", "task_type", "duration", "audio_class")),
 }
+# each benchmark's official prompt, a Jinja2 template (nvr1: data.py's): data, read once on import
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "benchmarks.yaml")) as f:
+    PROMPTS = yaml.safe_load(f)
 # an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
 # "Option 1: x" (1-based)
 _OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
@@ -245,30 +192,28 @@ def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
         files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".json", ".jsonl", ".parquet")))
     out = []
     for f in files:
-        stem = os.path.basename(f).split(".")[0]
         try:
             if f.endswith(".parquet"):
                 import pyarrow.parquet as pq
                 rows = pq.read_table(f).to_pylist()
-            elif f.endswith(".json"):
-                with open(f, encoding="utf-8") as fh:
-                    rows = json.load(fh)
-                if not isinstance(rows, list):
-                    raise DataError(f"expected a JSON array of records, got {type(rows).__name__}")
             else:
-                rows = []
                 with open(f, encoding="utf-8") as fh:
-                    for i, line in enumerate(fh):
-                        try:
-                            rows.append(json.loads(line) if line.strip() else None)
-                        except json.JSONDecodeError as e:
-                            bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
-                            rows.append(None)
+                    rows = json.load(fh) if f.endswith(".json") else fh.read().split("\n")
+            if not isinstance(rows, list):
+                raise DataError(f"expected a JSON array of records, got {type(rows).__name__}")
         except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
             bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
             continue
-        out += [(f"{f}:{i + 1}", dict(r, _file=stem) if isinstance(r, dict) else r) for i, r in enumerate(rows)
-                if r is not None]
+        for i, r in enumerate(rows):
+            if f.endswith(".jsonl"):  # one record per line: a broken line costs that record only
+                try:
+                    r = json.loads(r) if r.strip() else None
+                except json.JSONDecodeError as e:
+                    bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
+                    continue
+            if r is not None:
+                out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict)
+                            else r))
     return out
 
 
@@ -312,9 +257,9 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     """One official record -> a validated data.py sample (None: no ground truth, e.g. EgoSchema's hidden test).
     Raises DataError naming where and the field."""
-    if not isinstance(r, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(r).__name__}")
     try:
+        if not isinstance(r, dict):
+            raise DataError(f"expected a JSON object, got {type(r).__name__}")
         r = {**r, **ad.get("fix", dict)(r)}
         question, ans = r[ad["q"]], r[ad["ans"]]
         if not isinstance(question, str):
@@ -340,50 +285,44 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     return data.validate_sample(s, where)
 
 
-def find_annotations(name: str, data_dir: str) -> str:
+def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
+    """The samples of one benchmark, from {data_dir}/{name}.jsonl|.json|.parquet or a folder of them. Records without
+    ground truth go to skipped; records that break (wrong type, missing field, unparseable line) go to bad with where
+    and error (or raise when bad is None)."""
     if name not in ADAPTERS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(ADAPTERS)}")
-    paths = [os.path.join(data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
-    if ADAPTERS[name].get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [os.path.join(data_dir, name, "val.jsonl"), os.path.join(data_dir, "val.jsonl")] + paths
-    for p in paths:
-        if os.path.exists(p):
-            return p
-    raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-
-
-def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """The samples of one benchmark. Records without ground truth go to skipped; records that break (wrong type,
-    missing field, unparseable line) go to bad with where and error (or raise when bad is None)."""
-    path, ad, errors = find_annotations(name, cfg.data_dir), ADAPTERS[name], []
+    ad, errors, out = ADAPTERS[name], [], []
+    paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
+    if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
+        paths = [os.path.join(cfg.data_dir, name, "val.jsonl"), os.path.join(cfg.data_dir, "val.jsonl")] + paths
+    path = next((p for p in paths if os.path.exists(p)), None)
+    if path is None:
+        raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
     if ad.get("own"):
         return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
-    rows, out = read_rows(path, errors), []
-    if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
-        flat = []
-        for where, r in rows:
+    for where, r in read_rows(path, errors):
+        records = [r]
+        if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
             qas = r.get(ad["nested"]) if isinstance(r, dict) else None
             if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
                 errors.append({"where": where, "error": f"field {ad['nested']!r} must be a list of question objects"})
                 continue
-            flat += [(where, {**r, **qa}) for qa in qas]
-        rows = flat
-    for where, r in rows:
-        try:
-            s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
-        except DataError as e:
-            errors.append({"where": where, "error": str(e)})
-            continue
-        if s is None:
-            skipped.append({"where": where, "error": "no ground truth"})
-        else:
-            out.append(dict(s, where=where))
+            records = [{**r, **qa} for qa in qas]
+        for one in records:
+            try:
+                s = to_sample(one, ad, where, os.path.join(cfg.video_dir, name))
+            except DataError as e:
+                errors.append({"where": where, "error": str(e)})
+                continue
+            if s is None:
+                skipped.append({"where": where, "error": "no ground truth"})
+            else:
+                out.append(dict(s, where=where))
     if errors and bad is None:
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
     if bad is not None:
         bad.extend(errors)
     return out[:cfg.max_samples or None]
-
 
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
@@ -568,14 +507,16 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
 
 def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
     """One per-sample line, lmms-eval field names (doc_id, input, target, resps, filtered_resps) + score. A row with
-    an error could not be evaluated: it is listed, never scored."""
-    ad = ADAPTERS[bench]
+    an error could not be evaluated: it is listed, never scored. judge "none": an open-ended item for the judge."""
+    ad, pt = ADAPTERS[bench], rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
     keep = (*ad.get("keys", ()), ad.get("group"))
-    return {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
-            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
-            "error": error, "problem_type": rewards.canonical_type(s["problem_type"]),
-            **{k: s[k] for k in keep if k in s}}
+    row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
+           "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
+           "error": error, "problem_type": pt, **{k: s[k] for k in keep if k in s}}
+    if ad.get("judge") and pt == "open-ended":
+        row["judge"] = "none"
+    return row
 
 
 def mean(xs) -> float:
@@ -626,9 +567,6 @@ def aggregate(rows: list[dict], bench: str) -> dict:
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
             m[f"{k}/{v}"] = macro(part, sub)
     return m
-
-
-# ---------------------------------------------------------------------------------------------------
 # the pipeline
 JUDGE = ("Judge whether the model answer is semantically consistent with the ground truth answer.\nReply with a brief "
          "reason, then output \"Judgement: 1\" if consistent or \"Judgement: 0\" if not.\nGround Truth: {answer}\n"
@@ -650,7 +588,7 @@ def make_loader(processor, cfg, bench: str):
         if not hasattr(local, "proc"):  # a fast tokenizer shared across threads can fail with "Already borrowed"
             local.proc, local.stats = copy.deepcopy(processor), {}
             all_stats.append(local.stats)
-        return data.prepare(s, local.proc, cfg, local.stats, template=ADAPTERS[bench].get("prompt"))
+        return data.prepare(s, local.proc, cfg, local.stats, template=PROMPTS.get(bench))
     return load, all_stats
 
 
@@ -687,8 +625,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
     track(0)
-    wall = time.perf_counter() - t
-    return {"engine_busy": busy["busy"] / max(wall, 1e-9), "mean_in_flight": busy["area"] / max(wall, 1e-9)}
+    wall = max(time.perf_counter() - t, 1e-9)
+    return {"engine_busy": busy["busy"] / wall, "mean_in_flight": busy["area"] / wall}
 
 
 def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
@@ -706,19 +644,24 @@ def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
     return {}
 
 
-def judge_rows(rows: list[dict], cfg: Config):
-    """Rescore open-ended rows of judge benchmarks with the judge model (greedy; EasyVideoR1 uses T=0.1)."""
+def judge_rows(rows: list[dict], cfg: Config) -> str:
+    """Rescore open-ended rows of judge benchmarks with the judge model (greedy; EasyVideoR1 uses T=0.1). Returns
+    who judged, for results.json."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
-    if not (todo and cfg.judge_model):
-        return
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=cfg.judge_model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
-              trust_remote_code=cfg.trust_remote_code)
-    msgs = [[{"role": "user", "content": JUDGE.format(answer=r["target"], pred=r["filtered_resps"][0] or
-                                                      r["resps"][0])}] for r in todo]
-    for r, o in zip(todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)):
-        v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
-        r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
+    if todo and cfg.judge_model:
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=cfg.judge_model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
+                  trust_remote_code=cfg.trust_remote_code)
+        msgs = [[{"role": "user", "content": JUDGE.format(answer=r["target"], pred=r["filtered_resps"][0] or
+                                                          r["resps"][0])}] for r in todo]
+        for r, o in zip(todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)):
+            v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
+            r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
+    if not any("judge" in r for r in rows):
+        return "not needed"
+    if any(r["judge"] != "none" for r in rows if "judge" in r):
+        return cfg.judge_model
+    return "none: open-ended items scored by rule (ROUGE/exact), not the judge"
 
 
 def make_engine(cfg: Config, tokenizer):
@@ -765,10 +708,15 @@ def read_log(path: str) -> tuple[dict, int]:
     return done, torn
 
 
-def write_jsonl(path: str, rows: list[dict]):
+def write_text(path: str, text: str):
+    """Atomically (temp file + rename): a crash leaves the old file or the new one, never a torn one."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def write_jsonl(path: str, rows: list[dict]):
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def resolve(cfg: Config) -> Config:
@@ -781,19 +729,21 @@ def resolve(cfg: Config) -> Config:
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
-    max_model_len, capped = cfg.max_model_len or min(16384, positions), not cfg.max_model_len and positions < 16384
+    capped = not cfg.max_model_len and positions < 16384  # the model's own limit, not the user's choice
+    max_model_len = cfg.max_model_len or min(16384, positions)
     cfg = replace(cfg, out_dir=out_dir, max_model_len=max_model_len,
                   max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
     # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
     tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
-    msg = (f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
-           f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
-           "/ --video-max-pixels / --video-total-pixels")
-    if tokens + 256 > cfg.max_prompt_len and not capped:
-        raise ValueError(msg)
-    if tokens + 256 > cfg.max_prompt_len:  # the model's own limit: longer videos fail one by one, reported
-        print(f"warning: {msg} (the model has {positions} positions)", file=sys.stderr, flush=True)
+    if tokens + 256 > cfg.max_prompt_len:
+        msg = (f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
+               f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
+               "/ --video-max-pixels / --video-total-pixels")
+        if not capped:
+            raise ValueError(msg)
+        print(f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
+              file=sys.stderr, flush=True)
     return cfg
 
 
@@ -804,16 +754,16 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     samples = load_benchmark(bench, cfg, skipped, bad)
     if len({s["id"] for s in samples}) < len(samples):
         raise DataError(f"{bench}: duplicate sample ids: the resume log could not tell them apart")
-    missing = [s for s in samples if not all(os.path.exists(v) for v in s.get("videos", []) + s.get("images", []))]
+    missing = [s for s in samples if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))]
     bad += [{"where": s["where"], "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}"}
             for s in missing]
     folder = os.path.join(cfg.out_dir, bench)
     run = {"model": os.path.realpath(cfg.model), "benchmark": bench, **{k: getattr(cfg, k) for k in ANSWER_SETTINGS}}
+    done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     old = {}
-    if os.path.exists(os.path.join(folder, "run.json")):
+    if done and os.path.exists(os.path.join(folder, "run.json")):
         with open(os.path.join(folder, "run.json"), encoding="utf-8") as f:
             old = json.load(f)
-    done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     if done and old != run:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
         raise DataError(f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
@@ -856,27 +806,23 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
 
 
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
-    samples, done, path, ad = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl"), ADAPTERS[bench]
+    """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
+    samples, done, path = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl")
     os.makedirs(job["folder"], exist_ok=True)
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
-    with open(os.path.join(job["folder"], "run.json"), "w", encoding="utf-8") as f:
-        json.dump(job["run"], f, indent=1)
-    todo, t = [s for s in samples if s["id"] not in done], time.perf_counter()
-    guess_seed = cfg.seed if cfg.random_fallback else None
+    write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
+    todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
+    last = [start]  # when progress was last printed
     load, load_stats = make_loader(processor, cfg, bench)
-    progress = dict(n=0, start=time.perf_counter(), last=time.perf_counter())
     with open(path, "a", encoding="utf-8") as fh:
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(s, bench, prompt, response, error, guess_seed)
-            if ad.get("judge") and r["problem_type"] == "open-ended":
-                r = {**r, "judge": "none"}
+            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
-            progress["n"] += 1
-            now, n = time.perf_counter(), progress["n"]
-            if now - progress["last"] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
-                rate, progress["last"] = n / (now - progress["start"]), now
+            n, now = len(done) - before, time.perf_counter()  # each row is a new doc_id
+            if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
+                rate, last[0] = n / (now - start), now
                 print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
                       file=sys.stderr, flush=True)
         if generate is None:
@@ -884,28 +830,23 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
         else:
             engine_stats = run_sync(generate, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
-    judge_rows(rows, cfg)
+    judge = judge_rows(rows, cfg)
     write_jsonl(path, rows)
     failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
-    n_judge = sum(r.get("judge") not in (None, "none") for r in rows)
-    judge = "not needed"
-    if any("judge" in r for r in rows):
-        judge = cfg.judge_model if n_judge else "none: open-ended items scored by rule (ROUGE/exact), not the judge"
     res = {"metrics": aggregate(rows, bench), "unevaluable": len(failed), "failed_samples": failed,
            "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
-           "seconds": round(time.perf_counter() - t, 3), "samples": path, "judge": judge,
-           "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")},
-           **engine_stats}
+           "seconds": round(time.perf_counter() - start, 3), "samples": path, "judge": judge,
+           "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")}, **engine_stats}
     print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
           f" | unevaluable {len(failed)}", flush=True)
     return res
 
 
 def write_results(results: dict, cfg: Config):
+    """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
     os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(os.path.join(cfg.out_dir, "results.json.tmp"), "w") as f:
-        json.dump({"settings": asdict(cfg), "benchmarks": results}, f, indent=1)
-    os.replace(os.path.join(cfg.out_dir, "results.json.tmp"), os.path.join(cfg.out_dir, "results.json"))
+    write_text(os.path.join(cfg.out_dir, "results.json"), json.dumps({"settings": asdict(cfg), "benchmarks": results},
+                                                                     indent=1))
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
              f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
              f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}", "",
@@ -918,8 +859,7 @@ def write_results(results: dict, cfg: Config):
         lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} | |")
         if r["judge"] != "not needed":
             lines.append(f"| {b} | judge | {r['judge']} | |")
-    with open(os.path.join(cfg.out_dir, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(os.path.join(cfg.out_dir, "results.md"), "\n".join(lines) + "\n")
 
 
 def main(cfg: Config) -> int:

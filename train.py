@@ -63,7 +63,7 @@ from rollout import (HFEngine, Rollout, VLLMEngine, encode_vision, hf_weights, m
 
 
 @dataclass
-class Config:
+class Config(cache.Media):
     config: tuple[str, ...] = ()
     """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
     dry_run: bool = False
@@ -87,25 +87,7 @@ class Config:
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
     """prompts longer than this (in tokens, vision included) are an error: never silently truncated"""
-    # --- frames (separate budgets for video and image)
-    video_fps: float = 2.0
-    """frames sampled per second of video"""
-    video_min_frames: int = 4
-    """at least this many frames per video"""
-    video_max_frames: int = 32
-    """at most this many frames per video"""
-    video_min_pixels: int = 3136
-    """min pixels per frame (smart-resize lower bound)"""
-    video_max_pixels: int = 100352
-    """max pixels per frame"""
-    video_total_pixels: int = 0
-    """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
-    image_min_pixels: int = 3136
-    """min pixels per image"""
-    image_max_pixels: int = 1003520
-    """max pixels per image"""
-    max_decode_pixels: int = cache.MAX_DECODE_PIXELS
-    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
+    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, cache_dir)
     val_video_fps: float = 0.0
     """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
     val_video_max_frames: int = 0
@@ -116,10 +98,6 @@ class Config:
     """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
     val_image_max_pixels: int = 0
     """validation: max pixels per image (0 = image_max_pixels)"""
-    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
-    """where frames come from (see cache.py)"""
-    cache_dir: str = ".cache/frames"
-    """frame cache folder ('' = no cache)"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""

@@ -75,8 +75,8 @@ def main():
     # ---- 1. the preprocessing command, into a cold cache
     frames_dir = os.path.join(a.out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
-    flags = [x for k, v in FRAMES.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *flags]
+    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS,
+           "--factor", str(FRAMES["factor"])]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
     if p.returncode:
         sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")

@@ -210,8 +210,8 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     (tmp_path / "val.jsonl").write_text(rows(video, "videos/missing.mp4"))
     out = tmp_path / "c"
     cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--data", str(tmp_path / "val.jsonl"),
-           "--out", str(out), "--workers", "2", "--fps", "2", "--min-frames", "4", "--max-frames", "16",
-           "--min-pixels", "3136", "--max-pixels", "20000", "--factor", "28"]
+           "--out", str(out), "--workers", "2", "--video-fps", "2", "--video-min-frames", "4", "--video-max-frames",
+           "16", "--video-min-pixels", "3136", "--video-max-pixels", "20000", "--factor", "28"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -224,8 +224,9 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     failed = {os.path.basename(x["video"]): x["error"] for x in map(json.loads, open(out / "failed.jsonl"))}
     assert set(failed) == {"bad.mp4", "missing.mp4"} and "cannot decode" in failed["bad.mp4"]
     assert "not found" in failed["missing.mp4"] and "failed.jsonl" in p.stdout
-    cfg = cache.Config(data=[str(tmp_path / "train.jsonl")], out=str(out), workers=1, fps=2.0, min_frames=4,
-                       max_frames=16, min_pixels=3136, max_pixels=20000, factor=28)
+    cfg = cache.Config(data=[str(tmp_path / "train.jsonl")], out=str(out), workers=1, video_fps=2.0,
+                       video_min_frames=4, video_max_frames=16, video_min_pixels=3136, video_max_pixels=20000,
+                       factor=28)
     s = cache.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
     assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
     frames, _ = cache.load_video(video, **SETTINGS, cache_dir=str(out), mode="cache_only")
@@ -272,7 +273,8 @@ def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
     (tmp_path / "train.jsonl").write_text(rows(*(f"{n}.mp4" for n in names)))
     out = tmp_path / "c"
     cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--out", str(out), "--workers", "2",
-           "--fps", "2", "--min-frames", "4", "--max-frames", "16", "--min-pixels", "3136", "--max-pixels", "20000"]
+           "--video-fps", "2", "--video-min-frames", "4", "--video-max-frames", "16", "--video-min-pixels", "3136",
+           "--video-max-pixels", "20000"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.stdout.startswith("videos 10 | cache_hit 0 | rebuilt 0 | decode 10 | failed 0 |"), p.stderr[-3000:]

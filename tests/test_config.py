@@ -153,8 +153,9 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
     path = write(tmp_path, yaml.safe_dump(run), "run.yaml")
     c = cache.load_config(["--config", path, "--workers", "1"])
     assert (c.data, c.out, c.factor, c.workers) == ([run["train_data"], run["val_data"]], run["cache_dir"], 28, 1)
-    assert (c.fps, c.min_frames, c.max_frames, c.min_pixels, c.max_pixels) == (2.0, 2, 6, 3136, 3136)
-    assert cache.load_config(["--config", path, "--max-frames", "4"]).max_frames == 4
+    assert (c.video_fps, c.video_min_frames, c.video_max_frames, c.video_min_pixels, c.video_max_pixels) == (
+        2.0, 2, 6, 3136, 3136)
+    assert cache.load_config(["--config", path, "--video-max-frames", "4"]).video_max_frames == 4
     # a held-out frame budget of its own (val_*): the held-out file is not cached with training's settings
     other = write(tmp_path, yaml.safe_dump(dict(run, val_video_max_frames=4)), "val4.yaml")
     assert cache.load_config(["--config", other]).data == [run["train_data"]]

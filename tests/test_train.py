@@ -76,8 +76,8 @@ def test_hf_rollout_two_ranks_warm_cache(tmp_path, tiny_model, color_data):
     """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
     import cache
     cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
-                                  out=str(tmp_path / "frames"), fps=4.0, min_frames=4, max_frames=8,
-                                  min_pixels=3136, max_pixels=3136, factor=28))
+                                  out=str(tmp_path / "frames"), video_fps=4.0, video_min_frames=4,
+                                  video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, factor=28))
     out, rows, _ = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
