@@ -27,7 +27,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cache as cached, partial
 from typing import Literal
 
 import yaml
@@ -101,7 +101,7 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
 
 
 # ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; answer reader; aggregate (the prompt: PROMPTS). q, opts, ans: the
+# adapters: official record -> data.py sample; answer reader; aggregate (the prompt: official_prompt). q, opts, ans: the
 # record's question, options and answer fields (opts None: the options are lines of the question; a tuple: one field
 # per option); read: the official rule for letter answers (READERS); index: the answer is an option index; guess: the
 # official scorer picks a random option when it cannot read one (with random_fallback); keys: breakdowns; macro:
@@ -171,12 +171,17 @@ ADAPTERS = {
     "worldsense": A(opts="candidates", id="index", video="{video_path}",
                     keys=("task_domain", "task_type", "duration", "audio_class")),
 }
-# each benchmark's official prompt, a Jinja2 template (nvr1: data.py's): data, read once on import
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "benchmarks.yaml")) as f:
-    PROMPTS = yaml.safe_load(f)
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "prompts.yaml")
 # an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
 # "Option 1: x" (1-based)
 _OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
+
+
+@cached
+def official_prompt(bench: str) -> str | None:
+    """The benchmark's official prompt, a Jinja2 template (None: data.py's default), configs/benchmarks/prompts.yaml."""
+    with open(PROMPTS) as f:
+        return yaml.safe_load(f).get(bench)
 
 
 def option_letter(m: re.Match) -> str:
@@ -588,7 +593,7 @@ def make_loader(processor, cfg, bench: str):
         if not hasattr(local, "proc"):  # a fast tokenizer shared across threads can fail with "Already borrowed"
             local.proc, local.stats = copy.deepcopy(processor), {}
             all_stats.append(local.stats)
-        return data.prepare(s, local.proc, cfg, local.stats, template=PROMPTS.get(bench))
+        return data.prepare(s, local.proc, cfg, local.stats, template=official_prompt(bench))
     return load, all_stats
 
 
