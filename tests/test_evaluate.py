@@ -131,7 +131,7 @@ def test_adapter(name, videos):
     assert samples and all(os.path.exists(s["videos"][0]) for s in samples)
     assert len({s["id"] for s in samples}) == len(samples)
     for s in samples:
-        text = data.render_prompt(s, E.PROMPTS.get(name))
+        text = data.render_prompt(s, E.official_prompt(name))
         assert s["problem"].split("\n")[0] in text
         assert all(o.split(" ", 1)[-1] in text for o in s["options"])  # every option's text reaches the prompt
         parsed, v = E.score(right(s, ad), s, ad)
