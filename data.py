@@ -327,15 +327,12 @@ def hf_metadata(meta: dict) -> dict:
 
 
 def vllm_input(p: Prompt) -> dict:
-    """The request for vLLM: unexpanded text + the same frames the trainer sees."""
-    mm = {}
-    # vLLM's form of the metadata also says not to sample the frames again
-    videos = [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos]
-    if videos:
-        mm["video"] = videos if len(videos) > 1 else videos[0]  # vLLM takes one item bare, several as a list
-    if p.images:
-        ims = [Image.fromarray(im) for im in p.images]
-        mm["image"] = ims if len(ims) > 1 else ims[0]
+    """The request for vLLM: unexpanded text + the same frames the trainer sees (their metadata also says not to
+    sample frames again)."""
+    media = {"video": [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos],
+             "image": [Image.fromarray(im) for im in p.images]}
+    # vLLM takes one item bare, several as a list
+    mm = {kind: items if len(items) > 1 else items[0] for kind, items in media.items() if items}
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
 
