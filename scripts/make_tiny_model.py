@@ -43,14 +43,9 @@ ARCHS = {
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
+# The real Instruct checkpoints' chat templates, verbatim (<arch>.jinja). Qwen2.5-VL: a default system turn, then
+# ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools.
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
-
-
-def chat_template(arch: str) -> str:
-    """The real Instruct checkpoint's chat template, verbatim (chat_templates/<arch>.jinja). Qwen2.5-VL: a default
-    system turn, then ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools."""
-    with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
-        return f.read()
 
 
 def corpus() -> list[str]:
@@ -125,7 +120,8 @@ def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, forc
     import torch
     import transformers
     Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
-    tok = make_tokenizer(chat_template(arch))
+    with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
+        tok = make_tokenizer(f.read())
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     patch = spec["patch"]
     text = dict(vocab_size=len(tok),  # exact: no unused rows a sampler could pick (vLLM pads its shards itself)
