@@ -332,7 +332,9 @@ def hf_weights(model):
         if adapter.startswith("A."):
             lora_a = t
         elif adapter.startswith("B."):
-            weight_name, w = held[0]
+            weight_name, w = held[0] if held else (None, None)
+            if weight_name != f"{layer}.base_layer.weight":  # never merged into another layer, never dropped
+                raise ValueError(f"weight sync: {name} does not follow its base weight (peft's state-dict order?)")
             held[0] = weight_name, w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype))
             for held_name, tensor in held:
                 yield base_name(held_name), tensor
@@ -341,6 +343,8 @@ def hf_weights(model):
             held.append((name, t))
         else:
             yield base_name(name), t
+    if held:
+        raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
 
 
 def base_name(name: str) -> str:
