@@ -94,10 +94,13 @@ def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pi
         raise
     except (RuntimeError, decord.DECORDError, ValueError, OSError, IndexError, av.FFmpegError) as e:
         raise VideoError(f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
-    meta = dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
-                sample_fps=len(idx) / total * vfps, height=frames.shape[1], width=frames.shape[2],
-                video_backend="decord")
-    return frames, meta
+    return frames, video_meta(total, vfps, idx, frames.shape[1], frames.shape[2])
+
+
+def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
+    """The metadata of sampled frames: what decode_video returns, the cache stores and check_entry expects."""
+    return dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
+                sample_fps=len(idx) / total * vfps, height=height, width=width, video_backend="decord")
 
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
@@ -114,39 +117,34 @@ def checksum(file: str, frames: np.ndarray, video: str) -> str:
 
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
-    """Raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, a header that does not say
-    uint8 (T, H, W, 3) frames, our crc32, metadata that is not a JSON object."""
+    """(frames, metadata); raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, our crc32
+    (check_entry then checks that the content is what its key's settings make)."""
     from safetensors import safe_open
     try:
         with safe_open(file, "np") as f:
             meta, frames = f.metadata() or {}, f.get_tensor("frames")
     except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
         raise ValueError(f"{file}: unreadable cache entry ({type(e).__name__}: {e})") from e
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[3] != 3:
-        raise ValueError(f"{file}: cache entry holds {frames.dtype} {frames.shape}, not uint8 (T, H, W, 3) frames")
     if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
-    video = json.loads(meta["video"])
-    if not isinstance(video, dict):
-        raise ValueError(f"{file}: cache entry metadata is a {type(video).__name__}, not an object")
-    return frames, video
+    return frames, json.loads(meta["video"])
 
 
 def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
-    """(frames, meta) if they are what decode_video makes under the key's settings: the metadata follows from the
-    video's frame count and fps, the indices and frame count from the settings, the size fits the pixel cap."""
+    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3) frames, the
+    metadata (a JSON object) follows from the video's frame count and fps, the indices and frame count from the
+    settings, the size fits the pixel cap."""
     try:
         total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
         idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
-        expect = dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
-                      sample_fps=len(idx) / total * vfps, height=h, width=w, video_backend="decord")
+        expect = video_meta(total, vfps, idx, h, w)
         cap = frame_pixels(len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor")))
         fits = h % settings["factor"] == 0 and w % settings["factor"] == 0 and 0 < h * w <= cap
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise ValueError(f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})") from e
-    if meta != expect or frames.shape != (len(idx), h, w, 3) or not fits:
-        raise ValueError(f"{file}: cache entry does not match its key's settings (frames {frames.shape}, "
-                         f"metadata {json.dumps(meta)[:300]})")
+    if meta != expect or frames.dtype != np.uint8 or frames.shape != (len(idx), h, w, 3) or not fits:
+        raise ValueError(f"{file}: cache entry does not match its key's settings (frames {frames.dtype} "
+                         f"{frames.shape}, metadata {json.dumps(meta)[:300]})")
     return frames, meta
 
 

@@ -56,28 +56,21 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
     sid = str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()  # printable despite a lone surrogate
+    who = f"{where}: sample {sid}"
     for k in REQUIRED:
         if k not in s:
-            raise DataError(f"{where}: sample {sid}: missing field '{k}'")
+            raise DataError(f"{who}: missing field '{k}'")
     for k, v in s.items():
         if k in FIELDS and not isinstance(v, FIELDS[k]):
-            raise DataError(f"{where}: sample {sid}: field '{k}' must be {FIELDS[k].__name__}, "
-                            f"got {type(v).__name__}")
-    for k in ("videos", "images", "options"):
-        if k in s and not all(isinstance(x, str) and x for x in s[k]):
-            raise DataError(f"{where}: sample {sid}: field '{k}' must be a list of non-empty strings")
-    check_text(s, f"{where}: sample {sid}", special_tokens)
-    has = "text"
-    if s.get("images"):
-        has = "image"
-    if s.get("videos"):
-        has = "video"  # image + video in one sample (Video-MMMU style) too: routed as video
-    if "data_type" in s and s["data_type"] not in ("video", "image", "text"):
-        raise DataError(f"{where}: sample {sid}: field 'data_type' is {s['data_type']!r}, not video/image/text")
-    if "data_type" in s and s["data_type"] != has and not (s.get("videos") and s.get("images")):
-        raise DataError(f"{where}: sample {sid}: field 'data_type' says {s['data_type']!r} "
-                        f"but the sample has {has} media")
-    s = dict(s, id=str(sid), data_type=s.get("data_type", has))
+            raise DataError(f"{who}: field '{k}' must be {FIELDS[k].__name__}, got {type(v).__name__}")
+        if FIELDS.get(k) is list and not all(isinstance(x, str) and x for x in v):
+            raise DataError(f"{who}: field '{k}' must be a list of non-empty strings")
+    check_text(s, who, special_tokens)
+    # image + video in one sample (Video-MMMU style): routed as video, declared as either
+    kinds = [kind for kind in ("video", "image") if s.get(kind + "s")] or ["text"]
+    if s.get("data_type", kinds[0]) not in kinds:
+        raise DataError(f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media")
+    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]))
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -85,7 +78,7 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     try:
         rewards.validate_answer(s)  # ground truth is checked now, not discovered broken at reward time
     except ValueError as e:
-        raise DataError(f"{where}: sample {sid}: field 'answer': {e}") from e
+        raise DataError(f"{who}: field 'answer': {e}") from e
     return s
 
 
@@ -205,31 +198,19 @@ def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:
-    """Chat messages with the media where the problem's <video>/<image> markers are (else first)."""
+    """Chat messages with the media where the problem's <video>/<image> markers are, in order; media no marker
+    claims (all of them when the text has no marker) go first. A marker beyond the sample's media is dropped."""
+    unclaimed = {"video": len(sample.get("videos", [])), "image": len(sample.get("images", []))}
     content = []
-    media = [("video", p) for p in sample.get("videos", [])] + [("image", p) for p in sample.get("images", [])]
-    markers = [m for m in ("<video>", "<image>") if m in text]
-    if not markers:
-        return [{"role": "user", "content": [{"type": kind} for kind, _ in media] + [{"type": "text", "text": text}]}]
-    # split on the markers, in order of appearance, consuming media of the matching kind
-    queues = {"video": [m for m in media if m[0] == "video"], "image": [m for m in media if m[0] == "image"]}
-    rest = text
-    while True:
-        hits = [(rest.find(m), m) for m in ("<video>", "<image>") if m in rest]
-        if not hits:
-            break
-        pos, m = min(hits)
-        if rest[:pos].strip():
-            content.append({"type": "text", "text": rest[:pos]})
-        kind = m[1:-1]
-        if queues[kind]:
-            queues[kind].pop(0)
+    for part in re.split(r"(<video>|<image>)", text):
+        kind = part[1:-1]
+        if part in ("<video>", "<image>") and unclaimed[kind]:
+            unclaimed[kind] -= 1
             content.append({"type": kind})
-        rest = rest[pos + len(m):]
-    content = [{"type": k} for q in queues.values() for k, _ in q] + content  # unmarked media first
-    if rest.strip():
-        content.append({"type": "text", "text": rest})
-    return [{"role": "user", "content": content}]
+        elif part not in ("<video>", "<image>") and (part.strip() or part == text):  # a text without markers: whole
+            content.append({"type": "text", "text": part})
+    media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
+    return [{"role": "user", "content": media + content}]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -345,20 +326,13 @@ def hf_metadata(meta: dict) -> dict:
     return {k: meta[k] for k in keys if k in meta}
 
 
-def vllm_metadata(meta: dict) -> dict:
-    """vLLM's form of the same metadata: it also must be told not to sample frames again."""
-    return {**hf_metadata(meta), "do_sample_frames": False}
-
-
 def vllm_input(p: Prompt) -> dict:
-    """The request for vLLM: unexpanded text + the same frames the trainer sees."""
-    mm = {}
-    videos = [(frames, vllm_metadata(meta)) for frames, meta in p.videos]
-    if videos:
-        mm["video"] = videos if len(videos) > 1 else videos[0]  # vLLM takes one item bare, several as a list
-    if p.images:
-        ims = [Image.fromarray(im) for im in p.images]
-        mm["image"] = ims if len(ims) > 1 else ims[0]
+    """The request for vLLM: unexpanded text + the same frames the trainer sees (their metadata also says not to
+    sample frames again)."""
+    media = {"video": [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos],
+             "image": [Image.fromarray(im) for im in p.images]}
+    # vLLM takes one item bare, several as a list
+    mm = {kind: items if len(items) > 1 else items[0] for kind, items in media.items() if items}
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
 

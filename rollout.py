@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor, Shard
 from data import Prompt, missing_dummies, vllm_input
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
-# the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled
+# the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
+# the base tensors of one adapted layer, waiting for its adapters)
 SYNC_BUCKET_BYTES = 256 * 2**20
 
 
@@ -132,20 +133,13 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync(self, model):
-        """Stream full HF-named tensors into vLLM, then drop every cache derived from the old weights.
-
-        vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and GPU; the plain
-        model.load_weights path fails on CPU. The in-process executor (external_launcher or
-        VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so the generator is consumed lazily: one bucket of
-        shards is gathered at a time (full_tensors), never the whole model; a LoRA model streams its merged weights
-        one tensor at a time (hf_weights).
-        """
+        """Stream the trainer's full HF-named tensors (hf_weights) into vLLM, then drop every cache derived from the
+        old weights. vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and
+        GPU; the plain model.load_weights path fails on CPU. The in-process executor (external_launcher or
+        VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so the stream is consumed lazily, a bucket at a time."""
         if self.can_sleep:
             self.wake(tags=["weights"])
-        weights = full_tensors(model.state_dict())
-        if any(".lora_" in name for name, _ in model.named_parameters()):
-            weights = hf_weights(model)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
@@ -326,17 +320,33 @@ def gather_bucket(bucket: list):
 
 
 def hf_weights(model):
-    """(HF name, full tensor) of each of the model's weights, one at a time: DTensor.full_tensor is a collective, so
-    every rank iterates in the same order. A peft LoRA model yields its base model's names with the adapters merged,
-    W + scaling * B A (peft: `base_model.model.X.base_layer.weight`, `X.lora_A.default.weight` -> `X.weight`)."""
-    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
-    for name, t in model.state_dict().items():
-        if ".lora_" in name:
-            continue  # merged into their base weight below
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        m = lora.get(name.removesuffix(".base_layer.weight"))
-        if m is not None:
-            a, b = (x["default"].weight for x in (m.lora_A, m.lora_B))
-            a, b = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (a, b))
-            full = full + m.scaling["default"] * (b.to(full.dtype) @ a.to(full.dtype))
-        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), full
+    """(HF name, full tensor) of each of the model's weights in state-dict order, on full_tensors' bucketed stream (a
+    collective: every rank consumes all of it). A peft LoRA model yields its base model's names with the adapters
+    merged, W + scaling * B A. peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`),
+    `X.lora_A.default.weight`, `X.lora_B.default.weight`: the base tensors wait for their lora_B, then go out as
+    `X.weight` (merged) and `X.bias`, without the `base_model.model.` prefix."""
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
+    for name, t in full_tensors(model.state_dict()):
+        layer, _, adapter = name.partition(".lora_")
+        if adapter.startswith("A."):
+            lora_a = t
+        elif adapter.startswith("B."):
+            weight_name, w = held[0] if held else (None, None)
+            if weight_name != f"{layer}.base_layer.weight":  # never merged into another layer, never dropped
+                raise ValueError(f"weight sync: {name} does not follow its base weight (peft's state-dict order?)")
+            held[0] = weight_name, w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype))
+            for held_name, tensor in held:
+                yield base_name(held_name), tensor
+            held = []
+        elif held or name.endswith(".base_layer.weight"):
+            held.append((name, t))
+        else:
+            yield base_name(name), t
+    if held:
+        raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a (peft-wrapped) state-dict entry."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -10,27 +10,42 @@ real patch sizes (14 for Qwen2.5-VL, 16 for Qwen3-VL; merge 2, temporal patch 2)
 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects head_dim 16), 1 KV head; vision depth 2, hidden 64.
 The tokenizer is the same for every seed (token ids never move); the weights are deterministic by seed.
 """
-import argparse
 import json
 import os
 import shutil
+from typing import Literal
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
            "<|image_pad|>", "<|video_pad|>"]
 ADDED = ["<think>", "</think>", "<answer>", "</answer>"]  # added but not special: they survive skip_special_tokens
-ARCHS = ("qwen2_5_vl", "qwen3_vl")
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # x spatial merge 2 = 28 / 32 pixels per visual token side
+# What differs between the architectures: the transformers classes (config, model, processor, video processor), the
+# real patch size (x spatial merge 2 = 28 / 32 pixels per visual token side) and the settings the tiny sizes scale down
+ARCHS = {
+    "qwen2_5_vl": dict(
+        classes=("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
+                 "Qwen2VLVideoProcessor"),
+        patch=14,
+        rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
+        # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
+        vision=dict(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu"),
+        norm={},  # the CLIP mean/std defaults
+    ),
+    "qwen3_vl": dict(
+        classes=("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+        patch=16,
+        # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
+        rope=dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True),
+        # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
+        vision=dict(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
+        norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
+    ),
+}
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
+# The real Instruct checkpoints' chat templates, verbatim (<arch>.jinja). Qwen2.5-VL: a default system turn, then
+# ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools.
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
-
-
-def chat_template(arch: str) -> str:
-    """The real Instruct checkpoint's chat template, verbatim (chat_templates/<arch>.jinja). Qwen2.5-VL: a default
-    system turn, then ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools."""
-    with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
-        return f.read()
 
 
 def corpus() -> list[str]:
@@ -69,15 +84,13 @@ def make_tokenizer(template: str):
     from transformers import Qwen2Tokenizer
     tk = Tokenizer(models.BPE())
     template_tok = Qwen2Tokenizer()  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
-    tk.normalizer, tk.pre_tokenizer, tk.decoder = (template_tok.backend_tokenizer.normalizer,
-                                                  template_tok.backend_tokenizer.pre_tokenizer,
-                                                  template_tok.backend_tokenizer.decoder)
+    for part in ("normalizer", "pre_tokenizer", "decoder"):
+        setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
     trainer = trainers.BpeTrainer(vocab_size=448, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(corpus(), trainer)
     model = json.loads(tk.to_str())["model"]
-    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" "))
-                                                       for m in model["merges"]],
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
                          unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                          extra_special_tokens=SPECIAL[1:], clean_up_tokenization_spaces=False, errors="replace",
                          model_max_length=32768)
@@ -94,49 +107,31 @@ def _complete(out: str, arch: str, seed: int) -> bool:
         return False
 
 
-def build(arch: str, out: str, seed: int = 0, force: bool = False) -> str:
+def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False) -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
-    is kept as is. Built in a private temp dir and renamed into place, so readers never see a half-written one."""
-    assert arch in ARCHS, arch
+    is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
+    half-written one."""
+    spec = ARCHS[arch]
     out = os.path.normpath(out)  # a trailing slash would put the temp dir inside OUT
     if not force and _complete(out, arch, seed):
         return out
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
         raise FileExistsError(f"{out} is not empty and holds no checkpoint of ours: not replacing it")
     import torch
-    qwen3 = arch == "qwen3_vl"
-    tok = make_tokenizer(chat_template(arch))
+    import transformers
+    Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
+    with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
+        tok = make_tokenizer(f.read())
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
-    patch = PATCH[arch]
-    factor = patch * 2
+    patch = spec["patch"]
     text = dict(vocab_size=len(tok),  # exact: no unused rows a sampler could pick (vLLM pads its shards itself)
                 hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"], dtype="float32")
+                pad_token_id=ids["<|endoftext|>"], dtype="float32", rope_parameters=spec["rope"])
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=patch,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02)
-    if qwen3:
-        from transformers import Qwen3VLConfig as Cfg
-        from transformers import Qwen3VLForConditionalGeneration as Model
-        from transformers import Qwen3VLProcessor as Proc
-        from transformers import Qwen3VLVideoProcessor as VidProc
-        # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
-        text["rope_parameters"] = dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10],
-                                       mrope_interleaved=True)
-        # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
-        vision.update(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
-        norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)  # Qwen3-VL normalizes to [-1, 1]
-    else:
-        from transformers import Qwen2_5_VLConfig as Cfg
-        from transformers import Qwen2_5_VLForConditionalGeneration as Model
-        from transformers import Qwen2_5_VLProcessor as Proc
-        from transformers import Qwen2VLVideoProcessor as VidProc
-        text["rope_parameters"] = dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12])  # real/2
-        # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
-        vision.update(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu")
-        norm = {}  # Qwen2.5-VL keeps the CLIP mean/std defaults
-    from transformers import Qwen2VLImageProcessor as ImgProc
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02,
+                  **spec["vision"])
     config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
@@ -148,12 +143,12 @@ def build(arch: str, out: str, seed: int = 0, force: bool = False) -> str:
     gen.pad_token_id, gen.bos_token_id = ids["<|endoftext|>"], None
     # Our frames are tiny (2x2 merged tokens each): the processors' default minimums (56x56 for images,
     # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
+    factor = patch * 2
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
-    common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **norm)
+    common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **spec["norm"])
     # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
-    video_proc = VidProc(**common, cap_pixels_per_frame=True)
-    processor = Proc(image_processor=ImgProc(**common), video_processor=video_proc, tokenizer=tok,
-                     chat_template=tok.chat_template)
+    processor = Proc(image_processor=transformers.Qwen2VLImageProcessor(**common), tokenizer=tok,
+                     video_processor=VidProc(**common, cap_pixels_per_frame=True), chat_template=tok.chat_template)
 
     tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
@@ -178,10 +173,5 @@ def ensure(arch: str, root: str = ".cache/models", seed: int = 0) -> str:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=ARCHS, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true", help="rebuild even if OUT holds a complete checkpoint")
-    a = ap.parse_args()
-    print(build(a.arch, a.out, a.seed, a.force))
+    import tyro
+    print(tyro.cli(build))

@@ -86,6 +86,11 @@ def test_merged_weights_equal_peft_merge(tiny_model):
     assert all(torch.allclose(merged[k], want[k], atol=1e-6) for k in want)
     qkv = "model.visual.blocks.0.attn.qkv.weight"
     assert not torch.equal(merged[qkv], base[qkv])
+    # a base weight is never merged with another layer's adapter nor dropped: an adapter missing its B is an error
+    broken = lora_model(tiny_model)
+    del broken.get_submodule("base_model.model.model.language_model.layers.0.self_attn.q_proj").lora_B["default"]
+    with pytest.raises(ValueError, match=r"k_proj.lora_B.default.weight does not follow its base weight"):
+        list(hf_weights(broken))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import make_tiny_model as mtm
 
 CACHE = os.path.join(ROOT, ".cache/models")
-FACTOR = {a: 2 * p for a, p in mtm.PATCH.items()}  # pixels per merged visual token side: 28 / 32
+FACTOR = {a: 2 * spec["patch"] for a, spec in mtm.ARCHS.items()}  # pixels per merged visual token side: 28 / 32
 # 4 frames of 2x2 merged tokens: the clips our synthetic data uses (56x56 for Qwen2.5-VL, 64x64 for Qwen3-VL)
 META = dict(fps=2.0, duration=2.0, total_num_frames=4, frames_indices=[0, 1, 2, 3], video_backend="decord")
 N_VIDEO_TOKENS = 8  # 2 temporal patches x (4x4 patches / 2x2 merge)
