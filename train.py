@@ -57,6 +57,7 @@ import ckpt
 import data
 import evaluate
 import rewards
+import sp
 from ckpt import all_reduce, gather
 from rollout import (HFEngine, Rollout, VLLMEngine, encode_vision, hf_weights, mm_token_types, request_seed, row_vision,
                      vision_token_ids)
@@ -208,6 +209,9 @@ class Config:
     """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
+    sp_size: int = 1
+    """sequence parallelism (sp.py): groups of sp_size ranks train the same rows, each holding 1/sp_size of every
+    sequence and encoding 1/sp_size of its frames (Ulysses attention); the world is data-parallel x sp_size"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -555,7 +559,7 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.banned, ctx.chunk = temperature, banned, chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
-                 for i in range(0, len(targets), chunk)]
+                 for i in range(0, max(1, len(targets)), chunk)]  # no targets: one empty chunk (an SP rank)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
@@ -578,24 +582,29 @@ class ChunkedLogp(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
+def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None):
     """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
     once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
-    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits."""
+    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits.
+    layout (sp.Layout) with sp_size > 1: this rank encodes its share of the frames, holds its share of the sequence
+    and projects the responses there; every rank of the SP group returns the whole (b, R)."""
     R, rows = batch["mask"].shape[1], batch["rows"]
     vision = batch["vision"]
     if vision is None:
-        vision = encode_vision(model, batch["prompts"], batch["input_ids"].device)
-        batch["encodes"] += sum(len(where) for _, where in vision.values())
+        vision, batch_encodes = sp.encode_vision(model, batch["prompts"], batch["input_ids"].device, layout)
+        batch["encodes"] += batch_encodes
     # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1, use_cache=False,
-                mm_token_type_ids=batch["mm_token_type_ids"], mm_encoder_outputs=row_vision(vision, batch["prompts"]),
-                output_hidden_states=True, **batch["grids"])
-    hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
+    with sp.sequence_shard(model, batch["attention_mask"], layout) as shard:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
+                    use_cache=False, mm_token_type_ids=batch["mm_token_type_ids"], output_hidden_states=True,
+                    mm_encoder_outputs=row_vision(vision, batch["prompts"]), **batch["grids"])
+    a, b = shard.response_span(R)  # this rank's response tokens; token 0 is predicted at position length - R - 1
+    first = shard.length - R - 1 - shard.start + a
+    hidden = out.hidden_states[-1][:rows, first:first + b - a].flatten(0, 1)            # (b r, D), dummies dropped
     weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
-    targets = batch["response_ids"].flatten()                                              # (b R,)
-    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or len(targets))
-    return logp.view(rows, R), entropy.view(rows, R)
+    targets = batch["response_ids"][:, a:b].flatten()                                      # (b r,)
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or max(1, len(targets)))
+    return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
@@ -1172,6 +1181,8 @@ def load_model(cfg: Config, device):
     if cfg.gradient_checkpointing:
         for block in blocks:
             checkpoint_module(block)
+    if cfg.sp_size > 1:
+        sp.use_ulysses(model)
     if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
