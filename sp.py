@@ -115,6 +115,24 @@ def encode_vision(model, prompts: list, device, layout: Layout | None) -> tuple[
     return out, count
 
 
+def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
+    """The SP group's rollouts and baselines, the same on each of its ranks: the ranks' generated parts (tokens,
+    log-probs, text, finish; not the media) all-gathered in rank order and put on this rank's own Prompt objects
+    (`prompts`: the group's, train.tp_share's order), n rollouts each."""
+    from rollout import Rollout
+    parts = [None] * layout.sp_size
+    mine = [(r.response_ids, r.logp, r.text, r.finish) for r in rollouts]
+    dist.all_gather_object(parts, (mine, baselines), group=layout.group)
+    done = [x for part, _ in parts for x in part]
+    return [Rollout(prompts[i // n], *x) for i, x in enumerate(done)], [b for _, part in parts for b in part]
+
+
+def query_heads(model_dir: str) -> int:
+    """The language model's attention heads, from the checkpoint's config (no weights loaded)."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir).get_text_config().num_attention_heads
+
+
 def language_model(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
     return base.model.language_model
