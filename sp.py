@@ -1,28 +1,23 @@
 """sp.py: sequence parallelism for long videos (Ulysses). The world is dp x sp: an SP group of sp_size consecutive
 ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
 
-    vision     each SP rank encodes 1/sp_size of the media's temporal patches (the Qwen-VL towers attend within one
-               temporal patch, so a split grid encodes exactly), the features are all-gathered (encode_vision)
-    embed      the model's own forward builds the full inputs_embeds and M-RoPE positions; a pre-hook on the language
-               model pads them to a multiple of sp_size and keeps this rank's positions (sequence_shard)
-    attention  all-to-all from position shards to head shards, the model's kernel (sdpa / flash-attn) over the full
-               sequence, all-to-all back: registered as "ulysses_<kernel>" in transformers' AttentionInterface
-    log-probs  each rank projects the response positions it holds; the (b, R) pieces are all-gathered, and every SP
-               rank computes the same loss from them (the gather's backward keeps the rank's own slice: no sum)
+    vision     each rank encodes 1/sp_size of the temporal patches (the Qwen-VL towers attend within one: exact)
+    embed      the model's forward builds the full embeddings and M-RoPE positions; a pre-hook on the language model
+               keeps this rank's positions of the sequence padded to a multiple of sp_size (sequence_shard)
+    attention  "ulysses_<kernel>" in transformers' AttentionInterface: all-to-all from position to head shards, the
+               model's kernel (sdpa / flash-attn) over the full sequence, all-to-all back
+    log-probs  each rank projects the response positions it holds; summed over the group, each rank's loss is whole
 """
 import contextlib
 import functools
 import itertools
 import math
-import operator
 import types
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from rollout import encode_vision as encode_vision_whole
 
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
@@ -49,64 +44,59 @@ def make_layout(sp_size: int) -> Layout:
     return Layout(group, rank % sp_size, sp_size, rank // sp_size, world // sp_size)
 
 
-class Gather(torch.autograd.Function):
-    """The SP ranks' pieces (sizes[j] along dim on rank j) concatenated in rank order. Backward: this rank's slice of
-    the gradient, summed over the SP ranks (sum_grads: each used the gathered value in a different part of the
-    sequence) or as is (every rank computed the same loss from the same gathered values)."""
+class AllReduce(torch.autograd.Function):
+    """The sum over the SP group of tensors that are zero outside each rank's part. Backward: the gradient summed
+    over the group (sum_grads: each rank used the sum in another place) or as it is (each rank computed the same
+    loss from the sum: summing would count it sp_size times); the caller's padding keeps the rank's part of it."""
 
     @staticmethod
-    def forward(ctx, x, layout: Layout, sizes: list[int], dim: int, sum_grads: bool):
-        ctx.layout, ctx.sizes, ctx.dim, ctx.sum_grads = layout, sizes, dim, sum_grads
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, max(sizes) - x.shape[dim]]
-        parts = [torch.empty_like(F.pad(x, pad)) for _ in sizes]
-        dist.all_gather(parts, F.pad(x, pad).contiguous(), group=layout.group)  # gloo: equal sizes only
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim)
+    def forward(ctx, x, group, sum_grads: bool):
+        ctx.group, ctx.sum_grads = group, sum_grads
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
         if ctx.sum_grads:
-            dist.all_reduce(grad, group=ctx.layout.group)
-        start = sum(ctx.sizes[:ctx.layout.sp_rank])
-        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.layout.sp_rank]), None, None, None, None
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
-def encode_vision(model, prompts: list, device, layout: Layout | None) -> tuple[dict, int]:
-    """rollout.encode_vision's output (same layout) and how many pieces this rank encoded. SP: the temporal patches of
-    the distinct media of each modality are cut into sp_size contiguous runs, one per rank; a rank whose run is empty
-    encodes the first temporal patch with weight 0 (FSDP2: every rank runs the tower the same number of times)."""
-    if layout is None or layout.sp_size == 1:
-        encoded = encode_vision_whole(model, prompts, device)
-        return encoded, sum(len(where) for _, where in encoded.values())
+def encode_vision(model, prompts: list, device, layout: Layout | None = None) -> tuple[dict, int]:
+    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
+    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many
+    pieces this rank encoded. SP: the temporal patches of each modality are cut into sp_size contiguous runs, one per
+    rank, and the features summed over the group (each rank's in place); a rank whose run is empty encodes the first
+    patch with weight 0 (FSDP2: every rank runs the tower as often as the others)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
-    out, count, n = {}, 0, layout.sp_size
+    r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
+    out, count = {}, 0
     for kind, pixels, grid in MEDIA:
         mine = [p for p in distinct if pixels in p.mm]
         if not mine:
             continue
         pix, grids = torch.cat([p.mm[pixels] for p in mine]), torch.cat([p.mm[grid] for p in mine])
-        patches = grids[:, 1:].prod(-1).tolist()                                  # per temporal patch, per item
-        first_row = list(itertools.accumulate([t * hw for t, hw in zip(grids[:, 0].tolist(), patches)], initial=0))
-        units = [(i, f) for i, t in enumerate(grids[:, 0].tolist()) for f in range(t)]     # (item, temporal patch)
-        cuts = [len(units) * r // n for r in range(n + 1)]
-        sizes = [sum(patches[i] for i, _ in units[a:b]) // merge2 for a, b in zip(cuts, cuts[1:])]   # tokens per rank
-        run = units[cuts[layout.sp_rank]:cuts[layout.sp_rank + 1]] or units[:1]
-        pieces = [list(g) for _, g in itertools.groupby(run, key=operator.itemgetter(0))]  # one item's patches each
-        rows = torch.cat([pix[first_row[p[0][0]] + p[0][1] * patches[p[0][0]]:
-                              first_row[p[0][0]] + (p[-1][1] + 1) * patches[p[0][0]]] for p in pieces])
-        grid_thw = torch.tensor([[len(p)] + grids[p[0][0], 1:].tolist() for p in pieces])
-        enc = getattr(model, f"get_{kind}_features")(rows.to(device), grid_thw.to(device), return_dict=True)
+        units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
+        row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
+        a, b = len(units) * r // n, len(units) * (r + 1) // n
+        lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
+        pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
+        grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
+        # the model's own entry point (Qwen3-VL: + deepstack features)
+        enc = getattr(model, f"get_{kind}_features")(pix[row[lo]:row[hi]].to(device), grid_thw.to(device),
+                                                     return_dict=True)
         count += len(pieces)
-        items = (grids.prod(-1) // merge2).tolist()                               # tokens per item, in order
-        levels = [enc.pooler_output] + list(getattr(enc, "deepstack_features", None) or [])
+        tok = [x // merge2 for x in row]  # the first feature of each patch
         full = []
-        for level in levels:
+        for level in [enc.pooler_output] + list(getattr(enc, "deepstack_features", None) or []):
             local = torch.cat(level)
-            gathered = Gather.apply(local[:sizes[layout.sp_rank]], layout, sizes, 0, True)
-            if not sizes[layout.sp_rank]:  # the stand-in patch: in the graph with weight 0
-                gathered = gathered + 0.0 * local.sum()
-            full.append(torch.split(gathered, items))
+            if n > 1:  # this rank's features in place, zeros elsewhere, summed over the group
+                part = F.pad(local[:tok[b] - tok[a]], (0, 0, tok[a], tok[-1] - tok[b]))
+                local = AllReduce.apply(part, layout.group, True) + 0.0 * local.sum()
+            full.append(torch.split(local, (grids.prod(-1) // merge2).tolist()))
         fields = {"pooler_output": full[0]}
         if len(full) > 1:
             fields["deepstack_features"] = full[1:]
@@ -116,21 +106,14 @@ def encode_vision(model, prompts: list, device, layout: Layout | None) -> tuple[
 
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on each of its ranks: the ranks' generated parts (tokens,
-    log-probs, text, finish; not the media) all-gathered in rank order and put on this rank's own Prompt objects
-    (`prompts`: the group's, train.tp_share's order), n rollouts each."""
+    """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
+    not the media) gathered in rank order onto this rank's Prompts (the group's, train.tp_share's order), n each."""
     from rollout import Rollout
     parts = [None] * layout.sp_size
     mine = [(r.response_ids, r.logp, r.text, r.finish) for r in rollouts]
     dist.all_gather_object(parts, (mine, baselines), group=layout.group)
     done = [x for part, _ in parts for x in part]
     return [Rollout(prompts[i // n], *x) for i, x in enumerate(done)], [b for _, part in parts for b in part]
-
-
-def query_heads(model_dir: str) -> int:
-    """The language model's attention heads, from the checkpoint's config (no weights loaded)."""
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_dir).get_text_config().num_attention_heads
 
 
 def language_model(model):
@@ -150,13 +133,6 @@ def use_ulysses(model):
     config._attn_implementation = f"ulysses_{kernel}"
 
 
-@dataclass
-class SeqShard:
-    """What ulysses_attention reads in an SP forward (it travels through the model's **kwargs)."""
-    layout: Layout
-    mask: torch.Tensor   # the kernel's mask for the FULL padded sequence: sdpa (B, 1, S, S) bool, flash-attn (B, S)
-
-
 class AllToAll(torch.autograd.Function):
     """Chunk j of dim 0 goes to rank j; chunk j of the result came from rank j. Its adjoint is itself."""
 
@@ -173,23 +149,20 @@ class AllToAll(torch.autograd.Function):
         return AllToAll.apply(grad, ctx.group), None
 
 
-def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    return AllToAll.apply(x, group)
-
-
-def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard: SeqShard | None = None, **kw):
+def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
     """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. KV heads are
-    repeated up to a multiple of n (GQA with Hkv < n, as verl), each rank attends with H/n heads over all S."""
+    repeated up to a multiple of n (GQA with Hkv < n, as verl), each rank attends with H/n heads over all S.
+    sp_shard (a Shard, through the model's **kwargs): None outside an SP forward, then it is the kernel itself."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     inner = ALL_ATTENTION_FUNCTIONS[kernel]
     if sp_shard is None:
         return inner(module, query, key, value, attention_mask, **kw)
     group, n = sp_shard.layout.group, sp_shard.layout.sp_size
-    B, H, s, d = query.shape
+    H, s = query.shape[1], query.shape[2]
     rep = n // math.gcd(key.shape[1], n)
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
     # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d)
-    q, k, v = (all_to_all(x.unflatten(1, (n, -1)).transpose(0, 1), group).permute(1, 2, 0, 3, 4).flatten(2, 3)
+    q, k, v = (AllToAll.apply(x.unflatten(1, (n, -1)).transpose(0, 1), group).permute(1, 2, 0, 3, 4).flatten(2, 3)
                for x in (query, key, value))
     # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by num_key_value_groups)
     heads = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=kernel), is_causal=True,
@@ -197,7 +170,7 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
                                   training=module.training)
     out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)                                     # (B, S, H/n, d)
     # (B, S, H/n, d) -> (n, B, s, H/n, d): positions of rank j to rank j; back as rank j's heads -> (B, s, H, d)
-    back = all_to_all(out.unflatten(1, (n, s)).transpose(0, 1), group)
+    back = AllToAll.apply(out.unflatten(1, (n, s)).transpose(0, 1), group)
     return back.permute(1, 2, 0, 3, 4).flatten(2, 3), None
 
 
@@ -211,20 +184,17 @@ def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
     return (causal & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
 
 
-def shard_inputs(module, args, kwargs, start: int, size: int, padded: int, sp_shard: SeqShard):
+def shard_inputs(module, args, kwargs, shard):
     """Forward pre-hook of the language model: the full sequence's embeddings and positions (and Qwen3-VL's deepstack
-    inputs) -> this rank's positions [start, start + size) of the sequence padded to `padded`."""
+    inputs) -> this rank's positions of the sequence padded to a multiple of sp_size."""
     emb = kwargs["inputs_embeds"]                                                            # (B, S, D)
-    B, S, _ = emb.shape
-    pos = kwargs.get("position_ids")                                                         # (3, B, S) M-RoPE
-    if pos is None:  # text only: the model's own default, 0..S-1
-        pos = torch.arange(S, device=emb.device).view(1, 1, -1).expand(3, B, -1)
-    keep = slice(start, start + size)
-    kwargs.update(inputs_embeds=F.pad(emb, (0, 0, 0, padded - S))[:, keep], attention_mask=None, sp_shard=sp_shard,
-                  position_ids=F.pad(pos, (0, padded - S))[..., keep])
+    pad, keep = shard.mask.shape[-1] - emb.shape[1], slice(shard.start, shard.stop)
+    pos = kwargs["position_ids"]  # (3, B, S) M-RoPE; never None here: multi-rank micro-batches hold both media
+    kwargs.update(inputs_embeds=F.pad(emb, (0, 0, 0, pad))[:, keep], position_ids=F.pad(pos, (0, pad))[..., keep],
+                  attention_mask=None, sp_shard=shard)
     visual = kwargs.get("visual_pos_masks")                                                  # (B, S) bool
     if visual is not None:
-        visual = F.pad(visual, (0, padded - S))
+        visual = F.pad(visual, (0, pad))
         mine = torch.zeros_like(visual)
         mine[:, keep] = True
         kwargs["visual_pos_masks"] = visual[:, keep]
@@ -234,27 +204,26 @@ def shard_inputs(module, args, kwargs, start: int, size: int, padded: int, sp_sh
 
 @dataclass
 class Shard:
-    """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them)."""
+    """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them), and the kernel's
+    mask for the whole sequence padded to a multiple of sp_size: sdpa (B, 1, S, S) bool, flash-attn (B, S)."""
     layout: Layout | None
     length: int
     start: int
     stop: int
+    mask: torch.Tensor | None = None
 
-    def response_span(self, R: int, start: int | None = None, stop: int | None = None) -> tuple[int, int]:
-        """The response tokens j in [a, b) whose log-probs are predicted at positions this shard holds (token j of
-        the last R is predicted at position length - R - 1 + j)."""
+    def response_span(self, R: int) -> tuple[int, int]:
+        """The response tokens [a, b) of the last R predicted in this shard (token j at position length - R - 1 + j)"""
         first = self.length - R - 1
-        a = min(max(self.start if start is None else start, first), self.length - 1) - first
-        b = max(min(self.stop if stop is None else stop, self.length - 1) - first, a)
-        return a, b
+        a = min(max(self.start, first), self.length - 1) - first
+        return a, max(min(self.stop, self.length - 1) - first, a)
 
     def gather(self, x: torch.Tensor, R: int) -> torch.Tensor:
-        """(b, r) of this rank's response span -> (b, R), the SP ranks' spans in order."""
+        """(b, r) of this rank's response span -> (b, R), the SP group's spans together."""
         if self.layout is None or self.layout.sp_size == 1:
             return x
-        size = self.stop - self.start
-        spans = [self.response_span(R, j * size, (j + 1) * size) for j in range(self.layout.sp_size)]
-        return Gather.apply(x, self.layout, [b - a for a, b in spans], 1, False)
+        a, b = self.response_span(R)
+        return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group, False)
 
 
 @contextlib.contextmanager
@@ -269,10 +238,9 @@ def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
     lm = language_model(model)
     mask = kernel_mask(F.pad(attention_mask, (0, size * layout.sp_size - S)),
                        lm.config._attn_implementation.removeprefix("ulysses_"))
-    hook = functools.partial(shard_inputs, start=layout.sp_rank * size, size=size, padded=size * layout.sp_size,
-                             sp_shard=SeqShard(layout, mask))
-    handle = lm.register_forward_pre_hook(hook, with_kwargs=True)
+    shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size, mask)
+    handle = lm.register_forward_pre_hook(functools.partial(shard_inputs, shard=shard), with_kwargs=True)
     try:
-        yield Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
+        yield shard
     finally:
         handle.remove()

@@ -299,6 +299,7 @@ def yaml_overlay(base: Config, path: str) -> Config:
 
 def check_config(cfg: Config, world: int = 1):
     """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
+    from transformers import AutoConfig
     choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
     positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
@@ -317,7 +318,7 @@ def check_config(cfg: Config, world: int = 1):
         (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
         (cfg.sp_size > 0 and world % cfg.sp_size, f"world size {world} % sp_size {cfg.sp_size} != 0"),
         (cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size), "sp_size > 1 needs rollout_tp 1 or sp_size"),
-        (cfg.sp_size > 1 and sp.query_heads(cfg.model) % cfg.sp_size,
+        (cfg.sp_size > 1 and AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads % cfg.sp_size,
          f"sp_size {cfg.sp_size}: the model's query heads are not divisible by it (Ulysses splits them)"),
         (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
         (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
@@ -811,8 +812,7 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
     if cfg.sp_size > 1:
         rollouts, baselines = sp.group_rollouts(rollouts, baselines, tp_share(prompts, rank, world, cfg.sp_size)[0],
                                                 n, layout)
-        k = len(baselines)
-    groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(k)]
+    groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(len(baselines))]
     return [swap_offline(group, cfg, tok, eos_id) for group in groups]
 
 
