@@ -288,14 +288,22 @@ def check_config(cfg: Config, world: int = 1):
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
-    per_rank = cfg.prompts_per_step * max(1, cfg.sp_size) // world * cfg.group_size  # rollouts per rank and step
+    dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
+    per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
+    heads = cfg.sp_size  # the model's query heads, which Ulysses splits over the SP ranks
+    if cfg.sp_size > 1:
+        try:
+            heads = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code) \
+                .get_text_config().num_attention_heads
+        except OSError:  # not on disk and no network: load_model stops on it with the loader's own error
+            pass
     bad += [message for fails, message in [
-        (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} % world size {world} != 0"),
+        (dp and cfg.prompts_per_step % dp, f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0"),
         (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
         (cfg.sp_size > 0 and world % cfg.sp_size, f"world size {world} % sp_size {cfg.sp_size} != 0"),
         (cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size), "sp_size > 1 needs rollout_tp 1 or sp_size"),
-        (cfg.sp_size > 1 and AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads % cfg.sp_size,
-         f"sp_size {cfg.sp_size}: the model's query heads are not divisible by it (Ulysses splits them)"),
+        (cfg.sp_size > 0 and heads % cfg.sp_size, f"sp_size {cfg.sp_size}: the model's {heads} query heads are not "
+         "divisible by it (Ulysses splits them)"),
         (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
         (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
         (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
