@@ -279,8 +279,9 @@ def test_no_valid_training_sample_fails_at_startup(tmp_path, tiny_model, synth):
 def test_every_sample_invalid_fails_after_max_consecutive_invalid(tmp_path, tiny_model, synth):
     """--skip-invalid and every video missing: the run fails after max_consecutive_invalid failures in a row, with
     the last error (before: step 1 refilled its slots from the stream for ever)."""
+    # the HF engine: no rollout happens, and it spares the two vLLM engines' start-up (the vLLM path: the fuzz test)
     p, log = run_train(train_cmd(tiny_model, all_missing(tmp_path, synth), tmp_path / "run", "--skip-invalid",
-                                 "--max-consecutive-invalid", "20"), timeout=300)
+                                 "--max-consecutive-invalid", "20", "--rollout", "hf"), timeout=300)
     assert p.returncode != 0, log[-4000:]
     assert "21 invalid samples in a row (max_consecutive_invalid=20)" in log, log[-4000:]
     assert "video file not found" in log
@@ -336,8 +337,9 @@ def test_nan_loss_stops_before_the_update(tmp_path, tiny_model, synth):
     NaN. The run stops at step 1 naming its samples, before the optimizer step, and writes no checkpoint (before: rc 0,
     loss NaN, checkpoints and a final model of NaN weights)."""
     out = tmp_path / "run"
+    # the HF engine: the loss check is after the rollout, whichever engine made it; it spares two vLLM start-ups
     p, log = run_train(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--adv-eps", "0", "--w-acc", "0",
-                                 "--w-fmt", "0", "--save-every", "1", "--save"))
+                                 "--w-fmt", "0", "--save-every", "1", "--save", "--rollout", "hf"))
     assert p.returncode != 0, log[-4000:]
     assert "step 1: the loss (" in log and "is not finite; samples ['" in log, log[-4000:]
     assert not (out / "ckpt").exists() and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
