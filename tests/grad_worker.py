@@ -4,6 +4,9 @@
     torchrun --nproc_per_node=2 tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors uneven  # 0 image+video, 1 text
     python tests/grad_worker.py MODEL DATA.jsonl OUT.safetensors                      # reference: all rows, one process
     a 5th argument "ckpt" turns on gradient_checkpointing (composed with FSDP2 on 2 ranks)
+
+Several cases in one launch (the process and torchrun start-up are paid once): comma-separated cases, each a layout
+with an optional "+ckpt", and "{case}" in OUT, e.g. OUT_DIR/{case}.safetensors with split,uneven,uneven+ckpt.
 """
 import os
 import sys
@@ -46,5 +49,15 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
         torch.distributed.barrier()
 
 
+def main_cases(model_dir, data_path, out, cases="split", ckpt=""):
+    """main() once per comma-separated case ("uneven+ckpt": with gradient checkpointing), into out.format(case=...)."""
+    names = cases.split(",")
+    if len(names) > 1 and "{case}" not in out:
+        raise ValueError(f"several cases ({cases}) need '{{case}}' in the output path, got {out}")
+    for name in names:
+        layout, _, case_ckpt = name.partition("+")
+        main(model_dir, data_path, out.format(case=name), layout, case_ckpt or ckpt)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main_cases(*sys.argv[1:6])

@@ -108,25 +108,37 @@ def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout,ckpt", [("split", ""), ("uneven", ""), ("uneven", "ckpt")])
-def test_two_ranks_with_different_modalities_match_reference(tmp_path, tiny_model, synth, layout, ckpt):
-    """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
-    image and a video (the tower runs twice), rank 1 text only (without the dummy rows: a collective
-    mismatch). Each finishes and its gradient equals one process computing all the rows (ckpt: the 2 ranks
-    with activation checkpointing, the reference without)."""
+@pytest.fixture(scope="module")
+def grads_by_case(tmp_path_factory, tiny_model, synth):
+    """tests/grad_worker.py, each process launched once for every case: the one-process references (split, uneven)
+    and, alongside them, the 2-rank FSDP2 runs (split, uneven, uneven+ckpt). case -> (reference, FSDP2) gradients."""
     import subprocess
     import sys
     from safetensors.torch import load_file
+    out = tmp_path_factory.mktemp("grads")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["tests/grad_worker.py", tiny_model, os.path.join(synth, "train.jsonl")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in ([sys.executable, *args, str(tmp_path / "ref.safetensors"), layout],
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args,
-                 str(tmp_path / "fsdp.safetensors"), layout, ckpt]):
-        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    ref, got = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "fsdp.safetensors")
+    procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in ([sys.executable, *args, str(out / "ref-{case}.safetensors"), "split,uneven"],
+                         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args,
+                          str(out / "fsdp-{case}.safetensors"), "split,uneven,uneven+ckpt"])]
+    for p in procs:
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, log[-6000:]
+    cases = ("split", "uneven", "uneven+ckpt")
+    return {c: (load_file(out / f"ref-{c.partition('+')[0]}.safetensors"), load_file(out / f"fsdp-{c}.safetensors"))
+            for c in cases}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["split", "uneven", "uneven+ckpt"])
+def test_two_ranks_with_different_modalities_match_reference(grads_by_case, case):
+    """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
+    image and a video (the tower runs twice), rank 1 text only (without the dummy rows: a collective
+    mismatch). Each finishes and its gradient equals one process computing all the rows (+ckpt: the 2 ranks
+    with activation checkpointing, the reference without)."""
+    ref, got = grads_by_case[case]
     assert ref.keys() == got.keys()
     assert any(k.startswith("model.visual.blocks") and ref[k].abs().sum() > 0 for k in ref)  # vision got gradient
     for k in ref:

@@ -160,30 +160,37 @@ print("RESULT" + json.dumps(res))
 """
 
 
-def clip_run(model_dir: str, sample: dict, mode: str) -> dict:
-    """One engine on the CLIP-image checkpoint in a fresh process (pytest already holds one; a second vLLM
-    engine in one process takes the external-launcher path and wants torchrun's RANK)."""
+@pytest.fixture(scope="module")
+def clip_runs(clip_qwen3, clips) -> dict:
+    """mode -> result: one engine per mode on the CLIP-image checkpoint, each in a fresh process (pytest already holds
+    one; a second vLLM engine in one process takes the external-launcher path and wants torchrun's RANK). The two
+    single-threaded processes run side by side, one per core."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", CLIP_SCRIPT, ROOT, model_dir, json.dumps(sample), mode], env=env,
-                       capture_output=True, text=True, timeout=300, check=False)
-    assert "RESULT" in p.stdout, p.stderr[-4000:]
-    return json.loads(p.stdout.split("RESULT")[1])
+    procs = {mode: subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0]),
+                                     mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mode in ("ours", "vllm_default")}
+    results = {}
+    for mode, p in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        assert "RESULT" in stdout, stderr[-4000:]
+        results[mode] = json.loads(stdout.split("RESULT")[1])
+    return results
 
 
-def test_workaround_clip_image_stats(clip_qwen3, clips):
+def test_workaround_clip_image_stats(clip_runs):
     """Our engine on a checkpoint whose image and video normalization differ: CPU normalization, log-probs agree."""
-    res = clip_run(clip_qwen3, clips["sq"][0], "ours")
+    res = clip_runs["ours"]
     assert res["device_normalize_ok"] is False
     top, mean = res["gap"]
     print(f"CLIP-image checkpoint, our engine: max {top:.2e} mean {mean:.2e}")
     assert top < LOGP_MAX and mean < LOGP_MEAN
 
 
-def test_upstream_vllm_video_normalization(clip_qwen3, clips):
+def test_upstream_vllm_video_normalization(clip_runs):
     """The upstream bug, still present: vLLM 0.32's device-side normalization gives videos the image processor's
     stats. CLIP vs 0.5/0.5 moves every video feature, the log-probs by ~1e-2 per token (measured 3-12e-2 max).
     When this fails, vLLM normalizes videos with the video processor's stats: drop rollout.device_normalize_ok."""
-    top, mean = clip_run(clip_qwen3, clips["sq"][0], "vllm_default")["gap"]
+    top, mean = clip_runs["vllm_default"]["gap"]
     print(f"CLIP-image checkpoint, vLLM's device normalization: max {top:.2e} mean {mean:.2e}")
     assert top > 2 * LOGP_MAX and mean > LOGP_MEAN, "vLLM fixed video normalization: remove the workaround"
 

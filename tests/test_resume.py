@@ -1,4 +1,5 @@
-"""Long runs that survive: multi-node torchrun (two "nodes" on loopback).
+"""Long runs that survive: multi-node torchrun (two "nodes" on loopback), exact resume after a SIGKILL, SIGTERM
+checkpoints, export.
 
     .venv/bin/python -m pytest -q tests/test_resume.py
 """
@@ -29,27 +30,10 @@ def train_cmd(model, data_dir, out, *extra):
             "--eval-every", "0", "--no-save", *extra]
 
 
-def test_two_nodes_on_loopback(tmp_path, tiny_model, synth):
-    """Two torchrun agents, --nnodes=2 with one process each, meet through c10d rendezvous on 127.0.0.1:
-    the command line a real 2-node job uses, with the node's address in place of 127.0.0.1."""
-    port, out = free_port(), tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
-                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                               "--rdzv-id=nvr1-test", "--max-restarts=0",
-                               *train_cmd(tiny_model, synth, out, "--cache-dir", str(tmp_path / "frames"))],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
-    assert "world 2" in logs[0]  # one process per node, one world
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(math.isfinite(r["loss"]) for r in rows)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints, exact resume, preemption, export. Runs use --val-data '' (no eval) to stay cheap.
+# Checkpoints, exact resume, preemption, export. Three runs are shared by the tests (each run is a torchrun job with
+# two vLLM engines, the most expensive thing here): the 4-step 2-node run, the killed-and-resumed run, both with a
+# 3-sample held-out set, and the SIGTERM run (--val-data '', no eval).
 
 def torchrun(model, data_dir, out, *extra, steps=4):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
@@ -79,27 +63,64 @@ def wait_for(path, p, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_model, synth):
-    """4 steps, a checkpoint every 2 (keep_last 1), and the HF-format final folder."""
-    out = tmp_path_factory.mktemp("full") / "run"
-    p = torchrun(tiny_model, synth, out, "--save-every", "2", "--keep-last", "1", "--save")
-    log = p.communicate(timeout=600)[0]
-    assert p.returncode == 0, log[-4000:]
-    return out
+def val_with_missing(tmp_path_factory, synth) -> str:
+    """2 held-out samples and one whose video is missing: skipped (skip_invalid) and reported once per run."""
+    val = tmp_path_factory.mktemp("val") / "val.jsonl"
+    good = [json.loads(line) for line in open(os.path.join(synth, "val.jsonl"))][:2]
+    good = [{**s, "videos": [os.path.join(synth, v) for v in s.get("videos", [])]} for s in good]  # val.jsonl moves
+    bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
+    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
+    return str(val)
 
 
-def test_sigkill_one_rank_then_resume_matches(tmp_path, tiny_model, synth, uninterrupted):
-    out = tmp_path / "run"
-    p = torchrun(tiny_model, synth, out, "--save-every", "2")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model, synth, val_with_missing):
+    """4 steps, a checkpoint every 2 (keep_last 1), and the HF-format final folder, launched as a 2-node job: two
+    torchrun agents, --nnodes=2 with one process each, meet through c10d rendezvous on 127.0.0.1 (the command line a
+    real 2-node job uses, with the node's address in place of 127.0.0.1). Returns (run folder, each node's log)."""
+    port, out = free_port(), tmp_path_factory.mktemp("full") / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ("--val-data", val_with_missing, "--skip-invalid", "--max-steps", "4", "--save-every", "2",
+            "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                               "--rdzv-id=nvr1-test", "--max-restarts=0", *train_cmd(tiny_model, synth, out, *args)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
+    return out, logs
+
+
+def test_two_nodes_on_loopback(uninterrupted):
+    out, logs = uninterrupted
+    assert "world 2" in logs[0]  # one process per node, one world
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, tiny_model, synth, val_with_missing):
+    """The uninterrupted run's settings on `--standalone` torchrun: rank 1 is SIGKILLed once step 2's checkpoint is
+    complete, then `--resume auto` runs steps 3 and 4. Returns (run folder, skipped.jsonl's rows after the kill)."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    args = ("--val-data", val_with_missing, "--skip-invalid", "--save-every", "2")
+    p = torchrun(tiny_model, synth, out, *args)
     wait_for(out / "ckpt" / "latest", p)  # step 2 is complete ...
     worker(p, 1).kill()                   # ... and rank 1 dies mid-run (SIGKILL: no handler, no checkpoint)
     log = p.communicate(timeout=300)[0]
     assert p.returncode != 0, log[-3000:]
     assert open(out / "ckpt" / "latest").read() == "step_00000002"
-    p = torchrun(tiny_model, synth, out, "--resume", "auto")
+    skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
+    p = torchrun(tiny_model, synth, out, *args, "--resume", "auto")
     log = p.communicate(timeout=600)[0]
     assert p.returncode == 0 and "resumed from" in log, log[-4000:]
-    full, resumed = last_rows(uninterrupted), last_rows(out)
+    return out, skipped
+
+
+def test_sigkill_one_rank_then_resume_matches(killed_and_resumed, uninterrupted):
+    full, resumed = last_rows(uninterrupted[0]), last_rows(killed_and_resumed[0])
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):  # same data, same samples, same update: equal up to fp noise (bit-equal in practice)
         a, b = full[step], resumed[step]
@@ -107,7 +128,16 @@ def test_sigkill_one_rank_then_resume_matches(tmp_path, tiny_model, synth, unint
         for k in ("reward/mean", "loss", "grad_norm", "entropy", "len/mean", "mismatch/mean", "lr"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (step, k)
     # keep_last 1: only the newest checkpoint, no half-written folders
-    assert sorted(os.listdir(uninterrupted / "ckpt")) == ["latest", "step_00000004"]
+    assert sorted(os.listdir(uninterrupted[0] / "ckpt")) == ["latest", "step_00000004"]
+
+
+def test_resume_keeps_skip_report_exact(killed_and_resumed):
+    """A held-out sample whose video is missing is skipped once; a resumed run restores that report from the
+    checkpoint instead of adding it a second time."""
+    out, skipped_before_resume = killed_and_resumed
+    for skipped in (skipped_before_resume, [json.loads(line) for line in open(out / "skipped.jsonl")]):
+        assert [s["where"] for s in skipped] == ["val-missing-video"]
+    assert last_rows(out)[4]["data/skipped"] == 1
 
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
@@ -128,12 +158,13 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
 def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupted):
     import export_hf
     import torch
-    hf = export_hf.export(str(uninterrupted / "ckpt" / "latest"), str(tmp_path / "hf"))
+    run = uninterrupted[0]
+    hf = export_hf.export(str(run / "ckpt" / "latest"), str(tmp_path / "hf"))
     from transformers import AutoModelForImageTextToText
 
     def load(d):
         return AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).state_dict()
-    exported, final = load(hf), load(str(uninterrupted / "final"))  # final: saved by the run itself at step 4
+    exported, final = load(hf), load(str(run / "final"))  # final: saved by the run itself at step 4
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
     assert any(not torch.equal(exported[k], v) for k, v in load(tiny_model).items())  # the trained weights
     code = ("from vllm import LLM, SamplingParams\n"
@@ -145,21 +176,3 @@ def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupt
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
     assert int(p.stdout.split("TOKENS ")[1]) > 0
-
-
-def test_resume_keeps_skip_report_exact(tmp_path, tiny_model, synth):
-    """A held-out sample whose video is missing is skipped once; a resumed run restores that report from the
-    checkpoint instead of adding it a second time."""
-    val = tmp_path / "val.jsonl"
-    good = [json.loads(line) for line in open(os.path.join(synth, "val.jsonl"))][:2]
-    good = [{**s, "videos": [os.path.join(synth, v) for v in s.get("videos", [])]} for s in good]  # val.jsonl moves
-    bad = {**good[0], "id": "val-missing-video", "videos": [str(tmp_path / "missing.mp4")], "images": []}
-    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
-    out = tmp_path / "run"
-    for extra in (("--max-steps", "1", "--save-every", "1"), ("--max-steps", "2", "--resume", "auto")):
-        p = torchrun(tiny_model, synth, out, "--val-data", str(val), "--skip-invalid", *extra)
-        log = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, log[-4000:]
-        skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
-        assert [s["where"] for s in skipped] == ["val-missing-video"]
-        assert last_rows(out)[max(last_rows(out))]["data/skipped"] == 1

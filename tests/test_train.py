@@ -72,31 +72,39 @@ def test_two_rank_fsdp_vllm_steps(tmp_path, tiny_model, color_data, tp):
     assert len(changed) > len(before) // 2, "training did not change the weights"
 
 
-def test_hf_rollout_two_ranks_warm_cache(tmp_path, tiny_model, color_data):
-    """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory, tiny_model, color_data):
+    """HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven on 2 ranks),
+    a checkpoint at step 2; then `--resume auto` on the finished run. One run shared by the two tests below."""
     import cache
+    tmp_path = tmp_path_factory.mktemp("hf")
     cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
                                   out=str(tmp_path / "frames"), video_fps=4.0, video_min_frames=4,
                                   video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, factor=28))
-    out, rows, _ = run_train(tmp_path, tiny_model, color_data, "--rollout", "hf")
+    args = ("--rollout", "hf", "--eval-max-samples", "3", "--no-save", "--dist-timeout", "120", "--save-every", "2")
+    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, *args)
+    _, rows_again, again = run_train(tmp_path, tiny_model, color_data, *args, "--resume", "auto")
+    return out, rows, stdout, rows_again, again
+
+
+def test_hf_rollout_two_ranks_warm_cache(hf_run):
+    """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
+    _, rows, _, _, _ = hf_run
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
 
 
-def test_hf_rollout_two_ranks_uneven_eval(tmp_path, tiny_model, color_data):
+def test_hf_rollout_two_ranks_uneven_eval(hf_run):
     """3 held-out prompts on 2 ranks: the HF engine's generate is collective (FSDP), so both ranks must call it
     equally often; each prompt is still scored once. `--resume auto` on the finished run trains nothing and reports
     the saved held-out accuracies (it once printed "after nan")."""
-    args = ("--rollout", "hf", "--eval-max-samples", "3", "--max-steps", "1", "--no-save", "--dist-timeout", "120",
-            "--save-every", "1")
-    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, *args)
-    assert len(rows) == 1 and "held-out accuracy: before" in stdout
-    for step in (0, 1):
+    out, rows, stdout, rows_again, again = hf_run
+    assert len(rows) == 2 and "held-out accuracy: before" in stdout
+    for step in (0, 2):
         ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]
         assert len(ids) == len(set(ids)) == 3
     result = [x for x in stdout.splitlines() if x.startswith("held-out accuracy:")]
-    _, rows, again = run_train(tmp_path, tiny_model, color_data, *args, "--resume", "auto")
-    assert len(rows) == 1 and "max_steps 1 reached, nothing to train" in again
+    assert len(rows_again) == 2 and "max_steps 2 reached, nothing to train" in again
     assert [x for x in again.splitlines() if x.startswith("held-out accuracy:")] == result
-    assert "nan" not in result[0] and result[0].endswith(f"after {rows[0]['eval/accuracy']:.2f}")
+    assert "nan" not in result[0] and result[0].endswith(f"after {rows[-1]['eval/accuracy']:.2f}")
