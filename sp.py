@@ -73,14 +73,23 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         mine = [p for p in distinct if pixels in p.mm]
         if not mine:
             continue
-        pix, grids = torch.cat([p.mm[pixels] for p in mine]), torch.cat([p.mm[grid] for p in mine])
+        grids = torch.cat([p.mm[grid] for p in mine])                                  # (items, 3): t, h, w
+        # each item's pixels: its prompt's tensor and first row there (a run is sliced out, never all media copied)
+        sources = [(p.mm[pixels], first) for p in mine
+                   for first in itertools.accumulate(p.mm[grid].prod(-1).tolist()[:-1], initial=0)]
         units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
         row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
         a, b = len(units) * r // n, len(units) * (r + 1) // n
         lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
         pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
         grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
-        enc = getattr(model, f"get_{kind}_features")(pix[row[lo]:row[hi]].to(device), grid_thw.to(device),
+        rows, unit = [], lo
+        for i, t in pieces:
+            (pix, first), hw = sources[i], int(grids[i, 1:].prod())
+            skip = unit - units.index(i)  # the item's patches before this run (the first piece may start mid-item)
+            rows.append(pix[first + skip * hw:first + (skip + t) * hw])
+            unit += t
+        enc = getattr(model, f"get_{kind}_features")(torch.cat(rows).to(device), grid_thw.to(device),
                                                      return_dict=True)  # the model's own (Qwen3-VL: + deepstack)
         count += len(pieces)
         tok = [x // merge2 for x in row]  # the first feature of each patch
@@ -164,7 +173,7 @@ def shard_inputs(module, args, kwargs, shard):
     """Forward pre-hook of the language model: the full sequence's embeddings and positions (and Qwen3-VL's deepstack
     inputs) -> this rank's positions of the sequence padded to a multiple of sp_size."""
     emb = kwargs["inputs_embeds"]                                                            # (B, S, D)
-    pad, keep = shard.mask.shape[-1] - emb.shape[1], slice(shard.start, shard.stop)
+    pad, keep = (shard.stop - shard.start) * shard.layout.sp_size - emb.shape[1], slice(shard.start, shard.stop)
     pos = kwargs["position_ids"]  # (3, B, S) M-RoPE; never None here: multi-rank micro-batches hold both media
     kwargs.update(inputs_embeds=F.pad(emb, (0, 0, 0, pad))[:, keep], position_ids=F.pad(pos, (0, pad))[..., keep],
                   attention_mask=None, sp_shard=shard)
@@ -181,7 +190,9 @@ def shard_inputs(module, args, kwargs, shard):
 @dataclass
 class Shard:
     """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them), and the kernel's
-    mask for the whole sequence padded to a multiple of sp_size: sdpa (B, 1, S, S) bool, flash-attn (B, S)."""
+    mask for the whole sequence padded to a multiple of sp_size: sdpa (B, 1, S, S) bool, flash-attn (B, S); None
+    without padding (one row per micro-batch): the kernel's causal mode, no O(S^2) mask (the tail padding is after
+    every token, and no token sees it)."""
     layout: Layout | None
     length: int
     start: int
@@ -212,8 +223,10 @@ def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
         return
     size = -(-S // layout.sp_size)
     lm = language_model(model)
-    mask = kernel_mask(F.pad(attention_mask, (0, size * layout.sp_size - S)),
-                       lm.config._attn_implementation.removeprefix("ulysses_"))
+    mask = None
+    if not attention_mask.all():
+        mask = kernel_mask(F.pad(attention_mask, (0, size * layout.sp_size - S)),
+                           lm.config._attn_implementation.removeprefix("ulysses_"))
     shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size, mask)
     handle = lm.register_forward_pre_hook(functools.partial(shard_inputs, shard=shard), with_kwargs=True)
     try:

@@ -20,7 +20,9 @@ from conftest import ROOT, tiny_config  # noqa: E402
 from rollout import Rollout, vision_token_ids  # noqa: E402
 
 TEMPERATURE, CHUNK = 0.7, 3
-BATCHES = [list(range(7)), [4, 5, 6]]  # all rows; image+video x 2 and text (the video split mid-way over 2 ranks)
+# all rows; image+video x 2 and text (the video split mid-way over 2 ranks); image+video alone (twice, for dp 2): no
+# padding, so no mask, the kernel's causal mode
+BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
 
 
 def model_dir(arch: str) -> str:
