@@ -46,8 +46,10 @@ class Config:
     """rollouts per prompt"""
     response_len: int = 64
     """response tokens per rollout"""
+    ranks: int = 1
+    """worker processes (> 1: torchrun, gloo), 2 / ranks threads each; data-parallel ranks x sp_size"""
     sp_size: int = 1
-    """sequence-parallel ranks (train.Config.sp_size, issue 14): the worker runs as that many processes (torchrun)"""
+    """sequence-parallel ranks (train.Config.sp_size): an SP group's ranks train the same clips, 1/sp_size of each"""
     worker: str = ""
     """run one setting of SETTINGS in this process and print its JSON line (internal)"""
     out: str = os.path.join(ROOT, ".cache/bench/memory")
@@ -64,17 +66,19 @@ def train_config(c: Config, trainer=None, **switches):
         max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, **switches)
 
 
-def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
-    """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU."""
+def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int], layout=None):
+    """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU; layout: sp.Layout."""
+    import sp
     mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
     if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-        frozen = train.sp.encode_vision(model, [r.prompt for r in rollouts], model.device)[0]
+        frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)[0]
         for b in mini:
             b["vision"] = frozen
-    n_tok, n_seq = train.global_counts(mini)
+    n_tok, n_seq = train.global_counts(mini)  # SP: each row counted sp_size times, a loss scale (free)
+    sp_kw = {"layout": layout} if layout else {}  # nor sequence parallelism
     for b in mini:
         b["adv"] = (torch.tensor(b["index"]) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
-        train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq)[0].backward()
+        train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq, **sp_kw)[0].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -85,6 +89,7 @@ def worker(c: Config) -> dict:
     "prompt": tokens, "patches"}."""
     import data
     import memory_plan  # puts ROOT first on sys.path
+    import sp
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoProcessor
@@ -93,10 +98,12 @@ def worker(c: Config) -> dict:
         spec = importlib.util.spec_from_file_location("train_before", os.path.join(c.out, "train.py"))
         trainer = sys.modules["train_before"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(trainer)
-    train.init_dist()
+    rank, world, _ = train.init_dist()
     switches = dict(SETTINGS[c.worker])
+    layout = None
     if c.sp_size > 1:  # train.Config has sp_size from issue 14 on
         switches["sp_size"] = c.sp_size
+        layout = sp.make_layout(c.sp_size)
     cfg = train_config(c, trainer, **switches)
     processor = AutoProcessor.from_pretrained(cfg.model)
     model = trainer.load_model(cfg, torch.device("cpu"))
@@ -105,12 +112,12 @@ def worker(c: Config) -> dict:
     prompts = [data.prepare(s, processor, train_config(c)) for s in samples]
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(p, torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
-                for p in prompts[:c.prompts] for _ in range(c.group_size)]
+                for p in prompts[:c.prompts][rank // c.sp_size::world // c.sp_size] for _ in range(c.group_size)]
     encodes = []
     model.model.visual.register_forward_pre_hook(count_videos(encodes), with_kwargs=True)
     t0 = time.time()
     peak = memory_plan.peak_bytes(train_phase, trainer, model, opt, rollouts, cfg, processor.tokenizer,
-                                  vision_token_ids(processor.tokenizer))
+                                  vision_token_ids(processor.tokenizer), layout)
     return dict(peak=peak, time=time.time() - t0, encodes=sum(encodes), prompt=len(prompts[0].prompt_ids),
                 patches=int(prompts[0].mm["video_grid_thw"].prod()))
 
@@ -122,16 +129,16 @@ def count_videos(counts: list):
 
 
 def run(c: Config, setting: str) -> dict:
-    """worker() in a fresh process, or sp_size under torchrun (gloo) sharing the 2 threads: the peak and time of the
-    rank that rose the most and took the longest."""
+    """worker() in a fresh process, or c.ranks under torchrun sharing 2 threads: the peak and time of the rank that
+    rose the most and took the longest."""
     launch = [sys.executable]
-    if c.sp_size > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.sp_size}"]
+    if c.ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.ranks}"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(replace(c, worker=setting)).items()]
     p = subprocess.run(launch + [__file__, *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.sp_size))))
+                       env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))))
     if p.returncode:
-        sys.exit(f"{setting} (sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}")
+        sys.exit(f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}")
     ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"peak"')]
     return dict(ranks[0], peak=max(r["peak"] for r in ranks), time=max(r["time"] for r in ranks))
 
