@@ -2,10 +2,8 @@
 ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
 
     vision     each rank encodes 1/sp_size of the temporal patches (the Qwen-VL towers attend within one: exact)
-    embed      the model's forward builds the full embeddings and M-RoPE positions; a pre-hook on the language model
-               keeps this rank's positions of the sequence padded to a multiple of sp_size (sequence_shard)
-    attention  "ulysses_<kernel>" in transformers' AttentionInterface: all-to-all from position to head shards, the
-               model's kernel (sdpa / flash-attn) over the full sequence, all-to-all back
+    embed      the model builds the full embeddings and M-RoPE positions; a pre-hook keeps this rank's (sequence_shard)
+    attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back
     log-probs  each rank projects the response positions it holds; summed over the group, each rank's loss is whole
 """
 import contextlib
@@ -18,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single
 
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
@@ -35,19 +34,15 @@ class Layout:
 def make_layout(sp_size: int) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    group = None
-    for start in range(0, world, sp_size):
-        ranks = list(range(start, start + sp_size))
-        made = dist.new_group(ranks) if sp_size > 1 else None
-        if rank in ranks:
-            group = made
-    return Layout(group, rank % sp_size, sp_size, rank // sp_size, world // sp_size)
+    groups = [None] * (world // sp_size)
+    if sp_size > 1:
+        groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
+    return Layout(groups[rank // sp_size], rank % sp_size, sp_size, rank // sp_size, world // sp_size)
 
 
 class AllReduce(torch.autograd.Function):
-    """The sum over the SP group of tensors that are zero outside each rank's part. Backward: the gradient summed
-    over the group (sum_grads: each rank used the sum in another place) or as it is (each rank computed the same
-    loss from the sum: summing would count it sp_size times); the caller's padding keeps the rank's part of it."""
+    """The sum over the SP group of tensors zero outside each rank's part. Backward: the gradient summed over the group
+    (sum_grads: each rank used the sum in another place) or as it is (each computed the same loss from the sum)."""
 
     @staticmethod
     def forward(ctx, x, group, sum_grads: bool):
@@ -85,9 +80,8 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
         pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
         grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
-        # the model's own entry point (Qwen3-VL: + deepstack features)
         enc = getattr(model, f"get_{kind}_features")(pix[row[lo]:row[hi]].to(device), grid_thw.to(device),
-                                                     return_dict=True)
+                                                     return_dict=True)  # the model's own (Qwen3-VL: + deepstack)
         count += len(pieces)
         tok = [x // merge2 for x in row]  # the first feature of each patch
         full = []
@@ -108,12 +102,10 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
     not the media) gathered in rank order onto this rank's Prompts (the group's, train.tp_share's order), n each."""
-    from rollout import Rollout
     parts = [None] * layout.sp_size
-    mine = [(r.response_ids, r.logp, r.text, r.finish) for r in rollouts]
-    dist.all_gather_object(parts, (mine, baselines), group=layout.group)
+    dist.all_gather_object(parts, ([replace(r, prompt=None) for r in rollouts], baselines), group=layout.group)
     done = [x for part, _ in parts for x in part]
-    return [Rollout(prompts[i // n], *x) for i, x in enumerate(done)], [b for _, part in parts for b in part]
+    return [replace(x, prompt=prompts[i // n]) for i, x in enumerate(done)], [b for _, part in parts for b in part]
 
 
 def language_model(model):
@@ -133,22 +125,6 @@ def use_ulysses(model):
     config._attn_implementation = f"ulysses_{kernel}"
 
 
-class AllToAll(torch.autograd.Function):
-    """Chunk j of dim 0 goes to rank j; chunk j of the result came from rank j. Its adjoint is itself."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)  # of the contiguous x: the collective writes it as one flat buffer
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllToAll.apply(grad, ctx.group), None
-
-
 def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
     """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. KV heads are
     repeated up to a multiple of n (GQA with Hkv < n, as verl), each rank attends with H/n heads over all S.
@@ -161,16 +137,17 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
     H, s = query.shape[1], query.shape[2]
     rep = n // math.gcd(key.shape[1], n)
     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d)
-    q, k, v = (AllToAll.apply(x.unflatten(1, (n, -1)).transpose(0, 1), group).permute(1, 2, 0, 3, 4).flatten(2, 3)
-               for x in (query, key, value))
+    # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d).
+    # all_to_all_single: chunk j of dim 0 to rank j, differentiable (its adjoint is itself)
+    q, k, v = (all_to_all_single(x.unflatten(1, (n, -1)).transpose(0, 1).contiguous(), None, None, group)
+               .permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (query, key, value))
     # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by num_key_value_groups)
     heads = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=kernel), is_causal=True,
                                   layer_idx=module.layer_idx, num_key_value_groups=H // key.shape[1],
                                   training=module.training)
     out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)                                     # (B, S, H/n, d)
     # (B, S, H/n, d) -> (n, B, s, H/n, d): positions of rank j to rank j; back as rank j's heads -> (B, s, H, d)
-    back = AllToAll.apply(out.unflatten(1, (n, s)).transpose(0, 1), group)
+    back = all_to_all_single(out.unflatten(1, (n, s)).transpose(0, 1).contiguous(), None, None, group)
     return back.permute(1, 2, 0, 3, 4).flatten(2, 3), None
 
 
@@ -179,9 +156,8 @@ def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
     themselves (a row with no key is NaN, and NaN * 0 gradient is NaN); flash-attn the 2-D mask (it unpads)."""
     if kernel != "sdpa":
         return mask
-    pos = torch.arange(mask.shape[1], device=mask.device)
-    causal = pos[None, :] <= pos[:, None]                                                   # (S, S) key <= query
-    return (causal & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
+    pos = torch.arange(mask.shape[1], device=mask.device)                    # key <= query, key a token or the query
+    return ((pos[None, :] <= pos[:, None]) & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
 
 
 def shard_inputs(module, args, kwargs, shard):

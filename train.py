@@ -210,8 +210,7 @@ class Config:
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
     sp_size: int = 1
-    """sequence parallelism (sp.py): groups of sp_size ranks train the same rows, each holding 1/sp_size of every
-    sequence and encoding 1/sp_size of its frames (Ulysses attention); the world is data-parallel x sp_size"""
+    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of the tokens and frames"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -311,8 +310,7 @@ def check_config(cfg: Config, world: int = 1):
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
-    dp = world // cfg.sp_size if cfg.sp_size > 0 else world  # data-parallel groups (an SP group trains the same rows)
-    per_rank = cfg.prompts_per_step // dp * cfg.group_size  # rollouts per rank and step
+    per_rank = cfg.prompts_per_step * max(1, cfg.sp_size) // world * cfg.group_size  # rollouts per rank and step
     bad += [message for fails, message in [
         (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} % world size {world} != 0"),
         (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
@@ -592,8 +590,7 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
     once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
     one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits.
-    layout (sp.Layout) with sp_size > 1: this rank encodes its share of the frames, holds its share of the sequence
-    and projects the responses there; every rank of the SP group returns the whole (b, R)."""
+    layout (sp.Layout) with sp_size > 1: each rank of the group computes its share (sp.py) and returns the whole."""
     R, rows = batch["mask"].shape[1], batch["rows"]
     vision = batch["vision"]
     if vision is None:
@@ -710,12 +707,10 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
     return loss, metrics
 
 
-def global_counts(batches: list[dict], sp_size: int = 1) -> tuple[float, float]:
-    """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers (the sp_size ranks of an
-    SP group hold the same rows: counted once)."""
-    counts = all_reduce([sum(b["mask"].sum().item() for b in batches),
-                         sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)])
-    return counts[0] / sp_size, counts[1] / sp_size
+def global_counts(batches: list[dict]) -> tuple[float, float]:
+    """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
+    return tuple(all_reduce([sum(b["mask"].sum().item() for b in batches),
+                             sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)]))
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], max_len: int, kl_type: str) -> torch.Tensor:
@@ -976,7 +971,7 @@ def main(cfg: Config):
         model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
-                n_tok_mb, n_seq_mb = global_counts(mini, cfg.sp_size)
+                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
                 loss_sum = 0.0
                 for b in mini:
                     loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)

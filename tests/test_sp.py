@@ -1,8 +1,8 @@
 """Sequence parallelism (sp.py, issue 14): sp_size ranks hold the shards of the same rows and compute what one
 process computes on the whole rows. The torchrun workers are this file run as a script:
 
-    torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 qwen2_5_vl qwen3_vl   # sp 2
-    torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 qwen3_vl              # dp 2 x sp 2
+    torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 - qwen2_5_vl qwen3_vl     # sp 2
+    torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 ckpt qwen3_vl             # dp 2 x sp 2, checkpointing
 
     .venv/bin/python -m pytest -q tests/test_sp.py
 """
@@ -42,14 +42,14 @@ def make_rows(processor, cfg, data_path: str) -> list:
     return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
 
 
-def run(arch: str, data_path: str, sp_size: int, layout) -> dict:
+def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = False) -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses."""
     from transformers import AutoProcessor
     d = model_dir(arch)
     cfg = tiny_config(model=d, sp_size=sp_size, temperature=TEMPERATURE, logp_chunk=CHUNK, entropy_coef=0.1,
-                      loss_agg="seq-mean-token-mean")
+                      loss_agg="seq-mean-token-mean", gradient_checkpointing=checkpointing)
     processor = AutoProcessor.from_pretrained(d)
     tok = processor.tokenizer
     banned = vision_token_ids(tok)
@@ -66,7 +66,7 @@ def run(arch: str, data_path: str, sp_size: int, layout) -> dict:
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
         b["encodes"] = 0
         b["adv"] = (0.3 * torch.tensor(index, dtype=torch.float32)[:, None] - 1.0).expand_as(b["mask"])
-        n_tok, n_seq = train.global_counts([b], sp_size)
+        n_tok, n_seq = (n / sp_size for n in train.global_counts([b]))  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
         out.update({f"logp{k}": logp * b["mask"], f"ent{k}": ent * b["mask"], f"index{k}": torch.tensor(index),
@@ -77,14 +77,14 @@ def run(arch: str, data_path: str, sp_size: int, layout) -> dict:
     return out
 
 
-def worker(out_dir: str, data_path: str, sp_size: str, *archs: str):
+def worker(out_dir: str, data_path: str, sp_size: str, checkpointing: str, *archs: str):
     from safetensors.torch import save_file
 
     import sp
     rank, _, _ = train.init_dist()
     layout = sp.make_layout(int(sp_size))
     for arch in archs:
-        result = run(arch, data_path, int(sp_size), layout)
+        result = run(arch, data_path, int(sp_size), layout, checkpointing == "ckpt")
         save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
     torch.distributed.barrier()
 
@@ -126,7 +126,7 @@ def test_sp2_matches_one_process(tmp_path, synth, reference):
     """sp_size 2 on 2 ranks vs one process, both checkpoints: log-probs, entropy and every parameter's gradient
     (fp32); each rank encodes half of the temporal patches (one piece per modality: encodes 2 per batch)."""
     from safetensors.torch import load_file
-    torchrun(tmp_path, synth, 2, "2", "qwen2_5_vl", "qwen3_vl")
+    torchrun(tmp_path, synth, 2, "2", "-", "qwen2_5_vl", "qwen3_vl")
     for arch, ref in reference.items():
         got = [load_file(tmp_path / f"{arch}.rank{r}.safetensors") for r in range(2)]
         check_against(ref, got, 2)
@@ -136,10 +136,11 @@ def test_sp2_matches_one_process(tmp_path, synth, reference):
 
 @pytest.mark.slow
 def test_dp2_sp2_matches_one_process(tmp_path, synth, reference):
-    """4 ranks, dp 2 x sp 2: each SP pair takes half of the rows; the pair's log-probs equal the reference rows and
-    the gradient equals one process over all rows (Qwen3-VL: deepstack features sliced to the shards)."""
+    """4 ranks, dp 2 x sp 2 with activation checkpointing (the reference without): each SP pair takes half of the
+    rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
+    deepstack features sliced to the shards; the recomputed attention is Ulysses again)."""
     from safetensors.torch import load_file
-    torchrun(tmp_path, synth, 4, "2", "qwen3_vl")
+    torchrun(tmp_path, synth, 4, "2", "ckpt", "qwen3_vl")
     got = [load_file(tmp_path / f"qwen3_vl.rank{r}.safetensors") for r in range(4)]
     check_against(reference["qwen3_vl"], got, 2)
 
