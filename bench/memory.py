@@ -12,7 +12,6 @@ at its start (Linux VmHWM reset through /proc/self/clear_refs, glibc's mmap thre
 leave the resident set; memory_plan.peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE) on the
 prompts of today's data.py. bench/long_video.py runs this worker too (`sp_size` > 1: under torchrun).
 """
-import ctypes
 import importlib.util
 import json
 import os
@@ -88,9 +87,6 @@ def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int], 
 def worker(c: Config) -> dict:
     """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded,
     "prompt": tokens, "patches"}."""
-    # memory_plan.peak_bytes' mmap threshold, pinned before anything allocates: blocks that preparing the prompts frees
-    # would otherwise stay resident in the heap and be reused unseen by the measured phase
-    ctypes.CDLL(None).mallopt(-3, 1 << 16)
     import data
     import memory_plan  # puts ROOT first on sys.path
     import sp
