@@ -9,16 +9,18 @@ runs the train phase of train.main once (micro-batches, the frozen features, mic
 micro-batch, clipping, the AdamW step) and reports its peak memory, its time, and the videos the vision tower
 encoded (a forward pre-hook on the tower). Peak memory: the peak resident set of that phase above the resident set
 at its start (Linux VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned so freed tensors
-leave the resident set; peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE).
+leave the resident set; peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE) on the
+prompts of today's data.py. bench/long_video.py runs this worker too (`sp_size` > 1: under torchrun).
 """
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -46,32 +48,39 @@ class Config:
     """rollouts per prompt"""
     response_len: int = 64
     """response tokens per rollout"""
+    ranks: int = 1
+    """worker processes (> 1: torchrun, gloo), 2 / ranks threads each; data-parallel ranks x sp_size"""
+    sp_size: int = 1
+    """sequence-parallel ranks (train.Config.sp_size): an SP group's ranks train the same clips, 1/sp_size of each"""
     worker: str = ""
     """run one setting of SETTINGS in this process and print its JSON line (internal)"""
     out: str = os.path.join(ROOT, ".cache/bench/memory")
     """clips and the train.py of BEFORE go here"""
 
 
-def train_config(c: Config, **switches):
+def train_config(c: Config, trainer=None, **switches):
+    """The Config of this benchmark's clips and batch, from the module `trainer` (today's train.py by default)."""
     import train
-    return train.Config(model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0,
-                        video_max_frames=c.frames, video_min_pixels=3136, video_max_pixels=c.size ** 2,
-                        max_prompt_len=640, cache_dir="", video_source="decode_only", group_size=c.group_size,
-                        prompts_per_step=c.prompts, max_response_len=c.response_len,
-                        micro_batch_size=c.prompts * c.group_size, **switches)
+    return (trainer or train).Config(
+        model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0, video_max_frames=c.frames,
+        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=4096, cache_dir="",
+        video_source="decode_only", group_size=c.group_size, prompts_per_step=c.prompts,
+        max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, **switches)
 
 
-def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
-    """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU."""
+def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int], layout=None):
+    """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU; layout: sp.Layout."""
+    import sp
     mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
     if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-        frozen = train.sp.encode_vision(model, [r.prompt for r in rollouts], model.device)[0]
+        frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)[0]
         for b in mini:
             b["vision"] = frozen
-    n_tok, n_seq = train.global_counts(mini)
+    n_tok, n_seq = train.global_counts(mini)  # SP: each row counted sp_size times, a loss scale (free)
+    sp_kw = {"layout": layout} if layout else {}  # nor sequence parallelism
     for b in mini:
         b["adv"] = (torch.tensor(b["index"]) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
-        train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq)[0].backward()
+        train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq, **sp_kw)[0].backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -95,26 +104,38 @@ def peak_bytes(fn, *args) -> int:
 
 
 def worker(c: Config) -> dict:
-    """One setting in this fresh process: {"peak": bytes, "time": s, "encodes": videos encoded, "prompt", "patches"}."""
+    """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded,
+    "prompt": tokens, "patches"}."""
     import data
-    if c.worker == "before #13":
-        sys.path.insert(0, c.out)  # the train.py of commit BEFORE
+    import sp
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoProcessor
-    cfg = train_config(c, **SETTINGS[c.worker])
+    trainer = train
+    if c.worker == "before #13":  # BEFORE's train.py trains; today's data.py (and its Config) prepares the prompts
+        spec = importlib.util.spec_from_file_location("train_before", os.path.join(c.out, "train.py"))
+        trainer = sys.modules["train_before"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(trainer)
+    rank, world, _ = train.init_dist()
+    switches = dict(SETTINGS[c.worker])
+    layout = None
+    if c.sp_size > 1:  # train.Config has sp_size from issue 14 on
+        switches["sp_size"] = c.sp_size
+        layout = sp.make_layout(c.sp_size)
+    cfg = train_config(c, trainer, **switches)
     processor = AutoProcessor.from_pretrained(cfg.model)
-    model = train.load_model(cfg, torch.device("cpu"))
+    model = trainer.load_model(cfg, torch.device("cpu"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    prompts = [data.prepare(s, processor, cfg) for s in data.load_samples(os.path.join(c.out, "clips/train.jsonl"))]
+    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
+    prompts = [data.prepare(s, processor, train_config(c)) for s in samples]
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(p, torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
-                for p in prompts[:c.prompts] for _ in range(c.group_size)]
+                for p in prompts[:c.prompts][rank // c.sp_size::world // c.sp_size] for _ in range(c.group_size)]
     encodes = []
     model.model.visual.register_forward_pre_hook(count_videos(encodes), with_kwargs=True)
     t0 = time.time()
-    peak = peak_bytes(train_phase, train, model, opt, rollouts, cfg, processor.tokenizer,
-                      vision_token_ids(processor.tokenizer))
+    peak = peak_bytes(train_phase, trainer, model, opt, rollouts, cfg, processor.tokenizer,
+                      vision_token_ids(processor.tokenizer), layout)
     return dict(peak=peak, time=time.time() - t0, encodes=sum(encodes), prompt=len(prompts[0].prompt_ids),
                 patches=int(prompts[0].mm["video_grid_thw"].prod()))
 
@@ -126,14 +147,18 @@ def count_videos(counts: list):
 
 
 def run(c: Config, setting: str) -> dict:
-    """worker() in a fresh process."""
-    cmd = [sys.executable, __file__, "--worker", setting, "--frames", str(c.frames), "--size", str(c.size),
-           "--prompts", str(c.prompts), "--group-size", str(c.group_size), "--response-len", str(c.response_len),
-           "--out", c.out]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    """worker() in a fresh process, or c.ranks under torchrun sharing 2 threads: the peak and time of the rank that
+    rose the most and took the longest."""
+    launch = [sys.executable]
+    if c.ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.ranks}"]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(replace(c, worker=setting)).items()]
+    p = subprocess.run(launch + [__file__, *args], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))))
     if p.returncode:
-        sys.exit(f"{setting} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.splitlines()[-1])
+        sys.exit(f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}")
+    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"peak"')]
+    return dict(ranks[0], peak=max(r["peak"] for r in ranks), time=max(r["time"] for r in ranks))
 
 
 def prepare(c: Config):
@@ -141,8 +166,9 @@ def prepare(c: Config):
     import make_synthetic_data
     import make_tiny_model
     make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    make_synthetic_data.make(os.path.join(c.out, "clips"), ["color"], num_train=c.prompts, num_val=0, seed=0,
-                             size=c.size, fps=8, seconds=c.frames / 8)
+    # a folder per frame count and size: bench/long_video.py's loop writes each clip once
+    make_synthetic_data.make(os.path.join(c.out, f"clips{c.frames}x{c.size}"), ["color"], num_train=c.prompts,
+                             num_val=0, seed=0, size=c.size, fps=8, seconds=c.frames / 8)
     with open(os.path.join(c.out, "train.py"), "w") as f:
         f.write(subprocess.run(["git", "show", f"{BEFORE}:train.py"], cwd=ROOT, capture_output=True, text=True,
                                check=True).stdout)
