@@ -22,21 +22,14 @@ One step (section banners in main):
   step       AdamW, grad clipping, warmup + cosine schedule
   sync       weights -> vLLM, caches reset
 
-The math follows verl 0.9.1 (docs/algorithms.md). Deviations, on purpose:
-1. Outcome rewards only, gamma = 1: without KL-in-reward a return equals the sequence reward at every token, so
-   REINFORCE++'s token-weighted batch whitening is computed from per-sequence values weighted by length.
-2. seq-mean-token-sum-norm divides by max_response_len (verl: the padded length of the micro-batch,
-   which would make the loss depend on the split).
-3. With ppo_epochs = mini_batches = 1 and no KL-in-reward, old_logp is the detached trainer logp
-   (ratio = 1: the plain policy gradient), saving a forward pass.
-4. The offline trajectory is treated as on-policy (its behaviour probabilities are unknown): ratio 1,
-   IS weight 1.
-5. Dynamic sampling never fails a step: after max_gen_rounds the batch is filled up with dropped
-   (all-equal) groups, counted in dyn/refilled. The TIS mask mode drops weights above the cap only.
+The math follows verl 0.9.1; docs/algorithms.md gives every formula and each deliberate deviation (outcome
+rewards only, gamma 1; seq-mean-token-sum-norm over max_response_len; old = sg[logp] with one pass and no
+KL-in-reward; offline trajectories as on-policy; dynamic sampling refills instead of failing the step).
 """
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import itertools
 import json
 import logging
@@ -122,7 +115,7 @@ class Config(cache.Media):
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
     """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
-    offline response is trained as on-policy (deviation 4 above), logged as offline/*"""
+    offline response is trained as on-policy (docs/algorithms.md), logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -279,10 +272,9 @@ def check_config(cfg: Config, world: int = 1):
     from transformers import AutoConfig
     choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
-    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
+    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size", "lr",
                 "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
-                "log_samples", "lr", "video_fps", "tis_cap", "gpu_memory_utilization",
-                "dist_timeout", "sp_size")
+                "log_samples", "video_fps", "tis_cap", "gpu_memory_utilization", "dist_timeout", "sp_size")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
@@ -343,10 +335,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
         if rows:
-            size = [(len(s.get("videos", []) + s.get("images", [])),
-                     len(processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids))
-                    for s in rows]
-            longest = rows[max(range(len(rows)), key=size.__getitem__)]
+            longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
+                processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
             prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
             print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
                   f"{cfg.max_prompt_len})")
@@ -354,10 +344,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
 def val_config(cfg: Config) -> Config:
     """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-    budget = {"video_fps": cfg.val_video_fps, "video_max_frames": cfg.val_video_max_frames,
-              "video_max_pixels": cfg.val_video_max_pixels, "video_total_pixels": cfg.val_video_total_pixels,
-              "image_max_pixels": cfg.val_image_max_pixels}
-    return replace(cfg, **{k: v for k, v in budget.items() if v})
+    fields = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
+    return replace(cfg, **{k: getattr(cfg, f"val_{k}") for k in fields if getattr(cfg, f"val_{k}")})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -655,10 +643,8 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-        batches = [collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies) for rows in mini]
-        for b, rows in zip(batches, mini):
-            b["index"] = rows
-        minibatches.append(batches)
+        minibatches.append([dict(collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies),
+                                 index=rows) for rows in mini])
     return minibatches
 
 
@@ -757,25 +743,17 @@ def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) ->
     return Group(rollouts, [c["overall"] for c in components], components, baseline)
 
 
-def offline_rollout(prompt: data.Prompt, tokenizer, eos_id: int, max_len: int) -> Rollout:
-    """The sample's curated trajectory as a rollout: its tokens + EOS (so the policy learns to stop),
-    truncated to the response budget like any sampled completion."""
-    text = prompt.sample["offline_output"]
-    ids = (tokenizer.encode(text, add_special_tokens=False) + [eos_id])[:max_len]
-    return Rollout(prompt, ids, None, text, "offline")
-
-
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group (always, or with
     mix_threshold > 0 only when the group's online accuracy is below it). Returns a new Group, or `group`."""
     p = group.rollouts[0].prompt
+    text = p.sample.get("offline_output")
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
-    if not cfg.mix_offline or not p.sample.get("offline_output"):
+    if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group
-    if cfg.mix_threshold and online_acc >= cfg.mix_threshold:
-        return group
-    off = offline_rollout(p, tok, eos_id, cfg.max_response_len)
-    return scored_group(group.rollouts[:-1] + [off], cfg, group.baseline)
+    # its tokens + EOS (the policy learns to stop), truncated to the response budget like any sampled completion
+    ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[:cfg.max_response_len]
+    return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
 
 
 def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int,
@@ -1167,13 +1145,7 @@ def load_model(cfg: Config, device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
     cuda = device.type == "cuda"
-    attn = "sdpa"
-    if cuda:
-        try:
-            import flash_attn  # noqa: F401
-            attn = "flash_attention_2"
-        except ImportError:
-            pass
+    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
     visual = model.model.visual  # taken before peft wraps the model (PeftModel.model is another object)
