@@ -1,5 +1,6 @@
 """ckpt.py: sharded checkpoints (out_dir/ckpt/step_N: DCP shards, per-rank RNG, meta.json, config + processor;
-`latest` names the newest complete one), exact resume, preemption, and the collectives they use."""
+`latest` names the newest complete one), exact resume, preemption; the process group and the collectives."""
+import datetime
 import json
 import os
 import shutil
@@ -38,6 +39,25 @@ def any_rank(flag: bool) -> bool:
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def init_dist(timeout_s: float = 1800.0, offload: bool = False):
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():  # main() may run again in the same process (tests)
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+
+
+def print0(*a):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import functools
 import importlib.util
 import itertools
 import json
-import logging
 import math
 import os
 import re
@@ -51,7 +50,7 @@ import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather
+from ckpt import all_reduce, gather, init_dist, print0
 from rollout import (HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, row_vision,
                      vision_token_ids)
 
@@ -656,7 +655,7 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
                               clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c)
-    w = torch.ones_like(mask)
+    w = torch.ones_like(mask)  # the TIS weight, 1 when off
     if cfg.tis:
         w = is_weight(old, b["rollout_logp"], mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode)
     kl = torch.zeros_like(mask)
@@ -838,9 +837,7 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
-    ref = None
-    if cfg.kl_coef > 0 and not cfg.lora_rank:
-        ref = load_model(cfg, device).eval().requires_grad_(False)
+    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
@@ -850,7 +847,6 @@ def main(cfg: Config):
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
         # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
@@ -869,7 +865,7 @@ def main(cfg: Config):
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped += skips
     skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
-    rows, logger = [], start_logger(cfg, state.get("wandb_id"), rank)
+    logger = start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
@@ -956,11 +952,10 @@ def main(cfg: Config):
         m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         n_tok = sum(gather(float(sum(lengths)))[::cfg.sp_size])
-        t_train = time.time() - t1
         # ------------------------------------------------------------------ sync
         t2 = time.time()
         engine.sync(model)
-        t_sync = time.time() - t2
+        times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ------------------------------------------------------------------ log
         local = {
             "reward": [x for g in batch.groups for x in g.rewards],
@@ -973,20 +968,17 @@ def main(cfg: Config):
             "samples": sample_rows(batch.groups, adv, step, cfg),
         }
         parts = gather(local)
+        evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
+        if evaluated:
+            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
         if rank == 0:
-            times = dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0)
             row = step_metrics(parts, step, cfg, gnorm=sum(gnorms) / len(gnorms), lr=lr_at(step - 1, cfg), n_tok=n_tok,
                                times=times)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
+            if evaluated:
+                row["eval/accuracy"] = acc_after
             if len(skipped) > n_skipped:
                 evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
-        # ------------------------------------------------------------------ eval / save
-        if val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0):
-            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
-            if rank == 0:
-                row["eval/accuracy"] = acc_after
-        if rank == 0:
-            rows.append(row)
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
             eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
             shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
@@ -1005,7 +997,7 @@ def main(cfg: Config):
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
     ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    if rank == 0 and rows:
+    if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
         plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
                    os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
@@ -1112,31 +1104,6 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # ---------------------------------------------------------------------------------------------------
 # Setup helpers
 
-def init_dist(timeout_s: float = 1800.0, offload: bool = False):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-    if not dist.is_initialized():  # main() may run again in the same process (tests)
-        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
-        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-
-
-def harmless_vllm_warning(record: logging.LogRecord) -> bool:
-    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
-    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
-    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
-
-
-def print0(*a):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*a, flush=True)
-
-
 def load_model(cfg: Config, device):
     """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
     marked block), fp32 master weights; bf16 compute on GPU. Activation checkpointing (module hooks,
@@ -1202,10 +1169,7 @@ def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int,
 def save_checkpoint(model, processor, path: str, rank: int):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
     merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {}
-    for name, t in hf_weights(model):  # a collective: every rank gathers, rank 0 keeps
-        if rank == 0:
-            sd[name] = t.cpu()
+    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
     if rank == 0:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.save_pretrained(path, state_dict=sd)
@@ -1227,10 +1191,10 @@ def plot_curve(rows: list[dict], path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], label="train reward")
-    ax.plot([r["step"] for r in rows], [r["reward/accuracy"] for r in rows], label="train accuracy")
-    ev = [r for r in rows if "eval/accuracy" in r]
-    ax.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="held-out accuracy (greedy)")
+    for key, style, label in [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
+                              ("eval/accuracy", "o-", "held-out accuracy (greedy)")]:
+        shown = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in shown], [r[key] for r in shown], style, label=label)
     ax.set(xlabel="step", ylim=(-0.02, 1.02))
     ax.legend()
     ax.grid(alpha=0.3)
