@@ -9,6 +9,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from rollout import hf_weights
+
 
 # ---------------------------------------------------------------------------------------------------
 # Collectives: every rank calls them at the same point of the loop
@@ -119,6 +121,17 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
             for old in others[:max(0, len(others) - keep_last + 1)]:  # keep_last - 1 of them stay
                 shutil.rmtree(os.path.join(root, old))
     barrier()
+
+
+def save_checkpoint(model, processor, path: str, rank: int):
+    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
+    merged in (scripts/export_hf.py writes the adapter alone)."""
+    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
+    if rank == 0:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(path, state_dict=sd)
+        processor.save_pretrained(path)
+        model.generation_config.save_pretrained(path)
 
 
 def find(out_dir: str, resume: str) -> str:

@@ -50,9 +50,9 @@ import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather, init_dist, print0
-from rollout import (HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, row_vision,
-                     vision_token_ids)
+from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
+from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, row_vision, vision_token_ids
+from scripts import plot_runs
 
 
 @dataclass
@@ -760,7 +760,7 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
     """One generation round for this rank's share of `prompts` (data.next_valid): a scored Group per prompt.
     ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline. sp_size > 1: the
     ranks of an SP group generate their shares and all end up with the group's rollouts (the rows they train)."""
-    share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
+    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
     n = cfg.group_size
     rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:(start + k) * n]
     baselines = [0.0] * k
@@ -768,8 +768,8 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
         greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
         baselines = [score(r, cfg)["overall"] for r in greedy]
     if cfg.sp_size > 1:
-        rollouts, baselines = sp.group_rollouts(rollouts, baselines, tp_share(prompts, rank, world, cfg.sp_size)[0],
-                                                n, layout)
+        group_prompts = data.tp_share(prompts, rank, world, cfg.sp_size)[0]
+        rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
     groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(len(baselines))]
     return [swap_offline(group, cfg, tok, eos_id) for group in groups]
 
@@ -870,7 +870,7 @@ def main(cfg: Config):
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world)
+        acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
@@ -970,7 +970,7 @@ def main(cfg: Config):
         parts = gather(local)
         evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
         if evaluated:
-            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
+            acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
         if rank == 0:
             row = step_metrics(parts, step, cfg, gnorm=sum(gnorms) / len(gnorms), lr=lr_at(step - 1, cfg), n_tok=n_tok,
                                times=times)
@@ -998,8 +998,12 @@ def main(cfg: Config):
             return acc_before, float("nan")
     ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
-        plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
-                   os.path.join(cfg.out_dir, "curve.png"))
+        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
+                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
+        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
+                 for key, style, label in curves]
+        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
@@ -1140,67 +1144,6 @@ def load_model(cfg: Config, device):
         # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
-
-
-def tp_share(items: list, rank: int, world: int, tp: int):
-    """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.
-    Rank r trains on items[r::world]; its TP group is ranks [r - r % tp, r - r % tp + tp)."""
-    g0 = rank - rank % tp
-    parts = [items[q::world] for q in range(g0, g0 + tp)]
-    start = sum(len(x) for x in parts[:rank - g0])
-    return [x for part in parts for x in part], start, len(parts[rank - g0])
-
-
-def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
-    evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
-    share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
-    # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
-    share = share + prompts[:1] * (len(tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
-    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
-    mine = [evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
-    rows = [x for part in gather(mine) for x in part]
-    if rank == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
-        evaluate.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    return evaluate.aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
-
-
-def save_checkpoint(model, processor, path: str, rank: int):
-    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
-    merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
-    if rank == 0:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.save_pretrained(path, state_dict=sd)
-        processor.save_pretrained(path)
-        model.generation_config.save_pretrained(path)
-
-
-def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
-    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
-    twice (the run resumed from a checkpoint before it) by its last row."""
-    with open(metrics_path) as f:
-        logged = {r["step"]: r for r in map(json.loads, f)}
-    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
-    return [first] + [logged[s] for s in sorted(logged)]
-
-
-def plot_curve(rows: list[dict], path: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, style, label in [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
-                              ("eval/accuracy", "o-", "held-out accuracy (greedy)")]:
-        shown = [r for r in rows if key in r]
-        ax.plot([r["step"] for r in shown], [r[key] for r in shown], style, label=label)
-    ax.set(xlabel="step", ylim=(-0.02, 1.02))
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
