@@ -1,5 +1,6 @@
 """ckpt.py: sharded checkpoints (out_dir/ckpt/step_N: DCP shards, per-rank RNG, meta.json, config + processor;
-`latest` names the newest complete one), exact resume, preemption, and the collectives they use."""
+`latest` names the newest complete one), exact resume, preemption; the process group and the collectives."""
+import datetime
 import json
 import os
 import shutil
@@ -7,6 +8,8 @@ import signal
 
 import torch
 import torch.distributed as dist
+
+from rollout import hf_weights
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -38,6 +41,25 @@ def any_rank(flag: bool) -> bool:
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def init_dist(timeout_s: float = 1800.0, offload: bool = False):
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():  # main() may run again in the same process (tests)
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+
+
+def print0(*a):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,6 +121,17 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
             for old in others[:max(0, len(others) - keep_last + 1)]:  # keep_last - 1 of them stay
                 shutil.rmtree(os.path.join(root, old))
     barrier()
+
+
+def save_checkpoint(model, processor, path: str, rank: int):
+    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
+    merged in (scripts/export_hf.py writes the adapter alone)."""
+    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
+    if rank == 0:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.save_pretrained(path, state_dict=sd)
+        processor.save_pretrained(path)
+        model.generation_config.save_pretrained(path)
 
 
 def find(out_dir: str, resume: str) -> str:

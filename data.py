@@ -387,7 +387,7 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
     while todo:
         reports = {}
         group = max(cfg.rollout_tp, cfg.sp_size)
-        mine = [i for i in todo if i % world // group == rank // group]  # train.tp_share's rows
+        mine = [i for i in todo if i % world // group == rank // group]  # tp_share's rows
         for i in mine:
             prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
@@ -401,3 +401,12 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
             skips.append(bad[i])
             batch[i] = samples[stream.take()]
     return prompts, skips
+
+
+def tp_share(items: list, rank: int, world: int, tp: int):
+    """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.
+    Rank r trains on items[r::world]; its TP group is ranks [r - r % tp, r - r % tp + tp)."""
+    g0 = rank - rank % tp
+    parts = [items[q::world] for q in range(g0, g0 + tp)]
+    start = sum(len(x) for x in parts[:rank - g0])
+    return [x for part in parts for x in part], start, len(parts[rank - g0])

@@ -33,6 +33,7 @@ from typing import Literal
 import yaml
 
 import cache
+import ckpt
 import data
 import rewards
 from data import DataError
@@ -667,6 +668,21 @@ def judge_rows(rows: list[dict], cfg: Config) -> str:
     if any(r["judge"] != "none" for r in rows if "judge" in r):
         return cfg.judge_model
     return "none: open-ended items scored by rule (ROUGE/exact), not the judge"
+
+
+def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
+    """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
+    evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
+    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+    # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
+    share = share + prompts[:1] * (len(data.tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
+    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
+    mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
+    rows = [x for part in ckpt.gather(mine) for x in part]
+    if rank == 0:
+        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
+        write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
+    return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
 
 def make_engine(cfg: Config, tokenizer):

@@ -19,6 +19,7 @@ distribution: softmax(logits / T) with those tokens at -inf. The trainer compute
 so `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -80,11 +81,19 @@ def vision_token_ids(tokenizer) -> list[int]:
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
+def harmless_vllm_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
+    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
+    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
+
+
+
 class VLLMEngine:
     def __init__(self, model_dir: str, tokenizer, tp: int = 1, max_model_len: int = 4096, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
                  max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         from vllm import LLM
         from vllm.platforms import current_platform
         rank = dist.get_rank() if dist.is_initialized() else 0

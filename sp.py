@@ -110,7 +110,7 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
-    not the media) gathered in rank order onto this rank's Prompts (the group's, train.tp_share's order), n each."""
+    not the media) gathered in rank order onto this rank's Prompts (the group's, data.tp_share's order), n each."""
     parts = [None] * layout.sp_size
     dist.all_gather_object(parts, ([replace(r, prompt=None) for r in rollouts], baselines), group=layout.group)
     done = [x for part, _ in parts for x in part]

@@ -22,24 +22,16 @@ One step (section banners in main):
   step       AdamW, grad clipping, warmup + cosine schedule
   sync       weights -> vLLM, caches reset
 
-The math follows verl 0.9.1 (docs/algorithms.md). Deviations, on purpose:
-1. Outcome rewards only, gamma = 1: without KL-in-reward a return equals the sequence reward at every token, so
-   REINFORCE++'s token-weighted batch whitening is computed from per-sequence values weighted by length.
-2. seq-mean-token-sum-norm divides by max_response_len (verl: the padded length of the micro-batch,
-   which would make the loss depend on the split).
-3. With ppo_epochs = mini_batches = 1 and no KL-in-reward, old_logp is the detached trainer logp
-   (ratio = 1: the plain policy gradient), saving a forward pass.
-4. The offline trajectory is treated as on-policy (its behaviour probabilities are unknown): ratio 1,
-   IS weight 1.
-5. Dynamic sampling never fails a step: after max_gen_rounds the batch is filled up with dropped
-   (all-equal) groups, counted in dyn/refilled. The TIS mask mode drops weights above the cap only.
+The math follows verl 0.9.1; docs/algorithms.md gives every formula and each deliberate deviation (outcome
+rewards only, gamma 1; seq-mean-token-sum-norm over max_response_len; old = sg[logp] with one pass and no
+KL-in-reward; offline trajectories as on-policy; dynamic sampling refills instead of failing the step).
 """
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import itertools
 import json
-import logging
 import math
 import os
 import re
@@ -58,9 +50,9 @@ import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather
-from rollout import (HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, row_vision,
-                     vision_token_ids)
+from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
+from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, row_vision, vision_token_ids
+from scripts import plot_runs
 
 
 @dataclass
@@ -122,7 +114,7 @@ class Config(cache.Media):
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
     """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
-    offline response is trained as on-policy (deviation 4 above), logged as offline/*"""
+    offline response is trained as on-policy (docs/algorithms.md), logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -279,10 +271,9 @@ def check_config(cfg: Config, world: int = 1):
     from transformers import AutoConfig
     choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
-    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
+    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size", "lr",
                 "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
-                "log_samples", "lr", "video_fps", "tis_cap", "gpu_memory_utilization",
-                "dist_timeout", "sp_size")
+                "log_samples", "video_fps", "tis_cap", "gpu_memory_utilization", "dist_timeout", "sp_size")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
@@ -343,10 +334,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
         if rows:
-            size = [(len(s.get("videos", []) + s.get("images", [])),
-                     len(processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids))
-                    for s in rows]
-            longest = rows[max(range(len(rows)), key=size.__getitem__)]
+            longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
+                processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
             prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
             print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
                   f"{cfg.max_prompt_len})")
@@ -354,10 +343,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
 def val_config(cfg: Config) -> Config:
     """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-    budget = {"video_fps": cfg.val_video_fps, "video_max_frames": cfg.val_video_max_frames,
-              "video_max_pixels": cfg.val_video_max_pixels, "video_total_pixels": cfg.val_video_total_pixels,
-              "image_max_pixels": cfg.val_image_max_pixels}
-    return replace(cfg, **{k: v for k, v in budget.items() if v})
+    fields = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
+    return replace(cfg, **{k: getattr(cfg, f"val_{k}") for k in fields if getattr(cfg, f"val_{k}")})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -655,10 +642,8 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-        batches = [collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies) for rows in mini]
-        for b, rows in zip(batches, mini):
-            b["index"] = rows
-        minibatches.append(batches)
+        minibatches.append([dict(collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies),
+                                 index=rows) for rows in mini])
     return minibatches
 
 
@@ -670,7 +655,7 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
                               clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c)
-    w = torch.ones_like(mask)
+    w = torch.ones_like(mask)  # the TIS weight, 1 when off
     if cfg.tis:
         w = is_weight(old, b["rollout_logp"], mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode)
     kl = torch.zeros_like(mask)
@@ -757,25 +742,17 @@ def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) ->
     return Group(rollouts, [c["overall"] for c in components], components, baseline)
 
 
-def offline_rollout(prompt: data.Prompt, tokenizer, eos_id: int, max_len: int) -> Rollout:
-    """The sample's curated trajectory as a rollout: its tokens + EOS (so the policy learns to stop),
-    truncated to the response budget like any sampled completion."""
-    text = prompt.sample["offline_output"]
-    ids = (tokenizer.encode(text, add_special_tokens=False) + [eos_id])[:max_len]
-    return Rollout(prompt, ids, None, text, "offline")
-
-
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group (always, or with
     mix_threshold > 0 only when the group's online accuracy is below it). Returns a new Group, or `group`."""
     p = group.rollouts[0].prompt
+    text = p.sample.get("offline_output")
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
-    if not cfg.mix_offline or not p.sample.get("offline_output"):
+    if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group
-    if cfg.mix_threshold and online_acc >= cfg.mix_threshold:
-        return group
-    off = offline_rollout(p, tok, eos_id, cfg.max_response_len)
-    return scored_group(group.rollouts[:-1] + [off], cfg, group.baseline)
+    # its tokens + EOS (the policy learns to stop), truncated to the response budget like any sampled completion
+    ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[:cfg.max_response_len]
+    return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
 
 
 def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int,
@@ -783,7 +760,7 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
     """One generation round for this rank's share of `prompts` (data.next_valid): a scored Group per prompt.
     ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline. sp_size > 1: the
     ranks of an SP group generate their shares and all end up with the group's rollouts (the rows they train)."""
-    share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
+    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
     n = cfg.group_size
     rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:(start + k) * n]
     baselines = [0.0] * k
@@ -791,8 +768,8 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
         greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
         baselines = [score(r, cfg)["overall"] for r in greedy]
     if cfg.sp_size > 1:
-        rollouts, baselines = sp.group_rollouts(rollouts, baselines, tp_share(prompts, rank, world, cfg.sp_size)[0],
-                                                n, layout)
+        group_prompts = data.tp_share(prompts, rank, world, cfg.sp_size)[0]
+        rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
     groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(len(baselines))]
     return [swap_offline(group, cfg, tok, eos_id) for group in groups]
 
@@ -860,9 +837,7 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
-    ref = None
-    if cfg.kl_coef > 0 and not cfg.lora_rank:
-        ref = load_model(cfg, device).eval().requires_grad_(False)
+    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
@@ -872,7 +847,6 @@ def main(cfg: Config):
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
         # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
         engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
@@ -891,12 +865,12 @@ def main(cfg: Config):
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped += skips
     skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
-    rows, logger = [], start_logger(cfg, state.get("wandb_id"), rank)
+    logger = start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world)
+        acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
@@ -978,11 +952,10 @@ def main(cfg: Config):
         m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         n_tok = sum(gather(float(sum(lengths)))[::cfg.sp_size])
-        t_train = time.time() - t1
         # ------------------------------------------------------------------ sync
         t2 = time.time()
         engine.sync(model)
-        t_sync = time.time() - t2
+        times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ------------------------------------------------------------------ log
         local = {
             "reward": [x for g in batch.groups for x in g.rewards],
@@ -995,20 +968,17 @@ def main(cfg: Config):
             "samples": sample_rows(batch.groups, adv, step, cfg),
         }
         parts = gather(local)
+        evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
+        if evaluated:
+            acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
         if rank == 0:
-            times = dict(gen=t_gen, train=t_train, sync=t_sync, step=time.time() - t0)
             row = step_metrics(parts, step, cfg, gnorm=sum(gnorms) / len(gnorms), lr=lr_at(step - 1, cfg), n_tok=n_tok,
                                times=times)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
+            if evaluated:
+                row["eval/accuracy"] = acc_after
             if len(skipped) > n_skipped:
                 evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
-        # ------------------------------------------------------------------ eval / save
-        if val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0):
-            acc_after = evaluate_accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
-            if rank == 0:
-                row["eval/accuracy"] = acc_after
-        if rank == 0:
-            rows.append(row)
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
             eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
             shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
@@ -1027,9 +997,13 @@ def main(cfg: Config):
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
     ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    if rank == 0 and rows:
-        plot_curve(curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before),
-                   os.path.join(cfg.out_dir, "curve.png"))
+    if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
+        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
+                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
+        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
+                 for key, style, label in curves]
+        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
@@ -1134,31 +1108,6 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # ---------------------------------------------------------------------------------------------------
 # Setup helpers
 
-def init_dist(timeout_s: float = 1800.0, offload: bool = False):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-    if not dist.is_initialized():  # main() may run again in the same process (tests)
-        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
-        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-
-
-def harmless_vllm_warning(record: logging.LogRecord) -> bool:
-    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
-    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
-    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
-
-
-def print0(*a):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*a, flush=True)
-
-
 def load_model(cfg: Config, device):
     """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
     marked block), fp32 master weights; bf16 compute on GPU. Activation checkpointing (module hooks,
@@ -1167,13 +1116,7 @@ def load_model(cfg: Config, device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
     cuda = device.type == "cuda"
-    attn = "sdpa"
-    if cuda:
-        try:
-            import flash_attn  # noqa: F401
-            attn = "flash_attention_2"
-        except ImportError:
-            pass
+    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
     visual = model.model.visual  # taken before peft wraps the model (PeftModel.model is another object)
@@ -1201,70 +1144,6 @@ def load_model(cfg: Config, device):
         # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
-
-
-def tp_share(items: list, rank: int, world: int, tp: int):
-    """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.
-    Rank r trains on items[r::world]; its TP group is ranks [r - r % tp, r - r % tp + tp)."""
-    g0 = rank - rank % tp
-    parts = [items[q::world] for q in range(g0, g0 + tp)]
-    start = sum(len(x) for x in parts[:rank - g0])
-    return [x for part in parts for x in part], start, len(parts[rank - g0])
-
-
-def evaluate_accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
-    evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
-    share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
-    # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
-    share = share + prompts[:1] * (len(tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
-    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
-    mine = [evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
-    rows = [x for part in gather(mine) for x in part]
-    if rank == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
-        evaluate.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    return evaluate.aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
-
-
-def save_checkpoint(model, processor, path: str, rank: int):
-    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
-    merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {}
-    for name, t in hf_weights(model):  # a collective: every rank gathers, rank 0 keeps
-        if rank == 0:
-            sd[name] = t.cpu()
-    if rank == 0:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.save_pretrained(path, state_dict=sd)
-        processor.save_pretrained(path)
-        model.generation_config.save_pretrained(path)
-
-
-def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
-    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
-    twice (the run resumed from a checkpoint before it) by its last row."""
-    with open(metrics_path) as f:
-        logged = {r["step"]: r for r in map(json.loads, f)}
-    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
-    return [first] + [logged[s] for s in sorted(logged)]
-
-
-def plot_curve(rows: list[dict], path: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward/mean"] for r in rows], label="train reward")
-    ax.plot([r["step"] for r in rows], [r["reward/accuracy"] for r in rows], label="train accuracy")
-    ev = [r for r in rows if "eval/accuracy" in r]
-    ax.plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="held-out accuracy (greedy)")
-    ax.set(xlabel="step", ylim=(-0.02, 1.02))
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

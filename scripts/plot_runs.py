@@ -19,22 +19,40 @@ def curve(run: str) -> tuple[list[int], list[float]]:
     return steps, [pts[k] for k in steps]
 
 
+def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
+    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
+    twice (the run resumed from a checkpoint before it) by its last row."""
+    with open(metrics_path) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
+    return [first] + [logged[s] for s in sorted(logged)]
+
+
+def plot(lines: list[tuple], path: str, ylabel: str = "", title: str = ""):
+    """One figure of (steps, values, style, label) lines over steps, saved at path (train.py's curve.png too)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for steps, values, style, label in lines:
+        ax.plot(steps, values, style, label=label)
+    ax.set(xlabel="step", ylabel=ylabel, ylim=(-0.02, 1.02), title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="RUN_DIR or RUN_DIR:label")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="")
     a = ap.parse_args()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines = []
     for spec in a.runs:
         run, _, label = spec.partition(":")
-        ax.plot(*curve(run), "o-", label=label or os.path.basename(run.rstrip("/")))
-    ax.set(xlabel="step", ylabel="held-out accuracy (greedy)", ylim=(-0.02, 1.02), title=a.title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(a.out, dpi=100)
+        lines.append((*curve(run), "o-", label or os.path.basename(run.rstrip("/"))))
+    plot(lines, a.out, ylabel="held-out accuracy (greedy)", title=a.title)
     print(a.out)

@@ -204,7 +204,7 @@ def test_export_bfloat16(tmp_path, tiny_model):
 def test_curve_keeps_the_steps_before_a_resume(tmp_path):
     """curve.png is drawn from metrics.jsonl, not from this process's rows: a run that crashed after step 3 and
     resumed from its step-1 checkpoint logged steps 1, 2, 3, 2, 3, 4; the curve has 0..4, steps 2 and 3 as re-run."""
-    from train import curve_rows
+    from scripts.plot_runs import curve_rows
     logged = [1, 2, 3, 2, 3, 4]
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i, step in enumerate(logged):
