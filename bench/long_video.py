@@ -6,7 +6,7 @@ bench/memory.py's worker, a fresh process per setting (2 ranks: torchrun, gloo, 
 of two threads): synthetic clips of F frames at 8 fps read with video_fps 8 and video_max_frames F, so the model sees
 all F frames; 56 x 56 pixels make 2 video tokens per frame (2 frames x 2 x 2 patches of 14 px merge into one token).
 group_size rollouts of response_len random tokens per clip, the train phase of train.main once. Peak memory per rank:
-the rank's resident-set rise over the phase (memory_plan.peak_bytes), the largest over the ranks; time: the slowest
+the rank's resident-set rise over the phase (memory.peak_bytes), the largest over the ranks; time: the slowest
 rank's. "sp1" / "sp2" run all of issue 13's switches (memory.py's "all on": frozen vision features, checkpointing,
 chunked logits, one row per micro-batch) on one clip, with sp_size 1 on 1 rank / sp_size 2 on 2 ranks. The speedup
 compares one step of the same 2 clips on the same 2 ranks: "today's path", train.py before issues 13 and 14 (vision
