@@ -3,15 +3,14 @@
     python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
     python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
 
-Annotations are read as released from {data_dir}/{name}.json|.jsonl|.parquet (or a folder of them, e.g. MVBench's
-json/<task>.json), videos from {video_dir}/{name}/. Names, files, records, videos, the frame budget and the resume
-log are checked before the engine starts. Every answer: rewards.answer_text takes it out of our format, then the
-benchmark's official rule reads it (docs/benchmarks.md: source, rule, aggregation, deviations). A sample that cannot
-be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
-Pipeline (engine="async"): loader threads read frames (cached or decoded) and hand each request to AsyncLLM as soon
-as it is ready, at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl
-as it finishes, results.json is rewritten after every benchmark, and a rerun resumes only under the same model
-and settings ({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
+Each benchmark (configs/benchmarks/benchmarks.yaml: adapter and official prompt) is read as released; names, files,
+records, videos, the frame budget and the resume log are checked before the engine starts. An answer is taken out of
+our format (rewards.answer_text), then read by the benchmark's official rule (docs/benchmarks.md). A sample that
+cannot be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
+engine="async": loader threads read frames (cached or decoded) and hand each request to AsyncLLM when it is ready,
+at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl as it finishes,
+results.json is rewritten after every benchmark, and a rerun resumes only under the same model and settings
+({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
 """
 import asyncio
 import copy
@@ -109,14 +108,23 @@ FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extrac
 @cached
 def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
     """Every benchmark's definition (prompt and adapter) from path, the field names most releases use filled in.
-    Raises ValueError naming the file and the benchmark on an unknown field or reader."""
+    Raises ValueError naming the file and the benchmark on an unknown field, reader or rule key."""
     with open(path, encoding="utf-8") as f:
         table = yaml.safe_load(f)
     for name, ad in table.items():
+        if not isinstance(ad, dict):
+            raise ValueError(f"{path}: benchmark {name!r}: expected a mapping of fields, got {type(ad).__name__}")
+        rules = [ad["type"]] if isinstance(ad.get("type"), dict) else []
+        rules += [rule for rule in ad.get("derive", {}).values() if isinstance(rule, dict)]
+        problem = ""
         if unknown := sorted(set(ad) - set(FIELDS)):
-            raise ValueError(f"{path}: benchmark {name!r}: unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
-        if ad.get("read", "letter") not in READERS:
-            raise ValueError(f"{path}: benchmark {name!r}: unknown reader {ad['read']!r}; known: {', '.join(READERS)}")
+            problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
+        elif ad.get("read", "letter") not in READERS:
+            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)}"
+        elif any(not {"field", "map"} <= set(rule) <= {"field", "map", "default"} for rule in rules):
+            problem = "a type or derive rule takes field, map and (optionally) default"
+        if problem:
+            raise ValueError(f"{path}: benchmark {name!r}: {problem}")
     return {name: {"q": "question", "opts": "options", "ans": "answer", **ad} for name, ad in table.items()}
 
 
@@ -164,15 +172,14 @@ def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
             bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
             continue
         for i, r in enumerate(rows):
-            if f.endswith(".jsonl"):  # one record per line: a broken line costs that record only
-                try:
-                    r = json.loads(r) if r.strip() else None
-                except json.JSONDecodeError as e:
-                    bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
-                    continue
-            if r is not None:
-                out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict)
-                            else r))
+            if f.endswith(".jsonl") and not r.strip():
+                continue
+            try:  # a .jsonl line each: a broken line costs that record only
+                r = json.loads(r) if f.endswith(".jsonl") else r
+            except json.JSONDecodeError as e:
+                bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
+                continue
+            out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r))
     return out
 
 
@@ -257,7 +264,8 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     """The samples of one benchmark, from {data_dir}/{name}.jsonl|.json|.parquet or a folder of them. Records without
     ground truth go to skipped; records that break (wrong type, missing field, unparseable line) go to bad with where
     and error (or raise when bad is None)."""
-    ad, errors, out = adapter(name), [], []
+    ad, out = adapter(name), []
+    errors = [] if bad is None else bad
     paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
     if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
         paths = [os.path.join(cfg.data_dir, name, "val.jsonl"), os.path.join(cfg.data_dir, "val.jsonl")] + paths
@@ -286,8 +294,6 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
                 out.append(dict(s, where=where))
     if errors and bad is None:
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
-    if bad is not None:
-        bad.extend(errors)
     return out[:cfg.max_samples or None]
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,9 +336,7 @@ def read_vsi(text: str, s: dict):
 
 def read_mvbench(text: str, s: dict):
     """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
-    text = text.strip()
-    if text.lower().startswith("best option:"):
-        text = text[len("best option:"):].strip()
+    text = re.sub(r"(?i)^best option:", "", text.strip()).strip()
     first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
@@ -341,9 +345,7 @@ def read_mvbench(text: str, s: dict):
 
 def read_lvbench(text: str, s: dict):
     """LVBench's polish_answer: cut at the first ')', keep what follows '(', first word, first character."""
-    text = text.strip()
-    text = text[:text.index(")")] if ")" in text else text
-    text = text[text.index("(") + 1:] if "(" in text else text
+    text = text.strip().split(")", 1)[0].split("(", 1)[-1]
     got = text.split()[0][0] if text.split() else None
     return got, float(got == gt_letter(s))
 

@@ -224,6 +224,9 @@ def test_benchmark_table_is_checked(tmp_path):
     path.write_text("mine:\n  read: letters\n")
     with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown reader 'letters'"):
         E.load_adapters(str(path))
+    path.write_text("mine:\n  type: {field: kind, map: {mc: multiple choice}, defualt: open-ended}\n")
+    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map"):
+        E.load_adapters(str(path))
     path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")  # the defaults fill in, an explicit null stays
     assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4"}}
 
