@@ -60,8 +60,8 @@ class Config(cache.Media):
     seed: int = 0
     """sampling seed, and the seed of the random-option fallback"""
     random_fallback: bool = False
-    """an unreadable answer gets a seeded random option where the official scorer guesses (LongVideoBench, Video-MMMU,
-    EgoSchema, NExT-QA): the official setting; off, it is scored 0 and counted as parse_fail"""
+    """an unreadable answer gets a seeded random option where the official scorer guesses (benchmarks.yaml's `guess`,
+    the official setting); off, it is scored 0 and counted as parse_fail"""
     allow_failures: bool = False
     """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
     max_in_flight: int = 64
