@@ -390,12 +390,8 @@ def mmmu_open(text: str, gt: str):
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
     golds = mmmu_norm(gt)
-    ok = False
-    for p in preds:
-        if isinstance(p, str):
-            ok |= any(isinstance(g, str) and g in p for g in golds)
-        else:
-            ok |= p in golds
+    ok = any(g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str))  # a gold text in it
+    ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
     return (text or None), float(ok)
 
 
