@@ -3,15 +3,14 @@
     python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
     python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
 
-Annotations are read as released from {data_dir}/{name}.json|.jsonl|.parquet (or a folder of them, e.g. MVBench's
-json/<task>.json), videos from {video_dir}/{name}/. Names, files, records, videos, the frame budget and the resume
-log are checked before the engine starts. Every answer: rewards.answer_text takes it out of our format, then the
-benchmark's official rule reads it (docs/benchmarks.md: source, rule, aggregation, deviations). A sample that cannot
-be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
-Pipeline (engine="async"): loader threads read frames (cached or decoded) and hand each request to AsyncLLM as soon
-as it is ready, at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl
-as it finishes, results.json is rewritten after every benchmark, and a rerun resumes only under the same model
-and settings ({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
+Each benchmark (configs/benchmarks/benchmarks.yaml: adapter and official prompt) is read as released; names, files,
+records, videos, the frame budget and the resume log are checked before the engine starts. An answer is taken out of
+our format (rewards.answer_text), then read by the benchmark's official rule (docs/benchmarks.md). A sample that
+cannot be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
+engine="async": loader threads read frames (cached or decoded) and hand each request to AsyncLLM when it is ready,
+at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl as it finishes,
+results.json is rewritten after every benchmark, and a rerun resumes only under the same model and settings
+({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
 """
 import asyncio
 import copy
@@ -44,7 +43,7 @@ class Config(cache.Media):
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)"""
     benchmarks: str = "nvr1"
-    """comma-separated adapter names (see ADAPTERS)"""
+    """comma-separated benchmark names (configs/benchmarks/benchmarks.yaml)"""
     data_dir: str = "data/benchmarks"
     """annotation files: {data_dir}/{name}.json|.jsonl|.parquet or a folder of them (nvr1: also {data_dir}/val.jsonl)"""
     video_dir: str = "data/videos"
@@ -62,8 +61,8 @@ class Config(cache.Media):
     seed: int = 0
     """sampling seed, and the seed of the random-option fallback"""
     random_fallback: bool = False
-    """an unreadable answer gets a seeded random option where the official scorer guesses (LongVideoBench, Video-MMMU,
-    EgoSchema, NExT-QA): the official setting; off, it is scored 0 and counted as parse_fail"""
+    """an unreadable answer gets a seeded random option where the official scorer guesses (benchmarks.yaml's `guess`,
+    the official setting); off, it is scored 0 and counted as parse_fail"""
     allow_failures: bool = False
     """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
     max_in_flight: int = 64
@@ -101,88 +100,51 @@ ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallba
                    "video_max_pixels", "video_total_pixels", "image_min_pixels", "image_max_pixels")
 
 
-# ---------------------------------------------------------------------------------------------------
-# adapters: official record -> data.py sample; answer reader; aggregate (the prompt: official_prompt). q, opts, ans: the
-# record's question, options and answer fields (opts None: the options are lines of the question; a tuple: one field
-# per option); read: the official rule for letter answers (READERS); index: the answer is an option index; guess: the
-# official scorer picks a random option when it cannot read one (with random_fallback); keys: breakdowns; macro:
-# official mean of means; group: grouped score; judge: open-ended items go to the judge; after: the answer follows
-VSI_NA = ("object_counting", "object_abs_distance", "object_size_estimation", "room_size_estimation")
-
-
-def A(base: dict | None = None, **fields) -> dict:  # one adapter: the field names most releases use, then overrides
-    return {"q": "question", "opts": "options", "ans": "answer", **(base or {}), **fields}
-
-
-def judge_type(r, key, mc_value):  # MC or open-ended (judged) by one field's value
-    return "multiple choice" if r.get(key) == mc_value else "open-ended"
-
-
-EVR1 = A(q="problem", ans="solution", id="problem_id", video="{path}",
-         ptype=lambda r: {"REC": "counting", "SSR": "boolean", "CRR": "boolean"}.get(r["problem_type"],
-                                                                                    r["problem_type"]))
-ADAPTERS = {
-    "nvr1": A(own=True, keys=("problem_type",)),  # data.py's schema and prompts: the training validation set
-    "videomme": A(id="question_id", video="{videoID}.mp4", keys=("duration", "domain", "task_type")),
-    "videomme_v2": A(video="{video_id}.mp4", keys=("level", "group_type"), group="video_id"),
-    "mvbench": A(opts="candidates", video="{video}", keys=("task",), macro=("task",), read="mvbench",
-                 fix=lambda r: {"task": r["_file"]}),
-    "tempcompass": A(opts=None, video="{video_id}.mp4", keys=("dim", "format"), fix=lambda r: {"format": r["_file"]},
-                     judge=True, ptype=lambda r: {"yes_no": "boolean", "captioning": "open-ended"}.get(
-                         r["_file"], "multiple choice")),
-    "motionbench": A(nested="qa", opts=None, id="uid", video="{video_path}", keys=("question_type",), read="first"),
-    "lvbench": A(nested="qa", opts=None, id="uid", video="{key}.mp4", keys=("question_type",), read="lvbench"),
-    "longvideobench": A(opts=tuple(f"option{i}" for i in range(5)), ans="correct_choice", id="id",
-                        video="{video_path}", keys=("duration_group", "question_category"), index=True, guess=True),
-    "mlvu": A(opts=None, video="{video_name}", keys=("task_type",), macro=("task_type",)),
-    "holmes": A(q="Question", opts="Options", ans="Answer", video="{video ID}.mp4", keys=("Question Type",)),
-    "minerva": A(opts=tuple(f"answer_choice_{i}" for i in range(5)), ans="answer_id", index=True,
-                 video="{video_id}.mp4", read="minerva"),
-    "vcrbench": A(opts="choices", id="id", video="{video_path}", keys=("dimension",), judge=True,
-                  ptype=lambda r: judge_type(r, "multiple-choice", True)),
-    "videoreasonbench": A(EVR1, keys=("data_source",), judge=True, after="Final Answer"),
-    "longvideoreason": A(EVR1),
-    "mmvu": A(opts="choices", id="id", video="{subject}/{file}", keys=("question_type", "subject"), judge=True,
-              read="first", ptype=lambda r: judge_type(r, "question_type", "multiple-choice"),
-              fix=lambda r: dict(zip(("subject", "file"), r["video_path"].split("/")[-2:]))),  # a hub URL
-    "videommmu": A(id="id", video="{id}.mp4", keys=("track", "discipline"), read="mmmu", guess=True,
-                   fix=lambda r: {"track": r["_file"], "discipline": r["id"].split("_")[1]},
-                   ptype=lambda r: judge_type(r, "question_type", "multiple-choice").replace("open-ended",
-                                                                                             "numerical")),
-    "videomathqa": A(id="question_id", video="{videoID}.mp4", keys=("category", "length")),
-    "vsibench": A(ans="ground_truth", id="id", video="{dataset}/{scene_name}.mp4", keys=("category", "question_type"),
-                  macro=("category", "question_type"), read="vsi",
-                  fix=lambda r: {"category": re.sub(r"_(easy|medium|hard)$", "", r["question_type"])},
-                  ptype=lambda r: "regression" if r["question_type"] in VSI_NA else "multiple choice"),
-    "charades_sta": A(q="problem", opts=None, video="{video}", tiou=True, ptype="temporal grounding",
-                      fix=lambda r: {"answer": json.dumps({"time": r["timestamp"]}), "problem": "Please find the "
-                                     f"visual event described by the sentence '{r['caption']}', determining its "
-                                     "starting and ending times."}),
-    "stvg": A(EVR1, tiou=True),
-    "ovobench": A(EVR1, keys=("ovo_category", "ovo_task"), macro=("ovo_category", "ovo_task"), read="ovo",
-                  fix=lambda r: {"solution": "yes" if str(r.get("ovo_type")) == "1" else "no"}
-                  if r["problem_type"] in ("SSR", "CRR") else {}),
-    "odvbench": A(EVR1, keys=("odv_task", "odv_subtask")),
-    "livesports3k_qa": A(EVR1, keys=("q_type_livesports", "ocr_livesports")),
-    "egoschema": A(opts="option", id="question_idx", video="{video_idx}.mp4", index=True, read="mmmu", guess=True),
-    "nextqa": A(opts=tuple(f"a{i}" for i in range(5)), video="{video}.mp4", keys=("type",), index=True, read="mmmu",
-                guess=True),
-    "perceptiontest": A(ans="answer_id", id="question_id", video="{video_name}.mp4", keys=("area", "reasoning"),
-                        index=True, read="first"),
-    "worldsense": A(opts="candidates", id="index", video="{video_path}",
-                    keys=("task_domain", "task_type", "duration", "audio_class")),
-}
-PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "prompts.yaml")
-# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
-# "Option 1: x" (1-based)
-_OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml")
+# a benchmark's fields in BENCHMARKS (documented there)
+FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
+          "keys", "macro", "group", "tiou", "judge", "after", "own")
 
 
 @cached
-def official_prompt(bench: str) -> str | None:
-    """The benchmark's official prompt, a Jinja2 template (None: data.py's default), configs/benchmarks/prompts.yaml."""
-    with open(PROMPTS) as f:
-        return yaml.safe_load(f).get(bench)
+def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
+    """Every benchmark's definition (prompt and adapter) from path, the field names most releases use filled in.
+    Raises ValueError naming the file and the benchmark on an unknown field, reader or rule key."""
+    with open(path, encoding="utf-8") as f:
+        table = yaml.safe_load(f)
+    for name, ad in table.items():
+        if not isinstance(ad, dict):
+            raise ValueError(f"{path}: benchmark {name!r}: expected a mapping of fields, got {type(ad).__name__}")
+        rules = [ad["type"]] if isinstance(ad.get("type"), dict) else []
+        rules += [rule for rule in ad.get("derive", {}).values() if isinstance(rule, dict)]
+        problem = ""
+        if unknown := sorted(set(ad) - set(FIELDS)):
+            problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
+        elif ad.get("read", "letter") not in READERS:
+            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)}"
+        elif any(not {"field", "map"} <= set(rule) <= {"field", "map", "default"} for rule in rules):
+            problem = "a type or derive rule takes field, map and (optionally) default"
+        if problem:
+            raise ValueError(f"{path}: benchmark {name!r}: {problem}")
+    return {name: {"q": "question", "opts": "options", "ans": "answer", **ad} for name, ad in table.items()}
+
+
+def adapter(bench: str) -> dict:
+    """One benchmark's definition from BENCHMARKS."""
+    if bench not in load_adapters():
+        raise ValueError(f"unknown benchmark {bench!r}; known: {', '.join(load_adapters())}")
+    return load_adapters()[bench]
+
+
+def lookup(r: dict, rule: dict):
+    """A type or derived field by rule {field, map, default}: map[str(r[field])], else default, else r[field]."""
+    value = r.get(rule["field"])
+    return rule["map"].get(str(value), rule.get("default", value))
+
+
+# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
+# "Option 1: x" (1-based)
+_OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
 
 
 def option_letter(m: re.Match) -> str:
@@ -211,15 +173,14 @@ def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
             bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
             continue
         for i, r in enumerate(rows):
-            if f.endswith(".jsonl"):  # one record per line: a broken line costs that record only
-                try:
-                    r = json.loads(r) if r.strip() else None
-                except json.JSONDecodeError as e:
-                    bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
-                    continue
-            if r is not None:
-                out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict)
-                            else r))
+            if f.endswith(".jsonl") and not r.strip():
+                continue
+            try:  # a .jsonl line each: a broken line costs that record only
+                r = json.loads(r) if f.endswith(".jsonl") else r
+            except json.JSONDecodeError as e:
+                bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
+                continue
+            out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r))
     return out
 
 
@@ -227,7 +188,7 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
     """The options as "A. text" lines, from a list, a {letter: text} dict, a newline-separated string, several fields,
     or (opts None) the lettered lines of the question."""
     opts = ad["opts"]
-    if isinstance(opts, tuple):
+    if isinstance(opts, list):
         raw = [r[k] for k in opts if r.get(k) not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
@@ -266,15 +227,24 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     try:
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
-        r = {**r, **ad.get("fix", dict)(r)}
+        r = dict(r)
+        for field, pattern in ad.get("extract", {}).items():
+            if not (m := re.search(pattern, str(r[field]))):
+                raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
+            r.update(m.groupdict())
+        for field, rule in ad.get("derive", {}).items():
+            if isinstance(rule, str):
+                r[field] = rule.format(**r)
+            elif rule["field"] in r:
+                r[field] = lookup(r, rule)
         question, ans = r[ad["q"]], r[ad["ans"]]
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
         if ans is None or str(ans).strip() in ("", "NA", "None"):
             return None
-        pt = ad.get("ptype", "multiple choice")
-        if callable(pt):
-            pt = pt(r)
+        pt = ad.get("type", "multiple choice")
+        if isinstance(pt, dict):
+            pt = lookup(r, pt)
         options = option_list(r, ad, question) if pt == "multiple choice" else []
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
@@ -295,9 +265,8 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     """The samples of one benchmark, from {data_dir}/{name}.jsonl|.json|.parquet or a folder of them. Records without
     ground truth go to skipped; records that break (wrong type, missing field, unparseable line) go to bad with where
     and error (or raise when bad is None)."""
-    if name not in ADAPTERS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(ADAPTERS)}")
-    ad, errors, out = ADAPTERS[name], [], []
+    ad, out = adapter(name), []
+    errors = [] if bad is None else bad
     paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
     if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
         paths = [os.path.join(cfg.data_dir, name, "val.jsonl"), os.path.join(cfg.data_dir, "val.jsonl")] + paths
@@ -326,8 +295,6 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
                 out.append(dict(s, where=where))
     if errors and bad is None:
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
-    if bad is not None:
-        bad.extend(errors)
     return out[:cfg.max_samples or None]
 
 # ---------------------------------------------------------------------------------------------------
@@ -370,9 +337,7 @@ def read_vsi(text: str, s: dict):
 
 def read_mvbench(text: str, s: dict):
     """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
-    text = text.strip()
-    if text.lower().startswith("best option:"):
-        text = text[len("best option:"):].strip()
+    text = re.sub(r"(?i)^best option:", "", text.strip()).strip()
     first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
@@ -381,9 +346,7 @@ def read_mvbench(text: str, s: dict):
 
 def read_lvbench(text: str, s: dict):
     """LVBench's polish_answer: cut at the first ')', keep what follows '(', first word, first character."""
-    text = text.strip()
-    text = text[:text.index(")")] if ")" in text else text
-    text = text[text.index("(") + 1:] if "(" in text else text
+    text = text.strip().split(")", 1)[0].split("(", 1)[-1]
     got = text.split()[0][0] if text.split() else None
     return got, float(got == gt_letter(s))
 
@@ -428,12 +391,8 @@ def mmmu_open(text: str, gt: str):
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
     golds = mmmu_norm(gt)
-    ok = False
-    for p in preds:
-        if isinstance(p, str):
-            ok |= any(isinstance(g, str) and g in p for g in golds)
-        else:
-            ok |= p in golds
+    ok = any(g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str))  # a gold text in it
+    ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
     return (text or None), float(ok)
 
 
@@ -514,7 +473,7 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
 def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
     """One per-sample line, lmms-eval field names (doc_id, input, target, resps, filtered_resps) + score. A row with
     an error could not be evaluated: it is listed, never scored. judge "none": an open-ended item for the judge."""
-    ad, pt = ADAPTERS[bench], rewards.canonical_type(s["problem_type"])
+    ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
     keep = (*ad.get("keys", ()), ad.get("group"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
@@ -553,7 +512,7 @@ def group_score(rows: list[dict], key: str) -> float:
 def aggregate(rows: list[dict], bench: str) -> dict:
     """The official aggregate and breakdown of one benchmark, in percent, over the rows that could be evaluated
     (failed rows are counted, never scored)."""
-    ad, n_all = ADAPTERS[bench], len(rows)
+    ad, n_all = adapter(bench), len(rows)
     macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
     sc = [r["score"] for r in rows]
     m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
@@ -594,7 +553,7 @@ def make_loader(processor, cfg, bench: str):
         if not hasattr(local, "proc"):  # a fast tokenizer shared across threads can fail with "Already borrowed"
             local.proc, local.stats = copy.deepcopy(processor), {}
             all_stats.append(local.stats)
-        return data.prepare(s, local.proc, cfg, local.stats, template=official_prompt(bench))
+        return data.prepare(s, local.proc, cfg, local.stats, template=adapter(bench).get("prompt"))
     return load, all_stats
 
 

@@ -19,7 +19,7 @@ from data import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "benchmarks")
-NAMES = [b for b in E.ADAPTERS if b != "nvr1"]
+NAMES = [b for b in E.load_adapters() if b != "nvr1"]
 MC = {"id": "q", "options": ["A. red", "B. green", "C. blue", "D. yellow"], "answer": "B",
       "problem_type": "multiple choice"}
 
@@ -71,37 +71,37 @@ FORMS = {
 @pytest.mark.parametrize("bench", FORMS)
 def test_official_letter_forms(bench):
     s = dict(MC, ovo_task="EPM") if bench == "ovobench" else MC
-    got = [(r, E.score(r, s, E.ADAPTERS[bench])[1]) for r, _ in FORMS[bench]]
+    got = [(r, E.score(r, s, E.adapter(bench))[1]) for r, _ in FORMS[bench]]
     assert got == [(r, None if v is None else float(v)) for r, v in FORMS[bench]]
-    assert E.score("<think>A?</think><answer>B</answer>", s, E.ADAPTERS[bench])[1] == 1.0  # our format first
+    assert E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0  # our format first
 
 
 def test_official_number_span_and_yes_no_rules():
     vsi = dict(MC, problem_type="regression", options=[], answer="4")
     # VSI-Bench: float() of the first token, then MRA (|4.48 - 4| / 4 = 0.12 passes 8 of the 10 thresholds)
-    assert [E.score(r, vsi, E.ADAPTERS["vsibench"])[1] for r in ("4", "4.", "4.48", "4%", "1,250", "four", "")] \
+    assert [E.score(r, vsi, E.adapter("vsibench"))[1] for r in ("4", "4.", "4.48", "4%", "1,250", "four", "")] \
         == [1.0, 1.0, pytest.approx(0.8), None, None, None, None]
     mmmu = dict(vsi, problem_type="numerical", answer="3")
     # MMMU: "3%" holds the number 3; values compare rounded to 2 decimals; "1,250" is one number
-    assert [E.score(r, mmmu, E.ADAPTERS["videommmu"])[1] for r in ("3%", "The answer is 3.001", "3.01", "4")] \
+    assert [E.score(r, mmmu, E.adapter("videommmu"))[1] for r in ("3%", "The answer is 3.001", "3.01", "4")] \
         == [1.0, 1.0, 0.0, 0.0]
-    assert E.score("so the total is 1,250", dict(mmmu, answer="1250"), E.ADAPTERS["videommmu"])[1] == 1.0
-    assert E.score("3.14", dict(mmmu, answer="3.14159"), E.ADAPTERS["videommmu"])[1] == 1.0
+    assert E.score("so the total is 1,250", dict(mmmu, answer="1250"), E.adapter("videommmu"))[1] == 1.0
+    assert E.score("3.14", dict(mmmu, answer="3.14159"), E.adapter("videommmu"))[1] == 1.0
     ch = dict(vsi, problem_type="temporal grounding", answer='{"time": [12, 26]}')
     forms = ("00:12 - 00:26", "from 00:12 to 00:26", "12.0 - 26.0 seconds", '<answer>{"time": [12, 19]}</answer>',
              "00:00:12 to 00:00:19", "no idea")
-    assert [E.score(r, ch, E.ADAPTERS["charades_sta"])[1] for r in forms] == [1.0, 1.0, 1.0, 0.5, 0.5, None]
+    assert [E.score(r, ch, E.adapter("charades_sta"))[1] for r in forms] == [1.0, 1.0, 1.0, 0.5, 0.5, None]
     for bad in ("1" * 20000, "1 " * 10000, "1." * 10000, ":1" * 10000):  # bounded time at the length cap
         t = time.perf_counter()
-        E.score(bad, ch, E.ADAPTERS["charades_sta"])
+        E.score(bad, ch, E.adapter("charades_sta"))
         assert time.perf_counter() - t < 0.5  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
         t = time.perf_counter()
-        E.score(bad, mmmu, E.ADAPTERS["videommmu"])
+        E.score(bad, mmmu, E.adapter("videommmu"))
         assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear
     ovo = dict(vsi, problem_type="boolean", answer="yes", ovo_task="SSR")
-    assert [E.score(r, ovo, E.ADAPTERS["ovobench"])[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [1, 1, 0, 0, 0]
+    assert [E.score(r, ovo, E.adapter("ovobench"))[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [1, 1, 0, 0, 0]
     rec = dict(vsi, problem_type="counting", answer="12", ovo_task="REC")
-    assert [E.score(r, rec, E.ADAPTERS["ovobench"])[1] for r in ("12", "1 then 2", "12 or 13", "")] \
+    assert [E.score(r, rec, E.adapter("ovobench"))[1] for r in ("12", "1 then 2", "12 or 13", "")] \
         == [1, 1, 0, None]
 
 
@@ -110,11 +110,11 @@ def test_empty_answers_and_random_fallback():
     row = E.record(MC, "mvbench", "p", "")
     assert (row["score"], row["parse_fail"]) == (0.0, True)
     assert E.aggregate([row, E.record(MC, "mvbench", "p", "B")], "mvbench")["accuracy"] == 50
-    ad = E.ADAPTERS["longvideobench"]
+    ad = E.adapter("longvideobench")
     assert E.score("", MC, ad) == (None, None)
     picks = {E.score("", dict(MC, id=str(i)), ad, guess_seed=0)[0] for i in range(40)}
     assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score("", MC, ad, guess_seed=0)
-    assert E.score("", MC, E.ADAPTERS["videomme"], guess_seed=0) == (None, None)  # Video-MME never guesses
+    assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (None, None)  # Video-MME never guesses
 
 
 def right(s, ad) -> str:
@@ -126,12 +126,12 @@ def right(s, ad) -> str:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_adapter(name, videos):
-    ad, skipped = E.ADAPTERS[name], []
+    ad, skipped = E.adapter(name), []
     samples = E.load_benchmark(name, E.Config(data_dir=FIXTURES, video_dir=videos), skipped)
     assert samples and all(os.path.exists(s["videos"][0]) for s in samples)
     assert len({s["id"] for s in samples}) == len(samples)
     for s in samples:
-        text = data.render_prompt(s, E.official_prompt(name))
+        text = data.render_prompt(s, E.adapter(name).get("prompt"))
         assert s["problem"].split("\n")[0] in text
         assert all(o.split(" ", 1)[-1] in text for o in s["options"])  # every option's text reaches the prompt
         parsed, v = E.score(right(s, ad), s, ad)
@@ -158,7 +158,7 @@ def test_released_record_shapes():
     assert [(s["answer"], s["options"][1]) for s in cm] == [("B", "B. The screen stays green."),
                                                             ("A", "B. The screen is yellow."),
                                                             ("B", "B. The screen is yellow.")]
-    assert E.score("Caption B: The screen stays green.", cm[0], E.ADAPTERS["tempcompass"])[1] == 1.0
+    assert E.score("Caption B: The screen stays green.", cm[0], E.adapter("tempcompass"))[1] == 1.0
     assert len(E.load_benchmark("videomme", cfg, [])) == 3  # the released parquet
 
 
@@ -215,6 +215,20 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
     with pytest.raises(DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:6: not JSON"):
         E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path)), [])  # without a bad list: raised
 
+
+def test_benchmark_table_is_checked(tmp_path):
+    path = tmp_path / "benchmarks.yaml"
+    path.write_text("mine:\n  video: '{v}.mp4'\n  opts: choices\n  keys: [task]\n  questions: qs\n")
+    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown field\(s\) \['questions'\]"):
+        E.load_adapters(str(path))
+    path.write_text("mine:\n  read: letters\n")
+    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown reader 'letters'"):
+        E.load_adapters(str(path))
+    path.write_text("mine:\n  type: {field: kind, map: {mc: multiple choice}, defualt: open-ended}\n")
+    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map"):
+        E.load_adapters(str(path))
+    path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")  # the defaults fill in, an explicit null stays
+    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4"}}
 
 def test_checked_before_the_engine(tmp_path):
     t = time.perf_counter()
