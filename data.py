@@ -403,7 +403,7 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
 
 
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
-    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
+    """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
     reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
     the same slots, reports the same skips and keeps the same stream position. More than max_consecutive_invalid
     failures in a row (stream order) are a DataError: a data set without a valid sample must not refill for ever."""
@@ -412,7 +412,8 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
     prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
     while todo:
         reports = {}
-        mine = [i for i in todo if i % world // cfg.rollout_tp == rank // cfg.rollout_tp]  # tp_share's rows
+        group = max(cfg.rollout_tp, cfg.sp_size)
+        mine = [i for i in todo if i % world // group == rank // group]  # train.tp_share's rows
         for i in mine:
             prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}

@@ -19,7 +19,6 @@ distribution: softmax(logits / T) with those tokens at -inf. The trainer compute
 so `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
 import hashlib
-import itertools
 import os
 from dataclasses import dataclass, replace
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from data import Prompt, missing_dummies, vllm_input
+from sp import encode_vision
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 # the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled
@@ -217,7 +217,7 @@ class HFEngine:
         # gets the features laid out per row for the prefill, and every row's grids for its M-RoPE positions
         keys = sorted({k for r in rows for k in r.mm if not k.startswith("pixel_values")})
         grids = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in keys}
-        vision = row_vision(encode_vision(self.model, rows, device), rows)
+        vision = row_vision(encode_vision(self.model, rows, device)[0], rows)
         out = self.model.generate(input_ids=ids, attention_mask=attn, **grids, mm_encoder_outputs=vision,
                                   synced_gpus=synced, mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                   generation_config=self.config(temperature, max_tokens))
@@ -243,25 +243,6 @@ class HFEngine:
 
     def wake(self, tags=None):
         pass
-
-
-def encode_vision(model, prompts: list, device) -> dict:
-    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
-    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}."""
-    distinct = list({id(p): p for p in prompts}.values())
-    out = {}
-    for kind, pixels, grid in (("image", "pixel_values", "image_grid_thw"),
-                               ("video", "pixel_values_videos", "video_grid_thw")):
-        mine = [p for p in distinct if pixels in p.mm]
-        if not mine:
-            continue
-        features = getattr(model, f"get_{kind}_features")  # the model's own entry point (Qwen3-VL: + deepstack)
-        enc = features(torch.cat([p.mm[pixels] for p in mine]).to(device),
-                       torch.cat([p.mm[grid] for p in mine]).to(device), return_dict=True)
-        counts = [len(p.mm[grid]) for p in mine]
-        starts = itertools.accumulate(counts, initial=0)
-        out[kind] = (enc, {id(p): range(s, s + n) for p, s, n in zip(mine, starts, counts)})
-    return out
 
 
 def row_vision(encoded: dict, prompts: list) -> dict:

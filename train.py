@@ -57,8 +57,9 @@ import ckpt
 import data
 import evaluate
 import rewards
+import sp
 from ckpt import all_reduce, gather
-from rollout import (HFEngine, Rollout, VLLMEngine, encode_vision, hf_weights, mm_token_types, request_seed, row_vision,
+from rollout import (HFEngine, Rollout, VLLMEngine, hf_weights, mm_token_types, request_seed, row_vision,
                      vision_token_ids)
 
 
@@ -208,6 +209,8 @@ class Config:
     """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
+    sp_size: int = 1
+    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of the tokens and frames"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -295,21 +298,26 @@ def yaml_overlay(base: Config, path: str) -> Config:
 
 def check_config(cfg: Config, world: int = 1):
     """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
+    from transformers import AutoConfig
     choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
     positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size",
                 "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
                 "log_samples", "lr", "video_fps", "tis_cap", "gpu_memory_utilization",
-                "dist_timeout")
+                "dist_timeout", "sp_size")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
-    per_rank = cfg.prompts_per_step // world * cfg.group_size  # rollouts per rank and step
+    per_rank = cfg.prompts_per_step * max(1, cfg.sp_size) // world * cfg.group_size  # rollouts per rank and step
     bad += [message for fails, message in [
         (cfg.prompts_per_step % world, f"prompts_per_step {cfg.prompts_per_step} % world size {world} != 0"),
         (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
+        (cfg.sp_size > 0 and world % cfg.sp_size, f"world size {world} % sp_size {cfg.sp_size} != 0"),
+        (cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size), "sp_size > 1 needs rollout_tp 1 or sp_size"),
+        (cfg.sp_size > 1 and AutoConfig.from_pretrained(cfg.model).get_text_config().num_attention_heads % cfg.sp_size,
+         f"sp_size {cfg.sp_size}: the model's query heads are not divisible by it (Ulysses splits them)"),
         (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
         (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
         (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
@@ -555,7 +563,7 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.banned, ctx.chunk = temperature, banned, chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
-                 for i in range(0, len(targets), chunk)]
+                 for i in range(0, max(1, len(targets)), chunk)]  # no targets: one empty chunk (an SP rank)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
@@ -578,24 +586,28 @@ class ChunkedLogp(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0):
+def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None):
     """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
     once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
-    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits."""
+    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits.
+    layout (sp.Layout) with sp_size > 1: each rank of the group computes its share (sp.py) and returns the whole."""
     R, rows = batch["mask"].shape[1], batch["rows"]
     vision = batch["vision"]
     if vision is None:
-        vision = encode_vision(model, batch["prompts"], batch["input_ids"].device)
-        batch["encodes"] += sum(len(where) for _, where in vision.values())
+        vision, batch_encodes = sp.encode_vision(model, batch["prompts"], batch["input_ids"].device, layout)
+        batch["encodes"] += batch_encodes
     # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1, use_cache=False,
-                mm_token_type_ids=batch["mm_token_type_ids"], mm_encoder_outputs=row_vision(vision, batch["prompts"]),
-                output_hidden_states=True, **batch["grids"])
-    hidden = out.hidden_states[-1][:rows, -R - 1:-1].flatten(0, 1)                        # (b R, D), dummies dropped
+    with sp.sequence_shard(model, batch["attention_mask"], layout) as shard:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
+                    use_cache=False, mm_token_type_ids=batch["mm_token_type_ids"], output_hidden_states=True,
+                    mm_encoder_outputs=row_vision(vision, batch["prompts"]), **batch["grids"])
+    a, b = shard.response_span(R)  # this rank's response tokens; token 0 is predicted at position length - R - 1
+    first = shard.length - R - 1 - shard.start + a
+    hidden = out.hidden_states[-1][:rows, first:first + b - a].flatten(0, 1)            # (b r, D), dummies dropped
     weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
-    targets = batch["response_ids"].flatten()                                              # (b R,)
-    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or len(targets))
-    return logp.view(rows, R), entropy.view(rows, R)
+    targets = batch["response_ids"][:, a:b].flatten()                                      # (b r,)
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or max(1, len(targets)))
+    return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
@@ -633,16 +645,17 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
                 vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
 
 
-def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0) -> torch.Tensor:
+def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0,
+                   layout=None) -> torch.Tensor:
     """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy itself
     with its adapters scaled to 0, so no second model is in memory. Not peft's disable_adapter: it switches the
     adapters' requires_grad off and on, which under FSDP2 reaches the root's unsharded copies only, and the root-held
     adapters (the vision merger) then silently stop training."""
     from peft.helpers import rescale_adapter_scale
     if ref is not None:
-        return token_logp(ref, b, temperature, banned, chunk)[0]
+        return token_logp(ref, b, temperature, banned, chunk, layout)[0]
     with rescale_adapter_scale(model, 0.0):
-        return token_logp(model, b, temperature, banned, chunk)[0]
+        return token_logp(model, b, temperature, banned, chunk, layout)[0]
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
@@ -663,10 +676,10 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
     return minibatches
 
 
-def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float):
+def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None):
     """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
     the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)                              # (b, R)
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)                      # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
@@ -718,7 +731,7 @@ def batch_advantages(groups: list, kl_to_go, cfg: Config) -> torch.Tensor:
             "baseline": [g.baseline for g in groups for _ in g.rollouts],
             "lengths": [len(r.response_ids) for g in groups for r in g.rollouts]}
     mine.update({k: [c[k] for g in groups for c in g.components] for k in keys})
-    parts = gather((mine, kl_to_go))
+    parts = gather((mine, kl_to_go))[::cfg.sp_size]  # an SP group's ranks hold the same groups: one copy
     full = {k: torch.tensor([x for p, _ in parts for x in p[k]], dtype=torch.float64) for k in mine}   # (B_all,)
     kl_all = None if kl_to_go is None else torch.cat([kl for _, kl in parts])                    # (B_all, R)
     adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
@@ -726,8 +739,8 @@ def batch_advantages(groups: list, kl_to_go, cfg: Config) -> torch.Tensor:
                      kl_to_go=kl_all, eps=cfg.adv_eps)
     if adv.dim() == 1:  # one value per sequence: the same at every token
         adv = adv[:, None].expand(-1, cfg.max_response_len)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    start = sum(len(p["reward"]) for p, _ in parts[:rank])
+    dp_rank = (dist.get_rank() if dist.is_initialized() else 0) // cfg.sp_size
+    start = sum(len(p["reward"]) for p, _ in parts[:dp_rank])
     return adv[start:start + len(mine["reward"])].float()
 
 
@@ -779,9 +792,11 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     return scored_group(group.rollouts[:-1] + [off], cfg, group.baseline)
 
 
-def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int) -> list:
+def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int,
+                 layout=None) -> list:
     """One generation round for this rank's share of `prompts` (data.next_valid): a scored Group per prompt.
-    ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline."""
+    ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline. sp_size > 1: the
+    ranks of an SP group generate their shares and all end up with the group's rollouts (the rows they train)."""
     share, start, k = tp_share(prompts, rank, world, cfg.rollout_tp)
     n = cfg.group_size
     rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:(start + k) * n]
@@ -789,7 +804,10 @@ def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world
     if cfg.adv_estimator == "remax":
         greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
         baselines = [score(r, cfg)["overall"] for r in greedy]
-    groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(k)]
+    if cfg.sp_size > 1:
+        rollouts, baselines = sp.group_rollouts(rollouts, baselines, tp_share(prompts, rank, world, cfg.sp_size)[0],
+                                                n, layout)
+    groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(len(baselines))]
     return [swap_offline(group, cfg, tok, eos_id) for group in groups]
 
 
@@ -810,16 +828,17 @@ class Batch:
 
 
 def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
-                 tok, eos_id: int) -> Batch:
-    """This rank's prompts_per_step / world groups. With DAPO dynamic sampling, groups without spread in
+                 tok, eos_id: int, layout=None) -> Batch:
+    """This rank's prompts_per_step / (world / sp_size) groups. With DAPO dynamic sampling, groups without spread in
     dyn_filter_metric are dropped and more rounds are generated until every rank is full or max_gen_rounds is
     reached; then dropped groups fill the batch (counted)."""
-    need, kept, dropped, skips = cfg.prompts_per_step // world, [], [], []
+    need, kept, dropped, skips = cfg.prompts_per_step // (world // cfg.sp_size), [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        for group in sample_round(engine, prompts, cfg, seed=seed, rank=rank, world=world, tok=tok, eos_id=eos_id):
+        for group in sample_round(engine, prompts, cfg, seed=seed, rank=rank, world=world, tok=tok, eos_id=eos_id,
+                                  layout=layout):
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -835,6 +854,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
+    layout = sp.make_layout(cfg.sp_size)  # dp x sp: the ranks of an SP group train the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -908,7 +928,7 @@ def main(cfg: Config):
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample (+ DAPO dynamic sampling)
         batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
-                             eos_id=eos_ids[0])
+                             eos_id=eos_ids[0], layout=layout)
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
@@ -923,15 +943,15 @@ def main(cfg: Config):
         with torch.no_grad():
             frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
             if cfg.freeze_vision:
-                frozen = encode_vision(model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device)
-                m["vision_encodes"] = sum(len(where) for _, where in frozen.values())
+                frozen, m["vision_encodes"] = sp.encode_vision(
+                    model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device, layout)
             for mini in minibatches:
                 for b in mini:
                     b["vision"] = frozen
                     if need_old:
-                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)[0]
+                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
                     if cfg.kl_coef > 0:
-                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk)
+                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
         kl_to_go = None
         if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
             kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
@@ -946,14 +966,15 @@ def main(cfg: Config):
         for group_param in opt.param_groups:
             group_param["lr"] = lr_at(step - 1, cfg)
         gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
-        ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups]) for i in part]
+        ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups])[::cfg.sp_size]
+               for i in part]
         model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
-                n_tok_mb, n_seq_mb = global_counts(mini)
+                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
                 loss_sum = 0.0
                 for b in mini:
-                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb)
+                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)
                     (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
                     loss_sum += metrics["loss"]
                     if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
@@ -970,7 +991,7 @@ def main(cfg: Config):
         m["loss"] /= len(minibatches)
         m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
-        n_tok = sum(gather(float(sum(lengths))))
+        n_tok = sum(gather(float(sum(lengths)))[::cfg.sp_size])
         t_train = time.time() - t1
         # ------------------------------------------------------------------ sync
         t2 = time.time()
@@ -1088,7 +1109,11 @@ def mean(xs: list) -> float:
 
 
 def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float, n_tok: float, times: dict) -> dict:
-    """Global metrics from every rank's raw values (exact means, not means of means)."""
+    """Global metrics from every rank's raw values (exact means, not means of means). The ranks of an SP group hold the
+    same rows: one copy each, except for the work each rank does (vision encodes: its share of the frames; frames)."""
+    encodes = sum(p["m"]["vision_encodes"] for p in parts)
+    work = {f"cache/{k}": sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
+    parts = parts[::cfg.sp_size]
     cat = {k: [x for p in parts for x in p[k]] for k in parts[0] if k not in ("m", "stats")}   # per-row lists
     msum = {k: sum(p["m"][k] for p in parts) for k in parts[0]["m"]}
     rew, comp, types, off = cat["reward"], cat["comp"], cat["types"], cat["offline"]
@@ -1097,7 +1122,7 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
            "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
            "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
            "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"],
-           "vision/encodes": msum["vision_encodes"]}
+           "vision/encodes": encodes}
     for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
@@ -1115,8 +1140,7 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
         row["offline/reward"] = mean([r for r, o in zip(rew, off) if o])
         row["offline/adv"] = mean([a for a, o in zip(cat["adv"], off) if o])
         row["online/reward"] = mean([r for r, o in zip(rew, off) if not o])
-    for k in parts[0]["stats"]:
-        row[f"cache/{k}"] = sum(p["stats"][k] for p in parts)
+    row.update(work)
     row.update({f"time/{k}": v for k, v in times.items()})
     return row
 
@@ -1172,6 +1196,8 @@ def load_model(cfg: Config, device):
     if cfg.gradient_checkpointing:
         for block in blocks:
             checkpoint_module(block)
+    if cfg.sp_size > 1:
+        sp.use_ulysses(model)
     if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,

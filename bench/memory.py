@@ -63,7 +63,7 @@ def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int]):
     """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU."""
     mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
     if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-        frozen = train.encode_vision(model, [r.prompt for r in rollouts], model.device)
+        frozen = train.sp.encode_vision(model, [r.prompt for r in rollouts], model.device)[0]
         for b in mini:
             b["vision"] = frozen
     n_tok, n_seq = train.global_counts(mini)

@@ -1,0 +1,189 @@
+"""Sequence parallelism (sp.py, issue 14): sp_size ranks hold the shards of the same rows and compute what one
+process computes on the whole rows. The torchrun workers are this file run as a script:
+
+    torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 - qwen2_5_vl qwen3_vl     # sp 2
+    torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 ckpt qwen3_vl             # dp 2 x sp 2, checkpointing
+
+    .venv/bin/python -m pytest -q tests/test_sp.py
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+import data  # noqa: E402
+import train  # noqa: E402
+from conftest import ROOT, tiny_config  # noqa: E402
+from rollout import Rollout, vision_token_ids  # noqa: E402
+
+TEMPERATURE, CHUNK = 0.7, 3
+BATCHES = [list(range(7)), [4, 5, 6]]  # all rows; image+video x 2 and text (the video split mid-way over 2 ranks)
+
+
+def model_dir(arch: str) -> str:
+    import make_tiny_model
+    return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
+
+
+def make_rows(processor, cfg, data_path: str) -> list:
+    """7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1; the longest prompt plus the longest
+    response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position)."""
+    samples = data.load_samples(data_path)
+    video = next(s for s in samples if s.get("videos"))
+    image = next(s for s in samples if s.get("images"))
+    both = dict(video, id="both", images=image["images"], data_type="video")
+    text = dict(video, id="text", videos=[], data_type="text")
+    prompts = [data.prepare(s, processor, cfg) for s in (video, image, both, text)]
+    longest = 5 - max(len(p.prompt_ids) for p in prompts) % 2  # 4 or 5 response tokens: an odd total
+    responses = [[30, 31, 32], [40], [50, 51], list(range(60, 60 + longest)), [70, 71], [], [80, 81]]
+    return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
+
+
+def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = False) -> dict:
+    """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
+    the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
+    seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses."""
+    from transformers import AutoProcessor
+    d = model_dir(arch)
+    cfg = tiny_config(model=d, sp_size=sp_size, temperature=TEMPERATURE, logp_chunk=CHUNK, entropy_coef=0.1,
+                      loss_agg="seq-mean-token-mean", gradient_checkpointing=checkpointing)
+    processor = AutoProcessor.from_pretrained(d)
+    tok = processor.tokenizer
+    banned = vision_token_ids(tok)
+    rows = make_rows(processor, cfg, data_path)
+    model = train.load_model(cfg, torch.device("cpu"))
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    dummies = data.dummy_prompts(processor) if world > 1 else None
+    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout else (0, 1)
+    out = {}
+    for k, batch in enumerate(BATCHES):
+        index = batch[dp_rank::dp_size]
+        b = train.collate([rows[i] for i in index], tok.pad_token_id, tok, "cpu", dummies)
+        with torch.no_grad():
+            logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
+        b["encodes"] = 0
+        b["adv"] = (0.3 * torch.tensor(index, dtype=torch.float32)[:, None] - 1.0).expand_as(b["mask"])
+        n_tok, n_seq = (n / sp_size for n in train.global_counts([b]))  # as train.main: each row once
+        loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
+        (loss * world).backward()  # FSDP averages over ranks: x world, a sum
+        out.update({f"logp{k}": logp * b["mask"], f"ent{k}": ent * b["mask"], f"index{k}": torch.tensor(index),
+                    f"encodes{k}": torch.tensor(b["encodes"]), f"length{k}": torch.tensor(b["input_ids"].shape[1]),
+                    f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64)})
+    for n, p in model.named_parameters():  # full_tensor is a collective: every rank calls it
+        out["grad." + n] = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).contiguous()
+    return out
+
+
+def worker(out_dir: str, data_path: str, sp_size: str, checkpointing: str, *archs: str):
+    from safetensors.torch import save_file
+
+    import sp
+    rank, _, _ = train.init_dist()
+    layout = sp.make_layout(int(sp_size))
+    for arch in archs:
+        result = run(arch, data_path, int(sp_size), layout, checkpointing == "ckpt")
+        save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
+    torch.distributed.barrier()
+
+
+@pytest.fixture(scope="module")
+def reference(synth):
+    """Both checkpoints, one process, the whole rows: what every SP run must reproduce."""
+    return {arch: run(arch, os.path.join(synth, "train.jsonl"), 1, None) for arch in ("qwen2_5_vl", "qwen3_vl")}
+
+
+def torchrun(tmp_path, synth, nproc: int, *args: str):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+           str(tmp_path), os.path.join(synth, "train.jsonl"), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
+
+
+def check_against(ref: dict, got: list[dict], sp_size: int):
+    """Every rank's log-probs/entropy equal the reference rows (fp32, 1e-5); the losses of one rank per SP group add
+    up to the reference loss; rank 0's gradients equal the reference."""
+    assert ref["length0"] % 2 == 1  # the first batch's sequence is odd: it does not split evenly over 2 ranks
+    for k in range(len(BATCHES)):
+        torch.testing.assert_close(sum(part[f"loss{k}"] for part in got[::sp_size]), ref[f"loss{k}"], rtol=1e-6, atol=0)
+        for part in got:
+            rows = [BATCHES[k].index(i) for i in part[f"index{k}"].tolist()]
+            for key in (f"logp{k}", f"ent{k}"):
+                want = ref[key][rows][:, :part[key].shape[1]]
+                torch.testing.assert_close(part[key], want, rtol=0, atol=1e-5)
+    grads = {n: t for n, t in ref.items() if n.startswith("grad.")}
+    assert grads.keys() == {n for n in got[0] if n.startswith("grad.")}
+    assert any(n.startswith("grad.model.visual.blocks") and g.abs().sum() > 0 for n, g in grads.items())
+    for n, g in grads.items():
+        torch.testing.assert_close(got[0][n], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=n)
+
+
+@pytest.mark.slow
+def test_sp2_matches_one_process(tmp_path, synth, reference):
+    """sp_size 2 on 2 ranks vs one process, both checkpoints: log-probs, entropy and every parameter's gradient
+    (fp32); each rank encodes half of the temporal patches (one piece per modality: encodes 2 per batch)."""
+    from safetensors.torch import load_file
+    torchrun(tmp_path, synth, 2, "2", "-", "qwen2_5_vl", "qwen3_vl")
+    for arch, ref in reference.items():
+        got = [load_file(tmp_path / f"{arch}.rank{r}.safetensors") for r in range(2)]
+        check_against(ref, got, 2)
+        assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
+        assert all(part[f"encodes{k}"] == 2 for part in got for k in range(2))
+
+
+@pytest.mark.slow
+def test_dp2_sp2_matches_one_process(tmp_path, synth, reference):
+    """4 ranks, dp 2 x sp 2 with activation checkpointing (the reference without): each SP pair takes half of the
+    rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
+    deepstack features sliced to the shards; the recomputed attention is Ulysses again)."""
+    from safetensors.torch import load_file
+    torchrun(tmp_path, synth, 4, "2", "ckpt", "qwen3_vl")
+    got = [load_file(tmp_path / f"qwen3_vl.rank{r}.safetensors") for r in range(4)]
+    check_against(reference["qwen3_vl"], got, 2)
+
+
+def test_config_errors(tiny_model):
+    """The tiny checkpoints have 2 query heads (1 KV head): sp_size 4 cannot split them; the world must be a multiple
+    of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before any model loads."""
+    train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4)  # dp 2 x sp 2: fine
+    with pytest.raises(ValueError, match="query heads"):
+        train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
+    with pytest.raises(ValueError, match=r"world size 3 % sp_size 2"):
+        train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=3), world=3)
+    with pytest.raises(ValueError, match="rollout_tp 1 or sp_size"):
+        train.check_config(tiny_config(model=tiny_model, sp_size=2, rollout_tp=4, prompts_per_step=4), world=4)
+    with pytest.raises(ValueError, match="sp_size must be > 0"):
+        train.check_config(tiny_config(model=tiny_model, sp_size=0))
+
+
+@pytest.mark.slow
+def test_train_run_and_resume(tmp_path, tiny_model, synth):
+    """train.py with sp_size 2 on 2 ranks: 2 steps with the HF sampler, a checkpoint each step, then resumed with the
+    vLLM sampler for a third. Every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
+    import json
+    import math
+    args = ["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data",
+            os.path.join(synth, "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
+            "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
+            "--save-every", "1", "--dist-timeout", "120"]
+    runs = (["--max-steps", "2", "--rollout", "hf"], ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto"])
+    for extra in runs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
+               *extra]
+        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "resumed from" in p.stdout
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and len(r["data/ids"]) == len(set(r["data/ids"])) == 2
+        assert r["vision/encodes"] >= 4  # per rank at least one piece of each modality (a dummy where none)
+        assert r["mismatch/mean"] < 1e-2  # the sampler's log-probs vs the SP trainer's, on the same tokens
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
