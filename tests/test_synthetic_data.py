@@ -195,3 +195,47 @@ def test_write_video(tmp_path):
     assert not os.path.exists(path + ".part")
     with pytest.raises(ValueError, match="even"):
         msd.write_video(str(tmp_path / "odd.mp4"), np.zeros((2, 31, 48, 3), np.uint8), 10)
+
+
+@pytest.fixture(scope="module")
+def needle(tmp_path_factory):
+    """32 s at 8 fps: T = 256 frames of 28x28, the event lasts T // 64 = 4 frames (what configs/long_video_cpu.yaml
+    trains on)."""
+    return make(tmp_path_factory.mktemp("needle"), ["needle"], num_train=8, num_val=24, size=28, fps=8, seconds=32)
+
+
+def needle_events(out, split):
+    """Per clip: (frames whose background, the median pixel, is saturated, the answer's class)."""
+    for r in rows(out, split):
+        _, fr = decode(out, r)
+        med = np.median(fr.reshape(len(fr), -1, 3), 1)
+        yield np.flatnonzero(med.max(1) - med.min(1) > 100), "ABCD".index(r["answer"]), fr, med
+
+
+def test_needle_is_in_the_pixels(needle):
+    starts = []
+    for split in ("train", "val"):
+        assert sorted(r["answer"] for r in rows(needle, split)) == sorted("ABCD" * (2 if split == "train" else 6))
+        for ev, want, fr, med in needle_events(needle, split):
+            assert len(fr) == 256 and len(ev) == 4 and (np.diff(ev) == 1).all(), ev  # one event, 4 frames
+            assert all(np.linalg.norm(NOMINAL - m, axis=1).argmin() == want for m in med[ev])
+            rest = np.delete(fr, ev, 0)
+            # every other frame is gray (H.264 leaves faint color next to the event; the colors' saturation is >= 190)
+            assert (rest.max(-1) - rest.min(-1)).max() <= 48
+            gray_levels = {int(v) for f in rest[::32] for v in np.unique(f[..., 0] // 8)}
+            assert len(gray_levels) >= 3  # background and two squares of other shades: there is distractor content
+            starts.append(ev[0])
+    assert min(starts) < 64 and max(starts) > 192  # the event's time is spread over the clip
+
+
+def test_needle_needs_the_frames(needle):
+    """The train config samples all 256 frames and sees every event; 16 frames (every 17th) see only the clips whose
+    4-frame event covers one of them: about 4/17 of them."""
+    cache = pytest.importorskip("cache")
+    events = [set(ev) for ev, *_ in needle_events(needle, "val")]
+    every = cache.sample_indices(256, 8.0, 8.0, 4, 256)
+    few = cache.sample_indices(256, 8.0, 8.0, 4, 16)
+    assert every == list(range(256)) and len(few) == 16
+    assert all(e & set(every) for e in events)
+    hits = sum(bool(e & set(few)) for e in events)
+    assert hits <= len(events) // 2, hits  # missed in most clips
