@@ -13,8 +13,8 @@ Tasks (the sample id starts with the task name, e.g. color-train-00012):
                time of the first frame after it is gone (frame i is at i / fps).
   image_color  multiple choice on a PNG: its background color.
   needle       multiple choice, for long clips: two gray squares glide over gray for the whole clip, except for
-               max(1, T // 64) frames (~1.6%) at a random time when the background turns one of the four colors;
-               which color was it? Sampling too few frames (e.g. 16 of 256) misses the event in most clips.
+               T // 8 frames (12.5%) at a random time when the background turns one of the four colors; which
+               color was it? Sampling too few frames (4 of 256) misses the event in about half of the clips.
 Every sample carries an `offline_output` (the correct answer in the answer format). Classes are balanced.
 Deterministic by seed. Train and val use different random streams and are disjoint by construction (a
 scene's hash decides which split may hold it), so val does not depend on --num-train. Paths in the JSONL
@@ -31,7 +31,7 @@ from fractions import Fraction
 
 import numpy as np
 
-VERSION = 5  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
+VERSION = 6  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
 LETTERS = "ABCD"
 COLOR_OPTIONS = [f"{L}. {c}" for L, c in zip(LETTERS, COLORS)]
@@ -177,7 +177,7 @@ def gen_appear(rng, _, T, H, W, fps):
 
 
 def gen_needle(rng, c, T, H, W, fps):
-    E, side = max(1, T // 64), max(2, min(H, W) // 3)  # the event's frames; the squares' side
+    E, side = max(1, T // 8), max(2, min(H, W) // 3)  # the event's frames; the squares' side
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
     # fixed grays: the squares' paths are the only distraction, so the clip's gray content says nothing of the answer

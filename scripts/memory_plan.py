@@ -57,19 +57,6 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(out["video_grid_thw"].prod()) * per_pair
 
 
-def load_config(paths: tuple[str, ...]):
-    """train.Config of the YAMLs, each over the ones before (train.py checks their types when it runs), and their
-    sp_size, 1 if unset: taken out here, which plans a YAML with it before train.Config has the field (branch sp)."""
-    import train
-    import yaml
-    values = {}
-    for path in paths:
-        with open(path) as f:
-            values.update(yaml.safe_load(f) or {})
-    sp = values.pop("sp_size", 1)
-    return dataclasses.replace(train.Config(), **values), sp
-
-
 @dataclasses.dataclass
 class Plan:
     """Bytes per GPU: held in the train phase, its transients (the largest counts), vLLM's need; the phases' peaks."""
@@ -166,7 +153,9 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
 
 def main(c: Config) -> Plan | list[str]:
     """Prints the config's plan (or the table) and returns it."""
-    cfg, sp = load_config(c.config)
+    import train
+    cfg = train.load_config(["--config", *c.config])  # checked as train.py checks it
+    sp = cfg.sp_size
     cfg = dataclasses.replace(cfg, video_max_frames=c.frames or cfg.video_max_frames,
                               max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch)
     spec, meas = stored(cfg.model, "bfloat16")  # FSDP2 computes in bf16 on CUDA

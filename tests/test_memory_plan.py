@@ -290,13 +290,12 @@ def test_sp_size_must_divide_the_attention_heads():
 
 
 def test_the_long_video_recipe_fits():
-    """configs/qwen2_5_vl_7b_long.yaml over the 7B config (sp_size read from the YAML, which train.Config may not have
-    yet): 3,600 frames of 252 x 448 = 1,800 pairs x 144 tokens, plus the question; FITS on 8 x 80 GB at sp_size 4,
-    not at 2."""
+    """configs/qwen2_5_vl_7b_long.yaml over the 7B config: 3,600 frames of 252 x 448 = 1,800 pairs x 144 tokens, plus
+    the question; FITS on 8 x 80 GB at sp_size 4, not at 2."""
     p = memory_plan.main(memory_plan.Config(config=LONG))
     assert p.verdict == "FITS" and p.train < 0.9 * 80 * GIB
-    cfg, sp = memory_plan.load_config(LONG)
-    assert sp == 4 and cfg.video_max_frames == 3600
+    cfg = train.load_config(["--config", *LONG])
+    assert cfg.sp_size == 4 and cfg.video_max_frames == 3600
     prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
     assert 1800 * 144 < prompt < 1800 * 144 + 200 and patches == 1800 * 144 * 4
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")

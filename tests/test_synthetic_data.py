@@ -199,7 +199,7 @@ def test_write_video(tmp_path):
 
 @pytest.fixture(scope="module")
 def needle(tmp_path_factory):
-    """32 s at 8 fps: T = 256 frames of 28x28, the event lasts T // 64 = 4 frames (what configs/long_video_cpu.yaml
+    """32 s at 8 fps: T = 256 frames of 28x28, the event lasts T // 8 = 32 frames (what configs/long_video_cpu.yaml
     trains on)."""
     return make(tmp_path_factory.mktemp("needle"), ["needle"], num_train=8, num_val=24, size=28, fps=8, seconds=32)
 
@@ -217,7 +217,7 @@ def test_needle_is_in_the_pixels(needle):
     for split in ("train", "val"):
         assert sorted(r["answer"] for r in rows(needle, split)) == sorted("ABCD" * (2 if split == "train" else 6))
         for ev, want, fr, med in needle_events(needle, split):
-            assert len(fr) == 256 and len(ev) == 4 and (np.diff(ev) == 1).all(), ev  # one event, 4 frames
+            assert len(fr) == 256 and len(ev) == 32 and (np.diff(ev) == 1).all(), ev  # one event, 32 frames
             assert all(np.linalg.norm(NOMINAL - m, axis=1).argmin() == want for m in med[ev])
             rest = np.delete(fr, ev, 0)
             # every other frame is gray (H.264 leaves faint color next to the event; the colors' saturation is >= 190)
@@ -225,17 +225,19 @@ def test_needle_is_in_the_pixels(needle):
             gray_levels = {int(v) for f in rest[::32] for v in np.unique(f[..., 0] // 8)}
             assert len(gray_levels) >= 3  # background and two squares of other shades: there is distractor content
             starts.append(ev[0])
-    assert min(starts) < 64 and max(starts) > 192  # the event's time is spread over the clip
+    assert min(starts) < 64 and max(starts) > 160  # the event's time is spread over the clip
 
 
 def test_needle_needs_the_frames(needle):
-    """The train config samples all 256 frames and sees every event; 16 frames (every 17th) see only the clips whose
-    4-frame event covers one of them: about 4/17 of them."""
+    """The train config samples all 256 frames and sees every event; 4 frames (0, 85, 170, 255) see only the clips
+    whose 32-frame event covers one of them, about half: a perfect model that sees 4 frames (and guesses the others)
+    scores below the 0.8 the long-video run reaches."""
     cache = pytest.importorskip("cache")
     events = [set(ev) for ev, *_ in needle_events(needle, "val")]
     every = cache.sample_indices(256, 8.0, 8.0, 4, 256)
-    few = cache.sample_indices(256, 8.0, 8.0, 4, 16)
-    assert every == list(range(256)) and len(few) == 16
+    few = cache.sample_indices(256, 8.0, 8.0, 4, 4)
+    assert every == list(range(256)) and len(few) == 4
     assert all(e & set(every) for e in events)
     hits = sum(bool(e & set(few)) for e in events)
-    assert hits <= len(events) // 2, hits  # missed in most clips
+    assert hits <= len(events) * 2 // 3, hits  # missed in many clips
+    assert (hits + (len(events) - hits) / 4) / len(events) < 0.8  # the best a 4-frame model can score
