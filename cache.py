@@ -15,6 +15,7 @@ entry); a per-key lock file makes concurrent loaders (ranks, workers) decode onc
 hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
 under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -181,29 +182,23 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
         return out
     file = entry_path(cache_dir, path, settings)
-    if mode == "cache_only":  # never decodes, never writes: a read-only shared cache works
-        if not os.path.exists(file):
-            stats["cache_miss"] = stats.get("cache_miss", 0) + 1
-            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-        try:
-            out = check_entry(file, *read_entry(file), settings)
-        except ValueError as e:
-            stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
-            raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
-        stats["cache_hit"] = stats.get("cache_hit", 0) + 1
-        return out
-    os.makedirs(os.path.dirname(file), exist_ok=True)
-    with open(file + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one decode per key: concurrent loaders wait here, then hit
+    with contextlib.ExitStack() as stack:
+        if mode == "prefer_cache":  # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
                 stats["cache_hit"] = stats.get("cache_hit", 0) + 1
                 return out
             except ValueError as e:
-                print(f"cache: {e}; rebuilding", file=sys.stderr)
                 stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+                if mode == "cache_only":
+                    raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
+                print(f"cache: {e}; rebuilding", file=sys.stderr)
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
+        if mode == "cache_only":  # never decodes, never writes (not even a lock): a read-only shared cache works
+            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
         out = load_video(path, **settings, mode="decode_only", stats=stats, max_decode_pixels=max_decode_pixels)
         write_entry(file, *out)
         return out
