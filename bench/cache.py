@@ -63,7 +63,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", default="30,60,90,120", help="clip durations, one clip each")
     ap.add_argument("--steps", type=int, default=6, help="train steps per run (the first is not timed)")
-    ap.add_argument("--out", default=os.path.join(ROOT, ".cache/bench/cache"))
+    ap.add_argument("--out", type=os.path.abspath, default=os.path.join(ROOT, ".cache/bench/cache"))
     a = ap.parse_args()
     import cache
     import make_tiny_model
