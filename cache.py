@@ -15,6 +15,7 @@ entry); a per-key lock file makes concurrent loaders (ranks, workers) decode onc
 hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
 under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -181,29 +182,23 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
         return out
     file = entry_path(cache_dir, path, settings)
-    if mode == "cache_only":  # never decodes, never writes: a read-only shared cache works
-        if not os.path.exists(file):
-            stats["cache_miss"] = stats.get("cache_miss", 0) + 1
-            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-        try:
-            out = check_entry(file, *read_entry(file), settings)
-        except ValueError as e:
-            stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
-            raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
-        stats["cache_hit"] = stats.get("cache_hit", 0) + 1
-        return out
-    os.makedirs(os.path.dirname(file), exist_ok=True)
-    with open(file + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one decode per key: concurrent loaders wait here, then hit
+    with contextlib.ExitStack() as stack:
+        if mode == "prefer_cache":  # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
                 stats["cache_hit"] = stats.get("cache_hit", 0) + 1
                 return out
             except ValueError as e:
-                print(f"cache: {e}; rebuilding", file=sys.stderr)
                 stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+                if mode == "cache_only":
+                    raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
+                print(f"cache: {e}; rebuilding", file=sys.stderr)
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
+        if mode == "cache_only":  # never decodes, never writes (not even a lock): a read-only shared cache works
+            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
         out = load_video(path, **settings, mode="decode_only", stats=stats, max_decode_pixels=max_decode_pixels)
         write_entry(file, *out)
         return out
@@ -277,21 +272,23 @@ class Config(Frames):
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
 
 
-def preprocess_one(path: str, c: Config) -> tuple[dict, int, str | None]:
-    """(stats, entry bytes, error): a failure of any kind is returned, to be reported, never raised."""
+def preprocess_one(path: str, c: Config) -> dict:
+    """This video's counts (load_video's stats, plus its entry's bytes) or its error: a failure of any kind is
+    returned, to be reported, never raised."""
     stats = {}
     settings = dict(fps=c.video_fps, min_frames=c.video_min_frames, max_frames=c.video_max_frames,
                     min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, total_pixels=c.video_total_pixels,
                     factor=c.factor)
     try:
         load_video(path, **settings, cache_dir=c.out, stats=stats, max_decode_pixels=c.max_decode_pixels)
-        return stats, os.path.getsize(entry_path(c.out, path, settings)), None
+        return stats | {"bytes": os.path.getsize(entry_path(c.out, path, settings))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
-        return stats, 0, str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"
+        return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
 
 
 def preprocess(c: Config) -> dict:
     """Decode each distinct video of the data files once into the cache; failures go to OUT/failed.jsonl."""
+    from collections import Counter
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm import tqdm
@@ -299,23 +296,19 @@ def preprocess(c: Config) -> dict:
     from data import load_samples  # resolves relative paths; a bad row is an error naming file:line
     videos = [os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])]
     videos = list(dict.fromkeys(videos))
-    t, total, failed = time.time(), dict(videos=len(videos), cache_hit=0, rebuilt=0, decode=0, failed=0, bytes=0), []
+    t, total, failed = time.time(), Counter(), []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):
-            stats, nbytes, err = job.result()
-            total["cache_hit"] += stats.get("cache_hit", 0)
-            total["rebuilt"] += stats.get("cache_corrupt", 0)
-            total["decode"] += stats.get("decode", 0)
-            total["bytes"] += nbytes
-            if err:
-                failed.append({"video": jobs[job], "error": err})
-    total["failed"] = len(failed)
+            stats = job.result()
+            if "error" in stats:
+                failed.append({"video": jobs[job], "error": stats.pop("error")})
+            total.update(stats)
     os.makedirs(c.out, exist_ok=True)
     with open(os.path.join(c.out, "failed.jsonl"), "w") as fh:  # rewritten each run: it lists this run's failures
         fh.writelines(json.dumps(x) + "\n" for x in sorted(failed, key=lambda x: x["video"]))
-    total["seconds"] = round(time.time() - t, 2)
-    return total
+    return dict(videos=len(videos), cache_hit=total["cache_hit"], rebuilt=total["cache_corrupt"],
+                decode=total["decode"], failed=len(failed), bytes=total["bytes"], seconds=round(time.time() - t, 2))
 
 
 def load_config(argv: list[str]) -> Config:
@@ -329,12 +322,10 @@ def load_config(argv: list[str]) -> Config:
 
         from data import vision_factor
         t = train.load_config(["--config", argv[argv.index("--config") + 1]])
-        files = [t.train_data]
-        if t.val_data and train.val_config(t) == t:
-            files.append(t.val_data)
+        val = [t.val_data] if t.val_data and train.val_config(t) == t else []
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
-        frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
-        default = Config(config=t.config[0], data=files, out=t.cache_dir, factor=factor, **frames)
+        default = Config(config=t.config[0], data=[t.train_data, *val], out=t.cache_dir, factor=factor,
+                         **{f.name: getattr(t, f.name) for f in fields(Frames)})  # train.Config is a Frames too
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
 
 

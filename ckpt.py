@@ -106,9 +106,8 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
-        processor.save_pretrained(tmp)
-        model.config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
+        for part in (processor, model.config, model.generation_config):  # what export_hf.py and a new run read
+            part.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
         os.rename(tmp, final)
         with open(os.path.join(root, "latest.tmp"), "w") as f:

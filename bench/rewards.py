@@ -86,12 +86,10 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
     raise KeyError(ptype)
 
 
-MALFORMED = [
-    lambda a, r: "", lambda a, r: f"<answer>{a}", lambda a, r: f"<think>Let me look at the video. {a}",
-    lambda a, r: "I am not sure what happens in this video.", lambda a, r: "<answer></answer>",
-    lambda a, r: f"<answer>{a[: max(1, len(a) // 2)]}</answer>", lambda a, r: f"<answer>{a}</answer>" * 2,
-    lambda a, r: "<think>" + " ".join(r.choices(WORDS, k=300)),  # cut off mid-thought at max_tokens
-]
+# {a}: the right answer, {half}: its first half, {ramble}: 300 words (a completion cut off mid-thought at max_tokens)
+MALFORMED = ["", "<answer>{a}", "<think>Let me look at the video. {a}", "I am not sure what happens in this video.",
+             "<answer></answer>", "<answer>{half}</answer>", "<answer>{a}</answer><answer>{a}</answer>",
+             "<think>{ramble}"]
 
 
 def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
@@ -101,7 +99,8 @@ def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
         s = {"id": f"{ptype}-{i}", "problem_type": ptype, **extra}
         u = r.random()
         if u < 0.2:
-            text = r.choice(MALFORMED)(right, r)
+            half, ramble = right[: max(1, len(right) // 2)], " ".join(r.choices(WORDS, k=300))
+            text = r.choice(MALFORMED).format(a=right, half=half, ramble=ramble)
         else:
             ans = right if u < 0.7 else wrong
             think = " ".join(r.choices(WORDS, k=r.randint(10, 80)))
