@@ -99,7 +99,7 @@ class Config(cache.Media):
     group_size: int = 8
     """completions per prompt (n)"""
     prompts_per_step: int = 8
-    """prompts per optimizer step, over all ranks (divisible by world size)"""
+    """prompts per optimizer step, over all ranks (divisible by the data-parallel size, world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
     max_response_len: int = 64
