@@ -40,3 +40,18 @@ def tiny_config(**kw):
                 video_source="decode_only")
     base.update(kw)
     return Config(**base)
+
+
+def vllm_greedy_tokens(model_dir: str) -> int:
+    """How many tokens vLLM generates greedily (at most 4) from an exported HF folder, in a fresh process: the folder
+    loads in vLLM as written."""
+    import subprocess
+    code = ("from vllm import LLM, SamplingParams\n"
+            f"llm = LLM(model={model_dir!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
+            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
+            "                   SamplingParams(max_tokens=4, temperature=0))\n"
+            "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
+    return int(p.stdout.split("TOKENS ")[1])

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, vllm_greedy_tokens
 from safetensors.torch import load_file
 
 import data
@@ -143,11 +143,4 @@ def test_two_ranks_vllm_agrees_resume_and_export(tmp_path, tiny_model, synth):
     sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
     want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
     assert sd.keys() == want.keys() and all(torch.allclose(sd[k], want[k], atol=1e-6) for k in want)
-    code = ("from vllm import LLM, SamplingParams\n"
-            f"llm = LLM(model={merged!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
-            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
-            "                   SamplingParams(max_tokens=4, temperature=0))\n"
-            "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0 and int(p.stdout.split("TOKENS ")[1]) > 0, p.stderr[-3000:]
+    assert vllm_greedy_tokens(merged) > 0
