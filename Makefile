@@ -37,7 +37,7 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py && $(PY) bench/rollout.py && $(PY) bench/memory.py
+	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py && $(PY) bench/rollout.py && $(PY) bench/memory.py && $(PY) bench/long_video.py
 
 clean:
 	rm -rf .cache runs
