@@ -239,12 +239,10 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         s = {"id": sid, "problem": question, "answer": answer_letter(ans, options, ad), "problem_type": pt,
              "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
-    except KeyError as e:
-        raise DataError(f"{where}: missing field {e}") from e
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
-    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a wrong-typed field of the record
-        raise DataError(f"{where}: bad field ({type(e).__name__}: {e})") from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a missing or wrong-typed field
+        raise DataError(f"{where}: missing or bad field ({type(e).__name__}: {e})") from e
     return data.validate_sample(s, where)
 
 
@@ -668,17 +666,15 @@ def write_jsonl(path: str, rows: list[dict]):
 
 def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
-    model = os.path.realpath(cfg.model)
-    out_dir = cfg.out_dir or os.path.join(
-        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
-    positions = 16384
+    model, positions = os.path.realpath(cfg.model), 16384
     if os.path.exists(os.path.join(cfg.model, "config.json")):
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
     capped = not cfg.max_model_len and positions < 16384  # the model's own limit, not the user's choice
     max_model_len = cfg.max_model_len or min(16384, positions)
-    cfg = replace(cfg, out_dir=out_dir, max_model_len=max_model_len,
+    out_dir = os.path.join("runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
+    cfg = replace(cfg, out_dir=cfg.out_dir or out_dir, max_model_len=max_model_len,
                   max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
     # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
@@ -714,9 +710,8 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
         raise DataError(f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
                         f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it")
-    missing_ids = {s["id"] for s in missing}
-    return dict(samples=[s for s in samples if s["id"] not in missing_ids], missing=missing, skipped=skipped, bad=bad,
-                run=run, done=done, torn=torn, folder=folder)
+    return dict(samples=[s for s in samples if s not in missing], missing=missing, skipped=skipped, bad=bad, run=run,
+                done=done, torn=torn, folder=folder)
 
 
 def shut_down(timeout: float | None = None):
@@ -730,10 +725,9 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     if processor is None:
         from transformers import AutoProcessor
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    own = engine is None
+    own, results = engine is None, {}
     if own:
         engine, generate, allowed = make_engine(cfg, processor.tokenizer)
-    results = {}
     try:
         for bench, job in jobs.items():
             try:
