@@ -590,9 +590,7 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
             r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
     if not any("judge" in r for r in rows):
         return "not needed"
-    if any(r["judge"] != "none" for r in rows if "judge" in r):
-        return cfg.judge_model
-    return "none: open-ended items scored by rule (ROUGE/exact), not the judge"
+    return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
 
 
 def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
