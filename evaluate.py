@@ -282,7 +282,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
 
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
-# Every pattern is linear (bounded quantifiers, no nested ones) on text already cut to rewards.MAX_LEN.
+# Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
 PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer", "The best option is",
             "The correct option is", "Best answer:", "Best option:", "Final Answer:", "Answer:", "Option:")
 
@@ -324,13 +324,6 @@ def read_mvbench(text: str, s: dict):
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
     return first, float(first.replace(".", "") in gt or gt in first)
-
-
-def read_lvbench(text: str, s: dict):
-    """LVBench's polish_answer: cut at the first ')', keep what follows '(', first word, first character."""
-    text = text.strip().split(")", 1)[0].split("(", 1)[-1]
-    got = text.split()[0][0] if text.split() else None
-    return got, float(got == gt_letter(s))
 
 
 def read_ovo(text: str, s: dict):
@@ -402,7 +395,9 @@ READERS = {
     "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
     # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
     "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
-    "vsi": read_vsi, "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu,
+    # LVBench (polish_answer): before the first ")", after the first "(" if any, the first word's first character
+    "lvbench": partial(read_pattern, rules=((r"^(?>(?:[^()]*\()?)\s*+([^\s)])", 0),)),
+    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu,
 }
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
