@@ -310,9 +310,7 @@ def read_vsi(text: str, s: dict):
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
-    try:
-        value = float(token)
-    except ValueError:
+    if (value := rewards.as_float(token)) is None:
         return None, 0.0
     return token, rewards.mra(value, float(rewards.ground_truth(s)))
 
@@ -597,7 +595,6 @@ def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: in
     mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
     rows = [x for part in ckpt.gather(mine) for x in part]
     if rank == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
@@ -606,9 +603,8 @@ def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
     from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
     if cfg.engine == "hf":
-        import torch
         from transformers import AutoModelForImageTextToText
-        model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32,
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
                                                             trust_remote_code=cfg.trust_remote_code).eval()
         eos = model.generation_config.eos_token_id
         engine = HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
@@ -647,7 +643,8 @@ def read_log(path: str) -> tuple[dict, int]:
 
 
 def write_text(path: str, text: str):
-    """Atomically (temp file + rename): a crash leaves the old file or the new one, never a torn one."""
+    """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -740,7 +737,6 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
     samples, done, path = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl")
-    os.makedirs(job["folder"], exist_ok=True)
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
     todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
@@ -776,7 +772,6 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
 
 def write_results(results: dict, cfg: Config):
     """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
     write_text(os.path.join(cfg.out_dir, "results.json"), json.dumps({"settings": asdict(cfg), "benchmarks": results},
                                                                      indent=1))
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
