@@ -447,10 +447,9 @@ def record(s: dict, bench: str, prompt: str, response: str, error: str = "", gue
     """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
-    keep = (*ad.get("keys", ()), ad.get("group"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
-           "error": error, "problem_type": pt, **{k: s[k] for k in keep if k in s}}
+           "error": error, "problem_type": pt, **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s}}
     if ad.get("judge") and pt == "open-ended":
         row["judge"] = "none"  # judge_rows rescores it
     return row
