@@ -3,14 +3,8 @@
     python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
     python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
 
-Each benchmark (configs/benchmarks/benchmarks.yaml: adapter and official prompt) is read as released; names, files,
-records, videos, the frame budget and the resume log are checked before the engine starts. An answer is taken out of
-our format (rewards.answer_text), then read by the benchmark's official rule (docs/benchmarks.md). A sample that
-cannot be evaluated is listed in results.json, never scored, and makes the exit status 1 (unless allow_failures).
-engine="async": loader threads read frames (cached or decoded) and hand each request to AsyncLLM when it is ready,
-at most max_in_flight alive; each result is scored and appended to {out_dir}/{name}/samples.jsonl as it finishes,
-results.json is rewritten after every benchmark, and a rerun resumes only under the same model and settings
-({name}/run.json). engine="sync": rollout.VLLMEngine (as train.py); engine="hf": transformers.
+Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure accounting: README.md
+"Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
 """
 import asyncio
 import copy
@@ -61,8 +55,7 @@ class Config(cache.Media):
     seed: int = 0
     """sampling seed, and the seed of the random-option fallback"""
     random_fallback: bool = False
-    """an unreadable answer gets a seeded random option where the official scorer guesses (benchmarks.yaml's `guess`,
-    the official setting); off, it is scored 0 and counted as parse_fail"""
+    """where the official scorer guesses (benchmarks.yaml `guess`), an unreadable answer gets a seeded random option"""
     allow_failures: bool = False
     """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
     max_in_flight: int = 64
@@ -72,8 +65,7 @@ class Config(cache.Media):
     batch_size: int = 16
     """sync/hf engines: prompts per generate call"""
     max_model_len: int = 0
-    """vLLM context length; 0 = 16384 (64 frames x 262,144 px of vision tokens, text and response), capped at the
-    model's max_position_embeddings"""
+    """vLLM context length; 0 = 16384 (64 frames x 262,144 px, text and response) or the model's positions if fewer"""
     max_prompt_len: int = 0
     """longer prompts are an error for that sample (never truncated); 0 = max_model_len - max_tokens"""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -108,21 +100,19 @@ FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extrac
 
 @cached
 def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
-    """Every benchmark's definition (prompt and adapter) from path, the field names most releases use filled in.
-    Raises ValueError naming the file and the benchmark on an unknown field, reader or rule key."""
+    """Every benchmark's definition, default field names filled in; a ValueError names the file, benchmark and fault."""
     with open(path, encoding="utf-8") as f:
         table = yaml.safe_load(f)
     for name, ad in table.items():
-        if not isinstance(ad, dict):
-            raise ValueError(f"{path}: benchmark {name!r}: expected a mapping of fields, got {type(ad).__name__}")
-        rules = [ad["type"]] if isinstance(ad.get("type"), dict) else []
-        rules += [rule for rule in ad.get("derive", {}).values() if isinstance(rule, dict)]
         problem = ""
-        if unknown := sorted(set(ad) - set(FIELDS)):
+        if not isinstance(ad, dict):
+            problem = f"expected a mapping of fields, got {type(ad).__name__}"
+        elif unknown := sorted(set(ad) - set(FIELDS)):
             problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
         elif ad.get("read", "letter") not in READERS:
             problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)}"
-        elif any(not {"field", "map"} <= set(rule) <= {"field", "map", "default"} for rule in rules):
+        elif any(isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
+                 for rule in (ad.get("type"), *ad.get("derive", {}).values())):
             problem = "a type or derive rule takes field, map and (optionally) default"
         if problem:
             raise ValueError(f"{path}: benchmark {name!r}: {problem}")
@@ -153,8 +143,7 @@ def option_letter(m: re.Match) -> str:
 
 
 def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
-    """(where, record) from .json arrays, .jsonl, .parquet, or a folder of them; record["_file"] is the file's stem.
-    A file or line that does not parse is appended to bad (where, error) and the rest is read."""
+    """(where, record) from .json, .jsonl, .parquet or a folder of them (_file: the stem); what does not parse: bad."""
     files = [path]
     if os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".json", ".jsonl", ".parquet")))
@@ -185,8 +174,7 @@ def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
-    """The options as "A. text" lines, from a list, a {letter: text} dict, a newline-separated string, several fields,
-    or (opts None) the lettered lines of the question."""
+    """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
     opts = ad["opts"]
     if isinstance(opts, list):
         raw = [r[k] for k in opts if r.get(k) not in (None, "", "N/A")]
@@ -222,8 +210,7 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
 
 
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
-    """One official record -> a validated data.py sample (None: no ground truth, e.g. EgoSchema's hidden test).
-    Raises DataError naming where and the field."""
+    """A released record -> a validated data.py sample (None: no ground truth); DataError names where and the field."""
     try:
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
@@ -252,19 +239,15 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         s = {"id": sid, "problem": question, "answer": answer_letter(ans, options, ad), "problem_type": pt,
              "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
-    except KeyError as e:
-        raise DataError(f"{where}: missing field {e}") from e
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
-    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a wrong-typed field of the record
-        raise DataError(f"{where}: bad field ({type(e).__name__}: {e})") from e
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a missing or wrong-typed field
+        raise DataError(f"{where}: missing or bad field ({type(e).__name__}: {e})") from e
     return data.validate_sample(s, where)
 
 
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """The samples of one benchmark, from {data_dir}/{name}.jsonl|.json|.parquet or a folder of them. Records without
-    ground truth go to skipped; records that break (wrong type, missing field, unparseable line) go to bad with where
-    and error (or raise when bad is None)."""
+    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise)."""
     ad, out = adapter(name), []
     errors = [] if bad is None else bad
     paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
@@ -299,7 +282,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
 
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
-# Every pattern is linear (bounded quantifiers, no nested ones) on text already cut to rewards.MAX_LEN.
+# Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
 PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer", "The best option is",
             "The correct option is", "Best answer:", "Best option:", "Final Answer:", "Answer:", "Option:")
 
@@ -313,8 +296,7 @@ def gt_letter(s: dict) -> str:
 
 
 def read_pattern(text: str, s: dict, rules: tuple, drop: tuple = ()):
-    """The letter the first rule (pattern, which hit: 0 first, -1 last) finds, {L} being the option letters, after
-    the `drop` phrases are removed."""
+    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters, drop cut."""
     for p in drop:
         text = text.replace(p, "")
     for pattern, pick in rules:
@@ -328,9 +310,7 @@ def read_vsi(text: str, s: dict):
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
-    try:
-        value = float(token)
-    except ValueError:
+    if (value := rewards.as_float(token)) is None:
         return None, 0.0
     return token, rewards.mra(value, float(rewards.ground_truth(s)))
 
@@ -342,13 +322,6 @@ def read_mvbench(text: str, s: dict):
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
     return first, float(first.replace(".", "") in gt or gt in first)
-
-
-def read_lvbench(text: str, s: dict):
-    """LVBench's polish_answer: cut at the first ')', keep what follows '(', first word, first character."""
-    text = text.strip().split(")", 1)[0].split("(", 1)[-1]
-    got = text.split()[0][0] if text.split() else None
-    return got, float(got == gt_letter(s))
 
 
 def read_ovo(text: str, s: dict):
@@ -420,7 +393,9 @@ READERS = {
     "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
     # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
     "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
-    "vsi": read_vsi, "mvbench": read_mvbench, "lvbench": read_lvbench, "ovo": read_ovo, "mmmu": read_mmmu,
+    # LVBench (polish_answer): before the first ")", after the first "(" if any, the first word's first character
+    "lvbench": partial(read_pattern, rules=((r"^(?>(?:[^()]*\()?)\s*+([^\s)])", 0),)),
+    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu,
 }
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
@@ -448,9 +423,7 @@ def read_reward(text: str, s: dict):  # our schema, and types without an officia
 
 
 def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
-    """(what was read, score in [0, 1]); score None = nothing could be read (counted in parse_fail, scored 0).
-    guess_seed: where the official scorer guesses (ad["guess"]), an unreadable answer gets the option
-    random.Random(f"{seed}:{id}") picks."""
+    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
     text = rewards.answer_text(response)
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
@@ -471,16 +444,14 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
 
 
 def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
-    """One per-sample line, lmms-eval field names (doc_id, input, target, resps, filtered_resps) + score. A row with
-    an error could not be evaluated: it is listed, never scored. judge "none": an open-ended item for the judge."""
+    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
-    keep = (*ad.get("keys", ()), ad.get("group"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
-           "error": error, "problem_type": pt, **{k: s[k] for k in keep if k in s}}
+           "error": error, "problem_type": pt, **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s}}
     if ad.get("judge") and pt == "open-ended":
-        row["judge"] = "none"
+        row["judge"] = "none"  # judge_rows rescores it
     return row
 
 
@@ -490,8 +461,7 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over values of keys[0] of (the macro over keys[1:] within it), the plain mean without keys: MLVU M-Avg,
-    VSI overall (rel_direction = mean of easy/medium/hard), OVO overall (mean of category means of task accuracies)."""
+    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI and OVO overall."""
     if not keys:
         return mean(r["score"] for r in rows)
     groups = {}
@@ -501,8 +471,7 @@ def macro(rows: list[dict], keys: tuple) -> float:
 
 
 def group_score(rows: list[dict], key: str) -> float:
-    """Video-MME-v2: per group (the questions of one video_id) (right/asked)^2, so 1..4 right of 4 give
-    1/16, 4/16, 9/16, 1; mean over groups."""
+    """Video-MME-v2: the mean over groups (one video_id's questions) of (right/asked)^2: 1..4 of 4 give 1/16 .. 1."""
     groups = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r["score"])
@@ -510,8 +479,7 @@ def group_score(rows: list[dict], key: str) -> float:
 
 
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """The official aggregate and breakdown of one benchmark, in percent, over the rows that could be evaluated
-    (failed rows are counted, never scored)."""
+    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated."""
     ad, n_all = adapter(bench), len(rows)
     macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
     sc = [r["score"] for r in rows]
@@ -532,12 +500,10 @@ def aggregate(rows: list[dict], bench: str) -> dict:
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
             m[f"{k}/{v}"] = macro(part, sub)
     return m
+
+
+# ---------------------------------------------------------------------------------------------------
 # the pipeline
-JUDGE = ("Judge whether the model answer is semantically consistent with the ground truth answer.\nReply with a brief "
-         "reason, then output \"Judgement: 1\" if consistent or \"Judgement: 0\" if not.\nGround Truth: {answer}\n"
-         "Model Answer: {pred}")
-
-
 def failure(s: dict, e: BaseException) -> str:
     """Why a sample could not be evaluated: its file:line and id, the exception and the line that raised it."""
     at = traceback.extract_tb(e.__traceback__)[-1:]
@@ -558,40 +524,33 @@ def make_loader(processor, cfg, bench: str):
 
 
 async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, allowed) -> dict:
-    """AsyncLLM pipeline: loader threads -> engine -> scorer, at most max_in_flight samples alive at once. Returns
-    the share of time the engine was busy and the mean number of requests in it."""
+    """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy share and load."""
     from vllm import SamplingParams
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
                         skip_special_tokens=True, allowed_token_ids=allowed)
-    loop, sem = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight)
-    pool, busy = ThreadPoolExecutor(cfg.loader_threads), dict(n=0, since=time.perf_counter(), busy=0.0, area=0.0)
-
-    def track(d):  # time with >= 1 request in the engine, and the mean number in it
-        now = time.perf_counter()
-        busy["busy"] += (now - busy["since"]) * (busy["n"] > 0)
-        busy["area"] += (now - busy["since"]) * busy["n"]
-        busy["since"], busy["n"] = now, busy["n"] + d
+    loop, sem, spans = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight), []
+    pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
 
     async def one(s):
         async with sem:
             try:
                 p = await loop.run_in_executor(pool, load, s)
-                track(+1)
+                t0 = time.perf_counter()
                 try:
                     async for out in engine.generate(data.vllm_input(p), sp, request_id=f"{bench}:{s['id']}"):
                         pass
                 finally:
-                    track(-1)
+                    spans.append((t0, time.perf_counter()))  # the request's time in the engine
             except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
                 return write(s, "", "", failure(s, e))
         write(s, p.text, out.outputs[0].text)
 
-    t = time.perf_counter()
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
-    track(0)
-    wall = max(time.perf_counter() - t, 1e-9)
-    return {"engine_busy": busy["busy"] / wall, "mean_in_flight": busy["area"] / wall}
+    wall, busy, reach = max(time.perf_counter() - start, 1e-9), 0.0, start
+    for t0, t1 in sorted(spans):  # busy: the length of the union of the spans
+        busy, reach = busy + max(0.0, t1 - max(t0, reach)), max(reach, t1)
+    return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
 
 
 def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
@@ -609,29 +568,25 @@ def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
     return {}
 
 
-def judge_rows(rows: list[dict], cfg: Config) -> str:
-    """Rescore open-ended rows of judge benchmarks with the judge model (greedy; EasyVideoR1 uses T=0.1). Returns
-    who judged, for results.json."""
+def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
+    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who judged."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if todo and cfg.judge_model:
         from vllm import LLM, SamplingParams
         llm = LLM(model=cfg.judge_model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
                   trust_remote_code=cfg.trust_remote_code)
-        msgs = [[{"role": "user", "content": JUDGE.format(answer=r["target"], pred=r["filtered_resps"][0] or
-                                                          r["resps"][0])}] for r in todo]
+        msgs = [[{"role": "user", "content": prompt.format(answer=r["target"], pred=r["filtered_resps"][0] or
+                                                           r["resps"][0])}] for r in todo]
         for r, o in zip(todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)):
             v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
             r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
     if not any("judge" in r for r in rows):
         return "not needed"
-    if any(r["judge"] != "none" for r in rows if "judge" in r):
-        return cfg.judge_model
-    return "none: open-ended items scored by rule (ROUGE/exact), not the judge"
+    return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
 
 
 def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks, scored and aggregated by evaluate.py (the code of the standalone
-    evaluator, on the colocated engine); per-sample rows (lmms-eval fields) in out_dir/eval/step_N.jsonl."""
+    """Greedy held-out accuracy over all ranks, scored here (train.py); rows in out_dir/eval/step_N.jsonl."""
     share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
     share = share + prompts[:1] * (len(data.tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
@@ -639,7 +594,6 @@ def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: in
     mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
     rows = [x for part in ckpt.gather(mine) for x in part]
     if rank == 0:
-        os.makedirs(os.path.join(cfg.out_dir, "eval"), exist_ok=True)
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
@@ -648,9 +602,8 @@ def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
     from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
     if cfg.engine == "hf":
-        import torch
         from transformers import AutoModelForImageTextToText
-        model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32,
+        model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
                                                             trust_remote_code=cfg.trust_remote_code).eval()
         eos = model.generation_config.eos_token_id
         engine = HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
@@ -689,7 +642,8 @@ def read_log(path: str) -> tuple[dict, int]:
 
 
 def write_text(path: str, text: str):
-    """Atomically (temp file + rename): a crash leaves the old file or the new one, never a torn one."""
+    """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
@@ -701,17 +655,15 @@ def write_jsonl(path: str, rows: list[dict]):
 
 def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
-    model = os.path.realpath(cfg.model)
-    out_dir = cfg.out_dir or os.path.join(
-        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
-    positions = 16384
+    model, positions = os.path.realpath(cfg.model), 16384
     if os.path.exists(os.path.join(cfg.model, "config.json")):
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
     capped = not cfg.max_model_len and positions < 16384  # the model's own limit, not the user's choice
     max_model_len = cfg.max_model_len or min(16384, positions)
-    cfg = replace(cfg, out_dir=out_dir, max_model_len=max_model_len,
+    out_dir = os.path.join("runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
+    cfg = replace(cfg, out_dir=cfg.out_dir or out_dir, max_model_len=max_model_len,
                   max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
     # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
@@ -728,8 +680,7 @@ def resolve(cfg: Config) -> Config:
 
 
 def prepare_benchmark(bench: str, cfg: Config) -> dict:
-    """Load, check and resume one benchmark (before any engine starts): samples, records that failed, the rows
-    already done under the same model and settings."""
+    """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
     if len({s["id"] for s in samples}) < len(samples):
@@ -748,9 +699,8 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
         raise DataError(f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
                         f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it")
-    missing_ids = {s["id"] for s in missing}
-    return dict(samples=[s for s in samples if s["id"] not in missing_ids], missing=missing, skipped=skipped, bad=bad,
-                run=run, done=done, torn=torn, folder=folder)
+    return dict(samples=[s for s in samples if s not in missing], missing=missing, skipped=skipped, bad=bad, run=run,
+                done=done, torn=torn, folder=folder)
 
 
 def shut_down(timeout: float | None = None):
@@ -758,17 +708,15 @@ def shut_down(timeout: float | None = None):
 
 
 async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
-    """Every benchmark of cfg: check all, then run, judge, aggregate; results.json and results.md are rewritten
-    after each benchmark. Returns results. An engine passed in (bench/evaluate.py) is reused and left running."""
+    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; a given engine is kept."""
     cfg = resolve(cfg)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
         from transformers import AutoProcessor
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    own = engine is None
+    own, results = engine is None, {}
     if own:
         engine, generate, allowed = make_engine(cfg, processor.tokenizer)
-    results = {}
     try:
         for bench, job in jobs.items():
             try:
@@ -788,7 +736,6 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
     samples, done, path = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl")
-    os.makedirs(job["folder"], exist_ok=True)
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
     todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
@@ -810,7 +757,7 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
         else:
             engine_stats = run_sync(generate, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
-    judge = judge_rows(rows, cfg)
+    judge = judge_rows(rows, cfg, adapter(bench).get("judge"))
     write_jsonl(path, rows)
     failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
     res = {"metrics": aggregate(rows, bench), "unevaluable": len(failed), "failed_samples": failed,
@@ -824,7 +771,6 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
 
 def write_results(results: dict, cfg: Config):
     """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
-    os.makedirs(cfg.out_dir, exist_ok=True)
     write_text(os.path.join(cfg.out_dir, "results.json"), json.dumps({"settings": asdict(cfg), "benchmarks": results},
                                                                      indent=1))
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
