@@ -100,9 +100,7 @@ def extract_answer(text: str) -> str | None:
     """The answer of a completion (docs/rewards.md), None when there is none."""
     text = canon_tags((text or "")[-MAX_LEN:])
     body = strip_blocks(text)
-    ans = last_answer(body)
-    if ans is None:
-        ans = boxed(body)
+    ans = last_answer(body, boxed(body))
     if ans is None and (hits := _PHRASE.findall(body)):
         ans = hits[-1].strip().rstrip(".")
     if ans is None and "</think>" in text:  # reasoning, then the answer as it is
@@ -139,6 +137,9 @@ _UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seven
 # a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
 _WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
 _HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
+_JSON_CHAR = re.compile(r'[{}\[\]"]')
+_JSON_STR_END = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"?', re.S)  # a string past its opening quote
+POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
 
 
 def number_text(s: str) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
@@ -178,31 +179,22 @@ def committed_number(s: str) -> float | None:
     return spans[0][2] if spans else None
 
 
-_JSON_CHAR = re.compile(r'[{}\[\]"\\]')
-
-
 def parse_json(s: str):
     """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself writes its final
     answer last); None if none. One scan over brackets and quotes: linear time."""
-    spans, depth, start, in_str, skip = [], 0, 0, False, -1
-    for m in _JSON_CHAR.finditer(s):
-        c, i = m[0], m.start()
-        if i == skip:  # the character after a backslash inside a string
-            continue
-        if in_str:
-            if c == "\\":
-                skip = i + 1
-            in_str = c != '"'
-        elif c == '"':
-            in_str = depth > 0  # quotes in prose, outside any bracket, open no string
+    spans, depth, start, i = [], 0, 0, 0
+    while m := _JSON_CHAR.search(s, i):
+        c, i = m[0], m.end()
+        if c == '"' and depth > 0:  # a string, skipped whole; quotes in prose, outside any bracket, open no string
+            i = _JSON_STR_END.match(s, i).end()
         elif c in "{[":
             if depth == 0:
-                start = i
+                start = m.start()
             depth += 1
         elif depth > 0 and c in "}]":
             depth -= 1
             if depth == 0:
-                spans.append((start, i + 1))
+                spans.append((start, i))
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
@@ -353,9 +345,6 @@ def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
     return mra(p, g) if mean_relative else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
-POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
-
-
 def polarity(ans: str) -> float | None:
     """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to nothing) for a hedge
     ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None when there is none."""
@@ -392,14 +381,7 @@ class MathTimeout(BaseException):  # a BaseException: math-verify's own `except 
     pass
 
 
-_ASYNC_RAISE, _ARM_LOCK, _MAIN_ARMED = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock(), [False]
-
-
-def _alarm(signum, frame):
-    # a late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there it would skip __exit__
-    # and leave the timer raising MathTimeout anywhere; seen under heavy load)
-    if _MAIN_ARMED[0] and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
-        raise MathTimeout
+_ASYNC_RAISE, _ARM_LOCK = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock()
 
 
 class time_limit:
@@ -409,13 +391,19 @@ class time_limit:
     def __init__(self, seconds: float):
         self.seconds, self.tid, self.done = seconds, threading.get_ident(), threading.Event()
         self.main = threading.current_thread() is threading.main_thread()
-        self.armed = _MAIN_ARMED if self.main else [True]
+        self.armed = not self.main  # the main thread arms once its handler is in place
+
+    def alarm(self, signum, frame):
+        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there
+        it would skip __exit__ and leave the timer raising MathTimeout anywhere; seen under heavy load)."""
+        if self.armed and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
+            raise MathTimeout
 
     def watchdog(self):  # runs in its own thread
         wait = self.seconds
-        while not self.done.wait(wait) and self.armed[0]:
+        while not self.done.wait(wait) and self.armed:
             with _ARM_LOCK:  # injects only while armed: __exit__ disarms, then clears under the same lock
-                if self.armed[0]:
+                if self.armed:
                     _ASYNC_RAISE(ctypes.c_ulong(self.tid), ctypes.py_object(MathTimeout))
             wait = 0.05
 
@@ -423,14 +411,14 @@ class time_limit:
         self.gc_on = gc.isenabled()
         gc.disable()
         if self.main:
-            self.old = signal.signal(signal.SIGALRM, _alarm)
-            self.armed[0] = True
+            self.old = signal.signal(signal.SIGALRM, self.alarm)
+            self.armed = True
             signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.05)
         else:
             threading.Thread(target=self.watchdog, daemon=True).start()
 
     def __exit__(self, *exc):
-        self.armed[0] = False  # first: a plain store, where no signal handler runs and no async exception lands
+        self.armed = False  # first: a plain store, where no signal handler runs and no async exception lands
         if self.main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
@@ -478,8 +466,7 @@ def acc_spatial(ans, s):  # the ground truth must be {"boxes": ...}
 
 
 def mean_box_iou(pred: dict, gt: dict, frames) -> float:  # a missing or malformed predicted box counts 0
-    frames = list(frames)
-    return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / len(frames) if frames else 0.0
+    return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / max(len(frames), 1)
 
 
 def acc_st(ans, s):
@@ -499,11 +486,12 @@ def acc_tracking(ans, s):
     if boxes is None:
         return None
     gt = as_boxes(parse_json(ground_truth(s)))
-    return mean_box_iou(boxes, gt, gt)  # over the ground truth's frames (module docstring)
+    return mean_box_iou(boxes, gt, gt)  # over the ground truth's frames (docs/rewards.md)
 
 
 _MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")
 _ATTR = re.compile(r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?""")
+BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
 
 
 def markup_tokens(text: str) -> list[str]:
@@ -520,9 +508,6 @@ def markup_tokens(text: str) -> list[str]:
             tokens.append(f"</{tag}")
         i = m.end()
     return tokens + text[i:].split()
-
-
-BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
 
 
 def python_tokens(code: str) -> list[str] | None:
