@@ -3,33 +3,9 @@ one dict, ACCURACY, scoring what a benchmark grader would score. Adding a task i
 
     overall, components = compute_reward(completion, sample)     # overall = w_acc * acc + w_fmt * fmt
 
-Problem types (ALIASES maps public datasets' names onto these):
-    multiple choice      the option letter out of "B", "Option B", "The answer is (B)", "**B**", "答案是B", ..., or the
-                         text of one of sample["options"] (choice_letter)
-    numerical            numbers as models write them (number_spans), relative tolerance NUM_RTOL; counting: exact
-    regression           mean relative accuracy, the official VSI-Bench rule (mra)
-    boolean              the committed yes/no/true/false (polarity)
-    open-ended           short ground truths: SQuAD (normalized exact match, else token F1); longer ones: mean of
-                         ROUGE-1/2/L F1 with the Porter stemmer (the rouge-score package)
-    ocr                  1 - word error rate, clipped to [0, 1]
-    math                 math-verify equivalence, under time_limit(MATH_TIMEOUT)
-    temporal grounding   1-D IoU of {"time": [start, end]}, or of a span in text ("from 12.3 to 25.7 seconds")
-    spatial grounding    box IoU of {"boxes": [x1, y1, x2, y2]}, a bare list, or a tuple in text
-    spatial-temporal grounding   0.5 * time IoU + 0.5 * mean box IoU over the seconds both have (as EasyVideoR1); no
-                         usable boxes give 0.5 * time IoU, a malformed box IoU 0 for its second; tracking: the mean
-                         box IoU over the ground truth's frames, a missing or malformed box counting 0 (EasyVideoR1
-                         averages over the frames both have, which pays 1.0 for one perfect frame: a reward hack)
-    code, svg-code, html-code   difflib ratio of normalized token streams (python_tokens, markup_tokens): 1.0 only for
-                         an equivalent program text; never executed
-Hedges ("3 or 4", "between 999 and 1001", "B, A", "Yes and no") are answers, wrong ones: 0, not a parse failure.
-A ground truth is valid when, given back as the answer, it scores 1 (validate_answer).
-
-Answer extraction (extract_answer), tags read case- and space-insensitively (`< Answer >`): closed <think> blocks are
-removed and an unclosed <think> ends the text (reasoning is never scored); then the LAST <answer>...</answer>
-(innermost when nested; a blank one is None); else the last \\boxed{...}; else a "final answer: X" / "the answer is X"
-phrase; else the text after </think>; else a bare short answer (at most BARE_WORDS words); else None (a parse
-failure: scored 0, counted in components["parse_fail"]). Only the last MAX_LEN characters are read (the answer comes
-last); str.find, one-pass scans and bounded regex repeats only: linear time. Never raises; always in [0, 1].
+docs/rewards.md states every rule: answer extraction (extract_answer), the reading and score of each problem type,
+hedges (wrong answers, not parse failures), ground-truth validation and the math time limit. Unparseable answers
+score 0 and are counted in components["parse_fail"]. Never raises; always in [0, 1]; linear time on the input.
 """
 import ast
 import ctypes
@@ -67,8 +43,7 @@ ALIASES = {
     "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
-# ---------------------------------------------------------------------------------------------------
-# extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
+# ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input ------------------
 _TAG = re.compile(r"<\s{0,9}(/?)\s{0,9}(answer|think)\s{0,9}>", re.I)
 _PHRASE = re.compile(r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I)
 
@@ -83,8 +58,8 @@ def blank(text: str) -> bool:  # nothing visible: only spaces, zero-width charac
 
 
 def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> str:
-    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and everything from an
-    unclosed start on: the text of an unfinished <think> is reasoning, not an answer."""
+    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and all from an unclosed
+    start on: the text of an unfinished <think> is reasoning, not an answer."""
     out, i = [], 0
     while (j := text.find(start, i)) >= 0:
         out.append(text[i:j])
@@ -103,8 +78,7 @@ def last_answer(text: str, default: str | None = None) -> str | None:
 
 
 def answer_text(text: str) -> str:
-    """The answer taken out of our output format, where evaluate.py's official readers start: the last <answer> tag's
-    content, else the whole response, without its <think> blocks ('' when a <think> is left open)."""
+    """The last <answer>'s content, else the whole text, without <think> blocks: where evaluate.py's readers start."""
     body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
     return last_answer(body, body.strip())
 
@@ -123,12 +97,10 @@ def boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The answer of a completion (module docstring), None when there is none."""
+    """The answer of a completion (docs/rewards.md), None when there is none."""
     text = canon_tags((text or "")[-MAX_LEN:])
     body = strip_blocks(text)
-    ans = last_answer(body)
-    if ans is None:
-        ans = boxed(body)
+    ans = last_answer(body, boxed(body))
     if ans is None and (hits := _PHRASE.findall(body)):
         ans = hits[-1].strip().rstrip(".")
     if ans is None and "</think>" in text:  # reasoning, then the answer as it is
@@ -149,8 +121,7 @@ def canonical_type(problem_type: str) -> str:
     return ALIASES.get(t, t)
 
 
-# ---------------------------------------------------------------------------------------------------
-# parsers (None on failure, never raise)
+# ---- parsers (None on failure, never raise) -------------------------------------------------------------------------
 WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
                                     "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
 WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
@@ -166,6 +137,9 @@ _UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seven
 # a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
 _WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
 _HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
+_JSON_CHAR = re.compile(r'[{}\[\]"]')
+_JSON_STR_END = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"?', re.S)  # a string past its opening quote
+POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
 
 
 def number_text(s: str) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
@@ -173,8 +147,7 @@ def number_text(s: str) -> str:  # lower-cased, dashes made "-", LaTeX products 
 
 
 def number_spans(s: str) -> list[tuple[int, int, float]]:
-    """(start, end, value) in number_text(s) of every finite number, in order: "3", "−1,000.5", "1e3", "1 \\times 10^3",
-    "1/2", "\\frac{1}{2}", "50%" (= 0.5), "2.5k", "3 million", "twenty-one", "one thousand". x/0, 1e999 are left out."""
+    """(start, end, value) in number_text(s) of every finite number, in order ("50%", "2.5k": docs/rewards.md)."""
     s = number_text(s)
     out = []
     for m in _NUM.finditer(s):
@@ -196,8 +169,7 @@ def number_spans(s: str) -> list[tuple[int, int, float]]:
 
 
 def committed_number(s: str) -> float | None:
-    """The number an answer (or ground truth) commits to: its first; NaN (an answer that matches nothing) when it hedges
-    between two different numbers ("3 or 4", "3, 4", "3-4", "between 999 and 1001"); None when there is none."""
+    """The first number; NaN (equal to nothing) for a hedge ("3 or 4", "3-4", "between 3 and 4"); None if none."""
     s = number_text(s)
     spans = number_spans(s)
     for (_, end, v1), (start, _, v2) in zip(spans, spans[1:]):
@@ -207,31 +179,22 @@ def committed_number(s: str) -> float | None:
     return spans[0][2] if spans else None
 
 
-_JSON_CHAR = re.compile(r'[{}\[\]"\\]')
-
-
 def parse_json(s: str):
-    """The LAST complete top-level {...} or [...] in s that json.loads (all of s when it is one; a model correcting
-    itself writes its final answer last); None if none. One scan over brackets and quotes: linear time."""
-    spans, depth, start, in_str, skip = [], 0, 0, False, -1
-    for m in _JSON_CHAR.finditer(s):
-        c, i = m[0], m.start()
-        if i == skip:  # the character after a backslash inside a string
-            continue
-        if in_str:
-            if c == "\\":
-                skip = i + 1
-            in_str = c != '"'
-        elif c == '"':
-            in_str = depth > 0  # quotes in prose, outside any bracket, open no string
+    """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself writes its final
+    answer last); None if none. One scan over brackets and quotes: linear time."""
+    spans, depth, start, i = [], 0, 0, 0
+    while m := _JSON_CHAR.search(s, i):
+        c, i = m[0], m.end()
+        if c == '"' and depth > 0:  # a string, skipped whole; quotes in prose, outside any bracket, open no string
+            i = _JSON_STR_END.match(s, i).end()
         elif c in "{[":
             if depth == 0:
-                start = i
+                start = m.start()
             depth += 1
         elif depth > 0 and c in "}]":
             depth -= 1
             if depth == 0:
-                spans.append((start, i + 1))
+                spans.append((start, i))
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
@@ -269,16 +232,14 @@ def text_numbers(ans: str, n: int) -> list[float] | None:  # no JSON: "from 12.3
 
 
 def as_boxes(x) -> dict | None:
-    """{frame: box, or None for a malformed one (it scores IoU 0)}; None when there is no non-empty dict of boxes.
-    Frame keys compare as numbers: "1" and "1.0" are the same frame."""
+    """{frame as a number ("1" is "1.0"): box, or None when malformed}; None without a non-empty dict of boxes."""
     b = x.get("boxes") if isinstance(x, dict) else None
     if not isinstance(b, dict) or not b:
         return None
     return {k if as_float(k) is None else repr(as_float(k)): as_box(v) for k, v in b.items()}
 
 
-# ---------------------------------------------------------------------------------------------------
-# scorers: shared with evaluate.py
+# ---- scorers: shared with evaluate.py -------------------------------------------------------------------------------
 def iou_1d(a, b) -> float:
     inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
     union = max(a[1], b[1]) - min(a[0], b[0])
@@ -293,8 +254,7 @@ def iou_box(a, b) -> float:  # boxes as as_box returns them: x1 <= x2, y1 <= y2
 
 
 def mra(pred: float, gt: float) -> float:
-    """Mean relative accuracy (VSI-Bench): the share of t in 0.50, 0.55, ..., 0.95 with |pred - gt| / |gt| <= 1 - t,
-    1 - t in floats as its code computes it (MRA_MARGINS: gt 10, pred 11 passes t = 0.9; gt 100, pred 80 fails 0.8)."""
+    """Mean relative accuracy (VSI-Bench): the share of margins m in MRA_MARGINS with |pred - gt| / |gt| <= m."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
     return sum(rel <= m for m in MRA_MARGINS) / len(MRA_MARGINS)
 
@@ -334,8 +294,7 @@ def wer(pred: str, ref: str) -> float:
     return prev[-1] / len(r)
 
 
-# ---------------------------------------------------------------------------------------------------
-# accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable
+# ---- accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable ------------
 _LEAD = re.compile(r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
                    r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?", re.I)
 _MARKUP = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{|[*${}]")
@@ -350,11 +309,7 @@ def option_table(options: list[str]) -> list[tuple[str, str]]:
 
 
 def choice_letter(ans: str, options: list[str]) -> str | None:
-    """The option letter an answer names, None if none. Read in order, after markup (**, $, \\boxed{}) and a lead-in
-    ("Answer:", "Option", "The answer is", "答案是") are dropped: a bare letter ("B", "(b)"); the text of one option
-    (SQuAD-normalized: "A dog" is the option "dog", not letter A); a letter opening the answer ("B. dog", "(C) red");
-    else every capital letter standing alone, except "A" and "I" before a word (article, pronoun: "I think it's A" is
-    A). Two or more different letters are a hedge, returned joined ("A+B"): an answer that matches no ground truth."""
+    """The option letter an answer names (the order of reading: docs/rewards.md); a hedge joined ("A+B"); else None."""
     table = option_table(options)
     letters = {lt for lt, _ in table} or set(string.ascii_uppercase)
     s = _MARKUP.sub(" ", ans)
@@ -383,21 +338,16 @@ def acc_choice(ans, s):
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
-    """|pred - gt| <= rtol * |gt| (relative at every scale: 0.01 is not 0.001; exact when gt is 0), or mra(pred, gt)
-    with mean_relative; a hedge (NaN) matches nothing and passes no threshold."""
+    """|pred - gt| <= rtol * |gt| (exact when gt is 0), or mra(pred, gt) with mean_relative; a hedge (NaN) is 0."""
     p, g = committed_number(ans), committed_number(ground_truth(s))
     if p is None:
         return None
     return mra(p, g) if mean_relative else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
-POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
-
-
 def polarity(ans: str) -> float | None:
-    """1 for yes/true, 0 for no/false: the first such word, flipped after "not" ("It is not true" is no); NaN (equal
-    to nothing) for a hedge: two different ones joined only by and/or/maybe/punctuation ("Yes and no", "yes/no");
-    None when there is none. "Yes, but no other person does." commits to yes."""
+    """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to nothing) for a hedge
+    ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None when there is none."""
     words = re.findall(r"\w+", ans.lower())
     i = next((k for k, w in enumerate(words) if w in POLAR), None)
     if i is None:
@@ -431,33 +381,29 @@ class MathTimeout(BaseException):  # a BaseException: math-verify's own `except 
     pass
 
 
-_ASYNC_RAISE, _ARM_LOCK, _MAIN_ARMED = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock(), [False]
-
-
-def _alarm(signum, frame):
-    # a late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there it would skip __exit__
-    # and leave the timer raising MathTimeout anywhere; seen under heavy load)
-    if _MAIN_ARMED[0] and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
-        raise MathTimeout
+_ASYNC_RAISE, _ARM_LOCK = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock()
 
 
 class time_limit:
     """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50 ms until the block
-    ends, in case a bare `except:` swallows one. In the main thread a SIGALRM timer, which also stops a long big-int C
-    loop (CPython polls for signals there). Elsewhere a watchdog thread raising MathTimeout into this one, which acts
-    between bytecodes only, so there one huge C-level step (2^{2^{2^{99}}}) is NOT stopped: score in the main thread.
-    The garbage collector is off meanwhile: an exception raised in a gc callback is swallowed (reported unraisable)."""
+    ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc off (why: docs/rewards.md)."""
 
     def __init__(self, seconds: float):
         self.seconds, self.tid, self.done = seconds, threading.get_ident(), threading.Event()
         self.main = threading.current_thread() is threading.main_thread()
-        self.armed = _MAIN_ARMED if self.main else [True]
+        self.armed = not self.main  # the main thread arms once its handler is in place
+
+    def alarm(self, signum, frame):
+        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there
+        it would skip __exit__ and leave the timer raising MathTimeout anywhere; seen under heavy load)."""
+        if self.armed and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
+            raise MathTimeout
 
     def watchdog(self):  # runs in its own thread
         wait = self.seconds
-        while not self.done.wait(wait) and self.armed[0]:
+        while not self.done.wait(wait) and self.armed:
             with _ARM_LOCK:  # injects only while armed: __exit__ disarms, then clears under the same lock
-                if self.armed[0]:
+                if self.armed:
                     _ASYNC_RAISE(ctypes.c_ulong(self.tid), ctypes.py_object(MathTimeout))
             wait = 0.05
 
@@ -465,14 +411,14 @@ class time_limit:
         self.gc_on = gc.isenabled()
         gc.disable()
         if self.main:
-            self.old = signal.signal(signal.SIGALRM, _alarm)
-            self.armed[0] = True
+            self.old = signal.signal(signal.SIGALRM, self.alarm)
+            self.armed = True
             signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.05)
         else:
             threading.Thread(target=self.watchdog, daemon=True).start()
 
     def __exit__(self, *exc):
-        self.armed[0] = False  # first: a plain store, where no signal handler runs and no async exception lands
+        self.armed = False  # first: a plain store, where no signal handler runs and no async exception lands
         if self.main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
@@ -520,8 +466,7 @@ def acc_spatial(ans, s):  # the ground truth must be {"boxes": ...}
 
 
 def mean_box_iou(pred: dict, gt: dict, frames) -> float:  # a missing or malformed predicted box counts 0
-    frames = list(frames)
-    return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / len(frames) if frames else 0.0
+    return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / max(len(frames), 1)
 
 
 def acc_st(ans, s):
@@ -541,16 +486,16 @@ def acc_tracking(ans, s):
     if boxes is None:
         return None
     gt = as_boxes(parse_json(ground_truth(s)))
-    return mean_box_iou(boxes, gt, gt)  # over the ground truth's frames (module docstring)
+    return mean_box_iou(boxes, gt, gt)  # over the ground truth's frames (docs/rewards.md)
 
 
 _MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")
 _ATTR = re.compile(r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?""")
+BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
 
 
 def markup_tokens(text: str) -> list[str]:
-    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words. Comments, spacing, attribute order and
-    <x/> against <x></x> do not count. Bounded regexes, not html.parser (quadratic on "<!--" * n, and it raises)."""
+    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments (docs/rewards.md)."""
     text, tokens, i = strip_blocks(text, "<!--", "-->"), [], 0
     for m in _MARKUP_TAG.finditer(text):
         tag, attrs = m[2].lower(), sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3]))
@@ -565,12 +510,8 @@ def markup_tokens(text: str) -> list[str]:
     return tokens + text[i:].split()
 
 
-BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
-
-
 def python_tokens(code: str) -> list[str] | None:
-    """Tokens of ast.unparse(code) (formatting, comments gone), bound names (assigned, defined, arguments) renamed v0,
-    v1, ... in order (a renamed variable keeps the text; builtins, attributes kept); None if it does not parse."""
+    """Tokens of ast.unparse(code), bound names (assigned, defined, arguments) renamed v0, v1, ...; None if no parse."""
     try:
         tree = ast.parse(code)
         names = {}
@@ -587,8 +528,7 @@ def python_tokens(code: str) -> list[str] | None:
 
 
 def acc_code(ans, s, markup: bool = False):
-    """Token streams by python_tokens, or markup_tokens for svg-code, html-code and a reference starting with "<";
-    0 when either is empty (an answer that does not parse as Python)."""
+    """difflib ratio of python_tokens (markup_tokens: markup, or a reference opening "<"); 0 if one is empty."""
     code, ref = (re.sub(r"^```\w*\n?|```$", "", x.strip()).strip() for x in (ans, ground_truth(s)))
     tokens = markup_tokens if markup or ref.startswith("<") else python_tokens
     pred, gold = tokens(code), tokens(ref)
@@ -621,8 +561,7 @@ FORMATS = {
 
 
 def format_reward(completion: str, template: str = "answer") -> float:
-    """1 if the whole completion is exactly the template (one answer block, optional surrounding space) and the answer
-    holds something visible (not only spaces, zero-width characters or NULs)."""
+    """1 if the whole completion is exactly the template (one answer block) and the answer holds something visible."""
     c = (completion or "")[:MAX_LEN]
     ok = FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1
     return float(ok and not blank(c[c.find("<answer>") + 8:c.find("</answer>")]))
@@ -648,8 +587,7 @@ def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: flo
 
 
 def validate_answer(sample: dict) -> None:
-    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer, scores 1: one test of
-    a well-formed ground truth for every problem type (a hedge scores 0 against itself)."""
+    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer, scores 1."""
     t, gt, sid = canonical_type(sample.get("problem_type", "")), ground_truth(sample), sample.get("id", "?")
     if t not in ACCURACY:
         raise ValueError(f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
