@@ -1,26 +1,10 @@
-"""data.py: samples in, model-ready prompts out.
+"""data.py: samples in, model-ready prompts out (the sample schema: FIELDS below).
 
-    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line and field)
+    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line, sample and field)
     render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
     check_template(t, s)   a user template rendered once with bounded time, memory and output (run at startup)
-    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt
-
-A Prompt holds everything both consumers need, computed once per sample per step:
-vLLM gets `text` plus the frames and their metadata (it expands the vision placeholders itself, with
-do_resize/do_sample_frames off), the trainer gets `prompt_ids` (already expanded by the HF processor) and
-`mm` (pixel tensors and grids). The frames are decoded (or read from the cache) once and handed to both,
-so sampler and trainer see the very same pixels.
-
-Sample schema (one JSON object per line; EasyVideoR1-compatible):
-    problem: str          the question; may contain <video>/<image> markers where the media go
-    answer: str           ground truth (grounding answers are JSON strings, see rewards.py)
-    problem_type: str     routes the prompt template and the reward (rewards.canonical_type)
-    videos: [str]         video paths, relative to the JSONL's folder (optional)
-    images: [str]         image paths (optional)
-    data_type: str        "video" | "image" | "text" (optional; checked against the media given)
-    options: [str]        "A. red", ... for multiple choice
-    offline_output: str   a curated trajectory for mixed offline-online training (optional)
-    id: str               optional; defaults to "<file>:<line>"
+    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt, which hands the very same
+                           pixels, decoded once, to vLLM and to the trainer
 """
 import json
 import os
@@ -35,8 +19,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import cache
 import rewards
 
-FIELDS = {"problem": str, "answer": str, "problem_type": str, "videos": list, "images": list,
-          "data_type": str, "options": list, "offline_output": str, "id": str}
+# The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
+FIELDS = {"problem": str,         # the question; <video>/<image> markers in it place the media
+          "answer": str,          # ground truth (grounding answers are JSON strings, see rewards.py)
+          "problem_type": str,    # routes the prompt template and the reward (rewards.canonical_type)
+          "videos": list,         # video paths, relative to the JSONL's folder (optional)
+          "images": list,         # image paths (optional)
+          "data_type": str,       # "video" | "image" | "text" (optional; checked against the media given)
+          "options": list,        # "A. red", ... for multiple choice
+          "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
+          "id": str}              # optional; defaults to "<file>:<line>"
 REQUIRED = ("problem", "answer", "problem_type")
 # Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
 # tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
@@ -138,9 +130,8 @@ INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.
 TEMPLATES = {
     "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. "
                        "{{ instruction }}",
-    "numerical": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
-    "counting": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
-    "regression": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    **dict.fromkeys(("numerical", "counting", "regression"),
+                    "{{ problem }}\nAnswer with a single number. {{ instruction }}"),
     "boolean": "{{ problem }}\nAnswer yes or no. {{ instruction }}",
     "temporal grounding": '{{ problem }}\nAnswer with {"time": [start, end]} in seconds. {{ instruction }}',
     "spatial grounding": '{{ problem }}\nAnswer with the box, {"boxes": [x1, y1, x2, y2]}. {{ instruction }}',
@@ -233,13 +224,9 @@ def vision_factor(processor) -> int:
 
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
-    """Load media (cache or decode), render the chat prompt and run the processor once.
-
-    cfg carries the frame settings (video_fps, video_min_frames, video_max_frames, video_min_pixels,
-    video_max_pixels, video_total_pixels, image_min_pixels, image_max_pixels, max_decode_pixels, cache_dir,
-    video_source, max_prompt_len). Raises DataError naming the sample on a placeholder/feature mismatch or an
-    over-long prompt: we never right-truncate through vision tokens.
-    """
+    """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
+    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len is a DataError naming the sample: we never
+    right-truncate through vision tokens."""
     factor, sid = vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
@@ -253,44 +240,38 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
                                max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
     text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template, response_format)),
                                          tokenize=False, add_generation_prompt=True)
-    kw = {}
-    if videos:
-        kw.update(videos=[torch.from_numpy(f).permute(0, 3, 1, 2) for f, _ in videos],
-                  video_metadata=[hf_metadata(m) for _, m in videos])
-    if images:
-        kw["images"] = [torch.from_numpy(im).permute(2, 0, 1) for im in images]
-    # frames are already sampled and smart-resized by cache.py: the processor must not redo either
-    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **kw)
-    ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask", None)
-    out.pop("mm_token_type_ids", None)
-    check_placeholders(ids, out, processor, sid)
+    ids, mm = run_processor(processor, text, videos=[torch.from_numpy(f).movedim(-1, -3) for f, _ in videos] or None,
+                            video_metadata=[hf_metadata(m) for _, m in videos] or None,
+                            images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None)
+    check_placeholders(ids, mm, processor, sid)
     if len(ids) > cfg.max_prompt_len:
         raise DataError(f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
                         "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)")
-    return Prompt(sample, text, ids, dict(out), videos, images)
+    return Prompt(sample, text, ids, mm, videos, images)
+
+
+def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
+    """One prompt's token ids (vision placeholders expanded) and media tensors. The frames are already sampled and
+    smart-resized (cache.py): the processor must not redo either."""
+    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media)
+    ids = out.pop("input_ids")[0].tolist()
+    return ids, {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
 
 
 def dummy_prompts(processor) -> dict:
-    """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch
-    block; a video of one temporal patch), for rows that carry no response and no loss.
-
-    Qwen-VL runs its vision tower once for the images and once for the videos of a forward, and FSDP2
-    all-gathers every vision block at each run. Ranks whose micro-batches differ in modalities would
-    issue different collectives (a hang, or gloo's "collective mismatch") and miss gradient
-    reduce-scatters. The trainer appends one of these rows for each modality a micro-batch lacks, so
-    every forward on every rank runs the same modules in the same order."""
+    """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch block; a video
+    of one temporal patch) for rows without response or loss. FSDP2 all-gathers every vision block each time the
+    tower runs (once for a forward's images, once for its videos): ranks whose micro-batches differ in modalities
+    would issue different collectives (a hang). The trainer adds one row per modality a micro-batch lacks."""
     f = vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
+    media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
+             "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta])}
     out = {}
-    for kind, pad, kw in (("image", "<|image_pad|>", dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)])),
-                          ("video", "<|video_pad|>", dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)],
-                                                          video_metadata=[meta], do_sample_frames=False))):
-        text = f"<|vision_start|>{pad}<|vision_end|>"
-        mm = processor(text=[text], return_tensors="pt", do_resize=False, **kw)
-        ids = mm.pop("input_ids")[0].tolist()
-        mm.pop("attention_mask", None), mm.pop("mm_token_type_ids", None)
-        out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, dict(mm))
+    for kind, kw in media.items():
+        text = f"<|vision_start|><|{kind}_pad|><|vision_end|>"
+        ids, mm = run_processor(processor, text, **kw)
+        out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, mm)
     return out
 
 
