@@ -1,19 +1,12 @@
 """cache.py: decode every video once, ever. Frames are sampled and resized exactly as Qwen's reference
 (qwen-vl-utils: smart_nframes, linspace indices, smart_resize, bicubic+antialias on uint8) and stored as
-uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
+uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. The CLI (README "Frame cache"):
 
-    python cache.py --data train.jsonl --data val.jsonl --out .cache/frames --workers 2 \
-        --video-fps 2 --video-max-frames 32 --video-min-pixels 3136 --video-max-pixels 100352 --factor 28
+    python cache.py --data train.jsonl --out .cache/frames --workers 2 --video-fps 2 --video-max-frames 32 --factor 28
 
-shows a progress bar, then `videos | cache_hit | rebuilt | decode | failed | bytes | seconds`; a video that fails is
-listed with its error in OUT/failed.jsonl and the run goes on. train.py, rollout and evaluation call
-`load_video(path, ...)` with the same settings and a mode: prefer_cache (read the entry, else decode and
-write it), cache_only (a missing entry is an error; never decodes or writes) or decode_only (no cache).
-The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale)
-and every frame setting. Writes go to a temp file + os.replace (a killed process never leaves a torn
-entry); a per-key lock file makes concurrent loaders (ranks, workers) decode once: the others wait, then
-hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
-under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
+prints `videos | cache_hit | rebuilt | decode | failed | bytes | seconds` and lists failed videos in OUT/failed.jsonl.
+The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale) and every
+frame setting. Writes are atomic (temp file + os.replace); a per-key lock makes concurrent loaders decode once.
 """
 import contextlib
 import fcntl
@@ -166,7 +159,9 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
                max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
                mode: str = "prefer_cache", stats: dict | None = None,
                max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
-    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata; from the cache or decoded.
+    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
+    decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
+    entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
     stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
     if mode not in MODES:
         raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
@@ -223,7 +218,6 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
     return resize(arr[None], h, w)[0]
 
 
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class Frames:
     """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
