@@ -125,9 +125,8 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 
 
 def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
-    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3) frames, the
-    metadata (a JSON object) follows from the video's frame count and fps, the indices and frame count from the
-    settings, the size fits the pixel cap."""
+    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
+    and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
         total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
         idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from rollout import hf_weights
 
 
-# ---------------------------------------------------------------------------------------------------
 # Collectives: every rank calls them at the same point of the loop
 
 def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -62,7 +61,6 @@ def print0(*a):
         print(*a, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------
 # Checkpoints
 
 def catch_stop_signals(catch: bool = True) -> list:

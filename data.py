@@ -121,7 +121,6 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
 # The instruction follows the format the reward checks (train.Config.response_format): one setting, not two.
 INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.",
@@ -204,7 +203,6 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
     return [{"role": "user", "content": media + content}]
 
 
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class Prompt:
     """One sample made model-ready. Shared by the n rollouts of its group."""
@@ -225,8 +223,7 @@ def vision_factor(processor) -> int:
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
     """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
-    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len is a DataError naming the sample: we never
-    right-truncate through vision tokens."""
+    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
     factor, sid = vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
@@ -311,7 +308,6 @@ def vllm_input(p: Prompt) -> dict:
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
 
 
-# ---------------------------------------------------------------------------------------------------
 # The training stream, and bad samples met during training: reported and replaced, every rank in lockstep
 
 @dataclass
@@ -333,8 +329,7 @@ class Stream:
 
 def try_prep(prep, s: dict, cfg):
     """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
-    exception is the sample's (a tokenizer's TypeError, a processor's bare StopIteration, a template's
-    ZeroDivisionError), never a crash with an internal error; a bug failing every sample hits max_consecutive_invalid"""
+    exception (a processor's bare StopIteration...) is the sample's: a bug failing all hits max_consecutive_invalid"""
     try:
         return prep(s), None
     except Exception as e:
@@ -352,9 +347,8 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
 
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
-    reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
-    the same slots, reports the same skips and keeps the same stream position. More than max_consecutive_invalid
-    failures in a row (stream order) are a DataError: a data set without a valid sample must not refill for ever."""
+    reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
+    and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
     from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
     prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0

@@ -60,11 +60,10 @@ class AllReduce(torch.autograd.Function):
 
 
 def encode_vision(model, prompts: list, device, layout: Layout | None = None) -> tuple[dict, int]:
-    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
-    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many
-    pieces this rank encoded. SP: the temporal patches of each modality are cut into sp_size contiguous runs, one per
-    rank, and the features summed over the group (each rank's in place); a rank whose run is empty encodes the first
-    patch with weight 0 (FSDP2: every rank runs the tower as often as the others)."""
+    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt): {kind:
+    (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many pieces this rank encoded.
+    SP: each rank encodes one of sp_size contiguous runs of the temporal patches, the features are summed over the
+    group; an empty run encodes the first patch with weight 0 (FSDP2: every rank runs the tower as often)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
@@ -74,21 +73,16 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         if not mine:
             continue
         grids = torch.cat([p.mm[grid] for p in mine])                                  # (items, 3): t, h, w
-        # each item's pixels: its prompt's tensor and first row there (a run is sliced out, never all media copied)
-        sources = [(p.mm[pixels], first) for p in mine
-                   for first in itertools.accumulate(p.mm[grid].prod(-1).tolist()[:-1], initial=0)]
         units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
         row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
         a, b = len(units) * r // n, len(units) * (r + 1) // n
         lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
         pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
         grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
-        rows, unit = [], lo
-        for i, t in pieces:
-            (pix, first), hw = sources[i], int(grids[i, 1:].prod())
-            skip = unit - units.index(i)  # the item's patches before this run (the first piece may start mid-item)
-            rows.append(pix[first + skip * hw:first + (skip + t) * hw])
-            unit += t
+        # the run's pixel rows [row[lo], row[hi]) of the prompts' rows one after another, sliced from each prompt's
+        # tensor (the media are never all copied)
+        firsts = itertools.accumulate([len(p.mm[pixels]) for p in mine], initial=0)
+        rows = [p.mm[pixels][max(row[lo] - s, 0):max(row[hi] - s, 0)] for p, s in zip(mine, firsts)]
         enc = getattr(model, f"get_{kind}_features")(torch.cat(rows).to(device), grid_thw.to(device),
                                                      return_dict=True)  # the model's own (Qwen3-VL: + deepstack)
         count += len(pieces)
@@ -190,9 +184,8 @@ def shard_inputs(module, args, kwargs, shard):
 @dataclass
 class Shard:
     """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them), and the kernel's
-    mask for the whole sequence padded to a multiple of sp_size: sdpa (B, 1, S, S) bool, flash-attn (B, S); None
-    without padding (one row per micro-batch): the kernel's causal mode, no O(S^2) mask (the tail padding is after
-    every token, and no token sees it)."""
+    mask for the whole sequence padded to a multiple of sp_size (sdpa (B, 1, S, S) bool, flash-attn (B, S)); None
+    without padding: the kernel's causal mode, no O(S^2) mask (no token sees the tail padding)."""
     layout: Layout | None
     length: int
     start: int
