@@ -200,8 +200,7 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
 
 def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
                max_decode_pixels: int = MAX_DECODE_PIXELS) -> np.ndarray:
-    """uint8 (H, W, 3), smart-resized to the factor within the image pixel budget; over max_decode_pixels: refused
-    from the header."""
+    """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
     from PIL import Image, UnidentifiedImageError
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
@@ -266,8 +265,7 @@ class Config(Frames):
 
 
 def preprocess_one(path: str, c: Config) -> dict:
-    """This video's counts (load_video's stats, plus its entry's bytes) or its error: a failure of any kind is
-    returned, to be reported, never raised."""
+    """This video's load_video stats and entry bytes, or its error: returned to be reported, never raised."""
     stats = {}
     settings = dict(fps=c.video_fps, min_frames=c.video_min_frames, max_frames=c.video_max_frames,
                     min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, total_pixels=c.video_total_pixels,

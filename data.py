@@ -291,15 +291,13 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
 
 
 def hf_metadata(meta: dict) -> dict:
-    """What the HF video processor needs to know about already-sampled frames (Qwen3-VL turns fps and
-    frames_indices into its <t seconds> timestamp tokens)."""
+    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
     keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
     return {k: meta[k] for k in keys if k in meta}
 
 
 def vllm_input(p: Prompt) -> dict:
-    """The request for vLLM: unexpanded text + the same frames the trainer sees (their metadata also says not to
-    sample frames again)."""
+    """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again."""
     media = {"video": [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos],
              "image": [Image.fromarray(im) for im in p.images]}
     # vLLM takes one item bare, several as a list

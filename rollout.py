@@ -88,8 +88,7 @@ class VLLMEngine:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         from vllm import LLM
         from vllm.platforms import current_platform
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tp, self.rank = tp, rank
+        self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
@@ -97,7 +96,7 @@ class VLLMEngine:
         # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
         # that does not fit a step's token budget waits for the next step, whole.
         chunk = not current_platform.is_cpu()
-        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + rank // tp, dtype=dtype,
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
                        enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),

@@ -208,8 +208,7 @@ class Shard:
 
 @contextlib.contextmanager
 def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
-    """Inside, a forward of `model` runs its language model on this rank's shard of the sequence, Ulysses attention
-    over the full one; yields the Shard."""
+    """In it, `model`'s language model runs on this rank's shard of the sequence, attending over all of it."""
     S = attention_mask.shape[1]
     if layout is None or layout.sp_size == 1:
         yield Shard(layout, S, 0, S)
