@@ -66,7 +66,7 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
-            s[k] = [p if os.path.isabs(p) else os.path.join(root, p) for p in s[k]]
+            s[k] = [os.path.join(root, p) for p in s[k]]  # an absolute p stays p
     try:
         rewards.validate_answer(s)  # ground truth is checked now, not discovered broken at reward time
     except ValueError as e:
