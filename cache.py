@@ -1,19 +1,12 @@
 """cache.py: decode every video once, ever. Frames are sampled and resized exactly as Qwen's reference
 (qwen-vl-utils: smart_nframes, linspace indices, smart_resize, bicubic+antialias on uint8) and stored as
-uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files.
+uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. The CLI (README "Frame cache"):
 
-    python cache.py --data train.jsonl --data val.jsonl --out .cache/frames --workers 2 \
-        --video-fps 2 --video-max-frames 32 --video-min-pixels 3136 --video-max-pixels 100352 --factor 28
+    python cache.py --data train.jsonl --out .cache/frames --workers 2 --video-fps 2 --video-max-frames 32 --factor 28
 
-shows a progress bar, then `videos | cache_hit | rebuilt | decode | failed | bytes | seconds`; a video that fails is
-listed with its error in OUT/failed.jsonl and the run goes on. train.py, rollout and evaluation call
-`load_video(path, ...)` with the same settings and a mode: prefer_cache (read the entry, else decode and
-write it), cache_only (a missing entry is an error; never decodes or writes) or decode_only (no cache).
-The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale)
-and every frame setting. Writes go to a temp file + os.replace (a killed process never leaves a torn
-entry); a per-key lock file makes concurrent loaders (ranks, workers) decode once: the others wait, then
-hit. An entry that is torn, corrupt, edited or not what its key's settings produce is reported and rebuilt (an error
-under cache_only). Frames are decoded one at a time; frames over max_decode_pixels are refused before decoding.
+prints `videos | cache_hit | rebuilt | decode | failed | bytes | seconds` and lists failed videos in OUT/failed.jsonl.
+The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale) and every
+frame setting. Writes are atomic (temp file + os.replace); a per-key lock makes concurrent loaders decode once.
 """
 import contextlib
 import fcntl
@@ -33,15 +26,12 @@ FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every o
 MODES = ("prefer_cache", "cache_only", "decode_only")
 MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
-
 class VideoError(ValueError):
     """A video that cannot be decoded; the message names the file and the cause."""
-
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     from qwen_vl_utils.vision_process import smart_resize as ref  # the reference math, not a copy of it
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-
 
 def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:
     """qwen-vl-utils: frame count by fps, clamped to [min, max], floored to the temporal patch (2);
@@ -51,12 +41,10 @@ def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: 
     n = smart_nframes({"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps)
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
-
 def frame_pixels(n: int, min_pixels: int, max_pixels: int, total_pixels: int, factor: int) -> int:
     """Per-frame pixel cap, as qwen-vl-utils derives it from the total budget over n frames (0: its default)."""
     total = total_pixels or 128000 * factor * factor * 0.9
     return min(max_pixels, max(min(768 * factor * factor, total / n * 2), int(min_pixels * 1.05)))
-
 
 def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     """uint8 (T, H, W, 3) -> uint8 (T, h, w, 3); torchvision bicubic+antialias on uint8, as the reference."""
@@ -66,7 +54,6 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     if x.shape[-2:] != (h, w):
         x = tv_resize(x, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True)
     return x.permute(0, 2, 3, 1).contiguous().numpy()
-
 
 def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
                  total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
@@ -97,12 +84,10 @@ def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pi
         raise VideoError(f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     return frames, video_meta(total, vfps, idx, frames.shape[1], frames.shape[2])
 
-
 def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
     """The metadata of sampled frames: what decode_video returns, the cache stores and check_entry expects."""
     return dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
                 sample_fps=len(idx) / total * vfps, height=height, width=width, video_backend="decord")
-
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
@@ -111,11 +96,9 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_dir, key[:2], key + ".safetensors")
 
-
 def checksum(file: str, frames: np.ndarray, video: str) -> str:
     """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
     return str(zlib.crc32(frames.tobytes(), zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode()))))
-
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
     """(frames, metadata); raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, our crc32
@@ -130,11 +113,9 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
         raise ValueError(f"{file}: cache entry fails its checksum")
     return frames, json.loads(meta["video"])
 
-
 def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
-    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3) frames, the
-    metadata (a JSON object) follows from the video's frame count and fps, the indices and frame count from the
-    settings, the size fits the pixel cap."""
+    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
+    and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
         total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
         idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
@@ -148,7 +129,6 @@ def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tu
                          f"{frames.shape}, metadata {json.dumps(meta)[:300]})")
     return frames, meta
 
-
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
@@ -161,12 +141,13 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
         if os.path.exists(tmp):
             os.remove(tmp)
 
-
 def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
                max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
                mode: str = "prefer_cache", stats: dict | None = None,
                max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
-    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata; from the cache or decoded.
+    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
+    decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
+    entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
     stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
     if mode not in MODES:
         raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
@@ -203,11 +184,9 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         write_entry(file, *out)
         return out
 
-
 def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
                max_decode_pixels: int = MAX_DECODE_PIXELS) -> np.ndarray:
-    """uint8 (H, W, 3), smart-resized to the factor within the image pixel budget; over max_decode_pixels: refused
-    from the header."""
+    """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
     from PIL import Image, UnidentifiedImageError
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
@@ -222,8 +201,6 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
     h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
     return resize(arr[None], h, w)[0]
 
-
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class Frames:
     """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
@@ -243,7 +220,6 @@ class Frames:
     max_decode_pixels: int = MAX_DECODE_PIXELS
     """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
 
-
 @dataclass
 class Media(Frames):
     """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
@@ -255,7 +231,6 @@ class Media(Frames):
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
     cache_dir: str = ".cache/frames"
     """frame cache folder ('' = no cache)"""
-
 
 @dataclass
 class Config(Frames):
@@ -271,10 +246,8 @@ class Config(Frames):
     factor: int = 28
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
 
-
 def preprocess_one(path: str, c: Config) -> dict:
-    """This video's counts (load_video's stats, plus its entry's bytes) or its error: a failure of any kind is
-    returned, to be reported, never raised."""
+    """This video's load_video stats and entry bytes, or its error: returned to be reported, never raised."""
     stats = {}
     settings = dict(fps=c.video_fps, min_frames=c.video_min_frames, max_frames=c.video_max_frames,
                     min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, total_pixels=c.video_total_pixels,
@@ -284,7 +257,6 @@ def preprocess_one(path: str, c: Config) -> dict:
         return stats | {"bytes": os.path.getsize(entry_path(c.out, path, settings))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
         return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
-
 
 def preprocess(c: Config) -> dict:
     """Decode each distinct video of the data files once into the cache; failures go to OUT/failed.jsonl."""
@@ -310,7 +282,6 @@ def preprocess(c: Config) -> dict:
     return dict(videos=len(videos), cache_hit=total["cache_hit"], rebuilt=total["cache_corrupt"],
                 decode=total["decode"], failed=len(failed), bytes=total["bytes"], seconds=round(time.time() - t, 2))
 
-
 def load_config(argv: list[str]) -> Config:
     """The CLI: `--config train.yaml` sets the defaults from training's settings (the held-out file only when its
     frame budget is training's: train.py's val_* fields); the other flags override them."""
@@ -327,7 +298,6 @@ def load_config(argv: list[str]) -> Config:
         default = Config(config=t.config[0], data=[t.train_data, *val], out=t.cache_dir, factor=factor,
                          **{f.name: getattr(t, f.name) for f in fields(Frames)})  # train.Config is a Frames too
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
-
 
 if __name__ == "__main__":
     cfg = load_config(sys.argv[1:])

@@ -1,26 +1,10 @@
-"""data.py: samples in, model-ready prompts out.
+"""data.py: samples in, model-ready prompts out (the sample schema: FIELDS below).
 
-    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line and field)
+    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line, sample and field)
     render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
     check_template(t, s)   a user template rendered once with bounded time, memory and output (run at startup)
-    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt
-
-A Prompt holds everything both consumers need, computed once per sample per step:
-vLLM gets `text` plus the frames and their metadata (it expands the vision placeholders itself, with
-do_resize/do_sample_frames off), the trainer gets `prompt_ids` (already expanded by the HF processor) and
-`mm` (pixel tensors and grids). The frames are decoded (or read from the cache) once and handed to both,
-so sampler and trainer see the very same pixels.
-
-Sample schema (one JSON object per line; EasyVideoR1-compatible):
-    problem: str          the question; may contain <video>/<image> markers where the media go
-    answer: str           ground truth (grounding answers are JSON strings, see rewards.py)
-    problem_type: str     routes the prompt template and the reward (rewards.canonical_type)
-    videos: [str]         video paths, relative to the JSONL's folder (optional)
-    images: [str]         image paths (optional)
-    data_type: str        "video" | "image" | "text" (optional; checked against the media given)
-    options: [str]        "A. red", ... for multiple choice
-    offline_output: str   a curated trajectory for mixed offline-online training (optional)
-    id: str               optional; defaults to "<file>:<line>"
+    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt, which hands the very same
+                           pixels, decoded once, to vLLM and to the trainer
 """
 import json
 import os
@@ -35,8 +19,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import cache
 import rewards
 
-FIELDS = {"problem": str, "answer": str, "problem_type": str, "videos": list, "images": list,
-          "data_type": str, "options": list, "offline_output": str, "id": str}
+# The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
+FIELDS = {"problem": str,         # the question; <video>/<image> markers in it place the media
+          "answer": str,          # ground truth (grounding answers are JSON strings, see rewards.py)
+          "problem_type": str,    # routes the prompt template and the reward (rewards.canonical_type)
+          "videos": list,         # video paths, relative to the JSONL's folder (optional)
+          "images": list,         # image paths (optional)
+          "data_type": str,       # "video" | "image" | "text" (optional; checked against the media given)
+          "options": list,        # "A. red", ... for multiple choice
+          "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
+          "id": str}              # optional; defaults to "<file>:<line>"
 REQUIRED = ("problem", "answer", "problem_type")
 # Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
 # tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
@@ -46,10 +38,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
 MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
 TEMPLATE_MEMORY = 1 << 30  # check_template: bytes the rendering may allocate
 
-
 class DataError(ValueError):
     """A sample that breaks the schema; the message names file, line, sample id and field."""
-
 
 def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
@@ -74,13 +64,12 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
-            s[k] = [p if os.path.isabs(p) else os.path.join(root, p) for p in s[k]]
+            s[k] = [os.path.join(root, p) for p in s[k]]  # an absolute p stays p
     try:
         rewards.validate_answer(s)  # ground truth is checked now, not discovered broken at reward time
     except ValueError as e:
         raise DataError(f"{who}: field 'answer': {e}") from e
     return s
-
 
 def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
@@ -94,7 +83,6 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
             raise DataError(f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
                             "a special token of the model")
 
-
 def parse_json(raw: bytes, where: str):
     """bytes -> JSON value; bytes that are not UTF-8, malformed JSON, nesting deeper than Python's stack or an
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
@@ -102,7 +90,6 @@ def parse_json(raw: bytes, where: str):
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
-
 
 def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None,
                  special_tokens=SPECIAL_TOKENS) -> list[dict]:
@@ -128,8 +115,6 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
                 skipped.append({"where": where, "error": str(e)})
     return out
 
-
-# ---------------------------------------------------------------------------------------------------
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
 # The instruction follows the format the reward checks (train.Config.response_format): one setting, not two.
 INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.",
@@ -138,16 +123,14 @@ INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.
 TEMPLATES = {
     "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. "
                        "{{ instruction }}",
-    "numerical": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
-    "counting": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
-    "regression": "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    **dict.fromkeys(("numerical", "counting", "regression"),
+                    "{{ problem }}\nAnswer with a single number. {{ instruction }}"),
     "boolean": "{{ problem }}\nAnswer yes or no. {{ instruction }}",
     "temporal grounding": '{{ problem }}\nAnswer with {"time": [start, end]} in seconds. {{ instruction }}',
     "spatial grounding": '{{ problem }}\nAnswer with the box, {"boxes": [x1, y1, x2, y2]}. {{ instruction }}',
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
-
 
 def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
     """The user text for a sample. `template` (Jinja2 source) overrides the per-type default; `{{ instruction }}` in it
@@ -163,7 +146,6 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
             raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
         parts.append(part)
     return "".join(parts)
-
 
 def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
     """Render a user prompt template once on `sample`, in a forked child bounded in time (`seconds`), memory
@@ -196,7 +178,6 @@ def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
         raise ValueError(f"prompt template fails on sample {sample['id']}: {error}")
     return text
 
-
 def chat_messages(sample: dict, text: str) -> list[dict]:
     """Chat messages with the media where the problem's <video>/<image> markers are, in order; media no marker
     claims (all of them when the text has no marker) go first. A marker beyond the sample's media is dropped."""
@@ -212,8 +193,6 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
     media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
     return [{"role": "user", "content": media + content}]
 
-
-# ---------------------------------------------------------------------------------------------------
 @dataclass
 class Prompt:
     """One sample made model-ready. Shared by the n rollouts of its group."""
@@ -224,22 +203,15 @@ class Prompt:
     videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
 
-
 def vision_factor(processor) -> int:
     """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
     ip = processor.image_processor
     return ip.patch_size * ip.merge_size
 
-
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
-    """Load media (cache or decode), render the chat prompt and run the processor once.
-
-    cfg carries the frame settings (video_fps, video_min_frames, video_max_frames, video_min_pixels,
-    video_max_pixels, video_total_pixels, image_min_pixels, image_max_pixels, max_decode_pixels, cache_dir,
-    video_source, max_prompt_len). Raises DataError naming the sample on a placeholder/feature mismatch or an
-    over-long prompt: we never right-truncate through vision tokens.
-    """
+    """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
+    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
     factor, sid = vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
@@ -253,59 +225,42 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
                                max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
     text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template, response_format)),
                                          tokenize=False, add_generation_prompt=True)
-    kw = {}
-    if videos:
-        kw.update(videos=[torch.from_numpy(f).permute(0, 3, 1, 2) for f, _ in videos],
-                  video_metadata=[hf_metadata(m) for _, m in videos])
-    if images:
-        kw["images"] = [torch.from_numpy(im).permute(2, 0, 1) for im in images]
-    # frames are already sampled and smart-resized by cache.py: the processor must not redo either
-    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **kw)
-    ids = out.pop("input_ids")[0].tolist()
-    out.pop("attention_mask", None)
-    out.pop("mm_token_type_ids", None)
-    check_placeholders(ids, out, processor, sid)
+    ids, mm = run_processor(processor, text, videos=[torch.from_numpy(f).movedim(-1, -3) for f, _ in videos] or None,
+                            video_metadata=[hf_metadata(m) for _, m in videos] or None,
+                            images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None)
+    check_placeholders(ids, mm, processor, sid)
     if len(ids) > cfg.max_prompt_len:
         raise DataError(f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
                         "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)")
-    return Prompt(sample, text, ids, dict(out), videos, images)
+    return Prompt(sample, text, ids, mm, videos, images)
 
+def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
+    """One prompt's token ids (vision placeholders expanded) and media tensors. The frames are already sampled and
+    smart-resized (cache.py): the processor must not redo either."""
+    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media)
+    ids = out.pop("input_ids")[0].tolist()
+    return ids, {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
 
 def dummy_prompts(processor) -> dict:
-    """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch
-    block; a video of one temporal patch), for rows that carry no response and no loss.
-
-    Qwen-VL runs its vision tower once for the images and once for the videos of a forward, and FSDP2
-    all-gathers every vision block at each run. Ranks whose micro-batches differ in modalities would
-    issue different collectives (a hang, or gloo's "collective mismatch") and miss gradient
-    reduce-scatters. The trainer appends one of these rows for each modality a micro-batch lacks, so
-    every forward on every rank runs the same modules in the same order."""
+    """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch block; a video
+    of one temporal patch) for rows without response or loss. FSDP2 all-gathers every vision block each time the
+    tower runs (once for a forward's images, once for its videos): ranks whose micro-batches differ in modalities
+    would issue different collectives (a hang). The trainer adds one row per modality a micro-batch lacks."""
     f = vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
+    media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
+             "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta])}
     out = {}
-    for kind, pad, kw in (("image", "<|image_pad|>", dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)])),
-                          ("video", "<|video_pad|>", dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)],
-                                                          video_metadata=[meta], do_sample_frames=False))):
-        text = f"<|vision_start|>{pad}<|vision_end|>"
-        mm = processor(text=[text], return_tensors="pt", do_resize=False, **kw)
-        ids = mm.pop("input_ids")[0].tolist()
-        mm.pop("attention_mask", None), mm.pop("mm_token_type_ids", None)
-        out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, dict(mm))
+    for kind, kw in media.items():
+        text = f"<|vision_start|><|{kind}_pad|><|vision_end|>"
+        ids, mm = run_processor(processor, text, **kw)
+        out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, mm)
     return out
-
-
-def concat_media(prompts: list) -> dict:
-    """The media tensors of several prompts as one batch: pixel rows, grids and per-video tensors all stack along
-    dim 0, in prompt order (a prompt may appear several times: its n rollouts)."""
-    keys = sorted({k for p in prompts for k in p.mm})
-    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
-
 
 def missing_dummies(dummies: dict | None, present) -> list:
     """The dummy prompts (dummy_prompts) of each modality whose pixel key is not in `present` (the mm keys in use)."""
     key = {"image": "pixel_values", "video": "pixel_values_videos"}
     return [p for kind, p in (dummies or {}).items() if key[kind] not in present]
-
 
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
@@ -318,17 +273,13 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
         if n_tok != n_feat:
             raise DataError(f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})")
 
-
 def hf_metadata(meta: dict) -> dict:
-    """What the HF video processor needs to know about already-sampled frames (Qwen3-VL turns fps and
-    frames_indices into its <t seconds> timestamp tokens)."""
+    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
     keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
     return {k: meta[k] for k in keys if k in meta}
 
-
 def vllm_input(p: Prompt) -> dict:
-    """The request for vLLM: unexpanded text + the same frames the trainer sees (their metadata also says not to
-    sample frames again)."""
+    """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again."""
     media = {"video": [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos],
              "image": [Image.fromarray(im) for im in p.images]}
     # vLLM takes one item bare, several as a list
@@ -336,8 +287,6 @@ def vllm_input(p: Prompt) -> dict:
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
 
-
-# ---------------------------------------------------------------------------------------------------
 # The training stream, and bad samples met during training: reported and replaced, every rank in lockstep
 
 @dataclass
@@ -356,11 +305,9 @@ class Stream:
             self.epoch, self.cursor = self.epoch + 1, 0
         return index
 
-
 def try_prep(prep, s: dict, cfg):
     """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
-    exception is the sample's (a tokenizer's TypeError, a processor's bare StopIteration, a template's
-    ZeroDivisionError), never a crash with an internal error; a bug failing every sample hits max_consecutive_invalid"""
+    exception (a processor's bare StopIteration...) is the sample's: a bug failing all hits max_consecutive_invalid"""
     try:
         return prep(s), None
     except Exception as e:
@@ -369,18 +316,15 @@ def try_prep(prep, s: dict, cfg):
             raise error from e
         return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(error)}
 
-
 def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
     out = [try_prep(prep, s, cfg) for s in samples]
     return [p for p, _ in out if p], [report for _, report in out if report]
 
-
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
-    reports. A failed sample's slot is refilled from the stream; the failures are gathered, so every rank refills
-    the same slots, reports the same skips and keeps the same stream position. More than max_consecutive_invalid
-    failures in a row (stream order) are a DataError: a data set without a valid sample must not refill for ever."""
+    reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
+    and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
     from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
     prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
@@ -401,7 +345,6 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
             skips.append(bad[i])
             batch[i] = samples[stream.take()]
     return prompts, skips
-
 
 def tp_share(items: list, rank: int, world: int, tp: int):
     """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.

@@ -1,23 +1,15 @@
-"""rollout.py: sample n completions per prompt, colocated in the training processes.
-
-Two engines with one interface, so the training loop never knows which one it has:
+"""rollout.py: sample n completions per prompt, colocated in the training processes. Two engines (VLLMEngine,
+HFEngine) with one interface, so the training loop never knows which one it has:
 
     engine.generate(prompts, n, temperature, max_tokens, seed) -> list[Rollout]   (n per prompt, grouped)
     engine.sync(model)     push the trainer's weights (FSDP2 shards gathered in dtype buckets, full HF-named tensors)
     engine.sleep() / engine.wake()   free / restore the engine's GPU memory around the train phase
 
-VLLMEngine  vLLM built on EVERY rank with distributed_executor_backend="external_launcher"
-            (a rank-0-only engine hangs: vLLM's group creation is collective over the default group).
-            tp=1: one engine per rank, each rank generates its own prompts. tp=world: one engine over
-            all ranks; every rank of a TP group must pass the same prompts (train.py arranges that).
-HFEngine    transformers `generate` on the FSDP2 model itself, all of a call's rows in one batch (synced_gpus so
-            ranks stay in lockstep); for machines without vLLM, and as a reference in tests.
-
-Both sample with the image/video pad tokens masked out (a random model samples them, and a response
-holding them cannot be fed back through the model), and both report log-probs of the *processed*
-distribution: softmax(logits / T) with those tokens at -inf. The trainer computes the same quantity,
-so `logp_rollout - logp_trainer` measures only numerical mismatch.
+Both sample with the vision pad tokens masked out (a random model samples them, and a response holding them cannot be
+fed back through the model) and report log-probs of that *processed* distribution, softmax(logits / T) with those
+tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
+import functools
 import hashlib
 import logging
 import os
@@ -26,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from data import Prompt, missing_dummies, vllm_input
@@ -36,7 +29,6 @@ VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_s
 # the base tensors of one adapted layer, waiting for its adapters)
 SYNC_BUCKET_BYTES = 256 * 2**20
 
-
 @dataclass
 class Rollout:
     """One sampled (or offline) completion. Its group's n rollouts share `prompt`."""
@@ -46,25 +38,19 @@ class Rollout:
     text: str                        # decoded completion (special tokens skipped), what rewards read
     finish: str = "stop"             # "stop" | "length" | "offline"
 
-
 def request_seed(*parts) -> int:
     """A sampling seed from its parts, e.g. (cfg.seed, step, round), then (call seed, rank, prompt index): what a
     request samples does not depend on what ran before it, so a resumed run samples what the uninterrupted run did."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
-
 def failed(prompts: list, e: Exception) -> RuntimeError:
     """An engine failure (OOM, a crashed worker, bad input) names the samples it was generating."""
     return RuntimeError(f"rollout failed for samples {[p.sample['id'] for p in prompts]}: {type(e).__name__}: {e}")
 
-
 def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool:
-    """Whether vLLM may normalize pixels on the device. vLLM 0.32 (mm_device_do_normalize, on by default for
-    Qwen3-VL) normalizes images AND videos with one mean/std read from the image processor's config, while
-    transformers 5.19 normalizes videos with the video processor's: where they differ, every video feature
-    differs (tiny Qwen3-VL: log-probs 0.03-0.12 per token apart). Then vLLM must normalize on the CPU with the
-    HF processors. Not filed upstream yet (report text: docs/qwen3-vl-video-logprobs.md); drop this when
-    tests/test_qwen3_video.py::test_upstream_vllm_video_normalization fails."""
+    """Whether vLLM may normalize pixels on the device (mm_device_do_normalize): vLLM 0.32 normalizes videos with the
+    image processor's mean/std, transformers with the video processor's; where they differ, vLLM must normalize on
+    the CPU (docs/qwen3-vl-video-logprobs.md). Drop this when test_upstream_vllm_video_normalization fails."""
     from transformers import AutoProcessor
     proc = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     image, video = getattr(proc, "image_processor", None), getattr(proc, "video_processor", None)
@@ -75,20 +61,19 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
     return all(np.array_equal(np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float))
                for k in keys)
 
-
 def vision_token_ids(tokenizer) -> list[int]:
     ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
-
 
 def harmless_vllm_warning(record: logging.LogRecord) -> bool:
     """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
     own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
     return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
 
-
-
 class VLLMEngine:
+    """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
+    tp=1: one engine per rank, on its own prompts; tp=world: one engine over all ranks, which pass the same prompts."""
+
     def __init__(self, model_dir: str, tokenizer, tp: int = 1, max_model_len: int = 4096, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
                  max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
@@ -96,8 +81,7 @@ class VLLMEngine:
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
         from vllm import LLM
         from vllm.platforms import current_platform
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tp, self.tokenizer, self.rank = tp, tokenizer, rank
+        self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
         kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
@@ -105,7 +89,7 @@ class VLLMEngine:
         # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
         # that does not fit a step's token budget waits for the next step, whole.
         chunk = not current_platform.is_cpu()
-        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + rank // tp, dtype=dtype,
+        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
                        enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
@@ -142,12 +126,10 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync(self, model):
-        """Stream the trainer's full HF-named tensors (hf_weights) into vLLM, then drop every cache derived from the
-        old weights. vLLM 0.32 internals: `reload_weights` (worker RPC) is the in-place path that works on CPU and
-        GPU; the plain model.load_weights path fails on CPU. The in-process executor (external_launcher or
-        VLLM_ENABLE_V1_MULTIPROCESSING=0) calls it directly, so the stream is consumed lazily, a bucket at a time."""
-        if self.can_sleep:
-            self.wake(tags=["weights"])
+        """Stream the trainer's full HF-named tensors (hf_weights) into vLLM with vLLM 0.32's `reload_weights` worker
+        RPC (in place on CPU and GPU; model.load_weights fails on CPU; the in-process executor consumes the stream
+        lazily, a bucket at a time), then drop every cache derived from the old weights."""
+        self.wake(tags=["weights"])  # only those: they are overwritten before the KV cache is needed
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
@@ -160,32 +142,29 @@ class VLLMEngine:
             self.asleep = {"weights", "kv_cache"}
 
     def wake(self, tags=None):
-        """Restore what sleep() released (tags=None: all of it); never wakes a part twice (sync wakes the
-        weights alone, to overwrite them, before generate wakes the KV cache)."""
+        """Restore what sleep() released (tags=None: all of it), never a part twice."""
         todo = sorted(self.asleep if tags is None else self.asleep & set(tags))
         if self.can_sleep and todo:
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
 
-
 class HFEngine:
-    """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model."""
+    """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself, all of a call's rows
+    in one batch (synced_gpus keeps the ranks in lockstep); for machines without vLLM, and a reference in tests."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
         # dummies (data.dummy_prompts, multi-rank FSDP only): like the trainer's micro-batches, every prefill gets a
         # throw-away row of each modality its prompts lack, so all ranks run the vision tower the same number of times
         self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
-        self.configs = {}  # (temperature, max_tokens) -> GenerationConfig: built and validated once, not per call
 
+    @functools.cache  # built and validated once per (temperature, max_tokens), not per call
     def config(self, temperature: float, max_tokens: int):
         from transformers import GenerationConfig
-        if (temperature, max_tokens) not in self.configs:
-            self.configs[temperature, max_tokens] = GenerationConfig(
-                do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
-                max_new_tokens=max_tokens, eos_token_id=self.eos_ids, pad_token_id=self.tokenizer.pad_token_id,
-                suppress_tokens=self.banned, output_logits=True, return_dict_in_generate=True)
-        return self.configs[temperature, max_tokens]
+        return GenerationConfig(do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
+                                max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
+                                pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.banned,
+                                output_logits=True, return_dict_in_generate=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int) -> list[Rollout]:
@@ -238,15 +217,10 @@ class HFEngine:
             rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
         return rollouts
 
-    def sync(self, model):
-        pass  # it samples from the training model itself
+    def sync(self, *args, **kwargs):
+        """Nothing to push, free or restore: it samples from the training model itself."""
 
-    def sleep(self):
-        pass
-
-    def wake(self, tags=None):
-        pass
-
+    sleep = wake = sync
 
 def row_vision(encoded: dict, prompts: list) -> dict:
     """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
@@ -260,18 +234,15 @@ def row_vision(encoded: dict, prompts: list) -> dict:
         out[kind] = replace(enc, **fields)
     return out
 
-
 def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     """0 text, 1 image, 2 video per position: transformers >= 5 needs it to build M-RoPE positions.
     Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
     image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
     return (ids == image_id).int() + 2 * (ids == video_id).int()
 
-
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
-    dtype and about bucket_bytes (a larger tensor is a bucket alone), one collective per bucket: every rank must
-    consume the whole iterator."""
+    dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
     bucket, size = [], 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
@@ -285,7 +256,6 @@ def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
             yield name, t
     yield from gather_bucket(bucket)
 
-
 def gather_bucket(bucket: list):
     """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
     last ranks' shorter or empty; each rank packs its shards, zero-padded to that size, into one flat buffer."""
@@ -297,24 +267,19 @@ def gather_bucket(bucket: list):
     world = first.device_mesh.size()
     rows = [-(-t.shape[0] // world) for _, t in bucket]
     sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.to_local().device)
-    for (_, t), off in zip(bucket, offsets):
-        flat[off:off + t.to_local().numel()] = t.to_local().reshape(-1)
+    flat = torch.cat([F.pad(t.to_local().flatten(), (0, k - t.to_local().numel())) for (_, t), k in zip(bucket, sizes)])
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
     dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
-    for (name, t), r, off, k in zip(bucket, rows, offsets, sizes):
-        # rank j's shard of t is row j's [off, off + k): in rank order they are t and its padding rows
-        yield name, out.view(world, -1)[:, off:off + k].reshape(world * r, *t.shape[1:])[:t.shape[0]]
-
+    for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
+        # row j of part is rank j's shard of t: in rank order they are t and its padding rows
+        yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]
 
 def hf_weights(model):
     """(HF name, full tensor) of each of the model's weights in state-dict order, on full_tensors' bucketed stream (a
     collective: every rank consumes all of it). A peft LoRA model yields its base model's names with the adapters
-    merged, W + scaling * B A. peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`),
-    `X.lora_A.default.weight`, `X.lora_B.default.weight`: the base tensors wait for their lora_B, then go out as
-    `X.weight` (merged) and `X.bias`, without the `base_model.model.` prefix."""
+    merged, W + scaling * B A: peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`), `X.lora_A...`,
+    `X.lora_B...`, so the base tensors wait for their lora_B, then go out as `X.weight` (merged) and `X.bias`."""
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
     held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
     for name, t in full_tensors(model.state_dict()):
@@ -335,7 +300,6 @@ def hf_weights(model):
             yield base_name(name), t
     if held:
         raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
-
 
 def base_name(name: str) -> str:
     """The base model's name of a (peft-wrapped) state-dict entry."""

@@ -20,7 +20,6 @@ from torch.distributed._functional_collectives import all_to_all_single
 
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
-
 @dataclass
 class Layout:
     """This rank's place in the dp x sp world; SP groups are sp_size consecutive ranks."""
@@ -30,7 +29,6 @@ class Layout:
     dp_rank: int
     dp_size: int
 
-
 def make_layout(sp_size: int) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -38,7 +36,6 @@ def make_layout(sp_size: int) -> Layout:
     if sp_size > 1:
         groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
     return Layout(groups[rank // sp_size], rank % sp_size, sp_size, rank // sp_size, world // sp_size)
-
 
 class AllReduce(torch.autograd.Function):
     """The sum over the SP group of tensors zero outside each rank's part. Backward: the gradient summed over the group
@@ -58,13 +55,11 @@ class AllReduce(torch.autograd.Function):
             dist.all_reduce(grad, group=ctx.group)
         return grad, None, None
 
-
 def encode_vision(model, prompts: list, device, layout: Layout | None = None) -> tuple[dict, int]:
-    """The vision tower, once per modality, over the media of the distinct prompts among `prompts` (a group's rows
-    share one Prompt): {kind: (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many
-    pieces this rank encoded. SP: the temporal patches of each modality are cut into sp_size contiguous runs, one per
-    rank, and the features summed over the group (each rank's in place); a rank whose run is empty encodes the first
-    patch with weight 0 (FSDP2: every rank runs the tower as often as the others)."""
+    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt): {kind:
+    (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many pieces this rank encoded.
+    SP: each rank encodes one of sp_size contiguous runs of the temporal patches, the features are summed over the
+    group; an empty run encodes the first patch with weight 0 (FSDP2: every rank runs the tower as often)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
@@ -74,21 +69,16 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         if not mine:
             continue
         grids = torch.cat([p.mm[grid] for p in mine])                                  # (items, 3): t, h, w
-        # each item's pixels: its prompt's tensor and first row there (a run is sliced out, never all media copied)
-        sources = [(p.mm[pixels], first) for p in mine
-                   for first in itertools.accumulate(p.mm[grid].prod(-1).tolist()[:-1], initial=0)]
         units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
         row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
         a, b = len(units) * r // n, len(units) * (r + 1) // n
         lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
         pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
         grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
-        rows, unit = [], lo
-        for i, t in pieces:
-            (pix, first), hw = sources[i], int(grids[i, 1:].prod())
-            skip = unit - units.index(i)  # the item's patches before this run (the first piece may start mid-item)
-            rows.append(pix[first + skip * hw:first + (skip + t) * hw])
-            unit += t
+        # the run's pixel rows [row[lo], row[hi]) of the prompts' rows one after another, sliced from each prompt's
+        # tensor (the media are never all copied)
+        firsts = itertools.accumulate([len(p.mm[pixels]) for p in mine], initial=0)
+        rows = [p.mm[pixels][max(row[lo] - s, 0):max(row[hi] - s, 0)] for p, s in zip(mine, firsts)]
         enc = getattr(model, f"get_{kind}_features")(torch.cat(rows).to(device), grid_thw.to(device),
                                                      return_dict=True)  # the model's own (Qwen3-VL: + deepstack)
         count += len(pieces)
@@ -107,7 +97,6 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         out[kind] = (replace(enc, **fields), {id(p): range(s, s + len(p.mm[grid])) for p, s in zip(mine, starts)})
     return out, count
 
-
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
     not the media) gathered in rank order onto this rank's Prompts (the group's, data.tp_share's order), n each."""
@@ -116,11 +105,9 @@ def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int
     done = [x for part, _ in parts for x in part]
     return [replace(x, prompt=prompts[i // n]) for i, x in enumerate(done)], [b for _, part in parts for b in part]
 
-
 def language_model(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
     return base.model.language_model
-
 
 def use_ulysses(model):
     """Registers "ulysses_<kernel>" (attention and its mask function) and sets it on the language model: outside an
@@ -132,7 +119,6 @@ def use_ulysses(model):
     AttentionInterface.register(f"ulysses_{kernel}", functools.partial(ulysses_attention, kernel=kernel))
     AttentionMaskInterface.register(f"ulysses_{kernel}", ALL_MASK_ATTENTION_FUNCTIONS[kernel])
     config._attn_implementation = f"ulysses_{kernel}"
-
 
 def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
     """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. KV heads are
@@ -159,7 +145,6 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
     back = all_to_all_single(out.unflatten(1, (n, s)).transpose(0, 1).contiguous(), None, None, group)
     return back.permute(1, 2, 0, 3, 4).flatten(2, 3), None
 
-
 def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
     """The padding mask (B, S) as the kernel takes it: sdpa a causal (B, 1, S, S) bool mask where padding queries see
     themselves (a row with no key is NaN, and NaN * 0 gradient is NaN); flash-attn the 2-D mask (it unpads)."""
@@ -167,7 +152,6 @@ def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
         return mask
     pos = torch.arange(mask.shape[1], device=mask.device)                    # key <= query, key a token or the query
     return ((pos[None, :] <= pos[:, None]) & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
-
 
 def shard_inputs(module, args, kwargs, shard):
     """Forward pre-hook of the language model: the full sequence's embeddings and positions (and Qwen3-VL's deepstack
@@ -186,13 +170,11 @@ def shard_inputs(module, args, kwargs, shard):
         kwargs["deepstack_visual_embeds"] = [e[mine[visual]] for e in kwargs["deepstack_visual_embeds"]]
     return args, kwargs
 
-
 @dataclass
 class Shard:
     """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them), and the kernel's
-    mask for the whole sequence padded to a multiple of sp_size: sdpa (B, 1, S, S) bool, flash-attn (B, S); None
-    without padding (one row per micro-batch): the kernel's causal mode, no O(S^2) mask (the tail padding is after
-    every token, and no token sees it)."""
+    mask for the whole sequence padded to a multiple of sp_size (sdpa (B, 1, S, S) bool, flash-attn (B, S)); None
+    without padding: the kernel's causal mode, no O(S^2) mask (no token sees the tail padding)."""
     layout: Layout | None
     length: int
     start: int
@@ -212,11 +194,9 @@ class Shard:
         a, b = self.response_span(R)
         return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group, False)
 
-
 @contextlib.contextmanager
 def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
-    """Inside, a forward of `model` runs its language model on this rank's shard of the sequence, Ulysses attention
-    over the full one; yields the Shard."""
+    """In it, `model`'s language model runs on this rank's shard of the sequence, attending over all of it."""
     S = attention_mask.shape[1]
     if layout is None or layout.sp_size == 1:
         yield Shard(layout, S, 0, S)
