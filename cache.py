@@ -26,12 +26,15 @@ FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every o
 MODES = ("prefer_cache", "cache_only", "decode_only")
 MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
+
 class VideoError(ValueError):
     """A video that cannot be decoded; the message names the file and the cause."""
+
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     from qwen_vl_utils.vision_process import smart_resize as ref  # the reference math, not a copy of it
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
 
 def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:
     """qwen-vl-utils: frame count by fps, clamped to [min, max], floored to the temporal patch (2);
@@ -41,10 +44,12 @@ def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: 
     n = smart_nframes({"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps)
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
+
 def frame_pixels(n: int, min_pixels: int, max_pixels: int, total_pixels: int, factor: int) -> int:
     """Per-frame pixel cap, as qwen-vl-utils derives it from the total budget over n frames (0: its default)."""
     total = total_pixels or 128000 * factor * factor * 0.9
     return min(max_pixels, max(min(768 * factor * factor, total / n * 2), int(min_pixels * 1.05)))
+
 
 def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     """uint8 (T, H, W, 3) -> uint8 (T, h, w, 3); torchvision bicubic+antialias on uint8, as the reference."""
@@ -54,6 +59,7 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     if x.shape[-2:] != (h, w):
         x = tv_resize(x, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True)
     return x.permute(0, 2, 3, 1).contiguous().numpy()
+
 
 def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
                  total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
@@ -84,10 +90,12 @@ def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pi
         raise VideoError(f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     return frames, video_meta(total, vfps, idx, frames.shape[1], frames.shape[2])
 
+
 def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
     """The metadata of sampled frames: what decode_video returns, the cache stores and check_entry expects."""
     return dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
                 sample_fps=len(idx) / total * vfps, height=height, width=width, video_backend="decord")
+
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
@@ -96,9 +104,11 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_dir, key[:2], key + ".safetensors")
 
+
 def checksum(file: str, frames: np.ndarray, video: str) -> str:
     """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
     return str(zlib.crc32(frames.tobytes(), zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode()))))
+
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
     """(frames, metadata); raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, our crc32
@@ -112,6 +122,7 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
     if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
     return frames, json.loads(meta["video"])
+
 
 def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
@@ -129,6 +140,7 @@ def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tu
                          f"{frames.shape}, metadata {json.dumps(meta)[:300]})")
     return frames, meta
 
+
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
@@ -140,6 +152,7 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
 
 def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
                max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
@@ -184,6 +197,7 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         write_entry(file, *out)
         return out
 
+
 def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
                max_decode_pixels: int = MAX_DECODE_PIXELS) -> np.ndarray:
     """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
@@ -200,6 +214,7 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
     return resize(arr[None], h, w)[0]
+
 
 @dataclass
 class Frames:
@@ -220,6 +235,7 @@ class Frames:
     max_decode_pixels: int = MAX_DECODE_PIXELS
     """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
 
+
 @dataclass
 class Media(Frames):
     """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
@@ -231,6 +247,7 @@ class Media(Frames):
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
     cache_dir: str = ".cache/frames"
     """frame cache folder ('' = no cache)"""
+
 
 @dataclass
 class Config(Frames):
@@ -246,6 +263,7 @@ class Config(Frames):
     factor: int = 28
     """patch x merge: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL"""
 
+
 def preprocess_one(path: str, c: Config) -> dict:
     """This video's load_video stats and entry bytes, or its error: returned to be reported, never raised."""
     stats = {}
@@ -257,6 +275,7 @@ def preprocess_one(path: str, c: Config) -> dict:
         return stats | {"bytes": os.path.getsize(entry_path(c.out, path, settings))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
         return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
+
 
 def preprocess(c: Config) -> dict:
     """Decode each distinct video of the data files once into the cache; failures go to OUT/failed.jsonl."""
@@ -282,6 +301,7 @@ def preprocess(c: Config) -> dict:
     return dict(videos=len(videos), cache_hit=total["cache_hit"], rebuilt=total["cache_corrupt"],
                 decode=total["decode"], failed=len(failed), bytes=total["bytes"], seconds=round(time.time() - t, 2))
 
+
 def load_config(argv: list[str]) -> Config:
     """The CLI: `--config train.yaml` sets the defaults from training's settings (the held-out file only when its
     frame budget is training's: train.py's val_* fields); the other flags override them."""
@@ -298,6 +318,7 @@ def load_config(argv: list[str]) -> Config:
         default = Config(config=t.config[0], data=[t.train_data, *val], out=t.cache_dir, factor=factor,
                          **{f.name: getattr(t, f.name) for f in fields(Frames)})  # train.Config is a Frames too
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
+
 
 if __name__ == "__main__":
     cfg = load_config(sys.argv[1:])

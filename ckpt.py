@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from rollout import hf_weights
 
+
 # Collectives: every rank calls them at the same point of the loop
 
 def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
@@ -21,6 +22,7 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     dist.all_reduce(t, op=op)
     return t.tolist()
 
+
 def gather(obj) -> list:
     """All ranks' objects, in rank order (small metric dicts only)."""
     if not dist.is_initialized():
@@ -29,13 +31,16 @@ def gather(obj) -> list:
     dist.all_gather_object(out, obj)
     return out
 
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any: a signal may reach only some ranks."""
     return bool(all_reduce([float(flag)], dist.ReduceOp.MAX)[0])
 
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
 
 def init_dist(timeout_s: float = 1800.0, offload: bool = False):
     """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
@@ -50,9 +55,11 @@ def init_dist(timeout_s: float = 1800.0, offload: bool = False):
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
+
 def print0(*a):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*a, flush=True)
+
 
 # Checkpoints
 
@@ -70,12 +77,14 @@ def catch_stop_signals(catch: bool = True) -> list:
         signal.signal(sig, record if catch else signal.SIG_DFL)
     return got
 
+
 def model_optim_state(model, opt) -> dict:
     """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     # frozen parameters (a LoRA run's base model) are not saved: they are loaded from cfg.model and never change
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": msd, "optim": osd}
+
 
 def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: int, rank: int):
     """Every rank writes its shards and RNG state into step_N.tmp; after a barrier rank 0 adds meta.json, renames
@@ -110,6 +119,7 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
                 shutil.rmtree(os.path.join(root, old))
     barrier()
 
+
 def save_checkpoint(model, processor, path: str, rank: int):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
     merged in (scripts/export_hf.py writes the adapter alone)."""
@@ -120,12 +130,14 @@ def save_checkpoint(model, processor, path: str, rank: int):
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
 
+
 def find(out_dir: str, resume: str) -> str:
     """The folder to resume from: '' (none), `resume` itself, or for 'auto' the one `latest` names ('' if none)."""
     latest = os.path.join(out_dir, "ckpt", "latest")
     if resume != "auto":
         return resume
     return os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
+
 
 def load(path: str, model, opt) -> dict:
     """Model, optimizer and this rank's RNG restored in place (DCP reshards: the world size may change; a new rank

@@ -38,8 +38,10 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
 MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
 TEMPLATE_MEMORY = 1 << 30  # check_template: bytes the rendering may allocate
 
+
 class DataError(ValueError):
     """A sample that breaks the schema; the message names file, line, sample id and field."""
+
 
 def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
@@ -71,6 +73,7 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
         raise DataError(f"{who}: field 'answer': {e}") from e
     return s
 
+
 def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
@@ -83,6 +86,7 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
             raise DataError(f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
                             "a special token of the model")
 
+
 def parse_json(raw: bytes, where: str):
     """bytes -> JSON value; bytes that are not UTF-8, malformed JSON, nesting deeper than Python's stack or an
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
@@ -90,6 +94,7 @@ def parse_json(raw: bytes, where: str):
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
+
 
 def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None,
                  special_tokens=SPECIAL_TOKENS) -> list[dict]:
@@ -115,6 +120,7 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
                 skipped.append({"where": where, "error": str(e)})
     return out
 
+
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
 # The instruction follows the format the reward checks (train.Config.response_format): one setting, not two.
 INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.",
@@ -132,6 +138,7 @@ TEMPLATES = {
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
 
+
 def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
     """The user text for a sample. `template` (Jinja2 source) overrides the per-type default; `{{ instruction }}` in it
     is the sentence that asks for the response format. Output over MAX_PROMPT_CHARS is a DataError naming the sample,
@@ -146,6 +153,7 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
             raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
         parts.append(part)
     return "".join(parts)
+
 
 def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
     """Render a user prompt template once on `sample`, in a forked child bounded in time (`seconds`), memory
@@ -178,6 +186,7 @@ def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
         raise ValueError(f"prompt template fails on sample {sample['id']}: {error}")
     return text
 
+
 def chat_messages(sample: dict, text: str) -> list[dict]:
     """Chat messages with the media where the problem's <video>/<image> markers are, in order; media no marker
     claims (all of them when the text has no marker) go first. A marker beyond the sample's media is dropped."""
@@ -193,6 +202,7 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
     media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
     return [{"role": "user", "content": media + content}]
 
+
 @dataclass
 class Prompt:
     """One sample made model-ready. Shared by the n rollouts of its group."""
@@ -203,10 +213,12 @@ class Prompt:
     videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
 
+
 def vision_factor(processor) -> int:
     """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
     ip = processor.image_processor
     return ip.patch_size * ip.merge_size
+
 
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
@@ -234,12 +246,14 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
                         "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)")
     return Prompt(sample, text, ids, mm, videos, images)
 
+
 def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
     """One prompt's token ids (vision placeholders expanded) and media tensors. The frames are already sampled and
     smart-resized (cache.py): the processor must not redo either."""
     out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media)
     ids = out.pop("input_ids")[0].tolist()
     return ids, {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
+
 
 def dummy_prompts(processor) -> dict:
     """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch block; a video
@@ -257,10 +271,12 @@ def dummy_prompts(processor) -> dict:
         out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, mm)
     return out
 
+
 def missing_dummies(dummies: dict | None, present) -> list:
     """The dummy prompts (dummy_prompts) of each modality whose pixel key is not in `present` (the mm keys in use)."""
     key = {"image": "pixel_values", "video": "pixel_values_videos"}
     return [p for kind, p in (dummies or {}).items() if key[kind] not in present]
+
 
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
@@ -273,10 +289,12 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
         if n_tok != n_feat:
             raise DataError(f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})")
 
+
 def hf_metadata(meta: dict) -> dict:
     """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
     keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
     return {k: meta[k] for k in keys if k in meta}
+
 
 def vllm_input(p: Prompt) -> dict:
     """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again."""
@@ -286,6 +304,7 @@ def vllm_input(p: Prompt) -> dict:
     mm = {kind: items if len(items) > 1 else items[0] for kind, items in media.items() if items}
     return {"prompt": p.text, "multi_modal_data": mm,
             "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
+
 
 # The training stream, and bad samples met during training: reported and replaced, every rank in lockstep
 
@@ -305,6 +324,7 @@ class Stream:
             self.epoch, self.cursor = self.epoch + 1, 0
         return index
 
+
 def try_prep(prep, s: dict, cfg):
     """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
     exception (a processor's bare StopIteration...) is the sample's: a bug failing all hits max_consecutive_invalid"""
@@ -316,10 +336,12 @@ def try_prep(prep, s: dict, cfg):
             raise error from e
         return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(error)}
 
+
 def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
     out = [try_prep(prep, s, cfg) for s in samples]
     return [p for p, _ in out if p], [report for _, report in out if report]
+
 
 def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
@@ -345,6 +367,7 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
             skips.append(bad[i])
             batch[i] = samples[stream.take()]
     return prompts, skips
+
 
 def tp_share(items: list, rank: int, world: int, tp: int):
     """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.

@@ -29,6 +29,7 @@ VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_s
 # the base tensors of one adapted layer, waiting for its adapters)
 SYNC_BUCKET_BYTES = 256 * 2**20
 
+
 @dataclass
 class Rollout:
     """One sampled (or offline) completion. Its group's n rollouts share `prompt`."""
@@ -38,14 +39,17 @@ class Rollout:
     text: str                        # decoded completion (special tokens skipped), what rewards read
     finish: str = "stop"             # "stop" | "length" | "offline"
 
+
 def request_seed(*parts) -> int:
     """A sampling seed from its parts, e.g. (cfg.seed, step, round), then (call seed, rank, prompt index): what a
     request samples does not depend on what ran before it, so a resumed run samples what the uninterrupted run did."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
+
 def failed(prompts: list, e: Exception) -> RuntimeError:
     """An engine failure (OOM, a crashed worker, bad input) names the samples it was generating."""
     return RuntimeError(f"rollout failed for samples {[p.sample['id'] for p in prompts]}: {type(e).__name__}: {e}")
+
 
 def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool:
     """Whether vLLM may normalize pixels on the device (mm_device_do_normalize): vLLM 0.32 normalizes videos with the
@@ -61,14 +65,17 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
     return all(np.array_equal(np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float))
                for k in keys)
 
+
 def vision_token_ids(tokenizer) -> list[int]:
     ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+
 
 def harmless_vllm_warning(record: logging.LogRecord) -> bool:
     """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
     own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
     return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
+
 
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
@@ -148,6 +155,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
 
+
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself, all of a call's rows
     in one batch (synced_gpus keeps the ranks in lockstep); for machines without vLLM, and a reference in tests."""
@@ -222,6 +230,7 @@ class HFEngine:
 
     sleep = wake = sync
 
+
 def row_vision(encoded: dict, prompts: list) -> dict:
     """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
     the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
@@ -234,11 +243,13 @@ def row_vision(encoded: dict, prompts: list) -> dict:
         out[kind] = replace(enc, **fields)
     return out
 
+
 def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     """0 text, 1 image, 2 video per position: transformers >= 5 needs it to build M-RoPE positions.
     Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
     image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
     return (ids == image_id).int() + 2 * (ids == video_id).int()
+
 
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
@@ -255,6 +266,7 @@ def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
         else:
             yield name, t
     yield from gather_bucket(bucket)
+
 
 def gather_bucket(bucket: list):
     """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
@@ -274,6 +286,7 @@ def gather_bucket(bucket: list):
     for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
         # row j of part is rank j's shard of t: in rank order they are t and its padding rows
         yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]
+
 
 def hf_weights(model):
     """(HF name, full tensor) of each of the model's weights in state-dict order, on full_tensors' bucketed stream (a
@@ -300,6 +313,7 @@ def hf_weights(model):
             yield base_name(name), t
     if held:
         raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
+
 
 def base_name(name: str) -> str:
     """The base model's name of a (peft-wrapped) state-dict entry."""

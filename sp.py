@@ -20,6 +20,7 @@ from torch.distributed._functional_collectives import all_to_all_single
 
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
+
 @dataclass
 class Layout:
     """This rank's place in the dp x sp world; SP groups are sp_size consecutive ranks."""
@@ -29,6 +30,7 @@ class Layout:
     dp_rank: int
     dp_size: int
 
+
 def make_layout(sp_size: int) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -36,6 +38,7 @@ def make_layout(sp_size: int) -> Layout:
     if sp_size > 1:
         groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
     return Layout(groups[rank // sp_size], rank % sp_size, sp_size, rank // sp_size, world // sp_size)
+
 
 class AllReduce(torch.autograd.Function):
     """The sum over the SP group of tensors zero outside each rank's part. Backward: the gradient summed over the group
@@ -54,6 +57,7 @@ class AllReduce(torch.autograd.Function):
             grad = grad.clone()
             dist.all_reduce(grad, group=ctx.group)
         return grad, None, None
+
 
 def encode_vision(model, prompts: list, device, layout: Layout | None = None) -> tuple[dict, int]:
     """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt): {kind:
@@ -97,6 +101,7 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None) ->
         out[kind] = (replace(enc, **fields), {id(p): range(s, s + len(p.mm[grid])) for p, s in zip(mine, starts)})
     return out, count
 
+
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
     not the media) gathered in rank order onto this rank's Prompts (the group's, data.tp_share's order), n each."""
@@ -105,9 +110,11 @@ def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int
     done = [x for part, _ in parts for x in part]
     return [replace(x, prompt=prompts[i // n]) for i, x in enumerate(done)], [b for _, part in parts for b in part]
 
+
 def language_model(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
     return base.model.language_model
+
 
 def use_ulysses(model):
     """Registers "ulysses_<kernel>" (attention and its mask function) and sets it on the language model: outside an
@@ -119,6 +126,7 @@ def use_ulysses(model):
     AttentionInterface.register(f"ulysses_{kernel}", functools.partial(ulysses_attention, kernel=kernel))
     AttentionMaskInterface.register(f"ulysses_{kernel}", ALL_MASK_ATTENTION_FUNCTIONS[kernel])
     config._attn_implementation = f"ulysses_{kernel}"
+
 
 def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
     """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. KV heads are
@@ -145,6 +153,7 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
     back = all_to_all_single(out.unflatten(1, (n, s)).transpose(0, 1).contiguous(), None, None, group)
     return back.permute(1, 2, 0, 3, 4).flatten(2, 3), None
 
+
 def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
     """The padding mask (B, S) as the kernel takes it: sdpa a causal (B, 1, S, S) bool mask where padding queries see
     themselves (a row with no key is NaN, and NaN * 0 gradient is NaN); flash-attn the 2-D mask (it unpads)."""
@@ -152,6 +161,7 @@ def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
         return mask
     pos = torch.arange(mask.shape[1], device=mask.device)                    # key <= query, key a token or the query
     return ((pos[None, :] <= pos[:, None]) & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
+
 
 def shard_inputs(module, args, kwargs, shard):
     """Forward pre-hook of the language model: the full sequence's embeddings and positions (and Qwen3-VL's deepstack
@@ -169,6 +179,7 @@ def shard_inputs(module, args, kwargs, shard):
         kwargs["visual_pos_masks"] = visual[:, keep]
         kwargs["deepstack_visual_embeds"] = [e[mine[visual]] for e in kwargs["deepstack_visual_embeds"]]
     return args, kwargs
+
 
 @dataclass
 class Shard:
@@ -193,6 +204,7 @@ class Shard:
             return x
         a, b = self.response_span(R)
         return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group, False)
+
 
 @contextlib.contextmanager
 def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
