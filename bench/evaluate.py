@@ -40,33 +40,27 @@ def main(samples: int = 64, width: int = 640, height: int = 360, fps: float = 30
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(model)
 
-    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait
-    base = replace(cfg, engine="sync", batch_size=1, video_source="decode_only", out_dir=os.path.join(work, "plain"))
-    engine, generate, _ = E.make_engine(base, processor.tokenizer)
-    warmup = replace(base, max_samples=4, out_dir=os.path.join(work, "warm1"))
-    asyncio.run(E.evaluate(warmup, engine, generate, None, processor))
-    t = time.perf_counter()
-    plain = asyncio.run(E.evaluate(base, engine, generate, None, processor))["nvr1"]
-    t_plain = time.perf_counter() - t
-    del engine, generate
-
-    # the pipeline: cache warmed by an earlier pass (as after `python cache.py` or a previous eval), AsyncLLM
-    fast = replace(cfg, engine="async", out_dir=os.path.join(work, "async"))
-
-    async def run_fast():
-        engine, _, allowed = E.make_engine(fast, processor.tokenizer)
+    async def timed(c: E.Config, warmup_dir: str) -> tuple[dict, float]:
+        """c's results and seconds, after a 4-sample warm-up (and with a cache, every video decoded once)."""
+        engine, generate, allowed = E.make_engine(c, processor.tokenizer)
         try:
-            warmup = replace(fast, max_samples=4, out_dir=os.path.join(work, "warm2"))
-            await E.evaluate(warmup, engine, None, allowed, processor)
-            load, _ = E.make_loader(processor, fast, "nvr1")
-            for s in E.load_benchmark("nvr1", fast, []):
-                load(s)  # warm cache: every video decoded once, before timing
+            warmup = replace(c, max_samples=4, out_dir=os.path.join(work, warmup_dir))
+            await E.evaluate(warmup, engine, generate, allowed, processor)
+            if c.video_source != "decode_only":  # as after `python cache.py` or a previous eval
+                load, _ = E.make_loader(processor, c, "nvr1")
+                for s in E.load_benchmark("nvr1", c, []):
+                    load(s)
             t = time.perf_counter()
-            res = await E.evaluate(fast, engine, None, allowed, processor)
+            res = await E.evaluate(c, engine, generate, allowed, processor)
             return res["nvr1"], time.perf_counter() - t
         finally:
-            engine.shutdown()
-    pipe, t_pipe = asyncio.run(run_fast())
+            if c.engine == "async":  # the sync engine goes with its last reference
+                engine.shutdown()
+
+    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait; the pipeline: AsyncLLM
+    base = replace(cfg, engine="sync", batch_size=1, video_source="decode_only", out_dir=os.path.join(work, "plain"))
+    plain, t_plain = asyncio.run(timed(base, "warm1"))
+    pipe, t_pipe = asyncio.run(timed(replace(cfg, engine="async", out_dir=os.path.join(work, "async")), "warm2"))
 
     n = plain["metrics"]["n"]
     same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]

@@ -4,14 +4,10 @@
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
 
-Tasks (gen_<task>; sample ids start with the task name, e.g. color-train-00012): color (the demo task) and
-image_color: the background color of a video / a PNG; direction: which way a big square moves; count: how many
-squares; appear: when a big square is visible ({"time": [s, e]}, frame i at i / fps); needle: which color the gray
-background of a long clip turns for T // 8 frames at a random time (4 of 256 sampled frames miss it in about half of
-the clips). Every sample carries an `offline_output` (the correct answer in the answer format). Classes are
-balanced. Deterministic by seed. Train and val use different random streams and are disjoint by construction (a
-scene's hash decides which split may hold it), so val does not depend on --num-train. Paths in the JSONL are
-relative to its directory. A second call with the same arguments (DIR/meta.json) does nothing.
+Tasks: TASKS, one gen_<task> each (sample ids start with the task name, e.g. color-train-00012). Every sample carries
+an `offline_output` (the correct answer in the answer format). Classes are balanced. Deterministic by seed. Train and
+val use different random streams and are disjoint by construction (a scene's hash decides which split may hold it),
+so val does not depend on --num-train. Paths in the JSONL are relative to its directory.
 """
 import hashlib
 import itertools
@@ -117,6 +113,7 @@ def dark(rng):
 # ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
 
 def gen_color(rng, c, T, H, W, fps):
+    """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
     side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
     L = LETTERS[c]
@@ -169,6 +166,8 @@ def gen_appear(rng, _, T, H, W, fps):
 
 
 def gen_needle(rng, c, T, H, W, fps):
+    """For long clips: the gray background turns a color for T // 8 frames at a random time (4 of 256 sampled frames
+    miss it in about half of the clips)."""
     E, side = max(1, T // 8), max(2, min(H, W) // 3)  # the event's frames; the squares' side
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
