@@ -1,7 +1,6 @@
 """Build tiny random-weight Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
 
-    python scripts/make_tiny_model.py --arch qwen2_5_vl --out .cache/models/tiny-qwen2_5_vl [--seed 0] [--force]
-    python scripts/make_tiny_model.py --arch qwen3_vl   --out .cache/models/tiny-qwen3_vl
+    python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
 Real but for their sizes (build below): save_pretrained's fp32 safetensors, the real model classes, processors, patch
 sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same for every seed) with Qwen's special
@@ -40,8 +39,7 @@ ARCHS = {
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
-# The real Instruct checkpoints' chat templates, verbatim (<arch>.jinja). Qwen2.5-VL: a default system turn, then
-# ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools.
+# The real Instruct checkpoints' chat templates, verbatim: <arch>.jinja
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 
 
