@@ -19,14 +19,17 @@ SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8
 
 
 def worker(version: str, engine_kind: str, model_dir: str, data_path: str, rollout_dir: str, out: str):
-    sys.path.insert(0, rollout_dir)  # the baseline's rollout.py or this checkout's
+    import importlib.util
+
     import torch
     import torch.distributed as dist
     from transformers import AutoProcessor
 
     import data
-    import rollout
-    import train
+    import train  # imports this checkout's rollout.py (ckpt.py needs it); the one under test is loaded beside it
+    spec = importlib.util.spec_from_file_location(f"rollout_{version}", os.path.join(rollout_dir, "rollout.py"))
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
     rank, world, device = train.init_dist()
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--model", model_dir])
     processor = AutoProcessor.from_pretrained(model_dir)
