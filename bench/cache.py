@@ -1,17 +1,9 @@
-"""What the frame cache buys on realistic videos: 1280x720, 30 fps, one each of 30/60/90/120 s (synthetic
-color-task clips from scripts/make_synthetic_data.py), with one frame setting throughout (FRAMES: 2 fps, <= 16
-frames, as Video-R1 trains, at the tiny model's 3136-pixel budget).
+"""What the frame cache buys on 1280x720 30 fps clips, one of each duration: per-sample load and prepare, and 2-rank
+train steps of the tiny model, decode_only vs the warm cache, at Video-R1's frame setting (FRAMES; method:
+docs/speed.md). Last line: `cache step speedup: <ratio>x`.
 
-    .venv/bin/python bench/cache.py          # about 5 minutes on 2 cores (--steps 6 --seconds 30,60,90,120)
-
-1. `python cache.py` builds a cold cache for the clips (its summary line is printed).
-2. per-sample load: cache.load_video(mode=decode_only) vs the warm cache, per clip.
-3. `torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml` on the tiny model, all clips every step
-   (--prompts-per-step = the clip count, FRAMES), once with --video-source decode_only, once with the warm cache;
-   time/step is the median over steps 2.. (step 1 warms up). The warm run must do 0 decodes per step.
-Prints a table of both with their ratio; the last line is `cache step speedup: <ratio>x`.
+    .venv/bin/python bench/cache.py          # about 5 minutes on 2 cores (--steps 6 --seconds 30 60 90 120)
 """
-import argparse
 import json
 import os
 import shutil
@@ -30,7 +22,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
 
-def make_clips(out: str, seconds: list[int]) -> tuple[str, list[str]]:
+def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
     """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all, and the clips."""
     import make_synthetic_data
     rows = []
@@ -59,33 +51,28 @@ def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, 
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", default="30,60,90,120", help="clip durations, one clip each")
-    ap.add_argument("--steps", type=int, default=6, help="train steps per run (the first is not timed)")
-    ap.add_argument("--out", type=os.path.abspath, default=os.path.join(ROOT, ".cache/bench/cache"))
-    a = ap.parse_args()
+def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
+         out: str = os.path.join(ROOT, ".cache/bench/cache")):
+    """seconds: the clips' durations; steps: train steps per run (the first is not timed); out: clips, cache, runs."""
+    out = os.path.abspath(out)  # make_clips' paths are read relative to its JSONL
     import cache
     import make_tiny_model
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    train_jsonl, videos = make_clips(a.out, [int(s) for s in a.seconds.split(",")])
-    print(f"{len(videos)} clips 1280x720 30 fps, {a.seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
+    train_jsonl, videos = make_clips(out, seconds)
+    print(f"{len(videos)} clips 1280x720 30 fps, {seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
 
-    # ---- 1. the preprocessing command, into a cold cache
-    frames_dir = os.path.join(a.out, "frames")
+    # ---- 1. the preprocessing command's work (cache.py's CLI), into a cold cache
+    frames_dir = os.path.join(out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
-    cmd = [sys.executable, "cache.py", "--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS,
-           "--factor", str(FRAMES["factor"])]
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if p.returncode:
-        sys.exit(f"cache.py failed:\n{p.stderr[-3000:]}")
-    print("$ python cache.py ...:", p.stdout.strip(), flush=True)
+    argv = ["--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS, "--factor", str(FRAMES["factor"])]
+    summary = cache.preprocess(cache.load_config(argv))  # what `python cache.py ARGV` runs
+    print("cache.py:", " | ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
     cache.load_video(videos[0], **FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
     load = {}
-    for name, settings, d in (("bench", FRAMES, frames_dir), ("qwen2_5_vl_7b", BIG, os.path.join(a.out, "frames_7b"))):
+    for name, settings, d in (("bench", FRAMES, frames_dir), ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b"))):
         decode_s, cached_s = [], []
         for v in videos:
             t = time.perf_counter()
@@ -115,10 +102,10 @@ def main():
         prep_s[src] = (time.perf_counter() - t) / len(videos)
 
     # ---- 3. training steps: decode_only vs the warm cache
-    runs = {src: train_steps(model, train_jsonl, frames_dir, src, a.steps, os.path.join(a.out, f"run_{src}"))
+    runs = {src: train_steps(model, train_jsonl, frames_dir, src, steps, os.path.join(out, f"run_{src}"))
             for src in ("decode_only", "prefer_cache")}
     warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]
-    assert warm_decodes == [0] * a.steps, f"a warm cache must not decode: cache/decode per step {warm_decodes}"
+    assert warm_decodes == [0] * steps, f"a warm cache must not decode: cache/decode per step {warm_decodes}"
     med = {src: {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith(("time/", "cache/"))}
             for src, rows in runs.items()}
     lines = [(f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB",
@@ -126,7 +113,7 @@ def main():
     lines.append(("prepare/sample (ms): frames+template+processor",
                   1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
     times = [k for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync") if k in med["prefer_cache"]]
-    lines += [(f"train {k} (s, median steps 2-{a.steps})", med["decode_only"][k], med["prefer_cache"][k])
+    lines += [(f"train {k} (s, median steps 2-{steps})", med["decode_only"][k], med["prefer_cache"][k])
               for k in times]
     lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
               for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
@@ -135,12 +122,10 @@ def main():
     for name, dec, warm in lines:
         ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
         print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
-    w = med["prefer_cache"]
-    parts = ", ".join(f"{k[5:]} {w[k]:.2f}" for k in times[1:])
-    print(f"\nwarm step {w['time/step']:.2f}s (medians): {parts}; time/gen holds the {w['cache/cache_hit']:.0f} "
-          f"prepares and vLLM sampling. bench total {time.time() - t0:.0f}s")
-    print(f"cache step speedup: {med['decode_only']['time/step'] / w['time/step']:.2f}x")
+    print(f"\nbench total {time.time() - t0:.0f}s")
+    print(f"cache step speedup: {med['decode_only']['time/step'] / med['prefer_cache']['time/step']:.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    import tyro
+    tyro.cli(main)

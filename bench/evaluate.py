@@ -1,15 +1,9 @@
-"""Benchmark: the evaluate.py pipeline (AsyncLLM, warm frame cache, loader threads, many requests in flight) vs a
-plain loop (decode each video, build the prompt, call generate on one sample, wait), same tiny model, same videos,
-same greedy settings, same run. Both engines are warmed up before timing; engine start is not counted.
+"""The evaluate.py pipeline (AsyncLLM, warm frame cache, loader threads, many requests in flight) vs a plain loop
+(decode, prompt, generate one sample, wait): same tiny model, videos and greedy settings, in one run (method and
+clip sizes: docs/speed.md). Last line: `eval speedup: <ratio>x`.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/evaluate.py [--samples 64 --width 640 --height 360 --fps 30 --seconds 30]
-
-The default clips are 30 s of 360p at 30 fps (NExT-QA averages ~44 s, MVBench clips run 5-40 s; Video-MME's are
-larger and longer), so the plain loop pays a realistic decode. The videos are kept between runs.
-
-The last line is `eval speedup: <ratio>x`.
 """
-import argparse
 import asyncio
 import os
 import shutil
@@ -21,16 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--width", type=int, default=640, help="video width (pixels)")
-    ap.add_argument("--height", type=int, default=360, help="video height (pixels)")
-    ap.add_argument("--fps", type=float, default=30.0, help="video frame rate")
-    ap.add_argument("--seconds", type=float, default=30.0, help="video length")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-in-flight", type=int, default=64)
-    args = ap.parse_args()
+def main(samples: int = 64, width: int = 640, height: int = 360, fps: float = 30.0, seconds: float = 30.0,
+         max_tokens: int = 16, max_in_flight: int = 64):
+    """samples over three tasks, on width x height px videos at fps, seconds long (kept between runs)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import make_synthetic_data
@@ -42,49 +29,43 @@ def main():
         shutil.rmtree(os.path.join(work, sub), ignore_errors=True)
     d = os.path.join(work, "ann", "nvr1")
     t = time.perf_counter()
-    make_synthetic_data.make(d, ["color", "count", "direction"], num_train=1, num_val=args.samples // 3 + 1, seed=0,
-                             width=args.width, height=args.height, fps=args.fps, seconds=args.seconds)
+    make_synthetic_data.make(d, ["color", "count", "direction"], num_train=1, num_val=samples // 3 + 1, seed=0,
+                             width=width, height=height, fps=fps, seconds=seconds)
     print(f"videos ready ({time.perf_counter() - t:.0f} s)", flush=True)
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
     cfg = E.Config(model=model, benchmarks="nvr1", data_dir=os.path.join(work, "ann"), video_dir=work,
-                   max_samples=args.samples, max_tokens=args.max_tokens, max_model_len=2048, max_prompt_len=2048,
+                   max_samples=samples, max_tokens=max_tokens, max_model_len=2048, max_prompt_len=2048,
                    video_fps=2.0, video_min_frames=4, video_max_frames=16, video_max_pixels=12544,
-                   cache_dir=os.path.join(work, "frames"), max_in_flight=args.max_in_flight)
+                   cache_dir=os.path.join(work, "frames"), max_in_flight=max_in_flight)
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(model)
 
-    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait
-    base = replace(cfg, engine="sync", batch_size=1, video_source="decode_only", out_dir=os.path.join(work, "plain"))
-    engine, generate, _ = E.make_engine(base, processor.tokenizer)
-    warmup = replace(base, max_samples=4, out_dir=os.path.join(work, "warm1"))
-    asyncio.run(E.evaluate(warmup, engine, generate, None, processor))
-    t = time.perf_counter()
-    plain = asyncio.run(E.evaluate(base, engine, generate, None, processor))["nvr1"]
-    t_plain = time.perf_counter() - t
-    del engine, generate
-
-    # the pipeline: cache warmed by an earlier pass (as after `python cache.py` or a previous eval), AsyncLLM
-    fast = replace(cfg, engine="async", out_dir=os.path.join(work, "async"))
-
-    async def run_fast():
-        engine, _, allowed = E.make_engine(fast, processor.tokenizer)
+    async def timed(c: E.Config, warmup_dir: str) -> tuple[dict, float]:
+        """c's results and seconds, after a 4-sample warm-up (and with a cache, every video decoded once)."""
+        engine, generate, allowed = E.make_engine(c, processor.tokenizer)
         try:
-            warmup = replace(fast, max_samples=4, out_dir=os.path.join(work, "warm2"))
-            await E.evaluate(warmup, engine, None, allowed, processor)
-            load, _ = E.make_loader(processor, fast, "nvr1")
-            for s in E.load_benchmark("nvr1", fast, []):
-                load(s)  # warm cache: every video decoded once, before timing
+            warmup = replace(c, max_samples=4, out_dir=os.path.join(work, warmup_dir))
+            await E.evaluate(warmup, engine, generate, allowed, processor)
+            if c.video_source != "decode_only":  # as after `python cache.py` or a previous eval
+                load, _ = E.make_loader(processor, c, "nvr1")
+                for s in E.load_benchmark("nvr1", c, []):
+                    load(s)
             t = time.perf_counter()
-            res = await E.evaluate(fast, engine, None, allowed, processor)
+            res = await E.evaluate(c, engine, generate, allowed, processor)
             return res["nvr1"], time.perf_counter() - t
         finally:
-            engine.shutdown()
-    pipe, t_pipe = asyncio.run(run_fast())
+            if c.engine == "async":  # the sync engine goes with its last reference
+                engine.shutdown()
+
+    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait; the pipeline: AsyncLLM
+    base = replace(cfg, engine="sync", batch_size=1, video_source="decode_only", out_dir=os.path.join(work, "plain"))
+    plain, t_plain = asyncio.run(timed(base, "warm1"))
+    pipe, t_pipe = asyncio.run(timed(replace(cfg, engine="async", out_dir=os.path.join(work, "async")), "warm2"))
 
     n = plain["metrics"]["n"]
     same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]
-    print(f"\n{n} samples, {args.width}x{args.height} px {args.fps:g} fps {args.seconds:g} s videos, greedy, "
-          f"max_tokens {args.max_tokens}, identical per-sample results: {same}")
+    print(f"\n{n} samples, {width}x{height} px {fps:g} fps {seconds:g} s videos, greedy, "
+          f"max_tokens {max_tokens}, identical per-sample results: {same}")
     print(f"{'mode':<36}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames")
     print(f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | "
           f"{plain['frames']}")
@@ -94,4 +75,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import tyro
+    tyro.cli(main)

@@ -1,12 +1,8 @@
-"""Reward throughput: 10k synthetic completions per problem type (about half correct, a third wrong, the rest
-malformed), scored with rewards.compute_reward in this process, one type at a time.
+"""Reward throughput: n synthetic completions per problem type, scored with rewards.compute_reward in this process
+(how they are made: docs/speed.md). Last line: `rewards/s: <the slowest problem type's rate, as an integer>`.
 
     .venv/bin/python bench/rewards.py            # --n 10000 --seed 0
-
-Prints `problem type | rewards/s | mean reward | parse_fail rate`, then as its last line
-`rewards/s: <the slowest problem type's rate, as an integer>`.
 """
-import argparse
 import json
 import os
 import random
@@ -110,18 +106,15 @@ def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=10000)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+def main(n: int = 10000, seed: int = 0):
+    """Prints `problem type | rewards/s | mean reward | parse_fail rate`, one row per type, n completions each."""
     rewards.compute_reward("<answer>1</answer>", {"problem_type": "math", "answer": "1"})  # imports math-verify
     width = max(map(len, rewards.ACCURACY))
     print(f"{'problem type':<{width}} | rewards/s | mean reward | parse_fail rate")
     print(f"{'-' * width}-|-----------|-------------|----------------")
     rates = []
     for ptype in rewards.ACCURACY:
-        data = completions(ptype, args.n, args.seed)
+        data = completions(ptype, n, seed)
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
         rates.append(len(data) / (time.perf_counter() - t0))
@@ -129,5 +122,7 @@ def main(argv=None):
         print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
     print(f"rewards/s: {int(min(rates))}")
 
+
 if __name__ == "__main__":
-    main()
+    import tyro
+    tyro.cli(main)

@@ -1,11 +1,8 @@
-"""Per-step rollout time (generate + weight sync), rollout.py before issue 21 ("before") vs this checkout's ("after").
+"""Per-step rollout time (generate + weight sync), rollout.py before issue 21 ("before": `git show BEFORE:rollout.py`)
+vs this checkout's ("after"): the tiny Qwen2.5-VL, video and image prompts, HF and vLLM engines, 1 and 2 ranks (the
+setup: docs/speed.md). Last line: generate + sync, 2 ranks, 8 x 8 video, HF engine.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
-
-The tiny Qwen2.5-VL, synthetic video "color" and image "image_color" tasks, HF and vLLM engines, 1 and 2 ranks (FSDP2,
-gloo), 4 and 8 prompts per step (split over the ranks) x 8 completions of 8 tokens. "before" imports `git show
-BEFORE:rollout.py` from a temporary folder; each (version, engine, ranks) is a fresh torchrun. Rank 0's times after a
-barrier, medians of 3 steps after a warm-up. Last line: generate + sync, 2 ranks, 8 x 8 video, HF engine.
 """
 import json
 import os
@@ -22,14 +19,17 @@ SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]  # image 8 x 8
 
 
 def worker(version: str, engine_kind: str, model_dir: str, data_path: str, rollout_dir: str, out: str):
-    sys.path.insert(0, rollout_dir)  # the baseline's rollout.py or this checkout's
+    import importlib.util
+
     import torch
     import torch.distributed as dist
     from transformers import AutoProcessor
 
     import data
-    import rollout
-    import train
+    import train  # imports this checkout's rollout.py (ckpt.py needs it); the one under test is loaded beside it
+    spec = importlib.util.spec_from_file_location(f"rollout_{version}", os.path.join(rollout_dir, "rollout.py"))
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
     rank, world, device = train.init_dist()
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--model", model_dir])
     processor = AutoProcessor.from_pretrained(model_dir)

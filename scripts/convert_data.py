@@ -1,17 +1,12 @@
-"""Convert a public video-RL training set into our JSONL (README "Data format"), reporting what it cannot map.
+"""Convert a public video-RL training set into our JSONL (README "Real data": where to get it, what maps to what).
 
     python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
 
-Sources (sample records in their exact field names and types: tests/fixtures/convert/):
-  video-r1     Video-R1-260k.json / Video-R1-COT-165k.json (tulerfeng/Video-R1): a JSON array of {problem_id, problem,
-               data_type, problem_type, options, solution: "<answer>X</answer>", path: "./subset/x.mp4", data_source,
-               and in COT, process: "<think>...</think>"}; `path` is below Video-R1-data/, where the JSON lies.
-  easyvideor1  EasyVideoR1's training JSON/JSONL (cyuQ1n/EasyVideoR1): our own field names plus has_offline_trajectory;
-               relative paths are below its data.image_dir (else the working directory): pass that as --media-root.
-Problem types become ours (rewards.canonical_type), answers lose their <answer> tags, media paths are written relative
-to the output file (as data.py reads them), and every written record passes data.validate_sample. A record that cannot
-be mapped goes to OUT.skipped.jsonl as {index (array position, or line number - 1), problem_id, reason, detail};
-the counts by reason are printed and written to OUT.report.json.
+Sources (sample records in their exact field names and types: tests/fixtures/convert/): video-r1, Video-R1-260k.json
+or Video-R1-COT-165k.json (a JSON array; `path` is below the JSON's folder); easyvideor1, EasyVideoR1's training
+JSON/JSONL (our own field names plus has_offline_trajectory). Every written record passes data.validate_sample; one
+that cannot be mapped goes to OUT.skipped.jsonl as {index (array position, or line number - 1), problem_id, reason,
+detail}, and the counts by reason are printed and written to OUT.report.json.
 """
 import json
 import os

@@ -1,9 +1,5 @@
-"""make demo: build the tiny model and the synthetic videos if missing, train on this CPU, print the result.
-
-    .venv/bin/python scripts/demo.py        (what `make demo` runs)
-
-The last line printed is exactly `held-out accuracy: before <a> after <b>`.
-"""
+"""`make demo` runs this: build the tiny model and the synthetic videos if missing, train on this CPU, print the
+result; the last line printed is exactly `held-out accuracy: before <a> after <b>`."""
 import collections
 import os
 import shutil

@@ -1,12 +1,9 @@
-"""Convert a training checkpoint (torch.distributed.checkpoint folder) into a Hugging Face folder
-(safetensors + config + processor) that transformers and vllm.LLM load. One process, any world size it was
-saved with: DCP gathers the shards into full tensors. A LoRA run's checkpoint holds the adapters only: the export
-is the adapter in PEFT's format (base: the run's `model`), or with --merge the base model with the adapters merged.
+"""A training checkpoint (DCP folder of any world size, or the `latest` pointer) -> a Hugging Face folder (safetensors
++ config + processor) for transformers and vllm.LLM; a LoRA run's -> the adapter in PEFT's format (base: the run's
+`model`), or with --merge the base model with the adapters merged.
 
-    python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60
-    python scripts/export_hf.py runs/tiny_cpu/ckpt/latest runs/tiny_cpu/hf_latest   # the `latest` pointer works too
-    python scripts/export_hf.py runs/X/ckpt/latest runs/X/hf --dtype bfloat16        # half the size, for serving
-    python scripts/export_hf.py runs/lora/ckpt/latest runs/lora/hf_merged --merge
+    python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60   # or ckpt/latest
+    python scripts/export_hf.py runs/X/ckpt/latest runs/X/hf --dtype bfloat16 [--merge]     # half the size, for serving
 """
 import json
 import os

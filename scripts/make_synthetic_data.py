@@ -4,23 +4,11 @@
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
 
-Tasks (the sample id starts with the task name, e.g. color-train-00012):
-  color        multiple choice (the demo task): the background color of every frame (A. red B. green C. blue
-               D. yellow); a small gray/white distractor square moves on top and carries no answer.
-  direction    multiple choice: which way a big square (side >= frame/3) moves (A. left B. right C. up D. down).
-  count        numerical: how many squares (1-4, one per quadrant, never overlapping) are in the video.
-  appear       temporal grounding: {"time": [s, e]}, s the time of the first frame showing a big square, e the
-               time of the first frame after it is gone (frame i is at i / fps).
-  image_color  multiple choice on a PNG: its background color.
-  needle       multiple choice, for long clips: two gray squares glide over gray for the whole clip, except for
-               T // 8 frames (12.5%) at a random time when the background turns one of the four colors; which
-               color was it? Sampling too few frames (4 of 256) misses the event in about half of the clips.
-Every sample carries an `offline_output` (the correct answer in the answer format). Classes are balanced.
-Deterministic by seed. Train and val use different random streams and are disjoint by construction (a
-scene's hash decides which split may hold it), so val does not depend on --num-train. Paths in the JSONL
-are relative to its directory. A second call with the same arguments (DIR/meta.json) does nothing.
+Tasks: TASKS, one gen_<task> each (sample ids start with the task name, e.g. color-train-00012). Every sample carries
+an `offline_output` (the correct answer in the answer format). Classes are balanced. Deterministic by seed. Train and
+val use different random streams and are disjoint by construction (a scene's hash decides which split may hold it),
+so val does not depend on --num-train. Paths in the JSONL are relative to its directory.
 """
-import argparse
 import hashlib
 import itertools
 import json
@@ -125,6 +113,7 @@ def dark(rng):
 # ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
 
 def gen_color(rng, c, T, H, W, fps):
+    """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
     side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
     L = LETTERS[c]
@@ -177,6 +166,8 @@ def gen_appear(rng, _, T, H, W, fps):
 
 
 def gen_needle(rng, c, T, H, W, fps):
+    """For long clips: the gray background turns a color for T // 8 frames at a random time (4 of 256 sampled frames
+    miss it in about half of the clips)."""
     E, side = max(1, T // 8), max(2, min(H, W) // 3)  # the event's frames; the squares' side
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
@@ -206,10 +197,11 @@ def _done(out, args, paths) -> bool:
     return all(os.path.exists(os.path.join(out, m)) for r in rows for m in r.get("videos", []) + r.get("images", []))
 
 
-def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, width=None, height=None) -> dict:
-    """Write out/train.jsonl, out/val.jsonl, out/videos/*.mp4, out/images/*.png, out/meta.json.
-
-    Returns {"train", "val", "meta"} paths. A no-op when meta.json holds the same arguments."""
+def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_val: int = 64, seed: int = 0,
+         size: int = 56, fps: float = 4, seconds: float = 2.0, width: int | None = None, height: int | None = None):
+    """Write out/{train,val}.jsonl (num_train, num_val samples per task), out/videos/*.mp4, out/images/*.png and
+    out/meta.json; returns their paths {"train", "val", "meta"}. tasks: TASKS' names, comma-separated or a list; size:
+    the frame side where width or height is not given. A no-op when meta.json holds the same arguments."""
     from PIL import Image
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     W, H, T = int(width or size), int(height or size), int(round(fps * seconds))
@@ -266,18 +258,7 @@ def make(out, tasks, num_train, num_val, seed=0, size=56, fps=4, seconds=2.0, wi
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tasks", default="color", help=f"comma-separated, from {','.join(TASKS)}")
-    ap.add_argument("--num-train", type=int, default=256, help="samples per task")
-    ap.add_argument("--num-val", type=int, default=64, help="samples per task")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--size", type=int, default=56, help="frame side in px (when --width/--height are not given)")
-    ap.add_argument("--width", type=int)
-    ap.add_argument("--height", type=int)
-    ap.add_argument("--fps", type=float, default=4)
-    ap.add_argument("--seconds", type=float, default=2.0)
-    a = ap.parse_args()
+    import tyro
     t0 = time.time()
-    p = make(a.out, a.tasks, a.num_train, a.num_val, a.seed, a.size, a.fps, a.seconds, a.width, a.height)
+    p = tyro.cli(make)
     print(f"{p['train']} {p['val']} ({time.time() - t0:.1f}s)")

@@ -1,14 +1,10 @@
 """Build tiny random-weight Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
 
-    python scripts/make_tiny_model.py --arch qwen2_5_vl --out .cache/models/tiny-qwen2_5_vl [--seed 0] [--force]
-    python scripts/make_tiny_model.py --arch qwen3_vl   --out .cache/models/tiny-qwen3_vl
+    python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
-What makes them "real enough": HF format written by save_pretrained (fp32 safetensors), the real model classes,
-a Qwen2Tokenizer (byte-level BPE with Qwen's pre-tokenizer, trained here on a small built-in corpus) holding the
-Qwen special tokens plus <think>/<answer>, the real chat templates, and the real image/video processors with the
-real patch sizes (14 for Qwen2.5-VL, 16 for Qwen3-VL; merge 2, temporal patch 2). Sizes: text hidden 128,
-2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects head_dim 16), 1 KV head; vision depth 2, hidden 64.
-The tokenizer is the same for every seed (token ids never move); the weights are deterministic by seed.
+Real but for their sizes (build below): save_pretrained's fp32 safetensors, the real model classes, processors, patch
+sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same for every seed) with Qwen's special
+tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
 """
 import json
 import os
@@ -43,8 +39,7 @@ ARCHS = {
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
-# The real Instruct checkpoints' chat templates, verbatim (<arch>.jinja). Qwen2.5-VL: a default system turn, then
-# ChatML with vision placeholders; Qwen3-VL: no default system turn, list-valued content, tools.
+# The real Instruct checkpoints' chat templates, verbatim: <arch>.jinja
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 
 

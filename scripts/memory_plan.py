@@ -69,10 +69,8 @@ class Plan:
 
 
 def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, prompt: int, patches: int, sp: int = 1):
-    """Bytes per GPU of train.py with `cfg`, sp_size `sp` (cuda: bf16, vLLM; else fp32 on CPU), `prompt`-token prompts.
-    FSDP2 shards fp32 weights, gradients, AdamW moments over all ranks; the root (embeddings, lm_head, merger) stays
-    gathered in bf16, two layers besides. vLLM sleeps in the train phase, which peaks in the largest micro-batch; sp > 1
-    (Ulysses): a rank holds 1/sp of the tokens and frames plus the gathered inputs_embeds and all-to-all buffers."""
+    """Bytes per GPU of train.py with `cfg`, sp_size `sp` (cuda: bf16, vLLM; else fp32 on CPU), `prompt`-token prompts:
+    README "Memory"'s terms; sp > 1 (Ulysses): 1/sp of the tokens and frames, + inputs_embeds and all-to-all buffers."""
     total, block, root = meas["params"]["total"], meas["params"]["largest_layer"], meas["params"]["root"]
     text, vision = spec["text_config"], spec["vision_config"]
     hidden, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
