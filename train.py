@@ -97,8 +97,7 @@ class Config(cache.Media):
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
-    offline response is trained as on-policy (docs/algorithms.md), logged as offline/*"""
+    """swap only when the group's online accuracy is below this (0 = always): trained as on-policy, logged offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -221,10 +220,8 @@ def load_config(argv=None) -> Config:
     argv = list(sys.argv[1:] if argv is None else argv)
     base = Config()
     if "--config" in argv:
-        end = argv.index("--config") + 1
-        while end < len(argv) and not argv[end].startswith("--"):
-            base = yaml_overlay(base, argv[end])
-            end += 1
+        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
+            base = yaml_overlay(base, path)
     return tyro.cli(Config, default=base, args=argv)
 
 
@@ -294,8 +291,8 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
         (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
         (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
-        # vLLM samples greedily below 1e-5 and the trainer's logits / 0 are NaN: greedy rollouts cannot be trained on
-        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (greedy rollouts cannot be trained)"),
+        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+         "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"),
         (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
         (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
         (cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
@@ -442,7 +439,6 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
 def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
     """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout log-probs
     (NaN: offline trajectories). sequence: one weight per row from the summed log-ratio."""
-
     log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
@@ -659,7 +655,6 @@ def global_counts(batches: list[dict]) -> tuple[float, float]:
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
-
     """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), for every data-parallel
     rank's rows in rank order (global_rows' order): (B_all, max_response_len)."""
     rows = []
@@ -877,13 +872,12 @@ def main(cfg: Config):
             if cfg.freeze_vision:
                 frozen, m["vision_encodes"] = sp.encode_vision(
                     model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device, layout)
-            for mini in minibatches:
-                for b in mini:
-                    b["vision"] = frozen
-                    if need_old:
-                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
-                    if cfg.kl_coef > 0:
-                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
+            for b in itertools.chain(*minibatches):
+                b["vision"] = frozen
+                if need_old:
+                    b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
+                if cfg.kl_coef > 0:
+                    b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
         kl_to_go = None
         if cfg.kl_in_reward:  # verl apply_kl_penalty: on old (rollout-time) log-probs (check_config: kl_coef > 0)
             kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                                  # (B_all, R)
@@ -919,7 +913,8 @@ def main(cfg: Config):
                 opt.zero_grad(set_to_none=True)
         model.eval()
         m["loss"] /= len(minibatches)
-        m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
+        m["vision_encodes"] += sum(b["encodes"] for b in itertools.chain(*minibatches))
+
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         # ------------------------------------------------------------------ sync
         t2 = time.time()
@@ -1067,9 +1062,8 @@ def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cf
 # Setup helpers
 
 def load_model(cfg: Config, device):
-    """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
-    marked block), fp32 master weights; bf16 compute on GPU. Activation checkpointing (module hooks,
-    non-reentrant) goes on before FSDP."""
+    """HF model (LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block, fp32 master
+    weights, bf16 compute on GPU; activation checkpointing (module hooks, non-reentrant) goes on before FSDP."""
     from torch.distributed._composable import checkpoint as checkpoint_module
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
@@ -1092,13 +1086,11 @@ def load_model(cfg: Config, device):
     # one CPU process gains nothing from FSDP2 (no mixed precision on CPU), and a process group can exist without
     # torchrun (vLLM's in-process engine creates one): shard on several ranks, or on a GPU for bf16 compute
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
-        # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
-        for block in blocks + [visual]:
-            fully_shard(block, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mp_policy=mp, offload_policy=offload)
+        for module in blocks + [visual, model]:  # each layer/block its own all-gather unit; the root (last) the rest
+            fully_shard(module, mp_policy=mp, offload_policy=offload)
         # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
