@@ -831,8 +831,7 @@ def main(cfg: Config):
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
-    skipped += skips
-    skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
+    skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
     logger = start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
@@ -841,8 +840,8 @@ def main(cfg: Config):
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
-    pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
-    stream = data.Stream(len(train_samples), cfg.seed, pos["epoch"], pos["cursor"])  # the same order on every rank
+    # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
+    stream = data.Stream(len(train_samples), cfg.seed, **state.get("data", {}))
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
