@@ -454,9 +454,9 @@ def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
 def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
                 max_tokens: int = 0) -> list[list[list[int]]]:
     """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
-    Micro-batches: rows in order, at most micro_batch_size of them or (max_tokens > 0) at most max_tokens padded
-    tokens, rows x (longest prompt + longest response). A group (rows sharing a prompt: its media are encoded once
-    per micro-batch) that does not fit in the current micro-batch starts a new one, unless it fits in none."""
+    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens padded tokens, rows x
+    (longest prompt + response). A group (its media encoded once per micro-batch) that does not fit in the current
+    micro-batch starts a new one, unless it fits in none."""
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
             return len(rows) <= micro_batch_size
@@ -736,11 +736,9 @@ class Batch:
 
 def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
                  tok, eos_id: int, layout: sp.Layout) -> Batch:
-    """This rank's prompts_per_step / data-parallel size scored Groups. Each round, the TP group generates its share
-    of the next prompts (data.next_valid), an SP group's ranks exchange theirs (each trains all the group's rows), and
-    ReMax's baseline is the reward of one extra greedy response. With DAPO dynamic sampling, groups without spread in
-    dyn_filter_metric are dropped and rounds repeat until every rank is full or max_gen_rounds; then dropped groups
-    fill the batch (counted)."""
+    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
+    prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
+    drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
     n, need, kept, dropped, skips = cfg.group_size, cfg.prompts_per_step // layout.dp_size, [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
@@ -1024,9 +1022,8 @@ def mean(xs: list) -> float:
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
                  times: dict) -> dict:
-    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts). The
-    ranks of an SP group hold the same rows: their sums count once, except for the work each rank does (vision
-    encodes: its share of the frames; frames decoded, cache counters)."""
+    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
+    group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
     msum = {k: sum(p["m"][k] for p in parts[::cfg.sp_size]) for k in parts[0]["m"]}
     rew, comp, types, n_tok = rows["reward"], rows["components"], rows["type"], sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
