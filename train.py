@@ -1,30 +1,14 @@
-"""train.py: GRPO for video (and image) VLMs, in one file you read top to bottom.
+"""train.py: GRPO-family RL for video (and image) VLMs, in one file you read top to bottom.
 
     python train.py --config configs/tiny_cpu.yaml                                      # one process
-    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml                 # this CPU (gloo)
-    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml   # a recipe on top
+    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml   # 2 CPU ranks, a recipe
     torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml            # one 8-GPU node (nccl)
 
-Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in
-the same process (rollout.py) and gets the new weights after every optimizer step.
-
-One step (section banners in main):
-  sample     prompts_per_step prompts (global), group_size completions each; a sample's `offline_output`
-             replaces the last rollout of its group; DAPO dynamic sampling drops groups whose accuracy is
-             the same for every rollout and generates more rounds (sample_batch)
-  reward     rewards.compute_reward + DAPO soft overlong penalty (score), as each group is generated
-  log-probs  old (trainer, before the update) and reference log-probs, no grad, once per batch, stored on
-             each micro-batch; optional KL-in-reward: kl_coef * KL(old || ref) comes off the return
-  advantage  `advantages(..., estimator=)` on the GLOBAL batch (whitening estimators need every rank)
-  loss       `policy_loss(..., loss_type=)` x optional truncated IS weight, `agg_loss(..., mode=)` with
-             global token/sequence counts (micro-batch and rank splits do not change it), - entropy
-             bonus, + KL loss; ppo_epochs x mini_batches optimizer steps per rollout batch
-  step       AdamW, grad clipping, warmup + cosine schedule
-  sync       weights -> vLLM, caches reset
-
-The math follows verl 0.9.1; docs/algorithms.md gives every formula and each deliberate deviation (outcome
-rewards only, gamma 1; seq-mean-token-sum-norm over max_response_len; old = sg[logp] with one pass and no
-KL-in-reward; offline trajectories as on-policy; dynamic sampling refills instead of failing the step).
+Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in the same
+process (rollout.py) and gets the new weights after every optimizer step. A step, as main's section banners say:
+sample and score groups (DAPO dynamic sampling), old/ref log-probs, advantages on the global batch, ppo_epochs x
+mini_batches optimizer steps, weight sync. The math follows verl 0.9.1; docs/algorithms.md gives every formula and
+each deliberate deviation.
 """
 import dataclasses
 import datetime
@@ -113,8 +97,7 @@ class Config(cache.Media):
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """swap only when the group's online accuracy (mean over its n rollouts) is below this (0 = always swap); the
-    offline response is trained as on-policy (docs/algorithms.md), logged as offline/*"""
+    """swap only when the group's online accuracy is below this (0 = always): trained as on-policy, logged offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
@@ -237,19 +220,16 @@ def load_config(argv=None) -> Config:
     argv = list(sys.argv[1:] if argv is None else argv)
     base = Config()
     if "--config" in argv:
-        end = argv.index("--config") + 1
-        while end < len(argv) and not argv[end].startswith("--"):
-            base = yaml_overlay(base, argv[end])
-            end += 1
+        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
+            base = yaml_overlay(base, path)
     return tyro.cli(Config, default=base, args=argv)
 
 
-FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
 
 
 def yaml_overlay(base: Config, path: str) -> Config:
-    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key).
-    A float from a string: PyYAML (YAML 1.1) reads `1e-6` as the string '1e-6'."""
+    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key)."""
     import yaml
     with open(path) as f:
         values = yaml.safe_load(f) or {}
@@ -311,8 +291,8 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
         (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
         (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
-        # vLLM samples greedily below 1e-5 and the trainer's logits / 0 are NaN: greedy rollouts cannot be trained on
-        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (greedy rollouts cannot be trained)"),
+        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+         "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"),
         (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
         (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
         (cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
@@ -367,11 +347,9 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
 
 def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None, baseline=None,
                components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
-    """Per-sequence advantage (B,) from rewards (B,) in groups of group_size consecutive rows, in float64 (a group
-    of equal rewards gets exactly 0). lengths (B,): response tokens (whitening); baseline (B,): greedy reward
-    (remax); components: list of (B,) reward components (gdpo). A group of 1 has mean 0 and std 1, as in verl.
-    kl_to_go (B, R): kl_coef * KL from each token to the end (kl_in_reward): reinforce++ and remax return a per-token
-    advantage (B, R) from the return at each token, reward - kl_to_go; the others take off the sequence's KL."""
+    """Per-sequence advantages (B,) from rewards (B,) in groups of group_size consecutive rows, in float64 (docs/
+    algorithms.md). lengths (B,): whitening weights; baseline (B,): remax; components: (B,) each, gdpo. kl_to_go
+    (B, R), kl_in_reward: reinforce++ and remax return (B, R) from each token's return, the others lose the row's KL."""
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
         mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()           # (B, R)
@@ -406,13 +384,8 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
 
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """Per-token policy loss (B, R) and a clipped indicator (B, R). logp, old_logp, mask: (B, R); adv: (B,), or
-    per token (B, R).
-
-    ppo:   max(-A r, -A clip(r)), and for A < 0 at most -A c (dual-clip); r = exp(logp - old_logp).
-    gspo:  the same clip on s_i = exp(mean_t(logp - old_logp)); sg[log s_i] + logp - sg[logp] keeps the
-           value s_i per token while the gradient is s_i * grad(logp) (sequence level). No dual-clip.
-    cispo: -sg[clip(r)] A logp: every token keeps a gradient, the IS weight carries none."""
+    """Per-token policy loss (B, R) and a clipped indicator (B, R) (formulas: docs/algorithms.md). logp, old_logp,
+    mask: (B, R); adv: (B,), or per token (B, R)."""
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv                                         # (B, 1) or (B, R)
     if loss_type == "ppo":
         ratio = torch.exp((logp - old_logp).clamp(-20, 20))                                   # (B, R)
@@ -434,8 +407,8 @@ def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2,
 
 
 def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq are the
-    valid tokens / sequences of the whole mini-batch over all ranks, so the shares sum to the exact loss."""
+    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq: the mini-batch's
+    valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
     if mode == "token-mean":
         return (x * mask).sum() / n_tok
     seq = (x * mask).sum(-1)                                           # (b,)
@@ -464,8 +437,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
 
 
 def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
-    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient. Rows without rollout log-probs
-    (NaN: offline trajectories) get 1. sequence: one weight per row from the summed log-ratio."""
+    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout log-probs
+    (NaN: offline trajectories). sequence: one weight per row from the summed log-ratio."""
     log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
@@ -481,9 +454,9 @@ def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
 def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
                 max_tokens: int = 0) -> list[list[list[int]]]:
     """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
-    Micro-batches: rows in order, at most micro_batch_size of them or (max_tokens > 0) at most max_tokens padded
-    tokens, rows x (longest prompt + longest response). A group (rows sharing a prompt: its media are encoded once
-    per micro-batch) that does not fit in the current micro-batch starts a new one, unless it fits in none."""
+    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens padded tokens, rows x
+    (longest prompt + response). A group (its media encoded once per micro-batch) that does not fit in the current
+    micro-batch starts a new one, unless it fits in none."""
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
             return len(rows) <= micro_batch_size
@@ -560,10 +533,9 @@ class ChunkedLogp(torch.autograd.Function):
 
 
 def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None):
-    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded
-    once per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; responses all start at
-    one column and are projected `chunk` positions at a time (0 = all), recomputed in backward: (chunk, V) logits.
-    layout (sp.Layout) with sp_size > 1: each rank of the group computes its share (sp.py) and returns the whole."""
+    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded once
+    per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; `chunk` positions are projected
+    at a time (0 = all). sp_size > 1 (layout): each SP rank computes its share (sp.py) and returns the whole."""
     R, rows = batch["mask"].shape[1], batch["rows"]
     vision = batch["vision"]
     if vision is None:
@@ -584,11 +556,10 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
 
 
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
-    """One micro-batch: left-pad prompts, right-pad responses; the rows' prompts (media) and grids (M-RoPE positions).
-    The per-token quantities the loss reads (old/ref log-probs, advantages) are filled in by main.
-    dummies (data.dummy_prompts): a response-less row is appended for each modality no row has, so the
-    vision tower runs for images and for videos in every forward on every rank (FSDP2's all-gathers and
-    reduce-scatters stay aligned); token_logp drops those rows, their gradient is exactly zero."""
+    """One micro-batch: left-padded prompts, right-padded responses, the rows' prompts (media) and M-RoPE grids; main
+    fills in old/ref log-probs and advantages. dummies (data.dummy_prompts): a response-less row per modality no row
+    has, so every forward on every rank runs the vision tower for both (FSDP2's collectives stay aligned); token_logp
+    drops those rows, their gradient is exactly zero."""
     rows = len(rollouts)
     have = {k for r in rollouts for k in r.prompt.mm}
     rollouts = rollouts + [Rollout(p, [], None, "", "dummy") for p in data.missing_dummies(dummies, have)]
@@ -620,10 +591,9 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0,
                    layout=None) -> torch.Tensor:
-    """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy itself
-    with its adapters scaled to 0, so no second model is in memory. Not peft's disable_adapter: it switches the
-    adapters' requires_grad off and on, which under FSDP2 reaches the root's unsharded copies only, and the root-held
-    adapters (the vision merger) then silently stop training."""
+    """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy with its
+    adapters scaled to 0 (no second model). Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
+    only the root's unsharded copies, and root-held adapters (the vision merger) then silently stop training."""
     from peft.helpers import rescale_adapter_scale
     if ref is not None:
         return token_logp(ref, b, temperature, banned, chunk, layout)[0]
@@ -684,35 +654,28 @@ def global_counts(batches: list[dict]) -> tuple[float, float]:
                              sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)]))
 
 
-def kl_reward_to_go(minibatches: list[list[dict]], max_len: int, kl_type: str) -> torch.Tensor:
-    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1): (B, max_len)."""
+def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
+    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), for every data-parallel
+    rank's rows in rank order (global_rows' order): (B_all, max_response_len)."""
     rows = []
-    for mini in minibatches:
-        for b in mini:
-            kl = kl_penalty(b["old_logp"], b["ref_logp"], kl_type) * b["mask"]                 # (b, R)
-            rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, max_len - kl.shape[1])).cpu())
-    return torch.cat(rows).double()
+    for b in itertools.chain(*minibatches):
+        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
+        rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
+    return torch.cat(gather(torch.cat(rows).double())[::layout.sp_size])
 
 
-def batch_advantages(groups: list, kl_to_go, cfg: Config) -> torch.Tensor:
-    """Advantages (B, max_response_len) of this rank's rows (its Groups), computed on the global batch (whitening
-    needs every rank's rewards; groups never span ranks). Component keys for GDPO: accuracy, format (+ overlong)."""
+def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
+    """Advantages (B_all, max_response_len) of the global batch (global_rows; whitening needs every rank's rows).
+    GDPO's reward components: accuracy, format (+ overlong)."""
     keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
-    mine = {"reward": [x for g in groups for x in g.rewards],
-            "baseline": [g.baseline for g in groups for _ in g.rollouts],
-            "lengths": [len(r.response_ids) for g in groups for r in g.rollouts]}
-    mine.update({k: [c[k] for g in groups for c in g.components] for k in keys})
-    parts = gather((mine, kl_to_go))[::cfg.sp_size]  # an SP group's ranks hold the same groups: one copy
-    full = {k: torch.tensor([x for p, _ in parts for x in p[k]], dtype=torch.float64) for k in mine}   # (B_all,)
-    kl_all = None if kl_to_go is None else torch.cat([kl for _, kl in parts])                    # (B_all, R)
+    components = [torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys]
+    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}   # (B_all,)
     adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
-                     lengths=full["lengths"], baseline=full["baseline"], components=[full[k] for k in keys],
-                     kl_to_go=kl_all, eps=cfg.adv_eps)
+                     lengths=full["length"], baseline=full["baseline"], components=components, kl_to_go=kl_to_go,
+                     eps=cfg.adv_eps)
     if adv.dim() == 1:  # one value per sequence: the same at every token
         adv = adv[:, None].expand(-1, cfg.max_response_len)
-    dp_rank = (dist.get_rank() if dist.is_initialized() else 0) // cfg.sp_size
-    start = sum(len(p["reward"]) for p, _ in parts[:dp_rank])
-    return adv[start:start + len(mine["reward"])].float()
+    return adv.float()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -755,25 +718,6 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
 
 
-def sample_round(engine, prompts: list, cfg: Config, seed: int, rank: int, world: int, tok, eos_id: int,
-                 layout=None) -> list:
-    """One generation round for this rank's share of `prompts` (data.next_valid): a scored Group per prompt.
-    ReMax asks the engine for one extra greedy response per prompt; its reward is the baseline. sp_size > 1: the
-    ranks of an SP group generate their shares and all end up with the group's rollouts (the rows they train)."""
-    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
-    n = cfg.group_size
-    rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:(start + k) * n]
-    baselines = [0.0] * k
-    if cfg.adv_estimator == "remax":
-        greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
-        baselines = [score(r, cfg)["overall"] for r in greedy]
-    if cfg.sp_size > 1:
-        group_prompts = data.tp_share(prompts, rank, world, cfg.sp_size)[0]
-        rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
-    groups = [scored_group(rollouts[i * n:(i + 1) * n], cfg, baselines[i]) for i in range(len(baselines))]
-    return [swap_offline(group, cfg, tok, eos_id) for group in groups]
-
-
 def has_spread(group: Group, metric: str) -> bool:
     """DAPO's filter: the group's metric (accuracy or the overall reward) differs between its rollouts."""
     values = group.rewards if metric == "reward" else [c[metric] for c in group.components]
@@ -791,17 +735,26 @@ class Batch:
 
 
 def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
-                 tok, eos_id: int, layout=None) -> Batch:
-    """This rank's prompts_per_step / (world / sp_size) groups. With DAPO dynamic sampling, groups without spread in
-    dyn_filter_metric are dropped and more rounds are generated until every rank is full or max_gen_rounds is
-    reached; then dropped groups fill the batch (counted)."""
-    need, kept, dropped, skips = cfg.prompts_per_step // (world // cfg.sp_size), [], [], []
+                 tok, eos_id: int, layout: sp.Layout) -> Batch:
+    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
+    prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
+    drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
+    n, need, kept, dropped, skips = cfg.group_size, cfg.prompts_per_step // layout.dp_size, [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        for group in sample_round(engine, prompts, cfg, seed=seed, rank=rank, world=world, tok=tok, eos_id=eos_id,
-                                  layout=layout):
+        share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+        rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
+        baselines = [0.0] * k
+        if cfg.adv_estimator == "remax":
+            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
+            baselines = [score(r, cfg)["overall"] for r in greedy]
+        if layout.sp_size > 1:
+            group_prompts = data.tp_share(prompts, rank, world, layout.sp_size)[0]
+            rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
+        for i, baseline in enumerate(baselines):
+            group = swap_offline(scored_group(rollouts[i * n:(i + 1) * n], cfg, baseline), cfg, tok, eos_id)
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -811,6 +764,19 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
     refilled = max(0, need - len(kept))
     return Batch(groups=(kept + dropped[:refilled])[:need], skips=skips, rounds=gen_round + 1, dropped=len(dropped),
                  refilled=refilled)
+
+
+def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
+    """Per-row values of the global batch, every data-parallel rank's rows in rank order (an SP group's ranks hold
+    the same rows: one copy), and where this rank's rows start. One gather: advantages and metrics read them."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    mine = {"reward": [x for g in groups for x in g.rewards], "components": [c for g in groups for c in g.components],
+            "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
+            "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
+            "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}
+    parts = gather(mine)[::layout.sp_size]
+    start = sum(len(p["reward"]) for p in parts[:layout.dp_rank])
+    return {k: [x for p in parts for x in p[k]] for k in mine}, start
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -863,8 +829,7 @@ def main(cfg: Config):
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
-    skipped += skips
-    skipped = state.get("skipped", skipped)  # a resumed run: the saved report already holds the load/val skips
+    skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
     logger = start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
     if state:
@@ -873,8 +838,8 @@ def main(cfg: Config):
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
-    pos = state.get("data", {"epoch": 0, "cursor": 0})  # data position, saved in every checkpoint
-    stream = data.Stream(len(train_samples), cfg.seed, pos["epoch"], pos["cursor"])  # the same order on every rank
+    # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
+    stream = data.Stream(len(train_samples), cfg.seed, **state.get("data", {}))
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
@@ -886,16 +851,15 @@ def main(cfg: Config):
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
-        # ------------------------------------------------------------------ sample (+ DAPO dynamic sampling)
+        # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
-                             eos_id=eos_ids[0], layout=layout)
+                             eos_id=eos_ids[0], layout=layout)  # groups are scored as they are generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
-        # ------------------------------------------------------------------ reward
-        # scored in sample_round as each group is generated (dynamic sampling filters on it): batch.groups
         rollouts = [r for g in batch.groups for r in g.rollouts]
-        lengths = [len(r.response_ids) for r in rollouts]
+        rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
+        ids = rows["id"][::cfg.group_size]
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
@@ -905,29 +869,26 @@ def main(cfg: Config):
             if cfg.freeze_vision:
                 frozen, m["vision_encodes"] = sp.encode_vision(
                     model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device, layout)
-            for mini in minibatches:
-                for b in mini:
-                    b["vision"] = frozen
-                    if need_old:
-                        b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
-                    if cfg.kl_coef > 0:
-                        b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
+            for b in itertools.chain(*minibatches):
+                b["vision"] = frozen
+                if need_old:
+                    b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
+                if cfg.kl_coef > 0:
+                    b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
         kl_to_go = None
-        if cfg.kl_in_reward and cfg.kl_coef > 0:  # verl apply_kl_penalty: on old (rollout-time) log-probs
-            kl_to_go = kl_reward_to_go(minibatches, cfg.max_response_len, cfg.kl_type)
-            m["kl"] = kl_to_go[:, 0].sum().item()
+        if cfg.kl_in_reward:  # verl apply_kl_penalty: on old (rollout-time) log-probs (check_config: kl_coef > 0)
+            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                                  # (B_all, R)
+            m["kl"] = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
         # ------------------------------------------------------------------ advantage
-        adv = batch_advantages(batch.groups, kl_to_go, cfg).to(device)                       # (B, max_response_len)
-        for mini in minibatches:
-            for b in mini:
-                b["adv"] = adv[b["index"], :b["mask"].shape[1]]
+        adv_all = batch_advantages(rows, kl_to_go, cfg)                                   # (B_all, max_response_len)
+        adv = adv_all[start:start + len(rollouts)].to(device)                              # this rank's rows
+        for b in itertools.chain(*minibatches):
+            b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ------------------------------------------------------------------ loss and step
         for group_param in opt.param_groups:
             group_param["lr"] = lr_at(step - 1, cfg)
         gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
-        ids = [i for part in gather([g.rollouts[0].prompt.sample["id"] for g in batch.groups])[::cfg.sp_size]
-               for i in part]
         model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
@@ -949,30 +910,21 @@ def main(cfg: Config):
                 opt.zero_grad(set_to_none=True)
         model.eval()
         m["loss"] /= len(minibatches)
-        m["vision_encodes"] += sum(b["encodes"] for mini in minibatches for b in mini)
+        m["vision_encodes"] += sum(b["encodes"] for b in itertools.chain(*minibatches))
+
         m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
-        n_tok = sum(gather(float(sum(lengths)))[::cfg.sp_size])
         # ------------------------------------------------------------------ sync
         t2 = time.time()
         engine.sync(model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ------------------------------------------------------------------ log
-        local = {
-            "reward": [x for g in batch.groups for x in g.rewards],
-            "comp": [c for g in batch.groups for c in g.components],
-            "baseline": [g.baseline for g in batch.groups for _ in g.rollouts],
-            "types": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts],
-            "len": lengths, "adv": adv[:, 0].tolist(),
-            "offline": [r.finish == "offline" for r in rollouts], "truncated": [r.finish == "length" for r in rollouts],
-            "m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
-            "samples": sample_rows(batch.groups, adv, step, cfg),
-        }
-        parts = gather(local)
+        parts = gather({"m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
+                        "samples": sample_rows(batch.groups, adv, step, cfg)})
         evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
         if evaluated:
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
         if rank == 0:
-            row = step_metrics(parts, step, cfg, gnorm=sum(gnorms) / len(gnorms), lr=lr_at(step - 1, cfg), n_tok=n_tok,
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=mean(gnorms), lr=lr_at(step - 1, cfg),
                                times=times)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
@@ -983,7 +935,7 @@ def main(cfg: Config):
             eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
             shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
             print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
-            write_samples([x for p in parts for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
+            write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
             with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             logger.log(row, step=step)
@@ -1068,39 +1020,36 @@ def mean(xs: list) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float, n_tok: float, times: dict) -> dict:
-    """Global metrics from every rank's raw values (exact means, not means of means). The ranks of an SP group hold the
-    same rows: one copy each, except for the work each rank does (vision encodes: its share of the frames; frames)."""
-    encodes = sum(p["m"]["vision_encodes"] for p in parts)
-    work = {f"cache/{k}": sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
-    parts = parts[::cfg.sp_size]
-    cat = {k: [x for p in parts for x in p[k]] for k in parts[0] if k not in ("m", "stats")}   # per-row lists
-    msum = {k: sum(p["m"][k] for p in parts) for k in parts[0]["m"]}
-    rew, comp, types, off = cat["reward"], cat["comp"], cat["types"], cat["offline"]
+def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
+                 times: dict) -> dict:
+    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
+    group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
+    msum = {k: sum(p["m"][k] for p in parts[::cfg.sp_size]) for k in parts[0]["m"]}
+    rew, comp, types, n_tok = rows["reward"], rows["components"], rows["type"], sum(rows["length"])
+    off = [f == "offline" for f in rows["finish"]]
     row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],
            "clipfrac": msum["clipfrac"] / n_tok, "entropy": msum["entropy"] / n_tok, "kl": msum["kl"] / n_tok,
            "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
-           "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
-           "len/mean": mean(cat["len"]), "len/truncated": mean(cat["truncated"]), "tokens/s": n_tok / times["step"],
-           "vision/encodes": encodes}
+           "mismatch/max": max(p["m"]["mismatch_max"] for p in parts), "len/mean": mean(rows["length"]),
+           "len/truncated": mean([f == "length" for f in rows["finish"]]), "tokens/s": n_tok / times["step"],
+           "vision/encodes": sum(p["m"]["vision_encodes"] for p in parts), "dyn/rounds": parts[0]["m"]["dyn_rounds"],
+           "dyn/dropped": msum["dyn_dropped"], "dyn/refilled": msum["dyn_refilled"]}
     for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
             row[f"reward/{key}/{t}"] = mean([c[key] for c, ty in zip(comp, types) if ty == t])
     groups = [rew[i:i + cfg.group_size] for i in range(0, len(rew), cfg.group_size)]
     row["zero_std_groups"] = mean([float(max(x) == min(x)) for x in groups])
-    row.update({"dyn/rounds": parts[0]["m"]["dyn_rounds"], "dyn/dropped": msum["dyn_dropped"],
-                "dyn/refilled": msum["dyn_refilled"]})
     if cfg.tis:
         row.update({"tis/weight": msum["tis_weight"] / n_tok, "tis/clipped": msum["tis_clipped"] / n_tok})
     if cfg.adv_estimator == "remax":
-        row["reward/greedy"] = mean(cat["baseline"])
+        row["reward/greedy"] = mean(rows["baseline"])
     if any(off):
         row["offline/share"] = mean(off)
         row["offline/reward"] = mean([r for r, o in zip(rew, off) if o])
-        row["offline/adv"] = mean([a for a, o in zip(cat["adv"], off) if o])
+        row["offline/adv"] = mean([a for a, o in zip(adv[:, 0].tolist(), off) if o])
         row["online/reward"] = mean([r for r, o in zip(rew, off) if not o])
-    row.update(work)
+    row.update({f"cache/{k}": sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]})
     row.update({f"time/{k}": v for k, v in times.items()})
     return row
 
@@ -1109,9 +1058,8 @@ def step_metrics(parts: list[dict], step: int, cfg: Config, gnorm: float, lr: fl
 # Setup helpers
 
 def load_model(cfg: Config, device):
-    """HF model (with LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block (one
-    marked block), fp32 master weights; bf16 compute on GPU. Activation checkpointing (module hooks,
-    non-reentrant) goes on before FSDP."""
+    """HF model (LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block, fp32 master
+    weights, bf16 compute on GPU; activation checkpointing (module hooks, non-reentrant) goes on before FSDP."""
     from torch.distributed._composable import checkpoint as checkpoint_module
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
@@ -1134,13 +1082,11 @@ def load_model(cfg: Config, device):
     # one CPU process gains nothing from FSDP2 (no mixed precision on CPU), and a process group can exist without
     # torchrun (vLLM's in-process engine creates one): shard on several ranks, or on a GPU for bf16 compute
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
-        # ---- FSDP2 block: each layer/block is its own all-gather unit, the root holds the rest
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
-        for block in blocks + [visual]:
-            fully_shard(block, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mp_policy=mp, offload_policy=offload)
+        for module in blocks + [visual, model]:  # each layer/block its own all-gather unit; the root (last) the rest
+            fully_shard(module, mp_policy=mp, offload_policy=offload)
         # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
