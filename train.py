@@ -843,6 +843,8 @@ def main(cfg: Config):
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
+        for name in ("metrics.jsonl", "samples.jsonl"):  # else rerunning into an out_dir would mix two runs' curves
+            trim_rows(os.path.join(cfg.out_dir, name), state.get("step", 0))
     acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated inside the loop: it is logged)
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
@@ -980,6 +982,19 @@ class NoLogger:
 
     def finish(self):
         pass
+
+
+def trim_rows(path: str, last_step: int):
+    """Keep a JSONL log's rows up to last_step: a fresh run keeps none of an earlier run's, a resumed one drops the
+    steps its checkpoint lacks (a crashed run had logged them; they are trained again). Dropped rows are reported."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = f.readlines()
+    kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # no newline: torn by a crash
+    if len(kept) < len(rows):
+        print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (an earlier run's) removed")
+        evaluate.write_text(path, "".join(kept))
 
 
 def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) -> list[dict]:

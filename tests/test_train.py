@@ -108,3 +108,19 @@ def test_hf_rollout_two_ranks_uneven_eval(hf_run):
     assert len(rows_again) == 2 and "max_steps 2 reached, nothing to train" in again
     assert [x for x in again.splitlines() if x.startswith("held-out accuracy:")] == result
     assert "nan" not in result[0] and result[0].endswith(f"after {rows[-1]['eval/accuracy']:.2f}")
+
+
+def test_trim_rows_keeps_steps_up_to_the_checkpoint(tmp_path, capsys):
+    """A run into an out_dir that holds an earlier run's logs: a fresh run (step 0) keeps none of its rows; a resumed
+    one keeps the rows up to its checkpoint's step and drops the later ones and a line torn by a crash."""
+    import train
+    path = tmp_path / "metrics.jsonl"
+    lines = "".join(json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo'
+    path.write_text(lines)
+    train.trim_rows(str(path), 2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert "3 rows past step 2" in capsys.readouterr().out
+    train.trim_rows(str(path), 0)
+    assert path.read_text() == ""
+    train.trim_rows(str(tmp_path / "absent.jsonl"), 0)  # nothing to trim: no file is created
+    assert not (tmp_path / "absent.jsonl").exists()
