@@ -1,6 +1,6 @@
 """Long videos (issue 14): per-rank peak memory and time of a training step, frames x sp_size, and today's path.
 
-    .venv/bin/python bench/long_video.py        # about 25 minutes on 2 shared cores
+    .venv/bin/python bench/long_video.py        # about 20 minutes on 2 shared cores
 
 memory.py's worker, a fresh process per setting (2 ranks: torchrun, gloo, a thread each; 1 rank: 2 threads), clips of
 F frames at 8 fps, all seen, 112 x 112 px: 8 video tokens per frame. A step is train.main's after generation (left
