@@ -1,16 +1,16 @@
-"""Long videos (issue 14): per-rank peak memory and time of the train phase, frames x sp_size, and today's path.
+"""Long videos (issue 14): per-rank peak memory and time of a training step, frames x sp_size, and today's path.
 
-    .venv/bin/python bench/long_video.py        # about 8 minutes on 2 idle cores
+    .venv/bin/python bench/long_video.py        # about 20 minutes on 2 shared cores
 
-bench/memory.py's worker, a fresh process per setting (2 ranks: torchrun, gloo, one thread each; 1 rank: one process
-of two threads): synthetic clips of F frames at 8 fps read with video_fps 8 and video_max_frames F, so the model sees
-all F frames; 56 x 56 pixels make 2 video tokens per frame (2 frames x 2 x 2 patches of 14 px merge into one token).
-group_size rollouts of response_len random tokens per clip, the train phase of train.main once. Peak memory per rank:
-the rank's resident-set rise over the phase (memory.peak_bytes), the largest over the ranks; time: the slowest
-rank's. "sp1" / "sp2" run all of issue 13's switches (memory.py's "all on": frozen vision features, checkpointing,
-chunked logits, one row per micro-batch) on one clip, with sp_size 1 on 1 rank / sp_size 2 on 2 ranks. The speedup
-compares one step of the same 2 clips on the same 2 ranks: "today's path", train.py before issues 13 and 14 (vision
-per row, no checkpointing, full logits), data-parallel (a clip per rank), against "MR-SP", "sp2" on both clips.
+memory.py's worker, a fresh process per setting (2 ranks: torchrun, gloo, a thread each; 1 rank: 2 threads), clips of
+F frames at 8 fps, all seen, 112 x 112 px: 8 video tokens per frame. A step is train.main's after generation (left
+out: the same vLLM engine on the same frames on both sides): frozen features where on, the reference pass (kl_coef
+0.01, EasyR1's default), the update; each worker runs two and reports the second (the first pays one-time costs:
+library code paged in, AdamW states). Peak memory per rank: the rise over the step less the file-backed pages it
+faulted in (memory.peak_bytes), max over ranks; time: the slowest rank's. sp1 / sp2: issue 13's switches all on ("all
+on"), one clip, sp_size 1 on 1 rank / 2 on 2. Speedup, 2 clips on 2 ranks: "today's path" (train.py before issues 13
+and 14: every row's video encoded in each pass, the tower trained), a clip per rank, vs "MR-SP": sp_size 2, features
+encoded once per step (each rank its frames) and reused by both passes ("freeze_vision": no checkpointing).
 """
 import os
 import sys
@@ -26,12 +26,12 @@ TODAY_FRAMES = 512  # the issue's comparison point for the step speedup
 def main(c: memory.Config):
     print(f"clips of F frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} response tokens; load "
           f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
-    print("| frames | tokens per sequence | setting | clips | ranks | peak memory per rank | train-phase time | "
+    print("| frames | tokens per sequence | setting | clips | ranks | peak memory per rank | step time | "
           "vision encodes (rank 0) |\n|---|---|---|---|---|---|---|---|")
     runs = {(f, f"sp{sp}"): ("all on", replace(c, frames=f, prompts=1, ranks=sp, sp_size=sp))
             for f in FRAMES for sp in (1, 2)}
     runs[TODAY_FRAMES, "today's path"] = ("before #13", replace(c, frames=TODAY_FRAMES, prompts=2, ranks=2))
-    runs[TODAY_FRAMES, "MR-SP"] = ("all on", replace(c, frames=TODAY_FRAMES, prompts=2, ranks=2, sp_size=2))
+    runs[TODAY_FRAMES, "MR-SP"] = ("freeze_vision", replace(c, frames=TODAY_FRAMES, prompts=2, ranks=2, sp_size=2))
     rows = {}
     for (frames, name), (setting, cf) in runs.items():
         memory.prepare(cf)
@@ -39,12 +39,12 @@ def main(c: memory.Config):
         print(f"| {frames} | {r['prompt'] + c.response_len} | {name} | {cf.prompts} | {cf.ranks} | "
               f"{r['peak'] / 2 ** 20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
     top = max(FRAMES)
-    ratio = rows[top, "sp1"]["peak"] / rows[top, "sp2"]["peak"]
+    print(f"tiny model: {r['params']:,} parameters; 4 bytes each, x 4 with gradients and AdamW states")
+    print(f"per-rank memory sp1/sp2 at {top} frames: {rows[top, 'sp1']['peak'] / rows[top, 'sp2']['peak']:.2f}x")
     speedup = rows[TODAY_FRAMES, "today's path"]["time"] / rows[TODAY_FRAMES, "MR-SP"]["time"]
-    print(f"per-rank memory sp1/sp2 at {top} frames: {ratio:.2f}x")
     print(f"long video step speedup: {speedup:.2f}x")
 
 
 if __name__ == "__main__":
     import tyro
-    main(tyro.cli(memory.Config))
+    main(tyro.cli(memory.Config, default=memory.Config(size=112, kl_coef=0.01, steps=2)))

@@ -2,15 +2,10 @@
 
     .venv/bin/python bench/memory.py          # ~15 min on 2 shared cores
 
-The tiny Qwen2.5-VL, `prompts` synthetic 256-frame clips (112 x 112: 8,192 vision patches, a 2,100-token prompt),
-group_size rollouts each with max_response_len random tokens, all rows in one micro-batch unless the token budget
-splits them. Each setting runs in a fresh process (`--worker`): it loads the model, prepares the prompts, then
-runs the train phase of train.main once (micro-batches, the frozen features, micro_loss + backward per
-micro-batch, clipping, the AdamW step) and reports its peak memory, its time, and the videos the vision tower
-encoded (a forward pre-hook on the tower). Peak memory: the peak resident set of that phase above the resident set
-at its start (Linux VmHWM reset through /proc/self/clear_refs, glibc's mmap threshold pinned so freed tensors
-leave the resident set; peak_bytes). "before #13" is train.py as it was before issue 13 (BEFORE) on the
-prompts of today's data.py. bench/long_video.py runs this worker too (`sp_size` > 1: under torchrun).
+The tiny Qwen2.5-VL, `prompts` synthetic clips, group_size rollouts of response_len random tokens each. A fresh
+process per setting (`--worker`) loads the model (and with kl_coef the reference) and runs train.main's step after
+generation `steps` times (train_phase): the last one's peak memory (peak_bytes), time and videos encoded (pre-hooks on
+the vision towers). "before #13": train.py before issue 13 (BEFORE). bench/long_video.py runs this worker too.
 """
 import ctypes
 import gc
@@ -29,11 +24,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 BEFORE = "5e47fd9"  # the last commit before issue 13: train.py encoded the media of every row
 OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0)
 SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
-            "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
-            "logp_chunk 64": dict(OFF, logp_chunk=64),
-            "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704),
-            "all on": dict(freeze_vision=True, gradient_checkpointing=True, logp_chunk=64,
-                           max_tokens_per_micro_batch=704)}
+            "gradient_checkpointing": dict(OFF, gradient_checkpointing=True), "logp_chunk 64": dict(OFF, logp_chunk=64),
+            "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704), "all on": dict(
+                freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=704)}
 
 
 @dataclass
@@ -52,6 +45,10 @@ class Config:
     """worker processes (> 1: torchrun, gloo), 2 / ranks threads each; data-parallel ranks x sp_size"""
     sp_size: int = 1
     """sequence-parallel ranks (train.Config.sp_size): an SP group's ranks train the same clips, 1/sp_size of each"""
+    kl_coef: float = 0.0
+    """> 0: a reference model and its log-prob pass before the update, as train.main runs it (EasyR1: 1e-2)"""
+    steps: int = 1
+    """train phases run, the last one measured (2: the first pays one-time costs, e.g. library code paged in)"""
     worker: str = ""
     """run one setting of SETTINGS in this process and print its JSON line (internal)"""
     out: str = os.path.join(ROOT, ".cache/bench/memory")
@@ -63,21 +60,28 @@ def train_config(c: Config, trainer=None, **switches):
     import train
     return (trainer or train).Config(
         model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0, video_max_frames=c.frames,
-        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=4096, cache_dir="",
+        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=16384, cache_dir="",
         video_source="decode_only", group_size=c.group_size, prompts_per_step=c.prompts,
-        max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, **switches)
+        max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, kl_coef=c.kl_coef, **switches)
 
 
-def train_phase(train, model, opt, rollouts: list, cfg, tok, banned: list[int], layout=None):
-    """train.main's train phase for one rollout batch (advantages +-1), on this process's CPU; layout: sp.Layout."""
+def train_phase(train, model, ref, opt, rollouts: list, cfg, tok, banned: list[int], layout=None):
+    """train.main's step after generation (advantages +-1; one epoch, one mini-batch: no old log-prob pass) on this
+    process's CPU: the frozen features, the reference pass (ref None: kl_coef 0), the update; layout: sp.Layout."""
     import sp
     mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
-    if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-        frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)[0]
+    today = hasattr(cfg, "sp_size")  # BEFORE's token_logp and micro_loss take neither logp_chunk nor a layout
+    logp_args = (cfg.logp_chunk, layout) if today else ()
+    with torch.no_grad():
+        frozen = None
+        if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
+            frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)[0]
         for b in mini:
             b["vision"] = frozen
+            if ref is not None:  # train.reference_logp with a reference model is this call
+                b["ref_logp"] = train.token_logp(ref, b, cfg.temperature, banned, *logp_args)[0]
     n_tok, n_seq = train.global_counts(mini)  # SP: each row counted sp_size times, a loss scale (free)
-    sp_kw = {"layout": layout} if layout else {}  # nor sequence parallelism
+    sp_kw = {"layout": layout} if today else {}
     for b in mini:
         b["adv"] = (torch.tensor(b["index"]) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
         train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq, **sp_kw)[0].backward()
@@ -93,35 +97,32 @@ def status_kib(key: str) -> int:
 
 
 def peak_bytes(fn, *args) -> int:
-    """How far fn(*args) raises the resident set at its peak above where it was (Linux VmHWM after clear_refs)."""
+    """fn(*args)'s peak resident-set rise (VmHWM after clear_refs) less the file-backed pages (library code) it read."""
     ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
-    base = status_kib("VmRSS")
+    base, file = status_kib("VmRSS"), status_kib("RssFile")
     fn(*args)
-    return (status_kib("VmHWM") - base) * 1024
+    return (status_kib("VmHWM") - base - status_kib("RssFile") + file) * 1024
 
 
 def worker(c: Config) -> dict:
-    """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded,
-    "prompt": tokens, "patches"}."""
+    """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded
+    per step, "prompt": tokens, "patches", "params"}."""
     import data
     import sp
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoProcessor
-    trainer = train
-    if c.worker == "before #13":  # BEFORE's train.py trains; today's data.py (and its Config) prepares the prompts
+    trainer, switches = train, dict(SETTINGS[c.worker], sp_size=c.sp_size)
+    if c.worker == "before #13":  # BEFORE's train.py (no switches) trains; today's data.py prepares the prompts
         spec = importlib.util.spec_from_file_location("train_before", os.path.join(c.out, "train.py"))
         trainer = sys.modules["train_before"] = importlib.util.module_from_spec(spec)
+        switches = {}
         spec.loader.exec_module(trainer)
     rank, world, _ = train.init_dist()
-    switches = dict(SETTINGS[c.worker])
-    layout = None
-    if c.sp_size > 1:  # train.Config has sp_size from issue 14 on
-        switches["sp_size"] = c.sp_size
-        layout = sp.make_layout(c.sp_size)
+    layout = sp.make_layout(c.sp_size)
     cfg = train_config(c, trainer, **switches)
     processor = AutoProcessor.from_pretrained(cfg.model)
     model = trainer.load_model(cfg, torch.device("cpu"))
@@ -131,19 +132,20 @@ def worker(c: Config) -> dict:
     g = torch.Generator().manual_seed(0)
     rollouts = [Rollout(p, torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
                 for p in prompts[:c.prompts][rank // c.sp_size::world // c.sp_size] for _ in range(c.group_size)]
-    encodes = []
-    model.model.visual.register_forward_pre_hook(count_videos(encodes), with_kwargs=True)
-    t0 = time.time()
-    peak = peak_bytes(train_phase, trainer, model, opt, rollouts, cfg, processor.tokenizer,
-                      vision_token_ids(processor.tokenizer), layout)
-    return dict(peak=peak, time=time.time() - t0, encodes=sum(encodes), prompt=len(prompts[0].prompt_ids),
-                patches=int(prompts[0].mm["video_grid_thw"].prod()))
-
-
-def count_videos(counts: list):
-    def hook(module, args, kwargs):
-        counts.append(len(kwargs.get("grid_thw", args[1] if len(args) > 1 else [])))
-    return hook
+    models, ref = [model], None
+    if c.kl_coef:  # train.main's reference model: its tower encodes too unless the features are frozen
+        ref = trainer.load_model(cfg, torch.device("cpu")).eval().requires_grad_(False)
+        models.append(ref)
+    encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
+    for m in models:
+        m.model.visual.register_forward_pre_hook(lambda _, args, kw: encodes.append(len(kw["grid_thw"])),
+                                                 with_kwargs=True)
+    for _ in range(c.steps):
+        t0 = time.time()
+        peak = peak_bytes(train_phase, trainer, model, ref, opt, rollouts, cfg, processor.tokenizer,
+                          vision_token_ids(processor.tokenizer), layout)
+    return dict(peak=peak, time=time.time() - t0, encodes=sum(encodes) // c.steps, prompt=len(prompts[0].prompt_ids),
+                patches=int(prompts[0].mm["video_grid_thw"].prod()), params=sum(p.numel() for p in model.parameters()))
 
 
 def run(c: Config, setting: str) -> dict:
@@ -162,11 +164,10 @@ def run(c: Config, setting: str) -> dict:
 
 
 def prepare(c: Config):
-    """The clips and the tiny model, and the train.py of BEFORE in c.out."""
+    """The tiny model, the clips (a folder per frame count and size: each written once) and BEFORE's train.py."""
     import make_synthetic_data
     import make_tiny_model
     make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    # a folder per frame count and size: bench/long_video.py's loop writes each clip once
     make_synthetic_data.make(os.path.join(c.out, f"clips{c.frames}x{c.size}"), ["color"], num_train=c.prompts,
                              num_val=0, seed=0, size=c.size, fps=8, seconds=c.frames / 8)
     with open(os.path.join(c.out, "train.py"), "w") as f:
@@ -176,9 +177,8 @@ def prepare(c: Config):
 
 def main(c: Config):
     prepare(c)
-    load = os.getloadavg()[0]
     print(f"{c.prompts} clips x {c.frames} frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} "
-          f"response tokens; load average {load:.1f} on {os.cpu_count()} cores (timings are noisy)")
+          f"response tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
     print("| setting | peak memory | step time | vision encodes per step |\n|---|---|---|---|")
     rows = {}
     for setting in SETTINGS:
@@ -193,6 +193,6 @@ if __name__ == "__main__":
     import tyro
     config = tyro.cli(Config)
     if config.worker:
-        print(json.dumps(worker(config)))
+        sys.stdout.write(json.dumps(worker(config)) + "\n")  # one write: ranks share the pipe (PYTHONUNBUFFERED)
     else:
         main(config)
