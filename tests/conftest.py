@@ -42,14 +42,6 @@ def tiny_config(**kw):
     return Config(**base)
 
 
-def concat_media(prompts: list) -> dict:
-    """The media tensors of several prompts as one batch (each row with all its pixels: the model's own forward, the
-    reference the trainer's once-per-prompt vision encoding is tested against), stacked along dim 0 in prompt order."""
-    import torch
-    keys = sorted({k for p in prompts for k in p.mm})
-    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
-
-
 def vllm_greedy_tokens(model_dir: str) -> int:
     """How many tokens vLLM generates greedily (at most 4) from an exported HF folder, in a fresh process: the folder
     loads in vLLM as written."""
