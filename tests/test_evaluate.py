@@ -267,10 +267,39 @@ def read(path):
 
 @pytest.mark.slow
 def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path):
+    from transformers import AutoProcessor
+    cfg = run_cfg(tiny_model, videos, synth, tmp_path / "async")
+    processor = AutoProcessor.from_pretrained(tiny_model)
+    # one AsyncLLM (an engine-core process of its own) for the run and its resume, as bench/evaluate.py passes one
+    # in; evaluate()'s own engine, started and shut down inside, is the README command's test below
+    engine, _, allowed = E.make_engine(E.resolve(cfg), processor.tokenizer)
+
+    async def run(c):
+        return await E.evaluate(c, engine, None, allowed, processor)
+    try:
+        res = asyncio.run(async_run_and_resume(cfg, run, videos, synth, tmp_path))
+    finally:
+        engine.shutdown()
+        engine.shutdown = E.shut_down  # as evaluate() does: no second shutdown at interpreter exit
+    a = {b: read(tmp_path / "async" / b / "samples.jsonl") for b in cfg.benchmarks.split(",")}
+    # the plain synchronous loop (rollout.VLLMEngine, batch by batch): identical greedy responses and scores
+    s_res = asyncio.run(E.evaluate(replace(cfg, out_dir=str(tmp_path / "sync"), engine="sync", batch_size=3)))
+    for b in ("nvr1", "vsibench", "charades_sta"):
+        assert read(tmp_path / "sync" / b / "samples.jsonl") == a[b], b
+        assert s_res[b]["metrics"] == res[b]["metrics"]
+    # the HF fallback runs the same adapters and scoring (same row per doc_id)
+    h = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"),
+                                       max_tokens=4)))
+    hrows = read(tmp_path / "hf" / "nvr1" / "samples.jsonl")
+    assert [r["doc_id"] for r in hrows] == [r["doc_id"] for r in a["nvr1"]] and h["nvr1"]["metrics"]["n"] == len(hrows)
+
+
+async def async_run_and_resume(cfg, run, videos, synth, tmp_path) -> dict:
+    """The AsyncLLM pipeline on 4 benchmarks (one video missing), then a resume after a simulated crash, in one event
+    loop (AsyncLLM's output handler lives in the loop that first used it). Returns the first run's results."""
     os.rename(os.path.join(videos, "videomme", "vid2.mp4"), str(tmp_path / "vid2.mp4"))
     try:  # one missing video: listed as unevaluable, never scored
-        cfg = run_cfg(tiny_model, videos, synth, tmp_path / "async")
-        res = asyncio.run(E.evaluate(cfg))
+        res = await run(cfg)
     finally:
         os.rename(str(tmp_path / "vid2.mp4"), os.path.join(videos, "videomme", "vid2.mp4"))
     assert res["videomme"]["metrics"]["n"] == 2 and res["videomme"]["unevaluable"] == 1
@@ -279,27 +308,18 @@ def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path)
     assert 0 < res["nvr1"]["engine_busy"] <= 1 and res["charades_sta"]["metrics"]["mIoU"] >= 0
     md = (tmp_path / "async" / "results.md").read_text()
     assert "| vsibench | overall |" in md and "| charades_sta | R@0.5 |" in md
-    a = {b: read(tmp_path / "async" / b / "samples.jsonl") for b in cfg.benchmarks.split(",")}
-    assert any(r["resps"][0] for r in a["nvr1"])
-    # the plain synchronous loop (rollout.VLLMEngine, batch by batch): identical greedy responses and scores
-    s_res = asyncio.run(E.evaluate(replace(cfg, out_dir=str(tmp_path / "sync"), engine="sync", batch_size=3)))
-    for b in ("nvr1", "vsibench", "charades_sta"):
-        assert read(tmp_path / "sync" / b / "samples.jsonl") == a[b], b
-        assert s_res[b]["metrics"] == res[b]["metrics"]
+    a = read(tmp_path / "async" / "nvr1" / "samples.jsonl")
+    assert any(r["resps"][0] for r in a)
     # resume: a crash after 2 lines, the third torn mid-write; the rerun completes the log, no duplicates
     log = tmp_path / "async" / "nvr1" / "samples.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     log.write_text("".join(lines[:2]) + lines[2][:25])
-    res2 = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1")))
+    res2 = await run(replace(cfg, benchmarks="nvr1"))
     assert (res2["nvr1"]["resumed"], res2["nvr1"]["torn_lines"]) == (2, 1)
-    assert read(log) == a["nvr1"] and res2["nvr1"]["metrics"] == res["nvr1"]["metrics"]
+    assert read(log) == a and res2["nvr1"]["metrics"] == res["nvr1"]["metrics"]
     with pytest.raises(DataError, match="differs in .*max_tokens"):  # other settings: refused, not resumed
-        asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", max_tokens=5)))
-    # the HF fallback runs the same adapters and scoring (same row per doc_id)
-    h = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"),
-                                       max_tokens=4)))
-    hrows = read(tmp_path / "hf" / "nvr1" / "samples.jsonl")
-    assert [r["doc_id"] for r in hrows] == [r["doc_id"] for r in a["nvr1"]] and h["nvr1"]["metrics"]["n"] == len(hrows)
+        await run(replace(cfg, benchmarks="nvr1", max_tokens=5))
+    return res
 
 
 def test_two_models_default_folder_and_exit_code(tiny_model, synth, tmp_path, monkeypatch):

@@ -295,8 +295,10 @@ def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
     for a checkpoint at the step boundary, the second ends the run (before: both were only recorded)."""
     from test_resume import wait_for, worker
     out = tmp_path / "run"
+    # the HF engine: the step hangs before any rollout, and our handlers replace vLLM's at startup whichever engine
+    # runs (the vLLM path: the startup-signal test here and test_resume's SIGTERM test); it spares two vLLM start-ups
     p = start(train_cmd(tiny_model, all_missing(tmp_path, synth), out, "--skip-invalid", "--max-consecutive-invalid",
-                        str(10 ** 9)))
+                        str(10 ** 9), "--rollout", "hf"))
     wait_for(out / "skipped.jsonl", p)  # written by rank 0 just before step 1
     time.sleep(5)
     worker(p, 1).terminate()
