@@ -1,17 +1,9 @@
 """Long videos (issue 14): per-rank peak memory and time of a training step, frames x sp_size, and today's path.
 
-    .venv/bin/python bench/long_video.py        # about 20 minutes on 2 shared cores
+    .venv/bin/python bench/long_video.py        # about 5 minutes on 2 idle cores
 
-memory.py's worker, a fresh process per setting (2 ranks: torchrun, gloo, a thread each; 1 rank: 2 threads), clips of
-F frames at 8 fps, all seen, 112 x 112 px: 8 video tokens per frame; group_size 8 (train.py's default). A step is
-train.main's after generation (left out: the same vLLM engine on the same frames on both sides): frozen features where
-on, the reference pass (kl_coef 0.01, EasyR1's default), the update; each worker runs two and reports the second (the
-first pays one-time costs: library code paged in, AdamW states); the speedup pair runs four and takes the fastest of
-the last three. Peak memory per rank: the rise over the step less the file-backed pages it faulted in
-(memory.peak_bytes), max over ranks; time: the slowest rank's. sp1 / sp2: issue 13's switches all on ("all on"), one
-clip, sp_size 1 on 1 rank / 2 on 2. Speedup, 2 clips on 2 ranks: "today's path" (train.py before issues 13 and 14:
-every row's video encoded in each pass, the tower trained), a clip per rank, vs "MR-SP": sp_size 2, features encoded
-once per step (each rank its frames) and reused by both passes ("freeze_vision": no checkpointing).
+memory.py's worker, a fresh process per setting: clips of F frames (112 x 112, all seen), group_size 8; a step is
+the reference pass (kl_coef 0.01) and the update. What is measured and how: docs/speed.md.
 """
 import os
 import sys
