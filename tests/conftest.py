@@ -2,7 +2,10 @@
 
     .venv/bin/python -m pytest -q tests
 """
+import json
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -32,6 +35,63 @@ def synth():
     make_synthetic_data.make(out, ["color", "direction", "count", "appear", "image_color"], num_train=8, num_val=4,
                              seed=0, size=56, fps=4, seconds=2.0)
     return out
+
+
+@pytest.fixture(scope="session")
+def color_data():
+    """The "background color" task only: 16 train and 4 held-out samples, one video each."""
+    import make_synthetic_data
+    out = os.path.join(ROOT, ".cache/data/test_color")
+    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(model, data_dir, out, *extra):
+    """train.py's arguments for the tiny model: 2 steps of 4 prompts x 4, no periodic eval, no save."""
+    return ["train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
+            "--train-data", f"{data_dir}/train.jsonl", "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out),
+            "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--eval-max-samples", "4",
+            "--eval-every", "0", "--no-save", *extra]
+
+
+@pytest.fixture(scope="session")
+def val_with_missing(tmp_path_factory, color_data) -> str:
+    """2 held-out samples and one whose video is missing: skipped (skip_invalid) and reported once per run."""
+    val = tmp_path_factory.mktemp("val") / "val.jsonl"
+    good = [json.loads(line) for line in open(os.path.join(color_data, "val.jsonl"))][:2]
+    good = [{**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]} for s in good]  # val moves
+    bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
+    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
+    return str(val)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, tiny_model, color_data, val_with_missing):
+    """4 steps on color_data (16 samples: one epoch), a checkpoint every 2 (keep_last 1), a cold frame cache and the
+    HF-format final folder, launched as a 2-node job: two torchrun agents, --nnodes=2 with one process each, meet
+    through c10d rendezvous on 127.0.0.1 (the command line a real 2-node job uses, with the node's address in place
+    of 127.0.0.1). Shared by test_resume (2 nodes, the reference of exact resume, export) and test_train (the tp=1
+    run's checks): each 2-rank vLLM launch costs ~20 CPU s of import and engine start. Returns (run folder, each
+    node's log)."""
+    port, out = free_port(), tmp_path_factory.mktemp("full") / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ("--val-data", val_with_missing, "--skip-invalid", "--max-steps", "4", "--save-every", "2",
+            "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
+    cmd = train_cmd(tiny_model, color_data, out, *args)
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                               "--rdzv-id=nvr1-test", "--max-restarts=0", *cmd],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
+    return out, logs
 
 
 def tiny_config(**kw):

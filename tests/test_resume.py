@@ -6,34 +6,21 @@ checkpoints, export.
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, vllm_greedy_tokens
+from conftest import ROOT, train_cmd, vllm_greedy_tokens
 
 pytestmark = pytest.mark.slow  # torchrun jobs, killed and resumed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train_cmd(model, data_dir, out, *extra):
-    return ["train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
-            "--train-data", f"{data_dir}/train.jsonl", "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out),
-            "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--eval-max-samples", "4",
-            "--eval-every", "0", "--no-save", *extra]
-
-
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints, exact resume, preemption, export. Three runs are shared by the tests (each run is a torchrun job with
-# two vLLM engines, the most expensive thing here): the 4-step 2-node run, the killed-and-resumed run, both with a
-# 3-sample held-out set, and the SIGTERM run (--val-data '', no eval).
+# two vLLM engines, the most expensive thing here): the 4-step 2-node run (conftest's `uninterrupted`, shared with
+# test_train), the killed-and-resumed run, both on color_data with a 3-sample held-out set, and the SIGTERM run
+# (--val-data '', no eval).
 
 def torchrun(model, data_dir, out, *extra, steps=4):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
@@ -62,36 +49,6 @@ def wait_for(path, p, timeout=300):
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def val_with_missing(tmp_path_factory, synth) -> str:
-    """2 held-out samples and one whose video is missing: skipped (skip_invalid) and reported once per run."""
-    val = tmp_path_factory.mktemp("val") / "val.jsonl"
-    good = [json.loads(line) for line in open(os.path.join(synth, "val.jsonl"))][:2]
-    good = [{**s, "videos": [os.path.join(synth, v) for v in s.get("videos", [])]} for s in good]  # val.jsonl moves
-    bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
-    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
-    return str(val)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_model, synth, val_with_missing):
-    """4 steps, a checkpoint every 2 (keep_last 1), and the HF-format final folder, launched as a 2-node job: two
-    torchrun agents, --nnodes=2 with one process each, meet through c10d rendezvous on 127.0.0.1 (the command line a
-    real 2-node job uses, with the node's address in place of 127.0.0.1). Returns (run folder, each node's log)."""
-    port, out = free_port(), tmp_path_factory.mktemp("full") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ("--val-data", val_with_missing, "--skip-invalid", "--max-steps", "4", "--save-every", "2",
-            "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
-                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                               "--rdzv-id=nvr1-test", "--max-restarts=0", *train_cmd(tiny_model, synth, out, *args)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
-    return out, logs
-
-
 def test_two_nodes_on_loopback(uninterrupted):
     out, logs = uninterrupted
     assert "world 2" in logs[0]  # one process per node, one world
@@ -101,19 +58,19 @@ def test_two_nodes_on_loopback(uninterrupted):
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory, tiny_model, synth, val_with_missing):
+def killed_and_resumed(tmp_path_factory, tiny_model, color_data, val_with_missing):
     """The uninterrupted run's settings on `--standalone` torchrun: rank 1 is SIGKILLed once step 2's checkpoint is
     complete, then `--resume auto` runs steps 3 and 4. Returns (run folder, skipped.jsonl's rows after the kill)."""
     out = tmp_path_factory.mktemp("killed") / "run"
     args = ("--val-data", val_with_missing, "--skip-invalid", "--save-every", "2")
-    p = torchrun(tiny_model, synth, out, *args)
+    p = torchrun(tiny_model, color_data, out, *args)
     wait_for(out / "ckpt" / "latest", p)  # step 2 is complete ...
     worker(p, 1).kill()                   # ... and rank 1 dies mid-run (SIGKILL: no handler, no checkpoint)
     log = p.communicate(timeout=300)[0]
     assert p.returncode != 0, log[-3000:]
     assert open(out / "ckpt" / "latest").read() == "step_00000002"
     skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
-    p = torchrun(tiny_model, synth, out, *args, "--resume", "auto")
+    p = torchrun(tiny_model, color_data, out, *args, "--resume", "auto")
     log = p.communicate(timeout=600)[0]
     assert p.returncode == 0 and "resumed from" in log, log[-4000:]
     return out, skipped
