@@ -195,6 +195,8 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     responses = torch.randint(max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g)
     rollouts = [Rollout(prompt, ids, None, "", "length") for ids in responses.tolist()]
     for setting, switches in SETTINGS.items():
+        gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
+        torch.cuda.empty_cache()  # a no-op without CUDA
         scfg, model, opt = replace(cfg, **switches), None, None
         row = dict(model=name, setting=setting, layers=spec["text_config"]["num_hidden_layers"],
                    blocks=spec["vision_config"]["depth"], rows=rows, prompt=tokens, response=R, patches=patches,
@@ -219,8 +221,6 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             row.update(measured=type(e).__name__, error=traceback.format_exc()[-3000:])
             print(row["error"], file=sys.stderr)
         del model, opt
-        gc.collect()
-        torch.cuda.empty_cache()  # a no-op without CUDA
         report["rows"].append(row)
         shown = {k: row.get(k) for k in ("predicted", "measured", "logp_s", "update_s", "numerics")}
         print(f"{time.strftime('%X')} {os.path.basename(name)} | {setting}: {json.dumps(shown)}", flush=True)
@@ -297,9 +297,13 @@ def main(c: Config) -> list[str]:
             last = time.time() - t0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"]  # skips on CPU
-    try:  # in a fresh process, for what is left of 570 s (at least a minute)
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(60, 570 + start - time.time()))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]  # CPU: skips
+    gc.collect()  # the last model, before the tests take the GPU
+    torch.cuda.empty_cache()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    try:  # in a fresh process (not in our world of one), for what is left of 570 s (at least a minute)
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                           timeout=max(60, 570 + start - time.time()))
         report["tests"] = dict(summary=(p.stdout.strip() or "no output").splitlines()[-1], output=p.stdout[-4000:])
     except subprocess.TimeoutExpired:
         report["tests"] = dict(summary="timed out")
