@@ -1,12 +1,9 @@
-"""One GPU, under 10 minutes: the memory planner against the measured peak at real width, train-phase throughput and
-MFU, the HF sampler's bf16 log-probs against the trainer's, offload, tests/test_gpu.py. Read: docs/gpu-check.md
+"""One GPU, under 10 minutes (docs/gpu-check.md): the memory planner against the measured peak at real width (random
+init, cut to a few layers, built from configs/memory.json, trained by train.py's functions with the shipped recipes),
+train-phase throughput and MFU, the HF sampler's bf16 log-probs against the trainer's, offload, tests/test_gpu.py.
 
     python scripts/gpu_check.py --out-dir runs/gpu_check          # one CUDA GPU (make gpu-check)
     .venv/bin/python scripts/gpu_check.py --cpu-smoke              # the same code on the tiny models, on CPU
-
-Each model: its published config (configs/memory.json) cut to `layers` decoder layers and `blocks` vision blocks at full
-width, random init, trained by train.py's functions with its shipped recipe (frames, pixels, response length, token
-budget): FSDP2 world 1, bf16 compute on fp32 master weights, one micro-batch of rows x (a 720p video prompt + response).
 """
 import gc
 import json
@@ -293,7 +290,12 @@ def main(c: Config) -> list[str]:
                 report["skipped"].append(name)
                 continue
             t0 = time.time()
-            run_model(name, c, device, report, folder)
+            try:
+                run_model(name, c, device, report, folder)
+            except Exception:  # noqa: BLE001  before its settings (build, prompt): a row says so, the next model runs
+                report["rows"].append(dict(model=name, setting="-", predicted=None, measured="error",
+                                           error=traceback.format_exc()[-3000:]))
+                print(report["rows"][-1]["error"], file=sys.stderr)
             last = time.time() - t0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
