@@ -157,6 +157,7 @@ def numerics(model, prompt: data.Prompt, cfg, tok, device, banned: list[int], to
     eos = model.generation_config.eos_token_id
     engine = HFEngine(model, tok, eos if isinstance(eos, list) else [eos])
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
+    HFEngine.config.cache_clear()  # its functools.cache holds the engine, and so the model, for the process's life
     [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, device, None)
     b["adv"] = torch.zeros_like(b["mask"])
     with torch.no_grad():
