@@ -169,7 +169,7 @@ def numerics(model, prompt: data.Prompt, cfg, tok, device, banned: list[int], to
 def run_model(name: str, c: Config, device, report: dict, folder: str):
     """One model's rows: each setting loaded by train.load_model, two steps, the second measured; numerics once."""
     import make_tiny_model
-    from transformers import AutoProcessor
+    from transformers import AutoProcessor, PreTrainedModel
     cuda = device.type == "cuda"
     try:
         spec, meas = memory_plan.stored(name, "bfloat16" if cuda else "float32")
@@ -199,6 +199,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
         row = dict(model=name, setting=setting, layers=spec["text_config"]["num_hidden_layers"],
                    blocks=spec["vision_config"]["depth"], rows=rows, prompt=tokens, response=R, patches=patches,
                    predicted=None, measured=None)
+        row["leftover"] = sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())  # > 0: a model leaked
         if meas:
             gpu_mem = torch.cuda.get_device_properties(device).total_memory if cuda else 0
             p = memory_plan.plan(scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches)
