@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cache
 import rewards
+from common import gather
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {"problem": str,         # the question; <video>/<image> markers in it place the media
@@ -228,10 +229,7 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [cache.load_video(p, fps=cfg.video_fps, min_frames=cfg.video_min_frames, max_frames=cfg.video_max_frames,
-                               min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
-                               total_pixels=cfg.video_total_pixels, factor=factor, cache_dir=cfg.cache_dir,
-                               mode=cfg.video_source, stats=stats, max_decode_pixels=cfg.max_decode_pixels)
+    videos = [cache.load_video(p, cfg, factor, cfg.cache_dir, cfg.video_source, stats)
               for p in sample.get("videos", [])]
     images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor,
                                max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
@@ -277,6 +275,12 @@ def concat_media(prompts: list) -> dict:
     dim 0, in prompt order (the model's own forward on whole rows; bench/memory.py's pre-#13 trainer calls it)."""
     keys = sorted({k for p in prompts for k in p.mm})
     return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
+
+
+def grids(prompts: list, device) -> dict:
+    """The rows' M-RoPE inputs, row by row: the media keys but the pixels (image/video_grid_thw, second_per_grid_ts)."""
+    keys = sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})
+    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device) for k in keys}
 
 
 def missing_dummies(dummies: dict | None, present) -> list:
@@ -354,7 +358,6 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
     and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
-    from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
     prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
     while todo:

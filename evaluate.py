@@ -26,9 +26,9 @@ from typing import Literal
 import yaml
 
 import cache
-import ckpt
 import data
 import rewards
+from common import gather
 from data import DataError
 
 
@@ -592,7 +592,7 @@ def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: in
     share = share + prompts[:1] * (len(data.tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
     outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
     mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
-    rows = [x for part in ckpt.gather(mine) for x in part]
+    rows = [x for part in gather(mine) for x in part]
     if rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
@@ -600,13 +600,12 @@ def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: in
 
 def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
-    from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
+    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, vision_token_ids
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
                                                             trust_remote_code=cfg.trust_remote_code).eval()
-        eos = model.generation_config.eos_token_id
-        engine = HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
+        engine = HFEngine(model, tokenizer, eos_token_ids(model))
     elif cfg.engine == "sync":
         engine = VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
                             dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single
 
+from common import base_model
+
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
 
@@ -112,8 +114,7 @@ def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int
 
 
 def language_model(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
-    return base.model.language_model
+    return base_model(model).model.language_model
 
 
 def use_ulysses(model):

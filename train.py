@@ -18,11 +18,9 @@ import itertools
 import json
 import math
 import os
-import re
-import sys
 import time
 import typing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -30,32 +28,26 @@ import torch.distributed as dist
 
 import cache
 import ckpt
+import common
 import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, row_vision, vision_token_ids
-from scripts import plot_runs
+from ckpt import save_checkpoint
+from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
+from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed, row_vision,
+                     vision_token_ids)
 
 
 @dataclass
-class Config(cache.Media):
+class Config(cache.Training):
     config: tuple[str, ...] = ()
     """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
     dry_run: bool = False
     """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
-    # --- model and data
-    model: str = ".cache/models/tiny-qwen2_5_vl"
-    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
-    train_data: str = ".cache/data/color/train.jsonl"
-    """training samples (JSONL or JSON array; schema in data.py)"""
-    val_data: str = ".cache/data/color/val.jsonl"
-    """held-out samples for greedy accuracy ('' to skip evaluation)"""
+    # --- model, data files, frame budgets (train and held-out): cache.Training's fields; the run's:
     out_dir: str = "runs/tiny"
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
-    trust_remote_code: bool = False
-    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
     max_consecutive_invalid: int = 1000
@@ -64,17 +56,6 @@ class Config(cache.Media):
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
     """prompts longer than this (in tokens, vision included) are an error: never silently truncated"""
-    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, cache_dir)
-    val_video_fps: float = 0.0
-    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
-    val_video_max_frames: int = 0
-    """validation: max frames per video (0 = video_max_frames)"""
-    val_video_max_pixels: int = 0
-    """validation: max pixels per frame (0 = video_max_pixels)"""
-    val_video_total_pixels: int = 0
-    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
-    val_image_max_pixels: int = 0
-    """validation: max pixels per image (0 = image_max_pixels)"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
@@ -216,34 +197,7 @@ class Config(cache.Media):
 def load_config(argv=None) -> Config:
     """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
     them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
-    import tyro
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = Config()
-    if "--config" in argv:
-        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
-            base = yaml_overlay(base, path)
-    return tyro.cli(Config, default=base, args=argv)
-
-
-FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
-
-
-def yaml_overlay(base: Config, path: str) -> Config:
-    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key)."""
-    import yaml
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
-    types = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "config"}
-    for key, value in values.items():
-        if key not in types:
-            raise ValueError(f"{path}: unknown key {key!r}")
-        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
-            value = float(value)
-        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
-            raise ValueError(f"{path}: {key}: {value!r} is not {' | '.join(map(repr, choices)) or types[key].__name__}")
-        base = replace(base, **{key: value})
-    return base
+    return common.load_config(Config, argv)
 
 
 def check_config(cfg: Config, world: int = 1):
@@ -312,19 +266,13 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
-    for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
+    for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
         if rows:
             longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
                 processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
             prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
             print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
                   f"{cfg.max_prompt_len})")
-
-
-def val_config(cfg: Config) -> Config:
-    """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-    fields = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
-    return replace(cfg, **{k: getattr(cfg, f"val_{k}") for k in fields if getattr(cfg, f"val_{k}")})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -579,8 +527,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
     prompts = [r.prompt for r in rollouts]
-    grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
-             for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
+    grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, rows=rows,
                 mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:rows, P:],
@@ -808,8 +755,7 @@ def main(cfg: Config):
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     state = ckpt.load(ckpt_path, model, opt) if ckpt_path else {}  # before the engine is built: it gets these weights
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
+    eos_ids = eos_token_ids(model)
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
@@ -823,11 +769,11 @@ def main(cfg: Config):
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
         engine = HFEngine(model, tok, eos_ids, dummies)
-    ckpt.catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
+    catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
+    val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
     logger = start_logger(cfg, state.get("wandb_id"), rank)
@@ -849,7 +795,7 @@ def main(cfg: Config):
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
-    signals = ckpt.catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
+    signals = catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
@@ -942,7 +888,7 @@ def main(cfg: Config):
                 f.write(json.dumps(row) + "\n")
             logger.log(row, step=step)
         # ------------------------------------------------------------------ checkpoint / preemption
-        stop = ckpt.any_rank(bool(signals))
+        stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
@@ -950,14 +896,14 @@ def main(cfg: Config):
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
-    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
+    catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
-        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
         curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
                   ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
         lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
                  for key, style, label in curves]
-        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
+        common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
@@ -966,7 +912,7 @@ def main(cfg: Config):
     if isinstance(engine, VLLMEngine):
         engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
     print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
-    ckpt.barrier()
+    barrier()
     return acc_before, acc_after
 
 
