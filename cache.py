@@ -101,6 +101,12 @@ class VideoError(ValueError):
     """A video that cannot be decoded; the message names the file and the cause."""
 
 
+def vision_factor(processor) -> int:
+    """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
+    ip = processor.image_processor
+    return ip.patch_size * ip.merge_size
+
+
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     from qwen_vl_utils.vision_process import smart_resize as ref  # the reference math, not a copy of it
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
@@ -308,16 +314,32 @@ def preprocess_one(path: str, c: Config) -> dict:
         return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
 
 
+def videos_of(path: str) -> list[str]:
+    """The absolute paths of the videos a JSON/JSONL data file names (relative to its folder). The samples' other
+    fields are data.py's to check; a row that is no JSON object or names no list of paths is an error naming it."""
+    root, array = os.path.dirname(os.path.abspath(path)), path.endswith(".json")
+    with open(path, "rb") as f:
+        lines = [f.read()] if array else f.read().split(b"\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows = json.loads(line)
+            for row in rows if array else [rows]:
+                out += [os.path.join(root, v) for v in row.get("videos", [])]
+        except (ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"{path}:{i + 1}: not a sample naming a list of videos ({type(e).__name__}: {e})") from e
+    return out
+
+
 def preprocess(c: Config) -> dict:
     """Decode each distinct video of the data files once into the cache; failures go to OUT/failed.jsonl."""
     from collections import Counter
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm import tqdm
-
-    from data import load_samples  # resolves relative paths; a bad row is an error naming file:line
-    videos = [os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])]
-    videos = list(dict.fromkeys(videos))
+    videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
     t, total, failed = time.time(), Counter(), []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
@@ -340,8 +362,6 @@ def load_config(argv: list[str]) -> Config:
     default = Config()
     if "--config" in argv:
         from transformers import AutoProcessor
-
-        from data import vision_factor
         path = argv[argv.index("--config") + 1]
         t = yaml_overlay(Training(), path, strict=False)  # the training YAML's other keys are not ours
         val = [t.val_data] if t.val_data and t.val_config() == t else []

@@ -215,17 +215,11 @@ class Prompt:
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
 
 
-def vision_factor(processor) -> int:
-    """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
-    ip = processor.image_processor
-    return ip.patch_size * ip.merge_size
-
-
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
     """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
     A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
-    factor, sid = vision_factor(processor), sample["id"]
+    factor, sid = cache.vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
@@ -258,7 +252,7 @@ def dummy_prompts(processor) -> dict:
     of one temporal patch) for rows without response or loss. FSDP2 all-gathers every vision block each time the
     tower runs (once for a forward's images, once for its videos): ranks whose micro-batches differ in modalities
     would issue different collectives (a hang). The trainer adds one row per modality a micro-batch lacks."""
-    f = vision_factor(processor)
+    f = cache.vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
     media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
              "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta])}
