@@ -348,7 +348,7 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     return [p for p, _ in out if p], [report for _, report in out if report]
 
 
-def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
+def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
     and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
@@ -356,9 +356,7 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
     prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
     while todo:
         reports = {}
-        group = max(cfg.rollout_tp, cfg.sp_size)
-        mine = [i for i in todo if i % world // group == rank // group]  # tp_share's rows
-        for i in mine:
+        for i in filter(layout.prepares, todo):
             prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
         for i in todo:  # todo is in stream order
@@ -371,12 +369,3 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
             skips.append(bad[i])
             batch[i] = samples[stream.take()]
     return prompts, skips
-
-
-def tp_share(items: list, rank: int, world: int, tp: int):
-    """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.
-    Rank r trains on items[r::world]; its TP group is ranks [r - r % tp, r - r % tp + tp)."""
-    g0 = rank - rank % tp
-    parts = [items[q::world] for q in range(g0, g0 + tp)]
-    start = sum(len(x) for x in parts[:rank - g0])
-    return [x for part in parts for x in part], start, len(parts[rank - g0])

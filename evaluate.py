@@ -585,15 +585,16 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
 
 
-def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks, scored here (train.py); rows in out_dir/eval/step_N.jsonl."""
-    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float:
+    """Greedy held-out accuracy over all ranks (layout: sp.Layout), scored here (train.py); rows in
+    out_dir/eval/step_N.jsonl."""
+    share, start, k = layout.share(prompts, layout.tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
-    share = share + prompts[:1] * (len(data.tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
+    share = share + prompts[:1] * (len(layout.share(prompts, layout.tp, rank=0)[0]) - len(share))
     outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
     mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
     rows = [x for part in gather(mine) for x in part]
-    if rank == 0:
+    if layout.rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 

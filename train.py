@@ -608,7 +608,7 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
     for b in itertools.chain(*minibatches):
         kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
         rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
-    return torch.cat(gather(torch.cat(rows).double())[::layout.sp_size])
+    return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
@@ -681,24 +681,24 @@ class Batch:
     refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
-                 tok, eos_id: int, layout: sp.Layout) -> Batch:
+def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
+                 layout: sp.Layout) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
     prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
     drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
     n, need, kept, dropped, skips = cfg.group_size, cfg.prompts_per_step // layout.dp_size, [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
-        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
+        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+        share, start, k = layout.share(prompts, layout.tp)
         rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
         if layout.sp_size > 1:
-            group_prompts = data.tp_share(prompts, rank, world, layout.sp_size)[0]
+            group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
             group = swap_offline(scored_group(rollouts[i * n:(i + 1) * n], cfg, baseline), cfg, tok, eos_id)
@@ -721,7 +721,7 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
             "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
             "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}
-    parts = gather(mine)[::layout.sp_size]
+    parts = layout.dedup(gather(mine))
     start = sum(len(p["reward"]) for p in parts[:layout.dp_rank])
     return {k: [x for p in parts for x in p[k]] for k in mine}, start
 
@@ -730,7 +730,7 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
-    layout = sp.make_layout(cfg.sp_size)  # dp x sp: the ranks of an SP group train the same rows
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # dp x sp: the ranks of an SP group train the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -781,7 +781,7 @@ def main(cfg: Config):
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
+        acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
@@ -800,7 +800,7 @@ def main(cfg: Config):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
-        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
+        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, tok=tok,
                              eos_id=eos_ids[0], layout=layout)  # groups are scored as they are generated
         skipped += batch.skips
         engine.sleep()
@@ -840,7 +840,7 @@ def main(cfg: Config):
         model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
-                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
+                n_tok_mb, n_seq_mb = (n / layout.sp_size for n in global_counts(mini))  # SP groups: each row once
                 loss_sum = 0.0
                 for b in mini:
                     loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)
@@ -870,10 +870,10 @@ def main(cfg: Config):
                         "samples": sample_rows(batch.groups, adv, step, cfg)})
         evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
         if evaluated:
-            acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
+            acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)  # the result
         if rank == 0:
             row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=mean(gnorms), lr=lr_at(step - 1, cfg),
-                               times=times)
+                               times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
@@ -883,7 +883,7 @@ def main(cfg: Config):
             eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
             shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
             print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
-            write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
+            write_samples([x for p in layout.dedup(parts) for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
             with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             logger.log(row, step=step)
@@ -982,10 +982,10 @@ def mean(xs: list) -> float:
 
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
-                 times: dict) -> dict:
+                 times: dict, layout: sp.Layout) -> dict:
     """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
     group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
-    msum = {k: sum(p["m"][k] for p in parts[::cfg.sp_size]) for k in parts[0]["m"]}
+    msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
     rew, comp, types, n_tok = rows["reward"], rows["components"], rows["type"], sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
     row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],
