@@ -204,7 +204,8 @@ def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tu
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
-        total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
+        total, vfps = meta["total_num_frames"], meta["fps"]
+        h, w = meta["height"], meta["width"]
         idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
         expect = video_meta(total, vfps, idx, h, w)
         cap = frame_pixels(len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor")))
@@ -315,22 +316,14 @@ def preprocess_one(path: str, c: Config) -> dict:
 
 
 def videos_of(path: str) -> list[str]:
-    """The absolute paths of the videos a JSON/JSONL data file names (relative to its folder). The samples' other
-    fields are data.py's to check; a row that is no JSON object or names no list of paths is an error naming it."""
-    root, array = os.path.dirname(os.path.abspath(path)), path.endswith(".json")
-    with open(path, "rb") as f:
-        lines = [f.read()] if array else f.read().split(b"\n")
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows = json.loads(line)
-            for row in rows if array else [rows]:
-                out += [os.path.join(root, v) for v in row.get("videos", [])]
-        except (ValueError, AttributeError, TypeError) as e:
-            raise ValueError(f"{path}:{i + 1}: not a sample naming a list of videos ({type(e).__name__}: {e})") from e
-    return out
+    """The absolute paths of the videos a JSON/JSONL data file names (relative to its folder); the samples' other
+    fields are data.py's to check. A file that is not a list of such samples is an error naming it."""
+    try:
+        with open(path, "rb") as f:
+            rows = json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+        return [os.path.join(os.path.dirname(os.path.abspath(path)), v) for s in rows for v in s.get("videos", [])]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})") from e
 
 
 def preprocess(c: Config) -> dict:
@@ -340,7 +333,8 @@ def preprocess(c: Config) -> dict:
 
     from tqdm import tqdm
     videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
-    t, total, failed = time.time(), Counter(), []
+    t = time.time()
+    total, failed = Counter(), []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):

@@ -353,7 +353,8 @@ def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, 
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
     and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
+    prompts, skips = [None] * len(batch), []
+    todo, run = list(range(len(batch))), 0  # the slots still to fill; invalid samples in a row
     while todo:
         reports = {}
         for i in filter(layout.prepares, todo):

@@ -528,7 +528,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     from vllm import SamplingParams
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
                         skip_special_tokens=True, allowed_token_ids=allowed)
-    loop, sem, spans = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight), []
+    loop, spans = asyncio.get_running_loop(), []
+    sem = asyncio.Semaphore(cfg.max_in_flight)
     pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
 
     async def one(s):
@@ -547,7 +548,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
 
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
-    wall, busy, reach = max(time.perf_counter() - start, 1e-9), 0.0, start
+    wall = max(time.perf_counter() - start, 1e-9)
+    busy, reach = 0.0, start
     for t0, t1 in sorted(spans):  # busy: the length of the union of the spans
         busy, reach = busy + max(0.0, t1 - max(t0, reach)), max(reach, t1)
     return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
@@ -735,10 +737,12 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
 
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
-    samples, done, path = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl")
+    samples, done = job["samples"], job["done"]
+    path = os.path.join(job["folder"], "samples.jsonl")
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
-    todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
+    todo = [s for s in samples if s["id"] not in done]
+    before, start = len(done), time.perf_counter()
     last = [start]  # when progress was last printed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:

@@ -165,7 +165,8 @@ class HFEngine:
     def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
         # dummies (data.dummy_prompts, multi-rank FSDP only): like the trainer's micro-batches, every prefill gets a
         # throw-away row of each modality its prompts lack, so all ranks run the vision tower the same number of times
-        self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids, self.dummies = eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
 
     @functools.cache  # built and validated once per (temperature, max_tokens), not per call
