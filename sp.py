@@ -33,14 +33,8 @@ class Layout:
     dp_rank: int
     dp_size: int
     tp: int = 1      # the rollout engine's tensor-parallel size
-
-    @property
-    def rank(self) -> int:
-        return self.dp_rank * self.sp_size + self.sp_rank
-
-    @property
-    def world(self) -> int:
-        return self.dp_size * self.sp_size
+    rank: int = 0    # dp_rank * sp_size + sp_rank
+    world: int = 1   # dp_size * sp_size
 
     def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
         """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
@@ -66,7 +60,8 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
     groups = [None] * (world // sp_size)
     if sp_size > 1:
         groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
-    return Layout(groups[rank // sp_size], rank % sp_size, sp_size, rank // sp_size, world // sp_size, tp)
+    dp_rank, dp_size = rank // sp_size, world // sp_size
+    return Layout(groups[dp_rank], rank % sp_size, sp_size, dp_rank, dp_size, tp, rank, world)
 
 
 class AllReduce(torch.autograd.Function):
