@@ -200,7 +200,8 @@ def test_layout_shares(world, sp_size, tp):
     generates or trains it among them; dedup keeps one rank per SP group."""
     import sp
     items = list(range(23))
-    layouts = [sp.Layout(None, r % sp_size, sp_size, r // sp_size, world // sp_size, tp, r, world) for r in range(world)]
+    dp = world // sp_size
+    layouts = [sp.Layout(None, r % sp_size, sp_size, r // sp_size, dp, tp, r, world) for r in range(world)]
     for r, x in enumerate(layouts):
         share, start, k = x.share(items, tp)
         assert share[start:start + k] == items[r::world]
