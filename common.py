@@ -91,8 +91,7 @@ FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floa
 
 
 def load_config(cls, argv=None):
-    """`--config a.yaml [b.yaml ...]` set the defaults of dataclass `cls`, each file over the ones before it; the
-    other flags override them."""
+    """`--config a.yaml [b.yaml ...]` set dataclass `cls`'s defaults, each file over the ones before; flags win."""
     import tyro
     argv = list(sys.argv[1:] if argv is None else argv)
     base = cls()
