@@ -588,7 +588,7 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
 
 
 def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks (an sp.Layout), scored here (train.py); rows: out_dir/eval/step_N.jsonl"""
+    """Greedy held-out accuracy over all ranks (an sp.Layout), scored here; rows in out_dir/eval/step_N.jsonl."""
     share, start, k = layout.share(prompts, layout.tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
     share = share + prompts[:1] * (len(layout.share(prompts, layout.tp, rank=0)[0]) - len(share))
