@@ -321,7 +321,8 @@ def videos_of(path: str) -> list[str]:
     try:
         with open(path, "rb") as f:
             rows = json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
-        return [os.path.join(os.path.dirname(os.path.abspath(path)), v) for s in rows for v in s.get("videos", [])]
+        root = os.path.dirname(os.path.abspath(path))
+        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
     except (ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})") from e
 
