@@ -18,11 +18,9 @@ import itertools
 import json
 import math
 import os
-import re
-import sys
 import time
 import typing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -30,32 +28,26 @@ import torch.distributed as dist
 
 import cache
 import ckpt
+import common
 import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, row_vision, vision_token_ids
-from scripts import plot_runs
+from ckpt import save_checkpoint
+from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
+from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed, row_vision,
+                     vision_token_ids)
 
 
 @dataclass
-class Config(cache.Media):
+class Config(cache.Training):
     config: tuple[str, ...] = ()
     """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
     dry_run: bool = False
     """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
-    # --- model and data
-    model: str = ".cache/models/tiny-qwen2_5_vl"
-    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
-    train_data: str = ".cache/data/color/train.jsonl"
-    """training samples (JSONL or JSON array; schema in data.py)"""
-    val_data: str = ".cache/data/color/val.jsonl"
-    """held-out samples for greedy accuracy ('' to skip evaluation)"""
+    # --- model, data files, frame budgets (train and held-out): cache.Training's fields; the run's:
     out_dir: str = "runs/tiny"
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
-    trust_remote_code: bool = False
-    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
     max_consecutive_invalid: int = 1000
@@ -64,17 +56,6 @@ class Config(cache.Media):
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
     """prompts longer than this (in tokens, vision included) are an error: never silently truncated"""
-    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, cache_dir)
-    val_video_fps: float = 0.0
-    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
-    val_video_max_frames: int = 0
-    """validation: max frames per video (0 = video_max_frames)"""
-    val_video_max_pixels: int = 0
-    """validation: max pixels per frame (0 = video_max_pixels)"""
-    val_video_total_pixels: int = 0
-    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
-    val_image_max_pixels: int = 0
-    """validation: max pixels per image (0 = image_max_pixels)"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
@@ -216,34 +197,7 @@ class Config(cache.Media):
 def load_config(argv=None) -> Config:
     """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
     them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
-    import tyro
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = Config()
-    if "--config" in argv:
-        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
-            base = yaml_overlay(base, path)
-    return tyro.cli(Config, default=base, args=argv)
-
-
-FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
-
-
-def yaml_overlay(base: Config, path: str) -> Config:
-    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key)."""
-    import yaml
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
-    types = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "config"}
-    for key, value in values.items():
-        if key not in types:
-            raise ValueError(f"{path}: unknown key {key!r}")
-        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
-            value = float(value)
-        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
-            raise ValueError(f"{path}: {key}: {value!r} is not {' | '.join(map(repr, choices)) or types[key].__name__}")
-        base = replace(base, **{key: value})
-    return base
+    return common.load_config(Config, argv)
 
 
 def check_config(cfg: Config, world: int = 1):
@@ -312,19 +266,13 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
-    for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
+    for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
         if rows:
             longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
                 processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
             prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
             print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
                   f"{cfg.max_prompt_len})")
-
-
-def val_config(cfg: Config) -> Config:
-    """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-    fields = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
-    return replace(cfg, **{k: getattr(cfg, f"val_{k}") for k in fields if getattr(cfg, f"val_{k}")})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -579,8 +527,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
     prompts = [r.prompt for r in rollouts]
-    grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
-             for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
+    grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, rows=rows,
                 mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:rows, P:],
@@ -661,7 +608,7 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
     for b in itertools.chain(*minibatches):
         kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
         rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
-    return torch.cat(gather(torch.cat(rows).double())[::layout.sp_size])
+    return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
@@ -734,24 +681,24 @@ class Batch:
     refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
-                 tok, eos_id: int, layout: sp.Layout) -> Batch:
+def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
+                 layout: sp.Layout) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
     prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
     drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
     n, need, kept, dropped, skips = cfg.group_size, cfg.prompts_per_step // layout.dp_size, [], [], []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
-        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
+        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+        share, start, k = layout.share(prompts, layout.tp)
         rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
         if layout.sp_size > 1:
-            group_prompts = data.tp_share(prompts, rank, world, layout.sp_size)[0]
+            group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
             group = swap_offline(scored_group(rollouts[i * n:(i + 1) * n], cfg, baseline), cfg, tok, eos_id)
@@ -774,7 +721,7 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
             "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
             "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}
-    parts = gather(mine)[::layout.sp_size]
+    parts = layout.dedup(gather(mine))
     start = sum(len(p["reward"]) for p in parts[:layout.dp_rank])
     return {k: [x for p in parts for x in p[k]] for k in mine}, start
 
@@ -783,7 +730,7 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
-    layout = sp.make_layout(cfg.sp_size)  # dp x sp: the ranks of an SP group train the same rows
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # dp x sp: the ranks of an SP group train the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -808,8 +755,7 @@ def main(cfg: Config):
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     state = ckpt.load(ckpt_path, model, opt) if ckpt_path else {}  # before the engine is built: it gets these weights
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
+    eos_ids = eos_token_ids(model)
     banned = vision_token_ids(tok)
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
     if cfg.rollout == "vllm":
@@ -823,11 +769,11 @@ def main(cfg: Config):
         engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
     else:
         engine = HFEngine(model, tok, eos_ids, dummies)
-    ckpt.catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
+    catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
+    val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
     skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
     logger = start_logger(cfg, state.get("wandb_id"), rank)
@@ -835,7 +781,7 @@ def main(cfg: Config):
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
+        acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
     print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
@@ -849,12 +795,12 @@ def main(cfg: Config):
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
-    signals = ckpt.catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
+    signals = catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
-        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
+        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, tok=tok,
                              eos_id=eos_ids[0], layout=layout)  # groups are scored as they are generated
         skipped += batch.skips
         engine.sleep()
@@ -894,7 +840,7 @@ def main(cfg: Config):
         model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
         for epoch in range(cfg.ppo_epochs):
             for mini in minibatches:
-                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
+                n_tok_mb, n_seq_mb = (n / layout.sp_size for n in global_counts(mini))  # SP groups: each row once
                 loss_sum = 0.0
                 for b in mini:
                     loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)
@@ -924,10 +870,10 @@ def main(cfg: Config):
                         "samples": sample_rows(batch.groups, adv, step, cfg)})
         evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
         if evaluated:
-            acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
+            acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)  # the result
         if rank == 0:
             row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=mean(gnorms), lr=lr_at(step - 1, cfg),
-                               times=times)
+                               times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
@@ -937,12 +883,12 @@ def main(cfg: Config):
             eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
             shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
             print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
-            write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
+            write_samples([x for p in layout.dedup(parts) for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
             with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
             logger.log(row, step=step)
         # ------------------------------------------------------------------ checkpoint / preemption
-        stop = ckpt.any_rank(bool(signals))
+        stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
@@ -950,14 +896,14 @@ def main(cfg: Config):
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
-    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
+    catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
-        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
         curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
                   ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
         lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
                  for key, style, label in curves]
-        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
+        common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
@@ -966,7 +912,7 @@ def main(cfg: Config):
     if isinstance(engine, VLLMEngine):
         engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
     print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
-    ckpt.barrier()
+    barrier()
     return acc_before, acc_after
 
 
@@ -1036,10 +982,10 @@ def mean(xs: list) -> float:
 
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
-                 times: dict) -> dict:
+                 times: dict, layout: sp.Layout) -> dict:
     """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
     group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
-    msum = {k: sum(p["m"][k] for p in parts[::cfg.sp_size]) for k in parts[0]["m"]}
+    msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
     rew, comp, types, n_tok = rows["reward"], rows["components"], rows["type"], sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
     row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],

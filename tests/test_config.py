@@ -164,10 +164,7 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
     cfg = load_config(["--config", path])
     sample = data.load_samples(cfg.train_data)[0]
     stats = {}
-    cache.load_video(sample["videos"][0], fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                     max_frames=cfg.video_max_frames, min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
-                     total_pixels=cfg.video_total_pixels, factor=28, cache_dir=cfg.cache_dir, mode="cache_only",
-                     stats=stats)
+    cache.load_video(sample["videos"][0], cfg, 28, cfg.cache_dir, mode="cache_only", stats=stats)
     assert stats["cache_hit"] == 1
 
 
@@ -204,7 +201,7 @@ def test_export_bfloat16(tmp_path, tiny_model):
 def test_curve_keeps_the_steps_before_a_resume(tmp_path):
     """curve.png is drawn from metrics.jsonl, not from this process's rows: a run that crashed after step 3 and
     resumed from its step-1 checkpoint logged steps 1, 2, 3, 2, 3, 4; the curve has 0..4, steps 2 and 3 as re-run."""
-    from scripts.plot_runs import curve_rows
+    from common import curve_rows
     logged = [1, 2, 3, 2, 3, 4]
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i, step in enumerate(logged):

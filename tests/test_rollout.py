@@ -21,8 +21,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 from conftest import ROOT, tiny_config  # noqa: E402
 
 import data  # noqa: E402
-from rollout import (HFEngine, VLLMEngine, full_tensors, mm_token_types, request_seed,  # noqa: E402
-                     vision_token_ids)
+from ckpt import full_tensors  # noqa: E402
+from rollout import HFEngine, VLLMEngine, mm_token_types, request_seed, vision_token_ids  # noqa: E402
 from train import collate, token_logp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a vLLM engine
