@@ -21,7 +21,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import data  # noqa: E402  (the project root is put on sys.path above)
+import cache  # noqa: E402  (the project root is put on sys.path above)
+import common  # noqa: E402
+import data  # noqa: E402
 import memory_plan  # noqa: E402
 import train  # noqa: E402
 from rollout import HFEngine, Rollout, vision_token_ids  # noqa: E402
@@ -93,8 +95,7 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 def video_prompt(cfg, processor) -> data.Prompt:
     """A question on video_max_frames random frames of a 720p video, sized as cache.py sizes them and expanded by the
     processor as data.prepare does (no video decoder: the frames are made here)."""
-    import cache
-    factor, n = data.vision_factor(processor), cfg.video_max_frames // 2 * 2
+    factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2
     budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
     h, w = cache.smart_resize(*memory_plan.SOURCE_HW, factor, cfg.video_min_pixels, budget)
     frames = torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
@@ -178,7 +179,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     spec = cut(spec, c.layers, c.blocks)
     tiny = make_tiny_model.ensure(spec["model_type"], os.path.join(ROOT, ".cache/models"))
     counts = build(spec, tiny, folder, device)
-    recipe = train.yaml_overlay(train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml")))
+    recipe = common.yaml_overlay(train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml")))
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
     tok, banned, R = processor.tokenizer, vision_token_ids(processor.tokenizer), cfg.max_response_len
@@ -274,7 +275,7 @@ def main(c: Config) -> list[str]:
         port = str(s.getsockname()[1])
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
         os.environ.setdefault(k, v)
-    device = train.init_dist(offload=True)[2]  # offload's backends: gloo beside nccl, for the CPU shards
+    device = common.init_dist(offload=True)[2]  # offload's backends: gloo beside nccl, for the CPU shards
     if device.type != "cuda" and not c.cpu_smoke:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
     models = c.models
