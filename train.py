@@ -780,6 +780,155 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The parts of main: setup, the no-grad log-prob pass, the update, logging, the end of the run
+
+@dataclass
+class Trainer:
+    """The training side of a run, built once (build_trainer): the policy, its reference, the optimizer, the ranks."""
+    model: torch.nn.Module
+    ref: torch.nn.Module | None  # the frozen reference (kl_coef > 0, full fine-tuning); LoRA: None (adapters at 0)
+    opt: torch.optim.Optimizer   # AdamW over the trainable parameters (LoRA: the adapters only)
+    banned: list[int]            # vision token ids: never sampled, masked in every log-prob
+    layout: sp.Layout
+    dummies: dict | None         # FSDP (world > 1): a dummy row per modality a micro-batch lacks
+    rank: int
+    world: int
+    device: torch.device
+
+
+def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device) -> Trainer:
+    model = load_model(cfg, device)
+    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
+    return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
+
+
+def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
+    """The sampler: a colocated vLLM engine holding the trainer's weights, or HF generate on the training model."""
+    if cfg.rollout == "hf":
+        return HFEngine(t.model, tok, eos_ids, t.dummies)
+    media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
+    # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
+    engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
+                        dtype="bfloat16" if t.device.type == "cuda" else "float32",
+                        gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
+                        trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
+                        max_videos=max([v for _, v in media] + [1]))
+    engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
+    return engine
+
+
+def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
+    """{"train": samples, "val": samples (at most eval_max_samples)}; invalid ones go to `skipped` (skip_invalid)."""
+    # the model's special tokens in any text field (offline_output: <|image_pad|> is banned, <|im_end|> ends a turn)
+    specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
+    train_samples = load(cfg.train_data)
+    if not train_samples:
+        raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
+    if template:
+        data.check_template(template, train_samples[0])
+    return {"train": train_samples, "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
+
+
+def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config) -> int:
+    """The no-grad pass before the update: old log-probs where the update goes off-policy (several epochs or
+    mini-batches, KL in the reward), the reference's with kl_coef. freeze_vision: every prompt's features once (the
+    reference shares the tower), reused by every pass. Returns how many media pieces that encoded."""
+    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
+    frozen, encodes = None, 0
+    with torch.no_grad():
+        if cfg.freeze_vision:
+            prompts = [r.prompt for r in rollouts] + data.missing_dummies(t.dummies, {})
+            frozen, encodes = sp.encode_vision(t.model, prompts, t.device, t.layout)
+        for b in itertools.chain(*minibatches):
+            b["vision"] = frozen
+            if need_old:
+                b["old_logp"] = token_logp(t.model, b, cfg.temperature, t.banned, cfg.logp_chunk, t.layout)[0]
+            if cfg.kl_coef > 0:
+                b["ref_logp"] = reference_logp(t.model, t.ref, b, cfg.temperature, t.banned, cfg.logp_chunk,
+                                               t.layout)
+    return encodes
+
+
+@dataclass
+class Update:
+    """What update() measured: the first epoch's metric sums over this rank's micro-batches (loss: the mean over
+    mini-batches; mismatch_max: the maximum), and the mean grad norm of its optimizer steps."""
+    metrics: dict
+    grad_norm: float
+
+
+def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> Update:
+    """ppo_epochs x mini_batches optimizer steps on a batch with its advantages (and old/ref log-probs): backward
+    over the micro-batches, grad clip, and a stop on every rank before the step if any rank's loss or norm is not
+    finite (ids: the step's samples, for that error)."""
+    for group_param in t.opt.param_groups:
+        group_param["lr"] = lr_at(step - 1, cfg)
+    m, gnorms = {}, []
+    t.model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
+    for epoch in range(cfg.ppo_epochs):
+        for mini in minibatches:
+            n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
+            loss_sum = 0.0
+            for b in mini:
+                loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=t.layout)
+                (loss * t.world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
+                loss_sum += metrics["loss"]
+                if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
+                    for k, v in metrics.items():
+                        m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
+            gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
+            gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+            if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: stop before the step
+                raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
+                                         f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
+            t.opt.step()
+            t.opt.zero_grad(set_to_none=True)
+    t.model.eval()
+    m["loss"] /= len(minibatches)
+    return Update(m, mean(gnorms))
+
+
+def log_step(row: dict, parts: list[dict], cfg: Config, logger, per_step: float):
+    """Rank 0: the step's line on stdout, its samples (samples.jsonl), its metrics (metrics.jsonl, wandb)."""
+    step = row["step"]
+    eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
+    shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
+    print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
+    write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    logger.log(row, step=step)
+
+
+def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
+    """The end of the run: the curve and summary.json (trained: this process trained a step), the final HF-format
+    checkpoint, the engine shut down."""
+    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
+    rank = t.rank
+    if rank == 0 and trained:
+        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
+                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
+        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
+                 for key, style, label in curves]
+        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
+        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+            json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
+    if cfg.save:
+        save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), rank)
+    logger.finish()
+    if isinstance(engine, VLLMEngine):
+        engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
+    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
+    ckpt.barrier()
+    return acc_before, acc_after
+
+
+# ---------------------------------------------------------------------------------------------------
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
@@ -791,44 +940,21 @@ def main(cfg: Config):
     tok = processor.tokenizer
     template = open(cfg.prompt_template).read() if cfg.prompt_template else None
     skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
-    # the model's special tokens in any text field (offline_output: <|image_pad|> is banned, <|im_end|> ends a turn)
-    specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
-    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
-    train_samples = load(cfg.train_data)
-    if not train_samples:
-        raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
-    if template:
-        data.check_template(template, train_samples[0])
-    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
+    samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
-        return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
-    model = load_model(cfg, device)
-    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        return dry_run(cfg, processor, template, samples, skipped)
+    t = build_trainer(cfg, processor, layout, rank, world, device)
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
-    state = ckpt.load(ckpt_path, model, opt) if ckpt_path else {}  # before the engine is built: it gets these weights
-    eos_ids = model.generation_config.eos_token_id
+    state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine: it gets these weights
+    eos_ids = t.model.generation_config.eos_token_id
     eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
-    banned = vision_token_ids(tok)
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
-    if cfg.rollout == "vllm":
-        media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
-        # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
-        engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
-                            dtype="bfloat16" if device.type == "cuda" else "float32",
-                            gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
-                            trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
-                            max_videos=max([v for _, v in media] + [1]))
-        engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
-    else:
-        engine = HFEngine(model, tok, eos_ids, dummies)
+    engine = start_engine(cfg, t, tok, eos_ids, samples)
     ckpt.catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
-    val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
+    val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
     skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
     logger = start_logger(cfg, state.get("wandb_id"), rank)
     acc_before = state["acc_before"] if state else float("nan")
@@ -836,11 +962,10 @@ def main(cfg: Config):
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
+    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} val, "
            f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
-    stream = data.Stream(len(train_samples), cfg.seed, **state.get("data", {}))
-    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
+    stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
         for name in ("metrics.jsonl", "samples.jsonl"):  # else rerunning into an out_dir would mix two runs' curves
@@ -854,7 +979,7 @@ def main(cfg: Config):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
-        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
+        batch = sample_batch(engine, stream, samples["train"], prep, cfg, step=step, rank=rank, world=world, tok=tok,
                              eos_id=eos_ids[0], layout=layout)  # groups are scored as they are generated
         skipped += batch.skips
         engine.sleep()
@@ -864,23 +989,12 @@ def main(cfg: Config):
         ids = rows["id"][::cfg.group_size]
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
-        minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
-        m = {"kl": 0.0, "vision_encodes": 0}  # this step's metric sums over micro-batches
-        with torch.no_grad():
-            frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
-            if cfg.freeze_vision:
-                frozen, m["vision_encodes"] = sp.encode_vision(
-                    model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device, layout)
-            for b in itertools.chain(*minibatches):
-                b["vision"] = frozen
-                if need_old:
-                    b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
-                if cfg.kl_coef > 0:
-                    b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
-        kl_to_go = None
+        minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
+        encodes = logp_pass(t, minibatches, rollouts, cfg)
+        kl_to_go, kl = None, 0.0
         if cfg.kl_in_reward:  # verl apply_kl_penalty: on old (rollout-time) log-probs (check_config: kl_coef > 0)
             kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                                  # (B_all, R)
-            m["kl"] = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
+            kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
         # ------------------------------------------------------------------ advantage
         adv_all = batch_advantages(rows, kl_to_go, cfg)                                   # (B_all, max_response_len)
@@ -888,36 +1002,13 @@ def main(cfg: Config):
         for b in itertools.chain(*minibatches):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ------------------------------------------------------------------ loss and step
-        for group_param in opt.param_groups:
-            group_param["lr"] = lr_at(step - 1, cfg)
-        gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
-        model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
-        for epoch in range(cfg.ppo_epochs):
-            for mini in minibatches:
-                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
-                loss_sum = 0.0
-                for b in mini:
-                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)
-                    (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
-                    loss_sum += metrics["loss"]
-                    if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
-                        for k, v in metrics.items():
-                            m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
-                gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-                gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
-                if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: stop before the step
-                    raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
-                                             f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        model.eval()
-        m["loss"] /= len(minibatches)
-        m["vision_encodes"] += sum(b["encodes"] for b in itertools.chain(*minibatches))
-
-        m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
+        up = update(t, minibatches, cfg, step, ids)
+        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # each pass's own, freeze_vision off
+        m = dict(up.metrics, kl=kl + up.metrics["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
+                 dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         # ------------------------------------------------------------------ sync
         t2 = time.time()
-        engine.sync(model)
+        engine.sync(t.model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ------------------------------------------------------------------ log
         parts = gather({"m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
@@ -926,48 +1017,25 @@ def main(cfg: Config):
         if evaluated:
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=mean(gnorms), lr=lr_at(step - 1, cfg),
-                               times=times)
-            row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
+            extra = {"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids}
             if evaluated:
-                row["eval/accuracy"] = acc_after
+                extra["eval/accuracy"] = acc_after
             if len(skipped) > n_skipped:
                 evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
-            per_step = (time.time() - t_start) / (step - state.get("step", 0))
-            eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
-            shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
-            print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
-            write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
-            with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
-            logger.log(row, step=step)
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=up.grad_norm, lr=lr_at(step - 1, cfg),
+                               times=times)
+            log_step(row | extra, parts, cfg, logger, per_step=(time.time() - t_start) / (step - state.get("step", 0)))
         # ------------------------------------------------------------------ checkpoint / preemption
         stop = ckpt.any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
-            ckpt.save(cfg.out_dir, step, model, opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
+            ckpt.save(cfg.out_dir, step, t.model, t.opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
-    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
-        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
-        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
-                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
-        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
-                 for key, style, label in curves]
-        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
-        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-            json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
-    if cfg.save:
-        save_checkpoint(model, processor, os.path.join(cfg.out_dir, "final"), rank)
-    logger.finish()
-    if isinstance(engine, VLLMEngine):
-        engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
-    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
-    ckpt.barrier()
-    return acc_before, acc_after
+    trained = state.get("step", 0) < cfg.max_steps  # this process trained a step
+    return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
 
 
 # ---------------------------------------------------------------------------------------------------
