@@ -272,13 +272,6 @@ def dummy_prompts(processor) -> dict:
     return out
 
 
-def concat_media(prompts: list) -> dict:
-    """The media tensors of several prompts as one batch: pixel rows, grids and per-video tensors all stack along
-    dim 0, in prompt order (the model's own forward on whole rows; bench/memory.py's pre-#13 trainer calls it)."""
-    keys = sorted({k for p in prompts for k in p.mm})
-    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
-
-
 def missing_dummies(dummies: dict | None, present) -> list:
     """The dummy prompts (dummy_prompts) of each modality whose pixel key is not in `present` (the mm keys in use)."""
     key = {"image": "pixel_values", "video": "pixel_values_videos"}
