@@ -42,9 +42,9 @@ from scripts import plot_runs
 @dataclass
 class Config(cache.Media):
     config: tuple[str, ...] = ()
-    """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
+    """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = False
-    """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
+    """check config and data, print the resolved config, data counts, longest prompt; then exit"""
     # --- model and data
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
@@ -55,16 +55,16 @@ class Config(cache.Media):
     out_dir: str = "runs/tiny"
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
     trust_remote_code: bool = False
-    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
+    """let transformers/vLLM run code shipped with the checkpoint (off: built-in models only)"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
     max_consecutive_invalid: int = 1000
-    """skip_invalid: more invalid samples in a row than this fail the run (the data set may hold no valid sample)"""
+    """skip_invalid: more invalid samples in a row fail the run (the data may hold none valid)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
-    """prompts longer than this (in tokens, vision included) are an error: never silently truncated"""
-    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, cache_dir)
+    """prompts longer than this (in tokens, vision included) are an error, never truncated"""
+    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, ...)
     val_video_fps: float = 0.0
     """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
     val_video_max_frames: int = 0
@@ -83,7 +83,7 @@ class Config(cache.Media):
     group_size: int = 8
     """completions per prompt (n)"""
     prompts_per_step: int = 8
-    """prompts per optimizer step, over all ranks (divisible by the data-parallel size, world / sp_size)"""
+    """prompts per optimizer step over all ranks (divisible by world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
     max_response_len: int = 64
@@ -97,21 +97,22 @@ class Config(cache.Media):
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """swap only when the group's online accuracy is below this (0 = always): trained as on-policy, logged offline/*"""
+    """swap only if the group's online accuracy is below this (0 = always); logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
     w_fmt: float = 0.1
     """weight of the format reward"""
     response_format: Literal["answer", "think_answer"] = "answer"
-    """what the default prompts ask for and the format reward checks: <answer>..</answer>, or <think>..</think> first"""
+    """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
-    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"] = "grpo"
+    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax",
+                           "gdpo"] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
     adv_eps: float = 1e-6
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight x logp)"""
+    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight)"""
     clip_low: float = 0.2
     """clip: ratio >= 1 - clip_low"""
     clip_high: float = 0.2
@@ -126,7 +127,7 @@ class Config(cache.Media):
     kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
-    """subtract kl_coef * KL(old || ref) from the return instead of a KL loss (reinforce++, remax: from each token)"""
+    """kl_coef * KL(old || ref) off the return, not a KL loss (reinforce++, remax: per token)"""
     entropy_coef: float = 0.0
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     tis: Literal["", "token", "sequence"] = ""
@@ -136,13 +137,13 @@ class Config(cache.Media):
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose dyn_filter_metric is the same for every rollout, generate more until the batch is full"""
+    """DAPO: drop groups whose dyn_filter_metric is the same for all rollouts, sample more"""
     dyn_filter_metric: Literal["accuracy", "reward"] = "accuracy"
-    """dynamic sampling filters on: accuracy (DAPO, verl's recipe) | reward (the overall reward, penalties included)"""
+    """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
     max_gen_rounds: int = 4
-    """dynamic sampling: generation rounds per step at most (then dropped groups fill the batch, logged)"""
+    """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
     overlong_buffer: int = 0
-    """DAPO soft overlong penalty: linear from 0 to -overlong_factor over the last N tokens (0 = off)"""
+    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last N tokens (0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
     ppo_epochs: int = 1
@@ -153,17 +154,17 @@ class Config(cache.Media):
     """sequences per forward/backward on each rank"""
     # --- memory
     freeze_vision: bool = False
-    """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
+    """no gradient into the vision tower: its features, once per step, serve all passes"""
     logp_chunk: int = 1024
-    """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
+    """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
-    """recompute each decoder layer's and vision block's activations in backward instead of keeping them"""
+    """recompute each decoder layer's and vision block's activations in backward, not keep them"""
     offload: bool = False
-    """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
+    """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
     max_tokens_per_micro_batch: int = 0
-    """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
+    """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
     sp_size: int = 1
-    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of the tokens and frames"""
+    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of them"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -189,28 +190,29 @@ class Config(cache.Media):
     wandb_project: str = ""
     """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
     log_every: int = 1
-    """write sampled completions to out_dir/samples.jsonl (and a wandb table) every N steps (0 = never)"""
+    """write sampled completions to out_dir/samples.jsonl (and wandb) every N steps (0 = never)"""
     log_samples: int = 4
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
     save_every: int = 0
-    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = only on SIGTERM/SIGINT), see scripts/export_hf.py"""
+    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = on SIGTERM/SIGINT only)"""
     keep_last: int = 2
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = ""
-    """'' = start fresh | auto = the latest complete checkpoint in out_dir/ckpt (fresh if none) | a folder"""
+    """'' = fresh | auto = the latest complete checkpoint in out_dir/ckpt (if any) | a folder"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
-    """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters scaled to 0"""
+    """adapter rank r (0 = full fine-tuning); the reference: the model, adapters scaled to 0"""
     lora_alpha: float = 16.0
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input during the loss forward (the log-prob passes and the sampler have none)"""
+    """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    """regex over module names (full match) that get adapters (default: the language model's attention and MLP);
-    the vision tower and merger are optional, e.g. append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
+    """regex over module names (full match) that get adapters (default: the language model's
+    attention and MLP); the vision tower and merger are optional, e.g. append
+    `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:
