@@ -744,9 +744,8 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
     prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
     drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
     n, need = cfg.group_size, cfg.prompts_per_step // layout.dp_size
-    kept: list[Group] = []     # groups with spread (all groups without dynamic sampling)
-    dropped: list[Group] = []  # groups without: they refill the batch after max_gen_rounds
-    skips: list[dict] = []
+    kept, dropped = [], []  # groups with spread (all without dynamic sampling), without: refill after max_gen_rounds
+    skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
         skips += new_skips
@@ -805,28 +804,24 @@ class Trainer:
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device) -> Trainer:
     model = load_model(cfg, device)
-    ref = None
-    if cfg.kl_coef > 0 and not cfg.lora_rank:
-        ref = load_model(cfg, device).eval().requires_grad_(False)
+    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules everywhere
-    banned = vision_token_ids(processor.tokenizer)
-    return Trainer(model, ref, opt, banned, layout, dummies, rank, world, device)
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
+    return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate on the policy."""
     if cfg.rollout == "hf":
         return HFEngine(t.model, tok, eos_ids, t.dummies)
-    every = samples["train"] + samples["val"]
+    media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
     engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
                         dtype="bfloat16" if t.device.type == "cuda" else "float32",
-                        gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep,
-                        seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
-                        max_images=max([len(s.get("images", [])) for s in every] + [1]),
-                        max_videos=max([len(s.get("videos", [])) for s in every] + [1]))
+                        gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
+                        trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
+                        max_videos=max([v for _, v in media] + [1]))
     engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
     return engine
 
@@ -835,21 +830,18 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     """{"train": samples, "val": at most eval_max_samples}; skip_invalid: the invalid ones to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
-    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped,
-                             special_tokens=specials)
+    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
     train_samples = load(cfg.train_data)
     if not train_samples:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     if template:
         data.check_template(template, train_samples[0])
-    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
-    return {"train": train_samples, "val": val_samples}
+    return {"train": train_samples, "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
 
 
 def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config) -> int:
-    """The no-grad pass before the update: old log-probs where the update is off-policy (epochs,
-    mini-batches, KL in the reward), the reference's with kl_coef. freeze_vision: every prompt's
-    features once (the reference shares the tower), for every pass. Returns the pieces encoded."""
+    """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the reward), the
+    reference's with kl_coef; freeze_vision: every prompt's features once, for all passes. Returns the encodes."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     frozen, encodes = None, 0
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
@@ -875,9 +867,8 @@ class Update:
 
 
 def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> Update:
-    """ppo_epochs x mini_batches optimizer steps on a batch with advantages (and old/ref log-probs):
-    backward over the micro-batches, grad clip, and a stop on every rank before the step when a loss
-    or grad norm is not finite (the error names the samples, ids)."""
+    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop on every
+    rank before the step when a loss or grad norm is not finite (the error names the samples, ids)."""
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
     m, gnorms = {}, []
@@ -896,9 +887,8 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
-                raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad "
-                                         f"norm ({gnorms[-1]}) is not finite; samples {ids}: stopped "
-                                         "before the update")
+                raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
+                                         f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
             t.opt.step()
             t.opt.zero_grad(set_to_none=True)
     t.model.eval()
@@ -921,13 +911,10 @@ def log_step(row: dict, parts: list[dict], cfg: Config, logger, skipped: list, p
     logger.log(row, step=step)
 
 
-def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float,
-           trained: bool):
-    """The end of the run: the curve and summary.json (trained: this process trained a step), the
-    final HF-format checkpoint, the engine shut down."""
+def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
+    """The end of the run: curve and summary.json (trained: this process trained a step), the final checkpoint."""
     ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    rank = t.rank
-    if rank == 0 and trained:
+    if t.rank == 0 and trained:
         rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
         curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
                   ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
@@ -937,7 +924,7 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
         with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
-        save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), rank)
+        save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
     logger.finish()
     if isinstance(engine, VLLMEngine):
         engine.llm.llm_engine.engine_core.shutdown()  # now, not in __del__ at exit (a traceback)
@@ -971,8 +958,7 @@ def main(cfg: Config):
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats,
-                                 **fmt)
+    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report holds the load/val skips
     acc_before = state.get("acc_before", float("nan"))
@@ -1034,8 +1020,7 @@ def main(cfg: Config):
         if rank == 0:
             row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=up.grad_norm, lr=lr_at(step - 1, cfg),
                                times=times)
-            row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped,
-                        "data/ids": ids})
+            row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
