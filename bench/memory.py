@@ -116,7 +116,7 @@ def worker(c: Config) -> dict:
                         torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
                 for p in share for _ in range(c.group_size)]
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
-    for m in [t.model] + [t.ref] * (t.ref is not None):  # the reference's tower encodes too unless frozen features
+    for m in [m for m in (t.model, t.ref) if m is not None]:  # the reference's tower encodes too (features not frozen)
         m.model.visual.register_forward_pre_hook(lambda _, args, kw: encodes.append(len(kw["grid_thw"])),
                                                  with_kwargs=True)
     peaks, times = [], []
