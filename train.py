@@ -860,8 +860,7 @@ def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout]
 
 @dataclass
 class Update:
-    """What update() measured: the first epoch's metric sums over this rank's micro-batches (loss:
-    the mean over mini-batches; mismatch_max: the maximum), the mean grad norm of its steps."""
+    """update()'s first-epoch metric sums over this rank's micro-batches, and its steps' mean grad norm."""
     metrics: dict
     grad_norm: float
 
