@@ -786,7 +786,7 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The parts of main: setup, the no-grad log-prob pass, the update, logging, the end of the run
+# main and its parts: setup, the no-grad log-prob pass, the update, logging, the end of the run
 
 @dataclass
 class Trainer:
@@ -932,7 +932,6 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
     return acc_before, acc_after
 
 
-# --------------------------------------------------------------------------------------------------
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
