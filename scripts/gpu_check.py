@@ -25,6 +25,7 @@ import cache  # noqa: E402  (the project root is put on sys.path above)
 import common  # noqa: E402
 import data  # noqa: E402
 import memory_plan  # noqa: E402
+import sp  # noqa: E402
 import train  # noqa: E402
 from rollout import HFEngine, Rollout, vision_token_ids  # noqa: E402
 
@@ -115,23 +116,19 @@ def clock(device) -> float:
     return time.perf_counter()
 
 
-def train_step(model, opt, rollouts: list, cfg, tok, device, banned: list[int]) -> dict:
-    """train.main's train phase on one micro-batch: old log-probs (no grad), the loss (advantages +-1 by row) and its
-    backward, clipping, AdamW. Returns the seconds of the log-prob pass and of the update."""
-    t0 = clock(device)
-    [[b]] = train.micro_batches(rollouts, cfg, tok, device, None)
+def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
+    """The train phase of train.main on one micro-batch, timed in two parts: a no-grad log-prob pass (the old
+    log-probs that train.logp_pass computes for off-policy updates; the shipped recipes are on-policy and skip it),
+    then train.update (advantages +-1 by row): forward, backward, clipping, AdamW."""
+    t0 = clock(t.device)
+    minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
     with torch.no_grad():
-        b["old_logp"] = train.token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk)[0]
-    t1 = clock(device)
-    b["adv"] = (torch.arange(b["rows"], device=device) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
-    model.train()
-    n_tok, n_seq = train.global_counts([b])
-    train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq)[0].backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-    return dict(logp_s=t1 - t0, update_s=clock(device) - t1)
+        train.token_logp(t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+    t1 = clock(t.device)
+    for b in minibatches[0]:
+        b["adv"] = (torch.arange(b["rows"], device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
+    train.update(t, minibatches, cfg, step=1, ids=[r.prompt.sample["id"] for r in rollouts])
+    return dict(logp_s=t1 - t0, update_s=clock(t.device) - t1)
 
 
 def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
@@ -153,16 +150,16 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     return 6 * (dense + attention)
 
 
-def numerics(model, prompt: data.Prompt, cfg, tok, device, banned: list[int], tokens: int) -> dict:
+def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> dict:
     """rollout hf's log-probs against the trainer's on the tokens it sampled: train.py's mismatch metrics."""
-    eos = model.generation_config.eos_token_id
-    engine = HFEngine(model, tok, eos if isinstance(eos, list) else [eos])
+    eos = t.model.generation_config.eos_token_id
+    engine = HFEngine(t.model, tok, eos if isinstance(eos, list) else [eos])
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
     HFEngine.config.cache_clear()  # its functools.cache holds the engine, and so the model, for the process's life
-    [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, device, None)
+    [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies)
     b["adv"] = torch.zeros_like(b["mask"])
     with torch.no_grad():
-        m = train.micro_loss(model, b, cfg, banned, n_tok=1.0, n_seq=1.0)[1]
+        m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
     return {"mismatch/mean": m["mismatch_sum"] / max(1.0, m["mismatch_n"]), "mismatch/max": m["mismatch_max"],
             "tokens": int(m["mismatch_n"])}
 
@@ -196,7 +193,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     for setting, switches in SETTINGS.items():
         gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
         torch.cuda.empty_cache()  # a no-op without CUDA
-        scfg, model, opt = replace(cfg, **switches), None, None
+        scfg, t = replace(cfg, **switches), None
         row = dict(model=name, setting=setting, layers=spec["text_config"]["num_hidden_layers"],
                    blocks=spec["vision_config"]["depth"], rows=rows, prompt=tokens, response=R, patches=patches,
                    predicted=None, measured=None)
@@ -206,21 +203,20 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             p = memory_plan.plan(scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches)
             row.update(predicted=p.train, plan={**p.held, **p.transient})
         try:
-            model = train.load_model(scfg, device)
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=scfg.lr, betas=(0.9, 0.99))
-            train_step(model, opt, rollouts, scfg, tok, device, banned)  # AdamW's state exists from here on
+            t = train.build_trainer(scfg, processor, sp.make_layout(1), 0, 1, device)  # load_model and AdamW
+            train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            row.update(train_step(model, opt, rollouts, scfg, tok, device, banned))
+            row.update(train_step(t, rollouts, scfg, tok))
             if cuda:
                 row["measured"] = torch.cuda.max_memory_allocated(device)
-            row.update(flops=update_flops(model, prompt, rows, R), tokens_per_s=rows * (tokens + R) / row["update_s"])
+            row.update(flops=update_flops(t.model, prompt, rows, R), tokens_per_s=rows * (tokens + R) / row["update_s"])
             if setting == "ckpt on":
-                row["numerics"] = numerics(model, prompt, scfg, tok, device, banned, min(256, R))
+                row["numerics"] = numerics(t, prompt, scfg, tok, min(256, R))
         except Exception as e:  # noqa: BLE001  OOM or a bug: the row names it, the other rows still run
             row.update(measured=type(e).__name__, error=traceback.format_exc()[-3000:])
             print(row["error"], file=sys.stderr)
-        del model, opt
+        del t
         report["rows"].append(row)
         shown = {k: row.get(k) for k in ("predicted", "measured", "logp_s", "update_s", "numerics")}
         print(f"{time.strftime('%X')} {os.path.basename(name)} | {setting}: {json.dumps(shown)}", flush=True)
