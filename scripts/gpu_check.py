@@ -165,7 +165,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
 
 
 def run_model(name: str, c: Config, device, report: dict, folder: str):
-    """One model's rows: each setting loaded by train.load_model, two steps, the second measured; numerics once."""
+    """One model's rows: each setting built by train.build_trainer, two steps, the second measured; numerics once."""
     import make_tiny_model
     from transformers import AutoProcessor, PreTrainedModel
     cuda = device.type == "cuda"
