@@ -79,12 +79,8 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
                                         "vision_end_token_id")}
     config = type(ref)(text_config=text, vision_config=spec["vision_config"],
                        tie_word_embeddings=text["tie_word_embeddings"], **ids)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            model = transformers.AutoModelForImageTextToText.from_config(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with device:  # initialized where it will train (fast), in bf16: the checkpoint's dtype on disk
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = transformers.GenerationConfig.from_pretrained(tiny)
     model.save_pretrained(folder)
     sizes = [sum(p.numel() for p in b.parameters()) for b in [*model.model.language_model.layers,
