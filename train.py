@@ -1,6 +1,6 @@
 """train.py: GRPO-family RL for video (and image) VLMs, in one file you read top to bottom.
 
-    python train.py --config configs/tiny_cpu.yaml                                      # one process
+    python train.py --config configs/tiny_cpu.yaml  # one process
     torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml   # 2 CPU ranks, a recipe
     torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml            # one 8-GPU node (nccl)
 
@@ -302,18 +302,18 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
     (B, R), kl_in_reward: reinforce++ and remax return (B, R) from each token's return, the others lose the row's KL."""
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
-        mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()           # (B, R)
-        returns = (reward[:, None] - kl_to_go.double()) * mask                                # (B, R)
+        mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()  # (B, R)
+        returns = (reward[:, None] - kl_to_go.double()) * mask  # (B, R)
         if estimator == "remax":
             return (returns - baseline.double()[:, None]) * mask
         return whiten(returns, mask) * mask
     if kl_to_go is not None:
-        reward = reward - kl_to_go[:, 0]                                                      # the sequence's KL
-    r = reward.view(-1, group_size)                                                           # (G, n)
-    centered, std = r, torch.ones_like(r)                                                     # a group of 1
+        reward = reward - kl_to_go[:, 0]  # the sequence's KL
+    r = reward.view(-1, group_size)  # (G, n)
+    centered, std = r, torch.ones_like(r)  # a group of 1
     if group_size > 1:
-        std = r.std(-1, keepdim=True)                                                         # (G, 1)
-        same = (r == r[:, :1]).all(-1, keepdim=True)                                          # (G, 1)
+        std = r.std(-1, keepdim=True)  # (G, 1)
+        same = (r == r[:, :1]).all(-1, keepdim=True)  # (G, 1)
         centered = torch.where(same, 0.0, r - r.mean(-1, keepdim=True))  # exactly 0, not r - mean's rounding
     if estimator == "grpo":
         return (centered / (std + eps)).view(-1)
@@ -336,9 +336,9 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
     """Per-token policy loss (B, R) and a clipped indicator (B, R) (formulas: docs/algorithms.md). logp, old_logp,
     mask: (B, R); adv: (B,), or per token (B, R)."""
-    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv                                         # (B, 1) or (B, R)
+    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
     if loss_type == "ppo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))                                   # (B, R)
+        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
         loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
         loss = torch.maximum(loss1, loss2)
         if clip_ratio_c:
@@ -346,11 +346,11 @@ def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2,
         return loss, (loss2 > loss1).float()
     if loss_type == "gspo":
         seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
-        ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))             # (B, R)
+        ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))  # (B, R)
         loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
         return torch.maximum(loss1, loss2), (loss2 > loss1).float()
     if loss_type == "cispo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))                                   # (B, R)
+        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
         clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
     raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -470,10 +470,10 @@ class ChunkedLogp(torch.autograd.Function):
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
         for i in range(0, len(targets), ctx.chunk):
             h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]
-            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature                   # (n, V)
+            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature  # (n, V)
             z[:, ctx.banned] = -1e9
             p = torch.softmax(z, -1)
-            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]     # (n, 1)
+            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]  # (n, 1)
             # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
             dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
             dz.scatter_add_(1, y[:, None], gl)
@@ -571,7 +571,7 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
 def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None):
     """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
     the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)                      # (b, R)
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)  # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
@@ -610,7 +610,7 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
     rank's rows in rank order (global_rows' order): (B_all, max_response_len)."""
     rows = []
     for b in itertools.chain(*minibatches):
-        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
+        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]  # (b, R)
         rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
     return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
@@ -938,12 +938,12 @@ def main(cfg: Config):
         encodes = logp_pass(t, minibatches, rollouts, cfg)
         kl_to_go, kl = None, 0.0
         if cfg.kl_in_reward:  # verl apply_kl_penalty, on the old log-probs (check_config: kl_coef > 0)
-            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                          # (B_all, R)
+            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)  # (B_all, R)
             kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
         # ---------------------------------------------------- advantage
-        adv_all = batch_advantages(rows, kl_to_go, cfg)                           # (B_all, max_response_len)
-        adv = adv_all[start:start + len(rollouts)].to(device)                      # this rank's rows
+        adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
+        adv = adv_all[start:start + len(rollouts)].to(device)  # this rank's rows
         for b in itertools.chain(*minibatches):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ---------------------------------------------------- loss and step
