@@ -1,14 +1,14 @@
 """train.py: GRPO-family RL for video (and image) VLMs, in one file you read top to bottom.
 
-    python train.py --config configs/tiny_cpu.yaml  # one process
-    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml   # 2 CPU ranks, a recipe
-    torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml            # one 8-GPU node (nccl)
+    python train.py --config configs/tiny_cpu.yaml                           # one process
+    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml  # recipe
+    torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml  # 8 GPUs (nccl)
 
-Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in the same
-process (rollout.py) and gets the new weights after every optimizer step. A step, as main's section banners say:
-sample and score groups (DAPO dynamic sampling), old/ref log-probs, advantages on the global batch, ppo_epochs x
-mini_batches optimizer steps, weight sync. The math follows verl 0.9.1; docs/algorithms.md gives every formula and
-each deliberate deviation.
+Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in
+the same process (rollout.py) and gets the new weights after every optimizer step. A step, as main's
+banners say: sample and score groups (DAPO dynamic sampling), old/ref log-probs, advantages on the
+global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math follows verl 0.9.1;
+docs/algorithms.md gives every formula and each deliberate deviation.
 """
 import dataclasses
 import datetime
@@ -191,14 +191,12 @@ class Config(cache.Training):
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    """regex over module names (full match) that get adapters (default: the language model's
-    attention and MLP); the vision tower and merger are optional, e.g. append
-    `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
+    """regex (full match) over module names that get adapters: the language model's attention and MLP;
+    for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:
-    """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
-    them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
+    """common.load_config for Config (configs/tiny_cpu.yaml: a run's settings, configs/<x>.yaml: recipes)."""
     return common.load_config(Config, argv)
 
 
@@ -281,8 +279,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 # The algorithm: small pure tensor functions. B = sequences, R = response tokens.
 
 def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """verl's masked_whiten, (x - mean) / sqrt(var + 1e-8) with token-weighted mean and unbiased variance, on
-    per-token values x, mask (B, R), or on per-sequence values x, lengths (B,) (each counted once per token)."""
+    """verl's masked_whiten: (x - mean) / sqrt(var + 1e-8), token-weighted mean, unbiased variance;
+    x, weight: per token (B, R) and mask, or per sequence (B,) and lengths (counted once per token)."""
     w = weight.to(x.dtype)
     n = w.sum()
     mean = (w * x).sum() / n
@@ -297,9 +295,10 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
 
 def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None, baseline=None,
                components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
-    """Per-sequence advantages (B,) from rewards (B,) in groups of group_size consecutive rows, in float64 (docs/
-    algorithms.md). lengths (B,): whitening weights; baseline (B,): remax; components: (B,) each, gdpo. kl_to_go
-    (B, R), kl_in_reward: reinforce++ and remax return (B, R) from each token's return, the others lose the row's KL."""
+    """Advantages (B,) in float64 from rewards (B,) in groups of group_size rows (docs/algorithms.md).
+    lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
+    the reward: reinforce++ and remax return (B, R) from each token's return, the others lose its KL."""
+
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
         mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()  # (B, R)
@@ -334,8 +333,7 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
 
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """Per-token policy loss (B, R) and a clipped indicator (B, R) (formulas: docs/algorithms.md). logp, old_logp,
-    mask: (B, R); adv: (B,), or per token (B, R)."""
+    """Per-token loss and clipped indicator (B, R), (B, R) (docs/algorithms.md); adv (B,) or (B, R)."""
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
     if loss_type == "ppo":
         ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
@@ -357,8 +355,8 @@ def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2,
 
 
 def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq: the mini-batch's
-    valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
+    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq: the
+    mini-batch's valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
     if mode == "token-mean":
         return (x * mask).sum() / n_tok
     seq = (x * mask).sum(-1)                                           # (b,)
@@ -372,7 +370,7 @@ def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> to
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
-    """Per-token estimate of KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
+    """Per-token KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
     d = logp - ref_logp                                                # (B, R)
     if kind == "k1":
         return d
@@ -387,8 +385,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
 
 
 def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
-    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout log-probs
-    (NaN: offline trajectories). sequence: one weight per row from the summed log-ratio."""
+    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout
+    log-probs (NaN: offline). sequence: one weight per row from the summed log-ratio."""
     log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
@@ -397,7 +395,8 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO soft overlong punishment: 0 up to max_len - buffer tokens, then linear down to -1 at max_len."""
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then linearly to -1 at max_len."""
+
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
