@@ -191,7 +191,7 @@ class Config(cache.Training):
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    """regex (full match) over module names getting adapters: the language model's attention and MLP;
+    """regex (full match) over module names getting adapters: the text model's attention and MLP;
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
