@@ -804,16 +804,10 @@ def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout]
     return encodes
 
 
-@dataclass
-class Update:
-    """update()'s first-epoch metric sums over this rank's micro-batches, and its steps' mean grad norm."""
-    metrics: dict
-    grad_norm: float
-
-
-def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> Update:
-    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop on every
-    rank before the step when a loss or grad norm is not finite (the error names the samples, ids)."""
+def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> dict:
+    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop
+    on every rank before the step when a loss or grad norm is not finite (the error names the samples,
+    ids). Returns the first epoch's metric sums over this rank's micro-batches and the mean grad_norm."""
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
     m, gnorms = {}, []
@@ -838,7 +832,7 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
             t.opt.zero_grad(set_to_none=True)
     t.model.eval()
     m["loss"] /= len(minibatches)
-    return Update(m, mean(gnorms))
+    return m | {"grad_norm": mean(gnorms)}
 
 
 def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logger, skipped: list, per_step: float):
@@ -946,10 +940,10 @@ def main(cfg: Config):
         for b in itertools.chain(*minibatches):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ---------------------------------------------------- loss and step
-        up = update(t, minibatches, cfg, step, ids)
+        m = update(t, minibatches, cfg, step, ids)
         encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # freeze_vision off: per pass
-        m = dict(up.metrics, kl=kl + up.metrics["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
-                 dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
+        m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds, dyn_dropped=batch.dropped,
+                 dyn_refilled=batch.refilled)
         # ---------------------------------------------------- sync
         t2 = time.time()
         engine.sync(t.model)
@@ -961,7 +955,8 @@ def main(cfg: Config):
         if evaluated:  # the result of the run, once the last step has run
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=up.grad_norm, lr=lr_at(step - 1, cfg),
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"], lr=lr_at(step - 1, cfg),
+
                                times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
