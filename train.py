@@ -260,10 +260,10 @@ def check_config(cfg: Config, world: int = 1):
 
 
 def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
-    """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per split, the prompt
-    length of the sample with the most media and the longest text (processor-expanded, vision tokens included)."""
+    """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per
+    split, the prompt length (vision tokens included) of the sample with the most media and text."""
     import yaml
-    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
@@ -280,7 +280,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
 def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """verl's masked_whiten: (x - mean) / sqrt(var + 1e-8), token-weighted mean, unbiased variance;
-    x, weight: per token (B, R) and mask, or per sequence (B,) and lengths (counted once per token)."""
+    x, weight: per token (B, R) and mask, or per sequence (B,) and lengths (once per token)."""
     w = weight.to(x.dtype)
     n = w.sum()
     mean = (w * x).sum() / n
@@ -295,9 +295,9 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
 
 def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None, baseline=None,
                components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
-    """Advantages (B,) in float64 from rewards (B,) in groups of group_size rows (docs/algorithms.md).
+    """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
     lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
-    the reward: reinforce++ and remax return (B, R) from each token's return, the others lose its KL."""
+    the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
 
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
@@ -313,12 +313,12 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
     if group_size > 1:
         std = r.std(-1, keepdim=True)  # (G, 1)
         same = (r == r[:, :1]).all(-1, keepdim=True)  # (G, 1)
-        centered = torch.where(same, 0.0, r - r.mean(-1, keepdim=True))  # exactly 0, not r - mean's rounding
+        centered = torch.where(same, 0.0, r - r.mean(-1, keepdim=True))  # exactly 0, no rounding
     if estimator == "grpo":
         return (centered / (std + eps)).view(-1)
     if estimator == "drgrpo":
         return centered.view(-1)
-    if estimator == "rloo":  # r_i - mean of the others = n / (n - 1) * (r_i - mean); a group of 1: r_i
+    if estimator == "rloo":  # r_i - mean of others = n / (n - 1) * (r_i - mean); a group of 1: r_i
         return (centered * group_size / max(1, group_size - 1)).view(-1)
     if estimator == "reinforce++":
         return whiten(reward, lengths)
@@ -326,14 +326,14 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
         return whiten(centered.view(-1), lengths)
     if estimator == "remax":
         return reward - baseline.double()
-    if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), then batch-whitened
+    if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), batch-whitened
         summed = sum(advantages(c, group_size, "grpo", eps=eps) for c in components)
         return whiten(summed, lengths)
     raise ValueError(f"adv_estimator: unknown {estimator!r}")
 
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """Per-token loss and clipped indicator (B, R), (B, R) (docs/algorithms.md); adv (B,) or (B, R)."""
+    """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
     if loss_type == "ppo":
         ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
@@ -343,7 +343,7 @@ def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2,
             loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
         return loss, (loss2 > loss1).float()
     if loss_type == "gspo":
-        seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
+        seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
         ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))  # (B, R)
         loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
         return torch.maximum(loss1, loss2), (loss2 > loss1).float()
@@ -385,8 +385,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
 
 
 def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
-    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout
-    log-probs (NaN: offline). sequence: one weight per row from the summed log-ratio."""
+    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without
+    rollout log-probs (NaN: offline). sequence: one weight per row from the summed log-ratio."""
     log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
@@ -395,17 +395,17 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then linearly to -1 at max_len."""
+    """DAPO's soft overlong penalty: 0 up to max_len - buffer tokens, linear to -1 at max_len."""
 
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
 def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
                 max_tokens: int = 0) -> list[list[list[int]]]:
-    """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
-    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens padded tokens, rows x
-    (longest prompt + response). A group (its media encoded once per micro-batch) that does not fit in the current
-    micro-batch starts a new one, unless it fits in none."""
+    """Row indices per micro-batch per mini-batch. Mini-batches: contiguous, sizes within 1.
+    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens
+    padded tokens, rows x (longest prompt + response). A group (media encoded once per micro-batch)
+    that does not fit the current micro-batch starts a new one, unless it fits in none."""
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
             return len(rows) <= micro_batch_size
@@ -437,10 +437,10 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
+# The loss on a micro-batch and what it reads: old/ref log-probs, KL-in-reward, global advantages
 
 def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
-    """Log-prob of the targets and entropy at the sampling temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
+    """Targets' log-probs and entropy at temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
     logits = torch.nn.functional.linear(hidden, weight).float() / temperature             # (N, V)
     logits[:, banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
     lse = torch.logsumexp(logits, -1)                                                      # (N,)
@@ -450,8 +450,8 @@ def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
 
 
 class ChunkedLogp(torch.autograd.Function):
-    """chunk_logp over N positions, `chunk` at a time, holding no logits between forward and backward: backward
-    recomputes each chunk's and adds its weight gradient into one buffer, so (chunk, V) logits live at a time."""
+    """chunk_logp over N positions, `chunk` at a time, keeping no logits for backward, which
+    recomputes each chunk's and adds its weight gradient to one buffer: (chunk, V) logits live."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, banned: list[int], chunk: int):
@@ -460,7 +460,8 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.banned = banned
         ctx.chunk = chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
-                 for i in range(0, max(1, len(targets)), chunk)]  # no targets: one empty chunk (an SP rank)
+                 for i in range(0, max(1, len(targets)), chunk)]  # an SP rank may have no targets
+
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
