@@ -461,7 +461,6 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.chunk = chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
                  for i in range(0, max(1, len(targets)), chunk)]  # an SP rank may have no targets
-
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
