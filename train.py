@@ -719,8 +719,8 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
 
 
 def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
-    """Per-row values of the global batch, every data-parallel rank's rows in rank order (an SP group's ranks hold
-    the same rows: one copy), and where this rank's rows start. One gather: advantages and metrics read them."""
+    """Per-row values of the global batch, data-parallel ranks in rank order (an SP group's rows
+    once), and where this rank's rows start. One gather: advantages and metrics read them."""
     rollouts = [r for g in groups for r in g.rollouts]
     mine = {"reward": [x for g in groups for x in g.rewards], "components": [c for g in groups for c in g.components],
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
@@ -736,9 +736,9 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 
 @dataclass
 class Trainer:
-    """The training side of a run (build_trainer): the policy, its reference, the optimizer, the ranks."""
+    """The training side of a run (build_trainer): policy, reference, optimizer, ranks."""
     model: torch.nn.Module
-    ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, the adapters scaled to 0
+    ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, adapters scaled to 0
     opt: torch.optim.Optimizer   # AdamW over the trainable parameters (LoRA: the adapters only)
     banned: list[int]            # vision token ids: never sampled, masked in every log-prob
     layout: sp.Layout
@@ -753,12 +753,12 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: i
     ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules everywhere
     return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
-    """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate on the policy."""
+    """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
         return HFEngine(t.model, tok, eos_ids, t.dummies)
     media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
@@ -773,7 +773,7 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 
 
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
-    """{"train": samples, "val": at most eval_max_samples}; skip_invalid: the invalid ones to `skipped`."""
+    """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
     load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
@@ -805,16 +805,16 @@ def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout]
 
 
 def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> dict:
-    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop
-    on every rank before the step when a loss or grad norm is not finite (the error names the samples,
-    ids). Returns the first epoch's metric sums over this rank's micro-batches and the mean grad_norm."""
+    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, a stop
+    on every rank before the step when a loss or grad norm is not finite (naming the samples, ids).
+    Returns the first epoch's metric sums over this rank's micro-batches and the mean grad_norm."""
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
     m, gnorms = {}, []
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP groups: each row once
+            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
             for b in mini:
                 loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
@@ -836,7 +836,7 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
 
 
 def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logger, skipped: list, per_step: float):
-    """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl (if it grew)."""
+    """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl."""
     step = row["step"]
     if row["data/skipped_step"]:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
@@ -851,7 +851,7 @@ def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logge
 
 
 def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
-    """The end of the run: curve and summary.json (trained: this process trained a step), the final checkpoint."""
+    """The run's end: curve and summary.json (trained: this process trained), final checkpoint."""
     catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if t.rank == 0 and trained:
         rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
@@ -875,7 +875,7 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
-    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # dp x sp: the ranks of an SP group train the same rows
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -891,13 +891,13 @@ def main(cfg: Config):
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
-    catch_stop_signals(catch=False)  # after the engine (ours must be the handlers): a signal ends it
+    catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
     val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
-    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report holds the load/val skips
+    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
@@ -908,7 +908,7 @@ def main(cfg: Config):
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, rank)
-    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop: logged)
+    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
@@ -916,9 +916,9 @@ def main(cfg: Config):
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
-        # ---------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
+        # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(engine, stream, samples["train"], prep, cfg, step=step,
-                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as they are generated
+                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
@@ -930,7 +930,7 @@ def main(cfg: Config):
         minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
         encodes = logp_pass(t, minibatches, rollouts, cfg)
         kl_to_go, kl = None, 0.0
-        if cfg.kl_in_reward:  # verl apply_kl_penalty, on the old log-probs (check_config: kl_coef > 0)
+        if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
             kl_to_go = kl_reward_to_go(minibatches, cfg, layout)  # (B_all, R)
             kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
@@ -941,7 +941,7 @@ def main(cfg: Config):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ---------------------------------------------------- loss and step
         m = update(t, minibatches, cfg, step, ids)
-        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # freeze_vision off: per pass
+        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # no freeze: per pass
         m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds, dyn_dropped=batch.dropped,
                  dyn_refilled=batch.refilled)
         # ---------------------------------------------------- sync
@@ -991,21 +991,21 @@ class NoLogger:
 
 
 def trim_rows(path: str, last_step: int):
-    """Keep a JSONL log's rows up to last_step: a fresh run keeps none of an earlier run's, a resumed one drops the
-    steps its checkpoint lacks (a crashed run had logged them; they are trained again). Dropped rows are reported."""
+    """Keep a JSONL log's rows up to last_step: a fresh run keeps none of an earlier run's, a
+    resumed one drops steps its checkpoint lacks (trained again). Dropped rows are reported."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         rows = f.readlines()
-    kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # no newline: torn by a crash
+    kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # else torn
     if len(kept) < len(rows):
-        print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (an earlier run's) removed")
+        print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (earlier run's) removed")
         evaluate.write_text(path, "".join(kept))
 
 
 def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) -> list[dict]:
-    """What the model writes, every log_every steps: the first completion of each of this rank's first log_samples
-    groups, its reward components and advantage (at its first token: per-token estimators vary along it)."""
+    """Every log_every steps, the first completion of this rank's first log_samples groups, its
+    reward components and advantage (at its first token: per-token estimators vary along it)."""
     if not cfg.log_every or step % cfg.log_every:
         return []
     return [{"step": step, "id": g.rollouts[0].prompt.sample["id"], "response": g.rollouts[0].text,
@@ -1026,9 +1026,9 @@ def write_samples(shown: list[dict], cfg: Config, logger, step: int):
 
 
 def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
-    """Rank 0's logs at the start: skipped.jsonl (atomic; training-time skips later), metrics and samples
-    trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed by id), online,
-    offline or disabled as `wandb login` and WANDB_MODE say."""
+    """Rank 0's logs at the start: skipped.jsonl (atomic; training-time skips later), metrics and
+    samples trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed
+    by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -1050,8 +1050,8 @@ def mean(xs: list) -> float:
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
                  times: dict, layout: sp.Layout) -> dict:
-    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
-    group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
+    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's
+    sums (parts), an SP group's once, but each rank's own work (encodes, cache counters)."""
     msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
     rew, comp = rows["reward"], rows["components"]
     types, n_tok = rows["type"], sum(rows["length"])
@@ -1087,8 +1087,8 @@ def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cf
 # Setup helpers
 
 def load_model(cfg: Config, device):
-    """HF model (LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block, fp32 master
-    weights, bf16 compute on GPU; activation checkpointing (module hooks, non-reentrant) goes on before FSDP."""
+    """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
+    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
     from torch.distributed._composable import checkpoint as checkpoint_module
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
@@ -1096,7 +1096,7 @@ def load_model(cfg: Config, device):
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
-    visual = model.model.visual  # taken before peft wraps the model (PeftModel.model is another object)
+    visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
     visual.requires_grad_(not cfg.freeze_vision)
     blocks = list(model.model.language_model.layers) + list(visual.blocks)
     if cfg.gradient_checkpointing:
@@ -1104,19 +1104,19 @@ def load_model(cfg: Config, device):
             checkpoint_module(block)
     if cfg.sp_size > 1:
         sp.use_ulysses(model)
-    if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
+    if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                  lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets))
-    # one CPU process gains nothing from FSDP2 (no mixed precision on CPU), and a process group can exist without
-    # torchrun (vLLM's in-process engine creates one): shard on several ranks, or on a GPU for bf16 compute
+    # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
+    # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
-        for module in blocks + [visual, model]:  # each layer/block its own all-gather unit; the root (last) the rest
+        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
+        for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
-        # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
+        # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
 
