@@ -196,7 +196,7 @@ class Config(cache.Training):
 
 
 def load_config(argv=None) -> Config:
-    """common.load_config for Config (configs/tiny_cpu.yaml: a run's settings, configs/<x>.yaml: recipes)."""
+    """common.load_config for Config: configs/tiny_cpu.yaml has a run's settings, others recipes."""
     return common.load_config(Config, argv)
 
 
@@ -541,9 +541,9 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0,
                    layout=None) -> torch.Tensor:
-    """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy with its
-    adapters scaled to 0 (no second model). Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
-    only the root's unsharded copies, and root-held adapters (the vision merger) then silently stop training."""
+    """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
+    adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
+    only the root's unsharded copies; root-held adapters (the merger) would stop training."""
     from peft.helpers import rescale_adapter_scale
     if ref is not None:
         return token_logp(ref, b, temperature, banned, chunk, layout)[0]
@@ -552,8 +552,8 @@ def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], c
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
-    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows.
-    Every rank runs as many (FSDP): a rank that a token budget packed into fewer halves its largest ones."""
+    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": the rows.
+    All ranks run as many (FSDP): a rank the token budget packed into fewer halves its largest."""
     plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
@@ -568,8 +568,8 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
 
 
 def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None):
-    """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
-    the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
+    """This micro-batch's share of its mini-batch loss (summed over micro-batches and ranks: the
+    mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp]."""
     logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)  # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
@@ -581,12 +581,12 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
     kl = torch.zeros_like(mask)
     if b["ref_logp"] is not None and not cfg.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logp"], cfg.kl_type)
-    bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through the entropy unless it is in the loss
+    bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
     norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
     loss = (agg_loss(pg * w, mask, **norm) - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
             + cfg.kl_coef * agg_loss(kl, mask, **norm))
     with torch.no_grad():
-        has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs on the same tokens
+        has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
         metrics = {"loss": loss.item(), "clipfrac": (clipped * mask).sum().item(), "entropy": (ent * mask).sum().item(),
                    "kl": (kl * mask).sum().item(), "mismatch_sum": d.sum().item(), "mismatch_n": has.sum().item(),
@@ -605,8 +605,8 @@ def global_counts(batches: list[dict]) -> tuple[float, float]:
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
-    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), for every data-parallel
-    rank's rows in rank order (global_rows' order): (B_all, max_response_len)."""
+    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), every
+    data-parallel rank's rows in global_rows' order: (B_all, max_response_len)."""
     rows = []
     for b in itertools.chain(*minibatches):
         kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]  # (b, R)
@@ -615,8 +615,8 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
-    """Advantages (B_all, max_response_len) of the global batch (global_rows; whitening needs every rank's rows).
-    GDPO's reward components: accuracy, format (+ overlong)."""
+    """Advantages (B_all, max_response_len) of the global batch (global_rows: whitening needs every
+    rank's rows). GDPO's reward components: accuracy, format (+ overlong)."""
     keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
     components = [torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys]
     full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}   # (B_all,)
@@ -629,11 +629,11 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling and reward: groups are scored as they are generated (DAPO's dynamic sampling filters on the scores)
+# Sampling and reward: groups are scored as generated (DAPO's dynamic sampling filters on them)
 
 @dataclass
 class Group:
-    """One prompt's completions, their rewards (overall, and by component) and ReMax's baseline (else 0)."""
+    """A prompt's completions, their rewards (overall, by component), ReMax's baseline (or 0)."""
     rollouts: list[Rollout]
     rewards: list[float]
     components: list[dict]
@@ -641,7 +641,7 @@ class Group:
 
 
 def score(r: Rollout, cfg: Config) -> dict:
-    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty (a component: GDPO sees it)."""
+    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
     overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
     if cfg.overlong_buffer:
         comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
@@ -656,20 +656,20 @@ def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) ->
 
 
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
-    """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group (always, or with
-    mix_threshold > 0 only when the group's online accuracy is below it). Returns a new Group, or `group`."""
+    """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group
+    (always, or with mix_threshold > 0 when the online accuracy is below it)."""
     p = group.rollouts[0].prompt
     text = p.sample.get("offline_output")
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
     if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group
-    # its tokens + EOS (the policy learns to stop), truncated to the response budget like any sampled completion
+    # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
     ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[:cfg.max_response_len]
     return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
 
 
 def has_spread(group: Group, metric: str) -> bool:
-    """DAPO's filter: the group's metric (accuracy or the overall reward) differs between its rollouts."""
+    """DAPO's filter: the group's metric (accuracy or overall reward) differs among its rollouts."""
     values = group.rewards if metric == "reward" else [c[metric] for c in group.components]
     return len(values) == 1 or max(values) > min(values)
 
@@ -686,11 +686,11 @@ class Batch:
 
 def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
                  layout: sp.Layout) -> Batch:
-    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
-    prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
-    drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
+    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
+    share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
+    groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
     n, need = cfg.group_size, cfg.prompts_per_step // layout.dp_size
-    kept, dropped = [], []  # groups with spread (all without dynamic sampling), without: refill after max_gen_rounds
+    kept, dropped = [], []  # with spread (all without dynamic sampling); without: the refill
     skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
