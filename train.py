@@ -298,7 +298,6 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
     """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
     lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
     the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
-
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
         mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()  # (B, R)
@@ -396,7 +395,6 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
     """DAPO's soft overlong penalty: 0 up to max_len - buffer tokens, linear to -1 at max_len."""
-
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
@@ -956,7 +954,6 @@ def main(cfg: Config):
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
             row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"], lr=lr_at(step - 1, cfg),
-
                                times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
