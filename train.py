@@ -35,8 +35,8 @@ import rewards
 import sp
 from ckpt import save_checkpoint
 from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
-from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed, row_vision,
-                     vision_token_ids)
+from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed,
+                     row_vision, vision_token_ids)
 
 
 @dataclass
@@ -293,8 +293,8 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
-def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None, baseline=None,
-               components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
+def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None,
+               baseline=None, components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
     """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
     lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
     the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
@@ -617,10 +617,10 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
     rank's rows). GDPO's reward components: accuracy, format (+ overlong)."""
     keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
     components = [torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys]
-    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}   # (B_all,)
+    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}
     adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
-                     lengths=full["length"], baseline=full["baseline"], components=components, kl_to_go=kl_to_go,
-                     eps=cfg.adv_eps)
+                     lengths=full["length"], baseline=full["baseline"], components=components,
+                     kl_to_go=kl_to_go, eps=cfg.adv_eps)
     if adv.dim() == 1:  # one value per sequence: the same at every token
         adv = adv[:, None].expand(-1, cfg.max_response_len)
     return adv.float()
@@ -682,8 +682,8 @@ class Batch:
     refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
-                 layout: sp.Layout) -> Batch:
+def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok,
+                 eos_id: int, layout: sp.Layout) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
     share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
     groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
@@ -893,7 +893,7 @@ def main(cfg: Config):
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
+    val_prep = functools.partial(prep, cfg=cfg.val_config())  # the held-out frame budget
     val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
@@ -940,8 +940,8 @@ def main(cfg: Config):
         # ---------------------------------------------------- loss and step
         m = update(t, minibatches, cfg, step, ids)
         encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # no freeze: per pass
-        m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds, dyn_dropped=batch.dropped,
-                 dyn_refilled=batch.refilled)
+        m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
+                 dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         # ---------------------------------------------------- sync
         t2 = time.time()
         engine.sync(t.model)
@@ -953,8 +953,8 @@ def main(cfg: Config):
         if evaluated:  # the result of the run, once the last step has run
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"], lr=lr_at(step - 1, cfg),
-                               times=times, layout=layout)
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"],
+                               lr=lr_at(step - 1, cfg), times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
@@ -1033,8 +1033,8 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
     if rank or not cfg.wandb_project:
         return NoLogger()
     import wandb
-    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
-                      resume="allow")
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir,
+                      id=state.get("wandb_id"), resume="allow")
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
