@@ -698,7 +698,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
-            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
+            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:][:k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size)[0]
