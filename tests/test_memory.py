@@ -16,7 +16,7 @@ import train
 from rollout import Rollout, vision_token_ids
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def setup(request, synth):
     """Model, processor and 7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1."""
     import make_tiny_model

@@ -184,6 +184,51 @@ def test_two_rank_sync_is_exact(tiny_model, synth):
     assert p.returncode == 0 and p.stdout.count("SYNC OK") == 2, (p.stdout + p.stderr)[-5000:]
 
 
+@pytest.fixture(scope="module")
+def qwen2(synth):
+    """Qwen2-VL (issue 32: full-attention tower, M-RoPE time = the frame pair's index, no timestamps): processor,
+    model, 2 video prompts and an image prompt, and an engine of its own."""
+    import make_tiny_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    d = make_tiny_model.ensure("qwen2_vl", root=os.path.join(ROOT, ".cache/models"))
+    proc = AutoProcessor.from_pretrained(d)
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    samples = data.load_samples(f"{synth}/train.jsonl")
+    picked = [s for s in samples if s.get("videos")][:2] + [next(s for s in samples if s.get("images"))]
+    prompts = [data.prepare(s, proc, tiny_config(model=d)) for s in picked]
+    assert prompts[0].mm["video_grid_thw"][0, 0] > 1  # several frame pairs: the time positions matter
+    return proc, model, prompts, VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
+
+
+def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
+    """Qwen2-VL video and image prompts: vLLM builds the processor's prompt ids (else generate raises) and its
+    log-probs are the trainer's (LOGP_TOL), the HF engine's too (1e-4: the same library), greedy tokens agree, and
+    after a weight sync vLLM samples from the new weights."""
+    proc, model, prompts, engine = qwen2
+    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
+    assert len(rollouts) == 12 and all(len(r.logp) == len(r.response_ids) > 0 for r in rollouts)
+    for kind in ("video", "image"):
+        rows = [r for r in rollouts if f"{kind}_grid_thw" in r.prompt.mm]
+        diff = trainer_logp_diff(model, rows, proc.tokenizer)
+        print(f"Qwen2-VL {kind}: max |logp_vllm - logp_trainer| = {diff:.2e}")
+        assert diff < LOGP_TOL, kind
+    hf = hf_engine(model, proc.tokenizer)
+    assert trainer_logp_diff(model, hf.generate(prompts, 3, 1.0, 6, seed=5), proc.tokenizer) < 1e-4
+    greedy = [e.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0) for e in (engine, hf)]
+    assert [r.response_ids for r in greedy[0]] == [r.response_ids for r in greedy[1]]
+    # every weight reaches vLLM under its name (the tower's qkv, fc1/fc2, LayerNorms): noise moves the trainer, the
+    # sync moves vLLM with it (0.01: test_two_rank_sync_is_exact's scale)
+    new = type(model).from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    stale = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    engine.sync(new)
+    synced = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    assert stale > 10 * LOGP_TOL and synced < LOGP_TOL, (stale, synced)
+
+
 def vllm_weights(worker) -> dict:
     """vLLM's weights as it holds them; on CPU most linear layers keep only a packed oneDNN copy (an empty .weight)."""
     return {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if p.numel()}
