@@ -1,7 +1,7 @@
 """Real-scale memory (issue 13): the vision tower once per distinct media item, chunked log-probs.
 
 Each path is checked against the plain transformers forward (every row carries its own copy of the media, full
-logits), in float32, on both tiny checkpoints.
+logits), in float32, on every tiny checkpoint.
 
     .venv/bin/python -m pytest -q tests/test_memory.py
 """

@@ -177,6 +177,16 @@ def test_parameter_counts_match_the_published_sizes():
     assert meas["params"] == counts
 
 
+def test_qwen2_vl_7b_parameters_from_its_published_config():
+    """Qwen2-VL-7B-Instruct, typed into configs/memory.json from its published config.json: 8,291,375,616 parameters
+    (the hub's 8.29B). Its decoder layers are Qwen2.5-VL-7B's; its 32 vision blocks are not (LayerNorms, a 1280 ->
+    5120 quick-GELU MLP without gate, attention over whole frames), which is why it has measurements of its own."""
+    with open(memory_plan.STORE) as f:
+        spec = json.load(f)["published"]["Qwen/Qwen2-VL-7B-Instruct"]
+    counts = param_counts(spec)
+    assert counts["total"] == 8_291_375_616 and counts["largest_layer"] == 233_057_792
+
+
 # --- prompts
 
 def test_longest_prompt_is_what_the_processor_makes(tiny_model):

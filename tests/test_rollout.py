@@ -195,15 +195,16 @@ def qwen2(synth):
     model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
     samples = data.load_samples(f"{synth}/train.jsonl")
     picked = [s for s in samples if s.get("videos")][:2] + [next(s for s in samples if s.get("images"))]
-    prompts = [data.prepare(s, proc, tiny_config(model=d)) for s in picked]
-    assert prompts[0].mm["video_grid_thw"][0, 0] > 1  # several frame pairs: the time positions matter
+    # 2 fps: a frame pair spans 1 s, so Qwen2.5-VL's time scale (2 steps per second) would put pair k at 2k, not k
+    prompts = [data.prepare(s, proc, tiny_config(model=d, video_fps=2.0)) for s in picked]
+    assert prompts[0].mm["video_grid_thw"][0, 0].item() == 2 and "second_per_grid_ts" not in prompts[0].mm
     return proc, model, prompts, VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
 
 
 def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
     """Qwen2-VL video and image prompts: vLLM builds the processor's prompt ids (else generate raises) and its
-    log-probs are the trainer's (LOGP_TOL), the HF engine's too (1e-4: the same library), greedy tokens agree, and
-    after a weight sync vLLM samples from the new weights."""
+    log-probs are the trainer's (LOGP_TOL), the HF engine's too (1e-4: the same library), and after a weight sync
+    vLLM samples from the new weights."""
     proc, model, prompts, engine = qwen2
     rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
     assert len(rollouts) == 12 and all(len(r.logp) == len(r.response_ids) > 0 for r in rollouts)
@@ -214,8 +215,6 @@ def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
         assert diff < LOGP_TOL, kind
     hf = hf_engine(model, proc.tokenizer)
     assert trainer_logp_diff(model, hf.generate(prompts, 3, 1.0, 6, seed=5), proc.tokenizer) < 1e-4
-    greedy = [e.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0) for e in (engine, hf)]
-    assert [r.response_ids for r in greedy[0]] == [r.response_ids for r in greedy[1]]
     # every weight reaches vLLM under its name (the tower's qkv, fc1/fc2, LayerNorms): noise moves the trainer, the
     # sync moves vLLM with it (0.01: test_two_rank_sync_is_exact's scale)
     new = type(model).from_pretrained(model.name_or_path, dtype=torch.float32).eval()

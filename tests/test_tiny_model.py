@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: both tiny checkpoints are deterministic, tokenize right, and run a video prompt in
+"""scripts/make_tiny_model.py: the tiny checkpoints are deterministic, tokenize right, and run a video prompt in
 transformers and in vLLM. The checkpoints land in the shared .cache/models (other tests reuse them).
 
     .venv/bin/python -m pytest -q tests/test_tiny_model.py
@@ -18,7 +18,7 @@ import make_tiny_model as mtm
 
 CACHE = os.path.join(ROOT, ".cache/models")
 FACTOR = {a: 2 * spec["patch"] for a, spec in mtm.ARCHS.items()}  # pixels per merged visual token side: 28 / 32
-# 4 frames of 2x2 merged tokens: the clips our synthetic data uses (56x56 for Qwen2.5-VL, 64x64 for Qwen3-VL)
+# 4 frames of 2x2 merged tokens: the clips our synthetic data uses (56x56 for Qwen2/2.5-VL, 64x64 for Qwen3-VL)
 META = dict(fps=2.0, duration=2.0, total_num_frames=4, frames_indices=[0, 1, 2, 3], video_backend="decord")
 N_VIDEO_TOKENS = 8  # 2 temporal patches x (4x4 patches / 2x2 merge)
 
@@ -121,7 +121,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_vllm_generates_from_video(ckpt):
-    """Both archs in one fresh process: vLLM's import (~14 s) is paid once, and pytest stays free of engines."""
+    """Every arch in one fresh process: vLLM's import (~14 s) is paid once, and pytest stays free of engines."""
     jobs = [(a, ckpt[a], FACTOR[a]) for a in mtm.ARCHS]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     p = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(jobs)], env=env, capture_output=True,
