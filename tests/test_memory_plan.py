@@ -181,10 +181,10 @@ def test_qwen2_vl_7b_parameters_from_its_published_config():
     """Qwen2-VL-7B-Instruct, typed into configs/memory.json from its published config.json: 8,291,375,616 parameters
     (the hub's 8.29B). Its decoder layers are Qwen2.5-VL-7B's; its 32 vision blocks are not (LayerNorms, a 1280 ->
     5120 quick-GELU MLP without gate, attention over whole frames), which is why it has measurements of its own."""
-    with open(memory_plan.STORE) as f:
-        spec = json.load(f)["published"]["Qwen/Qwen2-VL-7B-Instruct"]
+    spec, meas = memory_plan.stored("Qwen/Qwen2-VL-7B-Instruct", "bfloat16")
     counts = param_counts(spec)
     assert counts["total"] == 8_291_375_616 and counts["largest_layer"] == 233_057_792
+    assert meas["params"] == counts
 
 
 # --- prompts
