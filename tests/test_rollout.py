@@ -5,7 +5,8 @@
 Checks: vLLM builds exactly the trainer's prompt ids; vLLM's sampled-token log-probs agree with the
 trainer's recomputation on the same inputs; after a weight sync vLLM samples from the new weights;
 the HF engine and vLLM agree on greedy outputs; 8 prompts x 8 (a step that chunked and crashed) runs with
-per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights.
+per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights. Qwen2-VL (its own
+engine, one test): both samplers' log-probs on video and image, and the weight sync.
 This file is also the torchrun worker of the 2-rank test:
 
     torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
