@@ -15,7 +15,7 @@ import cache
 import data
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def processor(request):
     """Each tiny checkpoint's processor: patch 14 (28 px per merged token) and 16 (32 px)."""
     import make_tiny_model
@@ -81,7 +81,7 @@ def test_marker_places_media_in_the_prompt(processor, media):
     assert text.index("Look at") < text.index("<|image_pad|>") < text.index("and then at") < text.index("<|video_pad|>")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
     """Appending the response-less image and video rows gives every parameter a gradient tensor (so FSDP
     reduce-scatters it on every rank) and leaves every gradient value as it was."""
