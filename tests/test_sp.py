@@ -165,23 +165,20 @@ def test_config_errors(tiny_model):
 @pytest.mark.slow
 def test_train_run_and_resume(tmp_path, tiny_model, synth):
     """train.py with sp_size 2 on 2 ranks: 2 steps with the HF sampler, a checkpoint each step, then resumed with the
-    vLLM sampler (and freeze_vision: features once per step) for a third. Every step trains prompts_per_step distinct
-    samples (the SP pair holds one copy)."""
+    vLLM sampler (and freeze_vision: features once per step) for a third, in the same torchrun launch
+    (tests/train_worker.py). Every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
     import json
     import math
+
+    from train_worker import launch
     args = ["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data",
             os.path.join(synth, "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
             "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
             "--save-every", "1", "--dist-timeout", "120"]
     runs = (["--max-steps", "2", "--rollout", "hf"],
             ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision"])
-    for extra in runs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
-               *extra]
-        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert "resumed from" in p.stdout
+    logs = launch([args + extra for extra in runs])
+    assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
