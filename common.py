@@ -1,12 +1,15 @@
 """common.py: the plumbing every other module may use and that uses none of them: the process group and the
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags) and the run's curve."""
 import datetime
+import faulthandler
 import itertools
 import json
 import os
 import re
 import signal
 import sys
+import threading
+import traceback
 import typing
 from dataclasses import fields, replace
 from typing import Literal
@@ -70,19 +73,40 @@ def print0(*a):
         print(*a, flush=True)
 
 
-def catch_stop_signals(catch: bool = True) -> list:
+ROOT = os.path.dirname(os.path.abspath(__file__))  # the project's files, in a stuck step's stack
+
+
+def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | None = None) -> list:
     """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
-    loop checkpoints at the next step boundary and exits 0. A second one, or any with catch=False (startup, the end of
-    a run: no step to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
+    loop checkpoints at the next step boundary and exits 0; a step not there within grace_s seconds (a stuck template,
+    collective or engine) is abandoned: abandon() reports `where` (step, sample ids) and the stack, exits 1, and the
+    last checkpoint stays as it was. A second signal, or any with catch=False (startup, the end of a run: no step to
+    finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
     got = []
 
     def record(num, frame):
         got.append(num)
         catch_stop_signals(catch=False)
+        if grace_s:
+            timer = threading.Timer(grace_s, abandon, (grace_s, where or {}))
+            timer.daemon = True  # a step that ends in time: the run exits without waiting for it
+            timer.start()
+            faulthandler.dump_traceback_later(grace_s + 30, exit=True)  # our timer cannot run: C code holds the GIL
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record if catch else signal.SIG_DFL)
     return got
+
+
+def abandon(grace_s: float, where: dict):
+    """The step a stop signal interrupted did not end within grace_s: say where it was stuck, exit 1 at once."""
+    stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
+    ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack
+            if os.path.dirname(f.filename) == ROOT]
+    print(f"stop signal: step {where.get('step')} (samples {where.get('ids', 'not drawn yet')}) did not reach its "
+          f"boundary within stop_grace_s={grace_s} s; abandoned in {' > '.join(ours[-4:])} (the last checkpoint is "
+          "kept as it was)", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them
@@ -107,6 +131,8 @@ def yaml_overlay(base, path: str, strict: bool = True):
     import yaml
     with open(path) as f:
         values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of settings (key: value lines), got a {type(values).__name__}")
     types = {f.name: f.type for f in fields(base) if f.name != "config"}
     for key, value in values.items():
         if key not in types:

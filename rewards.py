@@ -438,6 +438,15 @@ def _math_warm() -> bool:  # sympy's first symbolic compare imports lazily for ~
     return verify(parse("$2x$"), parse("$x + x$"))
 
 
+def math_parses(gt: str) -> bool:
+    """math-verify reads an expression from the ground truth (not only its text, which no other answer equals)."""
+    try:
+        with time_limit(MATH_TIMEOUT):
+            return any(not isinstance(x, str) for x in _math_gold(gt))
+    except (Exception, MathTimeout):  # noqa: BLE001  as acc_math
+        return False
+
+
 @lru_cache(maxsize=4096)
 def _math_gold(gt: str):
     from math_verify import parse
@@ -554,7 +563,7 @@ GT_FORMS = {  # what a ground truth must be, for validate_answer's message
     "spatial grounding": '{"boxes": [x1, y1, x2, y2]} with x1 <= x2, y1 <= y2',
     "spatial-temporal grounding": '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e',
     "tracking": '{"boxes": {"<frame>": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2',
-    "code": "Python that parses, or markup",
+    "code": "Python that parses, or markup", "math": "an expression math-verify parses",
 }
 _ANSWER = r"<answer>(?:(?!</?answer>).){0,5000}</answer>\s*"
 FORMATS = {
@@ -596,7 +605,7 @@ def validate_answer(sample: dict) -> None:
     if t not in ACCURACY:
         raise ValueError(f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
                          " and aliases)")
-    if not gt or accuracy(gt, sample) != 1.0:
+    if not gt or accuracy(gt, sample) != 1.0 or t == "math" and not math_parses(gt):
         what = GT_FORMS.get(t, f"a non-empty {t} answer")
         if t == "multiple choice":
             what += f" {[lt for lt, _ in option_table(sample.get('options'))] or 'A-Z'}"

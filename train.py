@@ -182,6 +182,9 @@ class Config(cache.Training):
     """'' = start fresh | auto = the latest complete checkpoint in out_dir/ckpt (fresh if none) | a folder"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
+    stop_grace_s: float = 300.0
+    """after a SIGTERM/SIGINT, seconds the step may take to reach its boundary (and checkpoint); a step stuck longer
+    is abandoned: the run says where, exits 1, and the last checkpoint stays as it was (0 = wait for ever)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
     """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters scaled to 0"""
@@ -210,7 +213,9 @@ def check_config(cfg: Config, world: int = 1):
                 "log_samples", "video_fps", "tis_cap", "gpu_memory_utilization", "dist_timeout", "sp_size")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
-                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
+                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps", "stop_grace_s")
+    floats = [f.name for f in dataclasses.fields(cfg) if f.type is float]  # nan and inf pass every comparison below
+    bad += [f"{k} must be a finite number, got {getattr(cfg, k)}" for k in floats if not math.isfinite(getattr(cfg, k))]
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
@@ -742,11 +747,13 @@ def main(cfg: Config):
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
     load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
     train_samples = load(cfg.train_data)
+    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
+    if template:  # every prompt rendered once, now, bounded in time and memory (prepare() reuses the text)
+        render = functools.partial(data.render_all, template, response_format=cfg.response_format,
+                                   skipped=skipped if cfg.skip_invalid else None, where=cfg.prompt_template)
+        train_samples, val_samples = render(train_samples), render(val_samples)
     if not train_samples:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
-    if template:
-        data.check_template(template, train_samples[0])
-    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
     if cfg.dry_run:
         return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
     model = load_model(cfg, device)
@@ -795,8 +802,10 @@ def main(cfg: Config):
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
-    signals = catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
+    where = {}  # the step and its samples, for a stuck step's report
+    signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # the first: checkpoint at the step boundary
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
+        where.update(step=step, ids="not drawn yet")
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
@@ -807,7 +816,7 @@ def main(cfg: Config):
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
-        ids = rows["id"][::cfg.group_size]
+        ids = where["ids"] = rows["id"][::cfg.group_size]
         # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
