@@ -104,7 +104,7 @@ def abandon(grace_s: float, where: dict):
     ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack
             if os.path.dirname(f.filename) == ROOT]
     print(f"stop signal: step {where.get('step')} (samples {where.get('ids', 'not drawn yet')}) did not reach its "
-          f"boundary within stop_grace_s={grace_s} s; abandoned in {' > '.join(ours[-4:])} (the last checkpoint is "
+          f"boundary within stop_grace_s={grace_s} s; abandoned in {' > '.join(ours)} (the last checkpoint is "
           "kept as it was)", file=sys.stderr, flush=True)
     os._exit(1)
 
