@@ -413,7 +413,7 @@ def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
     log = finish(p, timeout=120)
     assert p.returncode == 1 and time.time() - t < 60, log[-4000:]
     assert "stop signal: step 1 (samples not drawn yet) did not reach its boundary within stop_grace_s=3.0 s" in log
-    assert "sample_batch > data.py" in log and not (out / "ckpt").exists(), log[-4000:]  # the phase: the stack, our frames
+    assert "sample_batch > data.py" in log and not (out / "ckpt").exists(), log[-4000:]  # the phase: our frames
 
 
 def test_config_errors_name_the_setting_or_file(tmp_path, tiny_model):
@@ -453,15 +453,18 @@ def test_image_aspect_error_names_the_file(tmp_path):
         cache.load_image(str(path), min_pixels=3136, max_pixels=3136)
 
 
-def test_resume_rows_are_checked_at_read(tmp_path):
+def test_resume_rows_are_checked_at_read(tmp_path, tiny_model, synth):
     """A resume log row without a score: evaluate.py stops before the engine, naming file:line and the field (before:
-    kept, then aggregate() raised KeyError: 'score' after generating everything else)."""
-    log = tmp_path / "out" / "videomme" / "samples.jsonl"
-    log.parent.mkdir(parents=True)
-    good = {"doc_id": "a", "score": 1.0, "parse_fail": False, "error": ""}
-    log.write_text(json.dumps(good) + "\n" + json.dumps({**good, "doc_id": "b", "score": None}) + "\n")
-    cmd = [sys.executable, "evaluate.py", "--model", str(tmp_path), "--benchmarks", "videomme", "--data-dir",
-           os.path.join(ROOT, "tests", "fixtures", "benchmarks"), "--video-dir", str(tmp_path), "--out-dir",
-           str(tmp_path / "out")]
+    kept, then aggregate() raised KeyError: 'score' once the rest was generated)."""
+    import evaluate
+    flags = dict(model=tiny_model, data_dir=synth, benchmarks="nvr1", engine="hf", max_tokens=2, max_samples=3,
+                 max_model_len=1024, video_max_frames=8, video_max_pixels=3136, cache_dir="", out_dir=str(tmp_path))
+    job = evaluate.prepare_benchmark("nvr1", evaluate.resolve(evaluate.Config(**flags)))
+    (tmp_path / "nvr1").mkdir()
+    (tmp_path / "nvr1" / "run.json").write_text(json.dumps(job["run"]))  # the same run: resumed, not refused
+    rows = [{"doc_id": s["id"], "score": 1.0, "parse_fail": False, "error": ""} for s in job["samples"]]
+    log = tmp_path / "nvr1" / "samples.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{**rows[1], "score": None}]))
+    cmd = [sys.executable, "evaluate.py"] + [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and f"{log}:2: resume row without a valid field 'score'" in p.stderr, p.stderr[-3000:]
