@@ -8,8 +8,6 @@ import os
 import re
 import signal
 import sys
-import threading
-import traceback
 import typing
 from dataclasses import fields, replace
 from typing import Literal
@@ -73,40 +71,25 @@ def print0(*a):
         print(*a, flush=True)
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))  # the project's files, in a stuck step's stack
-
-
 def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | None = None) -> list:
     """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
     loop checkpoints at the next step boundary and exits 0; a step not there within grace_s seconds (a stuck template,
-    collective or engine) is abandoned: abandon() reports `where` (step, sample ids) and the stack, exits 1, and the
-    last checkpoint stays as it was. A second signal, or any with catch=False (startup, the end of a run: no step to
-    finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
+    collective or engine) is abandoned: the run names the step and samples (`where`), dumps its stacks, exits 1 and
+    leaves the last checkpoint as it was. A second signal, or any with catch=False (startup, the end of a run: no step
+    to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
     got = []
 
     def record(num, frame):
         got.append(num)
         catch_stop_signals(catch=False)
-        if grace_s:
-            timer = threading.Timer(grace_s, abandon, (grace_s, where or {}))
-            timer.daemon = True  # a step that ends in time: the run exits without waiting for it
-            timer.start()
-            faulthandler.dump_traceback_later(grace_s + 30, exit=True)  # our timer cannot run: C code holds the GIL
+        if grace_s:  # faulthandler's thread fires even while C code holds the interpreter; os.write: no reentry
+            os.write(2, f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
+                        f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode())
+            faulthandler.dump_traceback_later(grace_s, exit=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record if catch else signal.SIG_DFL)
     return got
-
-
-def abandon(grace_s: float, where: dict):
-    """The step a stop signal interrupted did not end within grace_s: say where it was stuck, exit 1 at once."""
-    stack = traceback.extract_stack(sys._current_frames()[threading.main_thread().ident])
-    ours = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack
-            if os.path.dirname(f.filename) == ROOT]
-    print(f"stop signal: step {where.get('step')} (samples {where.get('ids', 'not drawn yet')}) did not reach its "
-          f"boundary within stop_grace_s={grace_s} s; abandoned in {' > '.join(ours)} (the last checkpoint is "
-          "kept as it was)", file=sys.stderr, flush=True)
-    os._exit(1)
 
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them

@@ -142,11 +142,7 @@ TEMPLATES = {
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
-
-
-@lru_cache(maxsize=16)
-def compiled(src: str):
-    return _jinja.from_string(src)
+compiled = lru_cache(maxsize=16)(_jinja.from_string)  # render_all renders one template on every sample
 
 
 def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
