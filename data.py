@@ -167,54 +167,46 @@ def render_all(template: str, samples: list[dict], response_format: str = "answe
                seconds: float = 2.0, where: str = "") -> list[dict]:
     """A user prompt template rendered once on every sample, at load, in a forked child bounded in time (`seconds` a
     sample), memory (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS): the samples, each with its text as "prompt_text"
-    (which prepare() uses). Loops of loops, 9**(9**9) or 'x' * 10**10 on sample k are a DataError naming the template
-    (`where`, its file) and sample k (the child is killed, whatever C code it is stuck in), or with `skipped` a skip
-    report."""
-    out, start = [], 0
-    while start < len(samples):  # a child per failure: the next renders the samples after it
-        for sample, text, error in rendered(template, samples[start:], response_format, seconds):
-            start += 1
+    (which render_prompt returns). Loops of loops, 9**(9**9) or 'x' * 10**10 on sample k are a DataError naming the
+    template (`where`) and sample k (the child is killed, whatever C code it is stuck in), or with `skipped` a skip."""
+    import multiprocessing
+
+    def render_in_child(todo: list):  # sends (text, None) or (None, error) a sample, in a capped address space
+        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
+        for sample in todo:
+            try:
+                send.send((render_prompt(sample, template, response_format), None))
+            except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
+                send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
+
+    out, child = [], None
+    try:
+        for k, sample in enumerate(samples):
+            if child is None:  # the first sample, or the first after a failed one (its child is killed)
+                recv, send = multiprocessing.Pipe(duplex=False)
+                child = multiprocessing.get_context("fork").Process(target=render_in_child, args=(samples[k:],))
+                child.start()
+                send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+            try:
+                text, error = recv.recv() if recv.poll(seconds) else (None, f"rendering took over {seconds} s")
+            except EOFError:
+                text, error = None, "the rendering process died"
             if error is None:
                 out.append(dict(sample, prompt_text=text))
                 continue
+            child.kill()
+            child.join()
+            child = None
             error = DataError(f"prompt template {where}: fails on sample {sample['id']}: {error}")
             if skipped is None:
                 raise error
             skipped.append({"where": sample["id"], "error": str(error)})
-    return out
-
-
-def rendered(template: str, samples: list[dict], response_format: str, seconds: float):
-    """(sample, text, None) for each sample in order, up to the first (sample, None, error)."""
-    import multiprocessing
-
-    def render_in_child():  # caps its address space above what it inherited; sends (text, None) or (None, error)
-        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
-        for sample in samples:
-            try:
-                send.send((render_prompt(sample, template, response_format), None))
-            except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
-                return send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
-
-    recv, send = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.get_context("fork").Process(target=render_in_child)
-    child.start()
-    send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
-    try:
-        for sample in samples:
-            text, error = None, f"rendering took over {seconds} s"
-            try:
-                if recv.poll(seconds):
-                    text, error = recv.recv()
-            except EOFError:
-                error = "the rendering process died"
-            yield sample, text, error
-            if error:
-                return
     finally:
-        child.kill()
-        child.join()
+        if child is not None:
+            child.kill()
+            child.join()
+    return out
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:
