@@ -73,10 +73,9 @@ def print0(*a):
 
 def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | None = None) -> list:
     """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
-    loop checkpoints at the next step boundary and exits 0; a step not there within grace_s seconds (a stuck template,
-    collective or engine) is abandoned: the run names the step and samples (`where`), dumps its stacks, exits 1 and
-    leaves the last checkpoint as it was. A second signal, or any with catch=False (startup, the end of a run: no step
-    to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
+    loop checkpoints at the next step boundary and exits 0, or after grace_s seconds the step (stuck) is abandoned: the
+    step and samples (`where`) and the stacks are printed, the last checkpoint kept, exit 1. A second signal, or any
+    with catch=False (startup, the end of a run: no step to finish), ends the process at once, even inside C code."""
     got = []
 
     def record(num, frame):

@@ -165,10 +165,10 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
 
 def render_all(template: str, samples: list[dict], response_format: str = "answer", skipped: list | None = None,
                seconds: float = 2.0, where: str = "") -> list[dict]:
-    """A user prompt template rendered once on every sample, at load, in a forked child bounded in time (`seconds` a
-    sample), memory (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS): the samples, each with its text as "prompt_text"
-    (which render_prompt returns). Loops of loops, 9**(9**9) or 'x' * 10**10 on sample k are a DataError naming the
-    template (`where`) and sample k (the child is killed, whatever C code it is stuck in), or with `skipped` a skip."""
+    """The samples, each with the template's text as "prompt_text" (render_prompt's from then on), rendered once in a
+    forked child bounded in time (`seconds` a sample), memory (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of
+    loops, 9**(9**9) or 'x' * 10**10 on sample k: the child is killed (whatever C code it is stuck in), and a DataError
+    names the template (`where`) and sample k, or with `skipped` a skip report."""
     import multiprocessing
 
     def render_in_child(todo: list):  # sends (text, None) or (None, error) a sample, in a capped address space
@@ -180,13 +180,14 @@ def render_all(template: str, samples: list[dict], response_format: str = "answe
             except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
                 send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
 
-    out, child = [], None
+    out, child, children = [], None, []
     try:
         for k, sample in enumerate(samples):
             if child is None:  # the first sample, or the first after a failed one (its child is killed)
                 recv, send = multiprocessing.Pipe(duplex=False)
                 child = multiprocessing.get_context("fork").Process(target=render_in_child, args=(samples[k:],))
                 child.start()
+                children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
             try:
                 text, error = recv.recv() if recv.poll(seconds) else (None, f"rendering took over {seconds} s")
@@ -195,15 +196,14 @@ def render_all(template: str, samples: list[dict], response_format: str = "answe
             if error is None:
                 out.append(dict(sample, prompt_text=text))
                 continue
-            child.kill()
-            child.join()
+            child.kill()  # stuck, or at its memory cap: the next sample gets a new child
             child = None
             error = DataError(f"prompt template {where}: fails on sample {sample['id']}: {error}")
             if skipped is None:
                 raise error
             skipped.append({"where": sample["id"], "error": str(error)})
     finally:
-        if child is not None:
+        for child in children:
             child.kill()
             child.join()
     return out

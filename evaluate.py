@@ -628,13 +628,10 @@ def make_engine(cfg: Config, tokenizer):
     return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens, cfg.seed)], None
 
 
-LOG_ROW = {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}  # what aggregate() reads
-
-
 def read_log(path: str) -> tuple[dict, int]:
     """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
-    parses but lacks a LOG_ROW field (an edited or foreign log) is a DataError naming file:line and the field."""
-    done, torn = {}, 0
+    parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
+    done, torn, need = {}, 0, {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -643,7 +640,7 @@ def read_log(path: str) -> tuple[dict, int]:
                 except json.JSONDecodeError:
                     torn += 1
                     continue
-                bad = [k for k, t in LOG_ROW.items() if not isinstance(r, dict) or not isinstance(r.get(k), t)]
+                bad = [k for k, t in need.items() if not isinstance(r, dict) or not isinstance(r.get(k), t)]
                 if bad:
                     raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r}: delete the line "
                                     "(or the file) to generate it again")
