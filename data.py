@@ -285,13 +285,6 @@ def dummy_prompts(processor) -> dict:
     return out
 
 
-def concat_media(prompts: list) -> dict:
-    """The media tensors of several prompts as one batch: pixel rows, grids and per-video tensors all stack along
-    dim 0, in prompt order (the model's own forward on whole rows; bench/memory.py's pre-#13 trainer calls it)."""
-    keys = sorted({k for p in prompts for k in p.mm})
-    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
-
-
 def grids(prompts: list, device) -> dict:
     """The rows' M-RoPE inputs, row by row: the media keys but the pixels (image/video_grid_thw, second_per_grid_ts)."""
     keys = sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})

@@ -219,12 +219,12 @@ def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
 
     import wandb
 
-    from train import start_logger, write_samples
+    from train import start_logs, write_samples
     wandb.teardown()  # wandb reads WANDB_MODE once per process, at its first init: a fresh start, as a new run has
     monkeypatch.setenv("WANDB_MODE", mode)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = Config(wandb_project="nvr1-test", out_dir=str(tmp_path))
-    logger = start_logger(cfg, None, rank=0)
+    logger = start_logs(cfg, {}, [], rank=0)
     shown = [{"step": 1, "id": "s1", "response": "<answer>B</answer>", "finish": "stop",
               "reward": {"overall": 1.0, "accuracy": 1.0, "format": 1.0}, "advantage": 0.5}]
     write_samples(shown, cfg, logger, step=1)
@@ -237,4 +237,4 @@ def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
         table = json.load(open(tables[0]))
         assert table["columns"] == list(shown[0]) and table["data"][0][2] == "<answer>B</answer>"
         assert json.loads(table["data"][0][4]) == shown[0]["reward"]
-    assert start_logger(cfg, None, rank=1).id is None  # other ranks never start a run
+    assert start_logs(cfg, {}, [], rank=1).id is None  # other ranks never start a run
