@@ -642,8 +642,7 @@ def read_log(path: str) -> tuple[dict, int]:
                     continue
                 bad = [k for k, t in need.items() if not isinstance(r, dict) or not isinstance(r.get(k), t)]
                 if bad:
-                    raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r}: delete the line "
-                                    "(or the file) to generate it again")
+                    raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)")
                 done[r["doc_id"]] = r
     return done, torn
 
