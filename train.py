@@ -184,8 +184,8 @@ class Config(cache.Training):
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     stop_grace_s: float = 300.0
-    """after a SIGTERM/SIGINT, seconds the step may take to reach its boundary (and checkpoint); a step stuck longer
-    is abandoned: the run says where, exits 1, and the last checkpoint stays as it was (0 = wait for ever)"""
+    """after a SIGTERM/SIGINT, seconds a step may take to reach its boundary and checkpoint; a step
+    stuck longer is abandoned: where is printed, exit 1, the last checkpoint kept (0 = no limit)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
     """adapter rank r (0 = full fine-tuning); the reference: the model, adapters scaled to 0"""
@@ -214,8 +214,8 @@ def check_config(cfg: Config, world: int = 1):
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
                     "mix_threshold", "log_every", "video_total_pixels", "adv_eps", "stop_grace_s")
-    floats = [f.name for f in dataclasses.fields(cfg) if f.type is float]  # nan and inf pass every comparison below
-    bad += [f"{k} must be a finite number, got {getattr(cfg, k)}" for k in floats if not math.isfinite(getattr(cfg, k))]
+    floats = {k: v for k, v in vars(cfg).items() if type(v) is float}  # nan and inf pass < and >
+    bad += [f"{k} must be finite, got {v}" for k, v in floats.items() if not math.isfinite(v)]
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
@@ -917,7 +917,7 @@ def main(cfg: Config):
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
-    signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # the first: checkpoint at the step's end
+    signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         where.update(step=step, ids="not drawn yet")
         t0 = time.time()
