@@ -282,11 +282,10 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
         with Image.open(path) as im:
             if im.width * im.height > max_decode_pixels:
                 raise ValueError(f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}")
-            im = im.convert("RGB")
-            arr = np.asarray(im)
+            arr = np.asarray(im.convert("RGB"))
+        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)  # refuses a ratio over 200
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: 2x PIL's cap
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
-    h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
     return resize(arr[None], h, w)[0]
 
 

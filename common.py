@@ -1,6 +1,7 @@
 """common.py: the plumbing every other module may use and that uses none of them: the process group and the
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags) and the run's curve."""
 import datetime
+import faulthandler
 import itertools
 import json
 import os
@@ -70,15 +71,20 @@ def print0(*a):
         print(*a, flush=True)
 
 
-def catch_stop_signals(catch: bool = True) -> list:
+def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | None = None) -> list:
     """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
-    loop checkpoints at the next step boundary and exits 0. A second one, or any with catch=False (startup, the end of
-    a run: no step to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
+    loop checkpoints at the next step boundary and exits 0, or after grace_s seconds the step (stuck) is abandoned: the
+    step and samples (`where`) and the stacks are printed, the last checkpoint kept, exit 1. A second signal, or any
+    with catch=False (startup, the end of a run: no step to finish), ends the process at once, even inside C code."""
     got = []
 
     def record(num, frame):
         got.append(num)
         catch_stop_signals(catch=False)
+        if grace_s:  # faulthandler's thread fires even while C code holds the interpreter; os.write: no reentry
+            os.write(2, f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
+                        f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode())
+            faulthandler.dump_traceback_later(grace_s, exit=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record if catch else signal.SIG_DFL)
@@ -107,6 +113,8 @@ def yaml_overlay(base, path: str, strict: bool = True):
     import yaml
     with open(path) as f:
         values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of settings (key: value lines), got a {type(values).__name__}")
     types = {f.name: f.type for f in fields(base) if f.name != "config"}
     for key, value in values.items():
         if key not in types:

@@ -2,7 +2,7 @@
 
     load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line, sample and field)
     render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
-    check_template(t, s)   a user template rendered once with bounded time, memory and output (run at startup)
+    render_all(t, samples) a user template rendered once per sample at load, bounded in time, memory and output
     prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt, which hands the very same
                            pixels, decoded once, to vLLM and to the trainer
 """
@@ -11,6 +11,7 @@ import os
 import re
 import resource
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from PIL import Image
@@ -37,7 +38,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_s
                   "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
-TEMPLATE_MEMORY = 1 << 30  # check_template: bytes the rendering may allocate
+TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
 class DataError(ValueError):
@@ -105,7 +106,10 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
         raw = f.read()
     if path.endswith(".json"):
-        rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(parse_json(raw, path))]  # item number, 1-based
+        items = parse_json(raw, path)
+        if not isinstance(items, list):
+            raise DataError(f"{path}: expected a JSON array of samples, got {type(items).__name__}")
+        rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(items)]  # item number, 1-based
     else:
         rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()]
     out = []
@@ -138,17 +142,20 @@ TEMPLATES = {
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
+compiled = lru_cache(maxsize=16)(_jinja.from_string)  # render_all renders one template on every sample
 
 
 def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
     """The user text for a sample. `template` (Jinja2 source) overrides the per-type default; `{{ instruction }}` in it
     is the sentence that asks for the response format. Output over MAX_PROMPT_CHARS is a DataError naming the sample,
-    caught while it streams (never built whole)."""
+    caught while it streams (never built whole). A sample render_all has rendered: its text, at no cost."""
+    if "prompt_text" in sample:
+        return sample["prompt_text"]
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
     context = {**sample, "problem_type": ptype, "instruction": INSTRUCTIONS[response_format]}
     parts, size = [], 0
-    for part in _jinja.from_string(src).generate(context):
+    for part in compiled(src).generate(context):
         size += len(part)
         if size > MAX_PROMPT_CHARS:
             raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
@@ -156,36 +163,50 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
     return "".join(parts)
 
 
-def check_template(template: str, sample: dict, seconds: float = 2.0) -> str:
-    """Render a user prompt template once on `sample`, in a forked child bounded in time (`seconds`), memory
-    (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of loops, 9**(9**9) or 'x' * 10**10 are a config error
-    (ValueError) at startup, not a hang at every step: the child is killed, whatever C code it is stuck in."""
+def render_all(template: str, samples: list[dict], response_format: str = "answer", skipped: list | None = None,
+               seconds: float = 2.0, where: str = "") -> list[dict]:
+    """The samples, each with the template's text as "prompt_text" (render_prompt's from then on), rendered once in a
+    forked child bounded in time (`seconds` a sample), memory (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of
+    loops, 9**(9**9) or 'x' * 10**10 on sample k: the child is killed (whatever C code it is stuck in), and a DataError
+    names the template (`where`) and sample k, or with `skipped` a skip report."""
     import multiprocessing
 
-    def render_in_child():  # caps its address space above what it inherited; sends (text, None) or (None, error)
+    def render_in_child(todo: list):  # sends (text, None) or (None, error) a sample, in a capped address space
         inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
-        try:
-            send.send((render_prompt(sample, template), None))
-        except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
-            send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
+        for sample in todo:
+            try:
+                send.send((render_prompt(sample, template, response_format), None))
+            except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
+                send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
 
-    recv, send = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.get_context("fork").Process(target=render_in_child)
-    child.start()
-    send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+    out, child, children = [], None, []
     try:
-        if not recv.poll(seconds):
-            raise ValueError(f"prompt template: rendering on sample {sample['id']} took over {seconds} s")
-        text, error = recv.recv()
-    except EOFError:
-        error = f"the rendering process died (exit code {child.exitcode})"
+        for k, sample in enumerate(samples):
+            if child is None:  # the first sample, or the first after a failed one (its child is killed)
+                recv, send = multiprocessing.Pipe(duplex=False)
+                child = multiprocessing.get_context("fork").Process(target=render_in_child, args=(samples[k:],))
+                child.start()
+                children.append(child)
+                send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+            try:
+                text, error = recv.recv() if recv.poll(seconds) else (None, f"rendering took over {seconds} s")
+            except EOFError:
+                text, error = None, "the rendering process died"
+            if error is None:
+                out.append(dict(sample, prompt_text=text))
+                continue
+            child.kill()  # stuck, or at its memory cap: the next sample gets a new child
+            child = None
+            error = DataError(f"prompt template {where}: fails on sample {sample['id']}: {error}")
+            if skipped is None:
+                raise error
+            skipped.append({"where": sample["id"], "error": str(error)})
     finally:
-        child.kill()
-        child.join()
-    if error:
-        raise ValueError(f"prompt template fails on sample {sample['id']}: {error}")
-    return text
+        for child in children:
+            child.kill()
+            child.join()
+    return out
 
 
 def chat_messages(sample: dict, text: str) -> list[dict]:

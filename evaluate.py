@@ -629,16 +629,21 @@ def make_engine(cfg: Config, tokenizer):
 
 
 def read_log(path: str) -> tuple[dict, int]:
-    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped."""
-    done, torn = {}, 0
+    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
+    parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
+    done, torn, need = {}, 0, {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 try:
                     r = json.loads(line)
-                    done[r["doc_id"]] = r
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except json.JSONDecodeError:
                     torn += 1
+                    continue
+                bad = [k for k, t in need.items() if not isinstance(r, dict) or not isinstance(r.get(k), t)]
+                if bad:
+                    raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)")
+                done[r["doc_id"]] = r
     return done, torn
 
 

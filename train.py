@@ -183,6 +183,9 @@ class Config(cache.Training):
     """'' = fresh | auto = the latest complete checkpoint in out_dir/ckpt (if any) | a folder"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
+    stop_grace_s: float = 300.0
+    """after a SIGTERM/SIGINT, seconds a step may take to reach its boundary and checkpoint; a step
+    stuck longer is abandoned: where is printed, exit 1, the last checkpoint kept (0 = no limit)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
     """adapter rank r (0 = full fine-tuning); the reference: the model, adapters scaled to 0"""
@@ -210,7 +213,9 @@ def check_config(cfg: Config, world: int = 1):
                 "log_samples", "video_fps", "tis_cap", "gpu_memory_utilization", "dist_timeout", "sp_size")
     not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
                     "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
-                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps")
+                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps", "stop_grace_s")
+    floats = {k: v for k, v in vars(cfg).items() if type(v) is float}  # nan and inf pass < and >
+    bad += [f"{k} must be finite, got {v}" for k, v in floats.items() if not math.isfinite(v)]
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
@@ -775,12 +780,13 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
     load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
-    train_samples = load(cfg.train_data)
-    if not train_samples:
+    samples = {"train": load(cfg.train_data), "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
+    if template:  # every prompt rendered once, now, bounded in time and memory (render_prompt reuses the text)
+        samples = {split: data.render_all(template, rows, cfg.response_format, skipped if cfg.skip_invalid else None,
+                                          where=cfg.prompt_template) for split, rows in samples.items()}
+    if not samples["train"]:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
-    if template:
-        data.check_template(template, train_samples[0])
-    return {"train": train_samples, "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
+    return samples
 
 
 def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config) -> int:
@@ -910,8 +916,10 @@ def main(cfg: Config):
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
-    signals = catch_stop_signals()  # in a step: the first signal checkpoints at the step's end
+    where = {}  # the step and its samples, for a stuck step's report
+    signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
+        where.update(step=step, ids="not drawn yet")
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
@@ -922,7 +930,7 @@ def main(cfg: Config):
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
-        ids = rows["id"][::cfg.group_size]
+        ids = where["ids"] = rows["id"][::cfg.group_size]
         # ---------------------------------------------------- old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)

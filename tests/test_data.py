@@ -167,15 +167,33 @@ def test_undecodable_lines_are_data_errors_naming_the_line(tmp_path):
     ("{% for i in range(100000) %}{% for j in range(100000) %}ab{% endfor %}{% endfor %}", "over 1000000 characters"),
     ("{{ problem.__class__.__mro__ }}", "SecurityError"),
 ])
-def test_check_template_bounds_time_memory_and_output(template, says):
-    """Hostile templates are a config error at startup within about 2 s, the default bound (before: hours, or 10 GB)."""
+def test_render_all_bounds_time_memory_and_output(template, says):
+    """Hostile templates are a DataError naming the sample within about 2 s, the default bound (before: hours, or
+    10 GB); the samples before and after it render."""
     import time
     t = time.time()
-    with pytest.raises(ValueError, match=f"prompt template.* sample s1.*{says}"):
-        data.check_template(template, GOOD)
+    with pytest.raises(data.DataError, match=f"prompt template t.j2: fails on sample s1.*{says}"):
+        data.render_all(template, [GOOD], where="t.j2")
     assert time.time() - t < 5
-    fine = data.check_template("Q: {{ problem }} ({{ options | length }} options)", GOOD)
-    assert fine == "Q: What color? (4 options)"
+    fine = data.render_all("Q: {{ problem }} ({{ options | length }} options)", [GOOD])
+    assert fine == [dict(GOOD, prompt_text="Q: What color? (4 options)")]
+    assert data.render_prompt(fine[0], "{{ 9**(9**9) }}") == "Q: What color? (4 options)"  # rendered once, reused
+
+
+@pytest.mark.parametrize("hostile, says", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took over"),
+    ("{{ 'x' * 10**problem | length }}", "MemoryError"),
+])
+def test_render_all_bounds_every_sample(hostile, says):
+    """A template harmless on the first sample and hostile on the second: that sample is named, or skipped and the
+    others rendered (before: only the first sample was checked, and step 1 hung)."""
+    samples = [dict(GOOD, id="s0", problem="ok"), dict(GOOD, problem="long enough"), dict(GOOD, id="s2", problem="ok")]
+    template = f"{{% if id == 's1' %}}{hostile}{{% endif %}}{{{{ problem }}}}"
+    with pytest.raises(data.DataError, match=f"sample s1: .*{says}"):
+        data.render_all(template, samples)
+    skipped = []
+    assert [s["prompt_text"] for s in data.render_all(template, samples, skipped=skipped)] == ["ok", "ok"]
+    assert [s["where"] for s in skipped] == ["s1"] and says in skipped[0]["error"]
 
 
 def test_rendered_prompt_size_is_bounded_per_sample():

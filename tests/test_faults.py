@@ -310,7 +310,7 @@ def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
     assert p.poll() is None  # the first signal waits for the step boundary, which never comes
     worker(p, 1).terminate()
     log = finish(p, timeout=300)  # a hang guard: the job ends in seconds when idle
-    assert p.returncode != 0 and "stop signal" not in log and not (out / "ckpt").exists(), log[-4000:]
+    assert p.returncode != 0 and "checkpoint saved" not in log and not (out / "ckpt").exists(), log[-4000:]
 
 
 @pytest.mark.slow
@@ -368,3 +368,109 @@ def test_pruning_never_deletes_what_latest_names(tmp_path, tiny_model):
         latest = (root / "latest").read_text()
         assert latest == f"step_{step:08d}" and (root / latest / "meta.json").exists()
     assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hostile inputs, round two: each through the entry point that meets it
+
+def train_cli(model, *extra, configs=(), timeout: float = 300) -> subprocess.CompletedProcess:
+    """train.py in one process on the tiny model, stdout + stderr in one string (.stdout); configs: YAML files over
+    configs/tiny_cpu.yaml."""
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *map(str, configs), "--model", model,
+           "--val-data", "", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_template_is_bounded_on_every_sample(tmp_path, tiny_model, synth, skip):
+    """A template harmless on the first sample that loops on the third: a DataError naming the template file and that
+    sample, or with --skip-invalid a skip (before: the startup check rendered sample 1 only, and step 1 hung)."""
+    ids = [json.loads(line)["id"] for line in open(os.path.join(synth, "train.jsonl"))]
+    template = tmp_path / "t.j2"
+    template.write_text(f"{{% if id == '{ids[2]}' %}}{{% for i in range(100000) %}}{{% for j in range(100000) %}}"
+                        "{% endfor %}{% endfor %}{% endif %}{{ problem }} {{ instruction }}")
+    p = train_cli(tiny_model, "--train-data", os.path.join(synth, "train.jsonl"), "--prompt-template", str(template),
+                  "--out-dir", str(tmp_path / "run"), "--dry-run", *["--skip-invalid"] * skip)
+    if skip:
+        assert p.returncode == 0 and f"data: {len(ids) - 1} train, 0 val, 1 skipped" in p.stdout, p.stdout[-3000:]
+    else:
+        assert p.returncode != 0, p.stdout[-3000:]
+        assert f"prompt template {template}: fails on sample {ids[2]}: rendering took over 2.0 s" in p.stdout
+
+
+@pytest.mark.slow
+def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
+    """One SIGTERM and a step that never reaches its boundary (every video missing, max_consecutive_invalid out of
+    reach): after stop_grace_s the run says where it was stuck and exits 1, no checkpoint written (before: it waited
+    for a second signal, which schedulers do not send before SIGKILL)."""
+    from test_resume import wait_for
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data",
+           all_missing(tmp_path, synth), "--val-data", "", "--out-dir", str(out), "--rollout", "hf", "--skip-invalid",
+           "--max-consecutive-invalid", str(10 ** 9), "--stop-grace-s", "3", "--cache-dir", str(tmp_path / "frames")]
+    p = start(cmd)
+    wait_for(out / "skipped.jsonl", p)  # written just before step 1
+    time.sleep(3)
+    t = time.time()
+    p.terminate()
+    log = finish(p, timeout=120)
+    assert p.returncode == 1 and time.time() - t < 60, log[-4000:]
+    assert "stop signal: step 1 (samples not drawn yet) is abandoned if not at its boundary within stop_grace_s=3.0 s" \
+        in log and "Timeout (0:00:03)!" in log, log[-4000:]
+    assert 'data.py", line' in log and "in next_valid" in log, log[-4000:]  # the phase: the stack, faulthandler's
+    assert not (out / "ckpt").exists()
+
+
+def test_config_errors_name_the_setting_or_file(tmp_path, tiny_model):
+    """Non-finite floats (flags and YAML) fail check_config by name; a YAML list is an error naming the file (before:
+    --lr inf trained a step, then 'probability tensor contains inf'; the list: a raw AttributeError)."""
+    yaml_nan, yaml_list = tmp_path / "nan.yaml", tmp_path / "list.yaml"
+    yaml_nan.write_text("temperature: .nan\nclip_high: .inf\n")
+    yaml_list.write_text("- lr: 1.0e-6\n")
+    p = train_cli(tiny_model, "--lr", "inf", "--kl-coef", "-inf", "--dry-run", configs=[yaml_nan])
+    for name, value in (("lr", "inf"), ("kl_coef", "-inf"), ("temperature", "nan"), ("clip_high", "inf")):
+        assert f"{name} must be finite, got {value}" in p.stdout, p.stdout[-3000:]
+    p = train_cli(tiny_model, "--dry-run", configs=[yaml_list])
+    assert p.returncode != 0 and f"{yaml_list}: expected a mapping of settings" in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("name, content, says", [
+    ("one.json", {"problem": "Q?", "answer": "A", "problem_type": "free-form"}, "expected a JSON array of samples"),
+    ("math.jsonl", {"id": "m1", "problem": "Q?", "answer": "\\frac{1}{2", "problem_type": "math"},
+     "sample m1: field 'answer': sample m1: answer '\\\\frac{1}{2' is not an expression math-verify parses"),
+])
+def test_data_errors_name_the_file_and_sample(tmp_path, tiny_model, name, content, says):
+    """A .json holding one object (before: 'expected a JSON object, got str', from iterating its keys) and a math
+    answer no parse reads (before: accepted as text, then every correct rollout scored 0) fail at load."""
+    path = tmp_path / name
+    path.write_text(json.dumps(content) + "\n")
+    p = train_cli(tiny_model, "--train-data", str(path), "--out-dir", str(tmp_path / "run"), "--dry-run")
+    assert p.returncode != 0 and f"{path}" in p.stdout and says in p.stdout, p.stdout[-3000:]
+
+
+def test_image_aspect_error_names_the_file(tmp_path):
+    """An image over the processor's aspect ratio limit (200): the cache layer's error names the file (before: a bare
+    ValueError from smart_resize)."""
+    import cache
+    path = tmp_path / "strip.png"
+    Image.new("RGB", (1000, 2)).save(path)
+    with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*aspect ratio"):
+        cache.load_image(str(path), min_pixels=3136, max_pixels=3136)
+
+
+def test_resume_rows_are_checked_at_read(tmp_path, tiny_model, synth):
+    """A resume log row without a score: evaluate.py stops before the engine, naming file:line and the field (before:
+    kept, then aggregate() raised KeyError: 'score' once the rest was generated)."""
+    import evaluate
+    flags = dict(model=tiny_model, data_dir=synth, benchmarks="nvr1", engine="hf", max_tokens=2, max_samples=3,
+                 max_model_len=1024, video_max_frames=8, video_max_pixels=3136, cache_dir="", out_dir=str(tmp_path))
+    job = evaluate.prepare_benchmark("nvr1", evaluate.resolve(evaluate.Config(**flags)))
+    (tmp_path / "nvr1").mkdir()
+    (tmp_path / "nvr1" / "run.json").write_text(json.dumps(job["run"]))  # the same run: resumed, not refused
+    rows = [{"doc_id": s["id"], "score": 1.0, "parse_fail": False, "error": ""} for s in job["samples"]]
+    log = tmp_path / "nvr1" / "samples.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{**rows[1], "score": None}]))
+    cmd = [sys.executable, "evaluate.py"] + [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and f"{log}:2: resume row without a valid field 'score'" in p.stderr, p.stderr[-3000:]
