@@ -8,6 +8,7 @@ Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume a
 """
 import asyncio
 import copy
+import csv
 import glob
 import hashlib
 import json
@@ -54,6 +55,8 @@ class Config(cache.Media):
     """0 = greedy (deterministic)"""
     seed: int = 0
     """sampling seed, and the seed of the random-option fallback"""
+    answer_extraction: Literal["tags", "official"] = "tags"
+    """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
     random_fallback: bool = False
     """where the official scorer guesses (benchmarks.yaml `guess`), an unreadable answer gets a seeded random option"""
     allow_failures: bool = False
@@ -87,15 +90,18 @@ class Config(cache.Media):
 
 
 # settings that change a benchmark's answers: a resume log written under others is refused
-ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallback", "max_model_len", "max_prompt_len",
-                   "dtype", "judge_model", "video_fps", "video_min_frames", "video_max_frames", "video_min_pixels",
-                   "video_max_pixels", "video_total_pixels", "image_min_pixels", "image_max_pixels")
+ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "answer_extraction", "random_fallback",
+                   "max_model_len", "max_prompt_len", "dtype", "judge_model", "video_fps", "video_min_frames",
+                   "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels", "image_min_pixels",
+                   "image_max_pixels")
 
 
+FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # annotation files, in the order they are looked for
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml")
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
-          "keys", "macro", "group", "tiou", "judge", "after", "own")
+          "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "answers", "prefixes", "drop",
+          "judge_all", "authority")
 
 
 @cached
@@ -142,42 +148,57 @@ def option_letter(m: re.Match) -> str:
     return chr(64 + int(label)) if label.isdigit() else label
 
 
-def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
-    """(where, record) from .json, .jsonl, .parquet or a folder of them (_file: the stem); what does not parse: bad."""
-    files = [path]
-    if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".json", ".jsonl", ".parquet")))
-    out = []
-    for f in files:
-        try:
-            if f.endswith(".parquet"):
-                import pyarrow.parquet as pq
-                rows = pq.read_table(f).to_pylist()
-            else:
-                with open(f, encoding="utf-8") as fh:
-                    rows = json.load(fh) if f.endswith(".json") else fh.read().split("\n")
-            if not isinstance(rows, list):
-                raise DataError(f"expected a JSON array of records, got {type(rows).__name__}")
-        except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
-            bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
-            continue
-        for i, r in enumerate(rows):
-            if f.endswith(".jsonl") and not r.strip():
-                continue
-            try:  # a .jsonl line each: a broken line costs that record only
-                r = json.loads(r) if f.endswith(".jsonl") else r
-            except json.JSONDecodeError as e:
-                bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
-                continue
-            out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r))
-    return out
+def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
+    """(where in f, record) for each record of one annotation file; a record that does not parse is a DataError."""
+    if f.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return [(str(i + 1), r) for i, r in enumerate(pq.read_table(f).to_pylist())]
+    with open(f, encoding="utf-8", newline="") as fh:
+        if f.endswith(".csv"):  # NExT-QA: the header names the fields; where = the line
+            rows = csv.DictReader(fh)
+            return [(str(rows.line_num), r) for r in rows]
+        if not f.endswith(".json"):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
+            if f.endswith(".txt") and not ad.get("line"):
+                raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
+            return [(str(i + 1), line_record(line, ad)) for i, line in enumerate(fh) if line.strip()]
+        return walk(json.load(fh), ad.get("nest", ()), "")
+
+
+def line_record(line: str, ad: dict):
+    try:
+        if ad.get("line"):
+            if not (m := re.fullmatch(ad["line"], line.strip())):
+                raise DataError(f"line does not match {ad['line']!r}")
+            return m.groupdict()
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return DataError(f"not JSON: {e}")
+    except DataError as e:
+        return e
+
+
+def walk(node, names, where: str) -> list[tuple[str, object]]:
+    """A JSON array of records, or a release nested in dicts whose keys become the fields `names` (TempCompass's
+    {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record number or key path."""
+    if isinstance(node, list):
+        return [(f"{where}{i + 1}", r) for i, r in enumerate(node)]
+    if not isinstance(node, dict) or not names:
+        if where and isinstance(node, dict):
+            return [(where.rstrip("/"), node)]
+        hint = " (a nested release: the benchmark's `nest` names its keys)" if isinstance(node, dict) else ""
+        raise DataError(f"expected a JSON array of records, got {type(node).__name__}{hint}")
+    return [(w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
+            for k, v in node.items() for w, r in walk(v, names[1:], f"{where}{k}/")]
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
     """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
     opts = ad["opts"]
-    if isinstance(opts, list):
-        raw = [r[k] for k in opts if r.get(k) not in (None, "", "N/A")]
+    if isinstance(opts, list):  # one option a field (a field holding a list: all of them), absent fields skipped
+        if not any(k in r for k in opts):
+            raise KeyError(opts[0])
+        raw = [x for k in opts for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
+               if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
     else:
@@ -216,13 +237,15 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
         r = dict(r)
         for field, pattern in ad.get("extract", {}).items():
+            if field not in r:  # one layout of several: a field the layout needs is reported missing below
+                continue
             if not (m := re.search(pattern, str(r[field]))):
                 raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
             r.update(m.groupdict())
         for field, rule in ad.get("derive", {}).items():
-            if isinstance(rule, str):
-                r[field] = rule.format(**r)
-            elif rule["field"] in r:
+            if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
+                r[field] = rule.format(**r)  # set when the record has its fields (one layout of several)
+            elif isinstance(rule, dict) and rule["field"] in r:
                 r[field] = lookup(r, rule)
         question, ans = r[ad["q"]], r[ad["ans"]]
         if not isinstance(question, str):
@@ -241,41 +264,85 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a missing or wrong-typed field
-        raise DataError(f"{where}: missing or bad field ({type(e).__name__}: {e})") from e
+    except KeyError as e:
+        raise DataError(f"{where}: missing field {e}") from e
+    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a wrong-typed field
+        raise DataError(f"{where}: bad field ({type(e).__name__}: {e})") from e
     return data.validate_sample(s, where)
 
 
+def find_annotations(name: str, ad: dict, cfg: Config) -> list[str]:
+    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
+    paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
+    path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
+    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path] * os.path.isfile(path)
+    files = [f for f in files if os.path.basename(f) != ad.get("answers")]
+    if not any(f.endswith(FORMATS) for f in files):
+        raise FileNotFoundError(f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
+                                f"folder {path} (docs/benchmarks.md: what to download, the layout)")
+    return [f for f in files if f.endswith(FORMATS)]
+
+
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise)."""
-    ad, out = adapter(name), []
-    errors = [] if bad is None else bad
-    paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
+    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
+    Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
+    ad, out, errors = adapter(name), [], [] if bad is None else bad
     if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [os.path.join(cfg.data_dir, name, "val.jsonl"), os.path.join(cfg.data_dir, "val.jsonl")] + paths
-    path = next((p for p in paths if os.path.exists(p)), None)
-    if path is None:
-        raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-    if ad.get("own"):
+        paths = [os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")]
+        if not (path := next((p for p in paths if os.path.exists(p)), None)):
+            raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
         return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
-    for where, r in read_rows(path, errors):
-        records = [r]
-        if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
-            qas = r.get(ad["nested"]) if isinstance(r, dict) else None
-            if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
-                errors.append({"where": where, "error": f"field {ad['nested']!r} must be a list of question objects"})
+    files = find_annotations(name, ad, cfg)
+    answers = {}
+    if ad.get("answers"):  # EgoSchema: the answers come in their own file, {id: option index}
+        with open(os.path.join(os.path.dirname(files[0]), ad["answers"]), encoding="utf-8") as fh:
+            answers = json.load(fh)
+    for f in files:
+        try:
+            rows = parse_file(f, ad)
+        except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+            errors.append({"where": f, "error": f"{type(e).__name__}: {e}"})
+            continue
+        for at, r in rows:
+            where = f"{f}:{at}"
+            if isinstance(r, DataError):
+                errors.append({"where": where, "error": str(r)})
                 continue
-            records = [{**r, **qa} for qa in qas]
-        for one in records:
-            try:
-                s = to_sample(one, ad, where, os.path.join(cfg.video_dir, name))
-            except DataError as e:
-                errors.append({"where": where, "error": str(e)})
-                continue
-            if s is None:
-                skipped.append({"where": where, "error": "no ground truth"})
-            else:
-                out.append(dict(s, where=where))
+            if isinstance(r, dict):
+                r = dict(r, _file=os.path.basename(f).split(".")[0])
+                if answers and ad["ans"] not in r:
+                    r[ad["ans"]] = answers.get(str(r.get(ad["id"])))
+            records = [r]
+            nested = ad.get("nested", "").rstrip("?")  # "field?": records without it are questions themselves
+            if nested and isinstance(r, dict) and not (ad["nested"].endswith("?") and nested not in r):
+                qas = r.get(nested)
+                if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
+                    errors.append({"where": where, "error": f"field {nested!r} must be a list of question objects"})
+                    continue
+                records = [{**r, **qa} for qa in qas]
+            for one in records:
+                try:
+                    s = to_sample(one, ad, where, os.path.join(cfg.video_dir, name))
+                except DataError as e:
+                    errors.append({"where": where, "error": str(e)})
+                    continue
+                if s is None:
+                    skipped.append({"where": where, "error": "no ground truth"})
+                else:
+                    out.append(dict(s, where=where))
+    if not out:
+        first = (errors or skipped or [{"where": files[0], "error": "no records"}])[0]
+        raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
+                        f"without ground truth; first: {first['where']}: {first['error']})")
+    seen = {}
+    for s in out:
+        seen.setdefault(s["id"], []).append(s)
+    for sid, same in seen.items():
+        if len(same) > 1:  # LiveSports-3K repeats ids for different questions: each keeps its place in the id
+            print(f"warning: {name}: id {sid} is shared by {', '.join(s['where'] for s in same)}: each becomes "
+                  f"'{sid}@<file:record>'", file=sys.stderr, flush=True)
+            for s in same:
+                s["id"] = f"{sid}@{os.path.basename(s['where'])}"
     if errors and bad is None:
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
     return out[:cfg.max_samples or None]
@@ -283,10 +350,6 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
 # Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
-PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer", "The best option is",
-            "The correct option is", "Best answer:", "Best option:", "Final Answer:", "Answer:", "Option:")
-
-
 def letters_of(s: dict) -> str:
     return "".join(lt for lt, _ in rewards.option_table(s["options"]))
 
@@ -295,10 +358,8 @@ def gt_letter(s: dict) -> str:
     return rewards.choice_letter(rewards.ground_truth(s), s["options"]) or rewards.ground_truth(s)
 
 
-def read_pattern(text: str, s: dict, rules: tuple, drop: tuple = ()):
-    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters, drop cut."""
-    for p in drop:
-        text = text.replace(p, "")
+def read_pattern(text: str, s: dict, rules: tuple):
+    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters."""
     for pattern, pick in rules:
         if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
             return hits[pick], float(hits[pick] == gt_letter(s))
@@ -316,8 +377,8 @@ def read_vsi(text: str, s: dict):
 
 
 def read_mvbench(text: str, s: dict):
-    """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
-    text = re.sub(r"(?i)^best option:", "", text.strip()).strip()
+    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the prompt."""
+    text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
     first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
@@ -351,15 +412,24 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
+# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds the answer
+MMMU_KEYS = ("could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result ", "are ", "in total ",
+             "total ", "identify ", "recognize ", "calculated as ", "counted as ", "measured as ", "observed as ",
+             "concluded as ", "found to be ", "equals ", "determined to be ", "number of ", "value is ", "adds up to ",
+             "have ", "has ")
+
+
 def mmmu_open(text: str, gt: str):
-    """MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals."""
+    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals.
+    The text is lower-cased before it is split, so only line breaks split it (as officially)."""
     sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
     for i, sub in enumerate(sentences):
-        words = ["could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result "]
-        words += ["="] if i == len(sentences) - 1 else []
-        tails = [sub.split(w)[-1].strip() for w in words if w in sub]
-        if tails and min(tails, key=len) not in ":,.!?;'":
-            key.append(min(tails, key=len))
+        shortest = None
+        for w in MMMU_KEYS + ("=",) * (i == len(sentences) - 1):  # "=" in the last line only
+            if w in sub and (not shortest or len(sub.split(w)[-1].strip()) < len(shortest)):
+                shortest = sub.split(w)[-1].strip()
+        if shortest and shortest not in (":", ",", ".", "!", "?", ";", "'"):
+            key.append(shortest)
     key = key or [text.strip().strip(".").lower()]
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
@@ -367,6 +437,60 @@ def mmmu_open(text: str, gt: str):
     ok = any(g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str))  # a gold text in it
     ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
     return (text or None), float(ok)
+
+
+def read_videommmu(text: str, s: dict):
+    """Video-MMMU's multiple-choice parser: "B." and "B:", else "(B)", else "B ", else (over 5 words) an option's
+    text; several: the one its form finds last; none: wrong, never a guess. Open questions: mmmu_open."""
+    if s["problem_type"] != "multiple choice":
+        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
+    table, cands, form = rewards.option_table(s["options"]), [], None
+    for c in ",.!?;:'":
+        text = text.strip(c)
+    padded = f" {text} "
+    for forms in (("{}.", "{}:"), ("({})",), ("{} ",)):
+        for f in forms:
+            hits = [lt for lt, _ in table if f.format(lt) in padded]
+            form, cands = form or (f if hits else None), cands + hits
+        if cands:
+            break
+    pos = [padded.rfind(form.replace("{} ", " {} ").format(c)) for c in cands]
+    if not cands and len(padded.split()) > 5:  # the option's text, case-insensitive
+        cands = [lt for lt, body in table if body.lower() in padded.lower()]
+        pos = [padded.lower().rfind(dict(table)[c].lower()) for c in cands]
+    got = cands[pos.index(max(pos))] if cands else None  # ties: the first, as numpy's argmax
+    return got, float(got == gt_letter(s))
+
+
+def read_tempcompass(text: str, s: dict):
+    """TempCompass's rules (eval_*.py): yes/no by the first word; multi-choice: the option line, a bare letter, "B."
+    or "B)"; caption matching (eval_rule): the option line, its sentence (also after "x) "), or its label."""
+    if s["problem_type"] == "open-ended":  # captioning: the judge (or, without one, the rule-based fallback)
+        return read_reward(text, s)
+    if s["problem_type"] == "boolean":
+        got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
+        return got, float(got == rewards.ground_truth(s))
+    lines = s["problem"].split("\n")[1:]
+    answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
+    if s.get("format") != "caption_matching":
+        if text == answer or text in ("A", "B", "C", "D") or re.match(r"[A-D][.)]", text):
+            return text[0], float(text[0] == answer[0])
+        return None, 0.0
+    got = next((o for o in lines if o == text), None)
+    for sent in [o.split(": ")[1] for o in lines]:
+        got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
+    for label in [o.split(": ")[0] for o in lines]:
+        got = label if label in (text, text.replace(".", "")) else got
+    return got, float(got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1]))
+
+
+def read_holmes(text: str, s: dict):
+    """Video-Holmes evaluate.py: in the last <answer> (else the text), the first of A-F, in letter order, written "X ",
+    "X:" or "[X", else the first of A-F present at all."""
+    choice, letters = rewards.last_answer(text, text), "ABCDEF"
+    got = next((c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None)
+    got = got or next((c for c in letters if c in choice), None)
+    return got, float(got == gt_letter(s))
 
 
 def read_mmmu(text: str, s: dict):
@@ -387,16 +511,20 @@ def read_mmmu(text: str, s: dict):
 
 
 READERS = {
-    # Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter
-    "letter": partial(read_pattern, rules=(("[{L}]", 0),), drop=PREFIXES),
-    # Perception Test, MotionBench, MMVU: the first option letter standing as a word
+    # Video-MME extract_characters_regex (after the benchmark's `prefixes`): the first capital option letter
+    "letter": partial(read_pattern, rules=(("[{L}]", 0),)),
+    # Perception Test, MMVU without a judge: the first option letter standing as a word
     "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
     # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
     "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
-    # LVBench (polish_answer): before the first ")", after the first "(" if any, the first word's first character
+    # LVBench, MotionBench (polish_answer): before the first ")", after the first "(", the first word's first character
     "lvbench": partial(read_pattern, rules=((r"^(?>(?:[^()]*\()?)\s*+([^\s)])", 0),)),
-    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu,
+    # MLVU check_ans: before the first ")" is exactly the letter (the prompt's "Best option:(" primer read past)
+    "mlvu": partial(read_pattern, rules=((r"^(?:Best option:)?\s{0,9}\(?([{L}])(?:\)|$)", 0),)),
+    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu, "videommmu": read_videommmu,
+    "tempcompass": read_tempcompass, "holmes": read_holmes,
 }
+ANY_TYPE = ("vsi", "mmmu", "videommmu", "ovo", "tempcompass")  # readers of every problem type of their benchmark
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -422,13 +550,22 @@ def read_reward(text: str, s: dict):  # our schema, and types without an officia
     return (text if v is not None else None), v
 
 
-def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
-    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
-    text = rewards.answer_text(response)
+def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
+    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
+    text = rewards.answer_text(response) if extraction == "tags" else response
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
+    for p in ad.get("prefixes", ()):  # the benchmark's own answer prefixes, dropped wherever they stand
+        text = text.replace(p, "")
+    return text
+
+
+def score(response: str, s: dict, ad: dict, guess_seed: int | None = None,
+          extraction: str = "tags") -> tuple[str | None, float | None]:
+    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
+    text = answer_of(response, ad, extraction)
     t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
-    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else read_reward
+    rule = READERS[read] if t == "multiple choice" or read in ANY_TYPE else read_reward
     if t == "temporal grounding":
         rule = read_span
     if ad.get("own"):
@@ -443,14 +580,18 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
     return parsed, (v if parsed is not None else None)
 
 
-def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
-    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored."""
+def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None,
+           extraction: str = "tags") -> dict:
+    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
+    dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
-    parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
+    parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
+    drop = {"unreadable": v is None, "empty": not answer_of(response, ad, extraction).strip()}.get(ad.get("drop"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
+           "dropped": bool(drop) and not error,
            "error": error, "problem_type": pt, **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s}}
-    if ad.get("judge") and pt == "open-ended":
+    if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
         row["judge"] = "none"  # judge_rows rescores it
     return row
 
@@ -470,29 +611,48 @@ def macro(rows: list[dict], keys: tuple) -> float:
     return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
-def group_score(rows: list[dict], key: str) -> float:
-    """Video-MME-v2: the mean over groups (one video_id's questions) of (right/asked)^2: 1..4 of 4 give 1/16 .. 1."""
-    groups = {}
+# Video-MME-v2 cal_logic: a logic group's structure -> (denominator, scores of 1-3 right, (run, index): a run of
+# that length also counts the answer at index, the branch of the structure)
+LOGIC = {"[1, 2, 3, 4]": (16, (1, 4, 9), None), "[1, [2, 3], 4]": (12, (1, 4, 7), (0, 2)),
+         "[[1, 2], 3, 4]": (10, (1, 2, 5), (-1, 1))}
+
+
+def group_scores(rows: list[dict], key: str) -> dict:
+    """Video-MME-v2 (its test_video_mme_v2.py): per group (one video_id's questions, in order), relevance scores
+    (right/4)^2 of the count, logic the run of right answers from the first by group_structure; an unreadable answer
+    is -1 there (it lowers a count and, being truthy, continues a run, as officially). Means: all, per type, level."""
+    groups, out = {}, {}
     for r in rows:
-        groups.setdefault(r[key], []).append(r["score"])
-    return mean((sum(g) / len(g)) ** 2 for g in groups.values())
+        groups.setdefault(r[key], []).append(r)
+    for g in groups.values():
+        v, last = [-1 if r["parse_fail"] else r["score"] for r in g], g[-1]
+        if last.get("group_type") == "logic":
+            structure = last.get("group_structure")
+            den, steps, branch = LOGIC[str(json.loads(structure) if isinstance(structure, str) else structure)]
+            run = next((i for i, x in enumerate(v) if not x), len(v))
+            run += bool(branch and run - 1 == branch[0] and v[branch[1]])
+        else:
+            den, steps, run = 16, (1, 4, 9), int(sum(v))
+        exp = {1: 100 * steps[0] / den, 2: 100 * steps[1] / den, 3: 100 * steps[2] / den, 4: 100.0}.get(run, 0.0)
+        for k in ("group_score", f"group_score/{last.get('group_type')}", f"group_score/level_{last.get('level')}"):
+            out.setdefault(k, []).append(exp)
+    return {k: sum(x) / len(x) for k, x in out.items()}
 
 
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated."""
-    ad, n_all = adapter(bench), len(rows)
-    macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
+    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated and that
+    its rule does not drop (Video-MME-v2's groups count every row)."""
+    ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
+    macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
     sc = [r["score"] for r in rows]
-    m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
-         "failed": n_all - len(rows)}
+    m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in done),
+         "failed": n_all - len(done), "dropped": len(done) - len(rows)}
     if macro_keys and rows:
         m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
         m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
-    if ad.get("group") and rows and all(ad["group"] in r for r in rows):
-        m["group_score"] = group_score(rows, ad["group"])
-        for gt in sorted({str(r.get("group_type")) for r in rows if "group_type" in r}):
-            m[f"group_score/{gt}"] = group_score([r for r in rows if str(r.get("group_type")) == gt], ad["group"])
+    if ad.get("group") and done and all(ad["group"] in r for r in done):
+        m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
         sub = macro_keys[macro_keys.index(k) + 1:] if k in macro_keys else ()  # a level of the macro: its own macro
         values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
@@ -683,8 +843,6 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    if len({s["id"] for s in samples}) < len(samples):
-        raise DataError(f"{bench}: duplicate sample ids: the resume log could not tell them apart")
     missing = [s for s in samples if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))]
     bad += [{"where": s["where"], "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}"}
             for s in missing]
@@ -743,7 +901,8 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None)
+            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None,
+                       cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
