@@ -115,14 +115,15 @@ def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
             problem = f"expected a mapping of fields, got {type(ad).__name__}"
         elif unknown := sorted(set(ad) - set(FIELDS)):
             problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
-        elif ad.get("read", "letter") not in READERS:
-            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)}"
+        elif isinstance(ad.get("read"), str) and ad["read"] not in READERS:
+            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, pick] rules"
         elif any(isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
                  for rule in (ad.get("type"), *ad.get("derive", {}).values())):
             problem = "a type or derive rule takes field, map and (optionally) default"
         if problem:
             raise ValueError(f"{path}: benchmark {name!r}: {problem}")
-    return {name: {"q": "question", "opts": "options", "ans": "answer", **ad} for name, ad in table.items()}
+    return {name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
+            for name, ad in table.items()}
 
 
 def adapter(bench: str) -> dict:
@@ -510,21 +511,10 @@ def read_mmmu(text: str, s: dict):
     return got, float(got == gt_letter(s))
 
 
-READERS = {
-    # Video-MME extract_characters_regex (after the benchmark's `prefixes`): the first capital option letter
-    "letter": partial(read_pattern, rules=(("[{L}]", 0),)),
-    # Perception Test, MMVU without a judge: the first option letter standing as a word
-    "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
-    # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
-    "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
-    # LVBench, MotionBench (polish_answer): before the first ")", after the first "(", the first word's first character
-    "lvbench": partial(read_pattern, rules=((r"^(?>(?:[^()]*\()?)\s*+([^\s)])", 0),)),
-    # MLVU check_ans: before the first ")" is exactly the letter (the prompt's "Best option:(" primer read past)
-    "mlvu": partial(read_pattern, rules=((r"^(?:Best option:)?\s{0,9}\(?([{L}])(?:\)|$)", 0),)),
-    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu, "videommmu": read_videommmu,
-    "tempcompass": read_tempcompass, "holmes": read_holmes,
-}
-ANY_TYPE = ("vsi", "mmmu", "videommmu", "ovo", "tempcompass")  # readers of every problem type of their benchmark
+# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
+# they read every problem type of their benchmark
+READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu, "videommmu": read_videommmu,
+           "tempcompass": read_tempcompass, "holmes": read_holmes}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -564,8 +554,10 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None,
           extraction: str = "tags") -> tuple[str | None, float | None]:
     """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
     text = answer_of(response, ad, extraction)
-    t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
-    rule = READERS[read] if t == "multiple choice" or read in ANY_TYPE else read_reward
+    t, read = rewards.canonical_type(s["problem_type"]), ad["read"]
+    rule = READERS[read] if isinstance(read, str) else partial(read_pattern, rules=read)
+    if t != "multiple choice" and not isinstance(read, str):
+        rule = read_reward
     if t == "temporal grounding":
         rule = read_span
     if ad.get("own"):

@@ -284,8 +284,10 @@ def test_grounding_without_boxes_is_scored_on_time():
 
 
 # Video-MME-v2 cal_logic / cal_relevance on 4 answers (1 right, 0 wrong, -1 unreadable), worked through the source
-V2_GROUPS = [("logic", "[1, 2, 3, 4]", [1, 1, 0, 1], 100 * 4 / 16), ("logic", "[1, [2, 3], 4]", [1, 0, 1, 1], 100 * 4 / 12),
-             ("logic", "[[1, 2], 3, 4]", [0, 1, 1, 1], 100 / 10), ("logic", "[1, 2, 3, 4]", [1, -1, 1, 0], 100 * 9 / 16),
+V2_GROUPS = [("logic", "[1, 2, 3, 4]", [1, 1, 0, 1], 100 * 4 / 16),
+             ("logic", "[1, [2, 3], 4]", [1, 0, 1, 1], 100 * 4 / 12),  # the branch: 1 then 3 counts as 2
+             ("logic", "[[1, 2], 3, 4]", [0, 1, 1, 1], 100 / 10),  # 2 alone opens the first step
+             ("logic", "[1, 2, 3, 4]", [1, -1, 1, 0], 100 * 9 / 16),  # -1 is truthy: the run goes on
              ("logic", "[[1, 2], 3, 4]", [1, 1, 1, 1], 100.0), ("relevance", "", [1, 1, -1, 1], 100 * 4 / 16),
              ("relevance", "", [-1, -1, 0, 0], 0.0), ("relevance", "", [1, 1, 1, 0], 100 * 9 / 16)]
 
@@ -366,7 +368,8 @@ def test_benchmark_table_is_checked(tmp_path):
     with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map"):
         E.load_adapters(str(path))
     path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")  # the defaults fill in, an explicit null stays
-    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4"}}
+    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4",
+                                                   "read": [["[{L}]", 0]]}}
 
 def test_checked_before_the_engine(tmp_path):
     t = time.perf_counter()
