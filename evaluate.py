@@ -7,6 +7,7 @@ Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume a
 "Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
 """
 import asyncio
+import collections
 import copy
 import csv
 import glob
@@ -100,7 +101,7 @@ FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # annotation files, i
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml")
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
-          "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "answers", "prefixes", "drop",
+          "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "prefixes", "drop",
           "judge_all", "authority")
 
 
@@ -166,16 +167,14 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
 
 
 def line_record(line: str, ad: dict):
+    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
+    if ad.get("line"):
+        m = re.fullmatch(ad["line"], line.strip())
+        return m.groupdict() if m else DataError(f"line does not match {ad['line']!r}")
     try:
-        if ad.get("line"):
-            if not (m := re.fullmatch(ad["line"], line.strip())):
-                raise DataError(f"line does not match {ad['line']!r}")
-            return m.groupdict()
         return json.loads(line)
     except json.JSONDecodeError as e:
         return DataError(f"not JSON: {e}")
-    except DataError as e:
-        return e
 
 
 def walk(node, names, where: str) -> list[tuple[str, object]]:
@@ -272,16 +271,15 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     return data.validate_sample(s, where)
 
 
-def find_annotations(name: str, ad: dict, cfg: Config) -> list[str]:
+def find_annotations(name: str, cfg: Config) -> list[str]:
     """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
     paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
     path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
-    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path] * os.path.isfile(path)
-    files = [f for f in files if os.path.basename(f) != ad.get("answers")]
-    if not any(f.endswith(FORMATS) for f in files):
+    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
+    if not (files := [f for f in files if f.endswith(FORMATS)]):
         raise FileNotFoundError(f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
                                 f"folder {path} (docs/benchmarks.md: what to download, the layout)")
-    return [f for f in files if f.endswith(FORMATS)]
+    return files
 
 
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
@@ -293,11 +291,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         if not (path := next((p for p in paths if os.path.exists(p)), None)):
             raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
         return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
-    files = find_annotations(name, ad, cfg)
-    answers = {}
-    if ad.get("answers"):  # EgoSchema: the answers come in their own file, {id: option index}
-        with open(os.path.join(os.path.dirname(files[0]), ad["answers"]), encoding="utf-8") as fh:
-            answers = json.load(fh)
+    files = find_annotations(name, cfg)
     for f in files:
         try:
             rows = parse_file(f, ad)
@@ -311,8 +305,6 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
                 continue
             if isinstance(r, dict):
                 r = dict(r, _file=os.path.basename(f).split(".")[0])
-                if answers and ad["ans"] not in r:
-                    r[ad["ans"]] = answers.get(str(r.get(ad["id"])))
             records = [r]
             nested = ad.get("nested", "").rstrip("?")  # "field?": records without it are questions themselves
             if nested and isinstance(r, dict) and not (ad["nested"].endswith("?") and nested not in r):
@@ -334,16 +326,13 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     if not out:
         first = (errors or skipped or [{"where": files[0], "error": "no records"}])[0]
         raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
-                        f"without ground truth; first: {first['where']}: {first['error']})")
-    seen = {}
-    for s in out:
-        seen.setdefault(s["id"], []).append(s)
-    for sid, same in seen.items():
-        if len(same) > 1:  # LiveSports-3K repeats ids for different questions: each keeps its place in the id
-            print(f"warning: {name}: id {sid} is shared by {', '.join(s['where'] for s in same)}: each becomes "
-                  f"'{sid}@<file:record>'", file=sys.stderr, flush=True)
-            for s in same:
-                s["id"] = f"{sid}@{os.path.basename(s['where'])}"
+                        f"without ground truth; first: {first['where']}: {first['error']}; docs/benchmarks.md: what to "
+                        "download, the layout, the preparation step)")
+    repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
+    for s in out:  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
+        if s["id"] in repeated:
+            s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
+            print(f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}", file=sys.stderr, flush=True)
     if errors and bad is None:
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
     return out[:cfg.max_samples or None]
@@ -440,27 +429,35 @@ def mmmu_open(text: str, gt: str):
     return (text or None), float(ok)
 
 
-def read_videommmu(text: str, s: dict):
-    """Video-MMMU's multiple-choice parser: "B." and "B:", else "(B)", else "B ", else (over 5 words) an option's
-    text; several: the one its form finds last; none: wrong, never a guess. Open questions: mmmu_open."""
-    if s["problem_type"] != "multiple choice":
-        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
-    table, cands, form = rewards.option_table(s["options"]), [], None
+def read_choice(text: str, s: dict, stages: tuple):
+    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option
+    letters, several: the one found last at the position form (None: the first form that found one); else (over 5
+    words) the option whose text is written last; else None. Ties: the first, as numpy's argmax."""
+    table, cands, at = rewards.option_table(s["options"]), [], None
     for c in ",.!?;:'":
         text = text.strip(c)
     padded = f" {text} "
-    for forms in (("{}.", "{}:"), ("({})",), ("{} ",)):
+    for forms, position in stages:
         for f in forms:
             hits = [lt for lt, _ in table if f.format(lt) in padded]
-            form, cands = form or (f if hits else None), cands + hits
+            if hits and at is None:
+                at = position or f
+            cands += hits
         if cands:
             break
-    pos = [padded.rfind(form.replace("{} ", " {} ").format(c)) for c in cands]
+    pos = [padded.rfind(at.format(c)) for c in cands]
     if not cands and len(padded.split()) > 5:  # the option's text, case-insensitive
-        cands = [lt for lt, body in table if body.lower() in padded.lower()]
+        cands = [lt for lt, body in table if body and body.lower() in padded.lower()]
         pos = [padded.lower().rfind(dict(table)[c].lower()) for c in cands]
-    got = cands[pos.index(max(pos))] if cands else None  # ties: the first, as numpy's argmax
+    got = cands[pos.index(max(pos))] if cands else None
     return got, float(got == gt_letter(s))
+
+
+def read_videommmu(text: str, s: dict):
+    """Video-MMMU (its lmms-eval task): "B." and "B:", else "(B)", else "B "; never a guess. Open: mmmu_open."""
+    if s["problem_type"] != "multiple choice":
+        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
+    return read_choice(text, s, ((("{}.", "{}:"), None), (("({})",), None), (("{} ",), " {} ")))
 
 
 def read_tempcompass(text: str, s: dict):
@@ -473,10 +470,8 @@ def read_tempcompass(text: str, s: dict):
         return got, float(got == rewards.ground_truth(s))
     lines = s["problem"].split("\n")[1:]
     answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
-    if s.get("format") != "caption_matching":
-        if text == answer or text in ("A", "B", "C", "D") or re.match(r"[A-D][.)]", text):
-            return text[0], float(text[0] == answer[0])
-        return None, 0.0
+    if s.get("format") != "caption_matching":  # the answer line, "C", "C." or "C)" all start so
+        return read_pattern(text, s, [(r"^([A-D])(?:[.)]|$)", 0)])
     got = next((o for o in lines if o == text), None)
     for sent in [o.split(": ")[1] for o in lines]:
         got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
@@ -494,27 +489,12 @@ def read_holmes(text: str, s: dict):
     return got, float(got == gt_letter(s))
 
 
-def read_mmmu(text: str, s: dict):
-    """MMMU parse_multi_choice_response: "(B)", then " B ", then an option's text; several: the last written."""
-    if s["problem_type"] != "multiple choice":
-        return mmmu_open(text, rewards.ground_truth(s))
-    table = rewards.option_table(s["options"])
-    for c in ",.!?;:'":
-        text = text.strip(c)
-    padded = f" {text} "
-    cands = [(padded.rfind(f"({lt})"), lt) for lt, _ in table if f"({lt})" in padded]
-    cands = cands or [(padded.rfind(f" {lt} "), lt) for lt, _ in table if f" {lt} " in padded]
-    if not cands and len(padded.split()) > 5:
-        cands = [(padded.lower().rfind(body.lower()), lt) for lt, body in table if body and body.lower() in
-                 padded.lower()]
-    got = max(cands)[1] if cands else None  # several: the one written last
-    return got, float(got == gt_letter(s))
-
-
 # the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
 # they read every problem type of their benchmark
-READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu, "videommmu": read_videommmu,
-           "tempcompass": read_tempcompass, "holmes": read_holmes}
+READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "videommmu": read_videommmu,
+           "tempcompass": read_tempcompass, "holmes": read_holmes,
+           # lmms-eval's MMMU reader (EgoSchema, NExT-QA): "(B)", then " B ", then an option's text
+           "mmmu": partial(read_choice, stages=((("({})",), None), ((" {} ",), None)))}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -603,30 +583,26 @@ def macro(rows: list[dict], keys: tuple) -> float:
     return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
-# Video-MME-v2 cal_logic: a logic group's structure -> (denominator, scores of 1-3 right, (run, index): a run of
-# that length also counts the answer at index, the branch of the structure)
-LOGIC = {"[1, 2, 3, 4]": (16, (1, 4, 9), None), "[1, [2, 3], 4]": (12, (1, 4, 7), (0, 2)),
-         "[[1, 2], 3, 4]": (10, (1, 2, 5), (-1, 1))}
+# Video-MME-v2: a group's kind -> (denominator, the scores of 1-3 right, (run, index): a run of that length also
+# takes the answer at index, a branch of the logic structure); 4 right score 100
+V2_STEPS = {"relevance": (16, (1, 4, 9), None), "[1,2,3,4]": (16, (1, 4, 9), None),
+            "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)), "[[1,2],3,4]": (10, (1, 2, 5), (0, 1))}
 
 
 def group_scores(rows: list[dict], key: str) -> dict:
-    """Video-MME-v2 (its test_video_mme_v2.py): per group (one video_id's questions, in order), relevance scores
-    (right/4)^2 of the count, logic the run of right answers from the first by group_structure; an unreadable answer
-    is -1 there (it lowers a count and, being truthy, continues a run, as officially). Means: all, per type, level."""
+    """Video-MME-v2 (test_video_mme_v2.py cal_relevance, cal_logic) per group (one video_id's questions, in order):
+    relevance by the count right, logic by the run right from the first (by group_structure). An unreadable answer
+    is -1 there: it lowers a count and, being truthy, goes on with a run, as officially. Means: all, per type, level."""
     groups, out = {}, {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
     for g in groups.values():
-        v, last = [-1 if r["parse_fail"] else r["score"] for r in g], g[-1]
-        if last.get("group_type") == "logic":
-            structure = last.get("group_structure")
-            den, steps, branch = LOGIC[str(json.loads(structure) if isinstance(structure, str) else structure)]
-            run = next((i for i, x in enumerate(v) if not x), len(v))
-            run += bool(branch and run - 1 == branch[0] and v[branch[1]])
-        else:
-            den, steps, run = 16, (1, 4, 9), int(sum(v))
+        v, logic = [-1 if r["parse_fail"] else r["score"] for r in g], g[-1].get("group_type") == "logic"
+        den, steps, branch = V2_STEPS[re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"]
+        run = next((i for i, x in enumerate(v) if not x), len(v)) if logic else int(sum(v))
+        run += bool(branch and run == branch[0] and v[branch[1]])
         exp = {1: 100 * steps[0] / den, 2: 100 * steps[1] / den, 3: 100 * steps[2] / den, 4: 100.0}.get(run, 0.0)
-        for k in ("group_score", f"group_score/{last.get('group_type')}", f"group_score/level_{last.get('level')}"):
+        for k in ("group_score", f"group_score/{g[-1].get('group_type')}", f"group_score/level_{g[-1].get('level')}"):
             out.setdefault(k, []).append(exp)
     return {k: sum(x) / len(x) for k, x in out.items()}
 
@@ -646,7 +622,7 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     if ad.get("group") and done and all(ad["group"] in r for r in done):
         m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
-        sub = macro_keys[macro_keys.index(k) + 1:] if k in macro_keys else ()  # a level of the macro: its own macro
+        sub = tuple(x for x in macro_keys if x != k)  # each value's own macro over the other macro keys
         values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
         for v in sorted(values, key=str):
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
