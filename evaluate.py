@@ -13,6 +13,7 @@ import csv
 import glob
 import hashlib
 import json
+import operator
 import os
 import random
 import re
@@ -429,35 +430,33 @@ def mmmu_open(text: str, gt: str):
     return (text or None), float(ok)
 
 
-def read_choice(text: str, s: dict, stages: tuple):
-    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option
-    letters, several: the one found last at the position form (None: the first form that found one); else (over 5
-    words) the option whose text is written last; else None. Ties: the first, as numpy's argmax."""
-    table, cands, at = rewards.option_table(s["options"]), [], None
+def read_choice(text: str, s: dict, stages: tuple, pick=max):
+    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option letters,
+    each placed where its form (or the stage's position form) is last written, the latest (pick max) or the earliest
+    (min) of them; else (over 5 words) the options whose text is written, alike; else None. Ties: the first found."""
+    table, found = rewards.option_table(s["options"]), []
     for c in ",.!?;:'":
         text = text.strip(c)
     padded = f" {text} "
     for forms, position in stages:
-        for f in forms:
-            hits = [lt for lt, _ in table if f.format(lt) in padded]
-            if hits and at is None:
-                at = position or f
-            cands += hits
-        if cands:
+        found = [(padded.rfind((position or f).format(lt)), lt) for f in forms for lt, _ in table
+                 if f.format(lt) in padded]
+        if found:
             break
-    pos = [padded.rfind(at.format(c)) for c in cands]
-    if not cands and len(padded.split()) > 5:  # the option's text, case-insensitive
-        cands = [lt for lt, body in table if body and body.lower() in padded.lower()]
-        pos = [padded.lower().rfind(dict(table)[c].lower()) for c in cands]
-    got = cands[pos.index(max(pos))] if cands else None
+    if not found and len(padded.split()) > 5:  # the option's text, case-insensitive
+        low = padded.lower()
+        found = [(low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low]
+    got = pick(found, key=operator.itemgetter(0))[1] if found else None
     return got, float(got == gt_letter(s))
 
 
 def read_videommmu(text: str, s: dict):
-    """Video-MMMU (its lmms-eval task): "B." and "B:", else "(B)", else "B "; never a guess. Open: mmmu_open."""
+    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "), else the text;
+    several: the last written; never a guess. Open: mmmu_open. (One stage for "B." and "B:" placed at "B." is these
+    two stages: a "B:"-only candidate is never found there.)"""
     if s["problem_type"] != "multiple choice":
         return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
-    return read_choice(text, s, ((("{}.", "{}:"), None), (("({})",), None), (("{} ",), " {} ")))
+    return read_choice(text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} ")))
 
 
 def read_tempcompass(text: str, s: dict):
@@ -493,8 +492,9 @@ def read_holmes(text: str, s: dict):
 # they read every problem type of their benchmark
 READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "videommmu": read_videommmu,
            "tempcompass": read_tempcompass, "holmes": read_holmes,
-           # lmms-eval's MMMU reader (EgoSchema, NExT-QA): "(B)", then " B ", then an option's text
-           "mmmu": partial(read_choice, stages=((("({})",), None), ((" {} ",), None)))}
+           # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
+           # written of them; else an option's text; else (with --random-fallback) a random option
+           "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min)}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"

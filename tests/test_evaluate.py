@@ -64,9 +64,10 @@ FORMS = {
     "videommmu": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B) x", 1),
                   ("**B**", None), ("B or A", 0), ("A or B", 1), ("I think the screen is green all along", 1),
                   ("A. red or B. green", 1), ("C: blue, not B", 0), ("The answer is B.", 1), ("", None)],
-    # EgoSchema / NExT-QA (lmms-eval's MMMU reader): "(B)", then " B ", then option text; several: the last written
-    "egoschema": [("B", 1), ("Answer: B", 1), ("Option B", 1), ("**B**", None), ("B or A", 0), ("A or B", 1),
-                  ("", None)],
+    # EgoSchema / NExT-QA (lmms-eval's egoschema parse_multi_choice_response): "(B)", "B ", "B." all at once; several:
+    # the first written ("get the first one", argmin); none: option text, else unreadable (or the random guess)
+    "egoschema": [("B", 1), ("Answer: B", 1), ("Option B", 1), ("**B**", None), ("B or A", 1), ("A or B", 0),
+                  ("B. green, not A", 1), ("I think the screen is green all along", 1), ("", None)],
     # MLVU check_ans: before the first ")" exactly the letter (the "Best option:(" primer read past)
     "mlvu": [("B", 1), ("B) green", 1), ("(B) green", 1), ("Best option: (B)", 1), ("B. green", None),
              ("Answer: B", None), ("C", 0), ("", None)],
@@ -142,6 +143,14 @@ def test_videommmu_open_answers_and_empty_left_out():
     m = E.aggregate(rows, "videommmu")  # the empty answer leaves the denominator, the unreadable one stays (wrong)
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 2, 1, 2)
     assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
+
+
+def test_mmvu_judges_multiple_choice_too():
+    mm = E.load_benchmark("mmvu", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
+    rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
+    assert [r.get("judge") for r in rows] == ["none", "none"]  # both go to --judge-model (GPT-4o officially)
+    assert [r["score"] for r in rows] == [1.0, 1.0]  # without a judge: the letter rule, the rule-based fallback
+    assert E.judge_rows(rows, E.Config(), E.adapter("mmvu")["judge"]).startswith("none: ")
 
 
 def test_answer_extraction_official():
