@@ -234,6 +234,8 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     """A released record -> a validated data.py sample (None: no ground truth); DataError names where and the field."""
     try:
+        if isinstance(r, DataError):  # a record that did not parse
+            raise r
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
         r = dict(r)
@@ -283,6 +285,25 @@ def find_annotations(name: str, cfg: Config) -> list[str]:
     return files
 
 
+def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
+    """(file:N, question record, or the DataError that stands for it) of one annotation file; a video's nested
+    questions (LVBench's qa) are one record each, the video's fields with each question's."""
+    try:
+        rows = parse_file(f, ad)
+    except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+        return [(f, DataError(f"{type(e).__name__}: {e}"))]
+    nested, out = ad.get("nested", "").rstrip("?"), []  # "field?": records without it are questions themselves
+    for at, r in rows:
+        r = dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r
+        if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
+            out.append((f"{f}:{at}", r))
+        elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
+            out += [(f"{f}:{at}", {**r, **qa}) for qa in r[nested]]
+        else:
+            out.append((f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects")))
+    return out
+
+
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
     """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
     Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
@@ -293,37 +314,16 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
             raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
         return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
     files = find_annotations(name, cfg)
-    for f in files:
+    for where, r in [x for f in files for x in questions_of(f, ad)]:
         try:
-            rows = parse_file(f, ad)
-        except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
-            errors.append({"where": f, "error": f"{type(e).__name__}: {e}"})
+            s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
+        except DataError as e:
+            errors.append({"where": where, "error": str(e)})
             continue
-        for at, r in rows:
-            where = f"{f}:{at}"
-            if isinstance(r, DataError):
-                errors.append({"where": where, "error": str(r)})
-                continue
-            if isinstance(r, dict):
-                r = dict(r, _file=os.path.basename(f).split(".")[0])
-            records = [r]
-            nested = ad.get("nested", "").rstrip("?")  # "field?": records without it are questions themselves
-            if nested and isinstance(r, dict) and not (ad["nested"].endswith("?") and nested not in r):
-                qas = r.get(nested)
-                if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
-                    errors.append({"where": where, "error": f"field {nested!r} must be a list of question objects"})
-                    continue
-                records = [{**r, **qa} for qa in qas]
-            for one in records:
-                try:
-                    s = to_sample(one, ad, where, os.path.join(cfg.video_dir, name))
-                except DataError as e:
-                    errors.append({"where": where, "error": str(e)})
-                    continue
-                if s is None:
-                    skipped.append({"where": where, "error": "no ground truth"})
-                else:
-                    out.append(dict(s, where=where))
+        if s is None:
+            skipped.append({"where": where, "error": "no ground truth"})
+        else:
+            out.append(dict(s, where=where))
     if not out:
         first = (errors or skipped or [{"where": files[0], "error": "no records"}])[0]
         raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "

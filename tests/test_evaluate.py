@@ -506,3 +506,22 @@ def test_readme_command_as_written(tiny_model, tmp_path):
     folder = next((tmp_path / "runs" / "eval").iterdir())
     res = json.loads((folder / "results.json").read_text())["benchmarks"]["nvr1"]
     assert res["metrics"]["n"] == 3 and res["unevaluable"] == 0
+
+
+def test_official_prompts_verbatim():
+    """The prompts the YAML calls official render as the benchmarks' own code writes them (typed from the sources)."""
+    cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
+    first = {b: E.load_benchmark(b, cfg, [])[0] for b in ("videomme", "holmes", "mmvu")}
+    got = {b: data.render_prompt(s, E.adapter(b)["prompt"]) for b, s in first.items()}
+    vm = first["videomme"]  # the README's prompt without subtitles: the question bare
+    assert got["videomme"] == ("Select the best answer to the following multiple-choice question based on the video. "
+                               "Respond with only the letter (A, B, C, or D) of the correct option.\n"
+                               f"{vm['problem']}\n" + "\n".join(vm["options"]) + "\nThe best answer is:")
+    assert got["holmes"] == (  # Video-Holmes evaluate.py: options joined as "A: text, B: text"
+        "Based on the given video, reason and answer the single-choice question. Provide your reasoning between the "
+        "<think> and </think> tags, and then give your final answer between the <answer> and </answer> tags. The "
+        "question is: Why did the man leave?. The options are: A: reason A, B: reason B, C: reason C, D: reason D, "
+        "E: reason E, F: reason F. Your answer:")
+    assert got["mmvu"] == ("\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
+                           "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
+                           "with the option letter from the given choices.\n")  # MMVU's DO_PROMPT
