@@ -43,10 +43,10 @@ FORMS = {
     # Video-MME eval_your_results.py: its prefixes (two pairs joined by missing commas), then the first of [ABCD]
     "videomme": [("B", 1), ("Answer: B", 0), ("Final Answer: B", 0), ("**B**", 1), ("Option B", 1),
                  ("The answer is (B).", 1), ("Best answer: D", 1), ("C", 0), ("", None), ("A or B", 0),
-                 ("I cannot tell.", None)],
+                 ("I cannot tell.", None), ("E", None)],
     # Video-MME-v2 extract_characters_regex_v2: its longer prefix list, then the first option letter
     "videomme_v2": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B)", 1),
-                    ("The answer is: C", 0), ("", None)],
+                    ("The answer is: C", 0), ("E", 0), ("", None)],  # letters A-H, whatever the options
     # VSI-Bench: first space-separated token, trailing "." stripped, exact (case-insensitive)
     "vsibench": [("B", 1), ("b.", 1), ("Answer: B", 0), ("**B**", 0), ("(B)", 0), ("The answer is (B).", 0),
                  ("C", 0), ("", None), ("B or C", 1)],
@@ -72,9 +72,10 @@ FORMS = {
     "mlvu": [("B", 1), ("B) green", 1), ("(B) green", 1), ("Best option: (B)", 1), ("B. green", None),
              ("Answer: B", None), ("C", 0), ("", None)],
     # LongVideoBench (lmms-eval, the paper's code): 8 prefixes (not "Answer:"), then the first of the letters
-    "longvideobench": [("B", 1), ("The best answer is B", 1), ("Answer: B", 0), ("Option B", 1), ("", None)],
-    # VideoMathQA (lmms-eval): no prefix dropped, the first capital option letter
-    "videomathqa": [("B", 1), ("The answer is B", 1), ("Answer: B", 0), ("Best option: B", 1), ("", None)],
+    "longvideobench": [("B", 1), ("The best answer is B", 1), ("Answer: B", 0), ("Option B", 1), ("E", 0),
+                       ("", None)],
+    # VideoMathQA (lmms-eval extract_characters_regex): Video-MME's prefixes, then the first of A-E
+    "videomathqa": [("B", 1), ("The answer is B", 1), ("Answer: B", 0), ("Best option: B", 1), ("E", 0), ("", None)],
     # Perception Test / MMVU without a judge: the first option letter standing as a word
     "perceptiontest": [("B", 1), ("Answer: B", 1), ("**B**", 1), ("Option B", 1), ("(B)", 1), ("A or B", 0),
                        ("", None)],
