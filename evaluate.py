@@ -163,15 +163,16 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
         if not f.endswith(".json"):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
             if f.endswith(".txt") and not ad.get("line"):
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
-            return [(str(i + 1), line_record(line, ad)) for i, line in enumerate(fh) if line.strip()]
+            pattern = ad.get("line") if f.endswith(".txt") else None
+            return [(str(i + 1), line_record(line, pattern)) for i, line in enumerate(fh) if line.strip()]
         return walk(json.load(fh), ad.get("nest", ()), "")
 
 
-def line_record(line: str, ad: dict):
+def line_record(line: str, pattern: str | None):
     """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
-    if ad.get("line"):
-        m = re.fullmatch(ad["line"], line.strip())
-        return m.groupdict() if m else DataError(f"line does not match {ad['line']!r}")
+    if pattern:
+        m = re.fullmatch(pattern, line.strip())
+        return m.groupdict() if m else DataError(f"line does not match {pattern!r}")
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
