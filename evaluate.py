@@ -313,9 +313,11 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         paths = [os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")]
         if not (path := next((p for p in paths if os.path.exists(p)), None)):
             raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-        return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
-    files = find_annotations(name, cfg)
-    for where, r in [x for f in files for x in questions_of(f, ad)]:
+        files, rows, out = [path], [], [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
+    else:
+        files = find_annotations(name, cfg)
+        rows = [x for f in files for x in questions_of(f, ad)]
+    for where, r in rows:
         try:
             s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
         except DataError as e:

@@ -281,6 +281,11 @@ def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     assert "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1" in capsys.readouterr().err
     ids = [s["id"] for s in E.load_benchmark("livesports3k_qa", replace(cfg, max_samples=0), [])]
     assert ids == ["0@livesports3k_qa.json:1", "1", "0@livesports3k_qa.json:3"]
+    # our own schema too (the resume log keys rows by id)
+    one = {"id": "x", "problem": "q?", "answer": "B", "problem_type": "multiple choice", "options": ["A. a", "B. b"]}
+    (tmp_path / "val.jsonl").write_text(json.dumps(one) + "\n" + json.dumps(one) + "\n")
+    own = E.load_benchmark("nvr1", E.Config(data_dir=str(tmp_path)), [])
+    assert [s["id"] for s in own] == ["x@val.jsonl:1", "x@val.jsonl:2"]
     # the other benchmarks of the run go on: preparing this one raises nothing
     job = E.prepare_benchmark("livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path))))
     assert len(job["samples"]) + len(job["missing"]) == 3
