@@ -328,17 +328,17 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         else:
             out.append(dict(s, where=where))
     if not out:
-        first = (errors or skipped or [{"where": files[0], "error": "no records"}])[0]
+        first = [e["error"] for e in errors] + [f"{x['where']}: no ground truth" for x in skipped] + ["no records"]
         raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
-                        f"without ground truth; first: {first['where']}: {first['error']}; docs/benchmarks.md: what to "
-                        "download, the layout, the preparation step)")
+                        f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
+                        "the preparation step)")
     repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
     for s in out:  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
         if s["id"] in repeated:
             s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
             print(f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}", file=sys.stderr, flush=True)
     if errors and bad is None:
-        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
+        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")  # the error names where
     return out[:cfg.max_samples or None]
 
 # ---------------------------------------------------------------------------------------------------
