@@ -91,8 +91,7 @@ def test_official_letter_forms(bench):
     got = [(r, E.score(r, s, E.adapter(bench))[1]) for r, _ in FORMS[bench]]
     assert got == [(r, None if v is None else float(v)) for r, v in FORMS[bench]]
     assert E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0  # our format first
-    # --answer-extraction official: the reader sees the raw response, tags and all (B's letter inside the tag: "b")
-    assert E.score("<answer>C</answer>", s, E.adapter(bench))[1] == 0.0
+    assert E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0  # the tag decides
 
 
 HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
