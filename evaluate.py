@@ -245,7 +245,7 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
                 continue
             if not (m := re.search(pattern, str(r[field]))):
                 raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
-            r.update(m.groupdict())
+            r = {**m.groupdict(), **r}  # a field the record has keeps its value
         for field, rule in ad.get("derive", {}).items():
             if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
                 r[field] = rule.format(**r)  # set when the record has its fields (one layout of several)

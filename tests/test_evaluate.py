@@ -206,7 +206,8 @@ def test_released_record_shapes():
         ("B", "B. The screen stays green.", "attribute_change"), ("A", "B. The screen is yellow.", "speed"),
         ("B", "B. The screen is yellow.", "direction")]
     assert E.score("Caption B: The screen stays green.", cm[0], E.adapter("tempcompass"))[1] == 1.0
-    assert len(E.load_benchmark("videomme", cfg, [])) == 3  # the Hugging Face parquet
+    vm = E.load_benchmark("videomme", cfg, [])  # the Hugging Face parquet: its videoID wins over its url's id
+    assert [s["videos"][0] for s in vm] == [f"/v/videomme/vid{i}.mp4" for i in range(3)]
     mm = {s["id"]: s for s in E.load_benchmark("videommmu", cfg, [])}  # {track: {index: record}}
     assert [(i, s["track"], s["discipline"], s["problem_type"]) for i, s in sorted(mm.items())] == [
         ("validation_Art_1", "Perception", "Art", "multiple choice"), ("validation_Math_3", "Adaptation", "Math",
