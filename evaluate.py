@@ -616,8 +616,8 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
     macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
     sc = [r["score"] for r in rows]
-    m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in done),
-         "failed": n_all - len(done), "dropped": len(done) - len(rows)}
+    m = {"n": len(done), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in done),
+         "failed": n_all - len(done), "dropped": len(done) - len(rows)}  # n evaluated, n - dropped in the accuracy
     if macro_keys and rows:
         m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)

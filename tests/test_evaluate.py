@@ -94,6 +94,51 @@ def test_official_letter_forms(bench):
     assert E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0  # the tag decides
 
 
+def test_official_number_span_and_yes_no_rules():
+    vsi = dict(MC, problem_type="regression", options=[], answer="4")
+    # VSI-Bench: float() of the first token, then MRA (|4.48 - 4| / 4 = 0.12 passes 8 of the 10 thresholds)
+    assert [E.score(r, vsi, E.adapter("vsibench"))[1] for r in ("4", "4.", "4.48", "4%", "1,250", "four", "")] \
+        == [1.0, 1.0, pytest.approx(0.8), None, None, None, None]
+    mmmu = dict(vsi, problem_type="numerical", answer="3")
+    # MMMU: "3%" holds the number 3; values compare rounded to 2 decimals; "1,250" is one number
+    assert [E.score(r, mmmu, E.adapter("videommmu"))[1] for r in ("3%", "The answer is 3.001", "3.01", "4")] \
+        == [1.0, 1.0, 0.0, 0.0]
+    assert E.score("so the total is 1,250", dict(mmmu, answer="1250"), E.adapter("videommmu"))[1] == 1.0
+    assert E.score("3.14", dict(mmmu, answer="3.14159"), E.adapter("videommmu"))[1] == 1.0
+    ch = dict(vsi, problem_type="temporal grounding", answer='{"time": [12, 26]}')
+    forms = ("00:12 - 00:26", "from 00:12 to 00:26", "12.0 - 26.0 seconds", '<answer>{"time": [12, 19]}</answer>',
+             "00:00:12 to 00:00:19", "no idea")
+    assert [E.score(r, ch, E.adapter("charades_sta"))[1] for r in forms] == [1.0, 1.0, 1.0, 0.5, 0.5, None]
+    for bad in ("1" * 20000, "1 " * 10000, "1." * 10000, ":1" * 10000):  # bounded time at the length cap
+        t = time.perf_counter()
+        E.score(bad, ch, E.adapter("charades_sta"))
+        assert time.perf_counter() - t < 0.5  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
+        t = time.perf_counter()
+        E.score(bad, mmmu, E.adapter("videommmu"))
+        assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear
+    ovo = dict(vsi, problem_type="boolean", answer="yes", ovo_task="SSR")
+    assert [E.score(r, ovo, E.adapter("ovobench"))[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [1, 1, 0, 0, 0]
+    rec = dict(vsi, problem_type="counting", answer="12", ovo_task="REC")
+    assert [E.score(r, rec, E.adapter("ovobench"))[1] for r in ("12", "1 then 2", "12 or 13", "")] \
+        == [1, 1, 0, None]
+
+
+def test_empty_answers_and_random_fallback():
+    # MVBench: an empty answer is wrong and stays in the denominator (officially it is right: a documented
+    # deviation); LongVideoBench guesses when asked; Video-MME leaves unreadable answers out of its denominator
+    row = E.record(MC, "mvbench", "p", "")
+    assert (row["score"], row["parse_fail"]) == (0.0, True)
+    assert E.aggregate([row, E.record(MC, "mvbench", "p", "B")], "mvbench")["accuracy"] == 50
+    ad = E.adapter("longvideobench")
+    assert E.score("", MC, ad) == (None, None)
+    picks = {E.score("", dict(MC, id=str(i)), ad, guess_seed=0)[0] for i in range(40)}
+    assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score("", MC, ad, guess_seed=0)
+    assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (None, None)  # Video-MME never guesses
+    rows = [E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")]  # unreadable: not "answered"
+    m = E.aggregate(rows, "videomme")
+    assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 1)
+
+
 HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
 # (benchmark, sample, response, score): the rules that read more than a letter, from the official functions
 RULES = [
@@ -141,7 +186,7 @@ def test_videommmu_open_answers_and_empty_left_out():
     rows = [E.record(MC, "videommmu", "p", r) for r in ("B", "", "**B**")]  # right, empty, unreadable
     assert [r["dropped"] for r in rows] == [False, True, False]
     m = E.aggregate(rows, "videommmu")  # the empty answer leaves the denominator, the unreadable one stays (wrong)
-    assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 2, 1, 2)
+    assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 2)
     assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
 
 
