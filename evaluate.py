@@ -561,7 +561,9 @@ def record(s: dict, bench: str, prompt: str, response: str, error: str = "", gue
     dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
-    drop = {"unreadable": v is None, "empty": not answer_of(response, ad, extraction).strip()}.get(ad.get("drop"))
+    # what the official rule drops, judged on the raw response: one our pre-step empties (an unfinished <think>) counts
+    raw = (parsed, v) if extraction == "official" or error else score(response, s, ad, None, "official")
+    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(ad.get("drop"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
            "dropped": bool(drop) and not error,

@@ -137,6 +137,8 @@ def test_empty_answers_and_random_fallback():
     rows = [E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")]  # unreadable: not "answered"
     m = E.aggregate(rows, "videomme")
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 1)
+    cut = E.record(MC, "videomme", "p", "<think>The answer is A, or")  # unfinished: our step reads nothing, the
+    assert (cut["score"], cut["parse_fail"], cut["dropped"]) == (0.0, True, False)  # official rule reads A: counted
 
 
 HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
@@ -185,6 +187,7 @@ def test_videommmu_open_answers_and_empty_left_out():
                                            "so the total is 5.0", "")] == [1.0, 1.0, 0.0, 1.0, None]
     rows = [E.record(MC, "videommmu", "p", r) for r in ("B", "", "**B**")]  # right, empty, unreadable
     assert [r["dropped"] for r in rows] == [False, True, False]
+    assert not E.record(MC, "videommmu", "p", "<think>B or")["dropped"]  # cut off while thinking: wrong, counted
     m = E.aggregate(rows, "videommmu")  # the empty answer leaves the denominator, the unreadable one stays (wrong)
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 2)
     assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
