@@ -7,10 +7,13 @@ Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume a
 "Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
 """
 import asyncio
+import collections
 import copy
+import csv
 import glob
 import hashlib
 import json
+import operator
 import os
 import random
 import re
@@ -54,6 +57,8 @@ class Config(cache.Media):
     """0 = greedy (deterministic)"""
     seed: int = 0
     """sampling seed, and the seed of the random-option fallback"""
+    answer_extraction: Literal["tags", "official"] = "tags"
+    """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
     random_fallback: bool = False
     """where the official scorer guesses (benchmarks.yaml `guess`), an unreadable answer gets a seeded random option"""
     allow_failures: bool = False
@@ -87,15 +92,18 @@ class Config(cache.Media):
 
 
 # settings that change a benchmark's answers: a resume log written under others is refused
-ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "random_fallback", "max_model_len", "max_prompt_len",
-                   "dtype", "judge_model", "video_fps", "video_min_frames", "video_max_frames", "video_min_pixels",
-                   "video_max_pixels", "video_total_pixels", "image_min_pixels", "image_max_pixels")
+ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "answer_extraction", "random_fallback",
+                   "max_model_len", "max_prompt_len", "dtype", "judge_model", "video_fps", "video_min_frames",
+                   "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels", "image_min_pixels",
+                   "image_max_pixels")
 
 
+FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # annotation files, in the order they are looked for
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml")
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
-          "keys", "macro", "group", "tiou", "judge", "after", "own")
+          "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "prefixes", "drop",
+          "judge_all", "authority")
 
 
 @cached
@@ -109,14 +117,15 @@ def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
             problem = f"expected a mapping of fields, got {type(ad).__name__}"
         elif unknown := sorted(set(ad) - set(FIELDS)):
             problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
-        elif ad.get("read", "letter") not in READERS:
-            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)}"
+        elif isinstance(ad.get("read"), str) and ad["read"] not in READERS:
+            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, pick] rules"
         elif any(isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
                  for rule in (ad.get("type"), *ad.get("derive", {}).values())):
             problem = "a type or derive rule takes field, map and (optionally) default"
         if problem:
             raise ValueError(f"{path}: benchmark {name!r}: {problem}")
-    return {name: {"q": "question", "opts": "options", "ans": "answer", **ad} for name, ad in table.items()}
+    return {name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
+            for name, ad in table.items()}
 
 
 def adapter(bench: str) -> dict:
@@ -142,42 +151,56 @@ def option_letter(m: re.Match) -> str:
     return chr(64 + int(label)) if label.isdigit() else label
 
 
-def read_rows(path: str, bad: list) -> list[tuple[str, dict]]:
-    """(where, record) from .json, .jsonl, .parquet or a folder of them (_file: the stem); what does not parse: bad."""
-    files = [path]
-    if os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".json", ".jsonl", ".parquet")))
-    out = []
-    for f in files:
-        try:
-            if f.endswith(".parquet"):
-                import pyarrow.parquet as pq
-                rows = pq.read_table(f).to_pylist()
-            else:
-                with open(f, encoding="utf-8") as fh:
-                    rows = json.load(fh) if f.endswith(".json") else fh.read().split("\n")
-            if not isinstance(rows, list):
-                raise DataError(f"expected a JSON array of records, got {type(rows).__name__}")
-        except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
-            bad.append({"where": f, "error": f"{type(e).__name__}: {e}"})
-            continue
-        for i, r in enumerate(rows):
-            if f.endswith(".jsonl") and not r.strip():
-                continue
-            try:  # a .jsonl line each: a broken line costs that record only
-                r = json.loads(r) if f.endswith(".jsonl") else r
-            except json.JSONDecodeError as e:
-                bad.append({"where": f"{f}:{i + 1}", "error": f"not JSON: {e}"})
-                continue
-            out.append((f"{f}:{i + 1}", dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r))
-    return out
+def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
+    """(where in f, record) for each record of one annotation file; a record that does not parse is a DataError."""
+    if f.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return [(str(i + 1), r) for i, r in enumerate(pq.read_table(f).to_pylist())]
+    with open(f, encoding="utf-8", newline="") as fh:
+        if f.endswith(".csv"):  # NExT-QA: the header names the fields; where = the line
+            rows = csv.DictReader(fh)
+            return [(str(rows.line_num), r) for r in rows]
+        if not f.endswith(".json"):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
+            if f.endswith(".txt") and not ad.get("line"):
+                raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
+            pattern = ad.get("line") if f.endswith(".txt") else None
+            return [(str(i + 1), line_record(line, pattern)) for i, line in enumerate(fh) if line.strip()]
+        return walk(json.load(fh), ad.get("nest", ()), "")
+
+
+def line_record(line: str, pattern: str | None):
+    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
+    if pattern:
+        m = re.fullmatch(pattern, line.strip())
+        return m.groupdict() if m else DataError(f"line does not match {pattern!r}")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return DataError(f"not JSON: {e}")
+
+
+def walk(node, names, where: str) -> list[tuple[str, object]]:
+    """A JSON array of records, or a release nested in dicts whose keys become the fields `names` (TempCompass's
+    {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record number or key path."""
+    if isinstance(node, list):
+        return [(f"{where}{i + 1}", r) for i, r in enumerate(node)]
+    if not isinstance(node, dict) or not names:
+        if where and isinstance(node, dict):
+            return [(where.rstrip("/"), node)]
+        hint = " (a nested release: the benchmark's `nest` names its keys)" if isinstance(node, dict) else ""
+        raise DataError(f"expected a JSON array of records, got {type(node).__name__}{hint}")
+    return [(w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
+            for k, v in node.items() for w, r in walk(v, names[1:], f"{where}{k}/")]
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
     """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
     opts = ad["opts"]
-    if isinstance(opts, list):
-        raw = [r[k] for k in opts if r.get(k) not in (None, "", "N/A")]
+    if isinstance(opts, list):  # one option a field (a field holding a list: all of them), absent fields skipped
+        if not any(k in r for k in opts):
+            raise KeyError(opts[0])
+        raw = [x for k in opts for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
+               if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
     else:
@@ -212,17 +235,21 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
     """A released record -> a validated data.py sample (None: no ground truth); DataError names where and the field."""
     try:
+        if isinstance(r, DataError):  # a record that did not parse
+            raise r
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
         r = dict(r)
         for field, pattern in ad.get("extract", {}).items():
+            if field not in r:  # one layout of several: a field the layout needs is reported missing below
+                continue
             if not (m := re.search(pattern, str(r[field]))):
                 raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
-            r.update(m.groupdict())
+            r = {**m.groupdict(), **r}  # a field the record has keeps its value
         for field, rule in ad.get("derive", {}).items():
-            if isinstance(rule, str):
-                r[field] = rule.format(**r)
-            elif rule["field"] in r:
+            if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
+                r[field] = rule.format(**r)  # set when the record has its fields (one layout of several)
+            elif isinstance(rule, dict) and rule["field"] in r:
                 r[field] = lookup(r, rule)
         question, ans = r[ad["q"]], r[ad["ans"]]
         if not isinstance(question, str):
@@ -241,52 +268,82 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a missing or wrong-typed field
-        raise DataError(f"{where}: missing or bad field ({type(e).__name__}: {e})") from e
+    except KeyError as e:
+        raise DataError(f"{where}: missing field {e}") from e
+    except (TypeError, ValueError, IndexError, AttributeError) as e:  # a wrong-typed field
+        raise DataError(f"{where}: bad field ({type(e).__name__}: {e})") from e
     return data.validate_sample(s, where)
 
 
+def find_annotations(name: str, cfg: Config) -> list[str]:
+    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
+    paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
+    path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
+    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
+    if not (files := [f for f in files if f.endswith(FORMATS)]):
+        raise FileNotFoundError(f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
+                                f"folder {path} (docs/benchmarks.md: what to download, the layout)")
+    return files
+
+
+def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
+    """(file:N, question record, or the DataError that stands for it) of one annotation file; a video's nested
+    questions (LVBench's qa) are one record each, the video's fields with each question's."""
+    try:
+        rows = parse_file(f, ad)
+    except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+        return [(f, DataError(f"{type(e).__name__}: {e}"))]
+    nested, out = ad.get("nested", "").rstrip("?"), []  # "field?": records without it are questions themselves
+    for at, r in rows:
+        r = dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r
+        if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
+            out.append((f"{f}:{at}", r))
+        elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
+            out += [(f"{f}:{at}", {**r, **qa}) for qa in r[nested]]
+        else:
+            out.append((f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects")))
+    return out
+
+
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise)."""
-    ad, out = adapter(name), []
-    errors = [] if bad is None else bad
-    paths = [os.path.join(cfg.data_dir, name + e) for e in (".jsonl", ".json", ".parquet", "")]
+    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
+    Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
+    ad, out, errors = adapter(name), [], [] if bad is None else bad
     if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [os.path.join(cfg.data_dir, name, "val.jsonl"), os.path.join(cfg.data_dir, "val.jsonl")] + paths
-    path = next((p for p in paths if os.path.exists(p)), None)
-    if path is None:
-        raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-    if ad.get("own"):
-        return [dict(s, where=path) for s in data.load_samples(path)[:cfg.max_samples or None]]
-    for where, r in read_rows(path, errors):
-        records = [r]
-        if ad.get("nested"):  # one record per video holding its questions (LVBench, MotionBench)
-            qas = r.get(ad["nested"]) if isinstance(r, dict) else None
-            if not isinstance(qas, list) or not all(isinstance(qa, dict) for qa in qas):
-                errors.append({"where": where, "error": f"field {ad['nested']!r} must be a list of question objects"})
-                continue
-            records = [{**r, **qa} for qa in qas]
-        for one in records:
-            try:
-                s = to_sample(one, ad, where, os.path.join(cfg.video_dir, name))
-            except DataError as e:
-                errors.append({"where": where, "error": str(e)})
-                continue
-            if s is None:
-                skipped.append({"where": where, "error": "no ground truth"})
-            else:
-                out.append(dict(s, where=where))
+        paths = [os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")]
+        if not (path := next((p for p in paths if os.path.exists(p)), None)):
+            raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
+        files, rows, out = [path], [], [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
+    else:
+        files = find_annotations(name, cfg)
+        rows = [x for f in files for x in questions_of(f, ad)]
+    for where, r in rows:
+        try:
+            s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
+        except DataError as e:
+            errors.append({"where": where, "error": str(e)})
+            continue
+        if s is None:
+            skipped.append({"where": where, "error": "no ground truth"})
+        else:
+            out.append(dict(s, where=where))
+    if not out:
+        first = [e["error"] for e in errors] + [f"{x['where']}: no ground truth" for x in skipped] + ["no records"]
+        raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
+                        f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
+                        "the preparation step)")
+    repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
+    for s in out:  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
+        if s["id"] in repeated:
+            s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
+            print(f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}", file=sys.stderr, flush=True)
     if errors and bad is None:
-        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['where']}: {errors[0]['error']}")
+        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")  # the error names where
     return out[:cfg.max_samples or None]
 
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
 # Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
-PREFIXES = ("The best answer is", "The correct answer is", "The answer is", "The answer", "The best option is",
-            "The correct option is", "Best answer:", "Best option:", "Final Answer:", "Answer:", "Option:")
-
-
 def letters_of(s: dict) -> str:
     return "".join(lt for lt, _ in rewards.option_table(s["options"]))
 
@@ -295,10 +352,8 @@ def gt_letter(s: dict) -> str:
     return rewards.choice_letter(rewards.ground_truth(s), s["options"]) or rewards.ground_truth(s)
 
 
-def read_pattern(text: str, s: dict, rules: tuple, drop: tuple = ()):
-    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters, drop cut."""
-    for p in drop:
-        text = text.replace(p, "")
+def read_pattern(text: str, s: dict, rules: tuple):
+    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters."""
     for pattern, pick in rules:
         if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
             return hits[pick], float(hits[pick] == gt_letter(s))
@@ -316,8 +371,8 @@ def read_vsi(text: str, s: dict):
 
 
 def read_mvbench(text: str, s: dict):
-    """MVBench check_ans on the first word, after the "Best option:" primer the official prompt supplies."""
-    text = re.sub(r"(?i)^best option:", "", text.strip()).strip()
+    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the prompt."""
+    text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
     first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
     if not any(c in first for c in "abcdefg"):
         return None, 0.0
@@ -351,15 +406,24 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
+# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds the answer
+MMMU_KEYS = ("could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result ", "are ", "in total ",
+             "total ", "identify ", "recognize ", "calculated as ", "counted as ", "measured as ", "observed as ",
+             "concluded as ", "found to be ", "equals ", "determined to be ", "number of ", "value is ", "adds up to ",
+             "have ", "has ")
+
+
 def mmmu_open(text: str, gt: str):
-    """MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals."""
+    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals.
+    The text is lower-cased before it is split, so only line breaks split it (as officially)."""
     sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
     for i, sub in enumerate(sentences):
-        words = ["could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result "]
-        words += ["="] if i == len(sentences) - 1 else []
-        tails = [sub.split(w)[-1].strip() for w in words if w in sub]
-        if tails and min(tails, key=len) not in ":,.!?;'":
-            key.append(min(tails, key=len))
+        shortest = None
+        for w in MMMU_KEYS + ("=",) * (i == len(sentences) - 1):  # "=" in the last line only
+            if w in sub and (not shortest or len(sub.split(w)[-1].strip()) < len(shortest)):
+                shortest = sub.split(w)[-1].strip()
+        if shortest and shortest not in (":", ",", ".", "!", "?", ";", "'"):
+            key.append(shortest)
     key = key or [text.strip().strip(".").lower()]
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
@@ -369,34 +433,71 @@ def mmmu_open(text: str, gt: str):
     return (text or None), float(ok)
 
 
-def read_mmmu(text: str, s: dict):
-    """MMMU parse_multi_choice_response: "(B)", then " B ", then an option's text; several: the last written."""
-    if s["problem_type"] != "multiple choice":
-        return mmmu_open(text, rewards.ground_truth(s))
-    table = rewards.option_table(s["options"])
+def read_choice(text: str, s: dict, stages: tuple, pick=max):
+    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option letters,
+    each placed where its form (or the stage's position form) is last written, the latest (pick max) or the earliest
+    (min) of them; else (over 5 words) the options whose text is written, alike; else None. Ties: the first found."""
+    table, found = rewards.option_table(s["options"]), []
     for c in ",.!?;:'":
         text = text.strip(c)
     padded = f" {text} "
-    cands = [(padded.rfind(f"({lt})"), lt) for lt, _ in table if f"({lt})" in padded]
-    cands = cands or [(padded.rfind(f" {lt} "), lt) for lt, _ in table if f" {lt} " in padded]
-    if not cands and len(padded.split()) > 5:
-        cands = [(padded.lower().rfind(body.lower()), lt) for lt, body in table if body and body.lower() in
-                 padded.lower()]
-    got = max(cands)[1] if cands else None  # several: the one written last
+    for forms, position in stages:
+        found = [(padded.rfind((position or f).format(lt)), lt) for f in forms for lt, _ in table
+                 if f.format(lt) in padded]
+        if found:
+            break
+    if not found and len(padded.split()) > 5:  # the option's text, case-insensitive
+        low = padded.lower()
+        found = [(low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low]
+    got = pick(found, key=operator.itemgetter(0))[1] if found else None
     return got, float(got == gt_letter(s))
 
 
-READERS = {
-    # Video-MME (VLMEvalKit extract_characters_regex): answer prefixes dropped, the first capital option letter
-    "letter": partial(read_pattern, rules=(("[{L}]", 0),), drop=PREFIXES),
-    # Perception Test, MotionBench, MMVU: the first option letter standing as a word
-    "first": partial(read_pattern, rules=((r"\b[{L}]\b", 0),)),
-    # MINERVA: "answer is X" / "option: X" (any case), else the last option letter anywhere
-    "minerva": partial(read_pattern, rules=((r"(?i)(?:answer|option)\s{0,9}(?:is|:)\s{0,9}([{L}])", 0), ("[{L}]", -1))),
-    # LVBench (polish_answer): before the first ")", after the first "(" if any, the first word's first character
-    "lvbench": partial(read_pattern, rules=((r"^(?>(?:[^()]*\()?)\s*+([^\s)])", 0),)),
-    "vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "mmmu": read_mmmu,
-}
+def read_videommmu(text: str, s: dict):
+    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "), else the text;
+    several: the last written; never a guess. Open: mmmu_open. (One stage for "B." and "B:" placed at "B." is these
+    two stages: a "B:"-only candidate is never found there.)"""
+    if s["problem_type"] != "multiple choice":
+        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
+    return read_choice(text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} ")))
+
+
+def read_tempcompass(text: str, s: dict):
+    """TempCompass's rules (eval_*.py): yes/no by the first word; multi-choice: the option line, a bare letter, "B."
+    or "B)"; caption matching (eval_rule): the option line, its sentence (also after "x) "), or its label."""
+    if s["problem_type"] == "open-ended":  # captioning: the judge (or, without one, the rule-based fallback)
+        return read_reward(text, s)
+    if s["problem_type"] == "boolean":
+        got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
+        return got, float(got == rewards.ground_truth(s))
+    lines = s["problem"].split("\n")[1:]
+    answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
+    if s.get("format") != "caption_matching":  # the answer line, "C", "C." or "C)" all start so
+        return read_pattern(text, s, [(r"^([A-D])(?:[.)]|$)", 0)])
+    got = next((o for o in lines if o == text), None)
+    for sent in [o.split(": ")[1] for o in lines]:
+        got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
+    for label in [o.split(": ")[0] for o in lines]:
+        got = label if label in (text, text.replace(".", "")) else got
+    return got, float(got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1]))
+
+
+def read_holmes(text: str, s: dict):
+    """Video-Holmes evaluate.py: in the last <answer> (else the text), the first of A-F, in letter order, written "X ",
+    "X:" or "[X", else the first of A-F present at all."""
+    choice, letters = rewards.last_answer(text, text), "ABCDEF"
+    got = next((c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None)
+    got = got or next((c for c in letters if c in choice), None)
+    return got, float(got == gt_letter(s))
+
+
+# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
+# they read every problem type of their benchmark
+READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "videommmu": read_videommmu,
+           "tempcompass": read_tempcompass, "holmes": read_holmes,
+           # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
+           # written of them; else an option's text; else (with --random-fallback) a random option
+           "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min)}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
@@ -422,13 +523,24 @@ def read_reward(text: str, s: dict):  # our schema, and types without an officia
     return (text if v is not None else None), v
 
 
-def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tuple[str | None, float | None]:
-    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
-    text = rewards.answer_text(response)
+def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
+    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
+    text = rewards.answer_text(response) if extraction == "tags" else response
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
         text = text[k + len(ad["after"]):].lstrip(" :*")
-    t, read = rewards.canonical_type(s["problem_type"]), ad.get("read", "letter")
-    rule = READERS[read] if t == "multiple choice" or read in ("vsi", "mmmu", "ovo") else read_reward
+    for p in ad.get("prefixes", ()):  # the benchmark's own answer prefixes, dropped wherever they stand
+        text = text.replace(p, "")
+    return text
+
+
+def score(response: str, s: dict, ad: dict, guess_seed: int | None = None,
+          extraction: str = "tags") -> tuple[str | None, float | None]:
+    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
+    text = answer_of(response, ad, extraction)
+    t, read = rewards.canonical_type(s["problem_type"]), ad["read"]
+    rule = READERS[read] if isinstance(read, str) else partial(read_pattern, rules=read)
+    if t != "multiple choice" and not isinstance(read, str):
+        rule = read_reward
     if t == "temporal grounding":
         rule = read_span
     if ad.get("own"):
@@ -443,14 +555,20 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None) -> tu
     return parsed, (v if parsed is not None else None)
 
 
-def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None) -> dict:
-    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored."""
+def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None,
+           extraction: str = "tags") -> dict:
+    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
+    dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
-    parsed, v = (None, None) if error else score(response, s, ad, guess_seed)
+    parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
+    # what the official rule drops, judged on the raw response: one our pre-step empties (an unfinished <think>) counts
+    raw = (parsed, v) if extraction == "official" or error else score(response, s, ad, None, "official")
+    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(ad.get("drop"))
     row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
            "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
+           "dropped": bool(drop) and not error,
            "error": error, "problem_type": pt, **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s}}
-    if ad.get("judge") and pt == "open-ended":
+    if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
         row["judge"] = "none"  # judge_rows rescores it
     return row
 
@@ -470,31 +588,46 @@ def macro(rows: list[dict], keys: tuple) -> float:
     return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
-def group_score(rows: list[dict], key: str) -> float:
-    """Video-MME-v2: the mean over groups (one video_id's questions) of (right/asked)^2: 1..4 of 4 give 1/16 .. 1."""
-    groups = {}
+# Video-MME-v2: a group's kind -> (denominator, the scores of 1-3 right, (run, index): a run of that length also
+# takes the answer at index, a branch of the logic structure); 4 right score 100
+V2_STEPS = {"relevance": (16, (1, 4, 9), None), "[1,2,3,4]": (16, (1, 4, 9), None),
+            "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)), "[[1,2],3,4]": (10, (1, 2, 5), (0, 1))}
+
+
+def group_scores(rows: list[dict], key: str) -> dict:
+    """Video-MME-v2 (test_video_mme_v2.py cal_relevance, cal_logic) per group (one video_id's questions, in order):
+    relevance by the count right, logic by the run right from the first (by group_structure). An unreadable answer
+    is -1 there: it lowers a count and, being truthy, goes on with a run, as officially. Means: all, per type, level."""
+    groups, out = {}, {}
     for r in rows:
-        groups.setdefault(r[key], []).append(r["score"])
-    return mean((sum(g) / len(g)) ** 2 for g in groups.values())
+        groups.setdefault(r[key], []).append(r)
+    for g in groups.values():
+        v, logic = [-1 if r["parse_fail"] else r["score"] for r in g], g[-1].get("group_type") == "logic"
+        den, steps, branch = V2_STEPS[re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"]
+        run = next((i for i, x in enumerate(v) if not x), len(v)) if logic else int(sum(v))
+        run += bool(branch and run == branch[0] and v[branch[1]])
+        exp = {1: 100 * steps[0] / den, 2: 100 * steps[1] / den, 3: 100 * steps[2] / den, 4: 100.0}.get(run, 0.0)
+        for k in ("group_score", f"group_score/{g[-1].get('group_type')}", f"group_score/level_{g[-1].get('level')}"):
+            out.setdefault(k, []).append(exp)
+    return {k: sum(x) / len(x) for k, x in out.items()}
 
 
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated."""
-    ad, n_all = adapter(bench), len(rows)
-    macro_keys, rows = ad.get("macro", ()), [r for r in rows if not r["error"]]
+    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated and that
+    its rule does not drop (Video-MME-v2's groups count every row)."""
+    ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
+    macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
     sc = [r["score"] for r in rows]
-    m = {"n": len(rows), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in rows),
-         "failed": n_all - len(rows)}
+    m = {"n": len(done), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in done),
+         "failed": n_all - len(done), "dropped": len(done) - len(rows)}  # n evaluated, n - dropped in the accuracy
     if macro_keys and rows:
         m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
         m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
-    if ad.get("group") and rows and all(ad["group"] in r for r in rows):
-        m["group_score"] = group_score(rows, ad["group"])
-        for gt in sorted({str(r.get("group_type")) for r in rows if "group_type" in r}):
-            m[f"group_score/{gt}"] = group_score([r for r in rows if str(r.get("group_type")) == gt], ad["group"])
+    if ad.get("group") and done and all(ad["group"] in r for r in done):
+        m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
-        sub = macro_keys[macro_keys.index(k) + 1:] if k in macro_keys else ()  # a level of the macro: its own macro
+        sub = tuple(x for x in macro_keys if x != k)  # each value's own macro over the other macro keys
         values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
         for v in sorted(values, key=str):
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
@@ -689,8 +822,6 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    if len({s["id"] for s in samples}) < len(samples):
-        raise DataError(f"{bench}: duplicate sample ids: the resume log could not tell them apart")
     missing = [s for s in samples if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))]
     bad += [{"where": s["where"], "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}"}
             for s in missing]
@@ -751,7 +882,8 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None)
+            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None,
+                       cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r

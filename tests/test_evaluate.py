@@ -37,29 +37,46 @@ def videos(tmp_path_factory, synth):
     return str(root)
 
 
-# (benchmark, response, score) for a 4-option question whose answer is B, from each official rule:
-# None = nothing could be read (counted as parse_fail, scored 0)
+# (benchmark, response, score) for a 4-option question whose answer is B, as each official function scores it (worked
+# through its source, quirks included). None = nothing could be read (parse_fail; scored 0 or dropped by `drop`)
 FORMS = {
-    # Video-MME (VLMEvalKit extract_characters_regex): prefixes dropped, then the first capital option letter
-    "videomme": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("**B**", 1), ("Option B", 1),
-                 ("Best option: (B) green", 1), ("The answer is (B).", 1), ("C", 0), ("", None), ("A or B", 0),
-                 ("I cannot tell.", None)],
+    # Video-MME eval_your_results.py: its prefixes (two pairs joined by missing commas), then the first of [ABCD]
+    "videomme": [("B", 1), ("Answer: B", 0), ("Final Answer: B", 0), ("**B**", 1), ("Option B", 1),
+                 ("The answer is (B).", 1), ("Best answer: D", 1), ("C", 0), ("", None), ("A or B", 0),
+                 ("I cannot tell.", None), ("E", None)],
+    # Video-MME-v2 extract_characters_regex_v2: its longer prefix list, then the first option letter
+    "videomme_v2": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B)", 1),
+                    ("The answer is: C", 0), ("E", 0), ("", None)],  # letters A-H, whatever the options
     # VSI-Bench: first space-separated token, trailing "." stripped, exact (case-insensitive)
     "vsibench": [("B", 1), ("b.", 1), ("Answer: B", 0), ("**B**", 0), ("(B)", 0), ("The answer is (B).", 0),
                  ("C", 0), ("", None), ("B or C", 1)],
-    # MVBench check_ans: first word (dots removed) inside "(b)" or holding it; the "Best option:(" primer read past
-    "mvbench": [("B", 1), ("B) green", 1), ("(B) green", 1), ("B. green", 1), ("Best option: (B) green", 1),
-                ("Best option:(B)", 1), ("Answer: B", 0), ("**B**", 0), ("Option B", None), ("C", 0), ("", None)],
-    # LVBench polish_answer: cut at ")", after "(", first word's first character
-    "lvbench": [("B", 1), ("(B) green", 1), ("Best option: (B) green", 1), ("Answer: B", 0), ("Option B", 0),
-                ("C", 0), ("", None)],
+    # MVBench check_ans on the first line's first word (dots removed) inside "(b)" or holding it
+    "mvbench": [("B", 1), ("B\nbecause the screen is green", 1), ("B) green", 1), ("(B) green", 1), ("B. green", 1),
+                ("Best option: (B) green", 1), ("Best option:(B)", 1), ("Answer: B", 0), ("**B**", 0),
+                ("Option B", None), ("C", 0), ("", None)],
+    # LVBench / MotionBench polish_answer: cut at ")", after "(", first word's first character
+    "lvbench": [("B", 1), ("(B) green", 1), ("Best option: (B) green", 1), ("B. green", 1), ("Answer: B", 0),
+                ("Option B", 0), ("C", 0), ("", None)],
+    "motionbench": [("B", 1), ("(B) green", 1), ("B\nbecause", 1), ("Answer: B", 0), ("The answer is B", 0)],
     # OVO-Bench: the right letter anywhere in the answer, case-sensitive
     "ovobench": [("B", 1), ("Answer: B", 1), ("**B**", 1), ("A or B", 1), ("b", 0), ("C", 0), ("", None)],
-    # MMMU (Video-MMMU, EgoSchema, NExT-QA): "(B)", then " B ", then option text; several: the last written
+    # Video-MMMU parse_videommmu_multi_choice_response: "B."/"B:", "(B)", "B ", option text; never a guess
     "videommmu": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B) x", 1),
                   ("**B**", None), ("B or A", 0), ("A or B", 1), ("I think the screen is green all along", 1),
-                  ("", None)],
-    # Perception Test / MotionBench / MMVU: the first option letter standing as a word
+                  ("A. red or B. green", 1), ("C: blue, not B", 0), ("The answer is B.", 1), ("", None)],
+    # EgoSchema / NExT-QA (lmms-eval's egoschema parse_multi_choice_response): "(B)", "B ", "B." all at once; several:
+    # the first written ("get the first one", argmin); none: option text, else unreadable (or the random guess)
+    "egoschema": [("B", 1), ("Answer: B", 1), ("Option B", 1), ("**B**", None), ("B or A", 1), ("A or B", 0),
+                  ("B. green, not A", 1), ("I think the screen is green all along", 1), ("", None)],
+    # MLVU check_ans: before the first ")" exactly the letter (the "Best option:(" primer read past)
+    "mlvu": [("B", 1), ("B) green", 1), ("(B) green", 1), ("Best option: (B)", 1), ("B. green", None),
+             ("Answer: B", None), ("C", 0), ("", None)],
+    # LongVideoBench (lmms-eval, the paper's code): 8 prefixes (not "Answer:"), then the first of the letters
+    "longvideobench": [("B", 1), ("The best answer is B", 1), ("Answer: B", 0), ("Option B", 1), ("E", 0),
+                       ("", None)],
+    # VideoMathQA (lmms-eval extract_characters_regex): Video-MME's prefixes, then the first of A-E
+    "videomathqa": [("B", 1), ("The answer is B", 1), ("Answer: B", 0), ("Best option: B", 1), ("E", 0), ("", None)],
+    # Perception Test / MMVU without a judge: the first option letter standing as a word
     "perceptiontest": [("B", 1), ("Answer: B", 1), ("**B**", 1), ("Option B", 1), ("(B)", 1), ("A or B", 0),
                        ("", None)],
     # MINERVA: "answer is X" / "option: X", else the last letter
@@ -74,6 +91,7 @@ def test_official_letter_forms(bench):
     got = [(r, E.score(r, s, E.adapter(bench))[1]) for r, _ in FORMS[bench]]
     assert got == [(r, None if v is None else float(v)) for r, v in FORMS[bench]]
     assert E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0  # our format first
+    assert E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0  # the tag decides
 
 
 def test_official_number_span_and_yes_no_rules():
@@ -106,7 +124,8 @@ def test_official_number_span_and_yes_no_rules():
 
 
 def test_empty_answers_and_random_fallback():
-    # MVBench: an empty answer is wrong and stays in the denominator; Video-MMMU/LongVideoBench guess when asked
+    # MVBench: an empty answer is wrong and stays in the denominator (officially it is right: a documented
+    # deviation); LongVideoBench guesses when asked; Video-MME leaves unreadable answers out of its denominator
     row = E.record(MC, "mvbench", "p", "")
     assert (row["score"], row["parse_fail"]) == (0.0, True)
     assert E.aggregate([row, E.record(MC, "mvbench", "p", "B")], "mvbench")["accuracy"] == 50
@@ -115,11 +134,87 @@ def test_empty_answers_and_random_fallback():
     picks = {E.score("", dict(MC, id=str(i)), ad, guess_seed=0)[0] for i in range(40)}
     assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score("", MC, ad, guess_seed=0)
     assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (None, None)  # Video-MME never guesses
+    rows = [E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")]  # unreadable: not "answered"
+    m = E.aggregate(rows, "videomme")
+    assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 1)
+    cut = E.record(MC, "videomme", "p", "<think>The answer is A, or")  # unfinished: our step reads nothing, the
+    assert (cut["score"], cut["parse_fail"], cut["dropped"]) == (0.0, True, False)  # official rule reads A: counted
+
+
+HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
+# (benchmark, sample, response, score): the rules that read more than a letter, from the official functions
+RULES = [
+    # Video-Holmes evaluate.py: last <answer>, then in letter order "X "/"X:"/"[X", then "X" anywhere
+    ("holmes", HOLMES, "E", 1), ("holmes", HOLMES, "<think>hmm</think><answer>E: reason E</answer>", 1),
+    ("holmes", HOLMES, "The answer is E", 1), ("holmes", HOLMES, "A man did E", 0), ("holmes", HOLMES, "[E]", 1),
+    ("holmes", HOLMES, "", None),
+]
+
+
+@pytest.mark.parametrize("bench, s, response, want", RULES)
+def test_official_rules(bench, s, response, want):
+    assert E.score(response, s, E.adapter(bench))[1] == (None if want is None else float(want))
+
+
+def tempcompass_samples() -> dict:
+    cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
+    return {s["id"].split(":")[1]: s for s in E.load_benchmark("tempcompass", cfg, [])}
+
+
+def test_tempcompass_official_rules():
+    tc, ad = tempcompass_samples(), E.adapter("tempcompass")
+    mc, yn = tc["tc0/attribute_change/1"], tc["tc1/speed/1"]  # answer "C. blue"; "no"
+    option, caption = tc["tc4/direction/1"], tc["tc3/attribute_change/1"]  # "Option 2: ..."; "Caption B: ..."
+    table = [  # eval_multi-choice.py: the answer line, a bare letter, "C." or "C)" first; else (no judge) unreadable
+        (mc, "C", 1), (mc, "C. blue", 1), (mc, "C) blue", 1), (mc, "C.", 1), (mc, "B", 0), (mc, "blue", None),
+        (mc, "The answer is C", None), (mc, "c", None),
+        # eval_yes_no.py: the first word, any case ("Not sure" starts with "no", as officially)
+        (yn, "No.", 1), (yn, "yes", 0), (yn, "Not sure", 1), (yn, "I think no", None),
+        # eval_caption_matching.py eval_rule: the option line, its sentence (also after "x) "), its label
+        (option, "Option 2: The screen is yellow.", 1), (option, "The screen is yellow.", 1), (option, "Option 2", 1),
+        (option, "Option 2.", 1), (option, "(b) The screen is yellow.", 1), (option, "Option 1", 0),
+        (option, "2", None), (option, "B", None), (caption, "Caption B", 1), (caption, "B", None),
+        (caption, "The screen stays red.", 0),
+    ]
+    assert [(s["id"], r, E.score(r, s, ad)[1]) for s, r, _ in table] == \
+        [(s["id"], r, None if v is None else float(v)) for s, r, v in table]
+
+
+def test_videommmu_open_answers_and_empty_left_out():
+    s, ad = dict(MC, problem_type="open-ended", options=[], answer="5"), E.adapter("videommmu")
+    # the 26 key words: "are " makes "there and 3 were eaten" the key text, whose only number is 3
+    assert [E.score(r, s, ad)[1] for r in ("5", "There are 5 squares", "5 apples are there and 3 were eaten",
+                                           "so the total is 5.0", "")] == [1.0, 1.0, 0.0, 1.0, None]
+    rows = [E.record(MC, "videommmu", "p", r) for r in ("B", "", "**B**")]  # right, empty, unreadable
+    assert [r["dropped"] for r in rows] == [False, True, False]
+    assert not E.record(MC, "videommmu", "p", "<think>B or")["dropped"]  # cut off while thinking: wrong, counted
+    m = E.aggregate(rows, "videommmu")  # the empty answer leaves the denominator, the unreadable one stays (wrong)
+    assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 2)
+    assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
+
+
+def test_mmvu_judges_multiple_choice_too():
+    mm = E.load_benchmark("mmvu", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
+    rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
+    assert [r.get("judge") for r in rows] == ["none", "none"]  # both go to --judge-model (GPT-4o officially)
+    assert [r["score"] for r in rows] == [1.0, 1.0]  # without a judge: the letter rule, the rule-based fallback
+    assert E.judge_rows(rows, E.Config(), E.adapter("mmvu")["judge"]).startswith("none: ")
+
+
+def test_answer_extraction_official():
+    ad = E.adapter("videomme")
+    assert E.score("<think>D?</think><answer>B</answer>", MC, ad)[1] == 1.0  # tags: ours first
+    # official: the reader on the raw response, as a third-party model's leaderboard entry is scored
+    assert E.score("<think>D?</think><answer>B</answer>", MC, ad, extraction="official")[1] == 0.0
+    assert E.record(MC, "videomme", "p", "<think>D?</think><answer>B</answer>", extraction="official")["score"] == 0
+    assert "answer_extraction" in E.ANSWER_SETTINGS  # a resume log of the other mode is refused
 
 
 def right(s, ad) -> str:
     """A correct response in the form the benchmark's prompt asks for."""
     gt, t = E.rewards.ground_truth(s), E.rewards.canonical_type(s["problem_type"])
+    if s.get("format") == "caption_matching":  # TempCompass reads the option's label, not a letter
+        return s["problem"].split("\n")[1 + ord(E.gt_letter(s)) - 65].split(": ")[0]
     return {"multiple choice": E.gt_letter(s), "boolean": gt.capitalize() + ".", "temporal grounding":
             f"<answer>{gt}</answer>", "open-ended": f"Final Answer: {gt}" if ad.get("after") else gt}.get(t, gt)
 
@@ -138,7 +233,7 @@ def test_adapter(name, videos):
         assert v == 1.0 and parsed is not None, (s["id"], right(s, ad), parsed)
         if s["problem_type"] == "multiple choice":
             wrong = next(lt for lt in E.letters_of(s) if lt != E.gt_letter(s))
-            assert E.score(wrong, s, ad)[1] == 0.0
+            assert E.score(wrong, s, ad)[1] in (0.0, None)  # TempCompass caption matching cannot read a bare letter
         row = E.record(s, name, "prompt", "I cannot tell.")
         assert row["score"] == 0.0 and row["doc_id"] == s["id"] and {"input", "target", "resps"} <= set(row)
     rows = [E.record(s, name, "p", right(s, ad)) for s in samples] + [E.record(samples[0], name, "", "", "VideoError")]
@@ -153,13 +248,122 @@ def test_released_record_shapes():
     ego = E.load_benchmark("egoschema", cfg, skipped)
     assert [s["answer"] for s in ego] == ["D"] and [x["where"][-2:] for x in skipped] == [":2"]  # "3"; hidden
     assert [s["answer"] for s in E.load_benchmark("perceptiontest", cfg, [])] == ["A", "C"]  # answer_id "0", "2"
-    tc = {s["id"]: s for s in E.load_benchmark("tempcompass", cfg, [])}
+    tc = {s["id"]: s for s in E.load_benchmark("tempcompass", cfg, [])}  # {video_id: {dim: [records]}}
     cm = [s for i, s in tc.items() if i.startswith("caption_matching")]
-    assert [(s["answer"], s["options"][1]) for s in cm] == [("B", "B. The screen stays green."),
-                                                            ("A", "B. The screen is yellow."),
-                                                            ("B", "B. The screen is yellow.")]
+    assert [(s["answer"], s["options"][1], s["dim"]) for s in cm] == [
+        ("B", "B. The screen stays green.", "attribute_change"), ("A", "B. The screen is yellow.", "speed"),
+        ("B", "B. The screen is yellow.", "direction")]
     assert E.score("Caption B: The screen stays green.", cm[0], E.adapter("tempcompass"))[1] == 1.0
-    assert len(E.load_benchmark("videomme", cfg, [])) == 3  # the released parquet
+    vm = E.load_benchmark("videomme", cfg, [])  # the Hugging Face parquet: its videoID wins over its url's id
+    assert [s["videos"][0] for s in vm] == [f"/v/videomme/vid{i}.mp4" for i in range(3)]
+    mm = {s["id"]: s for s in E.load_benchmark("videommmu", cfg, [])}  # {track: {index: record}}
+    assert [(i, s["track"], s["discipline"], s["problem_type"]) for i, s in sorted(mm.items())] == [
+        ("validation_Art_1", "Perception", "Art", "multiple choice"), ("validation_Math_3", "Adaptation", "Math",
+                                                                        "open-ended")]
+    nq = E.load_benchmark("nextqa", cfg, [])  # val.csv: where = the csv line; a quoted comma stays in its option
+    assert [(s["id"], s["answer"], s["options"][0], s["where"][-5:]) for s in nq] == [
+        ("4010069381_1", "C", "A. to catch", "csv:2"), ("4010069381_2", "A", "A. running, fast", "csv:3")]
+    assert nq[0]["videos"][0] == "/v/nextqa/4010069381.mp4"
+    ch = E.load_benchmark("charades_sta", cfg, [])  # charades_sta_test.txt: "vid start end##caption"
+    assert [(s["answer"], s["videos"][0]) for s in ch] == [('{"time": [0.0, 1.2]}', "/v/charades_sta/AO8RW.mp4"),
+                                                           ('{"time": [0.5, 2.0]}', "/v/charades_sta/3MSZA.mp4")]
+    ml = E.load_benchmark("mlvu", cfg, [])  # json/<task>.json, the answer's text among candidates
+    assert [(s["answer"], s["question_type"], s["videos"][0]) for s in ml] == [
+        ("A", "plotQA", "/v/mlvu/1_plotQA/ml0.mp4"), ("B", "plotQA", "/v/mlvu/1_plotQA/ml1.mp4"),
+        ("C", "count", "/v/mlvu/4_count/ml2.mp4")]
+    mv = E.load_benchmark("mmvu", cfg, [])  # validation.json: video is the hub URL, open-ended choices are ""
+    assert [(s["subject"], s["problem_type"], s["options"][:1]) for s in mv] == [
+        ("Chemistry", "multiple choice", ["A. red"]), ("Chemistry", "open-ended", [])]
+    lv = E.load_benchmark("longvideobench", cfg, [])  # lvb_val.json: candidates, correct_choice
+    assert [(s["answer"], len(s["options"])) for s in lv] == [("C", 4), ("E", 5)]
+
+
+def test_videomme_official_json_and_parquet_layouts(tmp_path):
+    """The official JSON (one record per video, questions with choices) reads like the Hugging Face parquet."""
+    video = {"video_id": "001", "duration_category": "short", "video_category": "Knowledge",
+             "video_sub_category": "Humanity & History", "url": "https://www.youtube.com/watch?v=fFjv93ACGo8",
+             "questions": [{"question_id": "001-1", "task_type": "Counting Problem", "question": "How many?",
+                            "choices": ["A. 1.", "B. 2.", "C. 3.", "D. 4."], "answer": "C"}]}
+    (tmp_path / "videomme.json").write_text(json.dumps([video]))
+    s, = E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path), video_dir="/v"), [])
+    assert (s["id"], s["answer"], s["duration"], s["domain"], s["videos"][0]) == (
+        "001-1", "C", "short", "Knowledge", "/v/videomme/fFjv93ACGo8.mp4")
+
+
+def test_unreadable_folders_and_fields_are_named(tmp_path):
+    cfg = E.Config(data_dir=str(tmp_path), video_dir="/v")
+    (tmp_path / "mlvu").mkdir()
+    (tmp_path / "mlvu" / "README.md").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"mlvu: no annotation file \(.jsonl, .json, .parquet, .csv, .txt\) .*"
+                                                r"in the folder .*mlvu"):
+        E.load_benchmark("mlvu", cfg, [])
+    (tmp_path / "mlvu" / "1_plotQA.json").write_text(json.dumps({"v": {"q": [1]}}))  # nested, but mlvu reads lists
+    with pytest.raises(DataError, match=r"mlvu: 0 samples .*1_plotQA.json: DataError: expected a JSON array of "
+                                        r"records, got dict \(a nested release"):
+        E.load_benchmark("mlvu", cfg, [])
+    (tmp_path / "mlvu" / "1_plotQA.json").write_text(json.dumps([{"video": "a.mp4", "question": "q?",
+                                                                    "answer": "red"}]))
+    with pytest.raises(DataError, match=r"1_plotQA.json:1: missing field 'candidates'"):
+        E.load_benchmark("mlvu", cfg, [])
+    (tmp_path / "longvideobench.json").write_text(json.dumps([{"question": "q?", "correct_choice": 0}]))
+    with pytest.raises(DataError, match=r"longvideobench.json:1: missing field 'candidates'"):
+        E.load_benchmark("longvideobench", cfg, [])
+    (tmp_path / "mvbench.txt").write_text("a line\n")  # a format the benchmark does not read
+    with pytest.raises(DataError, match=r"mvbench.txt: DataError: this benchmark reads no .txt"):
+        E.load_benchmark("mvbench", cfg, [])
+    (tmp_path / "charades_sta.txt").write_text("AO8RW 0.0 1.2##ok\nbroken line\n")
+    bad = []
+    assert len(E.load_benchmark("charades_sta", cfg, [], bad)) == 1
+    assert bad[0]["where"].endswith("charades_sta.txt:2") and "does not match" in bad[0]["error"]
+    (tmp_path / "egoschema").mkdir()  # the release's questions.json, not joined with its answers: loud, not n = 0
+    (tmp_path / "egoschema" / "questions.json").write_text(json.dumps([{"q_uid": "e0", "question": "q?"}]))
+    with pytest.raises(DataError, match=r"egoschema: 0 samples .*questions.json:1: missing field 'answer'.*"
+                                        r"preparation step"):
+        E.load_benchmark("egoschema", cfg, [])
+
+
+def test_duplicate_ids_before_max_samples(tmp_path, capsys):
+    cfg = E.Config(data_dir=FIXTURES, video_dir="/v", max_samples=1)
+    first, = E.load_benchmark("livesports3k_qa", cfg, [])  # the repeat is the file's 3rd record: seen all the same
+    assert first["id"] == "0@livesports3k_qa.json:1"
+    assert "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1" in capsys.readouterr().err
+    ids = [s["id"] for s in E.load_benchmark("livesports3k_qa", replace(cfg, max_samples=0), [])]
+    assert ids == ["0@livesports3k_qa.json:1", "1", "0@livesports3k_qa.json:3"]
+    # our own schema too (the resume log keys rows by id)
+    one = {"id": "x", "problem": "q?", "answer": "B", "problem_type": "multiple choice", "options": ["A. a", "B. b"]}
+    (tmp_path / "val.jsonl").write_text(json.dumps(one) + "\n" + json.dumps(one) + "\n")
+    own = E.load_benchmark("nvr1", E.Config(data_dir=str(tmp_path)), [])
+    assert [s["id"] for s in own] == ["x@val.jsonl:1", "x@val.jsonl:2"]
+    # the other benchmarks of the run go on: preparing this one raises nothing
+    job = E.prepare_benchmark("livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path))))
+    assert len(job["samples"]) + len(job["missing"]) == 3
+
+
+def test_grounding_without_boxes_is_scored_on_time():
+    st = E.load_benchmark("stvg", E.Config(data_dir=FIXTURES, video_dir="/v"), [])  # gt [0.5, 1.5], "boxes": {}
+    empty = st[1]
+    assert E.score('<answer>{"time": [0.5, 1.0]}</answer>', empty, E.adapter("stvg"))[1] == pytest.approx(0.5)
+    assert E.score('<answer>{"time": [0.5, 1.5], "boxes": {"0": [0, 0, 1, 1]}}</answer>', empty,
+                   E.adapter("stvg"))[1] == 1.0
+
+
+# Video-MME-v2 cal_logic / cal_relevance on 4 answers (1 right, 0 wrong, -1 unreadable), worked through the source
+V2_GROUPS = [("logic", "[1, 2, 3, 4]", [1, 1, 0, 1], 100 * 4 / 16),
+             ("logic", "[1, [2, 3], 4]", [1, 0, 1, 1], 100 * 4 / 12),  # the branch: 1 then 3 counts as 2
+             ("logic", "[[1, 2], 3, 4]", [0, 1, 1, 1], 100 / 10),  # 2 alone opens the first step
+             ("logic", "[1, 2, 3, 4]", [1, -1, 1, 0], 100 * 9 / 16),  # -1 is truthy: the run goes on
+             ("logic", "[[1, 2], 3, 4]", [1, 1, 1, 1], 100.0), ("relevance", "", [1, 1, -1, 1], 100 * 4 / 16),
+             ("relevance", "", [-1, -1, 0, 0], 0.0), ("relevance", "", [1, 1, 1, 0], 100 * 9 / 16)]
+
+
+@pytest.mark.parametrize("group_type, structure, marks, want", V2_GROUPS)
+def test_videomme_v2_group_scores(group_type, structure, marks, want):
+    s = dict(MC, options=[f"{c}. {c.lower()}" for c in "ABCDEFGH"], answer="B", group_type=group_type,
+             group_structure=structure, level=2, video_id="v")
+    rows = [E.record(s, "videomme_v2", "p", {1: "B", 0: "C", -1: "no idea"}[m]) for m in marks]
+    m = E.aggregate(rows, "videomme_v2")
+    assert m["group_score"] == pytest.approx(want) and m[f"group_score/{group_type}"] == pytest.approx(want)
+    assert m["accuracy"] == 100 * marks.count(1) / sum(x != -1 for x in marks)  # valid answers only
 
 
 def test_official_aggregates():
@@ -178,7 +382,7 @@ def test_official_aggregates():
         {"score": 1, "ovo_category": "backward", "ovo_task": "HLD"}, {"score": 0, "ovo_category": "forward",
                                                                     "ovo_task": "REC"})]
     m = E.aggregate(ovo, "ovobench")  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
-    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (75, 37.5, 50)
+    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (75, 50, 50)  # overall: of the 3 tasks
     v2 = E.load_benchmark("videomme_v2", cfg, [])  # two videos of 4 questions: 3 of 4 right, then 1 of 4
     answers = [s["answer"] if i in (0, 1, 2, 4) else "H" for i, s in enumerate(v2)]
     m = E.aggregate([E.record(s, "videomme_v2", "p", a) for s, a in zip(v2, answers)], "videomme_v2")
@@ -190,8 +394,8 @@ def test_official_aggregates():
     m = E.aggregate([E.record(ch, "charades_sta", "p", r) for r in ('{"time": [0.0, 0.96]}', "0.3 - 0.78")],
                     "charades_sta")
     assert (m["R@0.3"], m["R@0.5"], m["R@0.7"], m["mIoU"]) == pytest.approx((100, 50, 50, 60))
-    mlvu = [dict(score=v, task_type=t, error="", parse_fail=False) for v, t in ((1, "count"), (0, "count"),
-                                                                               (1, "order"))]
+    mlvu = [dict(score=v, question_type=t, error="", parse_fail=False) for v, t in ((1, "count"), (0, "count"),
+                                                                                   (1, "order"))]
     assert E.aggregate(mlvu, "mlvu")["overall"] == 75
     lv = [dict(score=v, question_type=t, error="", parse_fail=False) for v, t in ((1, ["ER", "KIR"]), (0, ["ER"]))]
     m = E.aggregate(lv, "lvbench")  # multi-label
@@ -206,13 +410,13 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
     bad = []
     samples = E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path), video_dir=str(tmp_path)), [], bad)
     assert [s["id"] for s in samples] == ["ok"]
-    assert [b["where"].rsplit(":", 1)[1] for b in bad] == ["6", "2", "3", "4", "5"]
-    assert "'options' must be a list" in bad[1]["error"] and "JSON object" in bad[3]["error"]
-    (tmp_path / "lvbench.jsonl").write_text(json.dumps({"key": "v"}) + "\n")  # a record without qa
-    bad = []
-    E.load_benchmark("lvbench", E.Config(data_dir=str(tmp_path)), [], bad)
-    assert "lvbench.jsonl:1" in bad[0]["where"] and "'qa'" in bad[0]["error"]
-    with pytest.raises(DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:6: not JSON"):
+    assert [b["where"].rsplit(":", 1)[1] for b in bad] == ["2", "3", "4", "5", "6"]  # file:line, in file order
+    assert "field 'answer'" in bad[0]["error"] and "JSON object" in bad[2]["error"] and "not JSON" in bad[4]["error"]
+    (tmp_path / "lvbench.jsonl").write_text(json.dumps({"key": "v"}) + "\n")  # a record without qa: no sample at all
+    with pytest.raises(DataError, match=r"lvbench: 0 samples loaded from .*lvbench.jsonl \(1 bad records, 0 without "
+                                        r"ground truth; first: .*lvbench.jsonl:1: field 'qa' must be a list"):
+        E.load_benchmark("lvbench", E.Config(data_dir=str(tmp_path)), [], [])
+    with pytest.raises(DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: .*field 'answer'"):
         E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path)), [])  # without a bad list: raised
 
 
@@ -228,13 +432,14 @@ def test_benchmark_table_is_checked(tmp_path):
     with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map"):
         E.load_adapters(str(path))
     path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")  # the defaults fill in, an explicit null stays
-    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4"}}
+    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4",
+                                                   "read": [["[{L}]", 0]]}}
 
 def test_checked_before_the_engine(tmp_path):
     t = time.perf_counter()
     with pytest.raises(ValueError, match="unknown benchmark 'videome'; known: nvr1, videomme"):
         asyncio.run(E.evaluate(E.Config(benchmarks="videomme,videome", data_dir=FIXTURES, out_dir=str(tmp_path))))
-    with pytest.raises(FileNotFoundError, match="mvbench: no annotations"):
+    with pytest.raises(FileNotFoundError, match=r"mvbench: no annotation file \(.jsonl, .json, .parquet, .csv"):
         asyncio.run(E.evaluate(E.Config(benchmarks="mvbench", data_dir=str(tmp_path), out_dir=str(tmp_path))))
     with pytest.raises(ValueError, match="10699 vision tokens"):  # 64 frames x 262,144 px do not fit in 4,096
         asyncio.run(E.evaluate(E.Config(max_model_len=4096, data_dir=FIXTURES, out_dir=str(tmp_path))))
@@ -355,3 +560,22 @@ def test_readme_command_as_written(tiny_model, tmp_path):
     folder = next((tmp_path / "runs" / "eval").iterdir())
     res = json.loads((folder / "results.json").read_text())["benchmarks"]["nvr1"]
     assert res["metrics"]["n"] == 3 and res["unevaluable"] == 0
+
+
+def test_official_prompts_verbatim():
+    """The prompts the YAML calls official render as the benchmarks' own code writes them (typed from the sources)."""
+    cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
+    first = {b: E.load_benchmark(b, cfg, [])[0] for b in ("videomme", "holmes", "mmvu")}
+    got = {b: data.render_prompt(s, E.adapter(b)["prompt"]) for b, s in first.items()}
+    vm = first["videomme"]  # the README's prompt without subtitles: the question bare
+    assert got["videomme"] == ("Select the best answer to the following multiple-choice question based on the video. "
+                               "Respond with only the letter (A, B, C, or D) of the correct option.\n"
+                               f"{vm['problem']}\n" + "\n".join(vm["options"]) + "\nThe best answer is:")
+    assert got["holmes"] == (  # Video-Holmes evaluate.py: options joined as "A: text, B: text"
+        "Based on the given video, reason and answer the single-choice question. Provide your reasoning between the "
+        "<think> and </think> tags, and then give your final answer between the <answer> and </answer> tags. The "
+        "question is: Why did the man leave?. The options are: A: reason A, B: reason B, C: reason C, D: reason D, "
+        "E: reason E, F: reason F. Your answer:")
+    assert got["mmvu"] == ("\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
+                           "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
+                           "with the option letter from the given choices.\n")  # MMVU's DO_PROMPT
