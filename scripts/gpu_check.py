@@ -26,7 +26,7 @@ import data  # noqa: E402
 import memory_plan  # noqa: E402
 import sp  # noqa: E402
 import train  # noqa: E402
-from rollout import HFEngine, Rollout, vision_token_ids  # noqa: E402
+from rollout import HFEngine, Rollout, eos_token_ids, vision_token_ids  # noqa: E402
 
 GIB, TOLERANCE, DEADLINE_S = 2 ** 30, 0.15, 420  # no model starts that would end later, by the last one's time
 RECIPES = {"Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
@@ -144,8 +144,7 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
 
 def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> dict:
     """train.py's mismatch metrics: rollout hf's log-probs against the trainer's on the tokens it sampled."""
-    eos = t.model.generation_config.eos_token_id
-    engine = HFEngine(t.model, tok, eos if isinstance(eos, list) else [eos])
+    engine = HFEngine(t.model, tok, eos_token_ids(t.model))
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
     HFEngine.config.cache_clear()  # its functools.cache holds the engine, and so the model, for the process's life
     [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies)
