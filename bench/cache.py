@@ -116,10 +116,9 @@ def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
     lines.append(("prepare/sample (ms): frames+template+processor",
                   1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
     times = [k for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync") if k in med["prefer_cache"]]
-    lines += [(f"train {k} (s, median steps 2-{steps})", med["decode_only"][k], med["prefer_cache"][k])
-              for k in times]
-    lines += [(f"train {k} per step (all ranks)", med["decode_only"][k], med["prefer_cache"][k])
-              for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")]
+    labels = {k: f"train {k} (s, median steps 2-{steps})" for k in times}
+    labels |= {k: f"train {k} per step (all ranks)" for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")}
+    lines += [(label, med["decode_only"][k], med["prefer_cache"][k]) for k, label in labels.items()]
     print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
     print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
     for name, dec, warm in lines:

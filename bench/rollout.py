@@ -1,7 +1,6 @@
-"""Per-step rollout time (generate + weight sync), issue 21's two changes off and on in this checkout's rollout.py:
-HF engine, all prompts in one generate call vs one call per prompt (the loop it replaced); weight sync, bucketed
-all-gathers vs one per tensor (bucket_bytes 1). The tiny Qwen2.5-VL, video and image prompts, HF and vLLM engines, 1
-and 2 ranks (the setup: docs/speed.md). Last line: generate + sync, 2 ranks, 8 x 8 video, HF engine.
+"""Per-step rollout time (generate + weight sync), issue 21's changes off and on: HF, one generate call for all
+prompts vs one per prompt; vLLM sync, bucketed all-gathers vs one per tensor. Tiny Qwen2.5-VL, video and image, 1 and
+2 ranks (docs/speed.md). Last line: generate + sync, 2 ranks, 8 x 8 video, HF engine.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
 """

@@ -2,11 +2,9 @@
 
     python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
 
-Sources (sample records in their exact field names and types: tests/fixtures/convert/): video-r1, Video-R1-260k.json
-or Video-R1-COT-165k.json (a JSON array; `path` is below the JSON's folder); easyvideor1, EasyVideoR1's training
-JSON/JSONL (our own field names plus has_offline_trajectory). Every written record passes data.validate_sample; one
-that cannot be mapped goes to OUT.skipped.jsonl as {index (array position, or line number - 1), problem_id, reason,
-detail}, and the counts by reason are printed and written to OUT.report.json.
+Sources (sample records: tests/fixtures/convert/): video-r1, Video-R1-260k.json or Video-R1-COT-165k.json (a JSON
+array); easyvideor1, EasyVideoR1's training JSON/JSONL. Every written record passes data.validate_sample; one that
+cannot be mapped goes to OUT.skipped.jsonl as {index, problem_id, reason, detail}, counted in OUT.report.json.
 """
 import json
 import os
@@ -34,7 +32,7 @@ class Config:
     """folder that relative media paths are below ('' = the source file's folder)"""
     offline_output: bool = False
     """copy curated reasoning into offline_output: Video-R1's `process` + its answer, EasyVideoR1's `offline_output`
-    where has_offline_trajectory is true (train.py then swaps it into its group: --mix-offline is on by default)"""
+    where has_offline_trajectory is true (train.py's --mix-offline then swaps it into its group)"""
     check_media: bool = True
     """skip (and report) records whose media file does not exist under media_root"""
 

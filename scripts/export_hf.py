@@ -19,9 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32",
            merge: bool = False):
-    """Reads only the model's tensors (not the optimizer); config and processor come from the checkpoint itself.
-    dtype: the saved weights' (the checkpoint holds fp32 master weights). merge: a LoRA run's adapters merged into
-    the base (W + scale * B A) instead of the adapter alone in PEFT's format."""
+    """Only the model's tensors, config and processor are read. dtype: the saved weights' (the checkpoint's are fp32).
+    merge: a LoRA run's adapters merged into the base (W + scale * B A), not the adapter alone (PEFT's format)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig

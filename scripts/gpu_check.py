@@ -1,6 +1,5 @@
-"""One GPU, under 10 minutes (docs/gpu-check.md): the memory planner against the measured peak at real width (random
-init, cut to a few layers, built from configs/memory.json, trained by train.py's functions with the shipped recipes),
-train-phase throughput and MFU, the HF sampler's bf16 log-probs against the trainer's, offload, tests/test_gpu.py.
+"""One GPU, under 10 minutes (docs/gpu-check.md): planner vs measured peak at real width (random init, a few layers),
+train-phase MFU, bf16 sampler vs trainer log-probs, offload, tests/test_gpu.py.
 
     python scripts/gpu_check.py --out-dir runs/gpu_check          # one CUDA GPU (make gpu-check)
     .venv/bin/python scripts/gpu_check.py --cpu-smoke              # the same code on the tiny models, on CPU
@@ -27,7 +26,7 @@ import data  # noqa: E402
 import memory_plan  # noqa: E402
 import sp  # noqa: E402
 import train  # noqa: E402
-from rollout import HFEngine, Rollout, vision_token_ids  # noqa: E402
+from rollout import HFEngine, Rollout, eos_token_ids, vision_token_ids  # noqa: E402
 
 GIB, TOLERANCE, DEADLINE_S = 2 ** 30, 0.15, 420  # no model starts that would end later, by the last one's time
 RECIPES = {"Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
@@ -68,8 +67,8 @@ def cut(spec: dict, layers: int, blocks: int) -> dict:
 
 
 def build(spec: dict, tiny: str, folder: str, device) -> dict:
-    """A random-init bf16 checkpoint of `spec` in `folder` with the token ids of `tiny` (its family's tiny checkpoint,
-    whose tokenizer and processor we use). Returns the planner's parameter counts: all, the largest block, the root."""
+    """A random-init bf16 checkpoint of `spec` in `folder`, with the token ids of `tiny` (whose processor we use).
+    Returns the planner's parameter counts."""
     import transformers
     ref = transformers.AutoConfig.from_pretrained(tiny)
     text = dict(spec["text_config"], bos_token_id=None, eos_token_id=ref.text_config.eos_token_id,
@@ -90,8 +89,7 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
-    """A question on video_max_frames random frames of a 720p video, sized as cache.py sizes them and expanded by the
-    processor as data.prepare does (no video decoder: the frames are made here)."""
+    """A question on video_max_frames random 720p frames, sized as cache.py and expanded as data.prepare does."""
     factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2
     budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
     h, w = cache.smart_resize(*memory_plan.SOURCE_HW, factor, cfg.video_min_pixels, budget)
@@ -113,9 +111,8 @@ def clock(device) -> float:
 
 
 def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
-    """The train phase of train.main on one micro-batch, timed in two parts: a no-grad log-prob pass (the old
-    log-probs that train.logp_pass computes for off-policy updates; the shipped recipes are on-policy and skip it),
-    then train.update (advantages +-1 by row): forward, backward, clipping, AdamW."""
+    """train.main's train phase on one micro-batch, timed: a no-grad log-prob pass (off-policy's old log-probs), then
+    train.update with advantages +-1 by row."""
     t0 = clock(t.device)
     minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
     with torch.no_grad():
@@ -128,9 +125,8 @@ def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
 
 
 def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
-    """Model FLOPs of the update, 3 x its forward (checkpointing's recompute not counted): 2 per weight and token of
-    the decoder layers, patch of the vision blocks and patch embedding, merged token of the merger, response position of
-    the logits; causal attention over each row, the tower's within a frame pair (or a window of patches)."""
+    """Model FLOPs of the update, 3 x its forward (no recompute): 2 per weight and token (patch, merged token, logit
+    position), plus attention: causal over each row, the tower's within a frame pair or a window."""
     text, vision, tower = model.config.text_config, model.config.vision_config, model.model.visual
     t, h, w = prompt.mm["video_grid_thw"][0].tolist()
     tokens, patches, layers = len(prompt.prompt_ids) + response, t * h * w, model.model.language_model.layers
@@ -147,9 +143,8 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
 
 
 def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> dict:
-    """rollout hf's log-probs against the trainer's on the tokens it sampled: train.py's mismatch metrics."""
-    eos = t.model.generation_config.eos_token_id
-    engine = HFEngine(t.model, tok, eos if isinstance(eos, list) else [eos])
+    """train.py's mismatch metrics: rollout hf's log-probs against the trainer's on the tokens it sampled."""
+    engine = HFEngine(t.model, tok, eos_token_ids(t.model))
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
     HFEngine.config.cache_clear()  # its functools.cache holds the engine, and so the model, for the process's life
     [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies)
@@ -161,7 +156,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
 
 
 def run_model(name: str, c: Config, device, report: dict, folder: str):
-    """One model's rows: each setting built by train.build_trainer, two steps, the second measured; numerics once."""
+    """One model's rows: per setting, train.build_trainer and two steps, the second measured; numerics once."""
     import make_tiny_model
     from transformers import AutoProcessor, PreTrainedModel
     cuda = device.type == "cuda"
@@ -186,14 +181,14 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     g = torch.Generator().manual_seed(0)  # responses: any ids above the (banned) vision tokens
     responses = torch.randint(max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g)
     rollouts = [Rollout(prompt, ids, None, "", "length") for ids in responses.tolist()]
+    shape = dict(model=name, layers=spec["text_config"]["num_hidden_layers"], blocks=spec["vision_config"]["depth"],
+                 rows=rows, prompt=tokens, response=R, patches=patches)
     for setting, switches in SETTINGS.items():
         gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
         torch.cuda.empty_cache()  # a no-op without CUDA
         scfg, t = replace(cfg, **switches), None
-        row = dict(model=name, setting=setting, layers=spec["text_config"]["num_hidden_layers"],
-                   blocks=spec["vision_config"]["depth"], rows=rows, prompt=tokens, response=R, patches=patches,
-                   predicted=None, measured=None)
-        row["leftover"] = sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())  # > 0: a model leaked
+        row = dict(shape, setting=setting, predicted=None, measured=None,
+                   leftover=sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()))  # > 0: a model leaked
         if meas:
             gpu_mem = torch.cuda.get_device_properties(device).total_memory if cuda else 0
             p = memory_plan.plan(scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches)
@@ -220,7 +215,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
 
 
 def gib(x) -> str:
-    """Bytes in GiB; an exception's name as it is; None (not measured, or no prediction) as -."""
+    """Bytes in GiB; an exception's name as it is; None as -."""
     return f"{x / GIB:.3g} GiB" if isinstance(x, (int, float)) else str(x or "-")
 
 
@@ -236,8 +231,8 @@ def table(report: dict) -> list[str]:
         if peak and "flops" in r:
             r["mfu"] = r["flops"] / (r["update_s"] * peak * 1e12)
         cells = [os.path.basename(r["model"]), r["setting"], gib(r["predicted"]), gib(r["measured"])]
-        cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in ("ratio", "logp_s", "update_s",
-                                                                          "tokens_per_s")]
+        figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
+        cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
         lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
     if any("mfu" in r for r in report["rows"]):
         best = max((r for r in report["rows"] if "mfu" in r), key=lambda r: r["mfu"])
@@ -264,15 +259,14 @@ def main(c: Config) -> list[str]:
     import transformers
     with socket.socket() as s:  # a free port for the world of one
         s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        world = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(s.getsockname()[1]))
+    for k, v in dict(world, MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
     device = common.init_dist(offload=True)[2]  # offload's backends: gloo beside nccl, for the CPU shards
     if device.type != "cuda" and not c.cpu_smoke:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
-    models = c.models
-    if c.cpu_smoke:
-        models = [make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models")) for a in ("qwen2_5_vl", "qwen3_vl")]
+    tiny = [make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models")) for a in ("qwen2_5_vl", "qwen3_vl")]
+    models = tiny if c.cpu_smoke else c.models
     report = dict(device=str(device), torch=torch.__version__, transformers=transformers.__version__,
                   config=asdict(c), peak_tflops=c.peak_tflops, rows=[], skipped=[])
     if device.type == "cuda":
@@ -297,8 +291,8 @@ def main(c: Config) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]  # CPU: skips
     gc.collect()  # the last model, before the tests take the GPU
     torch.cuda.empty_cache()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    try:  # in a fresh process (not in our world of one), for what is left of 570 s (at least a minute)
+    env = {k: v for k, v in os.environ.items() if k not in world}  # a fresh process, not in our world of one
+    try:  # for what is left of 570 s (at least a minute)
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
                            timeout=max(60, 570 + start - time.time()))
         report["tests"] = dict(summary=(p.stdout.strip() or "no output").splitlines()[-1], output=p.stdout[-4000:])

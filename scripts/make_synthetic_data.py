@@ -4,10 +4,9 @@
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
 
-Tasks: TASKS, one gen_<task> each (sample ids start with the task name, e.g. color-train-00012). Every sample carries
-an `offline_output` (the correct answer in the answer format). Classes are balanced. Deterministic by seed. Train and
-val use different random streams and are disjoint by construction (a scene's hash decides which split may hold it),
-so val does not depend on --num-train. Paths in the JSONL are relative to its directory.
+Tasks: TASKS, one gen_<task> each; ids like color-train-00012; every sample has an `offline_output` (its correct
+answer). Classes balanced, deterministic by seed; a scene's hash puts it in train or val (disjoint, val independent
+of --num-train). JSONL paths are relative to its folder.
 """
 import hashlib
 import itertools
@@ -38,11 +37,8 @@ def yuv(rgb):
 
 
 def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
-    """H.264 mp4, yuv420p (so width and height must be even), frame i at i / fps.
-
-    frames: uint8 (T, H, W, 3) RGB, or any iterable of (H, W, 3) RGB frames (streamed: long clips never sit in
-    memory whole), or with pix_fmt="yuv420p" of (H * 3 // 2, W) planar frames (skips the color conversion).
-    Written under a temporary name and renamed, so an interrupted run never leaves a truncated video at path."""
+    """H.264 mp4, yuv420p (even width and height), frame i at i / fps; written to a .part file, then renamed.
+    frames: uint8 (H, W, 3) RGB, streamed from any iterable; or with pix_fmt="yuv420p", (H * 3 // 2, W) planar."""
     import av
     frames = iter(frames)
     first = np.asarray(next(frames))
@@ -95,8 +91,7 @@ def path(p0, p1, T):
 
 
 def glide(rng, T, H, W, side):
-    """A path between two random top-left corners (at least a side apart, so it visibly moves) that keep a
-    side x side square in frame."""
+    """A path between two random in-frame top-left corners of a side x side square, at least a side apart."""
     def corner():
         return np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
     p0, p1 = corner(), corner()
@@ -166,8 +161,7 @@ def gen_appear(rng, _, T, H, W, fps):
 
 
 def gen_needle(rng, c, T, H, W, fps):
-    """For long clips: the gray background turns a color for T // 8 frames at a random time (4 of 256 sampled frames
-    miss it in about half of the clips)."""
+    """For long clips: the gray background turns a color for T // 8 frames (4 of 256 sampled frames often miss it)."""
     E, side = max(1, T // 8), max(2, min(H, W) // 3)  # the event's frames; the squares' side
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
@@ -199,9 +193,8 @@ def _done(out, args, paths) -> bool:
 
 def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_val: int = 64, seed: int = 0,
          size: int = 56, fps: float = 4, seconds: float = 2.0, width: int | None = None, height: int | None = None):
-    """Write out/{train,val}.jsonl (num_train, num_val samples per task), out/videos/*.mp4, out/images/*.png and
-    out/meta.json; returns their paths {"train", "val", "meta"}. tasks: TASKS' names, comma-separated or a list; size:
-    the frame side where width or height is not given. A no-op when meta.json holds the same arguments."""
+    """Write out/{train,val}.jsonl (num_train, num_val per task), the media and out/meta.json (a no-op when it holds
+    the same arguments); returns {"train", "val", "meta"} paths. size: the side where width or height is not given."""
     from PIL import Image
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     W, H, T = int(width or size), int(height or size), int(round(fps * seconds))
