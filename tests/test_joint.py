@@ -86,6 +86,7 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
     give every parameter a gradient tensor (so FSDP reduce-scatters it on every rank) and leave every gradient value
     as it was."""
     import make_tiny_model
+    import sp
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -99,6 +100,9 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
         model.zero_grad(set_to_none=True)
         b = train.collate(rows, tok.pad_token_id, tok, "cpu", dummies)
         assert b["input_ids"].shape[0] == b["mask"].shape[0] == 1
+        # one row, no padding: no mask at all (the kernel's causal mode, no (B, 1, S, S) tensor)
+        inputs, _ = sp.model_inputs(model, b, sp.encode_vision(model, b["prompts"], "cpu"), None)
+        assert inputs["attention_mask"] is None
         logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
         assert b["encodes"] == (0 if dummies is None else 2)
         (-(logp * b["mask"]).sum()).backward()
