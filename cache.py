@@ -17,18 +17,94 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import numpy as np
+
+from common import yaml_overlay
 
 FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
 MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
 
+@dataclass
+class Frames:
+    """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
+    declaration, one flag name each). The defaults are training's; evaluate.py raises video_max_frames/pixels."""
+    video_fps: float = 2.0
+    """frames sampled per second of video"""
+    video_min_frames: int = 4
+    """at least this many frames per video"""
+    video_max_frames: int = 32
+    """at most this many frames per video"""
+    video_min_pixels: int = 3136
+    """min pixels per frame (smart-resize lower bound)"""
+    video_max_pixels: int = 100352
+    """max pixels per frame"""
+    video_total_pixels: int = 0
+    """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
+    max_decode_pixels: int = MAX_DECODE_PIXELS
+    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
+
+    def settings(self, factor: int) -> dict:
+        """What an entry's key hashes and decode_video reads, for a model of this patch x merge `factor`."""
+        return dict(fps=self.video_fps, min_frames=self.video_min_frames, max_frames=self.video_max_frames,
+                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels,
+                    total_pixels=self.video_total_pixels or 0, factor=factor)  # None = 0: one key
+
+
+@dataclass
+class Media(Frames):
+    """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
+    image_min_pixels: int = 3136
+    """min pixels per image"""
+    image_max_pixels: int = 1003520
+    """max pixels per image"""
+    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
+    """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
+    cache_dir: str = ".cache/frames"
+    """frame cache folder ('' = no cache)"""
+
+
+@dataclass
+class Training(Media):
+    """What a training run reads: its model, its data files and their frame budgets (train.py's Config is one; the
+    CLI's --config reads these from a training YAML)."""
+    model: str = ".cache/models/tiny-qwen2_5_vl"
+    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
+    trust_remote_code: bool = False
+    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
+    train_data: str = ".cache/data/color/train.jsonl"
+    """training samples (JSONL or JSON array; schema in data.py)"""
+    val_data: str = ".cache/data/color/val.jsonl"
+    """held-out samples for greedy accuracy ('' to skip evaluation)"""
+    val_video_fps: float = 0.0
+    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
+    val_video_max_frames: int = 0
+    """validation: max frames per video (0 = video_max_frames)"""
+    val_video_max_pixels: int = 0
+    """validation: max pixels per frame (0 = video_max_pixels)"""
+    val_video_total_pixels: int = 0
+    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
+    val_image_max_pixels: int = 0
+    """validation: max pixels per image (0 = image_max_pixels)"""
+
+    def val_config(self):
+        """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
+        names = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
+        return replace(self, **{k: getattr(self, f"val_{k}") for k in names if getattr(self, f"val_{k}")})
+
+
 class VideoError(ValueError):
     """A video that cannot be decoded; the message names the file and the cause."""
+
+
+def vision_factor(processor) -> int:
+    """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
+    ip = processor.image_processor
+    return ip.patch_size * ip.merge_size
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -128,7 +204,8 @@ def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tu
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
-        total, vfps, h, w = meta["total_num_frames"], meta["fps"], meta["height"], meta["width"]
+        total, vfps = meta["total_num_frames"], meta["fps"]
+        h, w = meta["height"], meta["width"]
         idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
         expect = video_meta(total, vfps, idx, h, w)
         cap = frame_pixels(len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor")))
@@ -154,10 +231,8 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
             os.remove(tmp)
 
 
-def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 64, min_pixels: int = 3136,
-               max_pixels: int = 100352, total_pixels: int = 0, factor: int = 28, cache_dir: str | None = None,
-               mode: str = "prefer_cache", stats: dict | None = None,
-               max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
+def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | None = None, mode: str = "prefer_cache",
+               stats: dict | None = None) -> tuple[np.ndarray, dict]:
     """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
     decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
     entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
@@ -167,11 +242,10 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
     stats = stats if stats is not None else {}
     if not os.path.isfile(path):  # also refuses a FIFO or a device, which would block decoding for ever
         raise VideoError(f"{path}: video file not found (or not a regular file)")
-    settings = dict(fps=fps, min_frames=min_frames, max_frames=max_frames, min_pixels=min_pixels,
-                    max_pixels=max_pixels, total_pixels=total_pixels or 0, factor=factor)  # None = 0: one key
+    settings = frames.settings(factor)
     if not cache_dir or mode == "decode_only":
         t = time.time()
-        out = decode_video(path, **settings, max_decode_pixels=max_decode_pixels)
+        out = decode_video(path, **settings, max_decode_pixels=frames.max_decode_pixels)
         stats["decode"] = stats.get("decode", 0) + 1
         stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
         return out
@@ -193,7 +267,7 @@ def load_video(path: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: 
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
         if mode == "cache_only":  # never decodes, never writes (not even a lock): a read-only shared cache works
             raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-        out = load_video(path, **settings, mode="decode_only", stats=stats, max_decode_pixels=max_decode_pixels)
+        out = load_video(path, frames, factor, mode="decode_only", stats=stats)
         write_entry(file, *out)
         return out
 
@@ -217,39 +291,6 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
 
 
 @dataclass
-class Frames:
-    """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
-    declaration, one flag name each). The defaults are training's; evaluate.py raises video_max_frames/pixels."""
-    video_fps: float = 2.0
-    """frames sampled per second of video"""
-    video_min_frames: int = 4
-    """at least this many frames per video"""
-    video_max_frames: int = 32
-    """at most this many frames per video"""
-    video_min_pixels: int = 3136
-    """min pixels per frame (smart-resize lower bound)"""
-    video_max_pixels: int = 100352
-    """max pixels per frame"""
-    video_total_pixels: int = 0
-    """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
-    max_decode_pixels: int = MAX_DECODE_PIXELS
-    """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
-
-
-@dataclass
-class Media(Frames):
-    """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
-    image_min_pixels: int = 3136
-    """min pixels per image"""
-    image_max_pixels: int = 1003520
-    """max pixels per image"""
-    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
-    """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
-    cache_dir: str = ".cache/frames"
-    """frame cache folder ('' = no cache)"""
-
-
-@dataclass
 class Config(Frames):
     config: str = ""
     """a training YAML (train.py --config): its train_data, val_data, cache_dir, video_* settings and its model's
@@ -267,14 +308,23 @@ class Config(Frames):
 def preprocess_one(path: str, c: Config) -> dict:
     """This video's load_video stats and entry bytes, or its error: returned to be reported, never raised."""
     stats = {}
-    settings = dict(fps=c.video_fps, min_frames=c.video_min_frames, max_frames=c.video_max_frames,
-                    min_pixels=c.video_min_pixels, max_pixels=c.video_max_pixels, total_pixels=c.video_total_pixels,
-                    factor=c.factor)
     try:
-        load_video(path, **settings, cache_dir=c.out, stats=stats, max_decode_pixels=c.max_decode_pixels)
-        return stats | {"bytes": os.path.getsize(entry_path(c.out, path, settings))}
+        load_video(path, c, c.factor, cache_dir=c.out, stats=stats)
+        return stats | {"bytes": os.path.getsize(entry_path(c.out, path, c.settings(c.factor)))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
         return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
+
+
+def videos_of(path: str) -> list[str]:
+    """The absolute paths of the videos a JSON/JSONL data file names (relative to its folder); the samples' other
+    fields are data.py's to check. A file that is not a list of such samples is an error naming it."""
+    try:
+        with open(path, "rb") as f:
+            rows = json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+        root = os.path.dirname(os.path.abspath(path))
+        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})") from e
 
 
 def preprocess(c: Config) -> dict:
@@ -283,11 +333,9 @@ def preprocess(c: Config) -> dict:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm import tqdm
-
-    from data import load_samples  # resolves relative paths; a bad row is an error naming file:line
-    videos = [os.path.abspath(v) for f in c.data for s in load_samples(f) for v in s.get("videos", [])]
-    videos = list(dict.fromkeys(videos))
-    t, total, failed = time.time(), Counter(), []
+    videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
+    t = time.time()
+    total, failed = Counter(), []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):
@@ -304,19 +352,17 @@ def preprocess(c: Config) -> dict:
 
 def load_config(argv: list[str]) -> Config:
     """The CLI: `--config train.yaml` sets the defaults from training's settings (the held-out file only when its
-    frame budget is training's: train.py's val_* fields); the other flags override them."""
+    frame budget is training's: the val_* fields); the other flags override them."""
     import tyro
     default = Config()
     if "--config" in argv:
-        import train
         from transformers import AutoProcessor
-
-        from data import vision_factor
-        t = train.load_config(["--config", argv[argv.index("--config") + 1]])
-        val = [t.val_data] if t.val_data and train.val_config(t) == t else []
+        path = argv[argv.index("--config") + 1]
+        t = yaml_overlay(Training(), path, strict=False)  # the training YAML's other keys are not ours
+        val = [t.val_data] if t.val_data and t.val_config() == t else []
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
-        default = Config(config=t.config[0], data=[t.train_data, *val], out=t.cache_dir, factor=factor,
-                         **{f.name: getattr(t, f.name) for f in fields(Frames)})  # train.Config is a Frames too
+        frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
+        default = Config(config=path, data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames)
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
 
 

@@ -1,81 +1,20 @@
 """ckpt.py: sharded checkpoints (out_dir/ckpt/step_N: DCP shards, per-rank RNG, meta.json, config + processor;
-`latest` names the newest complete one), exact resume, preemption; the process group and the collectives."""
-import datetime
+`latest` names the newest complete one), exact resume; the full HF-named weights streamed out of FSDP2 shards
+(hf_weights: the engine's weight sync and the final HF folder)."""
 import json
 import os
 import shutil
-import signal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
-from rollout import hf_weights
+from common import barrier, base_model
 
-
-# Collectives: every rank calls them at the same point of the loop
-
-def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor(x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def gather(obj) -> list:
-    """All ranks' objects, in rank order (small metric dicts only)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank when it is true on any: a signal may reach only some ranks."""
-    return bool(all_reduce([float(flag)], dist.ReduceOp.MAX)[0])
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def init_dist(timeout_s: float = 1800.0, offload: bool = False):
-    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-    if not dist.is_initialized():  # main() may run again in the same process (tests)
-        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
-        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-
-
-def print0(*a):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*a, flush=True)
-
-
-# Checkpoints
-
-def catch_stop_signals(catch: bool = True) -> list:
-    """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
-    loop checkpoints at the next step boundary and exits 0. A second one, or any with catch=False (startup, the end of
-    a run: no step to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
-    got = []
-
-    def record(num, frame):
-        got.append(num)
-        catch_stop_signals(catch=False)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, record if catch else signal.SIG_DFL)
-    return got
+# the weight stream's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
+# the base tensors of one adapted layer, waiting for its adapters)
+SYNC_BUCKET_BYTES = 256 * 2**20
 
 
 def model_optim_state(model, opt) -> dict:
@@ -125,8 +64,7 @@ def save_checkpoint(model, processor, path: str, rank: int):
     merged in (scripts/export_hf.py writes the adapter alone)."""
     sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
     if rank == 0:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.save_pretrained(path, state_dict=sd)
+        base_model(model).save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
 
@@ -160,3 +98,74 @@ def load(path: str, model, opt) -> dict:
             torch.cuda.set_rng_state(rng["cuda"])
     with open(os.path.join(path, "meta.json")) as f:
         return json.load(f)
+
+
+# Full weights out of FSDP2 shards
+
+def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
+    """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
+    dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
+    bucket, size = [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if bucket and (not isinstance(t, DTensor) or t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
+            yield from gather_bucket(bucket)
+            bucket, size = [], 0
+        if isinstance(t, DTensor):
+            bucket.append((name, t))
+            size += nbytes
+        else:
+            yield name, t
+    yield from gather_bucket(bucket)
+
+
+def gather_bucket(bucket: list):
+    """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
+    last ranks' shorter or empty; each rank packs its shards, zero-padded to that size, into one flat buffer."""
+    if not bucket:
+        return
+    first = bucket[0][1]
+    if any(t.placements != (Shard(0),) for _, t in bucket):
+        raise ValueError(f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}")
+    world = first.device_mesh.size()
+    rows = [-(-t.shape[0] // world) for _, t in bucket]
+    sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
+    flat = torch.cat([F.pad(t.to_local().flatten(), (0, k - t.to_local().numel())) for (_, t), k in zip(bucket, sizes)])
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
+    dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
+    for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
+        # row j of part is rank j's shard of t: in rank order they are t and its padding rows
+        yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]
+
+
+def hf_weights(model):
+    """(HF name, full tensor) of each of the model's weights in state-dict order, on full_tensors' bucketed stream (a
+    collective: every rank consumes all of it). A peft LoRA model yields its base model's names with the adapters
+    merged, W + scaling * B A: peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`), `X.lora_A...`,
+    `X.lora_B...`, so the base tensors wait for their lora_B, then go out as `X.weight` (merged) and `X.bias`."""
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
+    for name, t in full_tensors(model.state_dict()):
+        layer, _, adapter = name.partition(".lora_")
+        if adapter.startswith("A."):
+            lora_a = t
+        elif adapter.startswith("B."):
+            weight_name, w = held[0] if held else (None, None)
+            if weight_name != f"{layer}.base_layer.weight":  # never merged into another layer, never dropped
+                raise ValueError(f"weight sync: {name} does not follow its base weight (peft's state-dict order?)")
+            held[0] = weight_name, w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype))
+            for held_name, tensor in held:
+                yield base_name(held_name), tensor
+            held = []
+        elif held or name.endswith(".base_layer.weight"):
+            held.append((name, t))
+        else:
+            yield base_name(name), t
+    if held:
+        raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a (peft-wrapped) state-dict entry."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

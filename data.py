@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cache
 import rewards
+from common import gather
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {"problem": str,         # the question; <video>/<image> markers in it place the media
@@ -214,24 +215,15 @@ class Prompt:
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
 
 
-def vision_factor(processor) -> int:
-    """patch_size x merge_size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL."""
-    ip = processor.image_processor
-    return ip.patch_size * ip.merge_size
-
-
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
             response_format: str = "answer") -> Prompt:
     """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
     A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
-    factor, sid = vision_factor(processor), sample["id"]
+    factor, sid = cache.vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [cache.load_video(p, fps=cfg.video_fps, min_frames=cfg.video_min_frames, max_frames=cfg.video_max_frames,
-                               min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
-                               total_pixels=cfg.video_total_pixels, factor=factor, cache_dir=cfg.cache_dir,
-                               mode=cfg.video_source, stats=stats, max_decode_pixels=cfg.max_decode_pixels)
+    videos = [cache.load_video(p, cfg, factor, cfg.cache_dir, cfg.video_source, stats)
               for p in sample.get("videos", [])]
     images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor,
                                max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
@@ -260,7 +252,7 @@ def dummy_prompts(processor) -> dict:
     of one temporal patch). FSDP2 all-gathers every vision block each time the tower runs (once for a forward's
     images, once for its videos): ranks whose micro-batches differ in modalities would issue different collectives (a
     hang). sp.encode_vision runs the dummy of each modality its prompts lack through the tower, weight 0."""
-    f = vision_factor(processor)
+    f = cache.vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
     media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
              "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta])}
@@ -272,11 +264,10 @@ def dummy_prompts(processor) -> dict:
     return out
 
 
-def concat_media(prompts: list) -> dict:
-    """The media tensors of several prompts as one batch: pixel rows, grids and per-video tensors all stack along
-    dim 0, in prompt order (the model's own forward on whole rows; bench/memory.py's pre-#13 trainer calls it)."""
-    keys = sorted({k for p in prompts for k in p.mm})
-    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
+def grids(prompts: list, device) -> dict:
+    """The rows' M-RoPE inputs, row by row: the media keys but the pixels (image/video_grid_thw, second_per_grid_ts)."""
+    keys = sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})
+    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device) for k in keys}
 
 
 def missing_dummies(dummies: dict | None, present) -> list:
@@ -351,18 +342,16 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     return [p for p, _ in out if p], [report for _, report in out if report]
 
 
-def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) -> tuple[list, list]:
+def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
     and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
-    from ckpt import gather
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips, todo, run = [None] * len(batch), [], list(range(len(batch))), 0
+    prompts, skips = [None] * len(batch), []
+    todo, run = list(range(len(batch))), 0  # the slots still to fill; invalid samples in a row
     while todo:
         reports = {}
-        group = max(cfg.rollout_tp, cfg.sp_size)
-        mine = [i for i in todo if i % world // group == rank // group]  # tp_share's rows
-        for i in mine:
+        for i in filter(layout.prepares, todo):
             prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
         for i in todo:  # todo is in stream order
@@ -375,12 +364,3 @@ def next_valid(stream: Stream, samples: list, prep, cfg, rank: int, world: int) 
             skips.append(bad[i])
             batch[i] = samples[stream.take()]
     return prompts, skips
-
-
-def tp_share(items: list, rank: int, world: int, tp: int):
-    """The list a TP group generates (identical on its ranks) and where this rank's part lies in it.
-    Rank r trains on items[r::world]; its TP group is ranks [r - r % tp, r - r % tp + tp)."""
-    g0 = rank - rank % tp
-    parts = [items[q::world] for q in range(g0, g0 + tp)]
-    start = sum(len(x) for x in parts[:rank - g0])
-    return [x for part in parts for x in part], start, len(parts[rank - g0])

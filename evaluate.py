@@ -26,9 +26,9 @@ from typing import Literal
 import yaml
 
 import cache
-import ckpt
 import data
 import rewards
+from common import gather
 from data import DataError
 
 
@@ -528,7 +528,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     from vllm import SamplingParams
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
                         skip_special_tokens=True, allowed_token_ids=allowed)
-    loop, sem, spans = asyncio.get_running_loop(), asyncio.Semaphore(cfg.max_in_flight), []
+    loop, spans = asyncio.get_running_loop(), []
+    sem = asyncio.Semaphore(cfg.max_in_flight)
     pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
 
     async def one(s):
@@ -547,7 +548,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
 
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
-    wall, busy, reach = max(time.perf_counter() - start, 1e-9), 0.0, start
+    wall = max(time.perf_counter() - start, 1e-9)
+    busy, reach = 0.0, start
     for t0, t1 in sorted(spans):  # busy: the length of the union of the spans
         busy, reach = busy + max(0.0, t1 - max(t0, reach)), max(reach, t1)
     return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
@@ -585,28 +587,27 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
 
 
-def accuracy(engine, prompts: list, cfg: Config, rank: int, world: int, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks, scored here (train.py); rows in out_dir/eval/step_N.jsonl."""
-    share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float:
+    """Greedy held-out accuracy over all ranks (an sp.Layout), scored here; rows in out_dir/eval/step_N.jsonl."""
+    share, start, k = layout.share(prompts, layout.tp)
     # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
-    share = share + prompts[:1] * (len(data.tp_share(prompts, 0, world, cfg.rollout_tp)[0]) - len(share))
+    share = share + prompts[:1] * (len(layout.share(prompts, layout.tp, rank=0)[0]) - len(share))
     outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
     mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
-    rows = [x for part in ckpt.gather(mine) for x in part]
-    if rank == 0:
+    rows = [x for part in gather(mine) for x in part]
+    if layout.rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
 
 def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
-    from rollout import HFEngine, VLLMEngine, device_normalize_ok, vision_token_ids
+    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, vision_token_ids
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
                                                             trust_remote_code=cfg.trust_remote_code).eval()
-        eos = model.generation_config.eos_token_id
-        engine = HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
+        engine = HFEngine(model, tokenizer, eos_token_ids(model))
     elif cfg.engine == "sync":
         engine = VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
                             dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
@@ -735,10 +736,12 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
 
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
-    samples, done, path = job["samples"], job["done"], os.path.join(job["folder"], "samples.jsonl")
+    samples, done = job["samples"], job["done"]
+    path = os.path.join(job["folder"], "samples.jsonl")
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
-    todo, before, start = [s for s in samples if s["id"] not in done], len(done), time.perf_counter()
+    todo = [s for s in samples if s["id"] not in done]
+    before, start = len(done), time.perf_counter()
     last = [start]  # when progress was last printed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:

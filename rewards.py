@@ -182,7 +182,8 @@ def committed_number(s: str) -> float | None:
 def parse_json(s: str):
     """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself writes its final
     answer last); None if none. One scan over brackets and quotes: linear time."""
-    spans, depth, start, i = [], 0, 0, 0
+    spans, depth = [], 0
+    start = i = 0  # the outermost open bracket; the scan position
     while m := _JSON_CHAR.search(s, i):
         c, i = m[0], m.end()
         if c == '"' and depth > 0:  # a string, skipped whole; quotes in prose, outside any bracket, open no string
@@ -389,7 +390,8 @@ class time_limit:
     ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc off (why: docs/rewards.md)."""
 
     def __init__(self, seconds: float):
-        self.seconds, self.tid, self.done = seconds, threading.get_ident(), threading.Event()
+        self.seconds, self.done = seconds, threading.Event()
+        self.tid = threading.get_ident()
         self.main = threading.current_thread() is threading.main_thread()
         self.armed = not self.main  # the main thread arms once its handler is in place
 
@@ -496,7 +498,8 @@ BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunct
 
 def markup_tokens(text: str) -> list[str]:
     """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments (docs/rewards.md)."""
-    text, tokens, i = strip_blocks(text, "<!--", "-->"), [], 0
+    text = strip_blocks(text, "<!--", "-->")
+    tokens, i = [], 0
     for m in _MARKUP_TAG.finditer(text):
         tag, attrs = m[2].lower(), sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3]))
         tokens += text[i:m.start()].split()
@@ -588,7 +591,8 @@ def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: flo
 
 def validate_answer(sample: dict) -> None:
     """Raise ValueError (naming the sample) unless the ground truth, given back as the answer, scores 1."""
-    t, gt, sid = canonical_type(sample.get("problem_type", "")), ground_truth(sample), sample.get("id", "?")
+    t, gt = canonical_type(sample.get("problem_type", "")), ground_truth(sample)
+    sid = sample.get("id", "?")
     if t not in ACCURACY:
         raise ValueError(f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
                          " and aliases)")

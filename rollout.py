@@ -18,16 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
 
-from data import Prompt, vllm_input
+from ckpt import hf_weights
+from data import Prompt, grids, vllm_input
 import sp
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
-# the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
-# the base tensors of one adapted layer, waiting for its adapters)
-SYNC_BUCKET_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -64,6 +60,12 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
     # None (unset) becomes NaN, which never compares equal: an unknown setting keeps the safe CPU path
     return all(np.array_equal(np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float))
                for k in keys)
+
+
+def eos_token_ids(model) -> list[int]:
+    """The ids that end a response (generation_config holds one or a list)."""
+    eos = model.generation_config.eos_token_id
+    return eos if isinstance(eos, list) else [eos]
 
 
 def vision_token_ids(tokenizer) -> list[int]:
@@ -163,7 +165,8 @@ class HFEngine:
     def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
         # dummies (data.dummy_prompts, multi-rank FSDP only): as in the trainer, a modality the prompts lack runs its
         # dummy through the vision tower, so all ranks run the tower the same number of times
-        self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids, self.dummies = eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
 
     @functools.cache  # built and validated once per (temperature, max_tokens), not per call
@@ -204,12 +207,11 @@ class HFEngine:
         attn = torch.tensor([[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device)
         # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not once per row: generate
         # gets the features laid out per row for the prefill, and every row's grids for its M-RoPE positions
-        keys = sorted({k for r in rows for k in r.mm if not k.startswith("pixel_values")})
-        grids = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in keys}
         vision = sp.shard_features(self.model, sp.encode_vision(self.model, rows, device, dummies=self.dummies), ids,
                                    rows, sp.Shard(None, ids.shape[1], 0, ids.shape[1]))
-        out = self.model.generate(input_ids=ids, attention_mask=attn, **grids, mm_encoder_outputs=vision,
-                                  synced_gpus=synced, mm_token_type_ids=mm_token_types(ids, self.tokenizer),
+        out = self.model.generate(input_ids=ids, attention_mask=attn, **grids(rows, device),
+                                  mm_encoder_outputs=vision, synced_gpus=synced,
+                                  mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                   generation_config=self.config(temperature, max_tokens))
         seq = out.sequences[:, P:]                                      # (B, R)
         logp = torch.zeros(seq.shape)
@@ -236,72 +238,3 @@ def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
     Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
     image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
     return (ids == image_id).int() + 2 * (ids == video_id).int()
-
-
-def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
-    """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
-    dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
-    bucket, size = [], 0
-    for name, t in state.items():
-        nbytes = t.numel() * t.element_size()
-        if bucket and (not isinstance(t, DTensor) or t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
-            yield from gather_bucket(bucket)
-            bucket, size = [], 0
-        if isinstance(t, DTensor):
-            bucket.append((name, t))
-            size += nbytes
-        else:
-            yield name, t
-    yield from gather_bucket(bucket)
-
-
-def gather_bucket(bucket: list):
-    """One all-gather for Shard(0) DTensors. FSDP2 splits dim 0 like torch.chunk: ceil(N / world) rows per rank, the
-    last ranks' shorter or empty; each rank packs its shards, zero-padded to that size, into one flat buffer."""
-    if not bucket:
-        return
-    first = bucket[0][1]
-    if any(t.placements != (Shard(0),) for _, t in bucket):
-        raise ValueError(f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}")
-    world = first.device_mesh.size()
-    rows = [-(-t.shape[0] // world) for _, t in bucket]
-    sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
-    flat = torch.cat([F.pad(t.to_local().flatten(), (0, k - t.to_local().numel())) for (_, t), k in zip(bucket, sizes)])
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
-    dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
-    for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
-        # row j of part is rank j's shard of t: in rank order they are t and its padding rows
-        yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]
-
-
-def hf_weights(model):
-    """(HF name, full tensor) of each of the model's weights in state-dict order, on full_tensors' bucketed stream (a
-    collective: every rank consumes all of it). A peft LoRA model yields its base model's names with the adapters
-    merged, W + scaling * B A: peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`), `X.lora_A...`,
-    `X.lora_B...`, so the base tensors wait for their lora_B, then go out as `X.weight` (merged) and `X.bias`."""
-    lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
-    held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
-    for name, t in full_tensors(model.state_dict()):
-        layer, _, adapter = name.partition(".lora_")
-        if adapter.startswith("A."):
-            lora_a = t
-        elif adapter.startswith("B."):
-            weight_name, w = held[0] if held else (None, None)
-            if weight_name != f"{layer}.base_layer.weight":  # never merged into another layer, never dropped
-                raise ValueError(f"weight sync: {name} does not follow its base weight (peft's state-dict order?)")
-            held[0] = weight_name, w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype))
-            for held_name, tensor in held:
-                yield base_name(held_name), tensor
-            held = []
-        elif held or name.endswith(".base_layer.weight"):
-            held.append((name, t))
-        else:
-            yield base_name(name), t
-    if held:
-        raise ValueError(f"weight sync: no lora_B followed {held[0][0]} (peft's state-dict order?)")
-
-
-def base_name(name: str) -> str:
-    """The base model's name of a (peft-wrapped) state-dict entry."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -18,26 +18,50 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import base_model
+
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
 
 @dataclass
 class Layout:
-    """This rank's place in the dp x sp world; SP groups are sp_size consecutive ranks."""
+    """This rank's place in the dp x sp world and in its rollout engine's TP group: all the rank arithmetic. SP and
+    TP groups are sp_size and tp consecutive ranks; rank r trains on the rows r::world of a step's prompts."""
     group: object    # the SP group's process group (None with sp_size 1)
     sp_rank: int
     sp_size: int
     dp_rank: int
     dp_size: int
+    tp: int = 1      # the rollout engine's tensor-parallel size
+    rank: int = 0    # dp_rank * sp_size + sp_rank
+    world: int = 1   # dp_size * sp_size
+
+    def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
+        """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
+        ranks (size tp: what its engine generates), and where the rank's own part lies in it: (list, start, length)."""
+        rank = self.rank if rank is None else rank
+        first = rank - rank % size
+        parts = [items[q::self.world] for q in range(first, first + size)]
+        return [x for part in parts for x in part], sum(map(len, parts[:rank - first])), len(parts[rank - first])
+
+    def prepares(self, i: int) -> bool:
+        """Whether this rank prepares item i of a step's prompts: the TP or SP group that uses it does."""
+        size = max(self.tp, self.sp_size)
+        return i % self.world // size == self.rank // size
+
+    def dedup(self, parts: list) -> list:
+        """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same rows)."""
+        return parts[::self.sp_size]
 
 
-def make_layout(sp_size: int) -> Layout:
+def make_layout(sp_size: int, tp: int = 1) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     groups = [None] * (world // sp_size)
     if sp_size > 1:
         groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
-    return Layout(groups[rank // sp_size], rank % sp_size, sp_size, rank // sp_size, world // sp_size)
+    dp_rank, dp_size = rank // sp_size, world // sp_size
+    return Layout(groups[dp_rank], rank % sp_size, sp_size, dp_rank, dp_size, tp, rank, world)
 
 
 class AllReduce(torch.autograd.Function):
@@ -174,7 +198,7 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
-    not the media) gathered in rank order onto this rank's Prompts (the group's, data.tp_share's order), n each."""
+    not the media) gathered in rank order onto this rank's Prompts (the group's, Layout.share's order), n each."""
     parts = [None] * layout.sp_size
     dist.all_gather_object(parts, ([replace(r, prompt=None) for r in rollouts], baselines), group=layout.group)
     done = [x for part, _ in parts for x in part]
@@ -182,8 +206,7 @@ def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int
 
 
 def language_model(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
-    return base.model.language_model
+    return base_model(model).model.language_model
 
 
 def use_ulysses(model):
@@ -276,11 +299,10 @@ def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> t
     if not mask.all():
         shard.mask = kernel_mask(F.pad(mask, (0, size * layout.sp_size - S)),
                                  lm.config._attn_implementation.removeprefix("ulysses_"))
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
-    pos = base.model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
-                                             past_key_values=None, mm_token_type_ids=batch["mm_token_type_ids"],
-                                             **batch["grids"])                    # (3, B, S); None: text only
-    if pos is None:
+    pos = base_model(model).model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
+                                                        past_key_values=None, **batch["grids"],
+                                                        mm_token_type_ids=batch["mm_token_type_ids"])  # (3, B, S)
+    if pos is None:  # text only
         pos = torch.arange(S, device=ids.device).expand(3, *ids.shape)
     ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
     return dict(input_ids=ids[:, keep], position_ids=F.pad(pos, (0, size * layout.sp_size - S))[..., keep],

@@ -18,11 +18,9 @@ import itertools
 import json
 import math
 import os
-import re
-import sys
 import time
 import typing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -30,51 +28,34 @@ import torch.distributed as dist
 
 import cache
 import ckpt
+import common
 import data
 import evaluate
 import rewards
 import sp
-from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, vision_token_ids
-from scripts import plot_runs
+from ckpt import save_checkpoint
+from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
+from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed,
+                     vision_token_ids)
 
 
 @dataclass
-class Config(cache.Media):
+class Config(cache.Training):
     config: tuple[str, ...] = ()
-    """YAML files setting the defaults, each over the ones before (unknown keys, mistyped values fail); flags win"""
+    """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = False
-    """check the config and the data, print the resolved config, the data counts and the longest prompt; then exit"""
-    # --- model and data
-    model: str = ".cache/models/tiny-qwen2_5_vl"
-    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
-    train_data: str = ".cache/data/color/train.jsonl"
-    """training samples (JSONL or JSON array; schema in data.py)"""
-    val_data: str = ".cache/data/color/val.jsonl"
-    """held-out samples for greedy accuracy ('' to skip evaluation)"""
+    """check config and data, print the resolved config, data counts, longest prompt; then exit"""
+    # --- model, data files, frame budgets (train and held-out): cache.Training's fields; the run's:
     out_dir: str = "runs/tiny"
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
-    trust_remote_code: bool = False
-    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
     max_consecutive_invalid: int = 1000
-    """skip_invalid: more invalid samples in a row than this fail the run (the data set may hold no valid sample)"""
+    """skip_invalid: more invalid samples in a row fail the run (the data may hold none valid)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
     max_prompt_len: int = 4096
-    """prompts longer than this (in tokens, vision included) are an error: never silently truncated"""
-    # --- frames: the training budget is cache.Media's fields (video_*, image_*, video_source, cache_dir)
-    val_video_fps: float = 0.0
-    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
-    val_video_max_frames: int = 0
-    """validation: max frames per video (0 = video_max_frames)"""
-    val_video_max_pixels: int = 0
-    """validation: max pixels per frame (0 = video_max_pixels)"""
-    val_video_total_pixels: int = 0
-    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
-    val_image_max_pixels: int = 0
-    """validation: max pixels per image (0 = image_max_pixels)"""
+    """prompts longer than this (in tokens, vision included) are an error, never truncated"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
@@ -83,7 +64,7 @@ class Config(cache.Media):
     group_size: int = 8
     """completions per prompt (n)"""
     prompts_per_step: int = 8
-    """prompts per optimizer step, over all ranks (divisible by the data-parallel size, world / sp_size)"""
+    """prompts per optimizer step over all ranks (divisible by world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
     max_response_len: int = 64
@@ -97,36 +78,37 @@ class Config(cache.Media):
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
     mix_threshold: float = 0.0
-    """swap only when the group's online accuracy is below this (0 = always): trained as on-policy, logged offline/*"""
+    """swap only if the group's online accuracy is below this (0 = always); logged as offline/*"""
     # --- reward
     w_acc: float = 0.9
     """weight of the accuracy reward"""
     w_fmt: float = 0.1
     """weight of the format reward"""
     response_format: Literal["answer", "think_answer"] = "answer"
-    """what the default prompts ask for and the format reward checks: <answer>..</answer>, or <think>..</think> first"""
+    """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
-    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"] = "grpo"
+    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax",
+                           "gdpo"] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
     adv_eps: float = 1e-6
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped detached IS weight x logp)"""
+    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight)"""
     clip_low: float = 0.2
     """clip: ratio >= 1 - clip_low"""
     clip_high: float = 0.2
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
-        "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "token-mean"
     """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
     kl_coef: float = 0.0
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
     kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
-    """subtract kl_coef * KL(old || ref) from the return instead of a KL loss (reinforce++, remax: from each token)"""
+    """kl_coef * KL(old || ref) off the return, not a KL loss (reinforce++, remax: per token)"""
     entropy_coef: float = 0.0
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     tis: Literal["", "token", "sequence"] = ""
@@ -136,13 +118,13 @@ class Config(cache.Media):
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose dyn_filter_metric is the same for every rollout, generate more until the batch is full"""
+    """DAPO: drop groups whose dyn_filter_metric is the same for all rollouts, sample more"""
     dyn_filter_metric: Literal["accuracy", "reward"] = "accuracy"
-    """dynamic sampling filters on: accuracy (DAPO, verl's recipe) | reward (the overall reward, penalties included)"""
+    """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
     max_gen_rounds: int = 4
-    """dynamic sampling: generation rounds per step at most (then dropped groups fill the batch, logged)"""
+    """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
     overlong_buffer: int = 0
-    """DAPO soft overlong penalty: linear from 0 to -overlong_factor over the last N tokens (0 = off)"""
+    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last N tokens (0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
     ppo_epochs: int = 1
@@ -153,17 +135,17 @@ class Config(cache.Media):
     """sequences per forward/backward on each rank"""
     # --- memory
     freeze_vision: bool = False
-    """no gradient into the vision tower: its features are computed once per prompt per step and reused by every pass"""
+    """no gradient into the vision tower: its features, once per step, serve all passes"""
     logp_chunk: int = 1024
-    """response positions projected onto the vocabulary at a time (recomputed in backward; 0 = all at once)"""
+    """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
-    """recompute each decoder layer's and vision block's activations in backward instead of keeping them"""
+    """recompute each decoder layer's and vision block's activations in backward, not keep them"""
     offload: bool = False
-    """FSDP2 CPU offload: parameter shards, gradients and optimizer state in CPU memory (CUDA, torchrun only)"""
+    """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
     max_tokens_per_micro_batch: int = 0
-    """micro-batch budget in padded tokens, rows x (longest prompt + response); replaces micro_batch_size (0 = off)"""
+    """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
     sp_size: int = 1
-    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of the tokens and frames"""
+    """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of them"""
     # --- optimizer
     lr: float = 1e-6
     """peak learning rate"""
@@ -189,61 +171,35 @@ class Config(cache.Media):
     wandb_project: str = ""
     """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
     log_every: int = 1
-    """write sampled completions to out_dir/samples.jsonl (and a wandb table) every N steps (0 = never)"""
+    """write sampled completions to out_dir/samples.jsonl (and wandb) every N steps (0 = never)"""
     log_samples: int = 4
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
     save_every: int = 0
-    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = only on SIGTERM/SIGINT), see scripts/export_hf.py"""
+    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = on SIGTERM/SIGINT only)"""
     keep_last: int = 2
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = ""
-    """'' = start fresh | auto = the latest complete checkpoint in out_dir/ckpt (fresh if none) | a folder"""
+    """'' = fresh | auto = the latest complete checkpoint in out_dir/ckpt (if any) | a folder"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
     lora_rank: int = 0
-    """adapter rank r (0 = full fine-tuning); the reference policy is then the model with its adapters scaled to 0"""
+    """adapter rank r (0 = full fine-tuning); the reference: the model, adapters scaled to 0"""
     lora_alpha: float = 16.0
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input during the loss forward (the log-prob passes and the sampler have none)"""
+    """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    """regex over module names (full match) that get adapters (default: the language model's attention and MLP);
-    the vision tower and merger are optional, e.g. append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
+    """regex over module names (full match) that get adapters (default: the language model's
+    attention and MLP); the vision tower and merger are optional, e.g. append
+    `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:
     """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
     them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
-    import tyro
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = Config()
-    if "--config" in argv:
-        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
-            base = yaml_overlay(base, path)
-    return tyro.cli(Config, default=base, args=argv)
-
-
-FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
-
-
-def yaml_overlay(base: Config, path: str) -> Config:
-    """A YAML file's values over `base`, each checked against its field's type (an error names the file and the key)."""
-    import yaml
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
-    types = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "config"}
-    for key, value in values.items():
-        if key not in types:
-            raise ValueError(f"{path}: unknown key {key!r}")
-        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
-            value = float(value)
-        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
-            raise ValueError(f"{path}: {key}: {value!r} is not {' | '.join(map(repr, choices)) or types[key].__name__}")
-        base = replace(base, **{key: value})
-    return base
+    return common.load_config(Config, argv)
 
 
 def check_config(cfg: Config, world: int = 1):
@@ -302,7 +258,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
-    for (split, rows), split_cfg in zip(samples.items(), (cfg, val_config(cfg))):
+    for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
         if rows:
             longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
                 processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
@@ -311,13 +267,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
                   f"{cfg.max_prompt_len})")
 
 
-def val_config(cfg: Config) -> Config:
-    """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-    fields = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
-    return replace(cfg, **{k: getattr(cfg, f"val_{k}") for k in fields if getattr(cfg, f"val_{k}")})
-
-
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The algorithm: small pure tensor functions. B = sequences, R = response tokens.
 
 def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -477,7 +427,7 @@ def lr_at(step: int, cfg: Config) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
 
 def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
@@ -497,7 +447,9 @@ class ChunkedLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, banned: list[int], chunk: int):
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.banned, ctx.chunk = temperature, banned, chunk
+        ctx.temperature = temperature
+        ctx.banned = banned
+        ctx.chunk = chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
                  for i in range(0, max(1, len(targets)), chunk)]  # no targets: one empty chunk (an SP rank)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -564,8 +516,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
         if r.logp:
             rollout_logp[i, :len(y)] = torch.tensor(r.logp)
     prompts = [r.prompt for r in rollouts]
-    grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
-             for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
+    grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, dummies=dummies,
                 mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:, P:],
@@ -618,8 +569,8 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
         kl = kl_penalty(logp, b["ref_logp"], cfg.kl_type)
     bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through the entropy unless it is in the loss
     norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
-    loss = agg_loss(pg * w, mask, **norm) - cfg.entropy_coef * agg_loss(bonus, mask, **norm) \
-        + cfg.kl_coef * agg_loss(kl, mask, **norm)
+    loss = (agg_loss(pg * w, mask, **norm) - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
+            + cfg.kl_coef * agg_loss(kl, mask, **norm))
     with torch.no_grad():
         has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs on the same tokens
         d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
@@ -646,7 +597,7 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
     for b in itertools.chain(*minibatches):
         kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
         rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
-    return torch.cat(gather(torch.cat(rows).double())[::layout.sp_size])
+    return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
@@ -663,7 +614,7 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
     return adv.float()
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sampling and reward: groups are scored as they are generated (DAPO's dynamic sampling filters on the scores)
 
 @dataclass
@@ -719,24 +670,26 @@ class Batch:
     refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, rank: int, world: int,
-                 tok, eos_id: int, layout: sp.Layout) -> Batch:
+def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
+                 layout: sp.Layout) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
     prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
     drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
-    n, need, kept, dropped, skips = cfg.group_size, cfg.prompts_per_step // layout.dp_size, [], [], []
+    n, need = cfg.group_size, cfg.prompts_per_step // layout.dp_size
+    kept, dropped = [], []  # groups with spread (all without dynamic sampling), without: refill after max_gen_rounds
+    skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
-        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, rank=rank, world=world)
+        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        share, start, k = data.tp_share(prompts, rank, world, cfg.rollout_tp)
+        share, start, k = layout.share(prompts, layout.tp)
         rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
         if layout.sp_size > 1:
-            group_prompts = data.tp_share(prompts, rank, world, layout.sp_size)[0]
+            group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
             group = swap_offline(scored_group(rollouts[i * n:(i + 1) * n], cfg, baseline), cfg, tok, eos_id)
@@ -759,24 +712,55 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
             "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
             "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}
-    parts = gather(mine)[::layout.sp_size]
+    parts = layout.dedup(gather(mine))
     start = sum(len(p["reward"]) for p in parts[:layout.dp_rank])
     return {k: [x for p in parts for x in p[k]] for k in mine}, start
 
 
-# ---------------------------------------------------------------------------------------------------
-def main(cfg: Config):
-    rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
-    check_config(cfg, world)
-    layout = sp.make_layout(cfg.sp_size)  # dp x sp: the ranks of an SP group train the same rows
-    torch.manual_seed(cfg.seed)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    from transformers import AutoProcessor
-    processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    tok = processor.tokenizer
-    template = open(cfg.prompt_template).read() if cfg.prompt_template else None
-    skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
-    # the model's special tokens in any text field (offline_output: <|image_pad|> is banned, <|im_end|> ends a turn)
+# --------------------------------------------------------------------------------------------------
+# main and its parts: setup, the no-grad log-prob pass, the update, logging, the end of the run
+
+@dataclass
+class Trainer:
+    """The training side of a run (build_trainer): the policy, its reference, the optimizer, the ranks."""
+    model: torch.nn.Module
+    ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, the adapters scaled to 0
+    opt: torch.optim.Optimizer   # AdamW over the trainable parameters (LoRA: the adapters only)
+    banned: list[int]            # vision token ids: never sampled, masked in every log-prob
+    layout: sp.Layout
+    dummies: dict | None         # FSDP (world > 1): a dummy row per modality a micro-batch lacks
+    rank: int
+    world: int
+    device: torch.device
+
+
+def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device) -> Trainer:
+    model = load_model(cfg, device)
+    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
+    return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
+
+
+def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
+    """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate on the policy."""
+    if cfg.rollout == "hf":
+        return HFEngine(t.model, tok, eos_ids, t.dummies)
+    media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
+    # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
+    engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
+                        dtype="bfloat16" if t.device.type == "cuda" else "float32",
+                        gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
+                        trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
+                        max_videos=max([v for _, v in media] + [1]))
+    engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
+    return engine
+
+
+def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
+    """{"train": samples, "val": at most eval_max_samples}; skip_invalid: the invalid ones to `skipped`."""
+    # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
     load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
     train_samples = load(cfg.train_data)
@@ -784,178 +768,206 @@ def main(cfg: Config):
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     if template:
         data.check_template(template, train_samples[0])
-    val_samples = load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []
+    return {"train": train_samples, "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
+
+
+def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config) -> int:
+    """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the reward), the
+    reference's with kl_coef; freeze_vision: every prompt's features once, for all passes. Returns the encodes."""
+    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
+    frozen, encodes = None, 0
+    logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+    with torch.no_grad():
+        if cfg.freeze_vision:
+            frozen = sp.encode_vision(t.model, [r.prompt for r in rollouts], t.device, t.layout, t.dummies)
+            encodes = frozen.encodes
+        for b in itertools.chain(*minibatches):
+            b["vision"] = frozen
+            if need_old:
+                b["old_logp"] = token_logp(t.model, b, *logp_args)[0]
+            if cfg.kl_coef > 0:
+                b["ref_logp"] = reference_logp(t.model, t.ref, b, *logp_args)
+    return encodes
+
+
+@dataclass
+class Update:
+    """update()'s first-epoch metric sums over this rank's micro-batches, and its steps' mean grad norm."""
+    metrics: dict
+    grad_norm: float
+
+
+def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> Update:
+    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop on every
+    rank before the step when a loss or grad norm is not finite (the error names the samples, ids)."""
+    for group_param in t.opt.param_groups:
+        group_param["lr"] = lr_at(step - 1, cfg)
+    m, gnorms = {}, []
+    t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
+    for epoch in range(cfg.ppo_epochs):
+        for mini in minibatches:
+            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP groups: each row once
+            loss_sum = 0.0
+            for b in mini:
+                loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
+                (loss * t.world).backward()  # FSDP averages gradients over ranks: x world sums them
+                loss_sum += metrics["loss"]
+                if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
+                    for k, v in metrics.items():
+                        m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
+            gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
+            gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+            if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
+                raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
+                                         f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
+            t.opt.step()
+            t.opt.zero_grad(set_to_none=True)
+    t.model.eval()
+    m["loss"] /= len(minibatches)
+    return Update(m, mean(gnorms))
+
+
+def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logger, skipped: list, per_step: float):
+    """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl (if it grew)."""
+    step = row["step"]
+    if row["data/skipped_step"]:
+        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
+    eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
+    shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
+    print0(" | ".join([f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"]))
+    shared = [x for p in layout.dedup(parts) for x in p["samples"]]  # an SP group's once
+    write_samples(shared[:cfg.log_samples], cfg, logger, step)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    logger.log(row, step=step)
+
+
+def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
+    """The end of the run: curve and summary.json (trained: this process trained a step), the final checkpoint."""
+    catch_stop_signals(catch=False)  # the end of the run: no step to finish
+    if t.rank == 0 and trained:
+        rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
+        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
+                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
+        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
+                 for key, style, label in curves]
+        common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
+        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+            json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
+    if cfg.save:
+        save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
+    logger.finish()
+    if isinstance(engine, VLLMEngine):
+        engine.llm.llm_engine.engine_core.shutdown()  # now, not in __del__ at exit (a traceback)
+    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
+    barrier()
+    return acc_before, acc_after
+
+
+def main(cfg: Config):
+    rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
+    check_config(cfg, world)
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # dp x sp: the ranks of an SP group train the same rows
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tok = processor.tokenizer
+    template = open(cfg.prompt_template).read() if cfg.prompt_template else None
+    skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
+    samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
-        return dry_run(cfg, processor, template, {"train": train_samples, "val": val_samples}, skipped)
-    model = load_model(cfg, device)
-    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+        return dry_run(cfg, processor, template, samples, skipped)
+    t = build_trainer(cfg, processor, layout, rank, world, device)
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
-    state = ckpt.load(ckpt_path, model, opt) if ckpt_path else {}  # before the engine is built: it gets these weights
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
-    banned = vision_token_ids(tok)
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
-    if cfg.rollout == "vllm":
-        media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in train_samples + val_samples]
-        # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
-        engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
-                            dtype="bfloat16" if device.type == "cuda" else "float32",
-                            gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
-                            trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
-                            max_videos=max([v for _, v in media] + [1]))
-        engine.sync(model)  # from the first step on, the engine and the trainer hold the same weights
-    else:
-        engine = HFEngine(model, tok, eos_ids, dummies)
-    ckpt.catch_stop_signals(catch=False)  # after the engine (ours must be the handlers); startup: a signal ends it
+    state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
+    eos_ids = eos_token_ids(t.model)
+    engine = start_engine(cfg, t, tok, eos_ids, samples)
+    catch_stop_signals(catch=False)  # after the engine (ours must be the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=val_config(cfg), stats=stats, **fmt)
-    val_prompts, skips = data.prep_all(val_prep, val_samples, cfg)
-    skipped = state.get("skipped", skipped + skips)  # a resumed run: the saved report already holds the load/val skips
-    logger = start_logger(cfg, state.get("wandb_id"), rank)
-    acc_before = state["acc_before"] if state else float("nan")
+    val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
+    val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
+    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report holds the load/val skips
+    acc_before = state.get("acc_before", float("nan"))
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
-        acc_before = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(train_samples)} train, {len(val_prompts)} val, "
-           f"{len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
+        acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
+    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} "
+           f"val, {len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
-    stream = data.Stream(len(train_samples), cfg.seed, **state.get("data", {}))
-    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
-    if rank == 0:
-        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)  # atomic; training-time skips later
-        for name in ("metrics.jsonl", "samples.jsonl"):  # else rerunning into an out_dir would mix two runs' curves
-            trim_rows(os.path.join(cfg.out_dir, name), state.get("step", 0))
-    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated inside the loop: it is logged)
+    stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
+    logger = start_logs(cfg, state, skipped, rank)
+    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop: logged)
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
-    signals = ckpt.catch_stop_signals()  # inside a step: the first signal checkpoints at the step boundary
+    signals = catch_stop_signals()  # in a step: the first signal checkpoints at the step's end
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
-        # ------------------------------------------------------------------ sample, reward (+ DAPO dynamic sampling)
-        batch = sample_batch(engine, stream, train_samples, prep, cfg, step=step, rank=rank, world=world, tok=tok,
-                             eos_id=eos_ids[0], layout=layout)  # groups are scored as they are generated
+        # ---------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
+        batch = sample_batch(engine, stream, samples["train"], prep, cfg, step=step,
+                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as they are generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
         ids = rows["id"][::cfg.group_size]
-        # ------------------------------------------------------------------ old / ref log-probs (no grad, once)
+        # ---------------------------------------------------- old / ref log-probs (no grad, once)
         t1 = time.time()
-        minibatches = micro_batches(rollouts, cfg, tok, device, dummies)
-        m = {"kl": 0.0, "vision_encodes": 0}  # this step's metric sums over micro-batches
-        with torch.no_grad():
-            frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
-            if cfg.freeze_vision:
-                frozen = sp.encode_vision(model, [r.prompt for r in rollouts], device, layout, dummies)
-                m["vision_encodes"] = frozen.encodes
-            for b in itertools.chain(*minibatches):
-                b["vision"] = frozen
-                if need_old:
-                    b["old_logp"] = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)[0]
-                if cfg.kl_coef > 0:
-                    b["ref_logp"] = reference_logp(model, ref, b, cfg.temperature, banned, cfg.logp_chunk, layout)
-        kl_to_go = None
-        if cfg.kl_in_reward:  # verl apply_kl_penalty: on old (rollout-time) log-probs (check_config: kl_coef > 0)
-            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                                  # (B_all, R)
-            m["kl"] = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
+        minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
+        encodes = logp_pass(t, minibatches, rollouts, cfg)
+        kl_to_go, kl = None, 0.0
+        if cfg.kl_in_reward:  # verl apply_kl_penalty, on the old log-probs (check_config: kl_coef > 0)
+            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                          # (B_all, R)
+            kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
-        # ------------------------------------------------------------------ advantage
-        adv_all = batch_advantages(rows, kl_to_go, cfg)                                   # (B_all, max_response_len)
-        adv = adv_all[start:start + len(rollouts)].to(device)                              # this rank's rows
+        # ---------------------------------------------------- advantage
+        adv_all = batch_advantages(rows, kl_to_go, cfg)                           # (B_all, max_response_len)
+        adv = adv_all[start:start + len(rollouts)].to(device)                      # this rank's rows
         for b in itertools.chain(*minibatches):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
-        # ------------------------------------------------------------------ loss and step
-        for group_param in opt.param_groups:
-            group_param["lr"] = lr_at(step - 1, cfg)
-        gnorms = []  # grad_norm logged: the mean over this step's optimizer steps
-        model.train()  # only lora_dropout acts in train mode (the Qwen-VL models have no other dropout)
-        for epoch in range(cfg.ppo_epochs):
-            for mini in minibatches:
-                n_tok_mb, n_seq_mb = (n / cfg.sp_size for n in global_counts(mini))  # SP groups: each row once
-                loss_sum = 0.0
-                for b in mini:
-                    loss, metrics = micro_loss(model, b, cfg, banned, n_tok=n_tok_mb, n_seq=n_seq_mb, layout=layout)
-                    (loss * world).backward()  # FSDP averages gradients over ranks: x world makes it their sum
-                    loss_sum += metrics["loss"]
-                    if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
-                        for k, v in metrics.items():
-                            m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
-                gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-                gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
-                if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: stop before the step
-                    raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
-                                             f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        model.eval()
-        m["loss"] /= len(minibatches)
-        m["vision_encodes"] += sum(b["encodes"] for b in itertools.chain(*minibatches))
-
-        m.update(dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
-        # ------------------------------------------------------------------ sync
+        # ---------------------------------------------------- loss and step
+        up = update(t, minibatches, cfg, step, ids)
+        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # freeze_vision off: per pass
+        m = dict(up.metrics, kl=kl + up.metrics["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
+                 dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
+        # ---------------------------------------------------- sync
         t2 = time.time()
-        engine.sync(model)
+        engine.sync(t.model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
-        # ------------------------------------------------------------------ log
+        # ---------------------------------------------------- log
         parts = gather({"m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
                         "samples": sample_rows(batch.groups, adv, step, cfg)})
         evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
-        if evaluated:
-            acc_after = evaluate.accuracy(engine, val_prompts, cfg, rank=rank, world=world, step=step)  # the result
+        if evaluated:  # the result of the run, once the last step has run
+            acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=mean(gnorms), lr=lr_at(step - 1, cfg),
-                               times=times)
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=up.grad_norm, lr=lr_at(step - 1, cfg),
+                               times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
-            if len(skipped) > n_skipped:
-                evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
-            eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
-            shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
-            print0(" | ".join([f"step {step}/{cfg.max_steps}"] + shown + [f"{per_step:.3g} s/step | ETA {eta}"]))
-            write_samples([x for p in parts[::cfg.sp_size] for x in p["samples"]][:cfg.log_samples], cfg, logger, step)
-            with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
-            logger.log(row, step=step)
-        # ------------------------------------------------------------------ checkpoint / preemption
-        stop = ckpt.any_rank(bool(signals))
+            log_step(row, parts, cfg, layout, logger, skipped, per_step)
+        # ---------------------------------------------------- checkpoint / preemption
+        stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
-            ckpt.save(cfg.out_dir, step, model, opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
+            ckpt.save(cfg.out_dir, step, t.model, t.opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
-    ckpt.catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    if rank == 0 and state.get("step", 0) < cfg.max_steps:  # this process trained a step
-        rows = plot_runs.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
-        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
-                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
-        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
-                 for key, style, label in curves]
-        plot_runs.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
-        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-            json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
-    if cfg.save:
-        save_checkpoint(model, processor, os.path.join(cfg.out_dir, "final"), rank)
-    logger.finish()
-    if isinstance(engine, VLLMEngine):
-        engine.llm.llm_engine.engine_core.shutdown()  # now, not in its __del__ at interpreter exit (a traceback)
-    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
-    ckpt.barrier()
-    return acc_before, acc_after
+    trained = state.get("step", 0) < cfg.max_steps  # this process trained a step
+    return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Metrics and logging
 
 class NoLogger:
@@ -1004,12 +1016,19 @@ def write_samples(shown: list[dict], cfg: Config, logger, step: int):
         logger.log({"samples": wandb.Table(columns=list(shown[0]), data=cells)}, step=step)
 
 
-def start_logger(cfg: Config, run_id: str | None, rank: int):
-    """Rank 0's wandb run (resumed by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
+def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
+    """Rank 0's logs at the start: skipped.jsonl (atomic; training-time skips later), metrics and samples
+    trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed by id), online,
+    offline or disabled as `wandb login` and WANDB_MODE say."""
+    if rank == 0:
+        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            trim_rows(os.path.join(cfg.out_dir, name), state.get("step", 0))
     if rank or not cfg.wandb_project:
         return NoLogger()
     import wandb
-    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=run_id, resume="allow")
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
+                      resume="allow")
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
@@ -1021,11 +1040,12 @@ def mean(xs: list) -> float:
 
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
-                 times: dict) -> dict:
+                 times: dict, layout: sp.Layout) -> dict:
     """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
     group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
-    msum = {k: sum(p["m"][k] for p in parts[::cfg.sp_size]) for k in parts[0]["m"]}
-    rew, comp, types, n_tok = rows["reward"], rows["components"], rows["type"], sum(rows["length"])
+    msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
+    rew, comp = rows["reward"], rows["components"]
+    types, n_tok = rows["type"], sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
     row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],
            "clipfrac": msum["clipfrac"] / n_tok, "entropy": msum["entropy"] / n_tok, "kl": msum["kl"] / n_tok,
@@ -1054,7 +1074,7 @@ def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cf
     return row
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Setup helpers
 
 def load_model(cfg: Config, device):

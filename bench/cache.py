@@ -11,13 +11,17 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+import cache  # noqa: E402
+
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
-FRAMES = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=3136, factor=28)
-FLAGS = [x for k, v in FRAMES.items() if k != "factor" for x in (f"--video-{k.replace('_', '-')}", str(v))]
-BIG = dict(fps=2.0, min_frames=4, max_frames=64, min_pixels=3136, max_pixels=262144, factor=28)  # qwen2_5_vl_7b.yaml's
+FRAMES = cache.Frames(video_fps=2.0, video_min_frames=4, video_max_frames=16, video_min_pixels=3136,
+                      video_max_pixels=3136)
+FLAGS = [x for k, v in asdict(FRAMES).items() for x in (f"--{k.replace('_', '-')}", str(v))]
+BIG = replace(FRAMES, video_max_frames=64, video_max_pixels=262144)  # qwen2_5_vl_7b.yaml's
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
 
@@ -55,7 +59,6 @@ def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
          out: str = os.path.join(ROOT, ".cache/bench/cache")):
     """seconds: the clips' durations; steps: train steps per run (the first is not timed); out: clips, cache, runs."""
     out = os.path.abspath(out)  # make_clips' paths are read relative to its JSONL
-    import cache
     import make_tiny_model
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
@@ -65,23 +68,23 @@ def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
     # ---- 1. the preprocessing command's work (cache.py's CLI), into a cold cache
     frames_dir = os.path.join(out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
-    argv = ["--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS, "--factor", str(FRAMES["factor"])]
+    argv = ["--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS, "--factor", "28"]
     summary = cache.preprocess(cache.load_config(argv))  # what `python cache.py ARGV` runs
     print("cache.py:", " | ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
-    cache.load_video(videos[0], **FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
+    cache.load_video(videos[0], FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
     load = {}
     for name, settings, d in (("bench", FRAMES, frames_dir), ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b"))):
         decode_s, cached_s = [], []
         for v in videos:
             t = time.perf_counter()
-            ref = cache.load_video(v, **settings, mode="decode_only")
+            ref = cache.load_video(v, settings, mode="decode_only")
             decode_s.append(time.perf_counter() - t)
-            cache.load_video(v, **settings, cache_dir=d)  # no preprocessing run at the 7B settings: a first run adds it
+            cache.load_video(v, settings, cache_dir=d)  # no preprocessing run at the 7B settings: a first run adds it
             t = time.perf_counter()
             for _ in range(5):
-                frames, meta = cache.load_video(v, **settings, cache_dir=d, mode="cache_only")
+                frames, meta = cache.load_video(v, settings, cache_dir=d, mode="cache_only")
             cached_s.append((time.perf_counter() - t) / 5)
             assert (frames == ref[0]).all() and meta == ref[1], f"{v}: cached frames differ from decoded ones"
         load[name] = (decode_s, cached_s, frames)

@@ -24,7 +24,7 @@ def main(c: memory.Config):
     runs = {(f, f"sp{sp}"): ("all on", replace(c, frames=f, prompts=1, ranks=sp, sp_size=sp))
             for f in FRAMES for sp in (1, 2)}
     timed = replace(c, frames=TODAY_FRAMES, prompts=2, ranks=2, steps=c.steps + 2)  # 3 timed steps: the fastest
-    runs[TODAY_FRAMES, "today's path"] = ("before #13", timed)
+    runs[TODAY_FRAMES, "today's path"] = (memory.PER_ROW, timed)
     runs[TODAY_FRAMES, "MR-SP"] = ("freeze_vision", replace(timed, sp_size=2))
     rows = {}
     for (frames, name), (setting, cf) in runs.items():

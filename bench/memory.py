@@ -1,15 +1,17 @@
-"""Peak memory of the train phase on long videos: the trainer before issue 13, each memory switch alone, all of them.
+"""Peak memory of the train phase on long videos: every memory switch off (each row encoded), each alone, all on.
 
     .venv/bin/python bench/memory.py          # ~15 min on 2 shared cores
 
 The tiny Qwen2.5-VL, `prompts` synthetic clips, group_size rollouts of response_len random tokens each. A fresh
 process per setting (`--worker`) loads the model (and with kl_coef the reference) and runs train.main's step after
-generation `steps` times (train_phase): the last one's peak memory (peak_bytes), time and videos encoded (pre-hooks on
-the vision towers). "before #13": train.py before issue 13 (BEFORE). bench/long_video.py runs this worker too.
+generation `steps` times (train_phase: train.logp_pass and train.update): the last one's peak memory (peak_bytes),
+time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before issue 13 as a
+setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes every row's video
+(the tower trained) as train.py did then. bench/long_video.py runs this worker too.
 """
+import copy
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,9 +23,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-BEFORE = "5e47fd9"  # the last commit before issue 13: train.py encoded the media of every row
 OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0)
-SETTINGS = {"before #13": {}, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
+PER_ROW = "each row encoded"  # OFF, and no two rows share a Prompt: the vision tower runs on every row in every pass
+SETTINGS = {PER_ROW: OFF, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
             "gradient_checkpointing": dict(OFF, gradient_checkpointing=True), "logp_chunk 64": dict(OFF, logp_chunk=64),
             "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704), "all on": dict(
                 freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=704)}
@@ -53,42 +55,27 @@ class Config:
     worker: str = ""
     """run one setting of SETTINGS in this process and print its JSON line (internal)"""
     out: str = os.path.join(ROOT, ".cache/bench/memory")
-    """clips and the train.py of BEFORE go here"""
+    """the clips go here"""
 
 
-def train_config(c: Config, trainer=None, **switches):
-    """The Config of this benchmark's clips and batch, from the module `trainer` (today's train.py by default)."""
+def train_config(c: Config, **switches):
+    """The train.Config of this benchmark's clips and batch."""
     import train
-    return (trainer or train).Config(
+    return train.Config(
         model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0, video_max_frames=c.frames,
         video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=16384, cache_dir="",
         video_source="decode_only", group_size=c.group_size, prompts_per_step=c.prompts,
         max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, kl_coef=c.kl_coef, **switches)
 
 
-def train_phase(train, model, ref, opt, rollouts: list, cfg, tok, banned: list[int], layout=None):
-    """train.main's step after generation (advantages +-1; one epoch, one mini-batch: no old log-prob pass) on this
-    process's CPU: the frozen features, the reference pass (ref None: kl_coef 0), the update; layout: sp.Layout."""
-    import sp
-    mini = train.micro_batches(rollouts, cfg, tok, model.device, None)[0]
-    today = hasattr(cfg, "sp_size")  # BEFORE's token_logp and micro_loss take neither logp_chunk nor a layout
-    logp_args = (cfg.logp_chunk, layout) if today else ()
-    with torch.no_grad():
-        frozen = None
-        if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-            frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)
-        for b in mini:
-            b["vision"] = frozen
-            if ref is not None:  # train.reference_logp with a reference model is this call
-                b["ref_logp"] = train.token_logp(ref, b, cfg.temperature, banned, *logp_args)[0]
-    n_tok, n_seq = train.global_counts(mini)  # SP: each row counted sp_size times, a loss scale (free)
-    sp_kw = {"layout": layout} if today else {}
-    for b in mini:
+def train_phase(train, t, rollouts: list, cfg, tok):
+    """train.main's step after generation on this process's CPU (t: a train.Trainer; one epoch, one mini-batch: no old
+    log-prob pass; advantages +-1): train.logp_pass (frozen features, the reference pass), then train.update."""
+    minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    train.logp_pass(t, minibatches, rollouts, cfg)
+    for b in minibatches[0]:
         b["adv"] = (torch.tensor(b["index"]) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
-        train.micro_loss(model, b, cfg, banned, n_tok=n_tok, n_seq=n_seq, **sp_kw)[0].backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    train.update(t, minibatches, cfg, step=1, ids=[])
 
 
 def status_kib(key: str) -> int:
@@ -114,43 +101,34 @@ def worker(c: Config) -> dict:
     import data
     import sp
     import train
-    from rollout import Rollout, vision_token_ids
+    from rollout import Rollout
     from transformers import AutoProcessor
-    trainer, switches = train, dict(SETTINGS[c.worker], sp_size=c.sp_size)
-    if c.worker == "before #13":  # BEFORE's train.py (no switches) trains; today's data.py prepares the prompts
-        spec = importlib.util.spec_from_file_location("train_before", os.path.join(c.out, "train.py"))
-        trainer = sys.modules["train_before"] = importlib.util.module_from_spec(spec)
-        switches = {}
-        spec.loader.exec_module(trainer)
     rank, world, _ = train.init_dist()
-    layout = sp.make_layout(c.sp_size)
-    cfg = train_config(c, trainer, **switches)
+    cfg = train_config(c, **SETTINGS[c.worker], sp_size=c.sp_size)
     processor = AutoProcessor.from_pretrained(cfg.model)
-    model = trainer.load_model(cfg, torch.device("cpu"))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    t = train.build_trainer(cfg, processor, sp.make_layout(c.sp_size), rank, world, torch.device("cpu"))
+    t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
     samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
-    prompts = [data.prepare(s, processor, train_config(c)) for s in samples]
+    prompts = [data.prepare(s, processor, cfg) for s in samples]
     g = torch.Generator().manual_seed(0)
-    rollouts = [Rollout(p, torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
-                for p in prompts[:c.prompts][rank // c.sp_size::world // c.sp_size] for _ in range(c.group_size)]
-    models, ref = [model], None
-    if c.kl_coef:  # train.main's reference model: its tower encodes too unless the features are frozen
-        ref = trainer.load_model(cfg, torch.device("cpu")).eval().requires_grad_(False)
-        models.append(ref)
+    share = prompts[:c.prompts][rank // c.sp_size::world // c.sp_size]
+    rollouts = [Rollout(copy.copy(p) if c.worker == PER_ROW else p,
+                        torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
+                for p in share for _ in range(c.group_size)]
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
-    for m in models:
+    for m in [m for m in (t.model, t.ref) if m is not None]:  # the reference's tower encodes too (features not frozen)
         m.model.visual.register_forward_pre_hook(lambda _, args, kw: encodes.append(len(kw["grid_thw"])),
                                                  with_kwargs=True)
     peaks, times = [], []
     for _ in range(c.steps):
         t0 = time.time()
-        peaks.append(peak_bytes(train_phase, trainer, model, ref, opt, rollouts, cfg, processor.tokenizer,
-                                vision_token_ids(processor.tokenizer), layout))
+        peaks.append(peak_bytes(train_phase, train, t, rollouts, cfg, processor.tokenizer))
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
     peaks, times = peaks[1:] or peaks, times[1:] or times
     return dict(peak=max(peaks), time=min(times), encodes=sum(encodes) // c.steps, prompt=len(prompts[0].prompt_ids),
-                patches=int(prompts[0].mm["video_grid_thw"].prod()), params=sum(p.numel() for p in model.parameters()))
+                patches=int(prompts[0].mm["video_grid_thw"].prod()),
+                params=sum(p.numel() for p in t.model.parameters()))
 
 
 def run(c: Config, setting: str) -> dict:
@@ -169,15 +147,12 @@ def run(c: Config, setting: str) -> dict:
 
 
 def prepare(c: Config):
-    """The tiny model, the clips (a folder per frame count and size: each written once) and BEFORE's train.py."""
+    """The tiny model and the clips (a folder per frame count and size: each written once)."""
     import make_synthetic_data
     import make_tiny_model
     make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
     make_synthetic_data.make(os.path.join(c.out, f"clips{c.frames}x{c.size}"), ["color"], num_train=c.prompts,
                              num_val=0, seed=0, size=c.size, fps=8, seconds=c.frames / 8)
-    with open(os.path.join(c.out, "train.py"), "w") as f:
-        f.write(subprocess.run(["git", "show", f"{BEFORE}:train.py"], cwd=ROOT, capture_output=True, text=True,
-                               check=True).stdout)
 
 
 def main(c: Config):
@@ -189,7 +164,7 @@ def main(c: Config):
     for setting in SETTINGS:
         rows[setting] = r = run(c, setting)
         print(f"| {setting} | {r['peak'] / 2 ** 20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
-    before, after = rows["before #13"], rows["all on"]
+    before, after = rows[PER_ROW], rows["all on"]
     print(f"vision encodes per step: {before['encodes']} -> {after['encodes']}")
     print(f"peak memory ratio: {before['peak'] / after['peak']:.1f}x")
 

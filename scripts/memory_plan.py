@@ -44,7 +44,7 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     if not os.path.isdir(local):  # a hub name: the tiny checkpoint of its family has the same processor sizes
         local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models"))
     processor = AutoProcessor.from_pretrained(local)
-    factor, n = data.vision_factor(processor), cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
+    factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
     budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
     sample = dict(problem="<video>What happens in the video, and when?", problem_type="free-form", videos=["v.mp4"])

@@ -5,6 +5,10 @@
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import plot  # noqa: E402
 
 
 def curve(run: str) -> tuple[list[int], list[float]]:
@@ -17,31 +21,6 @@ def curve(run: str) -> tuple[list[int], list[float]]:
         pts.update({0: s["acc_before"], rows[-1]["step"]: s["acc_after"]})
     steps = sorted(pts)
     return steps, [pts[k] for k in steps]
-
-
-def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
-    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
-    twice (the run resumed from a checkpoint before it) by its last row."""
-    with open(metrics_path) as f:
-        logged = {r["step"]: r for r in map(json.loads, f)}
-    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
-    return [first] + [logged[s] for s in sorted(logged)]
-
-
-def plot(lines: list[tuple], path: str, ylabel: str = "", title: str = ""):
-    """One figure of (steps, values, style, label) lines over steps, saved at path (train.py's curve.png too)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for steps, values, style, label in lines:
-        ax.plot(steps, values, style, label=label)
-    ax.set(xlabel="step", ylabel=ylabel, ylim=(-0.02, 1.02), title=title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

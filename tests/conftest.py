@@ -105,6 +105,14 @@ def tiny_config(**kw):
     return Config(**base)
 
 
+def concat_media(prompts: list) -> dict:
+    """The media tensors of several prompts as one batch (pixel rows, grids, per-video tensors stacked along dim 0, in
+    prompt order): the model's own forward on whole rows, the reference the trainer's and the engine's paths match."""
+    import torch
+    keys = sorted({k for p in prompts for k in p.mm})
+    return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
+
+
 def vllm_greedy_tokens(model_dir: str) -> int:
     """How many tokens vLLM generates greedily (at most 4) from an exported HF folder, in a fresh process: the folder
     loads in vLLM as written."""

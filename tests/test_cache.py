@@ -17,6 +17,11 @@ from make_synthetic_data import write_video
 SETTINGS = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=20000, total_pixels=None, factor=28)
 
 
+def frames_of(settings: dict, **more) -> cache.Frames:
+    """The Frames of a settings dict (entry_path's key names; its factor is load_video's own argument)."""
+    return cache.Frames(**{f"video_{k}": v or 0 for k, v in settings.items() if k != "factor"}, **more)
+
+
 @pytest.fixture()
 def video(tmp_path):
     """3 s of 100x76 at 10 fps with a moving gradient, so resizing and sampling both matter."""
@@ -48,7 +53,7 @@ def test_matches_qwen_vl_utils(video, monkeypatch, ours, ref_ele, patch):
     importlib.reload(qv)  # the backend choice is read at import time
     (ref, ref_meta), ref_fps = qv.fetch_video({"video": video, **ref_ele}, image_patch_size=patch,
                                               return_video_sample_fps=True, return_video_metadata=True)
-    frames, meta = cache.load_video(video, **ours, mode="decode_only")
+    frames, meta = cache.load_video(video, frames_of(ours), ours["factor"], mode="decode_only")
     assert meta["frames_indices"] == ref_meta["frames_indices"]
     assert frames.shape == (ref.shape[0], ref.shape[2], ref.shape[3], 3)
     assert meta["sample_fps"] == pytest.approx(ref_fps) and meta["fps"] == pytest.approx(ref_meta["fps"])
@@ -71,16 +76,16 @@ def test_matches_qwen_vl_utils_on_a_long_video(tmp_path, monkeypatch):
     ele = dict(fps=2.0, min_frames=4, max_frames=768, min_pixels=3136, max_pixels=3136)
     (ref, ref_meta), _ = qv.fetch_video({"video": path, **ele}, return_video_sample_fps=True,
                                         return_video_metadata=True)
-    frames, meta = cache.load_video(path, **ele, mode="decode_only")
+    frames, meta = cache.load_video(path, frames_of(ele), mode="decode_only")
     assert meta["frames_indices"] == ref_meta["frames_indices"] and len(meta["frames_indices"]) == 200
     assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
 
 
 def test_cache_is_bit_exact_and_counts(video, tmp_path):
     stats = {}
-    a, ma = cache.load_video(video, **SETTINGS, cache_dir=str(tmp_path / "c"), stats=stats)
-    b, mb = cache.load_video(video, **SETTINGS, cache_dir=str(tmp_path / "c"), stats=stats)
-    c, mc = cache.load_video(video, **SETTINGS, mode="decode_only")
+    a, ma = cache.load_video(video, frames_of(SETTINGS), cache_dir=str(tmp_path / "c"), stats=stats)
+    b, mb = cache.load_video(video, frames_of(SETTINGS), cache_dir=str(tmp_path / "c"), stats=stats)
+    c, mc = cache.load_video(video, frames_of(SETTINGS), mode="decode_only")
     assert np.array_equal(a, b) and np.array_equal(a, c) and ma == mb == mc
     assert stats["decode"] == 1 and stats["cache_miss"] == 1 and stats["cache_hit"] == 1
     assert a.dtype == np.uint8
@@ -110,17 +115,17 @@ def test_format_path_and_file_identity_are_in_the_key(video, tmp_path, monkeypat
 
 def test_edited_video_is_a_miss(video, tmp_path):
     d = str(tmp_path / "c")
-    cache.load_video(video, **SETTINGS, cache_dir=d)
+    cache.load_video(video, frames_of(SETTINGS), cache_dir=d)
     write_video(video, np.zeros((30, 76, 100, 3), np.uint8), 10)  # same path, new content
     stats = {}
-    frames, _ = cache.load_video(video, **SETTINGS, cache_dir=d, stats=stats)
+    frames, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)
     assert stats.get("decode") == 1 and frames.max() < 10  # the new (black) content, never the stale entry
 
 
 def _load(args):
     video, d = args
     stats = {}
-    return cache.load_video(video, **SETTINGS, cache_dir=d, stats=stats)[0].tobytes(), stats
+    return cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)[0].tobytes(), stats
 
 
 def entries(d):
@@ -160,14 +165,14 @@ def test_concurrent_writers_never_expose_a_torn_entry(tmp_path):
 
 def test_truncated_entry_is_detected_and_rebuilt(video, tmp_path, capsys):
     d = str(tmp_path / "c")
-    good, _ = cache.load_video(video, **SETTINGS, cache_dir=d)
+    good, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=d)
     (file,) = entries(d)
     with open(file, "r+b") as f:
         f.truncate(os.path.getsize(file) // 2)
     with pytest.raises(ValueError):
         cache.read_entry(file)
     stats = {}
-    again, _ = cache.load_video(video, **SETTINGS, cache_dir=d, stats=stats)
+    again, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)
     assert np.array_equal(good, again) and stats["cache_corrupt"] == 1 and stats["decode"] == 1
     assert "rebuilding" in capsys.readouterr().err
     cache.read_entry(file)  # rebuilt in place
@@ -182,13 +187,13 @@ def test_truncated_entry_is_detected_and_rebuilt(video, tmp_path, capsys):
 
 def test_cache_only_and_bad_videos(video, tmp_path):
     with pytest.raises(cache.VideoError, match="no cache entry"):
-        cache.load_video(video, **SETTINGS, cache_dir=str(tmp_path / "empty"), mode="cache_only")
+        cache.load_video(video, frames_of(SETTINGS), cache_dir=str(tmp_path / "empty"), mode="cache_only")
     bad = tmp_path / "bad.mp4"
     bad.write_bytes(b"\x00\x00\x00 not a video" * 10)
     with pytest.raises(cache.VideoError, match="bad.mp4"):
-        cache.load_video(str(bad), **SETTINGS, mode="decode_only")
+        cache.load_video(str(bad), frames_of(SETTINGS), mode="decode_only")
     with pytest.raises(cache.VideoError, match="not found"):
-        cache.load_video(str(tmp_path / "missing.mp4"), **SETTINGS)
+        cache.load_video(str(tmp_path / "missing.mp4"), frames_of(SETTINGS))
 
 
 def rows(*videos) -> str:
@@ -229,8 +234,8 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
                        factor=28)
     s = cache.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
     assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
-    frames, _ = cache.load_video(video, **SETTINGS, cache_dir=str(out), mode="cache_only")
-    assert np.array_equal(frames, cache.load_video(video, **SETTINGS, mode="decode_only")[0])
+    frames, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=str(out), mode="cache_only")
+    assert np.array_equal(frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0])
 
 
 def edit_header(file, edit):
@@ -278,7 +283,7 @@ def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.stdout.startswith("videos 10 | cache_hit 0 | rebuilt 0 | decode 10 | failed 0 |"), p.stderr[-3000:]
-    good, meta = cache.load_video(video, **SETTINGS, mode="decode_only")
+    good, meta = cache.load_video(video, frames_of(SETTINGS), mode="decode_only")
     file = {n: cache.entry_path(str(out), str(tmp_path / f"{n}.mp4"), dict(SETTINGS, total_pixels=0)) for n in names}
     edit_header(file["dtype"], set_dtype_f32)
     edit_header(file["shape"], set_shape_twice_as_many)
@@ -291,13 +296,14 @@ def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
     shutil.copy(file["intact"], file["copied"])
     for name in names[:-1]:
         with pytest.raises(cache.VideoError, match=f"{name}.mp4: .*cache entry.*mode cache_only"):
-            cache.load_video(str(tmp_path / f"{name}.mp4"), **SETTINGS, cache_dir=str(out), mode="cache_only")
+            cache.load_video(str(tmp_path / f"{name}.mp4"), frames_of(SETTINGS), cache_dir=str(out), mode="cache_only")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.stdout.startswith("videos 10 | cache_hit 1 | rebuilt 9 | decode 9 | failed 0 |"), p.stderr[-3000:]
     reports = re.findall(r"cache: (.*?); rebuilding", p.stderr)  # tqdm's \r-lines may share a line with a report
     assert sorted(next(n for n in names if file[n] in r) for r in reports) == sorted(names[:-1])
     for name in names:  # rebuilt in place: every entry is now served, with the decoded frames
-        frames, m = cache.load_video(str(tmp_path / f"{name}.mp4"), **SETTINGS, cache_dir=str(out), mode="cache_only")
+        frames, m = cache.load_video(str(tmp_path / f"{name}.mp4"), frames_of(SETTINGS), cache_dir=str(out),
+                                     mode="cache_only")
         assert np.array_equal(frames, good) and m == meta
 
 
@@ -305,9 +311,9 @@ def test_frames_over_the_pixel_limit_are_refused_before_decoding(video, tmp_path
     """A 100x76 clip under max_decode_pixels=100*75: refused from its header (no frame decoded), naming the file and
     the size; at 100*76 it decodes to the same frames as without a limit."""
     with pytest.raises(cache.VideoError, match=r"v.mp4: frames of 100x76 are over max_decode_pixels=7500"):
-        cache.load_video(video, **SETTINGS, mode="decode_only", max_decode_pixels=100 * 75)
-    frames, _ = cache.load_video(video, **SETTINGS, mode="decode_only", max_decode_pixels=100 * 76)
-    assert np.array_equal(frames, cache.load_video(video, **SETTINGS, mode="decode_only")[0])
+        cache.load_video(video, frames_of(SETTINGS, max_decode_pixels=100 * 75), mode="decode_only")
+    frames, _ = cache.load_video(video, frames_of(SETTINGS, max_decode_pixels=100 * 76), mode="decode_only")
+    assert np.array_equal(frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0])
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])
@@ -321,4 +327,4 @@ def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
     with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*not a regular file"):
         cache.load_image(path, min_pixels=3136, max_pixels=20000)
     with pytest.raises(cache.VideoError, match=f"{path}: video file not found .*not a regular file"):
-        cache.load_video(path, **SETTINGS, mode="decode_only")
+        cache.load_video(path, frames_of(SETTINGS), mode="decode_only")

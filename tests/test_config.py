@@ -164,10 +164,7 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
     cfg = load_config(["--config", path])
     sample = data.load_samples(cfg.train_data)[0]
     stats = {}
-    cache.load_video(sample["videos"][0], fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                     max_frames=cfg.video_max_frames, min_pixels=cfg.video_min_pixels, max_pixels=cfg.video_max_pixels,
-                     total_pixels=cfg.video_total_pixels, factor=28, cache_dir=cfg.cache_dir, mode="cache_only",
-                     stats=stats)
+    cache.load_video(sample["videos"][0], cfg, 28, cfg.cache_dir, mode="cache_only", stats=stats)
     assert stats["cache_hit"] == 1
 
 
@@ -204,7 +201,7 @@ def test_export_bfloat16(tmp_path, tiny_model):
 def test_curve_keeps_the_steps_before_a_resume(tmp_path):
     """curve.png is drawn from metrics.jsonl, not from this process's rows: a run that crashed after step 3 and
     resumed from its step-1 checkpoint logged steps 1, 2, 3, 2, 3, 4; the curve has 0..4, steps 2 and 3 as re-run."""
-    from scripts.plot_runs import curve_rows
+    from common import curve_rows
     logged = [1, 2, 3, 2, 3, 4]
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for i, step in enumerate(logged):
@@ -222,12 +219,12 @@ def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
 
     import wandb
 
-    from train import start_logger, write_samples
+    from train import start_logs, write_samples
     wandb.teardown()  # wandb reads WANDB_MODE once per process, at its first init: a fresh start, as a new run has
     monkeypatch.setenv("WANDB_MODE", mode)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     cfg = Config(wandb_project="nvr1-test", out_dir=str(tmp_path))
-    logger = start_logger(cfg, None, rank=0)
+    logger = start_logs(cfg, {}, [], rank=0)
     shown = [{"step": 1, "id": "s1", "response": "<answer>B</answer>", "finish": "stop",
               "reward": {"overall": 1.0, "accuracy": 1.0, "format": 1.0}, "advantage": 0.5}]
     write_samples(shown, cfg, logger, step=1)
@@ -240,4 +237,4 @@ def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
         table = json.load(open(tables[0]))
         assert table["columns"] == list(shown[0]) and table["data"][0][2] == "<answer>B</answer>"
         assert json.loads(table["data"][0][4]) == shown[0]["reward"]
-    assert start_logger(cfg, None, rank=1).id is None  # other ranks never start a run
+    assert start_logs(cfg, {}, [], rank=1).id is None  # other ranks never start a run

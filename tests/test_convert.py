@@ -108,8 +108,8 @@ def test_video_r1(video_r1, tmp_path):
     samples = data.load_samples(str(out))  # our loader resolves the written paths back to the release's files
     assert os.path.samefile(samples[0]["videos"][0], video_r1 / VR1_VIDEOS[0])
     assert os.path.samefile(samples[2]["images"][0], video_r1 / VR1_IMAGES[1])
-    frames, meta = cache.load_video(samples[0]["videos"][0], fps=2.0, min_frames=4, max_frames=4, min_pixels=784,
-                                    max_pixels=784, factor=28, mode="decode_only")
+    one = cache.Frames(video_min_frames=4, video_max_frames=4, video_min_pixels=784, video_max_pixels=784)
+    frames, meta = cache.load_video(samples[0]["videos"][0], one, 28, mode="decode_only")
     assert frames.shape == (4, 28, 28, 3) and meta["total_num_frames"] == 4
 
 

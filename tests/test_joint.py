@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_config
 from PIL import Image
 
+import cache
 import data
 
 
@@ -41,7 +42,7 @@ def sample(**kw):
 
 
 def test_each_modality_gets_its_own_pixel_budget(processor, media):
-    f = data.vision_factor(processor)  # 28: one merged token per 28x28 pixels
+    f = cache.vision_factor(processor)  # 28: one merged token per 28x28 pixels
     cfg = tiny_config(image_min_pixels=f * f, image_max_pixels=36 * f * f, video_min_pixels=f * f,
                       video_max_pixels=4 * f * f, video_fps=4.0, video_max_frames=8)
     p = data.prepare(sample(images=[str(media / "im.png")], videos=[str(media / "v.mp4")]), processor, cfg)

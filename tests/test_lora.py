@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import data
 import train
-from rollout import Rollout, hf_weights, vision_token_ids
+from ckpt import hf_weights
+from rollout import Rollout, vision_token_ids
 
 LM = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 WITH_VISION = LM + r"|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
+from conftest import ROOT, concat_media, tiny_config
 
 import data
 import train
@@ -40,7 +40,7 @@ def setup(request, synth):
 
 def per_row_logp(model, b, rows, banned):
     """Today's path, from the model's own forward: every row carries its media, full (B, R, V) logits."""
-    mm = data.concat_media([r.prompt for r in rows])
+    mm = concat_media([r.prompt for r in rows])
     R = b["mask"].shape[1]
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
                    mm_token_type_ids=b["mm_token_type_ids"], **mm).logits[:, :-1].float()
@@ -81,7 +81,7 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
     b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
     R = b["mask"].shape[1]
-    mm = data.concat_media(b["prompts"])
+    mm = concat_media(b["prompts"])
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
                    mm_token_type_ids=b["mm_token_type_ids"], **mm).logits[:, :-1] / 0.7
     keep = torch.ones(logits.shape[-1], dtype=torch.bool)

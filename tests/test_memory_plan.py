@@ -200,7 +200,7 @@ def test_longest_prompt_counts_what_full_size_frames_give(arch):
     model = make_tiny_model.ensure(arch, os.path.join(ROOT, ".cache/models"))
     cfg = train.Config(model=model, video_max_frames=8, video_fps=2.0, video_min_pixels=3136, video_max_pixels=50176)
     processor = AutoProcessor.from_pretrained(model)
-    h, w = cache.smart_resize(720, 1280, data.vision_factor(processor), 3136, 50176)
+    h, w = cache.smart_resize(720, 1280, cache.vision_factor(processor), 3136, 50176)
     sample = dict(problem="<video>What happens in the video, and when?", problem_type="free-form", videos=["v.mp4"])
     text = processor.apply_chat_template(data.chat_messages(sample, data.render_prompt(sample)), tokenize=False,
                                          add_generation_prompt=True)

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
-from conftest import ROOT, tiny_config  # noqa: E402
+from conftest import ROOT, concat_media, tiny_config  # noqa: E402
 
 import data  # noqa: E402
-from rollout import (HFEngine, VLLMEngine, full_tensors, mm_token_types, request_seed,  # noqa: E402
-                     vision_token_ids)
+from ckpt import full_tensors  # noqa: E402
+from rollout import HFEngine, VLLMEngine, mm_token_types, request_seed, vision_token_ids  # noqa: E402
 from train import collate, token_logp  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a vLLM engine
@@ -163,7 +163,7 @@ def test_hf_engine_encodes_each_prompt_once(setup, synth):
     attn = (torch.arange(P)[None] >= torch.tensor([P - len(r.prompt_ids) for r in rows])[:, None]).long()
     torch.manual_seed(request_seed(7, 0))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attn, **data.concat_media(rows),
+        out = model.generate(input_ids=ids, attention_mask=attn, **concat_media(rows),
                              mm_token_type_ids=mm_token_types(ids, tok), generation_config=hf.config(1.0, 6))
     for i, r in enumerate(got):
         k = len(r.response_ids)

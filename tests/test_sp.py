@@ -247,3 +247,25 @@ def test_train_run_and_resume(tmp_path, tiny_model, synth):
 
 if __name__ == "__main__":
     worker(*sys.argv[1:])
+
+
+@pytest.mark.parametrize("world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)])
+def test_layout_shares(world, sp_size, tp):
+    """Layout's rank arithmetic over a whole world: rank r's own part is items[r::world] inside its TP group's list,
+    which is the same on the group's ranks; an item is prepared by one group of consecutive ranks, every rank that
+    generates or trains it among them; dedup keeps one rank per SP group."""
+    import sp
+    items = list(range(23))
+    dp = world // sp_size
+    layouts = [sp.Layout(None, r % sp_size, sp_size, r // sp_size, dp, tp, r, world) for r in range(world)]
+    for r, x in enumerate(layouts):
+        share, start, k = x.share(items, tp)
+        assert share[start:start + k] == items[r::world]
+        assert share == layouts[r - r % tp].share(items, tp)[0]
+        assert sorted(share) == sorted(i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world])
+        assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
+    for i in items:
+        preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
+        users = [r for r, x in enumerate(layouts) if i in x.share(items, tp)[0] + x.share(items, sp_size)[0]]
+        assert set(users) <= set(preparers) and preparers == list(range(preparers[0], preparers[0] + max(tp, sp_size)))
+    assert layouts[0].dedup(list(range(world))) == list(range(0, world, sp_size))

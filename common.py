@@ -1,0 +1,150 @@
+"""common.py: the plumbing every other module may use and that uses none of them: the process group and the
+collectives, stop signals, the config loader (dataclass + YAML overlay + flags) and the run's curve."""
+import datetime
+import itertools
+import json
+import os
+import re
+import signal
+import sys
+import typing
+from dataclasses import fields, replace
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+
+# Collectives: every rank calls them at the same point of the loop
+
+def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def gather(obj) -> list:
+    """All ranks' objects, in rank order (small metric dicts only)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any: a signal may reach only some ranks."""
+    return bool(all_reduce([float(flag)], dist.ReduceOp.MAX)[0])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def init_dist(timeout_s: float = 1800.0, offload: bool = False):
+    """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():  # main() may run again in the same process (tests)
+        gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+
+
+def base_model(model):
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def print0(*a):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def catch_stop_signals(catch: bool = True) -> list:
+    """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
+    loop checkpoints at the next step boundary and exits 0. A second one, or any with catch=False (startup, the end of
+    a run: no step to finish), ends the process at once, even inside C code: a run that hangs can always be stopped."""
+    got = []
+
+    def record(num, frame):
+        got.append(num)
+        catch_stop_signals(catch=False)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, record if catch else signal.SIG_DFL)
+    return got
+
+
+# Configs: a flat dataclass, YAML files over its defaults, flags over them
+
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
+
+
+def load_config(cls, argv=None):
+    """`--config a.yaml [b.yaml ...]` set dataclass `cls`'s defaults, each file over the ones before; flags win."""
+    import tyro
+    argv = list(sys.argv[1:] if argv is None else argv)
+    base = cls()
+    if "--config" in argv:
+        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
+            base = yaml_overlay(base, path)
+    return tyro.cli(cls, default=base, args=argv)
+
+
+def yaml_overlay(base, path: str, strict: bool = True):
+    """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
+    the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings)."""
+    import yaml
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    types = {f.name: f.type for f in fields(base) if f.name != "config"}
+    for key, value in values.items():
+        if key not in types:
+            if strict:
+                raise ValueError(f"{path}: unknown key {key!r}")
+            continue
+        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
+        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
+            value = float(value)
+        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
+            expect = " | ".join(map(repr, choices)) or types[key].__name__
+            raise ValueError(f"{path}: {key}: {value!r} is not {expect}")
+        base = replace(base, **{key: value})
+    return base
+
+
+# The run's curve (train.py's curve.png, scripts/plot_runs.py's comparisons)
+
+def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
+    """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
+    twice (the run resumed from a checkpoint before it) by its last row."""
+    with open(metrics_path) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
+    return [first] + [logged[s] for s in sorted(logged)]
+
+
+def plot(lines: list[tuple], path: str, ylabel: str = "", title: str = ""):
+    """One figure of (steps, values, style, label) lines over steps, saved at path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for steps, values, style, label in lines:
+        ax.plot(steps, values, style, label=label)
+    ax.set(xlabel="step", ylabel=ylabel, ylim=(-0.02, 1.02), title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
