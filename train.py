@@ -1,14 +1,14 @@
 """train.py: GRPO-family RL for video (and image) VLMs, in one file you read top to bottom.
 
-    python train.py --config configs/tiny_cpu.yaml                                      # one process
-    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml   # 2 CPU ranks, a recipe
-    torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml            # one 8-GPU node (nccl)
+    python train.py --config configs/tiny_cpu.yaml                           # one process
+    torchrun --nproc_per_node=2 train.py --config configs/tiny_cpu.yaml configs/dapo.yaml  # recipe
+    torchrun --nproc_per_node=8 train.py --config configs/qwen2_5_vl_7b.yaml  # 8 GPUs (nccl)
 
-Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in the same
-process (rollout.py) and gets the new weights after every optimizer step. A step, as main's section banners say:
-sample and score groups (DAPO dynamic sampling), old/ref log-probs, advantages on the global batch, ppo_epochs x
-mini_batches optimizer steps, weight sync. The math follows verl 0.9.1; docs/algorithms.md gives every formula and
-each deliberate deviation.
+Every rank runs the same loop (SPMD, no controller): FSDP2 shards the policy, a vLLM engine lives in
+the same process (rollout.py) and gets the new weights after every optimizer step. A step, as main's
+banners say: sample and score groups (DAPO dynamic sampling), old/ref log-probs, advantages on the
+global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math follows verl 0.9.1;
+docs/algorithms.md gives every formula and each deliberate deviation.
 """
 import dataclasses
 import datetime
@@ -191,14 +191,12 @@ class Config(cache.Training):
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
     lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    """regex over module names (full match) that get adapters (default: the language model's
-    attention and MLP); the vision tower and merger are optional, e.g. append
-    `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
+    """regex (full match) over module names getting adapters: the text model's attention and MLP;
+    for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
 
 def load_config(argv=None) -> Config:
-    """`--config a.yaml [b.yaml ...]` set the defaults, each file over the ones before it; the other flags override
-    them. configs/tiny_cpu.yaml holds a run's settings, configs/<algorithm>.yaml a recipe."""
+    """common.load_config for Config: configs/tiny_cpu.yaml has a run's settings, others recipes."""
     return common.load_config(Config, argv)
 
 
@@ -252,10 +250,10 @@ def check_config(cfg: Config, world: int = 1):
 
 
 def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
-    """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per split, the prompt
-    length of the sample with the most media and the longest text (processor-expanded, vision tokens included)."""
+    """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per
+    split, the prompt length (vision tokens included) of the sample with the most media and text."""
     import yaml
-    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}  # a YAML --config reads
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
@@ -271,8 +269,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 # The algorithm: small pure tensor functions. B = sequences, R = response tokens.
 
 def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """verl's masked_whiten, (x - mean) / sqrt(var + 1e-8) with token-weighted mean and unbiased variance, on
-    per-token values x, mask (B, R), or on per-sequence values x, lengths (B,) (each counted once per token)."""
+    """verl's masked_whiten: (x - mean) / sqrt(var + 1e-8), token-weighted mean, unbiased variance;
+    x, weight: per token (B, R) and mask, or per sequence (B,) and lengths (once per token)."""
     w = weight.to(x.dtype)
     n = w.sum()
     mean = (w * x).sum() / n
@@ -285,31 +283,31 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
-def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None, baseline=None,
-               components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
-    """Per-sequence advantages (B,) from rewards (B,) in groups of group_size consecutive rows, in float64 (docs/
-    algorithms.md). lengths (B,): whitening weights; baseline (B,): remax; components: (B,) each, gdpo. kl_to_go
-    (B, R), kl_in_reward: reinforce++ and remax return (B, R) from each token's return, the others lose the row's KL."""
+def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None,
+               baseline=None, components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
+    lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
+    the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
-        mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()           # (B, R)
-        returns = (reward[:, None] - kl_to_go.double()) * mask                                # (B, R)
+        mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()  # (B, R)
+        returns = (reward[:, None] - kl_to_go.double()) * mask  # (B, R)
         if estimator == "remax":
             return (returns - baseline.double()[:, None]) * mask
         return whiten(returns, mask) * mask
     if kl_to_go is not None:
-        reward = reward - kl_to_go[:, 0]                                                      # the sequence's KL
-    r = reward.view(-1, group_size)                                                           # (G, n)
-    centered, std = r, torch.ones_like(r)                                                     # a group of 1
+        reward = reward - kl_to_go[:, 0]  # the sequence's KL
+    r = reward.view(-1, group_size)  # (G, n)
+    centered, std = r, torch.ones_like(r)  # a group of 1
     if group_size > 1:
-        std = r.std(-1, keepdim=True)                                                         # (G, 1)
-        same = (r == r[:, :1]).all(-1, keepdim=True)                                          # (G, 1)
-        centered = torch.where(same, 0.0, r - r.mean(-1, keepdim=True))  # exactly 0, not r - mean's rounding
+        std = r.std(-1, keepdim=True)  # (G, 1)
+        same = (r == r[:, :1]).all(-1, keepdim=True)  # (G, 1)
+        centered = torch.where(same, 0.0, r - r.mean(-1, keepdim=True))  # exactly 0, no rounding
     if estimator == "grpo":
         return (centered / (std + eps)).view(-1)
     if estimator == "drgrpo":
         return centered.view(-1)
-    if estimator == "rloo":  # r_i - mean of the others = n / (n - 1) * (r_i - mean); a group of 1: r_i
+    if estimator == "rloo":  # r_i - mean of others = n / (n - 1) * (r_i - mean); a group of 1: r_i
         return (centered * group_size / max(1, group_size - 1)).view(-1)
     if estimator == "reinforce++":
         return whiten(reward, lengths)
@@ -317,38 +315,37 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
         return whiten(centered.view(-1), lengths)
     if estimator == "remax":
         return reward - baseline.double()
-    if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), then batch-whitened
+    if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), batch-whitened
         summed = sum(advantages(c, group_size, "grpo", eps=eps) for c in components)
         return whiten(summed, lengths)
     raise ValueError(f"adv_estimator: unknown {estimator!r}")
 
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
-    """Per-token policy loss (B, R) and a clipped indicator (B, R) (formulas: docs/algorithms.md). logp, old_logp,
-    mask: (B, R); adv: (B,), or per token (B, R)."""
-    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv                                         # (B, 1) or (B, R)
+    """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
+    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
     if loss_type == "ppo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))                                   # (B, R)
+        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
         loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
         loss = torch.maximum(loss1, loss2)
         if clip_ratio_c:
             loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
         return loss, (loss2 > loss1).float()
     if loss_type == "gspo":
-        seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)   # (B, 1)
-        ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))             # (B, R)
+        seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
+        ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))  # (B, R)
         loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
         return torch.maximum(loss1, loss2), (loss2 > loss1).float()
     if loss_type == "cispo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))                                   # (B, R)
+        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
         clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
     raise ValueError(f"loss_type: unknown {loss_type!r}")
 
 
 def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq: the mini-batch's
-    valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
+    """This micro-batch's share of the mini-batch loss: x, mask (b, R) -> scalar. n_tok / n_seq: the
+    mini-batch's valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
     if mode == "token-mean":
         return (x * mask).sum() / n_tok
     seq = (x * mask).sum(-1)                                           # (b,)
@@ -362,7 +359,7 @@ def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> to
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
-    """Per-token estimate of KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
+    """Per-token KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
     d = logp - ref_logp                                                # (B, R)
     if kind == "k1":
         return d
@@ -377,8 +374,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
 
 
 def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
-    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without rollout log-probs
-    (NaN: offline trajectories). sequence: one weight per row from the summed log-ratio."""
+    """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without
+    rollout log-probs (NaN: offline). sequence: one weight per row from the summed log-ratio."""
     log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
@@ -387,16 +384,16 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO soft overlong punishment: 0 up to max_len - buffer tokens, then linear down to -1 at max_len."""
+    """DAPO's soft overlong penalty: 0 up to max_len - buffer tokens, linear to -1 at max_len."""
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
 def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
                 max_tokens: int = 0) -> list[list[list[int]]]:
-    """Row indices of each micro-batch of each mini-batch. Mini-batches: contiguous, sizes differ by at most 1.
-    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens padded tokens, rows x
-    (longest prompt + response). A group (its media encoded once per micro-batch) that does not fit in the current
-    micro-batch starts a new one, unless it fits in none."""
+    """Row indices per micro-batch per mini-batch. Mini-batches: contiguous, sizes within 1.
+    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens
+    padded tokens, rows x (longest prompt + response). A group (media encoded once per micro-batch)
+    that does not fit the current micro-batch starts a new one, unless it fits in none."""
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
             return len(rows) <= micro_batch_size
@@ -428,10 +425,10 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# The loss on a micro-batch, and what it reads: old/ref log-probs, KL-in-reward, advantages over all ranks
+# The loss on a micro-batch and what it reads: old/ref log-probs, KL-in-reward, global advantages
 
 def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
-    """Log-prob of the targets and entropy at the sampling temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
+    """Targets' log-probs and entropy at temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
     logits = torch.nn.functional.linear(hidden, weight).float() / temperature             # (N, V)
     logits[:, banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
     lse = torch.logsumexp(logits, -1)                                                      # (N,)
@@ -441,8 +438,8 @@ def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
 
 
 class ChunkedLogp(torch.autograd.Function):
-    """chunk_logp over N positions, `chunk` at a time, holding no logits between forward and backward: backward
-    recomputes each chunk's and adds its weight gradient into one buffer, so (chunk, V) logits live at a time."""
+    """chunk_logp over N positions, `chunk` at a time, keeping no logits for backward, which
+    recomputes each chunk's and adds its weight gradient to one buffer: (chunk, V) logits live."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, banned: list[int], chunk: int):
@@ -451,7 +448,7 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.banned = banned
         ctx.chunk = chunk
         parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
-                 for i in range(0, max(1, len(targets)), chunk)]  # no targets: one empty chunk (an SP rank)
+                 for i in range(0, max(1, len(targets)), chunk)]  # an SP rank may have no targets
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
@@ -460,10 +457,10 @@ class ChunkedLogp(torch.autograd.Function):
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
         for i in range(0, len(targets), ctx.chunk):
             h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]
-            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature                   # (n, V)
+            z = torch.nn.functional.linear(h, weight).float() / ctx.temperature  # (n, V)
             z[:, ctx.banned] = -1e9
             p = torch.softmax(z, -1)
-            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]     # (n, 1)
+            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]  # (n, 1)
             # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
             dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
             dz.scatter_add_(1, y[:, None], gl)
@@ -527,9 +524,9 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
 
 def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0,
                    layout=None) -> torch.Tensor:
-    """The reference policy's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy with its
-    adapters scaled to 0 (no second model). Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
-    only the root's unsharded copies, and root-held adapters (the vision merger) then silently stop training."""
+    """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
+    adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
+    only the root's unsharded copies; root-held adapters (the merger) would stop training."""
     from peft.helpers import rescale_adapter_scale
     if ref is not None:
         return token_logp(ref, b, temperature, banned, chunk, layout)[0]
@@ -538,8 +535,8 @@ def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], c
 
 
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
-    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": a micro-batch's rows.
-    Every rank runs as many (FSDP): a rank that a token budget packed into fewer halves its largest ones."""
+    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": the rows.
+    All ranks run as many (FSDP): a rank the token budget packed into fewer halves its largest."""
     plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
@@ -554,9 +551,9 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
 
 
 def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None):
-    """This micro-batch's share of its mini-batch loss (backward it, summed over micro-batches and ranks it is
-    the mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp] (ratio 1)."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)                      # (b, R)
+    """This micro-batch's share of its mini-batch loss (summed over micro-batches and ranks: the
+    mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp]."""
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)  # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
     pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
@@ -567,12 +564,12 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
     kl = torch.zeros_like(mask)
     if b["ref_logp"] is not None and not cfg.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logp"], cfg.kl_type)
-    bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through the entropy unless it is in the loss
+    bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
     norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
     loss = (agg_loss(pg * w, mask, **norm) - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
             + cfg.kl_coef * agg_loss(kl, mask, **norm))
     with torch.no_grad():
-        has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs on the same tokens
+        has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
         metrics = {"loss": loss.item(), "clipfrac": (clipped * mask).sum().item(), "entropy": (ent * mask).sum().item(),
                    "kl": (kl * mask).sum().item(), "mismatch_sum": d.sum().item(), "mismatch_n": has.sum().item(),
@@ -591,35 +588,35 @@ def global_counts(batches: list[dict]) -> tuple[float, float]:
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
-    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), for every data-parallel
-    rank's rows in rank order (global_rows' order): (B_all, max_response_len)."""
+    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), every
+    data-parallel rank's rows in global_rows' order: (B_all, max_response_len)."""
     rows = []
     for b in itertools.chain(*minibatches):
-        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]                 # (b, R)
+        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]  # (b, R)
         rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
     return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
-    """Advantages (B_all, max_response_len) of the global batch (global_rows; whitening needs every rank's rows).
-    GDPO's reward components: accuracy, format (+ overlong)."""
+    """Advantages (B_all, max_response_len) of the global batch (global_rows: whitening needs every
+    rank's rows). GDPO's reward components: accuracy, format (+ overlong)."""
     keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
     components = [torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys]
-    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}   # (B_all,)
+    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}
     adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
-                     lengths=full["length"], baseline=full["baseline"], components=components, kl_to_go=kl_to_go,
-                     eps=cfg.adv_eps)
+                     lengths=full["length"], baseline=full["baseline"], components=components,
+                     kl_to_go=kl_to_go, eps=cfg.adv_eps)
     if adv.dim() == 1:  # one value per sequence: the same at every token
         adv = adv[:, None].expand(-1, cfg.max_response_len)
     return adv.float()
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling and reward: groups are scored as they are generated (DAPO's dynamic sampling filters on the scores)
+# Sampling and reward: groups are scored as generated (DAPO's dynamic sampling filters on them)
 
 @dataclass
 class Group:
-    """One prompt's completions, their rewards (overall, and by component) and ReMax's baseline (else 0)."""
+    """A prompt's completions, their rewards (overall, by component), ReMax's baseline (or 0)."""
     rollouts: list[Rollout]
     rewards: list[float]
     components: list[dict]
@@ -627,7 +624,7 @@ class Group:
 
 
 def score(r: Rollout, cfg: Config) -> dict:
-    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty (a component: GDPO sees it)."""
+    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
     overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
     if cfg.overlong_buffer:
         comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
@@ -642,20 +639,20 @@ def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) ->
 
 
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
-    """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group (always, or with
-    mix_threshold > 0 only when the group's online accuracy is below it). Returns a new Group, or `group`."""
+    """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group
+    (always, or with mix_threshold > 0 when the online accuracy is below it)."""
     p = group.rollouts[0].prompt
     text = p.sample.get("offline_output")
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
     if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group
-    # its tokens + EOS (the policy learns to stop), truncated to the response budget like any sampled completion
+    # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
     ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[:cfg.max_response_len]
     return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
 
 
 def has_spread(group: Group, metric: str) -> bool:
-    """DAPO's filter: the group's metric (accuracy or the overall reward) differs between its rollouts."""
+    """DAPO's filter: the group's metric (accuracy or overall reward) differs among its rollouts."""
     values = group.rewards if metric == "reward" else [c[metric] for c in group.components]
     return len(values) == 1 or max(values) > min(values)
 
@@ -670,13 +667,13 @@ class Batch:
     refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok, eos_id: int,
-                 layout: sp.Layout) -> Batch:
-    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its share of the next
-    prompts, SP ranks exchange theirs, ReMax scores one extra greedy response as the baseline; DAPO dynamic sampling
-    drops groups without spread and repeats until all ranks are full or max_gen_rounds, then refills (counted)."""
+def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok,
+                 eos_id: int, layout: sp.Layout) -> Batch:
+    """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
+    share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
+    groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
     n, need = cfg.group_size, cfg.prompts_per_step // layout.dp_size
-    kept, dropped = [], []  # groups with spread (all without dynamic sampling), without: refill after max_gen_rounds
+    kept, dropped = [], []  # with spread (all without dynamic sampling); without: the refill
     skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
@@ -686,7 +683,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
-            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:start + k]
+            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:][:k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size)[0]
@@ -705,8 +702,8 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
 
 
 def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
-    """Per-row values of the global batch, every data-parallel rank's rows in rank order (an SP group's ranks hold
-    the same rows: one copy), and where this rank's rows start. One gather: advantages and metrics read them."""
+    """Per-row values of the global batch, data-parallel ranks in rank order (an SP group's rows
+    once), and where this rank's rows start. One gather: advantages and metrics read them."""
     rollouts = [r for g in groups for r in g.rollouts]
     mine = {"reward": [x for g in groups for x in g.rewards], "components": [c for g in groups for c in g.components],
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
@@ -722,9 +719,9 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 
 @dataclass
 class Trainer:
-    """The training side of a run (build_trainer): the policy, its reference, the optimizer, the ranks."""
+    """The training side of a run (build_trainer): policy, reference, optimizer, ranks."""
     model: torch.nn.Module
-    ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, the adapters scaled to 0
+    ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, adapters scaled to 0
     opt: torch.optim.Optimizer   # AdamW over the trainable parameters (LoRA: the adapters only)
     banned: list[int]            # vision token ids: never sampled, masked in every log-prob
     layout: sp.Layout
@@ -739,12 +736,12 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: i
     ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules in every forward
+    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules everywhere
     return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
-    """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate on the policy."""
+    """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
         return HFEngine(t.model, tok, eos_ids, t.dummies)
     media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
@@ -759,7 +756,7 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 
 
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
-    """{"train": samples, "val": at most eval_max_samples}; skip_invalid: the invalid ones to `skipped`."""
+    """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
     specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
     load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
@@ -790,23 +787,17 @@ def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout]
     return encodes
 
 
-@dataclass
-class Update:
-    """update()'s first-epoch metric sums over this rank's micro-batches, and its steps' mean grad norm."""
-    metrics: dict
-    grad_norm: float
-
-
-def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> Update:
-    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, and a stop on every
-    rank before the step when a loss or grad norm is not finite (the error names the samples, ids)."""
+def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> dict:
+    """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, a stop
+    on every rank before the step when a loss or grad norm is not finite (naming the samples, ids).
+    Returns the first epoch's metric sums over this rank's micro-batches and the mean grad_norm."""
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
     m, gnorms = {}, []
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP groups: each row once
+            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
             for b in mini:
                 loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
@@ -824,11 +815,11 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
             t.opt.zero_grad(set_to_none=True)
     t.model.eval()
     m["loss"] /= len(minibatches)
-    return Update(m, mean(gnorms))
+    return m | {"grad_norm": mean(gnorms)}
 
 
 def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logger, skipped: list, per_step: float):
-    """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl (if it grew)."""
+    """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl."""
     step = row["step"]
     if row["data/skipped_step"]:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
@@ -843,7 +834,7 @@ def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logge
 
 
 def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
-    """The end of the run: curve and summary.json (trained: this process trained a step), the final checkpoint."""
+    """The run's end: curve and summary.json (trained: this process trained), final checkpoint."""
     catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if t.rank == 0 and trained:
         rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
@@ -867,7 +858,7 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
-    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # dp x sp: the ranks of an SP group train the same rows
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -883,13 +874,13 @@ def main(cfg: Config):
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
-    catch_stop_signals(catch=False)  # after the engine (ours must be the handlers): a signal ends it
+    catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(data.prepare, processor=processor, cfg=cfg.val_config(), stats=stats, **fmt)
+    val_prep = functools.partial(prep, cfg=cfg.val_config())  # the held-out frame budget
     val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
-    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report holds the load/val skips
+    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
@@ -900,7 +891,7 @@ def main(cfg: Config):
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, rank)
-    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop: logged)
+    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state.get("step", 0) >= cfg.max_steps:
         print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
@@ -908,9 +899,9 @@ def main(cfg: Config):
     for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
-        # ---------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
+        # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(engine, stream, samples["train"], prep, cfg, step=step,
-                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as they are generated
+                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
@@ -922,19 +913,19 @@ def main(cfg: Config):
         minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
         encodes = logp_pass(t, minibatches, rollouts, cfg)
         kl_to_go, kl = None, 0.0
-        if cfg.kl_in_reward:  # verl apply_kl_penalty, on the old log-probs (check_config: kl_coef > 0)
-            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)                          # (B_all, R)
+        if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
+            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)  # (B_all, R)
             kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
         # ---------------------------------------------------- advantage
-        adv_all = batch_advantages(rows, kl_to_go, cfg)                           # (B_all, max_response_len)
-        adv = adv_all[start:start + len(rollouts)].to(device)                      # this rank's rows
+        adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
+        adv = adv_all[start:start + len(rollouts)].to(device)  # this rank's rows
         for b in itertools.chain(*minibatches):
             b["adv"] = adv[b["index"], :b["mask"].shape[1]]
         # ---------------------------------------------------- loss and step
-        up = update(t, minibatches, cfg, step, ids)
-        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # freeze_vision off: per pass
-        m = dict(up.metrics, kl=kl + up.metrics["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
+        m = update(t, minibatches, cfg, step, ids)
+        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # no freeze: per pass
+        m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
                  dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
         # ---------------------------------------------------- sync
         t2 = time.time()
@@ -947,8 +938,8 @@ def main(cfg: Config):
         if evaluated:  # the result of the run, once the last step has run
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=up.grad_norm, lr=lr_at(step - 1, cfg),
-                               times=times, layout=layout)
+            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"],
+                               lr=lr_at(step - 1, cfg), times=times, layout=layout)
             row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
             if evaluated:
                 row["eval/accuracy"] = acc_after
@@ -982,21 +973,21 @@ class NoLogger:
 
 
 def trim_rows(path: str, last_step: int):
-    """Keep a JSONL log's rows up to last_step: a fresh run keeps none of an earlier run's, a resumed one drops the
-    steps its checkpoint lacks (a crashed run had logged them; they are trained again). Dropped rows are reported."""
+    """Keep a JSONL log's rows up to last_step: a fresh run keeps none of an earlier run's, a
+    resumed one drops steps its checkpoint lacks (trained again). Dropped rows are reported."""
     if not os.path.exists(path):
         return
     with open(path) as f:
         rows = f.readlines()
-    kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # no newline: torn by a crash
+    kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # else torn
     if len(kept) < len(rows):
-        print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (an earlier run's) removed")
+        print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (earlier run's) removed")
         evaluate.write_text(path, "".join(kept))
 
 
 def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) -> list[dict]:
-    """What the model writes, every log_every steps: the first completion of each of this rank's first log_samples
-    groups, its reward components and advantage (at its first token: per-token estimators vary along it)."""
+    """Every log_every steps, the first completion of this rank's first log_samples groups, its
+    reward components and advantage (at its first token: per-token estimators vary along it)."""
     if not cfg.log_every or step % cfg.log_every:
         return []
     return [{"step": step, "id": g.rollouts[0].prompt.sample["id"], "response": g.rollouts[0].text,
@@ -1017,9 +1008,9 @@ def write_samples(shown: list[dict], cfg: Config, logger, step: int):
 
 
 def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
-    """Rank 0's logs at the start: skipped.jsonl (atomic; training-time skips later), metrics and samples
-    trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed by id), online,
-    offline or disabled as `wandb login` and WANDB_MODE say."""
+    """Rank 0's logs at the start: skipped.jsonl (atomic; training-time skips later), metrics and
+    samples trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed
+    by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
     if rank == 0:
         evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -1027,8 +1018,8 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
     if rank or not cfg.wandb_project:
         return NoLogger()
     import wandb
-    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir, id=state.get("wandb_id"),
-                      resume="allow")
+    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir,
+                      id=state.get("wandb_id"), resume="allow")
 
 
 LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
@@ -1041,8 +1032,8 @@ def mean(xs: list) -> float:
 
 def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
                  times: dict, layout: sp.Layout) -> dict:
-    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's sums (parts), an SP
-    group's once, except the work each rank does (vision encodes: its share of the frames; cache counters)."""
+    """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's
+    sums (parts), an SP group's once, but each rank's own work (encodes, cache counters)."""
     msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
     rew, comp = rows["reward"], rows["components"]
     types, n_tok = rows["type"], sum(rows["length"])
@@ -1078,8 +1069,8 @@ def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cf
 # Setup helpers
 
 def load_model(cfg: Config, device):
-    """HF model (LoRA: a peft model, the base frozen), FSDP2-sharded per decoder layer and vision block, fp32 master
-    weights, bf16 compute on GPU; activation checkpointing (module hooks, non-reentrant) goes on before FSDP."""
+    """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
+    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
     from torch.distributed._composable import checkpoint as checkpoint_module
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForImageTextToText
@@ -1087,7 +1078,7 @@ def load_model(cfg: Config, device):
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
     model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
-    visual = model.model.visual  # taken before peft wraps the model (PeftModel.model is another object)
+    visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
     visual.requires_grad_(not cfg.freeze_vision)
     blocks = list(model.model.language_model.layers) + list(visual.blocks)
     if cfg.gradient_checkpointing:
@@ -1095,19 +1086,19 @@ def load_model(cfg: Config, device):
             checkpoint_module(block)
     if cfg.sp_size > 1:
         sp.use_ulysses(model)
-    if cfg.lora_rank:  # before fully_shard, which then shards the frozen base and the adapters alike
+    if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                                  lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets))
-    # one CPU process gains nothing from FSDP2 (no mixed precision on CPU), and a process group can exist without
-    # torchrun (vLLM's in-process engine creates one): shard on several ranks, or on a GPU for bf16 compute
+    # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
+    # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: the shards and the AdamW step
-        for module in blocks + [visual, model]:  # each layer/block its own all-gather unit; the root (last) the rest
+        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
+        for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
-        # token_logp calls the vision tower (its own unit) before the root's forward: the root is set up first
+        # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
 

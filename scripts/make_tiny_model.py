@@ -1,4 +1,4 @@
-"""Build tiny random-weight Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
+"""Build tiny random-weight Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
 
     python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
@@ -16,16 +16,26 @@ from typing import Literal
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
            "<|image_pad|>", "<|video_pad|>"]
 ADDED = ["<think>", "</think>", "<answer>", "</answer>"]  # added but not special: they survive skip_special_tokens
+WIDTHS = dict(hidden_size=64, intermediate_size=128, out_hidden_size=128)  # Qwen2.5/3-VL towers: width, MLP, merger
 # What differs between the architectures: the transformers classes (config, model, processor, video processor), the
 # real patch size (x spatial merge 2 = 28 / 32 pixels per visual token side) and the settings the tiny sizes scale down
 ARCHS = {
+    "qwen2_vl": dict(
+        classes=("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+        patch=14,
+        rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
+        # its own schema: width embed_dim, MLP mlp_ratio x wider (quick GELU, no gate), hidden_size the merger's output
+        # (the text width); full attention in every block, no time scale in M-RoPE (one position per frame pair)
+        vision=dict(embed_dim=64, mlp_ratio=2, hidden_size=128, hidden_act="quick_gelu"),
+        norm={},  # the CLIP mean/std defaults
+    ),
     "qwen2_5_vl": dict(
         classes=("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
                  "Qwen2VLVideoProcessor"),
         patch=14,
         rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
         # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
-        vision=dict(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu"),
+        vision=dict(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu", **WIDTHS),
         norm={},  # the CLIP mean/std defaults
     ),
     "qwen3_vl": dict(
@@ -34,7 +44,8 @@ ARCHS = {
         # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
         rope=dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True),
         # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
-        vision=dict(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
+        vision=dict(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh",
+                    **WIDTHS),
         norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
     ),
 }
@@ -111,7 +122,7 @@ def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
         return False
 
 
-def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False,
+def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False,
           variant: Literal["", "wide"] = "") -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
@@ -134,9 +145,8 @@ def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, forc
                 num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
                 pad_token_id=ids["<|endoftext|>"], dtype="float32", rope_parameters=spec["rope"]) | VARIANTS[variant][0]
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=patch,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02,
-                  **spec["vision"])
+    vision = dict(depth=2, num_heads=2, in_channels=3, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                  initializer_range=0.02, **spec["vision"])
     vision |= {k: v for k, v in VARIANTS[variant][1].items() if k in vision}  # the settings this arch has
     config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

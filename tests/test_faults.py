@@ -272,8 +272,12 @@ def test_no_valid_training_sample_fails_at_startup(tmp_path, tiny_model, synth):
     empty, broken = tmp_path / "empty.jsonl", tmp_path / "broken.jsonl"
     empty.write_text("")
     broken.write_text("".join(line + "\n" for line in lines.values()), errors="surrogateescape")
-    for path, n_skipped in ((empty, 0), (broken, len(lines))):
-        p, log = run_train(train_cmd(tiny_model, path, tmp_path / "run", "--skip-invalid"), timeout=300)
+    cases = ((empty, 0), (broken, len(lines)))
+    # both jobs side by side: each fails within seconds of its start, which is most of its time
+    jobs = [start(train_cmd(tiny_model, path, tmp_path / f"run{i}", "--skip-invalid")) for i, (path, _) in
+            enumerate(cases)]
+    for (path, n_skipped), p in zip(cases, jobs):
+        log = finish(p, timeout=300)
         assert p.returncode != 0 and f"{path}: no valid training sample ({n_skipped} skipped)" in log, log[-4000:]
 
 

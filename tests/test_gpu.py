@@ -16,6 +16,7 @@ from conftest import ROOT, tiny_config
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.slow]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VIDEO = all(importlib.util.find_spec(name) for name in ("av", "decord"))  # writes / decodes the synthetic clips
 
 
 @pytest.fixture
@@ -78,6 +79,7 @@ def test_vllm_sleep_frees_memory_and_wakes(tiny_model):
     assert list(before) == list(after)
 
 
+@pytest.mark.skipif(not HAS_VIDEO, reason="av and decord not installed (synthetic videos)")
 def test_train_two_steps_on_gpu(tmp_path, tiny_model):
     """The real loop on the GPU: torchrun (nccl), FSDP2 bf16, vLLM rollout when installed, else HF generate."""
     import make_synthetic_data

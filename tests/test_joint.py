@@ -15,7 +15,7 @@ import cache
 import data
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def processor(request):
     """Each tiny checkpoint's processor: patch 14 (28 px per merged token) and 16 (32 px)."""
     import make_tiny_model
@@ -81,7 +81,7 @@ def test_marker_places_media_in_the_prompt(processor, media):
     assert text.index("Look at") < text.index("<|image_pad|>") < text.index("and then at") < text.index("<|video_pad|>")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_dummies_touch_every_parameter_and_change_nothing(arch):
     """The dummy image and video, run through the tower with weight 0 (no decoder row: the micro-batch stays 1 row),
     give every parameter a gradient tensor (so FSDP reduce-scatters it on every rank) and leave every gradient value
@@ -180,27 +180,33 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     assert train.swap_offline(group, tiny_config(mix_offline=False), tok, eos) is group
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rollout", ["hf", "vllm"])
-def test_two_ranks_text_vs_video_train(tmp_path, tiny_model, synth, rollout):
-    """A real 2-rank run where, every step, one rank holds a text-only prompt and the other a video prompt: HF
-    generate on the FSDP model and the trainer's forwards must both keep their collectives aligned."""
+@pytest.fixture(scope="module")
+def text_vs_video(tmp_path_factory, tiny_model, synth) -> tuple:
+    """Two 2-rank runs, HF generate then vLLM, in one torchrun launch (tests/train_worker.py): every step one rank
+    holds a text-only prompt and the other a video prompt. Returns (video sample, rollout -> metrics rows)."""
     import json
-    import math
-    import subprocess
-    import sys
+
+    from train_worker import launch
+    tmp_path = tmp_path_factory.mktemp("text_vs_video")
     video = next(s for s in data.load_samples(os.path.join(synth, "train.jsonl")) if s.get("videos"))
     text = {"id": "text-0", "problem": "What is two plus three?", "answer": "5", "problem_type": "numerical",
             "data_type": "text", "offline_output": "<answer>5</answer>"}
     (tmp_path / "d.jsonl").write_text(json.dumps(video) + "\n" + json.dumps(text) + "\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", "--config",
-           "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data", str(tmp_path / "d.jsonl"), "--val-data", "",
-           "--out-dir", str(tmp_path / "run"), "--max-steps", "2", "--group-size", "2", "--prompts-per-step", "2",
-           "--rollout", rollout, "--no-save", "--cache-dir", "", "--dist-timeout", "120"]
-    p = subprocess.run(cmd, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=400)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    rollouts = ("hf", "vllm")
+    launch([["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data", str(tmp_path / "d.jsonl"),
+             "--val-data", "", "--out-dir", str(tmp_path / rollout), "--max-steps", "2", "--group-size", "2",
+             "--prompts-per-step", "2", "--rollout", rollout, "--no-save", "--cache-dir", "", "--dist-timeout", "120"]
+            for rollout in rollouts])
+    return video, {r: [json.loads(x) for x in open(tmp_path / r / "metrics.jsonl")] for r in rollouts}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["hf", "vllm"])
+def test_two_ranks_text_vs_video_train(text_vs_video, rollout):
+    """A real 2-rank run where, every step, one rank holds a text-only prompt and the other a video prompt: HF
+    generate on the FSDP model and the trainer's forwards must both keep their collectives aligned."""
+    import math
+    video, runs = text_vs_video
+    rows = runs[rollout]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
     assert all(sorted(r["data/ids"]) == sorted([video["id"], "text-0"]) for r in rows)

@@ -94,6 +94,35 @@ def test_merged_weights_equal_peft_merge(tiny_model):
         list(hf_weights(broken))
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_reference_and_merge_on_the_other_families(arch, synth):
+    """The two checks above on Qwen2-VL and Qwen3-VL, whose towers name their modules differently (Qwen2-VL: MLP
+    fc1/fc2 and LayerNorms; Qwen3-VL: merger linear_fc1/2): adapters scaled to 0 give the base model's log-probs,
+    and the merged weights, the vision blocks' attention included, equal peft's merge."""
+    import make_tiny_model
+    from transformers import AutoProcessor
+    d = make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
+    proc = AutoProcessor.from_pretrained(d)
+    samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("videos")][:2]
+    ids = proc.tokenizer.encode("<answer>B</answer>", add_special_tokens=False)[:5]
+    rows = [Rollout(data.prepare(s, proc, tiny_config(model=d)), ids, None, "") for s in samples]
+    b = train.collate(rows, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+    banned = vision_token_ids(proc.tokenizer)
+    base = train.load_model(tiny_config(model=d), torch.device("cpu"))
+    model = lora_model(d, targets=WITH_VISION)
+    with torch.no_grad():
+        want = train.token_logp(base, b, 1.0, banned)[0]
+        ref = train.reference_logp(model, None, b, 1.0, banned)
+        policy = train.token_logp(model, b, 1.0, banned)[0]
+    assert ((ref - want).abs() * b["mask"]).max() < 1e-5 and ((policy - want).abs() * b["mask"]).max() > 1e-3
+    merged, before = dict(hf_weights(model)), base.state_dict()
+    after = model.merge_and_unload().state_dict()
+    assert list(merged) == list(before) == list(after)
+    assert all(torch.allclose(merged[k], after[k], atol=1e-6) for k in after)
+    qkv = "model.visual.blocks.0.attn.qkv.weight"
+    assert not torch.equal(merged[qkv], before[qkv])
+
+
 # ---------------------------------------------------------------------------------------------------
 # 2 ranks under torchrun, colocated vLLM, LoRA on the language model and the vision tower, KL to the reference
 

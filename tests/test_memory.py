@@ -1,7 +1,7 @@
 """Real-scale memory (issue 13): the vision tower once per distinct media item, chunked log-probs.
 
 Each path is checked against the plain transformers forward (every row carries its own copy of the media, full
-logits), in float32, on both tiny checkpoints.
+logits), in float32, on every tiny checkpoint.
 
     .venv/bin/python -m pytest -q tests/test_memory.py
 """
@@ -16,7 +16,7 @@ import train
 from rollout import Rollout, vision_token_ids
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def setup(request, synth):
     """Model, processor and 7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1."""
     import make_tiny_model

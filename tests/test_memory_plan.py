@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/memory.py's worker meas
 GIB = 2 ** 30
 SEVEN_B = "Qwen/Qwen2.5-VL-7B-Instruct"
 LONG = tuple(os.path.join(ROOT, "configs", name) for name in ("qwen2_5_vl_7b.yaml", "qwen2_5_vl_7b_long.yaml"))
-CLASSES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+           "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
 
 
@@ -40,9 +41,9 @@ def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | 
     text = {k: v for k, v in spec["text_config"].items() if k != "layer_types"}  # derived from the depth
     text.update(num_hidden_layers=layers, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     vision = dict(spec["vision_config"], depth=depth)
-    if depth < spec["vision_config"]["depth"]:  # truncated: one block of each kind
-        qwen3 = spec["model_type"] == "qwen3_vl"
-        vision.update({"deepstack_visual_indexes": [0]} if qwen3 else {"fullatt_block_indexes": [depth - 1]})
+    if depth < spec["vision_config"]["depth"]:  # truncated: one block of each kind (Qwen2-VL's are all alike)
+        vision.update({"qwen2_5_vl": {"fullatt_block_indexes": [depth - 1]},
+                       "qwen3_vl": {"deepstack_visual_indexes": [0]}}.get(spec["model_type"], {}))
     config = config_class(text_config=text, vision_config=vision,
                           tie_word_embeddings=text.get("tie_word_embeddings", False))
     config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
@@ -176,6 +177,16 @@ def test_parameter_counts_match_the_published_sizes():
     assert meas["params"] == counts
 
 
+def test_qwen2_vl_7b_parameters_from_its_published_config():
+    """Qwen2-VL-7B-Instruct, typed into configs/memory.json from its published config.json: 8,291,375,616 parameters
+    (the hub's 8.29B). Its decoder layers are Qwen2.5-VL-7B's; its 32 vision blocks are not (LayerNorms, a 1280 ->
+    5120 quick-GELU MLP without gate, attention over whole frames), which is why it has measurements of its own."""
+    spec, meas = memory_plan.stored("Qwen/Qwen2-VL-7B-Instruct", "bfloat16")
+    counts = param_counts(spec)
+    assert counts["total"] == 8_291_375_616 and counts["largest_layer"] == 233_057_792
+    assert meas["params"] == counts
+
+
 # --- prompts
 
 def test_longest_prompt_is_what_the_processor_makes(tiny_model):
@@ -189,7 +200,7 @@ def test_longest_prompt_is_what_the_processor_makes(tiny_model):
     assert tokens - fewer == 16 * 312
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_longest_prompt_counts_what_full_size_frames_give(arch):
     """longest_prompt runs the processor on frames of one merged token and adds the rest of each frame pair's tokens:
     the same counts as the processor on the full-size frames (Qwen3-VL: with its per-pair timestamps), 8 frames."""

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, tiny_config
 
 import data
-from rollout import VLLMEngine, vision_token_ids
+from rollout import VLLMEngine, device_normalize_ok, vision_token_ids
 from train import collate, token_logp
 
 pytestmark = pytest.mark.slow  # builds vLLM engines and runs torchrun
@@ -141,47 +141,53 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 import data, rollout
 from test_qwen3_video import logp_gap, settings
-model_dir, sample, mode = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+model_dir, sample = sys.argv[2], json.loads(sys.argv[3])
 
 
 def vllm_default(*args):
     return True  # vLLM's own default: normalize on the device
 
 
-res = {"device_normalize_ok": rollout.device_normalize_ok(model_dir)}
-if mode == "vllm_default":
-    rollout.device_normalize_ok = vllm_default
+rollout.device_normalize_ok = vllm_default
 proc = AutoProcessor.from_pretrained(model_dir)
 model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
 prompts = [data.prepare(sample, proc, settings(model_dir, video_fps=2.0, video_min_frames=8, video_max_frames=8))]
 engine = rollout.VLLMEngine(model_dir, proc.tokenizer, max_model_len=1024, dtype="float32")
-res["gap"] = logp_gap(engine, model, proc, prompts)
-print("RESULT" + json.dumps(res))
+print("RESULT" + json.dumps(logp_gap(engine, model, proc, prompts)))
 """
 
 
 @pytest.fixture(scope="module")
-def clip_runs(clip_qwen3, clips) -> dict:
-    """mode -> result: one engine per mode on the CLIP-image checkpoint, each in a fresh process (pytest already holds
-    one; a second vLLM engine in one process takes the external-launcher path and wants torchrun's RANK). The two
-    single-threaded processes run side by side, one per core."""
+def clip_runs(tmp_path_factory, clip_qwen3, clips) -> tuple[list, list]:
+    """On the CLIP-image checkpoint: vLLM's own device normalization in a fresh process (pytest already holds an
+    engine; a second vLLM engine in one process takes the external-launcher path and wants torchrun's RANK), its
+    (max, mean) log-prob gap; and, while that single-threaded process runs beside it, 2 ranks (torchrun, FSDP2 +
+    colocated vLLM per rank, our engine) for 2 steps on Qwen3-VL videos, metrics.jsonl's rows."""
+    from test_train import run_train
+    tmp = tmp_path_factory.mktemp("clip")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
-    procs = {mode: subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0]),
-                                     mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for mode in ("ours", "vllm_default")}
-    results = {}
-    for mode, p in procs.items():
-        stdout, stderr = p.communicate(timeout=600)
-        assert "RESULT" in stdout, stderr[-4000:]
-        results[mode] = json.loads(stdout.split("RESULT")[1])
-    return results
+    with open(tmp / "vllm_default.log", "w+") as log:  # a file: a full pipe would stop the process until read
+        p = subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0])],
+                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
+            _, rows, _ = run_train(tmp, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0", "--video-max-frames", "8",
+                                   "--max-prompt-len", "1024", *[a for k in px for a in (k, str(PIXELS))], "--no-save")
+        finally:
+            p.wait(timeout=600)
+        log.seek(0)
+        out = log.read()
+    assert "RESULT" in out, out[-4000:]
+    return json.loads(out.split("RESULT")[1].splitlines()[0]), rows
 
 
-def test_workaround_clip_image_stats(clip_runs):
-    """Our engine on a checkpoint whose image and video normalization differ: CPU normalization, log-probs agree."""
-    res = clip_runs["ours"]
-    assert res["device_normalize_ok"] is False
-    top, mean = res["gap"]
+def test_workaround_clip_image_stats(clip_qwen3, clip_runs):
+    """Our engine on a checkpoint whose image and video normalization differ: CPU normalization, log-probs agree
+    (vLLM's sampled-token log-probs vs the trainer's at step 1 of clip_runs' 2-rank run, the weights still the
+    checkpoint's: that run serves both tests, one fresh vLLM process fewer)."""
+    assert device_normalize_ok(clip_qwen3) is False
+    rows = clip_runs[1]
+    top, mean = rows[0]["mismatch/max"], rows[0]["mismatch/mean"]
     print(f"CLIP-image checkpoint, our engine: max {top:.2e} mean {mean:.2e}")
     assert top < LOGP_MAX and mean < LOGP_MEAN
 
@@ -190,18 +196,15 @@ def test_upstream_vllm_video_normalization(clip_runs):
     """The upstream bug, still present: vLLM 0.32's device-side normalization gives videos the image processor's
     stats. CLIP vs 0.5/0.5 moves every video feature, the log-probs by ~1e-2 per token (measured 3-12e-2 max).
     When this fails, vLLM normalizes videos with the video processor's stats: drop rollout.device_normalize_ok."""
-    top, mean = clip_runs["vllm_default"]["gap"]
+    top, mean = clip_runs[0]
     print(f"CLIP-image checkpoint, vLLM's device normalization: max {top:.2e} mean {mean:.2e}")
     assert top > 2 * LOGP_MAX and mean > LOGP_MEAN, "vLLM fixed video normalization: remove the workaround"
 
 
-def test_two_ranks_train_mismatch(tmp_path, clip_qwen3, clips):
+def test_two_ranks_train_mismatch(clip_runs):
     """2 ranks (torchrun, FSDP2 + colocated vLLM per rank) on Qwen3-VL videos with the CLIP-image checkpoint:
     the trainer's step-1 recomputation matches the sampler's log-probs (train.py logs mismatch/max and /mean)."""
-    from test_train import run_train
-    px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
-    _, rows, _ = run_train(tmp_path, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0", "--video-max-frames", "8",
-                           "--max-prompt-len", "1024", *[a for k in px for a in (k, str(PIXELS))], "--no-save")
+    rows = clip_runs[1]
     print("mismatch/max", [r["mismatch/max"] for r in rows], "mismatch/mean", [r["mismatch/mean"] for r in rows])
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch/max"] < LOGP_MAX and rows[0]["mismatch/mean"] < LOGP_MEAN

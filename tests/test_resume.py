@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, train_cmd, vllm_greedy_tokens
+from conftest import ROOT, train_cmd
 
 pytestmark = pytest.mark.slow  # torchrun jobs, killed and resumed
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # torchrun jobs, killed and resumed
 # Checkpoints, exact resume, preemption, export. Three runs are shared by the tests (each run is a torchrun job with
 # two vLLM engines, the most expensive thing here): the 4-step 2-node run (conftest's `uninterrupted`, shared with
 # test_train), the killed-and-resumed run, both on color_data with a 3-sample held-out set, and the SIGTERM run
-# (--val-data '', no eval).
+# (--val-data '', no eval), which starts from the 4-step run's export and so also shows that vLLM loads it.
 
 def torchrun(model, data_dir, out, *extra, steps=4):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
@@ -97,13 +97,27 @@ def test_resume_keeps_skip_report_exact(killed_and_resumed):
     assert last_rows(out)[4]["data/skipped"] == 1
 
 
-def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
-    out = tmp_path / "run"
-    p = torchrun(tiny_model, synth, out, steps=50)
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, uninterrupted) -> str:
+    """The uninterrupted run's last checkpoint as an HF folder (scripts/export_hf.py)."""
+    import export_hf
+    return export_hf.export(str(uninterrupted[0] / "ckpt" / "latest"), str(tmp_path_factory.mktemp("export") / "hf"))
+
+
+@pytest.fixture(scope="module")
+def sigterm_run(tmp_path_factory, exported, synth):
+    """50 steps on synth from the exported folder (vLLM builds each rank's engine from it: the export's vLLM check,
+    one fresh vLLM process fewer), SIGTERM to rank 1 once step 1 is logged. Returns (run folder, log, returncode)."""
+    out = tmp_path_factory.mktemp("sigterm") / "run"
+    p = torchrun(exported, synth, out, steps=50)
     wait_for(out / "metrics.jsonl", p)
     worker(p, 1).terminate()  # only rank 1 is told: the ranks agree at the step boundary
-    log = p.communicate(timeout=300)[0]
-    assert p.returncode == 0, log[-4000:]
+    return out, p.communicate(timeout=300)[0], p.returncode
+
+
+def test_sigterm_checkpoints_and_exits_zero(sigterm_run):
+    out, log, returncode = sigterm_run
+    assert returncode == 0, log[-4000:]
     rows = last_rows(out)
     stopped = max(rows)
     assert stopped < 50 and "stop signal" in log
@@ -112,16 +126,17 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path, tiny_model, synth):
     assert meta["step"] == stopped and meta["data"]["epoch"] * 40 + meta["data"]["cursor"] == 4 * stopped  # 40 samples
 
 
-def test_export_loads_in_transformers_and_vllm(tmp_path, tiny_model, uninterrupted):
-    import export_hf
+def test_export_loads_in_transformers_and_vllm(exported, tiny_model, uninterrupted, sigterm_run):
     import torch
-    run = uninterrupted[0]
-    hf = export_hf.export(str(run / "ckpt" / "latest"), str(tmp_path / "hf"))
     from transformers import AutoModelForImageTextToText
 
     def load(d):
         return AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).state_dict()
-    exported, final = load(hf), load(str(run / "final"))  # final: saved by the run itself at step 4
-    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
-    assert any(not torch.equal(exported[k], v) for k, v in load(tiny_model).items())  # the trained weights
-    assert vllm_greedy_tokens(hf) > 0
+    exported_sd, final = load(exported), load(str(uninterrupted[0] / "final"))  # final: saved by the run at step 4
+    assert exported_sd.keys() == final.keys() and all(torch.equal(exported_sd[k], final[k]) for k in final)
+    assert any(not torch.equal(exported_sd[k], v) for k, v in load(tiny_model).items())  # the trained weights
+    # vLLM: the SIGTERM run built its engines from the folder as written and sampled step 1 with them
+    out, log, _ = sigterm_run
+    meta = json.load(open(out / "ckpt" / open(out / "ckpt" / "latest").read() / "meta.json"))
+    assert meta["config"]["model"] == exported and "rollout vllm tp=1" in log, log[-4000:]
+    assert last_rows(out)[1]["len/mean"] > 0

@@ -5,7 +5,8 @@
 Checks: vLLM builds exactly the trainer's prompt ids; vLLM's sampled-token log-probs agree with the
 trainer's recomputation on the same inputs; after a weight sync vLLM samples from the new weights;
 the HF engine and vLLM agree on greedy outputs; 8 prompts x 8 (a step that chunked and crashed) runs with
-per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights.
+per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights. Qwen2-VL (its own
+engine, one test): both samplers' log-probs on video and image, and the weight sync.
 This file is also the torchrun worker of the 2-rank test:
 
     torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
@@ -182,6 +183,50 @@ def test_two_rank_sync_is_exact(tiny_model, synth):
     p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0 and p.stdout.count("SYNC OK") == 2, (p.stdout + p.stderr)[-5000:]
+
+
+@pytest.fixture(scope="module")
+def qwen2(synth):
+    """Qwen2-VL (issue 32: full-attention tower, M-RoPE time = the frame pair's index, no timestamps): processor,
+    model, 2 video prompts and an image prompt, and an engine of its own."""
+    import make_tiny_model
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    d = make_tiny_model.ensure("qwen2_vl", root=os.path.join(ROOT, ".cache/models"))
+    proc = AutoProcessor.from_pretrained(d)
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    samples = data.load_samples(f"{synth}/train.jsonl")
+    picked = [s for s in samples if s.get("videos")][:2] + [next(s for s in samples if s.get("images"))]
+    # 2 fps: a frame pair spans 1 s, so Qwen2.5-VL's time scale (2 steps per second) would put pair k at 2k, not k
+    prompts = [data.prepare(s, proc, tiny_config(model=d, video_fps=2.0)) for s in picked]
+    assert prompts[0].mm["video_grid_thw"][0, 0].item() == 2 and "second_per_grid_ts" not in prompts[0].mm
+    return proc, model, prompts, VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
+
+
+def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
+    """Qwen2-VL video and image prompts: vLLM builds the processor's prompt ids (else generate raises) and its
+    log-probs are the trainer's (LOGP_TOL), the HF engine's too (1e-4: the same library), and after a weight sync
+    vLLM samples from the new weights."""
+    proc, model, prompts, engine = qwen2
+    rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
+    assert len(rollouts) == 12 and all(len(r.logp) == len(r.response_ids) > 0 for r in rollouts)
+    for kind in ("video", "image"):
+        rows = [r for r in rollouts if f"{kind}_grid_thw" in r.prompt.mm]
+        diff = trainer_logp_diff(model, rows, proc.tokenizer)
+        print(f"Qwen2-VL {kind}: max |logp_vllm - logp_trainer| = {diff:.2e}")
+        assert diff < LOGP_TOL, kind
+    hf = hf_engine(model, proc.tokenizer)
+    assert trainer_logp_diff(model, hf.generate(prompts, 3, 1.0, 6, seed=5), proc.tokenizer) < 1e-4
+    # every weight reaches vLLM under its name (the tower's qkv, fc1/fc2, LayerNorms): noise moves the trainer, the
+    # sync moves vLLM with it (0.01: test_two_rank_sync_is_exact's scale)
+    new = type(model).from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    stale = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    engine.sync(new)
+    synced = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    assert stale > 10 * LOGP_TOL and synced < LOGP_TOL, (stale, synced)
 
 
 def vllm_weights(worker) -> dict:

@@ -1,7 +1,7 @@
 """Sequence parallelism (sp.py, issue 14): sp_size ranks hold the shards of the same rows and compute what one
 process computes on the whole rows. The torchrun workers are this file run as a script:
 
-    torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 - qwen2_5_vl qwen3_vl     # sp 2
+    torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 - qwen2_vl qwen2_5_vl qwen3_vl   # sp 2
     torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 ckpt qwen3_vl             # dp 2 x sp 2, checkpointing
     torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 4 - qwen3_vl-wide           # sp 4: 6 heads padded to 8
 
@@ -24,6 +24,7 @@ TEMPERATURE, CHUNK = 0.7, 3
 # all rows; image+video x 2 and text (the video split mid-way over 2 ranks); image+video alone (twice, for dp 2): no
 # padding, so no mask, the kernel's causal mode
 BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # one sp2 launch runs them all: ~10 CPU s of startup shared
 
 
 def model_dir(name: str) -> str:
@@ -128,8 +129,8 @@ def worker(out_dir: str, data_path: str, sp_size: str, mode: str, *archs: str):
 
 @pytest.fixture(scope="module")
 def reference(synth):
-    """Both checkpoints, one process, the whole rows: what every SP run must reproduce."""
-    return {arch: run(arch, os.path.join(synth, "train.jsonl"), 1, None) for arch in ("qwen2_5_vl", "qwen3_vl")}
+    """Every checkpoint, one process, the whole rows: what every SP run must reproduce."""
+    return {arch: run(arch, os.path.join(synth, "train.jsonl"), 1, None) for arch in ARCHS}
 
 
 def torchrun(tmp_path, synth, nproc: int, *args: str):
@@ -160,10 +161,10 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 @pytest.mark.slow
 def test_sp2_matches_one_process(tmp_path, synth, reference):
-    """sp_size 2 on 2 ranks vs one process, both checkpoints: log-probs, entropy and every parameter's gradient
+    """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32); each rank encodes half of the temporal patches (one piece per modality: encodes 2 per batch)."""
     from safetensors.torch import load_file
-    torchrun(tmp_path, synth, 2, "2", "-", "qwen2_5_vl", "qwen3_vl")
+    torchrun(tmp_path, synth, 2, "2", "-", *ARCHS)
     for arch, ref in reference.items():
         got = [load_file(tmp_path / f"{arch}.rank{r}.safetensors") for r in range(2)]
         check_against(ref, got, 2)
@@ -220,23 +221,20 @@ def test_config_errors(tiny_model):
 @pytest.mark.slow
 def test_train_run_and_resume(tmp_path, tiny_model, synth):
     """train.py with sp_size 2 on 2 ranks: 2 steps with the HF sampler, a checkpoint each step, then resumed with the
-    vLLM sampler (and freeze_vision: features once per step) for a third. Every step trains prompts_per_step distinct
-    samples (the SP pair holds one copy)."""
+    vLLM sampler (and freeze_vision: features once per step) for a third, in the same torchrun launch
+    (tests/train_worker.py). Every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
     import json
     import math
+
+    from train_worker import launch
     args = ["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data",
             os.path.join(synth, "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
             "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
             "--save-every", "1", "--dist-timeout", "120"]
     runs = (["--max-steps", "2", "--rollout", "hf"],
             ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision"])
-    for extra in runs:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *args,
-               *extra]
-        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert "resumed from" in p.stdout
+    logs = launch([args + extra for extra in runs])
+    assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

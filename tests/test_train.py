@@ -16,12 +16,18 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
 
 
+def train_args(tmp_path, model, data_dir, *extra) -> list[str]:
+    """train.py's arguments: 2 steps of 4 prompts x 4 into tmp_path/run, the frame cache in tmp_path/frames."""
+    return ["--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", f"{data_dir}/train.jsonl",
+            "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(tmp_path / "run"), "--max-steps", "2",
+            "--group-size", "4", "--prompts-per-step", "4", "--cache-dir", str(tmp_path / "frames"), "--eval-every",
+            "0", *extra]
+
+
 def run_train(tmp_path, model, data_dir, *extra, nproc=2):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
-           "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", f"{data_dir}/train.jsonl",
-           "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out), "--max-steps", "2", "--group-size", "4",
-           "--prompts-per-step", "4", "--cache-dir", str(tmp_path / "frames"), "--eval-every", "0", *extra]
+           *train_args(tmp_path, model, data_dir, *extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -34,9 +40,9 @@ def weights(folder):
     return {k: v for file in files for k, v in load_file(file).items()}
 
 
-def test_two_rank_fsdp_vllm_steps_tp2(tmp_path, tiny_model, color_data):
+def test_two_rank_fsdp_vllm_steps_tp2(runs, tiny_model, color_data):
     """2 steps, --standalone torchrun, both ranks share one tensor-parallel vLLM engine (rollout_tp 2)."""
-    check_vllm_run(*run_train(tmp_path, tiny_model, color_data, "--rollout-tp", "2"), tiny_model, color_data, 2)
+    check_vllm_run(*runs["tp2"], tiny_model, color_data, 2)
 
 
 def test_two_rank_fsdp_vllm_steps_tp1(uninterrupted, tiny_model, color_data):
@@ -79,33 +85,42 @@ def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
 
 
 @pytest.fixture(scope="module")
-def hf_run(tmp_path_factory, tiny_model, color_data):
-    """HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven on 2 ranks),
-    a checkpoint at step 2; then `--resume auto` on the finished run. One run shared by the two tests below."""
+def runs(tmp_path_factory, tiny_model, color_data) -> dict:
+    """Three runs in one torchrun launch (tests/train_worker.py: torchrun's start and the imports are paid once).
+    "hf": the HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven on 2
+    ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
+    tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold. name -> (run folder, its rows, its log)."""
     import cache
-    tmp_path = tmp_path_factory.mktemp("hf")
+    from train_worker import launch
+    hf, tp2 = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("tp2")
     cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
-                                  out=str(tmp_path / "frames"), video_fps=4.0, video_min_frames=4,
+                                  out=str(hf / "frames"), video_fps=4.0, video_min_frames=4,
                                   video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, factor=28))
-    args = ("--rollout", "hf", "--eval-max-samples", "3", "--no-save", "--dist-timeout", "120", "--save-every", "2")
-    out, rows, stdout = run_train(tmp_path, tiny_model, color_data, *args)
-    _, rows_again, again = run_train(tmp_path, tiny_model, color_data, *args, "--resume", "auto")
-    return out, rows, stdout, rows_again, again
+    args = train_args(hf, tiny_model, color_data, "--rollout", "hf", "--eval-max-samples", "3", "--no-save",
+                      "--dist-timeout", "120", "--save-every", "2")
+    names = {"hf": (hf, args), "again": (hf, [*args, "--resume", "auto"]),
+             "tp2": (tp2, train_args(tp2, tiny_model, color_data, "--rollout-tp", "2"))}
+    logs = launch([a for _, a in names.values()])
+    out = {}
+    for k, (name, (d, _)) in enumerate(names.items()):
+        rows = [json.loads(line) for line in open(d / "run" / f"metrics.run{k}.jsonl")]  # after this run
+        out[name] = (d / "run", rows, logs[k])
+    return out
 
 
-def test_hf_rollout_two_ranks_warm_cache(hf_run):
+def test_hf_rollout_two_ranks_warm_cache(runs):
     """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
-    _, rows, _, _, _ = hf_run
+    _, rows, _ = runs["hf"]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
 
 
-def test_hf_rollout_two_ranks_uneven_eval(hf_run):
+def test_hf_rollout_two_ranks_uneven_eval(runs):
     """3 held-out prompts on 2 ranks: the HF engine's generate is collective (FSDP), so both ranks must call it
     equally often; each prompt is still scored once. `--resume auto` on the finished run trains nothing and reports
     the saved held-out accuracies (it once printed "after nan")."""
-    out, rows, stdout, rows_again, again = hf_run
+    (out, rows, stdout), (_, rows_again, again) = runs["hf"], runs["again"]
     assert len(rows) == 2 and "held-out accuracy: before" in stdout
     for step in (0, 2):
         ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]
