@@ -112,11 +112,10 @@ class Features:
 
 @dataclass
 class Vision:
-    """encode_vision's result: the features of each modality present, how many pieces this rank encoded, and zero
-    times the outputs no position uses (a dummy's), added to the loss so the tower's backward runs as its forward."""
+    """encode_vision's result: the features of each modality encoded (a dummy's: none kept), and how many pieces this
+    rank encoded."""
     kinds: dict
     encodes: int
-    zero: torch.Tensor
 
 
 def encode_vision(model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None) -> Vision:
@@ -128,13 +127,17 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None, du
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
-    out = Vision({}, 0, torch.zeros((), device=device))
+    out = Vision({}, 0)
     for kind, pixels, grid in MEDIA:
         mine = [p for p in distinct if pixels in p.mm]
         encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
         if not mine and dummies:
             enc = encode(dummies[kind].mm[pixels].to(device), dummies[kind].mm[grid].to(device), return_dict=True)
-            out.zero = out.zero + 0.0 * sum(torch.cat(level).sum() for level in levels(enc))
+            # none of its features is kept: an empty slice, in the graph, that enters the model as real features do
+            # (FSDP2: the tower's backward then runs at the same point on every rank), with gradient zero
+            empty = torch.cat([torch.cat(level) for level in levels(enc)], -1)[:0]
+            dims = [level[0].shape[-1] for level in levels(enc)]
+            out.kinds[kind] = Features(empty, [0] * (n + 1), {}, dims, type(enc))
             out.encodes += 1
         if not mine:
             continue

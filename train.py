@@ -489,7 +489,6 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
     targets = batch["response_ids"][:, a:b].flatten()                                      # (b r,)
     logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or max(1, len(targets)))
-    logp = logp + vision.zero  # a dummy's features, weight 0: the tower's backward runs on every rank alike
     return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
