@@ -56,13 +56,15 @@ def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | 
 
 
 def param_counts(spec: dict) -> dict:
-    """Parameters in all, in the largest decoder layer or vision block, in the root (what no layer or block holds)."""
+    """Parameters in all, in the largest decoder layer or vision block, in the root (what no layer or block holds), in
+    the vision tower (vLLM's data-parallel encoder holds all of it on every rank)."""
     model = build(spec, spec["text_config"]["num_hidden_layers"], spec["vision_config"]["depth"],
                   vocab=spec["text_config"]["vocab_size"], dtype=None)
     blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     total = sum(p.numel() for p in model.parameters())
-    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes))
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
 
 
 class TokenBytes(TorchDispatchMode):
@@ -100,12 +102,14 @@ def decoder_step(model, tokens: int) -> int:
     return counter.peak
 
 
-def vision_step(model, patches: int) -> int:
+def vision_step(model, patches: int, backward: bool = True) -> int:
+    """Forward + backward, or (backward False) a no-grad forward as vLLM encodes a video: pixels in, features out."""
     vc = model.config.vision_config
-    with TokenBytes({patches, patches // 4}) as counter:  # patches, and the merged tokens
+    with TokenBytes({patches, patches // 4}) as counter, torch.set_grad_enabled(backward):  # patches, merged tokens
         pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype)
         out = model.visual(pixels, grid_thw=torch.tensor([[patches // 144, 12, 12]])).pooler_output
-        out.backward(torch.ones_like(out))
+        if backward:
+            out.backward(torch.ones_like(out))
     return counter.peak
 
 
@@ -121,8 +125,8 @@ def logits_step(weight, positions: int) -> int:
 
 def measure(spec: dict, dtype: torch.dtype) -> dict:
     """Peak bytes per token (decoder, logits) and per patch (vision) of a forward + backward at the model's real width,
-    counted by TokenBytes, and the parameter counts. L layers over T tokens peak at T * (L * layer + rest): one and
-    two layers give both. In bf16 as FSDP2 computes on CUDA (fp32: train.py on CPU)."""
+    counted by TokenBytes, and the parameter counts. L layers over T tokens peak at T * (L * layer + rest): one and two
+    layers give both. Vision "encode": the peak per patch of a no-grad forward, as vLLM encodes a video. In bf16 as FSDP2 computes on CUDA (fp32: train.py on CPU)."""
     out = {}
     for part, step, n in (("decoder", decoder_step, 250), ("vision", vision_step, 3 * 144)):
         out[part] = {}
@@ -134,6 +138,7 @@ def measure(spec: dict, dtype: torch.dtype) -> dict:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 per_token.append(step(model, n) / n)
             out[part][mode] = {"layer": per_token[1] - per_token[0], "rest": 2 * per_token[0] - per_token[1]}
+    out["vision"]["encode"] = vision_step(build(spec, 1, 1, vocab=8, dtype=dtype).model, 3 * 144, False) / (3 * 144)
     vocab, hidden = spec["text_config"]["vocab_size"], spec["text_config"]["hidden_size"]
     weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
     out["logit_bytes"] = logits_step(weight, 100) / 100 / vocab
@@ -159,6 +164,7 @@ def test_measurements_reproduce(model, tiny_model):
     for part in ("decoder", "vision"):
         for mode in ("plain", "ckpt"):
             assert got[part][mode] == pytest.approx(want[part][mode], rel=0.02), (part, mode)
+    assert got["vision"]["encode"] == pytest.approx(want["vision"]["encode"], rel=0.02)
     assert got["logit_bytes"] == pytest.approx(want["logit_bytes"], rel=0.02)
     assert got["params"] == want["params"]
 
