@@ -125,9 +125,9 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
     tp = cfg.rollout_tp
     kv_bytes = 2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2  # bf16 K, V per token, GPU
     kv_tokens = max(cfg.max_model_len, prompt + group * cfg.max_response_len)  # the group shares its prompt's blocks
-    vllm_parts = {  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): each rank holds the whole tower, encodes whole videos
-        f"weights (bf16, / rollout_tp {tp}; the vision tower whole)": 2 * (total + (tp - 1) * meas["params"]["vision"])
-        / tp,
+    tower = meas["params"]["vision"] * (tp - 1) / tp  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
+    vllm_parts = {  # holds the whole tower and encodes whole videos (one video is not split over the ranks)
+        f"weights (bf16, / rollout_tp {tp}; the vision tower whole)": 2 * (total / tp + tower),
         f"KV cache ({kv_tokens} tokens)": kv_tokens * kv_bytes,
         f"encoding one video ({patches} patches, no grad)": patches * meas["vision"]["encode"],
     }
@@ -169,12 +169,14 @@ class Config:
 
 
 def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
-    """Markdown rows, frames x sp_size: verdict, train-phase GiB per GPU (the config's prompt and model lengths)."""
+    """Markdown rows, frames x sp_size: verdict, train-phase GiB per GPU (the config's prompt and model lengths;
+    rollout_tp = sp_size, as train.py takes it)."""
     lines = ["| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |", "|---" * 6 + "|"]
     for frames in (256, 512, 1024, 2048, 3600):
         one = dataclasses.replace(cfg, video_max_frames=frames, max_tokens_per_micro_batch=0, micro_batch_size=1)
         prompt, patches = longest_prompt(one, *SOURCE_HW)
-        plans = [plan(one, spec, meas, c.gpus, c.gpu_mem_gib * GIB, True, prompt, patches, sp) for sp in (1, 2, 4, 8)]
+        plans = [plan(dataclasses.replace(one, rollout_tp=sp if sp > 1 else cfg.rollout_tp), spec, meas, c.gpus,
+                      c.gpu_mem_gib * GIB, True, prompt, patches, sp) for sp in (1, 2, 4, 8)]  # tp: 1 or sp_size
         cells = [f"{p.verdict.split(':')[0].lower()} ({p.train / GIB:.0f} GiB)" for p in plans]
         lines.append(f"| {frames} | {prompt:,} | " + " | ".join(cells) + " |")
     return lines
