@@ -67,9 +67,9 @@ def run_phases(paths: list[str]):
         spec, meas = memory_plan.stored(cfg.model, "float32")
         p = memory_plan.plan(cfg, spec, meas, int(os.environ["WORLD_SIZE"]), 24 * GIB, False,
                              len(prompt.prompt_ids), int(prompt.mm["video_grid_thw"].prod()), cfg.sp_size)
-        resident = sum(v for k, v in p.held.items() if k.startswith(("parameters", "optimizer")))
-        print(f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase {peak / 2 ** 20:.1f}"
-              f" MiB, planned {(p.train - resident) / 2 ** 20:.1f} MiB: {peak / (p.train - resident):.2f}x")
+        planned = p.train - sum(v for k, v in p.held.items() if k.startswith(("parameters", "optimizer")))
+        print(f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "
+              f"{peak / 2 ** 20:.1f} MiB, planned {planned / 2 ** 20:.1f} MiB: {peak / planned:.2f}x")
 
 
 def main(c: memory.Config):
