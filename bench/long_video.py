@@ -32,31 +32,32 @@ GIB = 2 ** 30
 
 
 def run_phases(paths: list[str]):
-    """train.main on the configs `paths` (under torchrun) with each step's train phase (train.logp_pass to the end of
-    train.update) measured as memory.peak_bytes does; each rank prints its largest after step 1, rank 0 the planner's
-    CPU prediction for the run's own prompts (the weights and AdamW states are resident before the phase)."""
+    """train.main on the configs `paths` (under torchrun) with each step's train phase (from train.micro_batches to the
+    weight sync: log-prob passes, advantages, update) measured as memory.peak_bytes does; each rank prints its peaks,
+    rank 0 its largest after step 1 against the planner's CPU prediction for the run's own prompts (less the weights
+    and AdamW states, resident before the phase)."""
     import ctypes
 
     import data
     import memory_plan
+    import rollout
     import train
     from transformers import AutoProcessor
-    logp_pass, update, peaks = train.logp_pass, train.update, []
+    micro_batches, sync, peaks = train.micro_batches, rollout.VLLMEngine.sync, []
 
-    def start(*args, **kw):
+    def start(*args, **kw):  # the train phase's first call
         ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, as memory.peak_bytes
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
-        return logp_pass(*args, **kw)
+        return micro_batches(*args, **kw)
 
-    def end(*args, **kw):
-        out = update(*args, **kw)
+    def end(*args, **kw):  # the weight sync after the update
         base, file = peaks[-1]
         peaks[-1] = (memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file) * 1024
-        return out
+        return sync(*args, **kw)
 
-    train.logp_pass, train.update = start, end
+    train.micro_batches, rollout.VLLMEngine.sync = start, end
     cfg = train.load_config(["--config", *paths])
     train.main(cfg)
     peak = max(peaks[1:] or peaks)
