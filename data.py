@@ -257,9 +257,9 @@ def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
 
 def dummy_prompts(processor) -> dict:
     """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch block; a video
-    of one temporal patch) for rows without response or loss. FSDP2 all-gathers every vision block each time the
-    tower runs (once for a forward's images, once for its videos): ranks whose micro-batches differ in modalities
-    would issue different collectives (a hang). The trainer adds one row per modality a micro-batch lacks."""
+    of one temporal patch). FSDP2 all-gathers every vision block each time the tower runs (once for a forward's
+    images, once for its videos): ranks whose micro-batches differ in modalities would issue different collectives (a
+    hang). sp.encode_vision runs the dummy of each modality its prompts lack through the tower, weight 0."""
     f = vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
     media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
@@ -280,7 +280,8 @@ def concat_media(prompts: list) -> dict:
 
 
 def missing_dummies(dummies: dict | None, present) -> list:
-    """The dummy prompts (dummy_prompts) of each modality whose pixel key is not in `present` (the mm keys in use)."""
+    """The dummy prompts of each modality whose pixel key is not in `present` (bench/memory.py's pre-#13 trainer
+    appends them as rows; today's trainer runs them inside sp.encode_vision)."""
     key = {"image": "pixel_values", "video": "pixel_values_videos"}
     return [p for kind, p in (dummies or {}).items() if key[kind] not in present]
 

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from data import Prompt, missing_dummies, vllm_input
-from sp import encode_vision
+from data import Prompt, vllm_input
+import sp
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
 # the weight sync's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
@@ -164,8 +164,8 @@ class HFEngine:
     in one batch (synced_gpus keeps the ranks in lockstep); for machines without vLLM, and a reference in tests."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
-        # dummies (data.dummy_prompts, multi-rank FSDP only): like the trainer's micro-batches, every prefill gets a
-        # throw-away row of each modality its prompts lack, so all ranks run the vision tower the same number of times
+        # dummies (data.dummy_prompts, multi-rank FSDP only): as in the trainer, a modality the prompts lack runs its
+        # dummy through the vision tower, so all ranks run the tower the same number of times
         self.model, self.tokenizer, self.eos_ids, self.dummies = model, tokenizer, eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
 
@@ -194,14 +194,13 @@ class HFEngine:
                 self.model.reshard()
 
     def _generate(self, prompts, n, temperature, max_tokens, seed) -> list[Rollout]:
-        """All prompts x n rows (+ dummies) in ONE left-padded generate call; one seed per (call, rank): rows of a
+        """All prompts x n rows in ONE left-padded generate call; one seed per (call, rank): rows of a
         batch share the global RNG stream, so what a row samples depends on the batch, not on earlier calls."""
         device = next(self.model.parameters()).device
         rank = dist.get_rank() if dist.is_initialized() else 0
         synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
         torch.manual_seed(request_seed(seed, rank))
         rows = [p for p in prompts for _ in range(n)]
-        rows += missing_dummies(self.dummies, {k for p in prompts for k in p.mm})
         P = max(len(r.prompt_ids) for r in rows)
         pad = [P - len(r.prompt_ids) for r in rows]
         ids = torch.tensor([[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)], device=device)
@@ -210,14 +209,15 @@ class HFEngine:
         # gets the features laid out per row for the prefill, and every row's grids for its M-RoPE positions
         keys = sorted({k for r in rows for k in r.mm if not k.startswith("pixel_values")})
         grids = {k: torch.cat([r.mm[k] for r in rows if k in r.mm]).to(device) for k in keys}
-        vision = row_vision(encode_vision(self.model, rows, device)[0], rows)
+        vision = sp.shard_features(self.model, sp.encode_vision(self.model, rows, device, dummies=self.dummies), ids,
+                                   rows, sp.Shard(None, ids.shape[1], 0, ids.shape[1]))
         out = self.model.generate(input_ids=ids, attention_mask=attn, **grids, mm_encoder_outputs=vision,
                                   synced_gpus=synced, mm_token_type_ids=mm_token_types(ids, self.tokenizer),
                                   generation_config=self.config(temperature, max_tokens))
-        seq = out.sequences[:len(prompts) * n, P:]                      # (B, R)
+        seq = out.sequences[:, P:]                                      # (B, R)
         logp = torch.zeros(seq.shape)
-        for t, logits in enumerate(out.logits):  # R steps of (B + dummies, V): no stacked (B, R, V) copy
-            logits = logits[:len(seq)].float()
+        for t, logits in enumerate(out.logits):  # R steps of (B, V): no stacked (B, R, V) copy
+            logits = logits.float()
             logits[:, self.banned] = float("-inf")
             logp[:, t] = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq[:, t:t + 1])[:, 0].cpu()
         rollouts = []
@@ -232,19 +232,6 @@ class HFEngine:
         """Nothing to push, free or restore: it samples from the training model itself."""
 
     sleep = wake = sync
-
-
-def row_vision(encoded: dict, prompts: list) -> dict:
-    """The encoded items laid out for the rows' placeholders, row by row (the order the model's masked_scatter fills):
-    the rows of a prompt share its feature tensors, so autograd sums their gradients (mm_encoder_outputs)."""
-    out = {}
-    for kind, (enc, where) in encoded.items():
-        idx = [i for p in prompts for i in where.get(id(p), ())]
-        fields = {"pooler_output": tuple(enc.pooler_output[i] for i in idx)}
-        if getattr(enc, "deepstack_features", None) is not None:  # Qwen3-VL: added at early decoder layers
-            fields["deepstack_features"] = [tuple(level[i] for i in idx) for level in enc.deepstack_features]
-        out[kind] = replace(enc, **fields)
-    return out
 
 
 def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:

@@ -2,11 +2,12 @@
 ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
 
     vision     each rank encodes 1/sp_size of the temporal patches (the Qwen-VL towers attend within one: exact)
-    embed      the model builds the full embeddings and M-RoPE positions; a pre-hook keeps this rank's (sequence_shard)
-    attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back
+    embed      each rank embeds only its shard of the sequence (model_inputs): the M-RoPE positions of the whole,
+               the features its positions hold, sent by the ranks that encoded them (one all-to-all)
+    attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back;
+               heads that do not split over sp_size are padded with zero heads (dropped after)
     log-probs  each rank projects the response positions it holds; summed over the group, each rank's loss is whole
 """
-import contextlib
 import functools
 import itertools
 import math
@@ -16,7 +17,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single
 
 MEDIA = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
@@ -41,65 +41,135 @@ def make_layout(sp_size: int) -> Layout:
 
 
 class AllReduce(torch.autograd.Function):
-    """The sum over the SP group of tensors zero outside each rank's part. Backward: the gradient summed over the group
-    (sum_grads: each rank used the sum in another place) or as it is (each computed the same loss from the sum)."""
+    """The sum over the SP group of tensors zero outside each rank's part; each rank computes the same loss from the
+    sum, so the gradient passes as it is."""
 
     @staticmethod
-    def forward(ctx, x, group, sum_grads: bool):
-        ctx.group, ctx.sum_grads = group, sum_grads
+    def forward(ctx, x, group):
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.sum_grads:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
+        return grad, None
 
 
-def encode_vision(model, prompts: list, device, layout: Layout | None = None) -> tuple[dict, int]:
-    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt): {kind:
-    (the encoder output, per-item tuples; {id(prompt): its item indices})}, and how many pieces this rank encoded.
-    SP: each rank encodes one of sp_size contiguous runs of the temporal patches, the features are summed over the
-    group; an empty run encodes the first patch with weight 0 (FSDP2: every rank runs the tower as often)."""
+def all_to_all(x: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
+    """x's rows, send[j] of them to rank j in order -> the recv[j] rows from each rank j, in rank order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all with its own gradient (whatever the torch build registers): the same exchange, reversed."""
+
+    @staticmethod
+    def forward(ctx, x, group, send: list[int], recv: list[int]):
+        ctx.args = group, recv, send
+        return all_to_all(x, group, send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, *ctx.args), None, None, None
+
+
+@dataclass
+class Features:
+    """One modality's encoder output for a set of prompts as this rank holds it (SP: the features of its own run of
+    temporal patches), the model's levels (Qwen3-VL: + deepstack) side by side along the last dimension."""
+    local: torch.Tensor   # (bounds[r + 1] - bounds[r], sum(dims))
+    bounds: list[int]     # rank j holds the features [bounds[j], bounds[j + 1]) of the prompts' media in order
+    spans: dict           # id(prompt) -> the index of its first feature
+    dims: list[int]       # each level's width
+    output: type          # the encoder output's class, which the model takes back (mm_encoder_outputs)
+
+
+@dataclass
+class Vision:
+    """encode_vision's result: the features of each modality present, how many pieces this rank encoded, and zero
+    times the outputs no position uses (a dummy's), added to the loss so the tower's backward runs as its forward."""
+    kinds: dict
+    encodes: int
+    zero: torch.Tensor
+
+
+def encode_vision(model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None) -> Vision:
+    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt). SP:
+    each rank encodes one of sp_size contiguous runs of the temporal patches and keeps their features (an empty run
+    encodes the first patch and keeps none). dummies (data.dummy_prompts; FSDP2 with several ranks): a modality that
+    none of the prompts has encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every rank
+    must run it as often, in the same order)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
-    out, count = {}, 0
+    out = Vision({}, 0, torch.zeros((), device=device))
     for kind, pixels, grid in MEDIA:
         mine = [p for p in distinct if pixels in p.mm]
+        encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
+        if not mine and dummies:
+            enc = encode(dummies[kind].mm[pixels].to(device), dummies[kind].mm[grid].to(device), return_dict=True)
+            out.zero = out.zero + 0.0 * sum(torch.cat(level).sum() for level in levels(enc))
+            out.encodes += 1
         if not mine:
             continue
         grids = torch.cat([p.mm[grid] for p in mine])                                  # (items, 3): t, h, w
         units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
         row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
         a, b = len(units) * r // n, len(units) * (r + 1) // n
-        lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (weight 0 below)
+        lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (and keeps none of it)
         pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
         grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
         # the run's pixel rows [row[lo], row[hi]) of the prompts' rows one after another, sliced from each prompt's
         # tensor (the media are never all copied)
         firsts = itertools.accumulate([len(p.mm[pixels]) for p in mine], initial=0)
         rows = [p.mm[pixels][max(row[lo] - s, 0):max(row[hi] - s, 0)] for p, s in zip(mine, firsts)]
-        enc = getattr(model, f"get_{kind}_features")(torch.cat(rows).to(device), grid_thw.to(device),
-                                                     return_dict=True)  # the model's own (Qwen3-VL: + deepstack)
-        count += len(pieces)
+        enc = encode(torch.cat(rows).to(device), grid_thw.to(device), return_dict=True)
+        out.encodes += len(pieces)
         tok = [x // merge2 for x in row]  # the first feature of each patch
-        full = []
-        for level in [enc.pooler_output] + list(getattr(enc, "deepstack_features", None) or []):
-            local = torch.cat(level)
-            if n > 1:  # this rank's features in place, zeros elsewhere, summed over the group
-                part = F.pad(local[:tok[b] - tok[a]], (0, 0, tok[a], tok[-1] - tok[b]))
-                local = AllReduce.apply(part, layout.group, True) + 0.0 * local.sum()
-            full.append(torch.split(local, (grids.prod(-1) // merge2).tolist()))
-        fields = {"pooler_output": full[0]}
-        if len(full) > 1:
-            fields["deepstack_features"] = full[1:]
-        starts = itertools.accumulate([len(p.mm[grid]) for p in mine], initial=0)
-        out[kind] = (replace(enc, **fields), {id(p): range(s, s + len(p.mm[grid])) for p, s in zip(mine, starts)})
-    return out, count
+        bounds = [tok[len(units) * j // n] for j in range(n + 1)]
+        local = torch.cat([torch.cat(level) for level in levels(enc)], -1)[:bounds[r + 1] - bounds[r]]
+        starts = itertools.accumulate([int(p.mm[grid].prod(-1).sum()) // merge2 for p in mine], initial=0)
+        out.kinds[kind] = Features(local, bounds, {id(p): s for p, s in zip(mine, starts)},
+                                   [level[0].shape[-1] for level in levels(enc)], type(enc))
+    return out
+
+
+def levels(enc) -> list:
+    """The encoder output's feature levels, each a tuple of per-item tensors: the merged features (+ deepstack)."""
+    return [enc.pooler_output] + list(getattr(enc, "deepstack_features", None) or [])
+
+
+def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shard) -> dict:
+    """The model's mm_encoder_outputs for the positions [shard.start, shard.stop) of ids (B, S'), the rows of
+    `prompts`: each modality's features of the placeholders there in row-major order (masked_scatter's). SP: each
+    rank gets the features its positions need from the ranks that encoded them (one all-to-all, differentiable)."""
+    n, size = (shard.layout.sp_size if shard.layout else 1), shard.stop - shard.start
+    out = {}
+    for kind, f in vision.kinds.items():
+        before = F.pad((ids == getattr(model.config, f"{kind}_token_id")).long().cumsum(-1), (1, 0)).tolist()
+        firsts = [f.spans.get(id(p), 0) for p in prompts]  # a row without this modality has no placeholder
+
+        def needed(start: int) -> torch.Tensor:  # the features of the placeholders in [start, start + size)
+            spans = [range(s + c[start], s + c[start + size]) for s, c in zip(firsts, before)]
+            return torch.tensor([i for span in spans for i in span], dtype=torch.long, device=f.local.device)
+        if n == 1:
+            x = f.local[needed(shard.start)]
+        else:
+            r, need = shard.layout.sp_rank, [needed(j * size) for j in range(n)]
+            lo, hi = f.bounds[r], f.bounds[r + 1]
+            send = [f.local[x[(x >= lo) & (x < hi)] - lo] for x in need]           # what rank j needs of mine
+            owner = torch.searchsorted(torch.tensor(f.bounds[1:n], device=f.local.device), need[r], right=True)
+            x = AllToAll.apply(torch.cat(send), shard.layout.group, [len(s) for s in send],
+                               torch.bincount(owner, minlength=n).tolist())    # by owner, each in need[r]'s order
+            x = x[torch.argsort(torch.argsort(owner, stable=True))]
+        parts = [(part,) for part in x.split(f.dims, -1)]
+        fields = {"pooler_output": parts[0]}
+        if len(parts) > 1:
+            fields["deepstack_features"] = parts[1:]
+        out[kind] = f.output(**fields)
+    return out
 
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
@@ -129,29 +199,30 @@ def use_ulysses(model):
 
 
 def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
-    """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. KV heads are
-    repeated up to a multiple of n (GQA with Hkv < n, as verl), each rank attends with H/n heads over all S.
+    """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. Each rank
+    attends with H/n heads over all S: KV heads are repeated up to a multiple of n (GQA with Hkv < n, as verl); H not a
+    multiple of n: every query head gets its own KV head and zero heads pad H (their output, zero, is dropped).
     sp_shard (a Shard, through the model's **kwargs): None outside an SP forward, then it is the kernel itself."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     inner = ALL_ATTENTION_FUNCTIONS[kernel]
     if sp_shard is None:
         return inner(module, query, key, value, attention_mask, **kw)
     group, n = sp_shard.layout.group, sp_shard.layout.sp_size
-    H, s = query.shape[1], query.shape[2]
-    rep = n // math.gcd(key.shape[1], n)
-    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d).
-    # all_to_all_single: chunk j of dim 0 to rank j, differentiable (its adjoint is itself)
-    q, k, v = (all_to_all_single(x.unflatten(1, (n, -1)).transpose(0, 1).contiguous(), None, None, group)
+    H, s, pad = query.shape[1], query.shape[2], -query.shape[1] % n
+    rep = H // key.shape[1] if pad else n // math.gcd(key.shape[1], n)
+    query, key, value = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (query, key.repeat_interleave(rep, 1),
+                                                                   value.repeat_interleave(rep, 1)))
+    # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d)
+    q, k, v = (AllToAll.apply(x.unflatten(1, (n, -1)).transpose(0, 1), group, [1] * n, [1] * n)
                .permute(1, 2, 0, 3, 4).flatten(2, 3) for x in (query, key, value))
     # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by num_key_value_groups)
     heads = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=kernel), is_causal=True,
-                                  layer_idx=module.layer_idx, num_key_value_groups=H // key.shape[1],
+                                  layer_idx=module.layer_idx, num_key_value_groups=query.shape[1] // key.shape[1],
                                   training=module.training)
-    out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)                                     # (B, S, H/n, d)
-    # (B, S, H/n, d) -> (n, B, s, H/n, d): positions of rank j to rank j; back as rank j's heads -> (B, s, H, d)
-    back = all_to_all_single(out.unflatten(1, (n, s)).transpose(0, 1).contiguous(), None, None, group)
-    return back.permute(1, 2, 0, 3, 4).flatten(2, 3), None
+    out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)                                     # (B, S, H'/n, d)
+    # (B, S, H'/n, d) -> (n, B, s, H'/n, d): positions of rank j to rank j; back as rank j's heads -> (B, s, H', d)
+    back = AllToAll.apply(out.unflatten(1, (n, s)).transpose(0, 1), group, [1] * n, [1] * n)
+    return back.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :H], None
 
 
 def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -161,24 +232,6 @@ def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
         return mask
     pos = torch.arange(mask.shape[1], device=mask.device)                    # key <= query, key a token or the query
     return ((pos[None, :] <= pos[:, None]) & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])))[:, None]
-
-
-def shard_inputs(module, args, kwargs, shard):
-    """Forward pre-hook of the language model: the full sequence's embeddings and positions (and Qwen3-VL's deepstack
-    inputs) -> this rank's positions of the sequence padded to a multiple of sp_size."""
-    emb = kwargs["inputs_embeds"]                                                            # (B, S, D)
-    pad, keep = (shard.stop - shard.start) * shard.layout.sp_size - emb.shape[1], slice(shard.start, shard.stop)
-    pos = kwargs["position_ids"]  # (3, B, S) M-RoPE; never None here: multi-rank micro-batches hold both media
-    kwargs.update(inputs_embeds=F.pad(emb, (0, 0, 0, pad))[:, keep], position_ids=F.pad(pos, (0, pad))[..., keep],
-                  attention_mask=None, sp_shard=shard)
-    visual = kwargs.get("visual_pos_masks")                                                  # (B, S) bool
-    if visual is not None:
-        visual = F.pad(visual, (0, pad))
-        mine = torch.zeros_like(visual)
-        mine[:, keep] = True
-        kwargs["visual_pos_masks"] = visual[:, keep]
-        kwargs["deepstack_visual_embeds"] = [e[mine[visual]] for e in kwargs["deepstack_visual_embeds"]]
-    return args, kwargs
 
 
 @dataclass
@@ -203,25 +256,33 @@ class Shard:
         if self.layout is None or self.layout.sp_size == 1:
             return x
         a, b = self.response_span(R)
-        return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group, False)
+        return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group)
 
 
-@contextlib.contextmanager
-def sequence_shard(model, attention_mask: torch.Tensor, layout: Layout | None):
-    """In it, `model`'s language model runs on this rank's shard of the sequence, attending over all of it."""
-    S = attention_mask.shape[1]
+def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
+    """The model's inputs for this rank's positions of a micro-batch (train.collate's), and which they are: sp_size 1
+    the whole sequence; else this rank's shard of it padded to a multiple of sp_size: its token ids, the M-RoPE
+    positions of the whole sequence there, the features its placeholders hold, and Ulysses' mask (Shard) to attend
+    over all of it. No padding, no mask: a 1-row micro-batch is the kernel's causal mode on every path."""
+    ids, mask, prompts = batch["input_ids"], batch["attention_mask"], batch["prompts"]
+    S = ids.shape[1]
     if layout is None or layout.sp_size == 1:
-        yield Shard(layout, S, 0, S)
-        return
-    size = -(-S // layout.sp_size)
-    lm = language_model(model)
-    mask = None
-    if not attention_mask.all():
-        mask = kernel_mask(F.pad(attention_mask, (0, size * layout.sp_size - S)),
-                           lm.config._attn_implementation.removeprefix("ulysses_"))
-    shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size, mask)
-    handle = lm.register_forward_pre_hook(functools.partial(shard_inputs, shard=shard), with_kwargs=True)
-    try:
-        yield shard
-    finally:
-        handle.remove()
+        shard = Shard(layout, S, 0, S)
+        return dict(input_ids=ids, attention_mask=None if mask.all() else mask, **batch["grids"],
+                    mm_token_type_ids=batch["mm_token_type_ids"],
+                    mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard)), shard
+    size, lm = -(-S // layout.sp_size), language_model(model)
+    shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
+    if not mask.all():
+        shard.mask = kernel_mask(F.pad(mask, (0, size * layout.sp_size - S)),
+                                 lm.config._attn_implementation.removeprefix("ulysses_"))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
+    pos = base.model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
+                                             past_key_values=None, mm_token_type_ids=batch["mm_token_type_ids"],
+                                             **batch["grids"])                    # (3, B, S); None: text only
+    if pos is None:
+        pos = torch.arange(S, device=ids.device).expand(3, *ids.shape)
+    ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
+    return dict(input_ids=ids[:, keep], position_ids=F.pad(pos, (0, size * layout.sp_size - S))[..., keep],
+                attention_mask=None, sp_shard=shard,
+                mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard)), shard

@@ -35,7 +35,7 @@ import evaluate
 import rewards
 import sp
 from ckpt import all_reduce, gather, init_dist, print0, save_checkpoint
-from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, row_vision, vision_token_ids
+from rollout import HFEngine, Rollout, VLLMEngine, mm_token_types, request_seed, vision_token_ids
 from scripts import plot_runs
 
 
@@ -248,7 +248,6 @@ def yaml_overlay(base: Config, path: str) -> Config:
 
 def check_config(cfg: Config, world: int = 1):
     """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
-    from transformers import AutoConfig
     choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
     bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
     positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size", "lr",
@@ -261,20 +260,11 @@ def check_config(cfg: Config, world: int = 1):
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
-    heads = cfg.sp_size  # the model's query heads, which Ulysses splits over the SP ranks
-    if cfg.sp_size > 1:
-        try:
-            heads = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code) \
-                .get_text_config().num_attention_heads
-        except OSError:  # not on disk and no network: load_model stops on it with the loader's own error
-            pass
     bad += [message for fails, message in [
         (dp and cfg.prompts_per_step % dp, f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0"),
         (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
         (cfg.sp_size > 0 and world % cfg.sp_size, f"world size {world} % sp_size {cfg.sp_size} != 0"),
         (cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size), "sp_size > 1 needs rollout_tp 1 or sp_size"),
-        (cfg.sp_size > 0 and heads % cfg.sp_size, f"sp_size {cfg.sp_size}: the model's {heads} query heads are not "
-         "divisible by it (Ulysses splits them)"),
         (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
         (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
         (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
@@ -536,33 +526,28 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded once
     per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; `chunk` positions are projected
     at a time (0 = all). sp_size > 1 (layout): each SP rank computes its share (sp.py) and returns the whole."""
-    R, rows = batch["mask"].shape[1], batch["rows"]
+    rows, R = batch["mask"].shape
     vision = batch["vision"]
     if vision is None:
-        vision, batch_encodes = sp.encode_vision(model, batch["prompts"], batch["input_ids"].device, layout)
-        batch["encodes"] += batch_encodes
+        vision = sp.encode_vision(model, batch["prompts"], batch["input_ids"].device, layout, batch["dummies"])
+        batch["encodes"] += vision.encodes
+    inputs, shard = sp.model_inputs(model, batch, vision, layout)
     # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
-    with sp.sequence_shard(model, batch["attention_mask"], layout) as shard:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
-                    use_cache=False, mm_token_type_ids=batch["mm_token_type_ids"], output_hidden_states=True,
-                    mm_encoder_outputs=row_vision(vision, batch["prompts"]), **batch["grids"])
+    out = model(**inputs, logits_to_keep=1, use_cache=False, output_hidden_states=True)
     a, b = shard.response_span(R)  # this rank's response tokens; token 0 is predicted at position length - R - 1
     first = shard.length - R - 1 - shard.start + a
-    hidden = out.hidden_states[-1][:rows, first:first + b - a].flatten(0, 1)            # (b r, D), dummies dropped
+    hidden = out.hidden_states[-1][:, first:first + b - a].flatten(0, 1)                  # (b r, D)
     weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
     targets = batch["response_ids"][:, a:b].flatten()                                      # (b r,)
     logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or max(1, len(targets)))
+    logp = logp + vision.zero  # a dummy's features, weight 0: the tower's backward runs on every rank alike
     return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
 def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
     """One micro-batch: left-padded prompts, right-padded responses, the rows' prompts (media) and M-RoPE grids; main
-    fills in old/ref log-probs and advantages. dummies (data.dummy_prompts): a response-less row per modality no row
-    has, so every forward on every rank runs the vision tower for both (FSDP2's collectives stay aligned); token_logp
-    drops those rows, their gradient is exactly zero."""
-    rows = len(rollouts)
-    have = {k for r in rollouts for k in r.prompt.mm}
-    rollouts = rollouts + [Rollout(p, [], None, "", "dummy") for p in data.missing_dummies(dummies, have)]
+    fills in old/ref log-probs and advantages. dummies (data.dummy_prompts, FSDP2 on several ranks): the inputs
+    token_logp's encode_vision runs through the tower for a modality no row has, weight 0 (never a decoder row)."""
     P = max(len(r.prompt.prompt_ids) for r in rollouts)
     R = max(max(len(r.response_ids) for r in rollouts), 1)
     B = len(rollouts)
@@ -582,9 +567,9 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
     grids = {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device)
              for k in sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})}  # per row: M-RoPE
     input_ids = input_ids.to(device)
-    return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, rows=rows,
-                mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:rows, P:],
-                mask=mask[:rows].to(device), rollout_logp=rollout_logp[:rows].to(device),       # (b, R) each
+    return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, dummies=dummies,
+                mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:, P:],
+                mask=mask.to(device), rollout_logp=rollout_logp.to(device),                       # (b, R) each
                 old_logp=None, ref_logp=None, adv=None,  # (b, R) each, set by main; old_logp None: on-policy
                 vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
 
@@ -869,8 +854,8 @@ def main(cfg: Config):
         with torch.no_grad():
             frozen = None  # freeze_vision: every prompt's features, once (same tower, so the reference's too)
             if cfg.freeze_vision:
-                frozen, m["vision_encodes"] = sp.encode_vision(
-                    model, [r.prompt for r in rollouts] + data.missing_dummies(dummies, {}), device, layout)
+                frozen = sp.encode_vision(model, [r.prompt for r in rollouts], device, layout, dummies)
+                m["vision_encodes"] = frozen.encodes
             for b in itertools.chain(*minibatches):
                 b["vision"] = frozen
                 if need_old:

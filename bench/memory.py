@@ -76,7 +76,7 @@ def train_phase(train, model, ref, opt, rollouts: list, cfg, tok, banned: list[i
     with torch.no_grad():
         frozen = None
         if getattr(cfg, "freeze_vision", False):  # BEFORE's train.py has no such field
-            frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)[0]
+            frozen = sp.encode_vision(model, [r.prompt for r in rollouts], model.device, layout)
         for b in mini:
             b["vision"] = frozen
             if ref is not None:  # train.reference_logp with a reference model is this call

@@ -5,6 +5,8 @@
 Real but for their sizes (build below): save_pretrained's fp32 safetensors, the real model classes, processors, patch
 sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same for every seed) with Qwen's special
 tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
+The "wide" variant (tiny-<arch>-wide): hidden 384, 6 query / 2 KV heads (sequence parallelism over 3 ranks repeats
+KV heads, over 4 pads zero heads) and Qwen2.5-VL windows of one merged token (several windows per frame).
 """
 import json
 import os
@@ -36,6 +38,9 @@ ARCHS = {
         norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
     ),
 }
+# variant -> what it changes: the text config, the vision config (the settings the arch has)
+VARIANTS = {"": ({}, {}), "wide": (dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2),
+                                    dict(out_hidden_size=384, window_size=28))}
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
@@ -94,21 +99,26 @@ def make_tokenizer(template: str):
     return tok
 
 
-def _complete(out: str, arch: str, seed: int) -> bool:
+def _marker(arch: str, seed: int, variant: str) -> dict:
+    return {"arch": arch, "seed": seed, "version": VERSION} | ({"variant": variant} if variant else {})
+
+
+def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
     try:
         with open(os.path.join(out, MARKER)) as f:
-            return json.load(f) == {"arch": arch, "seed": seed, "version": VERSION}
+            return json.load(f) == _marker(arch, seed, variant)
     except (OSError, ValueError):
         return False
 
 
-def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False) -> str:
+def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False,
+          variant: Literal["", "wide"] = "") -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
     half-written one."""
     spec = ARCHS[arch]
     out = os.path.normpath(out)  # a trailing slash would put the temp dir inside OUT
-    if not force and _complete(out, arch, seed):
+    if not force and _complete(out, arch, seed, variant):
         return out
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
         raise FileExistsError(f"{out} is not empty and holds no checkpoint of ours: not replacing it")
@@ -123,10 +133,11 @@ def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, forc
                 hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"], dtype="float32", rope_parameters=spec["rope"])
+                pad_token_id=ids["<|endoftext|>"], dtype="float32", rope_parameters=spec["rope"]) | VARIANTS[variant][0]
     vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, in_channels=3, patch_size=patch,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, initializer_range=0.02,
                   **spec["vision"])
+    vision |= {k: v for k, v in VARIANTS[variant][1].items() if k in vision}  # the settings this arch has
     config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
@@ -150,8 +161,8 @@ def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, forc
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     with open(os.path.join(tmp, MARKER), "w") as f:
-        json.dump({"arch": arch, "seed": seed, "version": VERSION}, f)
-    if not force and _complete(out, arch, seed):  # someone else finished the same build meanwhile
+        json.dump(_marker(arch, seed, variant), f)
+    if not force and _complete(out, arch, seed, variant):  # someone else finished the same build meanwhile
         shutil.rmtree(tmp)
         return out
     old = f"{out}.old-{os.getpid()}"
@@ -162,9 +173,9 @@ def build(arch: Literal["qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, forc
     return out
 
 
-def ensure(arch: str, root: str = ".cache/models", seed: int = 0) -> str:
-    """`root/tiny-<arch>`, built first if missing or stale."""
-    return build(arch, os.path.join(root, f"tiny-{arch}"), seed)
+def ensure(arch: str, root: str = ".cache/models", seed: int = 0, variant: str = "") -> str:
+    """`root/tiny-<arch>` (a variant: tiny-<arch>-<variant>), built first if missing or stale."""
+    return build(arch, os.path.join(root, "-".join(["tiny", arch] + [variant] * bool(variant))), seed, variant=variant)
 
 
 if __name__ == "__main__":

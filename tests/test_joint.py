@@ -81,9 +81,10 @@ def test_marker_places_media_in_the_prompt(processor, media):
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
-def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
-    """Appending the response-less image and video rows gives every parameter a gradient tensor (so FSDP
-    reduce-scatters it on every rank) and leaves every gradient value as it was."""
+def test_dummies_touch_every_parameter_and_change_nothing(arch):
+    """The dummy image and video, run through the tower with weight 0 (no decoder row: the micro-batch stays 1 row),
+    give every parameter a gradient tensor (so FSDP reduce-scatters it on every rank) and leave every gradient value
+    as it was."""
     import make_tiny_model
     import train
     from rollout import Rollout, vision_token_ids
@@ -97,8 +98,9 @@ def test_dummy_rows_touch_every_parameter_and_change_nothing(arch):
     for dummies in (None, data.dummy_prompts(proc)):
         model.zero_grad(set_to_none=True)
         b = train.collate(rows, tok.pad_token_id, tok, "cpu", dummies)
-        assert b["input_ids"].shape[0] == (1 if dummies is None else 3) and b["mask"].shape[0] == 1
+        assert b["input_ids"].shape[0] == b["mask"].shape[0] == 1
         logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
+        assert b["encodes"] == (0 if dummies is None else 2)
         (-(logp * b["mask"]).sum()).backward()
         grads.append({n: q.grad for n, q in model.named_parameters()})
     assert any(g is None for g in grads[0].values())  # text alone leaves the vision tower out

@@ -3,6 +3,7 @@ process computes on the whole rows. The torchrun workers are this file run as a 
 
     torchrun --nproc_per_node=2 tests/test_sp.py OUT DATA.jsonl 2 - qwen2_5_vl qwen3_vl     # sp 2
     torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 ckpt qwen3_vl             # dp 2 x sp 2, checkpointing
+    torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 4 - qwen3_vl-wide           # sp 4: 6 heads padded to 8
 
     .venv/bin/python -m pytest -q tests/test_sp.py
 """
@@ -25,9 +26,11 @@ TEMPERATURE, CHUNK = 0.7, 3
 BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
 
 
-def model_dir(arch: str) -> str:
+def model_dir(name: str) -> str:
+    """name: an arch, or arch-variant (make_tiny_model.VARIANTS: "qwen3_vl-wide")."""
     import make_tiny_model
-    return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
+    arch, _, variant = name.partition("-")
+    return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"), variant=variant)
 
 
 def make_rows(processor, cfg, data_path: str) -> list:
@@ -44,10 +47,13 @@ def make_rows(processor, cfg, data_path: str) -> list:
     return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
 
 
-def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = False) -> dict:
+def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = False, device: str = "cpu",
+        kernel: str = "") -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
-    seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses."""
+    seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
+    kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn)."""
+    import sp
     from transformers import AutoProcessor
     d = model_dir(arch)
     cfg = tiny_config(model=d, sp_size=sp_size, temperature=TEMPERATURE, logp_chunk=CHUNK, entropy_coef=0.1,
@@ -56,18 +62,22 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     tok = processor.tokenizer
     banned = vision_token_ids(tok)
     rows = make_rows(processor, cfg, data_path)
-    model = train.load_model(cfg, torch.device("cpu"))
+    model = train.load_model(cfg, torch.device(device))
+    if kernel:
+        sp.language_model(model).config._attn_implementation = kernel
+        if sp_size > 1:
+            sp.use_ulysses(model)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     dummies = data.dummy_prompts(processor) if world > 1 else None
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout else (0, 1)
     out = {}
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
-        b = train.collate([rows[i] for i in index], tok.pad_token_id, tok, "cpu", dummies)
+        b = train.collate([rows[i] for i in index], tok.pad_token_id, tok, device, dummies)
         with torch.no_grad():
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
         b["encodes"] = 0
-        b["adv"] = (0.3 * torch.tensor(index, dtype=torch.float32)[:, None] - 1.0).expand_as(b["mask"])
+        b["adv"] = (0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0).expand_as(b["mask"])
         n_tok, n_seq = (n / sp_size for n in train.global_counts([b]))  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
@@ -79,14 +89,39 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     return out
 
 
-def worker(out_dir: str, data_path: str, sp_size: str, checkpointing: str, *archs: str):
+def exchange_sizes(rank: int, world: int) -> tuple[list[int], list[int]]:
+    """all_to_all's uneven test split: rank r sends 1 + (r + 2j) % 3 rows to rank j (and receives what j sends it)."""
+    return [1 + (rank + 2 * j) % 3 for j in range(world)], [1 + (j + 2 * rank) % 3 for j in range(world)]
+
+
+def exchange_grad(rank: int, world: int, group) -> torch.Tensor:
+    """d/dx of sum_r <sp.AllToAll(x_r), w_r>, summed over the ranks, for this rank's x (float64, seeded by rank)."""
+    import sp
+    send, recv = exchange_sizes(rank, world)
+    x = torch.randn(sum(send), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    w = torch.randn(sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + rank))
+    x.requires_grad_(True)
+    (sp.AllToAll.apply(x, group, send, recv) * w).sum().backward()
+    return x.grad
+
+
+def worker(out_dir: str, data_path: str, sp_size: str, mode: str, *archs: str):
+    """mode: "-", "ckpt" (activation checkpointing) or "cuda-<kernel>" (on the GPUs, also the rows without SP)."""
     from safetensors.torch import save_file
 
     import sp
-    rank, _, _ = train.init_dist()
+    rank, world, device = train.init_dist()
     layout = sp.make_layout(int(sp_size))
+    if not mode.startswith("cuda-"):
+        save_file({"grad": exchange_grad(rank, world, None)}, os.path.join(out_dir, f"exchange.rank{rank}.safetensors"))
     for arch in archs:
-        result = run(arch, data_path, int(sp_size), layout, checkpointing == "ckpt")
+        if mode.startswith("cuda-"):
+            kernel = mode.removeprefix("cuda-")
+            result = run(arch, data_path, int(sp_size), layout, device=str(device), kernel=kernel)
+            plain = run(arch, data_path, 1, None, device=str(device), kernel=kernel)
+            result = {k: v.cpu() for k, v in result.items()} | {f"plain.{k}": v.cpu() for k, v in plain.items()}
+        else:
+            result = run(arch, data_path, int(sp_size), layout, mode == "ckpt")
         save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
     torch.distributed.barrier()
 
@@ -147,12 +182,33 @@ def test_dp2_sp2_matches_one_process(tmp_path, synth, reference):
     check_against(reference["qwen3_vl"], got, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sp_size", [3, 4])
+def test_sp_size_not_dividing_the_heads(tmp_path, synth, sp_size):
+    """6 query / 2 KV heads (the wide tiny checkpoints; Qwen2.5-VL with several vision windows per frame) on sp_size
+    ranks vs one process: sp 3 repeats each KV head 3 times, sp 4 pads the 6 heads to 8 with zero heads (and repeats
+    every KV head to its query heads). Log-probs, entropy, losses and every gradient as test_sp2's; the exchange's
+    own gradient (sp.AllToAll, uneven splits) equals its one-process adjoint."""
+    from safetensors.torch import load_file
+    names = ["qwen2_5_vl-wide", "qwen3_vl-wide"][:1 if sp_size == 3 else 2]
+    torchrun(tmp_path, synth, sp_size, str(sp_size), "-", *names)
+    for name in names:
+        ref = run(name, os.path.join(synth, "train.jsonl"), 1, None)
+        check_against(ref, [load_file(tmp_path / f"{name}.rank{r}.safetensors") for r in range(sp_size)], sp_size)
+    # one process: rank r's rows [sum(send[:j]), + send[j]) land in rank j's y at rank j's recv offset for r
+    sizes = [exchange_sizes(r, sp_size) for r in range(sp_size)]
+    w = [torch.randn(sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + r))
+         for r, (_, recv) in enumerate(sizes)]
+    for r, (send, _) in enumerate(sizes):
+        want = torch.cat([w[j][sum(sizes[j][1][:r]):][:send[j]] for j in range(sp_size)])
+        torch.testing.assert_close(load_file(tmp_path / f"exchange.rank{r}.safetensors")["grad"], want, rtol=0, atol=0)
+
+
 def test_config_errors(tiny_model):
-    """The tiny checkpoints have 2 query heads (1 KV head): sp_size 4 cannot split them; the world must be a multiple
-    of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before any model loads."""
+    """The world must be a multiple of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before
+    any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
     train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4)  # dp 2 x sp 2: fine
-    with pytest.raises(ValueError, match="query heads"):
-        train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
+    train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
     with pytest.raises(ValueError, match=r"world size 3 % sp_size 2"):
         train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=3), world=3)
     with pytest.raises(ValueError, match="rollout_tp 1 or sp_size"):
