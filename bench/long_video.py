@@ -1,9 +1,9 @@
 """Long videos (issues 14, 27): per-rank peak memory and step time of the train phase, sp1 against sp2 at 3,600 frames,
-and MR-SP against the trainer before vision-once; with --run, a real train.py run's train phase against the planner.
+and MR-SP against the trainer before vision-once; --plan-check: a real train.py run's train phase against the planner.
 
     .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
     VLLM_CPU_KVCACHE_SPACE=1 torchrun --nproc_per_node=2 bench/long_video.py \
-        --run configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
+        --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
 memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame pair: 28,9xx-token
 prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the update). Rows, and what each ratio holds:
@@ -97,8 +97,8 @@ def main(c: memory.Config):
 
 
 if __name__ == "__main__":
-    if "--run" in sys.argv:
-        run_phases(sys.argv[sys.argv.index("--run") + 1:])
+    if "--plan-check" in sys.argv:
+        run_phases(sys.argv[sys.argv.index("--plan-check") + 1:])
     else:
         import tyro
         main(tyro.cli(memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)))
