@@ -121,6 +121,8 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         f"logits chunk ({chunk} x {text['vocab_size']})": chunk * text["vocab_size"] * meas["logit_bytes"],
         "a decoder layer's backward (+ all-to-all, zero heads)": tokens * (dec["rest"] + a2a + pad),
         "a vision block's backward": encodes * patches_here * vis["rest"],
+        f"freeze_vision's encode ({kept} x {patches_here:.0f} patches, no grad, one call)":
+            kept * patches_here * meas["vision"]["encode"] * cfg.freeze_vision,
     }
     tp = cfg.rollout_tp
     kv_bytes = 2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2  # bf16 K, V per token, GPU
