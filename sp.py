@@ -279,7 +279,8 @@ def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> t
     base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft
     pos = base.model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
                                              past_key_values=None, mm_token_type_ids=batch["mm_token_type_ids"],
-                                             **batch["grids"])                    # (3, B, S); None: text only
+                                             **{"image_grid_thw": None, "video_grid_thw": None, **batch["grids"]})
+    # (3, B, S); None: text only. The grids a micro-batch lacks are None (positional parameters of the model)
     if pos is None:
         pos = torch.arange(S, device=ids.device).expand(3, *ids.shape)
     ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
