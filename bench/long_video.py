@@ -28,7 +28,6 @@ import memory  # noqa: E402  (puts the repository first on sys.path)
 
 TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
 SPEED_FRAMES = 512  # the speed rows' clips
-GIB = 2 ** 30
 
 
 def run_phases(paths: list[str]):
@@ -66,7 +65,7 @@ def run_phases(paths: list[str]):
         processor = AutoProcessor.from_pretrained(cfg.model)
         prompt = data.prepare(data.load_samples(cfg.train_data)[0], processor, cfg)
         spec, meas = memory_plan.stored(cfg.model, "float32")
-        p = memory_plan.plan(cfg, spec, meas, int(os.environ["WORLD_SIZE"]), 24 * GIB, False,
+        p = memory_plan.plan(cfg, spec, meas, int(os.environ["WORLD_SIZE"]), 24 * 2 ** 30, False,
                              len(prompt.prompt_ids), int(prompt.mm["video_grid_thw"].prod()), cfg.sp_size)
         planned = p.train - sum(v for k, v in p.held.items() if k.startswith(("parameters", "optimizer")))
         print(f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "

@@ -205,12 +205,9 @@ def main(c: Config) -> Plan | list[str]:
         sys.exit(f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N")
     cfg = dataclasses.replace(cfg, video_max_frames=c.frames or cfg.video_max_frames,
                               max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch)
-    try:
-        spec, meas = stored(cfg.model, "bfloat16")  # FSDP2 computes in bf16 on CUDA
-        cuda = True
-    except KeyError:  # measured in float32 only: train.py's CPU dtype
-        spec, meas = stored(cfg.model, "float32")
-        cuda = False
+    with open(STORE) as f:  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
+        cuda = f"{os.path.basename(os.path.normpath(cfg.model))} bfloat16" in json.load(f)["measured"]
+    spec, meas = stored(cfg.model, "bfloat16" if cuda else "float32")
     if c.table:
         lines = table(dataclasses.replace(c, gpus=gpus), cfg, spec, meas)
         print("\n".join(lines))
