@@ -51,9 +51,10 @@ def run_phases(paths: list[str]):
         peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
         return micro_batches(*args, **kw)
 
-    def end(*args, **kw):  # the weight sync after the update
-        base, file = peaks[-1]
-        peaks[-1] = (memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file) * 1024
+    def end(*args, **kw):  # the weight sync after the update (train.main syncs once before step 1 too)
+        if peaks and isinstance(peaks[-1], tuple):
+            base, file = peaks[-1]
+            peaks[-1] = (memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file) * 1024
         return sync(*args, **kw)
 
     train.micro_batches, rollout.VLLMEngine.sync = start, end
