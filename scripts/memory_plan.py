@@ -121,7 +121,7 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         f"logits chunk ({chunk} x {text['vocab_size']})": chunk * text["vocab_size"] * meas["logit_bytes"],
         "a decoder layer's backward (+ all-to-all, zero heads)": tokens * (dec["rest"] + a2a + pad),
         "a vision block's backward": encodes * patches_here * vis["rest"],
-        f"freeze_vision's encode ({kept} x {patches_here:.0f} patches, no grad, one call)":
+        f"freeze_vision's encode ({kept} x {patches_here:.0f} patches, one no-grad call; no activations yet)":
             kept * patches_here * meas["vision"]["encode"] * cfg.freeze_vision,
     }
     tp = cfg.rollout_tp
@@ -135,7 +135,9 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
     }
     vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
     generation = weights + 2 * states + vllm  # weights, AdamW; gradients are freed after each step
-    train = sum(held.values()) + max(transient.values()) + vllm * (not cfg.vllm_sleep)
+    acts = sum(v for k, v in held.items() if "activations" in k or k.startswith("padded"))  # none at the encode
+    *passes, encode = transient.values()  # the features come before the passes: on the states, no activations
+    train = max(sum(held.values()) + max(passes), sum(held.values()) - acts + encode) + vllm * (not cfg.vllm_sleep)
     over = train > 0.9 * gpu_mem  # 10% for the CUDA context, NCCL and fragmentation
     larger = [s for s in range(sp + 1, gpus + 1) if gpus % s == 0]
     knobs = (  # the first that applies, the knob to turn

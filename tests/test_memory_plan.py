@@ -349,8 +349,8 @@ def test_the_long_video_recipes_fit():
     """configs/qwen2_5_vl_7b_long.yaml over the 7B config: 3,600 frames of 252 x 448 = 1,800 pairs x 144 tokens, plus
     the question; FITS on 8 x 80 GB at sp_size 8 (heads padded), not at 2. The 3B one-hour recipe (Long-RL's: 60
     tokens per frame, sp 8, 5 rollouts, the tower trained, KL 0.01): 1,800 x 120 tokens, FITS. In both, one video's
-    encode is most of what vLLM needs; the 7B's tower is trained because freeze_vision's one-call encode would not
-    fit."""
+    encode is most of what vLLM needs; the 7B's tower is trained: freeze_vision's one-call encode of the step's
+    prompts (a whole video's patches per rank) peaks higher, on the states alone."""
     for configs, tokens, sp in ((LONG, 144, 8), (LONG_3B, 120, 8)):
         p = memory_plan.main(memory_plan.Config(config=configs))
         assert p.verdict == "FITS" and p.train < 0.9 * 80 * GIB and p.generation < 0.9 * 80 * GIB
@@ -369,7 +369,9 @@ def test_the_long_video_recipes_fit():
     frozen = memory_plan.plan(dataclasses.replace(cfg, freeze_vision=True), spec, meas, 8, 80 * GIB, True, prompt,
                               patches, 8)
     assert line(frozen, "freeze_vision's encode (8 x 129600") == 8 * 129_600 * 46_530
-    assert frozen.verdict.startswith("DOES NOT FIT")
+    trained = memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, prompt, patches, 8)
+    states = sum(v for k, v in frozen.held.items() if "activations" not in k and not k.startswith("padded"))
+    assert frozen.train == states + 8 * 129_600 * 46_530 > trained.train  # before the passes: no activations held
 
 
 def test_the_table_command_runs():
