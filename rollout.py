@@ -104,7 +104,10 @@ class VLLMEngine:
                        enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                        logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
                        limit_mm_per_prompt={"image": max_images, "video": max_videos},
-                       mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code), **kw)
+                       mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
+                       # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block (vLLM
+                       # falls back to splitting the weights where a model cannot); one video stays on one rank
+                       mm_encoder_tp_mode="data" if tp > 1 else "weights", **kw)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]

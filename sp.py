@@ -302,10 +302,12 @@ def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> t
     if not mask.all():
         shard.mask = kernel_mask(F.pad(mask, (0, size * layout.sp_size - S)),
                                  lm.config._attn_implementation.removeprefix("ulysses_"))
+    grids = {"image_grid_thw": None, "video_grid_thw": None, **batch["grids"]}
     pos = base_model(model).model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
-                                                        past_key_values=None, **batch["grids"],
-                                                        mm_token_type_ids=batch["mm_token_type_ids"])  # (3, B, S)
-    if pos is None:  # text only
+                                                        past_key_values=None, **grids,
+                                                        mm_token_type_ids=batch["mm_token_type_ids"])
+    # (3, B, S); None: text only. The grids a micro-batch lacks are None (positional parameters of the model)
+    if pos is None:
         pos = torch.arange(S, device=ids.device).expand(3, *ids.shape)
     ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
     return dict(input_ids=ids[:, keep], position_ids=F.pad(pos, (0, size * layout.sp_size - S))[..., keep],

@@ -1,10 +1,24 @@
-"""Long videos (issue 14): per-rank peak memory and time of a training step, frames x sp_size, and today's path.
+"""Long videos (issues 14, 27): per-rank peak memory and step time of the train phase, sp1 against sp2 at 3,600 frames,
+and MR-SP against the trainer before vision-once; --plan-check: a real train.py run's train phase against the planner.
 
-    .venv/bin/python bench/long_video.py        # about 5 minutes on 2 idle cores
+    .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 bench/long_video.py \
+        --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
-memory.py's worker, a fresh process per setting: clips of F frames (112 x 112, all seen), group_size 8; a step is
-the reference pass (kl_coef 0.01) and the update. What is measured and how: docs/speed.md.
+memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame pair: 28,9xx-token
+prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the update). Rows, and what each ratio holds:
+- sp1, sp2: 3,600 frames, one clip, memory.py's "all on" (features once, checkpointing, one row per micro-batch), on 1
+  and 2 ranks; group_size 2 (a row per micro-batch: the peak does not grow with it). `per-rank memory sp1/sp2`.
+- each row encoded, vision-once dp 2, MR-SP sp 2: SPEED_FRAMES, 2 clips on 2 ranks, group_size 8, no checkpointing.
+  "each row encoded" is the trainer before vision-once (today's code, every row's video encoded in every pass, the
+  tower trained); "vision-once dp 2" encodes each clip once per step on its own rank (freeze_vision, data-parallel);
+  "MR-SP sp 2" is the same with sp_size 2. `long video step speedup` = each row encoded / MR-SP, the product of
+  encoding once (each row encoded / vision-once) and `of which sequence parallel` (vision-once / MR-SP).
+  At 3,600 frames "each row encoded" holds 8 rows' vision activations per rank (~10 GB), more than this machine lends.
+Memory: the resident-set rise over the step, less the file-backed pages it faulted in (memory.peak_bytes), the
+largest rank's. Details: docs/speed.md.
 """
+import json
 import os
 import sys
 from dataclasses import replace
@@ -12,33 +26,79 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory  # noqa: E402  (puts the repository first on sys.path)
 
-FRAMES = (128, 256, 512, 1024)
-TODAY_FRAMES = 512  # the issue's comparison point for the step speedup
+TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
+SPEED_FRAMES = 512  # the speed rows' clips
+
+
+def run_phases(paths: list[str]):
+    """train.main on the configs `paths` (under torchrun) with each step's train phase (from train.micro_batches to the
+    weight sync: log-prob passes, advantages, update) measured as memory.peak_bytes does; each rank prints its peaks,
+    rank 0 its largest after step 1 against the planner's CPU prediction for the run's own prompts (less the weights
+    and AdamW states, resident before the phase)."""
+    import ctypes
+
+    import data
+    import memory_plan
+    import rollout
+    import train
+    from transformers import AutoProcessor
+    micro_batches, sync, peaks = train.micro_batches, rollout.VLLMEngine.sync, []
+
+    def start(*args, **kw):  # the train phase's first call
+        ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, as memory.peak_bytes
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
+        return micro_batches(*args, **kw)
+
+    def end(*args, **kw):  # the weight sync after the update (train.main syncs once before step 1 too)
+        if peaks and isinstance(peaks[-1], tuple):
+            base, file = peaks[-1]
+            peaks[-1] = (memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file) * 1024
+        return sync(*args, **kw)
+
+    train.micro_batches, rollout.VLLMEngine.sync = start, end
+    cfg = train.load_config(["--config", *paths])
+    train.main(cfg)
+    peak = max(peaks[1:] or peaks)
+    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "peaks_mib": [round(p / 2 ** 20, 1) for p in peaks]}))
+    if int(os.environ.get("RANK", 0)) == 0:
+        processor = AutoProcessor.from_pretrained(cfg.model)
+        prompt = data.prepare(data.load_samples(cfg.train_data)[0], processor, cfg)
+        spec, meas = memory_plan.stored(cfg.model, "float32")
+        p = memory_plan.plan(cfg, spec, meas, int(os.environ["WORLD_SIZE"]), 24 * 2 ** 30, False,
+                             len(prompt.prompt_ids), int(prompt.mm["video_grid_thw"].prod()), cfg.sp_size)
+        planned = p.train - sum(v for k, v in p.held.items() if k.startswith(("parameters", "optimizer")))
+        print(f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "
+              f"{peak / 2 ** 20:.1f} MiB, planned {planned / 2 ** 20:.1f} MiB: {peak / planned:.2f}x")
 
 
 def main(c: memory.Config):
-    print(f"clips of F frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} response tokens; load "
-          f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
-    print("| frames | tokens per sequence | setting | clips | ranks | peak memory per rank | step time | "
-          "vision encodes (rank 0) |\n|---|---|---|---|---|---|---|---|")
-    runs = {(f, f"sp{sp}"): ("all on", replace(c, frames=f, prompts=1, ranks=sp, sp_size=sp))
-            for f in FRAMES for sp in (1, 2)}
-    timed = replace(c, frames=TODAY_FRAMES, prompts=2, ranks=2, steps=c.steps + 2)  # 3 timed steps: the fastest
-    runs[TODAY_FRAMES, "today's path"] = (memory.PER_ROW, timed)
-    runs[TODAY_FRAMES, "MR-SP"] = ("freeze_vision", replace(timed, sp_size=2))
+    print(f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
+    print("| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "
+          "vision encodes (rank 0) |\n|---|---|---|---|---|---|---|---|---|")
+    one = replace(c, frames=TOP, prompts=1, group_size=2)
+    timed = replace(c, frames=SPEED_FRAMES, prompts=2, ranks=2, steps=c.steps + 2)  # 3 timed steps: the fastest
+    runs = {"sp1": ("all on", replace(one, ranks=1, sp_size=1)), "sp2": ("all on", replace(one, ranks=2, sp_size=2)),
+            "each row encoded": (memory.PER_ROW, timed), "vision-once dp 2": ("freeze_vision", timed),
+            "MR-SP sp 2": ("freeze_vision", replace(timed, sp_size=2))}
     rows = {}
-    for (frames, name), (setting, cf) in runs.items():
+    for name, (setting, cf) in runs.items():
         memory.prepare(cf)
-        rows[frames, name] = r = memory.run(cf, setting)
-        print(f"| {frames} | {r['prompt'] + c.response_len} | {name} | {cf.prompts} | {cf.ranks} | "
-              f"{r['peak'] / 2 ** 20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
-    top = max(FRAMES)
+        rows[name] = r = memory.run(cf, setting)
+        print(f"| {cf.frames} | {r['prompt'] + c.response_len} | {name} | {cf.group_size} | {cf.prompts} | "
+              f"{cf.ranks} | {r['peak'] / 2 ** 20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
     print(f"tiny model: {r['params']:,} parameters; 4 bytes each, x 4 with gradients and AdamW states")
-    print(f"per-rank memory sp1/sp2 at {top} frames: {rows[top, 'sp1']['peak'] / rows[top, 'sp2']['peak']:.2f}x")
-    speedup = rows[TODAY_FRAMES, "today's path"]["time"] / rows[TODAY_FRAMES, "MR-SP"]["time"]
-    print(f"long video step speedup: {speedup:.2f}x")
+    print(f"encoding once: {rows['each row encoded']['time'] / rows['vision-once dp 2']['time']:.2f}x")
+    print(f"per-rank memory sp1/sp2 at {TOP} frames: {rows['sp1']['peak'] / rows['sp2']['peak']:.2f}x")
+    print(f"long video step speedup: {rows['each row encoded']['time'] / rows['MR-SP sp 2']['time']:.2f}x")
+    print(f"of which sequence parallel: {rows['vision-once dp 2']['time'] / rows['MR-SP sp 2']['time']:.2f}x")
 
 
 if __name__ == "__main__":
-    import tyro
-    main(tyro.cli(memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)))
+    if "--plan-check" in sys.argv:
+        run_phases(sys.argv[sys.argv.index("--plan-check") + 1:])
+    else:
+        import tyro
+        main(tyro.cli(memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)))

@@ -63,7 +63,7 @@ def train_config(c: Config, **switches):
     import train
     return train.Config(
         model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0, video_max_frames=c.frames,
-        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=16384, cache_dir="",
+        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=32768, cache_dir="",
         video_source="decode_only", group_size=c.group_size, prompts_per_step=c.prompts,
         max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, kl_coef=c.kl_coef, **switches)
 
