@@ -85,7 +85,8 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
     sizes = [sum(p.numel() for p in b.parameters()) for b in [*model.model.language_model.layers,
                                                                *model.model.visual.blocks]]
     total = sum(p.numel() for p in model.parameters())
-    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes))
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
@@ -119,7 +120,7 @@ def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
         train.token_logp(t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
     t1 = clock(t.device)
     for b in minibatches[0]:
-        b["adv"] = (torch.arange(b["rows"], device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
+        b["adv"] = (torch.arange(len(b["mask"]), device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
     train.update(t, minibatches, cfg, step=1, ids=[r.prompt.sample["id"] for r in rollouts])
     return dict(logp_s=t1 - t0, update_s=clock(t.device) - t1)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
-from conftest import ROOT, concat_media, tiny_config  # noqa: E402
+from conftest import ROOT, concat_media, free_port, tiny_config  # noqa: E402
 
 import data  # noqa: E402
 from ckpt import full_tensors  # noqa: E402
@@ -199,7 +199,14 @@ def qwen2(synth):
     # 2 fps: a frame pair spans 1 s, so Qwen2.5-VL's time scale (2 steps per second) would put pair k at 2k, not k
     prompts = [data.prepare(s, proc, tiny_config(model=d, video_fps=2.0)) for s in picked]
     assert prompts[0].mm["video_grid_thw"][0, 0].item() == 2 and "second_per_grid_ts" not in prompts[0].mm
-    return proc, model, prompts, VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
+    # a second engine in this process (the module's `setup` has one) takes vLLM's external-launcher path, which reads
+    # torchrun's variables once, at start: a world of one
+    world = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in world.items():
+            mp.setenv(k, v)
+        engine = VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
+    return proc, model, prompts, engine
 
 
 def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
