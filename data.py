@@ -291,13 +291,6 @@ def grids(prompts: list, device) -> dict:
     return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device) for k in keys}
 
 
-def missing_dummies(dummies: dict | None, present) -> list:
-    """The dummy prompts of each modality whose pixel key is not in `present` (bench/memory.py's pre-#13 trainer
-    appends them as rows; today's trainer runs them inside sp.encode_vision)."""
-    key = {"image": "pixel_values", "video": "pixel_values_videos"}
-    return [p for kind, p in (dummies or {}).items() if key[kind] not in present]
-
-
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""
