@@ -108,7 +108,8 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         "parameters (fp32 shards, + reference)": weights,
         f"gradients (fp32 shards of {trained / 1e6:,.0f}M)": states,
         f"optimizer (AdamW: 2 fp32 shards of {trained / 1e6:,.0f}M)": 2 * states,
-        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block) * compute * (gpus > 1),
+        # the bf16 copies FSDP2 computes with: on CUDA at any world size (the GPU check, LOG.md 2026-11-26)
+        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block) * compute * (gpus > 1 or cuda),
         f"decoder activations ({tokens:.0f} tokens, {mode})": tokens * text["num_hidden_layers"] * dec["layer"],
         f"padded heads' attention ({heads} -> {padded} heads)":
             tokens * text["num_hidden_layers"] * pad * (mode == "plain"),

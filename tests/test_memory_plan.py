@@ -34,7 +34,7 @@ CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
 
 # --- the measurement procedure behind configs/memory.json
 
-def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | None):
+def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | None, device: str = "cpu"):
     """The spec's model with `layers` decoder layers and `depth` vision blocks, random init in `dtype` (no fp32 copy
     inflates the baseline), or on the meta device (dtype None: shapes only)."""
     import transformers
@@ -51,7 +51,7 @@ def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype or torch.bfloat16)
     try:
-        with torch.device("meta" if dtype is None else "cpu"):
+        with torch.device("meta" if dtype is None else device):
             return model_class(config).train()
     finally:
         torch.set_default_dtype(default)
@@ -98,7 +98,8 @@ class TokenBytes(TorchDispatchMode):
 
 def decoder_step(model, tokens: int) -> int:
     with TokenBytes({tokens}) as counter:
-        x = torch.randn(1, tokens, model.config.text_config.hidden_size, dtype=model.dtype, requires_grad=True)
+        x = torch.randn(1, tokens, model.config.text_config.hidden_size, dtype=model.dtype, device=model.device,
+                        requires_grad=True)
         out = model.language_model(inputs_embeds=x).last_hidden_state
         out.backward(torch.ones_like(out))
     return counter.peak
@@ -108,8 +109,10 @@ def vision_step(model, patches: int, backward: bool = True) -> int:
     """Forward + backward, or (backward False) a no-grad forward as vLLM encodes a video: pixels in, features out."""
     vc = model.config.vision_config
     with TokenBytes({patches, patches // 4}) as counter, torch.set_grad_enabled(backward):  # patches, merged tokens
-        pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype)
-        out = model.visual(pixels, grid_thw=torch.tensor([[patches // 144, 12, 12]])).pooler_output
+        pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype,
+                             device=model.device)
+        grid = torch.tensor([[patches // 144, 12, 12]], device=model.device)
+        out = model.visual(pixels, grid_thw=grid).pooler_output
         if backward:
             out.backward(torch.ones_like(out))
     return counter.peak
@@ -118,32 +121,33 @@ def vision_step(model, patches: int, backward: bool = True) -> int:
 def logits_step(weight, positions: int) -> int:
     """train.token_logp's projection of `positions` response positions onto the vocabulary, as one chunk."""
     with TokenBytes({positions}) as counter:
-        hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, requires_grad=True)
-        targets = torch.randint(len(weight), (positions,))
+        hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
+        targets = torch.randint(len(weight), (positions,), device=weight.device)
         logp, entropy = train.ChunkedLogp.apply(hidden, weight, targets, 1.0, [0], positions)
         (logp.sum() + entropy.sum()).backward()
     return counter.peak
 
 
-def measure(spec: dict, dtype: torch.dtype) -> dict:
+def measure(spec: dict, dtype: torch.dtype, device: str = "cpu", tokens: int = 250, frames: int = 3) -> dict:
     """Peak bytes per token (decoder, logits) and per patch (vision) of a forward + backward at the model's real width,
     counted by TokenBytes, and the parameter counts. L layers over T tokens peak at T * (L * layer + rest): one and two
     layers give both. Vision "encode": the peak per patch of a no-grad forward, as vLLM encodes a video (transformers'
     modules: an upper bound of vLLM's fused ones). In bf16 as FSDP2 computes on CUDA (fp32: train.py on CPU)."""
     out = {}
-    for part, step, n in (("decoder", decoder_step, 250), ("vision", vision_step, 3 * 144)):
+    for part, step, n in (("decoder", decoder_step, tokens), ("vision", vision_step, frames * 144)):
         out[part] = {}
         for mode in ("plain", "ckpt"):
             per_token = []
             for depth in (1, 2):
-                model = build(spec, depth, depth, vocab=8, dtype=dtype).model
+                model = build(spec, depth, depth, vocab=8, dtype=dtype, device=device).model
                 if mode == "ckpt":
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 per_token.append(step(model, n) / n)
             out[part][mode] = {"layer": per_token[1] - per_token[0], "rest": 2 * per_token[0] - per_token[1]}
-    out["vision"]["encode"] = vision_step(build(spec, 1, 1, vocab=8, dtype=dtype).model, 3 * 144, False) / (3 * 144)
+    encoder = build(spec, 1, 1, vocab=8, dtype=dtype, device=device).model
+    out["vision"]["encode"] = vision_step(encoder, frames * 144, False) / (frames * 144)
     vocab, hidden = spec["text_config"]["vocab_size"], spec["text_config"]["hidden_size"]
-    weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=dtype, device=device, requires_grad=True)
     out["logit_bytes"] = logits_step(weight, 100) / 100 / vocab
     return dict(out, params=param_counts(spec))
 
