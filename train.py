@@ -328,24 +328,21 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
     """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
+    if loss_type not in ("ppo", "gspo", "cispo"):
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
-    if loss_type == "ppo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
-        loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
-        loss = torch.maximum(loss1, loss2)
-        if clip_ratio_c:
-            loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
-        return loss, (loss2 > loss1).float()
-    if loss_type == "gspo":
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
+    if loss_type == "gspo":  # the sequence's mean log-ratio, with each token's gradient
         seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
         ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))  # (B, R)
-        loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
-        return torch.maximum(loss1, loss2), (loss2 > loss1).float()
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     if loss_type == "cispo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
-        clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
-    raise ValueError(f"loss_type: unknown {loss_type!r}")
+    loss1, loss2 = -a * ratio, -a * clipped_ratio
+    loss = torch.maximum(loss1, loss2)
+    if loss_type == "ppo" and clip_ratio_c:  # dual-clip
+        loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
+    return loss, (loss2 > loss1).float()
 
 
 def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
