@@ -31,7 +31,7 @@ import yaml
 import cache
 import data
 import rewards
-from common import gather
+from common import gather, write_jsonl, write_text
 from data import DataError
 
 
@@ -775,18 +775,6 @@ def read_log(path: str) -> tuple[dict, int]:
                     raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)")
                 done[r["doc_id"]] = r
     return done, torn
-
-
-def write_text(path: str, text: str):
-    """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def write_jsonl(path: str, rows: list[dict]):
-    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def resolve(cfg: Config) -> Config:
