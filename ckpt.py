@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from common import barrier, base_model
+from common import barrier, base_model, write_text
 
 # the weight stream's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
 # the base tensors of one adapted layer, waiting for its adapters)
@@ -41,15 +41,12 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
     save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
     barrier()  # every rank's files are written
     if rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
+        write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
         for part in (processor, model.config, model.generation_config):  # what export_hf.py and a new run read
             part.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
         os.rename(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        write_text(os.path.join(root, "latest"), os.path.basename(final))
         # the folder `latest` names is never pruned (a run resumed from an older folder writes below newer steps)
         others = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
                         and d != os.path.basename(final))

@@ -1,5 +1,5 @@
 """common.py: the plumbing every other module may use and that uses none of them: the process group and the
-collectives, stop signals, the config loader (dataclass + YAML overlay + flags) and the run's curve."""
+collectives, stop signals, the config loader (dataclass + YAML overlay + flags), atomic files and the run's curve."""
 import datetime
 import faulthandler
 import itertools
@@ -129,6 +129,20 @@ def yaml_overlay(base, path: str, strict: bool = True):
             raise ValueError(f"{path}: {key}: {value!r} is not {expect}")
         base = replace(base, **{key: value})
     return base
+
+
+# Files written whole
+
+def write_text(path: str, text: str):
+    """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_jsonl(path: str, rows: list[dict]):
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 # The run's curve (train.py's curve.png, scripts/plot_runs.py's comparisons)

@@ -31,7 +31,7 @@ import yaml
 import cache
 import data
 import rewards
-from common import gather
+from common import gather, write_jsonl, write_text
 from data import DataError
 
 
@@ -463,8 +463,7 @@ def read_videommmu(text: str, s: dict):
 
 
 def read_tempcompass(text: str, s: dict):
-    """TempCompass's rules (eval_*.py): yes/no by the first word; multi-choice: the option line, a bare letter, "B."
-    or "B)"; caption matching (eval_rule): the option line, its sentence (also after "x) "), or its label."""
+    """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning: read_reward."""
     if s["problem_type"] == "open-ended":  # captioning: the judge (or, without one, the rule-based fallback)
         return read_reward(text, s)
     if s["problem_type"] == "boolean":
@@ -483,8 +482,7 @@ def read_tempcompass(text: str, s: dict):
 
 
 def read_holmes(text: str, s: dict):
-    """Video-Holmes evaluate.py: in the last <answer> (else the text), the first of A-F, in letter order, written "X ",
-    "X:" or "[X", else the first of A-F present at all."""
+    """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else present at all."""
     choice, letters = rewards.last_answer(text, text), "ABCDEF"
     got = next((c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None)
     got = got or next((c for c in letters if c in choice), None)
@@ -595,9 +593,8 @@ V2_STEPS = {"relevance": (16, (1, 4, 9), None), "[1,2,3,4]": (16, (1, 4, 9), Non
 
 
 def group_scores(rows: list[dict], key: str) -> dict:
-    """Video-MME-v2 (test_video_mme_v2.py cal_relevance, cal_logic) per group (one video_id's questions, in order):
-    relevance by the count right, logic by the run right from the first (by group_structure). An unreadable answer
-    is -1 there: it lowers a count and, being truthy, goes on with a run, as officially. Means: all, per type, level."""
+    """Video-MME-v2's cal_relevance (the count right) and cal_logic (the run right from the first) per group, one
+    video_id's questions; unreadable: -1, truthy, as officially (docs/benchmarks.md). Means: all, per type, level."""
     groups, out = {}, {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
@@ -778,18 +775,6 @@ def read_log(path: str) -> tuple[dict, int]:
                     raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)")
                 done[r["doc_id"]] = r
     return done, torn
-
-
-def write_text(path: str, text: str):
-    """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def write_jsonl(path: str, rows: list[dict]):
-    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def resolve(cfg: Config) -> Config:

@@ -328,24 +328,21 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
 
 def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
     """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
+    if loss_type not in ("ppo", "gspo", "cispo"):
+        raise ValueError(f"loss_type: unknown {loss_type!r}")
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
-    if loss_type == "ppo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
-        loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
-        loss = torch.maximum(loss1, loss2)
-        if clip_ratio_c:
-            loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
-        return loss, (loss2 > loss1).float()
-    if loss_type == "gspo":
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
+    if loss_type == "gspo":  # the sequence's mean log-ratio, with each token's gradient
         seq = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
         ratio = torch.exp((seq.detach() + logp - logp.detach()).clamp(max=10.0))  # (B, R)
-        loss1, loss2 = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
-        return torch.maximum(loss1, loss2), (loss2 > loss1).float()
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     if loss_type == "cispo":
-        ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
-        clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
-    raise ValueError(f"loss_type: unknown {loss_type!r}")
+    loss1, loss2 = -a * ratio, -a * clipped_ratio
+    loss = torch.maximum(loss1, loss2)
+    if loss_type == "ppo" and clip_ratio_c:  # dual-clip
+        loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
+    return loss, (loss2 > loss1).float()
 
 
 def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> torch.Tensor:
@@ -827,7 +824,7 @@ def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logge
     """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl."""
     step = row["step"]
     if row["data/skipped_step"]:
-        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
+        common.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
     eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
     shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
     print0(" | ".join([f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"]))
@@ -848,8 +845,8 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
         lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
                  for key, style, label in curves]
         common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
-        with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-            json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
+        summary = {"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}
+        common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
     if cfg.save:
         save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
     logger.finish()
@@ -989,7 +986,7 @@ def trim_rows(path: str, last_step: int):
     kept = [r for r in rows if r.endswith("\n") and json.loads(r)["step"] <= last_step]  # else torn
     if len(kept) < len(rows):
         print(f"{path}: {len(rows) - len(kept)} rows past step {last_step} (earlier run's) removed")
-        evaluate.write_text(path, "".join(kept))
+        common.write_text(path, "".join(kept))
 
 
 def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) -> list[dict]:
@@ -1019,7 +1016,7 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
     samples trimmed to the checkpoint's step (else two runs' curves mix), and the wandb run (resumed
     by id), online, offline or disabled as `wandb login` and WANDB_MODE say."""
     if rank == 0:
-        evaluate.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
+        common.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
         for name in ("metrics.jsonl", "samples.jsonl"):
             trim_rows(os.path.join(cfg.out_dir, name), state.get("step", 0))
     if rank or not cfg.wandb_project:

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import cache  # noqa: E402
+from common import write_jsonl  # noqa: E402
 
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
 FRAMES = cache.Frames(video_fps=2.0, video_min_frames=4, video_max_frames=16, video_min_pixels=3136,
@@ -36,8 +37,7 @@ def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
                                          seconds=s)
         row = json.loads(open(paths["train"]).readline())  # the one sample
         rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
-    with open(os.path.join(out, "train.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(os.path.join(out, "train.jsonl"), rows)
     return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
 
 

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import data  # noqa: E402  (the project root is put on sys.path above)
 import rewards  # noqa: E402
+from common import write_text  # noqa: E402
 
 
 @dataclass
@@ -114,15 +115,12 @@ def main(c: Config) -> dict:
         except Unmapped as e:
             source_id = r.get("problem_id") if isinstance(r, dict) else None
             skipped.append(dict(index=index, problem_id=source_id, reason=e.args[0], detail=e.args[1]))
-    os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
     for path, rows in ((c.out, written), (stem + ".skipped.jsonl", skipped)):
-        with open(path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     report = dict(source=c.source, src=c.src, out=c.out, converted=len(written), skipped=len(skipped),
                   offline_output=sum("offline_output" in s for s in written),
                   reasons=dict(Counter(s["reason"] for s in skipped).most_common()))
-    with open(stem + ".report.json", "w") as f:
-        json.dump(report, f, indent=1)
+    write_text(stem + ".report.json", json.dumps(report, indent=1))
     print(f"converted {len(written)} | skipped {len(skipped)} (listed in {stem}.skipped.jsonl) -> {c.out}")
     for reason, n in report["reasons"].items():
         print(f"  {n:8d}  {reason}")

@@ -249,9 +249,7 @@ def table(report: dict) -> list[str]:
 
 
 def write(report: dict, c: Config):
-    os.makedirs(c.out_dir, exist_ok=True)
-    with open(os.path.join(c.out_dir, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    common.write_text(os.path.join(c.out_dir, "gpu_check.json"), json.dumps(report, indent=1, default=str))
 
 
 def main(c: Config) -> list[str]:
@@ -301,8 +299,7 @@ def main(c: Config) -> list[str]:
         report["tests"] = dict(summary="timed out")
     lines = table(report)
     write(dict(report, summary=lines[-1]), c)
-    with open(os.path.join(c.out_dir, "gpu_check.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    common.write_text(os.path.join(c.out_dir, "gpu_check.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     torch.distributed.destroy_process_group()
     return lines

@@ -8,19 +8,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import plot  # noqa: E402
+from common import curve_rows, plot  # noqa: E402
 
 
 def curve(run: str) -> tuple[list[int], list[float]]:
-    """(steps, accuracies): step 0 and the final value come from summary.json, the rest from metrics.jsonl."""
-    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    pts = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    """(steps, accuracies) of a run's held-out evaluations; step 0 (before training) from summary.json."""
     summary = os.path.join(run, "summary.json")
-    if os.path.exists(summary):
-        s = json.load(open(summary))
-        pts.update({0: s["acc_before"], rows[-1]["step"]: s["acc_after"]})
-    steps = sorted(pts)
-    return steps, [pts[k] for k in steps]
+    before = json.load(open(summary))["acc_before"] if os.path.exists(summary) else float("nan")
+    rows = [r for r in curve_rows(os.path.join(run, "metrics.jsonl"), before) if "eval/accuracy" in r]
+    return [r["step"] for r in rows], [r["eval/accuracy"] for r in rows]
 
 
 if __name__ == "__main__":
