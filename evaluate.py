@@ -226,7 +226,7 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
     """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
-    if ad.get("index") and options:  # an option index, as int or string (EgoSchema "1", Perception Test "0", LongVideoBench 2)
+    if ad.get("index") and options:  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
             raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
         return chr(65 + int(ans))
