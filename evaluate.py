@@ -274,7 +274,10 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
              "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
         if ad.get("end"):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
-            s["video_end"] = float(math.ceil(r[ad["end"]]))
+            end = r[ad["end"]]
+            if not isinstance(end, (int, float)) or isinstance(end, bool) or not 0 <= end < math.inf:
+                raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
+            s["video_end"] = float(math.ceil(end))
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
     except KeyError as e:

@@ -581,16 +581,19 @@ def test_ovobench_release_records_clips_and_scores(tmp_path):
     m = E.aggregate(rows, "ovobench")  # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
     assert (m["task/CRR"], m["category/forward"], m["category/realtime"]) == (50, 50, 100)
     assert m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5  # "Total Avg."; micro
-    bad_records = [{"id": 7, "task": "EPM", "video": "a.mp4", "question": "q?", "options": ["x", "y"], "gt": 1},
-                   {"id": 8, "task": "REC", "video": "b.mp4", "activity": "jump", "test_info": [{"count": 1}]},
-                   {"id": 9, "task": "SSR", "video": "c.mp4", "test_info": {"realtime": 3}}]
+    bad_records = [  # no realtime; a probe without it; probes not a list; a realtime that is not a number
+        {"id": 7, "task": "EPM", "video": "a.mp4", "question": "q?", "options": ["x", "y"], "gt": 1},
+        {"id": 8, "task": "REC", "video": "b.mp4", "activity": "jump", "test_info": [{"count": 1}]},
+        {"id": 9, "task": "SSR", "video": "c.mp4", "test_info": {"realtime": 3}},
+        {"id": 10, "task": "CRR", "video": "d.mp4", "question": "q?", "test_info": [{"realtime": "17", "type": 1}]}]
     (tmp_path / "ovobench.json").write_text(json.dumps(bad_records))
     bad = []
     with pytest.raises(DataError, match="0 samples loaded"):
         E.load_benchmark("ovobench", E.Config(data_dir=str(tmp_path), video_dir="/v"), [], bad)
     assert [b["error"].split("ovobench.json:")[1] for b in bad] == [
         "1: missing field 'realtime'", "2.test_info[0]: missing field 'realtime'",
-        "3: field 'test_info' must be a list of question objects"]
+        "3: field 'test_info' must be a list of question objects",
+        "4.test_info[0]: field 'realtime' must be a time in seconds, got '17'"]
 
 
 def test_official_prompts_verbatim():
