@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -138,8 +139,10 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
 
 
 def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
-                 total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS) -> tuple[np.ndarray, dict]:
+                 total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS,
+                 end: float | None = None) -> tuple[np.ndarray, dict]:
     """Decode with decord, sample, resize, one frame at a time (peak memory: one full-size frame, not all of them).
+    end: the video is its first `end` seconds (the frames before that moment), as if cut there.
     Frames over max_decode_pixels are refused from the container header. Raises VideoError naming the file."""
     import av
     import decord
@@ -151,6 +154,8 @@ def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pi
                              f"{max_decode_pixels}")
         vr = decord.VideoReader(path, num_threads=1)
         total, vfps = len(vr), float(vr.get_avg_fps())
+        if end is not None:
+            total = min(total, math.ceil(end * vfps))
         if total < 2 or vfps <= 0:
             raise VideoError(f"{path}: video has {total} frames at {vfps} fps (need at least 2 frames)")
         idx = sample_indices(total, vfps, fps, min_frames, max_frames)
@@ -232,17 +237,20 @@ def write_entry(file: str, frames: np.ndarray, meta: dict):
 
 
 def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | None = None, mode: str = "prefer_cache",
-               stats: dict | None = None) -> tuple[np.ndarray, dict]:
+               stats: dict | None = None, end: float | None = None) -> tuple[np.ndarray, dict]:
     """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
     decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
     entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
-    stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
+    stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds). end: decode_video's
+    cut, in seconds (part of the entry's key)."""
     if mode not in MODES:
         raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
     stats = stats if stats is not None else {}
     if not os.path.isfile(path):  # also refuses a FIFO or a device, which would block decoding for ever
         raise VideoError(f"{path}: video file not found (or not a regular file)")
     settings = frames.settings(factor)
+    if end is not None:  # a clip and its whole video are different entries
+        settings["end"] = float(end)
     if not cache_dir or mode == "decode_only":
         t = time.time()
         out = decode_video(path, **settings, max_decode_pixels=frames.max_decode_pixels)
@@ -267,7 +275,7 @@ def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | Non
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
         if mode == "cache_only":  # never decodes, never writes (not even a lock): a read-only shared cache works
             raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
-        out = load_video(path, frames, factor, mode="decode_only", stats=stats)
+        out = load_video(path, frames, factor, mode="decode_only", stats=stats, end=end)
         write_entry(file, *out)
         return out
 

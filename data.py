@@ -29,6 +29,7 @@ FIELDS = {"problem": str,         # the question; <video>/<image> markers in it 
           "images": list,         # image paths (optional)
           "data_type": str,       # "video" | "image" | "text" (optional; checked against the media given)
           "options": list,        # "A. red", ... for multiple choice
+          "video_end": float,     # seconds: the videos are cut there (OVO-Bench: the question's moment; optional)
           "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
           "id": str}              # optional; defaults to "<file>:<line>"
 REQUIRED = ("problem", "answer", "problem_type")
@@ -244,7 +245,7 @@ def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: s
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [cache.load_video(p, cfg, factor, cfg.cache_dir, cfg.video_source, stats)
+    videos = [cache.load_video(p, cfg, factor, cfg.cache_dir, cfg.video_source, stats, sample.get("video_end"))
               for p in sample.get("videos", [])]
     images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor,
                                max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]

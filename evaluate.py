@@ -13,6 +13,7 @@ import csv
 import glob
 import hashlib
 import json
+import math
 import operator
 import os
 import random
@@ -103,7 +104,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
           "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "prefixes", "drop",
-          "judge_all", "authority")
+          "judge_all", "authority", "end")
 
 
 @cached
@@ -133,6 +134,12 @@ def adapter(bench: str) -> dict:
     if bench not in load_adapters():
         raise ValueError(f"unknown benchmark {bench!r}; known: {', '.join(load_adapters())}")
     return load_adapters()[bench]
+
+
+def first(r: dict, fields):
+    """The value of a field, or of the first field of a list that the record has (layouts or tasks differ)."""
+    names = fields if isinstance(fields, list) else [fields]
+    return r[next((k for k in names if k in r), " or ".join(names))]
 
 
 def lookup(r: dict, rule: dict):
@@ -219,7 +226,7 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
     """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
-    if ad.get("index"):  # an option index, as int or string (EgoSchema "1", Perception Test "0", LongVideoBench 2)
+    if ad.get("index") and options:  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
             raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
         return chr(65 + int(ans))
@@ -251,7 +258,7 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
                 r[field] = rule.format(**r)  # set when the record has its fields (one layout of several)
             elif isinstance(rule, dict) and rule["field"] in r:
                 r[field] = lookup(r, rule)
-        question, ans = r[ad["q"]], r[ad["ans"]]
+        question, ans = first(r, ad["q"]), first(r, ad["ans"])
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
         if ans is None or str(ans).strip() in ("", "NA", "None"):
@@ -266,6 +273,11 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         s = {"id": sid, "problem": question, "answer": answer_letter(ans, options, ad), "problem_type": pt,
              "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
              **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
+        if ad.get("end"):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
+            end = r[ad["end"]]
+            if not isinstance(end, (int, float)) or isinstance(end, bool) or not 0 <= end < math.inf:
+                raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
+            s["video_end"] = float(math.ceil(end))
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
     except KeyError as e:
@@ -299,7 +311,7 @@ def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
         if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
             out.append((f"{f}:{at}", r))
         elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
-            out += [(f"{f}:{at}", {**r, **qa}) for qa in r[nested]]
+            out += [(f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j}) for j, qa in enumerate(r[nested])]
         else:
             out.append((f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects")))
     return out

@@ -92,6 +92,22 @@ def test_cache_is_bit_exact_and_counts(video, tmp_path):
     assert set(ma) >= {"fps", "duration", "total_num_frames", "frames_indices", "sample_fps", "height", "width"}
 
 
+def test_end_decodes_the_video_up_to_that_moment(video, tmp_path):
+    """end=1.2 s of 3 s at 10 fps: the first 12 frames, sampled as from a file cut there (OVO-Bench's clips); the
+    cut is in the entry's key, so the whole video and the clip are different entries."""
+    import decord
+    clip = str(tmp_path / "clip.mp4")
+    write_video(clip, decord.VideoReader(video).get_batch(list(range(12))).asnumpy(), 10)
+    want, want_meta = cache.load_video(clip, frames_of(SETTINGS), mode="decode_only")
+    stats, c = {}, str(tmp_path / "c")
+    got, meta = cache.load_video(video, frames_of(SETTINGS), cache_dir=c, stats=stats, end=1.2)
+    assert meta == want_meta and meta["total_num_frames"] == 12 and meta["frames_indices"][-1] == 11
+    assert np.abs(got.astype(int) - want).mean() < 2  # the clip is encoded once more
+    whole, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=c, stats=stats)
+    again, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=c, stats=stats, end=1.2)
+    assert np.array_equal(got, again) and len(whole) > len(got) and (stats["cache_miss"], stats["cache_hit"]) == (2, 1)
+
+
 @pytest.mark.parametrize("change", [dict(fps=1.0), dict(min_frames=8), dict(max_frames=8), dict(min_pixels=6272),
                                     dict(max_pixels=40000), dict(total_pixels=50000), dict(factor=32)])
 def test_every_setting_is_in_the_key(video, change):

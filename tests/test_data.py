@@ -84,6 +84,8 @@ def test_prepare_video_and_image_and_placeholder_check(tiny_model, synth):
     n_pad = p.prompt_ids.count(proc.tokenizer.convert_tokens_to_ids("<|video_pad|>"))
     assert n_pad == int(p.mm["video_grid_thw"].prod()) // 4 > 0
     assert stats["decode"] == 1
+    cut = data.prepare(dict(vid, video_end=1.0), proc, cfg)  # the first second only (OVO-Bench's question moment)
+    assert cut.videos[0][1]["total_num_frames"] == round(meta["fps"]) < meta["total_num_frames"]
     q = data.prepare(img, proc, cfg)
     image_pad, video_pad = proc.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
     assert q.prompt_ids.count(image_pad) == int(q.mm["image_grid_thw"].prod()) // 4

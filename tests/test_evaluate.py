@@ -381,8 +381,8 @@ def test_official_aggregates():
                                                                     "ovo_task": "EPM"},
         {"score": 1, "ovo_category": "backward", "ovo_task": "HLD"}, {"score": 0, "ovo_category": "forward",
                                                                     "ovo_task": "REC"})]
-    m = E.aggregate(ovo, "ovobench")  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
-    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (75, 50, 50)  # overall: of the 3 tasks
+    m = E.aggregate(ovo, "ovobench_evr1")  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
+    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (75, 37.5, 50)  # overall: of the categories
     v2 = E.load_benchmark("videomme_v2", cfg, [])  # two videos of 4 questions: 3 of 4 right, then 1 of 4
     answers = [s["answer"] if i in (0, 1, 2, 4) else "H" for i, s in enumerate(v2)]
     m = E.aggregate([E.record(s, "videomme_v2", "p", a) for s, a in zip(v2, answers)], "videomme_v2")
@@ -562,6 +562,40 @@ def test_readme_command_as_written(tiny_model, tmp_path):
     assert res["metrics"]["n"] == 3 and res["unevaluable"] == 0
 
 
+def test_ovobench_release_records_clips_and_scores(tmp_path):
+    """ovo_bench_new.json as published: a question a record, a forward task's probes one each (id <id>_<probe>, the
+    official clip's name), each cut at ceil(realtime); scored and averaged as utils/OVOBenchScore.py does."""
+    ovo = E.load_benchmark("ovobench", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
+    assert [(s["id"], s["task"], s["category"], s["problem_type"], s["answer"], s["video_end"]) for s in ovo] == [
+        ("0", "EPM", "backward", "multiple choice", "B", 2.0), ("1319", "OCR", "realtime", "multiple choice", "C", 1.0),
+        ("1468_0", "CRR", "forward", "boolean", "no", 1.0), ("1468_1", "CRR", "forward", "boolean", "yes", 2.0),
+        ("1516_0", "SSR", "forward", "boolean", "yes", 1.0), ("1516_1", "SSR", "forward", "boolean", "no", 1.0),
+        ("1558_0", "REC", "forward", "counting", "0", 1.0), ("1558_1", "REC", "forward", "counting", "1", 2.0)]
+    assert ovo[3]["where"].endswith("ovobench.json:3.test_info[1]") and ovo[4]["problem"] == "paint it red"
+    assert ovo[6]["problem"] == "How many times did they turn the screen green?" and ovo[0]["videos"] == [
+        "/v/ovobench/Ego4D/clips/ego0.mp4"]
+    # the official rules: the letter in the answer; "N"/"Y" exactly, else "No"/"Yes" inside; all digit runs joined
+    answers = ["B", "C", "N", "No, not yet", "Yes.", "Y", "0", "1 time, maybe 2"]
+    rows = [E.record(s, "ovobench", "p", a, extraction="official") for s, a in zip(ovo, answers)]
+    assert [r["score"] for r in rows] == [1, 1, 1, 0, 1, 0, 1, 0]
+    m = E.aggregate(rows, "ovobench")  # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
+    assert (m["task/CRR"], m["category/forward"], m["category/realtime"]) == (50, 50, 100)
+    assert m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5  # "Total Avg."; micro
+    bad_records = [  # no realtime; a probe without it; probes not a list; a realtime that is not a number
+        {"id": 7, "task": "EPM", "video": "a.mp4", "question": "q?", "options": ["x", "y"], "gt": 1},
+        {"id": 8, "task": "REC", "video": "b.mp4", "activity": "jump", "test_info": [{"count": 1}]},
+        {"id": 9, "task": "SSR", "video": "c.mp4", "test_info": {"realtime": 3}},
+        {"id": 10, "task": "CRR", "video": "d.mp4", "question": "q?", "test_info": [{"realtime": "17", "type": 1}]}]
+    (tmp_path / "ovobench.json").write_text(json.dumps(bad_records))
+    bad = []
+    with pytest.raises(DataError, match="0 samples loaded"):
+        E.load_benchmark("ovobench", E.Config(data_dir=str(tmp_path), video_dir="/v"), [], bad)
+    assert [b["error"].split("ovobench.json:")[1] for b in bad] == [
+        "1: missing field 'realtime'", "2.test_info[0]: missing field 'realtime'",
+        "3: field 'test_info' must be a list of question objects",
+        "4.test_info[0]: field 'realtime' must be a time in seconds, got '17'"]
+
+
 def test_official_prompts_verbatim():
     """The prompts the YAML calls official render as the benchmarks' own code writes them (typed from the sources)."""
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
@@ -579,3 +613,18 @@ def test_official_prompts_verbatim():
     assert got["mmvu"] == ("\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
                            "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
                            "with the option letter from the given choices.\n")  # MMVU's DO_PROMPT
+    ovo = E.load_benchmark("ovobench", cfg, [])  # constant.py's templates, filled as utils/OVOBench.py build_prompt
+    end = "Do not include any additional text or explanation in your response.\n"
+    assert data.render_prompt(ovo[0], E.adapter("ovobench")["prompt"]) == (
+        "\nQuestion: What color was the screen before?\nOptions:\nA. red; B. green; C. blue; D. yellow;\n\nRespond "
+        "only with the letter corresponding to your chosen option (e.g., A, B, C). \n" + end)
+    assert data.render_prompt(ovo[4], E.adapter("ovobench")["prompt"]) == (
+        "\nYou're watching a tutorial video which contain a sequential of steps. \nThe following is one step from the "
+        "whole procedures: \npaint it red\nYour task is to determine if the man or woman in the video is currently "
+        "performing this step.\nAnswer only with “Yes” or “No”.\n" + end)
+    assert data.render_prompt(ovo[6], E.adapter("ovobench")["prompt"]) == (
+        "\nYou're watching a video in which people may perform a certain type of action repetively. \nThe person "
+        "performing this kind of action are referred to as 'they' in the following statement.\nYou're task is to "
+        "count how many times have different people in the video perform this kind of action in total.\nOne complete "
+        "motion counts as one. \nNow, answer the following question: How many times did they turn the screen green?"
+        "\nProvide your answer as a single number (e.g., 0, 1, 2, 3…) indicating the total count.\n" + end)
