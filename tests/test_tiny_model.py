@@ -159,7 +159,7 @@ def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.T
 @pytest.mark.slow  # imports vLLM's model code (no engine)
 @pytest.mark.parametrize("arch", mtm.ARCHS)
 def test_mrope_positions_are_vllms(ckpt, arch):
-    """sp.mrope_positions, (the trainer's and the HF engine's) equals vLLM's M-RoPE positions on a left-padded batch:
+    """sp.mrope_positions (the trainer's and the HF engine's) equals vLLM's M-RoPE positions on a left-padded batch:
     a 3:2 video of 8 frames (4 frame pairs: time runs past rows and columns), and an image + a 4-frame video, at a time
     scale that floors (Qwen2.5-VL: tokens_per_second x 0.7 s per frame pair). transformers 5.19's own positions
     differ after the long video for Qwen2-VL and Qwen2.5-VL (it resumes the text at max(rows, columns)), not for
