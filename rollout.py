@@ -209,12 +209,12 @@ class HFEngine:
         ids = torch.tensor([[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)], device=device)
         attn = torch.tensor([[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device)
         # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not once per row: generate
-        # gets the features laid out per row for the prefill, and every row's grids for its M-RoPE positions
+        # gets the features laid out per row for the prefill, and the trainer's M-RoPE positions (sp.mrope_positions),
+        # which it continues from the last one + 1 per new token (vLLM: from the largest + 1, the same position)
         vision = sp.shard_features(self.model, sp.encode_vision(self.model, rows, device, dummies=self.dummies), ids,
                                    rows, sp.Shard(None, ids.shape[1], 0, ids.shape[1]))
-        out = self.model.generate(input_ids=ids, attention_mask=attn, **grids(rows, device),
-                                  mm_encoder_outputs=vision, synced_gpus=synced,
-                                  mm_token_type_ids=mm_token_types(ids, self.tokenizer),
+        out = self.model.generate(input_ids=ids, attention_mask=attn, mm_encoder_outputs=vision, synced_gpus=synced,
+                                  position_ids=sp.mrope_positions(ids, attn, grids(rows, device), self.model.config),
                                   generation_config=self.config(temperature, max_tokens))
         seq = out.sequences[:, P:]                                      # (B, R)
         logp = torch.zeros(seq.shape)
@@ -235,9 +235,3 @@ class HFEngine:
 
     sleep = wake = sync
 
-
-def mm_token_types(ids: torch.Tensor, tokenizer) -> torch.Tensor:
-    """0 text, 1 image, 2 video per position: transformers >= 5 needs it to build M-RoPE positions.
-    Without it the model silently falls back to 1-D positions, and disagrees with vLLM."""
-    image_id, video_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
-    return (ids == image_id).int() + 2 * (ids == video_id).int()

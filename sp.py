@@ -285,30 +285,55 @@ class Shard:
         return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group)
 
 
+def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) -> torch.Tensor:
+    """M-RoPE positions (3, B, S) of rows ids (B, S), padded either side (mask; padding at 0), by the rule the Qwen-VL
+    models were trained with and vLLM samples with: text counts up on all three axes (time, row, column); a run of
+    placeholders (an image, a video's frame pairs; Qwen3-VL: a frame pair between timestamps) adds its grid index to
+    the next position, time scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL), and the text after it
+    resumes at its LARGEST position + 1 (transformers 5.19 at max(rows, columns), ignoring time: LOG.md session 5)."""
+    merge, tps = config.vision_config.spatial_merge_size, getattr(config.vision_config, "tokens_per_second", 1)
+    none = torch.zeros(0, 3, dtype=torch.long)
+    videos = grids.get("video_grid_thw", none).tolist()
+    seconds = grids.get("second_per_grid_ts", torch.ones(len(videos))).tolist()
+    # each placeholder token's frame pairs in order: (rows, columns, time scale)
+    pairs = {config.image_token_id: [(h // merge, w // merge, 1) for t, h, w in grids.get("image_grid_thw", none)
+                                     .tolist() for _ in range(t)],
+             config.video_token_id: [(h // merge, w // merge, s * tps) for (t, h, w), s in zip(videos, seconds)
+                                     for _ in range(t)]}
+    mask, pos = mask.bool().cpu(), torch.zeros(3, *ids.shape, dtype=torch.long)
+    for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
+        runs, start = [], 0
+        for token, run in itertools.groupby(itertools.compress(row, keep), lambda x: x if x in pairs else None):
+            n = len(list(run))
+            if token is None:  # text
+                runs.append(torch.arange(n).expand(3, n) + start)                                 # (3, n)
+            else:
+                h, w, scale = pairs[token][0]
+                time = (torch.arange(n // (h * w), dtype=torch.float64) * scale).long()  # floored as vLLM does
+                runs.append(torch.cartesian_prod(time, torch.arange(h), torch.arange(w)).T + start)  # (3, t h w)
+                del pairs[token][:len(time)]
+            start = int(runs[-1].max()) + 1
+        pos[:, b, mask[b]] = torch.cat(runs, 1)
+    return pos.to(ids.device)
+
+
 def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
     """The model's inputs for this rank's positions of a micro-batch (train.collate's), and which they are: sp_size 1
     the whole sequence; else this rank's shard of it padded to a multiple of sp_size: its token ids, the M-RoPE
     positions of the whole sequence there, the features its placeholders hold, and Ulysses' mask (Shard) to attend
-    over all of it. No padding, no mask: a 1-row micro-batch is the kernel's causal mode on every path."""
+    over all of it. No padding, no mask: a 1-row micro-batch is the kernel's causal mode on every path. The positions
+    are always ours (mrope_positions), never the model's: those the sampler uses."""
     ids, mask, prompts = batch["input_ids"], batch["attention_mask"], batch["prompts"]
-    S = ids.shape[1]
+    S, pos = ids.shape[1], mrope_positions(ids, mask, batch["grids"], model.config)        # (3, B, S)
     if layout is None or layout.sp_size == 1:
         shard = Shard(layout, S, 0, S)
-        return dict(input_ids=ids, attention_mask=None if mask.all() else mask, **batch["grids"],
-                    mm_token_type_ids=batch["mm_token_type_ids"],
+        return dict(input_ids=ids, attention_mask=None if mask.all() else mask, position_ids=pos,
                     mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard)), shard
     size, lm = -(-S // layout.sp_size), language_model(model)
     shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
     if not mask.all():
         shard.mask = kernel_mask(F.pad(mask, (0, size * layout.sp_size - S)),
                                  lm.config._attn_implementation.removeprefix("ulysses_"))
-    grids = {"image_grid_thw": None, "video_grid_thw": None, **batch["grids"]}
-    pos = base_model(model).model.compute_3d_position_ids(input_ids=ids, inputs_embeds=None, attention_mask=mask,
-                                                        past_key_values=None, **grids,
-                                                        mm_token_type_ids=batch["mm_token_type_ids"])
-    # (3, B, S); None: text only. The grids a micro-batch lacks are None (positional parameters of the model)
-    if pos is None:
-        pos = torch.arange(S, device=ids.device).expand(3, *ids.shape)
     ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
     return dict(input_ids=ids[:, keep], position_ids=F.pad(pos, (0, size * layout.sp_size - S))[..., keep],
                 attention_mask=None, sp_shard=shard,

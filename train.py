@@ -35,8 +35,7 @@ import rewards
 import sp
 from ckpt import save_checkpoint
 from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
-from rollout import (HFEngine, Rollout, VLLMEngine, eos_token_ids, mm_token_types, request_seed,
-                     vision_token_ids)
+from rollout import HFEngine, Rollout, VLLMEngine, eos_token_ids, request_seed, vision_token_ids
 
 
 @dataclass
@@ -517,8 +516,7 @@ def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: di
     grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
     return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, dummies=dummies,
-                mm_token_type_ids=mm_token_types(input_ids, tokenizer), response_ids=input_ids[:, P:],
-                mask=mask.to(device), rollout_logp=rollout_logp.to(device),                       # (b, R) each
+                response_ids=input_ids[:, P:], mask=mask.to(device), rollout_logp=rollout_logp.to(device),  # (b, R)
                 old_logp=None, ref_logp=None, adv=None,  # (b, R) each, set by main; old_logp None: on-policy
                 vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
 

@@ -12,6 +12,7 @@ import torch
 from conftest import ROOT, concat_media, tiny_config
 
 import data
+import sp
 import train
 from rollout import Rollout, vision_token_ids
 
@@ -38,12 +39,17 @@ def setup(request, synth):
     return model, processor, rows
 
 
+def positions(model, b) -> torch.Tensor:
+    """The M-RoPE positions the trainer uses (vLLM's; transformers 5.19's differ after 3+ frame pairs): (3, B, S)."""
+    return sp.mrope_positions(b["input_ids"], b["attention_mask"], b["grids"], model.config)
+
+
 def per_row_logp(model, b, rows, banned):
     """Today's path, from the model's own forward: every row carries its media, full (B, R, V) logits."""
     mm = concat_media([r.prompt for r in rows])
     R = b["mask"].shape[1]
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
-                   mm_token_type_ids=b["mm_token_type_ids"], **mm).logits[:, :-1].float()
+                   position_ids=positions(model, b), **mm).logits[:, :-1].float()
     logits[..., banned] = -1e9
     return torch.log_softmax(logits, -1).gather(-1, b["response_ids"].unsqueeze(-1)).squeeze(-1)
 
@@ -83,7 +89,7 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     R = b["mask"].shape[1]
     mm = concat_media(b["prompts"])
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
-                   mm_token_type_ids=b["mm_token_type_ids"], **mm).logits[:, :-1] / 0.7
+                   position_ids=positions(model, b), **mm).logits[:, :-1] / 0.7
     keep = torch.ones(logits.shape[-1], dtype=torch.bool)
     keep[banned] = False
     logq = torch.log_softmax(logits[..., keep], -1)                                  # over the allowed tokens

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ROOT
 from safetensors.torch import load_file
 
@@ -133,21 +134,74 @@ def test_vllm_generates_from_video(ckpt):
         assert res[arch]["same_prompt"], f"{arch}: vLLM expanded the video differently from the HF processor"
 
 
-@pytest.mark.xfail(strict=True, reason="transformers 5.19's get_rope_index resumes the text after a video at max(h, w) "
-                   "merged tokens, not after the video's last temporal position as vLLM and the original Qwen code do "
-                   "(LOG.md, 2026-11-26 Qwen2-VL): fixed upstream when this passes")
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
-def test_upstream_text_after_a_long_video_follows_its_last_frame_pair(ckpt, arch):
-    """8 frames = 4 frame pairs of 2x2 merged tokens: the temporal positions run past the spatial ones, and the first
-    text token after the video must come after all of them (where vLLM puts it: the sampler and the trainer differ
-    by up to 2e-3 per token on the tiny models until then; more on trained ones)."""
+def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.Tensor:
+    """vLLM 0.32's M-RoPE positions (3, S) of one unpadded prompt, from its own function (no engine): items are
+    (modality, offset of the first placeholder, grid_thw, second_per_grid_ts or None), in the shape vLLM stores them."""
+    import types
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl, qwen3_vl
+    feats = []
+    for kind, offset, grid, seconds in items:
+        data = {f"{kind}_grid_thw": types.SimpleNamespace(data=grid)}
+        if seconds is not None:
+            data["second_per_grid_ts"] = types.SimpleNamespace(data=seconds)
+        # Qwen3-VL's video offset is before the first frame's <|vision_start|> (the frames are found from there)
+        offset -= arch == "qwen3_vl" and kind == "video"
+        feats.append(types.SimpleNamespace(modality=kind, mm_position=types.SimpleNamespace(offset=offset), data=data))
+    if arch == "qwen3_vl":
+        return qwen3_vl.Qwen3VLForConditionalGeneration._get_mrope_input_positions(tokens, feats, config)[0]
+    cls = {"qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,
+           "qwen2_5_vl": qwen2_5_vl.Qwen2_5_VLForConditionalGeneration}[arch]
+    model = types.SimpleNamespace(config=config)  # all the method reads of the model
+    model.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, model)
+    return cls.get_mrope_input_positions(model, tokens, feats)[0]
+
+
+@pytest.mark.slow  # imports vLLM's model code (no engine)
+@pytest.mark.parametrize("arch", mtm.ARCHS)
+def test_mrope_positions_are_vllms(ckpt, arch):
+    """sp.mrope_positions (the trainer's and the HF engine's) equals vLLM's M-RoPE positions on a left-padded batch:
+    a 3:2 video of 8 frames (4 frame pairs: time runs past rows and columns), and an image + a 4-frame video, at a time
+    scale that floors (Qwen2.5-VL: tokens_per_second x 0.7 s per frame pair). transformers 5.19's own positions
+    differ after the long video for Qwen2-VL and Qwen2.5-VL (it resumes the text at max(rows, columns)), not for
+    Qwen3-VL (a frame pair per timestamp): when they agree, upstream is fixed and sp.mrope_positions can go."""
+    import sp
     from transformers import AutoModelForImageTextToText, AutoProcessor
     proc, model = AutoProcessor.from_pretrained(ckpt[arch]), AutoModelForImageTextToText.from_pretrained(ckpt[arch])
+    f, rng = FACTOR[arch], np.random.default_rng(1)
+    long = rng.integers(0, 256, (8, 2 * f, 3 * f, 3), dtype=np.uint8)
     meta = dict(META, duration=4.0, total_num_frames=8, frames_indices=list(range(8)))
-    x = proc(text=[video_prompt(proc)], videos=[np.concatenate([frames(arch)] * 2)], video_metadata=[meta],
-             do_sample_frames=False, return_tensors="pt")
-    grids = {k: x[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in x}
-    pos, _ = model.model.get_rope_index(x["input_ids"], x["mm_token_type_ids"], **grids)
-    video = (x["input_ids"][0] == model.config.video_token_id).nonzero()[:, 0]
-    assert len(video) == 16 and pos[0, 0, video].max() > pos[1:, 0, video].max()  # time runs past the rows/columns
-    assert pos[:, 0, video[-1] + 1].tolist() == [pos[:, 0, video].max().item() + 1] * 3
+    rows = [([{"type": "video"}], dict(videos=[long], video_metadata=[meta])),
+            ([{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And now?"}],
+             dict(images=[rng.integers(0, 256, (f, 2 * f, 3), dtype=np.uint8)], videos=[frames(arch)],
+                  video_metadata=[META]))]
+    xs = []
+    for content, media in rows:
+        msgs = [{"role": "user", "content": content + [{"type": "text", "text": "What color is it?"}]}]
+        text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        xs.append(proc(text=[text], do_sample_frames=False, return_tensors="pt", **media))
+    S = max(x["input_ids"].shape[1] for x in xs)
+    ids = torch.stack([F.pad(x["input_ids"][0], (S - x["input_ids"].shape[1], 0)) for x in xs])  # left padding
+    mask = torch.stack([F.pad(torch.ones(x["input_ids"].shape[1], dtype=torch.long), (S - len(x["input_ids"][0]), 0))
+                        for x in xs])
+    grids = {k: torch.cat([x[k] for x in xs if k in x]) for k in ("image_grid_thw", "video_grid_thw",
+                                                                  "second_per_grid_ts") if any(k in x for x in xs)}
+    if "second_per_grid_ts" in grids:
+        grids["second_per_grid_ts"] = torch.full_like(grids["second_per_grid_ts"], 0.7)
+    ours = sp.mrope_positions(ids, mask, grids, model.config)                                       # (3, B, S)
+    assert (ours[:, mask == 0] == 0).all()
+    videos, seconds = iter(grids["video_grid_thw"]), iter(grids.get("second_per_grid_ts", [None] * 2))
+    for b, x in enumerate(xs):
+        tokens, items = x["input_ids"][0].tolist(), []
+        for kind in ("image", "video"):
+            pad = getattr(model.config, f"{kind}_token_id")
+            grid = x.get(f"{kind}_grid_thw")
+            if grid is not None:
+                items.append((kind, tokens.index(pad), next(videos) if kind == "video" else grid[0],
+                              next(seconds) if kind == "video" else None))
+        want = vllm_positions(arch, model.config, tokens, items)                                       # (3, S_b)
+        assert torch.equal(ours[:, b, mask[b].bool()], want), (arch, b)
+    mm = dict(mm_token_type_ids=(ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id),
+              attention_mask=mask, **grids)
+    upstream, _ = model.model.get_rope_index(ids, **mm)
+    # the long video's row: the same vision positions, the text after it elsewhere (but Qwen3-VL's)
+    assert torch.equal(upstream[:, 0], ours[:, 0]) == (arch == "qwen3_vl"), "transformers changed: see the docstring"

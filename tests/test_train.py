@@ -60,7 +60,8 @@ def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert "eval/accuracy" not in rows[0] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0  # the final eval is logged
     assert rows[0]["offline/share"] == pytest.approx(0.25)  # 1 of each group of 4 is the offline trajectory
-    assert rows[0]["mismatch/mean"] < 5e-3  # vLLM and the trainer hold the same weights at step 1
+    # vLLM and the trainer hold the same weights at step 1: float noise (4.8e-7; 2.9e-3 with transformers' positions)
+    assert rows[0]["mismatch/max"] < 1e-4
     # a cold cache decodes each distinct video once, even when tp ranks load the same prompts (per-key lock)
     assert [r["cache/decode"] for r in rows] == [4] * steps  # 16 samples: steps <= 4 load each one at most once
     assert "held-out accuracy: before" in stdout
