@@ -2,7 +2,6 @@
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags) and the run's curve."""
 import datetime
 import faulthandler
-import itertools
 import json
 import os
 import re
@@ -96,15 +95,37 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
 FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
 
 
+def cli(main, load_config):
+    """An entry script's `main(load_config(argv))`: an error a user can act on (ValueError, OSError: a setting, a data
+    file, a missing path, no network) prints one line, `error: ...`, and exits 2; `--debug` shows its traceback."""
+    try:
+        return main(load_config([arg for arg in sys.argv[1:] if arg != "--debug"]))
+    except (ValueError, OSError) as e:
+        if "--debug" in sys.argv:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the YAML files, the other flags): `--config` parsed as a flag (`--config=a.yaml`, `--config a.yaml b.yaml`,
+    repeated: every file, in the order given), the rest left to tyro."""
+    import argparse
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config", nargs="+", action="extend", default=[])
+    known, rest = parser.parse_known_args(argv)
+    return known.config, rest
+
+
 def load_config(cls, argv=None):
-    """`--config a.yaml [b.yaml ...]` set dataclass `cls`'s defaults, each file over the ones before; flags win."""
+    """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
+    them; its `config` field records the files applied."""
     import tyro
-    argv = list(sys.argv[1:] if argv is None else argv)
+    paths, rest = config_files(list(sys.argv[1:] if argv is None else argv))
     base = cls()
-    if "--config" in argv:
-        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
-            base = yaml_overlay(base, path)
-    return tyro.cli(cls, default=base, args=argv)
+    for path in paths:
+        base = yaml_overlay(base, path)
+    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest)
 
 
 def yaml_overlay(base, path: str, strict: bool = True):

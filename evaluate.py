@@ -29,6 +29,7 @@ from typing import Literal
 import yaml
 
 import cache
+import common
 import data
 import rewards
 from common import gather
@@ -37,6 +38,8 @@ from data import DataError
 
 @dataclass
 class Config(cache.Media):
+    config: tuple[str, ...] = ()
+    """YAML files of these settings, each over the ones before (bad keys fail); flags win"""
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)"""
     benchmarks: str = "nvr1"
@@ -930,11 +933,7 @@ def write_results(results: dict, cfg: Config):
 
 def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    try:
-        results = asyncio.run(evaluate(cfg))
-    except (ValueError, OSError) as e:  # bad settings or inputs, found before the engine: the message is enough
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    results = asyncio.run(evaluate(cfg))  # bad settings or inputs: common.cli prints the one-line error
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
         print(f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
@@ -942,6 +941,9 @@ def main(cfg: Config) -> int:
     return 1 if failures and not cfg.allow_failures else 0
 
 
+def load_config(argv=None) -> Config:
+    return common.load_config(Config, argv)
+
+
 if __name__ == "__main__":
-    import tyro
-    sys.exit(main(tyro.cli(Config)))
+    sys.exit(common.cli(main, load_config))

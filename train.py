@@ -123,8 +123,9 @@ class Config(cache.Training):
     """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
     max_gen_rounds: int = 4
     """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
-    overlong_buffer: int = 0
-    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last N tokens (0 = off)"""
+    overlong_buffer: float = 0.0
+    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last overlong_buffer x max_response_len
+    tokens (a fraction, so a recipe fits any response length; DAPO: 4096 of 20480 = 0.2; 0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
     ppo_epochs: int = 1
@@ -231,7 +232,7 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.gpu_memory_utilization > 1, f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1"),
         (cfg.mix_threshold > 1, f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)"),
         (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
-        (cfg.overlong_buffer > cfg.max_response_len, "overlong_buffer > max_response_len"),
+        (cfg.overlong_buffer > 1, f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)"),
         (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, "max_prompt_len > max_model_len"),
         (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
         (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
@@ -388,7 +389,7 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
     return w.clamp(max=cap) if mode == "truncate" else w * (w <= cap)
 
 
-def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
+def overlong_penalty(length: int, max_len: int, buffer: float) -> float:
     """DAPO's soft overlong penalty: 0 up to max_len - buffer tokens, linear to -1 at max_len."""
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
@@ -631,8 +632,8 @@ def score(r: Rollout, cfg: Config) -> dict:
     """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
     overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
     if cfg.overlong_buffer:
-        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
-                                                                  cfg.overlong_buffer)
+        buffer = cfg.overlong_buffer * cfg.max_response_len
+        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len, buffer)
         comp["overall"] = overall + comp["overlong"]
     return comp
 
@@ -1111,4 +1112,4 @@ def load_model(cfg: Config, device):
 
 
 if __name__ == "__main__":
-    main(load_config())
+    common.cli(main, load_config)
