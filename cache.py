@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from common import cli, config_files, yaml_overlay
+from common import check_hub, cli, config_files, yaml_overlay
 
 FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
@@ -360,6 +360,7 @@ def load_config(argv: list[str]) -> Config:
         t = Training()
         for path in paths:
             t = yaml_overlay(t, path, strict=False)  # the training YAML's other keys are not ours
+        check_hub(t.model)
         val = [t.val_data] if t.val_data and t.val_config() == t else []
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
         frames = {f.name: getattr(t, f.name) for f in fields(Frames)}

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import typing
 from dataclasses import fields, replace
@@ -88,6 +89,21 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record if catch else signal.SIG_DFL)
     return got
+
+
+def check_hub(model: str):
+    """A model that is no local folder comes from the hub: without a network, fail now, not after minutes of retries
+    (HF_HUB_OFFLINE=1: the hub's local cache only, transformers' own error)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
+    except OSError as e:
+        raise OSError(f"{model}: no network ({url.hostname}: {e}): set HF_HUB_OFFLINE=1 or give a local path") from e
 
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them

@@ -853,6 +853,7 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
         from transformers import AutoProcessor
+        common.check_hub(cfg.model)
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     own, results = engine is None, {}
     if own:

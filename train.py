@@ -181,7 +181,9 @@ class Config(cache.Training):
     keep_last: int = 2
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = ""
-    """'' = fresh | auto = the latest complete checkpoint in out_dir/ckpt (if any) | a folder"""
+    """'' = fresh (refused where out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
+    allow_config_change: bool = False
+    """resume with settings other than the checkpoint's (else refused, naming them; RESUME_MAY_CHANGE always may)"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     stop_grace_s: float = 300.0
@@ -253,6 +255,32 @@ def check_config(cfg: Config, world: int = 1):
     ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
+
+
+# what a resume may change: the run's length, where and how often it logs, evaluates and saves, how long it waits
+RESUME_MAY_CHANGE = {"config", "dry_run", "out_dir", "resume", "allow_config_change", "max_steps", "eval_every",
+                     "save", "wandb_project", "log_every", "log_samples", "save_every", "keep_last", "dist_timeout",
+                     "stop_grace_s", "cache_dir", "video_source"}
+
+
+def check_files(cfg: Config, ckpt_path: str):
+    """Before anything loads: the data files and template exist; a fresh run never writes into another run's
+    checkpoints; a resume keeps the checkpoint's settings."""
+    for name in ("train_data", "val_data", "prompt_template"):
+        if getattr(cfg, name) and not os.path.isfile(getattr(cfg, name)):
+            raise FileNotFoundError(f"{name} {getattr(cfg, name)}: no such file")
+    if not ckpt_path:
+        if os.path.exists(os.path.join(cfg.out_dir, "ckpt", "latest")):
+            raise ValueError(f"{cfg.out_dir} holds another run's checkpoints: continue it with --resume auto, or "
+                             "give another --out-dir")
+        return
+    with open(os.path.join(ckpt_path, "meta.json")) as f:
+        saved = json.load(f)["config"]
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
+               if k in cfg.__dataclass_fields__ and k not in RESUME_MAY_CHANGE and getattr(cfg, k) != v]
+    if changed and not cfg.allow_config_change:
+        raise ValueError(f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
+                         "or pass --allow-config-change")
 
 
 def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
@@ -864,6 +892,9 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
+    ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
+    check_files(cfg, ckpt_path)
+    common.check_hub(cfg.model)
     layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -876,7 +907,6 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
     t = build_trainer(cfg, processor, layout, rank, world, device)
-    ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
