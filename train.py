@@ -181,7 +181,7 @@ class Config(cache.Training):
     keep_last: int = 2
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = ""
-    """'' = fresh (refused where out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
+    """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
     allow_config_change: bool = False
     """resume with settings other than the checkpoint's (else refused, naming them; RESUME_MAY_CHANGE always may)"""
     dist_timeout: float = 1800.0
