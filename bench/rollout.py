@@ -106,5 +106,7 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(*sys.argv[2:])
+    elif sys.argv[1:]:  # --help (or a typo): say what it runs instead of starting a 10-minute bench
+        print(__doc__)
     else:
         main()
