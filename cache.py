@@ -356,12 +356,15 @@ def load_config(argv: list[str]) -> Config:
     paths, argv = config_files(argv)
     default = Config()
     if paths:
-        from transformers import AutoProcessor
         t = Training()
         for path in paths:
             t = yaml_overlay(t, path, strict=False)  # the training YAML's other keys are not ours
-        check_hub(t.model)
         val = [t.val_data] if t.val_data and t.val_config() == t else []
+        for path in [t.train_data, *val]:  # before the processor loads
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: no such file (train_data or val_data of {' '.join(paths)})")
+        check_hub(t.model)
+        from transformers import AutoProcessor
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
         frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
         default = Config(config=tuple(paths), data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames)
