@@ -42,8 +42,8 @@ def test_config_flag_every_form(tmp_path, tiny_model):
     applied, the last recorded): every file applied in order, flags over them, `config` records what was applied; in
     train.py, cache.py and evaluate.py alike. train.py gets there through a hub model without a network, which fails
     in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
-    data = write(tmp_path, "d.jsonl", json.dumps({"id": "q", "problem": "q?", "answer": "A", "options": ["A. x", "B. y"],
-                                                  "problem_type": "multiple choice"}) + "\n")
+    sample = {"id": "q", "problem": "q?", "answer": "A", "options": ["A. x", "B. y"], "problem_type": "multiple choice"}
+    data = write(tmp_path, "d.jsonl", json.dumps(sample) + "\n")
     a = write(tmp_path, "a.yaml", f"train_data: {tmp_path}/missing.jsonl\nlr: 0.5\n")
     b = write(tmp_path, "b.yaml", f"train_data: {data}\nval_data: ''\ngroup_size: 2\n")
     c = write(tmp_path, "c.yaml", "model: Qwen/no-such-model\nlr: 0.25\n")
