@@ -757,6 +757,7 @@ def make_engine(cfg: Config, tokenizer):
             enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
             tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
+            kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
             trust_remote_code=cfg.trust_remote_code,
             mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
@@ -908,9 +909,14 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
            "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
            "seconds": round(time.perf_counter() - start, 3), "samples": path, "judge": judge,
            "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")}, **engine_stats}
-    print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
-          f" | unevaluable {len(failed)}", flush=True)
+    shown = [f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"]
+    print(f"{bench}: " + " | ".join(shown) + f" | unevaluable {len(failed)}", flush=True)
     return res
+
+
+def number(v) -> str:
+    """A count (n, parse_fail, dropped) as a count, a score in percent with 2 decimals."""
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
 def write_results(results: dict, cfg: Config):
@@ -920,15 +926,16 @@ def write_results(results: dict, cfg: Config):
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
              f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
              f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}", "",
-             "| benchmark | metric | value | n |", "|---|---|---|---|"]
+             "| benchmark | metric | value |", "|---|---|---|"]
     for b, r in results.items():
         if "error" in r:
-            lines.append(f"| {b} | FAILED | {r['error']} | |")
+            lines.append(f"| {b} | FAILED | {r['error']} |")
             continue
-        lines += [f"| {b} | {k} | {v:.2f} | {r['metrics']['n']} |" for k, v in r["metrics"].items() if k != "n"]
-        lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} | |")
+        # failed (no answer) is part of unevaluable (no answer, or no input), the row below
+        lines += [f"| {b} | {k} | {number(v)} |" for k, v in r["metrics"].items() if k != "failed"]
+        lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} |")
         if r["judge"] != "not needed":
-            lines.append(f"| {b} | judge | {r['judge']} | |")
+            lines.append(f"| {b} | judge | {r['judge']} |")
     write_text(os.path.join(cfg.out_dir, "results.md"), "\n".join(lines) + "\n")
 
 

@@ -101,6 +101,9 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+                       # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a
+                       # shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)
+                       kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,
                        enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                        logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
                        limit_mm_per_prompt={"image": max_images, "video": max_videos},

@@ -922,8 +922,8 @@ def main(cfg: Config):
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} "
-           f"val, {len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
+    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} val, "
+           f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, rank)
@@ -989,6 +989,7 @@ def main(cfg: Config):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
             ckpt.save(cfg.out_dir, step, t.model, t.opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
+            print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")

@@ -101,3 +101,15 @@ def test_out_dir_rules(tmp_path, color_data):
 def test_bench_help_does_not_start_it():
     p = run("bench/rollout.py", "--help")
     assert p.returncode == 0 and "Per-step rollout time" in p.stdout and "bench total" not in p.stdout
+
+
+def test_results_md_counts_are_counts(tmp_path):
+    """results.md: counts as counts (`parse_fail 55.00` read as a percentage; it was 55 of 64), scores in percent; no
+    `n` column (it showed the benchmark's n beside each breakdown), `failed` only inside unevaluable."""
+    metrics = {"n": 64, "accuracy": 12.5, "parse_fail": 55, "failed": 1, "dropped": 0, "problem_type/boolean": 10.0}
+    evaluate.write_results({"nvr1": {"metrics": metrics, "unevaluable": 1, "judge": "not needed"}},
+                           evaluate.Config(out_dir=str(tmp_path)))
+    rows = (tmp_path / "results.md").read_text().splitlines()[2:]
+    assert rows == ["| benchmark | metric | value |", "|---|---|---|", "| nvr1 | n | 64 |", "| nvr1 | accuracy | 12.50 |",
+                    "| nvr1 | parse_fail | 55 |", "| nvr1 | dropped | 0 |", "| nvr1 | problem_type/boolean | 10.00 |",
+                    "| nvr1 | unevaluable (not scored) | 1 |"]
