@@ -110,6 +110,6 @@ def test_results_md_counts_are_counts(tmp_path):
     evaluate.write_results({"nvr1": {"metrics": metrics, "unevaluable": 1, "judge": "not needed"}},
                            evaluate.Config(out_dir=str(tmp_path)))
     rows = (tmp_path / "results.md").read_text().splitlines()[2:]
-    assert rows == ["| benchmark | metric | value |", "|---|---|---|", "| nvr1 | n | 64 |", "| nvr1 | accuracy | 12.50 |",
-                    "| nvr1 | parse_fail | 55 |", "| nvr1 | dropped | 0 |", "| nvr1 | problem_type/boolean | 10.00 |",
-                    "| nvr1 | unevaluable (not scored) | 1 |"]
+    assert rows == ["| benchmark | metric | value |", "|---|---|---|", "| nvr1 | n | 64 |",
+                    "| nvr1 | accuracy | 12.50 |", "| nvr1 | parse_fail | 55 |", "| nvr1 | dropped | 0 |",
+                    "| nvr1 | problem_type/boolean | 10.00 |", "| nvr1 | unevaluable (not scored) | 1 |"]
