@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import typing
+import urllib.parse
 from dataclasses import fields, replace
 from typing import Literal
 
@@ -92,14 +93,11 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
 
 
 def check_hub(model: str):
-    """A model that is no local folder comes from the hub: without a network, fail now, not after minutes of retries
-    (HF_HUB_OFFLINE=1: the hub's local cache only, transformers' own error)."""
-    from urllib.parse import urlparse
-
+    """A hub model (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after minutes of retries."""
     from huggingface_hub import constants
     if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
         return
-    url = urlparse(constants.ENDPOINT)
+    url = urllib.parse.urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
     except OSError as e:

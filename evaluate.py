@@ -949,9 +949,5 @@ def main(cfg: Config) -> int:
     return 1 if failures and not cfg.allow_failures else 0
 
 
-def load_config(argv=None) -> Config:
-    return common.load_config(Config, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(common.cli(main, load_config))
+    sys.exit(common.cli(main, partial(common.load_config, Config)))

@@ -14,6 +14,7 @@ from conftest import ROOT
 
 import cache
 import ckpt
+import common
 import evaluate
 import train
 
@@ -65,7 +66,7 @@ def test_config_flag_every_form(tmp_path, tiny_model):
     # evaluate.py: a YAML of its own settings
     ea = write(tmp_path, "ea.yaml", "benchmarks: nosuch\nmax_tokens: 8\n")
     eb = write(tmp_path, "eb.yaml", "benchmarks: nosuch2\n")
-    e = evaluate.load_config(["--config", ea, eb])
+    e = common.load_config(evaluate.Config, ["--config", ea, eb])
     assert (e.benchmarks, e.max_tokens, e.config) == ("nosuch2", 8, (ea, eb))
     one_line_error(run("evaluate.py", "--config=" + ea, "--config", eb), "unknown benchmark 'nosuch2'")
 
