@@ -20,6 +20,7 @@ import math
 import os
 import time
 import typing
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -881,10 +882,10 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
             json.dump({"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}, f, indent=1)
     if cfg.save:
         save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
+    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")  # before vLLM's shutdown ends dist
     logger.finish()
     if isinstance(engine, VLLMEngine):
         engine.llm.llm_engine.engine_core.shutdown()  # now, not in __del__ at exit (a traceback)
-    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     barrier()
     return acc_before, acc_after
 
@@ -1137,6 +1138,9 @@ def load_model(cfg: Config, device):
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
+        # FSDP2 warns that the root returns views (logits_to_keep=1, hidden states): token_logp only reads them, no
+        # in-place op drops the pre-backward hook it warns about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
