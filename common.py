@@ -110,8 +110,7 @@ FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floa
 
 
 def cli(main, load_config):
-    """An entry script's `main(load_config(argv))`: an error a user can act on (ValueError, OSError: a setting, a data
-    file, a missing path, no network) prints one line, `error: ...`, and exits 2; `--debug` shows its traceback."""
+    """`main(load_config(argv))`: a ValueError or OSError (settings, data, paths, network) prints one line, exit 2."""
     try:
         return main(load_config([arg for arg in sys.argv[1:] if arg != "--debug"]))
     except (ValueError, OSError) as e:
@@ -122,8 +121,7 @@ def cli(main, load_config):
 
 
 def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the YAML files, the other flags): `--config` parsed as a flag (`--config=a.yaml`, `--config a.yaml b.yaml`,
-    repeated: every file, in the order given), the rest left to tyro."""
+    """(YAML files, other flags): `--config=a.yaml`, `--config a.yaml b.yaml`, repeated: every file, in order."""
     import argparse
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config", nargs="+", action="extend", default=[])

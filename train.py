@@ -184,7 +184,8 @@ class Config(cache.Training):
     resume: str = ""
     """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
     allow_config_change: bool = False
-    """resume with settings other than the checkpoint's (else refused, naming them; RESUME_MAY_CHANGE always may)"""
+    """resume with settings other than the checkpoint's (else refused, naming them), but for RESUME_MAY_CHANGE: the
+    run's length, logging, evaluation cadence, saving, timeouts"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     stop_grace_s: float = 300.0
@@ -258,15 +259,13 @@ def check_config(cfg: Config, world: int = 1):
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
 
 
-# what a resume may change: the run's length, where and how often it logs, evaluates and saves, how long it waits
 RESUME_MAY_CHANGE = {"config", "dry_run", "out_dir", "resume", "allow_config_change", "max_steps", "eval_every",
                      "save", "wandb_project", "log_every", "log_samples", "save_every", "keep_last", "dist_timeout",
                      "stop_grace_s", "cache_dir", "video_source"}
 
 
 def check_files(cfg: Config, ckpt_path: str):
-    """Before anything loads: the data files and template exist; a fresh run never writes into another run's
-    checkpoints; a resume keeps the checkpoint's settings."""
+    """Before anything loads: the data files exist, a fresh run never writes into another run's checkpoints."""
     for name in ("train_data", "val_data", "prompt_template"):
         if getattr(cfg, name) and not os.path.isfile(getattr(cfg, name)):
             raise FileNotFoundError(f"{name} {getattr(cfg, name)}: no such file")
@@ -1138,8 +1137,7 @@ def load_model(cfg: Config, device):
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
-        # FSDP2 warns that the root returns views (logits_to_keep=1, hidden states): token_logp only reads them, no
-        # in-place op drops the pre-backward hook it warns about
+        # the root returns views (logits_to_keep=1, hidden states) that token_logp only reads: no in-place op
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
