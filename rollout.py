@@ -91,6 +91,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
                  max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per rank at startup
         for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
             logging.getLogger(name).addFilter(harmless_vllm_warning)
         from vllm import LLM
