@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from common import yaml_overlay
+from common import check_hub, cli, config_files, yaml_overlay
 
 FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
@@ -299,9 +299,9 @@ def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
 
 @dataclass
 class Config(Frames):
-    config: str = ""
-    """a training YAML (train.py --config): its train_data, val_data, cache_dir, video_* settings and its model's
-    factor set the defaults, so the cache cannot drift from training; flags override them"""
+    config: tuple[str, ...] = ()
+    """training YAMLs (train.py's --config, read alike): their train_data, val_data, cache_dir, video_* settings and
+    model's factor set the defaults, so the cache cannot drift from training; flags override them"""
     data: list[str] = field(default_factory=list)
     """JSON/JSONL files whose `videos` to preprocess (paths relative to each file's folder)"""
     out: str = ".cache/frames"
@@ -358,24 +358,35 @@ def preprocess(c: Config) -> dict:
 
 
 def load_config(argv: list[str]) -> Config:
-    """The CLI: `--config train.yaml` sets the defaults from training's settings (the held-out file only when its
-    frame budget is training's: the val_* fields); the other flags override them."""
+    """The CLI: `--config train.yaml ...` (read as train.py reads it) sets the defaults from training's settings (the
+    held-out file only when its frame budget is training's: the val_* fields); the other flags override them."""
     import tyro
+    paths, argv = config_files(argv)
     default = Config()
-    if "--config" in argv:
-        from transformers import AutoProcessor
-        path = argv[argv.index("--config") + 1]
-        t = yaml_overlay(Training(), path, strict=False)  # the training YAML's other keys are not ours
+    if paths:
+        t = Training()
+        for path in paths:
+            t = yaml_overlay(t, path, strict=False)  # the training YAML's other keys are not ours
         val = [t.val_data] if t.val_data and t.val_config() == t else []
+        for path in [t.train_data, *val]:  # before the processor loads
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: no such file (train_data or val_data of {' '.join(paths)})")
+        check_hub(t.model)
+        from transformers import AutoProcessor
         factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
         frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
-        default = Config(config=path, data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames)
+        default = Config(config=tuple(paths), data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames)
     return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
 
 
-if __name__ == "__main__":
-    cfg = load_config(sys.argv[1:])
-    summary = preprocess(cfg)
+def main(c: Config):
+    if not c.data:
+        raise ValueError("no data files: give --data FILE (repeatable) or --config train.yaml")
+    summary = preprocess(c)
     print(" | ".join(f"{k} {v}" for k, v in summary.items()))
     if summary["failed"]:
-        print(f"{summary['failed']} failed videos listed in {os.path.join(cfg.out, 'failed.jsonl')}")
+        print(f"{summary['failed']} failed videos listed in {os.path.join(c.out, 'failed.jsonl')}")
+
+
+if __name__ == "__main__":
+    cli(main, load_config)

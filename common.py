@@ -2,13 +2,14 @@
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags), atomic files and the run's curve."""
 import datetime
 import faulthandler
-import itertools
 import json
 import os
 import re
 import signal
+import socket
 import sys
 import typing
+import urllib.parse
 from dataclasses import fields, replace
 from typing import Literal
 
@@ -91,20 +92,52 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
     return got
 
 
+def check_hub(model: str):
+    """A hub model (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after minutes of retries."""
+    from huggingface_hub import constants
+    if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
+        return
+    url = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
+    except OSError as e:
+        raise OSError(f"{model}: no network ({url.hostname}: {e}): set HF_HUB_OFFLINE=1 or give a local path") from e
+
+
 # Configs: a flat dataclass, YAML files over its defaults, flags over them
 
 FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
 
 
+def cli(main, load_config):
+    """`main(load_config(argv))`: a ValueError or OSError (settings, data, paths, network) prints one line, exit 2."""
+    try:
+        return main(load_config([arg for arg in sys.argv[1:] if arg != "--debug"]))
+    except (ValueError, OSError) as e:
+        if "--debug" in sys.argv:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(YAML files, other flags): `--config=a.yaml`, `--config a.yaml b.yaml`, repeated: every file, in order."""
+    import argparse
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config", nargs="+", action="extend", default=[])
+    known, rest = parser.parse_known_args(argv)
+    return known.config, rest
+
+
 def load_config(cls, argv=None):
-    """`--config a.yaml [b.yaml ...]` set dataclass `cls`'s defaults, each file over the ones before; flags win."""
+    """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
+    them; its `config` field records the files applied."""
     import tyro
-    argv = list(sys.argv[1:] if argv is None else argv)
+    paths, rest = config_files(list(sys.argv[1:] if argv is None else argv))
     base = cls()
-    if "--config" in argv:
-        for path in itertools.takewhile(lambda arg: not arg.startswith("--"), argv[argv.index("--config") + 1:]):
-            base = yaml_overlay(base, path)
-    return tyro.cli(cls, default=base, args=argv)
+    for path in paths:
+        base = yaml_overlay(base, path)
+    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest)
 
 
 def yaml_overlay(base, path: str, strict: bool = True):

@@ -30,6 +30,7 @@ from typing import Literal
 import yaml
 
 import cache
+import common
 import data
 import rewards
 from common import gather, write_jsonl, write_text
@@ -38,6 +39,8 @@ from data import DataError
 
 @dataclass
 class Config(cache.Media):
+    config: tuple[str, ...] = ()
+    """YAML files of these settings, each over the ones before (bad keys fail); flags win"""
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)"""
     benchmarks: str = "nvr1"
@@ -763,6 +766,7 @@ def make_engine(cfg: Config, tokenizer):
             enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
             tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
+            kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
             trust_remote_code=cfg.trust_remote_code,
             mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
@@ -847,6 +851,7 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
         from transformers import AutoProcessor
+        common.check_hub(cfg.model)
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     own, results = engine is None, {}
     if own:
@@ -901,9 +906,14 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
            "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
            "seconds": round(time.perf_counter() - start, 3), "samples": path, "judge": judge,
            "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")}, **engine_stats}
-    print(f"{bench}: " + " | ".join(f"{k} {v:.1f}" for k, v in res["metrics"].items() if "/" not in k) +
-          f" | unevaluable {len(failed)}", flush=True)
+    shown = [f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"]
+    print(f"{bench}: " + " | ".join(shown) + f" | unevaluable {len(failed)}", flush=True)
     return res
+
+
+def number(v) -> str:
+    """A count (n, parse_fail, dropped) as a count, a score in percent with 2 decimals."""
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
 def write_results(results: dict, cfg: Config):
@@ -913,25 +923,22 @@ def write_results(results: dict, cfg: Config):
     lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
              f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
              f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}", "",
-             "| benchmark | metric | value | n |", "|---|---|---|---|"]
+             "| benchmark | metric | value |", "|---|---|---|"]
     for b, r in results.items():
         if "error" in r:
-            lines.append(f"| {b} | FAILED | {r['error']} | |")
+            lines.append(f"| {b} | FAILED | {r['error']} |")
             continue
-        lines += [f"| {b} | {k} | {v:.2f} | {r['metrics']['n']} |" for k, v in r["metrics"].items() if k != "n"]
-        lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} | |")
+        # failed (no answer) is part of unevaluable (no answer, or no input), the row below
+        lines += [f"| {b} | {k} | {number(v)} |" for k, v in r["metrics"].items() if k != "failed"]
+        lines.append(f"| {b} | unevaluable (not scored) | {r['unevaluable']} |")
         if r["judge"] != "not needed":
-            lines.append(f"| {b} | judge | {r['judge']} | |")
+            lines.append(f"| {b} | judge | {r['judge']} |")
     write_text(os.path.join(cfg.out_dir, "results.md"), "\n".join(lines) + "\n")
 
 
 def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    try:
-        results = asyncio.run(evaluate(cfg))
-    except (ValueError, OSError) as e:  # bad settings or inputs, found before the engine: the message is enough
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    results = asyncio.run(evaluate(cfg))  # bad settings or inputs: common.cli prints the one-line error
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
         print(f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
@@ -940,5 +947,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    import tyro
-    sys.exit(main(tyro.cli(Config)))
+    sys.exit(common.cli(main, partial(common.load_config, Config)))

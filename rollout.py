@@ -75,8 +75,12 @@ def vision_token_ids(tokenizer) -> list[int]:
 
 def harmless_vllm_warning(record: logging.LogRecord) -> bool:
     """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
-    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines)."""
-    return "`torch.set_num_threads` after the thread binding" not in record.getMessage()
+    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines), and for the weight
+    sync's "Failed to load weights" of layers that hold only buffers no checkpoint has (rotary caches, the image
+    mean/std), which vLLM keeps (3 lines per rank and step)."""
+    harmless = ("`torch.set_num_threads` after the thread binding", "RotaryEmbedding: Failed to load weights",
+                "FusedMMInputNorm: Failed to load weights")
+    return not any(text in record.getMessage() for text in harmless)
 
 
 class VLLMEngine:
@@ -87,7 +91,9 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
                  max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(harmless_vllm_warning)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per rank at startup
+        for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
+            logging.getLogger(name).addFilter(harmless_vllm_warning)
         from vllm import LLM
         from vllm.platforms import current_platform
         self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
@@ -101,6 +107,9 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
                        max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+                       # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a
+                       # shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)
+                       kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,
                        enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                        logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
                        limit_mm_per_prompt={"image": max_images, "video": max_videos},

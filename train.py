@@ -20,6 +20,7 @@ import math
 import os
 import time
 import typing
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -122,8 +123,9 @@ class Config(cache.Training):
     """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
     max_gen_rounds: int = 4
     """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
-    overlong_buffer: int = 0
-    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last N tokens (0 = off)"""
+    overlong_buffer: float = 0.0
+    """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last overlong_buffer x max_response_len
+    tokens (a fraction, so a recipe fits any response length; DAPO: 4096 of 20480 = 0.2; 0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
     ppo_epochs: int = 1
@@ -179,7 +181,10 @@ class Config(cache.Training):
     keep_last: int = 2
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = ""
-    """'' = fresh | auto = the latest complete checkpoint in out_dir/ckpt (if any) | a folder"""
+    """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
+    allow_config_change: bool = False
+    """resume with settings other than the checkpoint's (else refused, naming them), but for RESUME_MAY_CHANGE: the
+    run's length, logging, evaluation cadence, saving, timeouts"""
     dist_timeout: float = 1800.0
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
     stop_grace_s: float = 300.0
@@ -230,7 +235,7 @@ def check_config(cfg: Config, world: int = 1):
         (cfg.gpu_memory_utilization > 1, f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1"),
         (cfg.mix_threshold > 1, f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)"),
         (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
-        (cfg.overlong_buffer > cfg.max_response_len, "overlong_buffer > max_response_len"),
+        (cfg.overlong_buffer > 1, f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)"),
         (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, "max_prompt_len > max_model_len"),
         (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
         (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
@@ -251,6 +256,30 @@ def check_config(cfg: Config, world: int = 1):
     ] if fails]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
+
+
+RESUME_MAY_CHANGE = {"config", "dry_run", "out_dir", "resume", "allow_config_change", "max_steps", "eval_every",
+                     "save", "wandb_project", "log_every", "log_samples", "save_every", "keep_last", "dist_timeout",
+                     "stop_grace_s", "cache_dir", "video_source"}
+
+
+def check_files(cfg: Config, ckpt_path: str):
+    """Before anything loads: the data files exist, a fresh run never writes into another run's checkpoints."""
+    for name in ("train_data", "val_data", "prompt_template"):
+        if getattr(cfg, name) and not os.path.isfile(getattr(cfg, name)):
+            raise FileNotFoundError(f"{name} {getattr(cfg, name)}: no such file")
+    if not ckpt_path:
+        if os.path.exists(os.path.join(cfg.out_dir, "ckpt", "latest")):
+            raise ValueError(f"{cfg.out_dir} holds another run's checkpoints: continue it with --resume auto, or "
+                             "give another --out-dir")
+        return
+    with open(os.path.join(ckpt_path, "meta.json")) as f:
+        saved = json.load(f)["config"]
+    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
+               if k in cfg.__dataclass_fields__ and k not in RESUME_MAY_CHANGE and getattr(cfg, k) != v]
+    if changed and not cfg.allow_config_change:
+        raise ValueError(f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
+                         "or pass --allow-config-change")
 
 
 def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
@@ -384,7 +413,7 @@ def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2
     return w.clamp(max=cap) if mode == "truncate" else w * (w <= cap)
 
 
-def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
+def overlong_penalty(length: int, max_len: int, buffer: float) -> float:
     """DAPO's soft overlong penalty: 0 up to max_len - buffer tokens, linear to -1 at max_len."""
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
@@ -626,8 +655,8 @@ def score(r: Rollout, cfg: Config) -> dict:
     """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
     overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
     if cfg.overlong_buffer:
-        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len,
-                                                                  cfg.overlong_buffer)
+        buffer = cfg.overlong_buffer * cfg.max_response_len
+        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len, buffer)
         comp["overall"] = overall + comp["overlong"]
     return comp
 
@@ -847,10 +876,10 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
     if cfg.save:
         save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
+    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")  # before vLLM's shutdown ends dist
     logger.finish()
     if isinstance(engine, VLLMEngine):
         engine.llm.llm_engine.engine_core.shutdown()  # now, not in __del__ at exit (a traceback)
-    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     barrier()
     return acc_before, acc_after
 
@@ -858,6 +887,9 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
 def main(cfg: Config):
     rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
     check_config(cfg, world)
+    ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
+    check_files(cfg, ckpt_path)
+    common.check_hub(cfg.model)
     layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -870,7 +902,6 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
     t = build_trainer(cfg, processor, layout, rank, world, device)
-    ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
@@ -886,8 +917,8 @@ def main(cfg: Config):
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif val_prompts:
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} "
-           f"val, {len(skipped)} skipped | world {world} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
+    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} val, "
+           f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, rank)
@@ -953,6 +984,7 @@ def main(cfg: Config):
             meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
                         wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
             ckpt.save(cfg.out_dir, step, t.model, t.opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
+            print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             return acc_before, float("nan")
@@ -1100,10 +1132,12 @@ def load_model(cfg: Config, device):
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
+        # the root returns views (logits_to_keep=1, hidden states) that token_logp only reads: no in-place op
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
 
 
 if __name__ == "__main__":
-    main(load_config())
+    common.cli(main, load_config)

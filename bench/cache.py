@@ -23,8 +23,7 @@ FRAMES = cache.Frames(video_fps=2.0, video_min_frames=4, video_max_frames=16, vi
                       video_max_pixels=3136)
 FLAGS = [x for k, v in asdict(FRAMES).items() for x in (f"--{k.replace('_', '-')}", str(v))]
 BIG = replace(FRAMES, video_max_frames=64, video_max_pixels=262144)  # qwen2_5_vl_7b.yaml's
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
 
 
 def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:

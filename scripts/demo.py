@@ -21,8 +21,7 @@ def main():
     make_synthetic_data.make(".cache/data/color", ["color"], num_train=512, num_val=64)  # 56x56, 4 fps, 2 s, seed 0
     print(f"tiny model and synthetic videos ready ({time.time() - t0:.0f}s)", flush=True)
     shutil.rmtree("runs/tiny_cpu", ignore_errors=True)  # a fresh run every time
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
            "--config", CONFIG]
     print("$ torchrun --nproc_per_node=2 train.py --config " + CONFIG, flush=True)

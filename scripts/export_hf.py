@@ -19,8 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32",
            merge: bool = False):
-    """Only the model's tensors, config and processor are read. dtype: the saved weights' (the checkpoint's are fp32).
-    merge: a LoRA run's adapters merged into the base (W + scale * B A), not the adapter alone (PEFT's format)."""
+    """Only the model's tensors, config and processor are read.
+
+    Args:
+        ckpt: a checkpoint folder (runs/X/ckpt/step_N) or the `latest` file that names one
+        out: the folder to write
+        dtype: the saved weights' (the checkpoint's are fp32)
+        merge: a LoRA run's adapters merged into the base (W + scale * B A), not the adapter alone (PEFT's format)
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
@@ -49,4 +55,5 @@ def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32"
 
 
 if __name__ == "__main__":
-    print(tyro.cli(export))
+    out = tyro.cli(export)
+    print(f"wrote {out}: {', '.join(sorted(os.listdir(out)))}")

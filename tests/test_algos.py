@@ -9,6 +9,7 @@ The same torchrun job then runs 2 training steps of every configs/<algorithm>.ya
 the same processes, sampling with the HF engine (a 3rd vLLM engine built in one torchrun process hung here;
 tests/test_train.py covers the vLLM path of the same loop).
 """
+import dataclasses
 import json
 import math
 import os
@@ -162,15 +163,21 @@ def test_greedy_temperature_and_negative_keep_last_are_config_errors():
 
 
 def test_config_files_apply_in_order():
-    """`--config run.yaml recipe.yaml`: the recipe's keys over the run's, flags over both; an algorithm YAML holds
-    only algorithm keys (none of the run settings)."""
+    """`--config run.yaml recipe.yaml`: the recipe's keys over the run's, flags over both; every algorithm recipe the
+    README lists holds only algorithm keys (Config's algorithm section, micro_batch_size aside: a run's size), so a
+    recipe over the 7B's config cannot change its response length (dapo.yaml's max_response_len 12 once did)."""
+    import re
+
     import yaml
     cfg = load_config(["--config", "configs/tiny_cpu.yaml", "configs/dapo.yaml", "--clip-high", "0.3"])
-    assert (cfg.max_steps, cfg.group_size, cfg.out_dir) == (60, 8, "runs/tiny_cpu")  # tiny_cpu.yaml
-    assert (cfg.max_response_len, cfg.dynamic_sampling, cfg.clip_high) == (12, True, 0.3)  # dapo.yaml, then the flag
-    run = set(yaml.safe_load(open("configs/tiny_cpu.yaml"))) - {"max_response_len"}
-    for name in ALGOS:
-        assert not run & set(yaml.safe_load(open(f"configs/{name}.yaml"))), name
+    assert (cfg.max_steps, cfg.group_size, cfg.max_response_len) == (60, 8, 8)  # tiny_cpu.yaml
+    assert (cfg.overlong_buffer, cfg.dynamic_sampling, cfg.clip_high) == (0.2, True, 0.3)  # dapo.yaml, then the flag
+    names = [f.name for f in dataclasses.fields(Config)]
+    algorithm = set(names[names.index("adv_estimator"):names.index("micro_batch_size")])
+    recipes = re.findall(r"^\| [^|]+ \| \[configs/(\w+)\.yaml\]", open("README.md").read(), re.M)
+    assert sorted(recipes) == sorted(ALGOS)
+    for name in recipes:
+        assert set(yaml.safe_load(open(f"configs/{name}.yaml"))) <= algorithm, name
 
 
 def test_unknown_keywords_raise():

@@ -79,7 +79,7 @@ def test_check_config_reports_every_bad_combination():
     expected = ["lr must be > 0", "warmup_steps must be >= 0", "prompts_per_step 6 % data-parallel size 4 != 0",
                 "rollout_tp > 1 needs rollout vllm", "mini_batches 4 > 2 rollouts per rank and step",
                 "min_lr_ratio 2.0 must be in [0, 1]", "gpu_memory_utilization 1.5 must be <= 1",
-                "mix_threshold needs mix_offline", "overlong_buffer > max_response_len",
+                "mix_threshold needs mix_offline", "overlong_buffer 100 must be <= 1",
                 "video_min_frames > video_max_frames", "video_source cache_only needs a cache_dir",
                 "kl_in_reward needs kl_coef > 0", "resume 'no/such/dir': no such folder"]
     assert len(lines) == len(expected) and all(line.strip().startswith(x) for line, x in zip(lines, expected)), lines

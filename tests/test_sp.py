@@ -234,7 +234,7 @@ def test_train_run_and_resume(tmp_path, tiny_model, synth):
             "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
             "--save-every", "1", "--dist-timeout", "120"]
     runs = (["--max-steps", "2", "--rollout", "hf"],
-            ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision"])
+            ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision", "--allow-config-change"])
     logs = launch([args + extra for extra in runs])
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
