@@ -978,6 +978,8 @@ def main(cfg: Config):
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
             log_step(row, parts, cfg, layout, logger, skipped, per_step)
+        # the step's prompts (pixels), micro-batches and features must not live through the next rollout
+        del batch, rollouts, minibatches, adv
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
