@@ -78,7 +78,8 @@ def pytest_collection_finish(session):
         params = getattr(item, "callspec", None)
         used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ())]
         names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
-    if not session.config.option.collectonly:
+    # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
+    if not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
         _submit(names, session.config._tmp_path_factory)
 
 
