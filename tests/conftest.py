@@ -79,7 +79,11 @@ def pytest_collection_finish(session):
         used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ())]
         names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
     # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
-    if not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
+    if names and not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
+        # one core each: torch's 2 intra-op threads here beside a 2-rank job spin-wait on each other (a 5 s test of
+        # test_algos took 161 s)
+        import torch
+        torch.set_num_threads(1)
         _submit(names, session.config._tmp_path_factory)
 
 
