@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -21,14 +22,88 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
+# ---------------------------------------------------------------------------------------------------
+# The background lane: the long subprocess jobs (torchrun launches, vLLM processes) behind some fixtures start when
+# the session's tests are collected and run one at a time in a thread, in the order their first test comes, while
+# the tests go on. Most tests before them run in this one process on one of the 2 cores; the job uses the other.
+# A fixture's job is registered with @background("fixture_name"): a function of tmp_path_factory, run in the main
+# thread at collection (it builds the job's inputs), returning the zero-argument function that runs the job (in the
+# lane); the fixture returns `lane_result("fixture_name")`, the job's return value (its exception re-raised).
+
+JOBS = {}  # fixture name -> its prepare function
+LANE = {"queue": [], "submitted": set(), "results": {}, "thread": None}
+LANE_CHANGED = threading.Condition()
+
+
+def background(name: str):
+    def register(prepare):
+        assert name not in JOBS, f"two background jobs named {name}"
+        JOBS[name] = prepare
+        return prepare
+    return register
+
+
+def _run_lane():
+    while True:
+        with LANE_CHANGED:
+            if not LANE["queue"]:
+                LANE["thread"] = None
+                return
+            name, job = LANE["queue"].pop(0)
+        try:
+            result = (job(), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the fixture, raised in its test
+            result = (None, e)
+        with LANE_CHANGED:
+            LANE["results"][name] = result
+            LANE_CHANGED.notify_all()
+
+
+def _submit(names: list, tmp_path_factory):
+    names = [n for n in names if n not in LANE["submitted"]]
+    jobs = [(n, JOBS[n](tmp_path_factory)) for n in names]
+    with LANE_CHANGED:
+        LANE["queue"] += jobs
+        LANE["submitted"].update(names)
+        if LANE["thread"] is None and LANE["queue"]:
+            LANE["thread"] = threading.Thread(target=_run_lane, name="background-lane", daemon=True)
+            LANE["thread"].start()
+
+
+def pytest_collection_finish(session):
+    """Queue the background jobs of the collected tests' fixtures (or named by a test's parameter), in the order of
+    their first test."""
+    names = []
+    for item in session.items:
+        params = getattr(item, "callspec", None)
+        used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ())]
+        names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
+    # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
+    if names and not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
+        # one core each: torch's 2 intra-op threads here beside a 2-rank job spin-wait on each other (a 5 s test of
+        # test_algos took 161 s)
+        import torch
+        torch.set_num_threads(1)
+        _submit(names, session.config._tmp_path_factory)
+
+
+def lane_result(name: str, tmp_path_factory):
+    """The return value of the background job `name` once it has run (queued now if it was not)."""
+    _submit([name], tmp_path_factory)
+    with LANE_CHANGED:
+        LANE_CHANGED.wait_for(lambda: name in LANE["results"])
+        value, error = LANE["results"][name]
+    if error is not None:
+        raise error
+    return value
+
+
+def tiny_model_dir(arch: str = "qwen2_5_vl") -> str:
     import make_tiny_model
-    return make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
 
 
-@pytest.fixture(scope="session")
-def synth():
+def synth_dir() -> str:
     """All synthetic tasks, a few samples each: {task}-prefixed ids in train.jsonl / val.jsonl."""
     import make_synthetic_data
     out = os.path.join(ROOT, ".cache/data/test_mixed")
@@ -37,13 +112,27 @@ def synth():
     return out
 
 
-@pytest.fixture(scope="session")
-def color_data():
+def color_data_dir() -> str:
     """The "background color" task only: 16 train and 4 held-out samples, one video each."""
     import make_synthetic_data
     out = os.path.join(ROOT, ".cache/data/test_color")
     make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def synth():
+    return synth_dir()
+
+
+@pytest.fixture(scope="session")
+def color_data():
+    return color_data_dir()
 
 
 def free_port() -> int:
@@ -60,38 +149,57 @@ def train_cmd(model, data_dir, out, *extra):
             "--eval-every", "0", "--no-save", *extra]
 
 
-@pytest.fixture(scope="session")
-def val_with_missing(tmp_path_factory, color_data) -> str:
+VAL_WITH_MISSING = []  # its one path, written once a session
+
+
+def val_with_missing_file(tmp_path_factory) -> str:
     """2 held-out samples and one whose video is missing: skipped (skip_invalid) and reported once per run."""
-    val = tmp_path_factory.mktemp("val") / "val.jsonl"
-    good = [json.loads(line) for line in open(os.path.join(color_data, "val.jsonl"))][:2]
-    good = [{**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]} for s in good]  # val moves
-    bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
-    val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
-    return str(val)
+    if not VAL_WITH_MISSING:
+        color_data = color_data_dir()
+        val = tmp_path_factory.mktemp("val") / "val.jsonl"
+        good = [json.loads(line) for line in open(os.path.join(color_data, "val.jsonl"))][:2]
+        good = [{**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]} for s in good]  # val moves
+        bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
+        val.write_text("".join(json.dumps(s) + "\n" for s in good + [bad]))
+        VAL_WITH_MISSING.append(str(val))
+    return VAL_WITH_MISSING[0]
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory, tiny_model, color_data, val_with_missing):
+def val_with_missing(tmp_path_factory) -> str:
+    return val_with_missing_file(tmp_path_factory)
+
+
+@background("uninterrupted")
+def two_node_run(tmp_path_factory):
     """4 steps on color_data (16 samples: one epoch), a checkpoint every 2 (keep_last 1), a cold frame cache and the
     HF-format final folder, launched as a 2-node job: two torchrun agents, --nnodes=2 with one process each, meet
     through c10d rendezvous on 127.0.0.1 (the command line a real 2-node job uses, with the node's address in place
     of 127.0.0.1). Shared by test_resume (2 nodes, the reference of exact resume, export) and test_train (the tp=1
     run's checks): each 2-rank vLLM launch costs ~20 CPU s of import and engine start. Returns (run folder, each
     node's log)."""
-    port, out = free_port(), tmp_path_factory.mktemp("full") / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ("--val-data", val_with_missing, "--skip-invalid", "--max-steps", "4", "--save-every", "2",
-            "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
-    cmd = train_cmd(tiny_model, color_data, out, *args)
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
-                               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                               "--rdzv-id=nvr1-test", "--max-restarts=0", *cmd],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
-    return out, logs
+    out = tmp_path_factory.mktemp("full") / "run"
+    args = ("--val-data", val_with_missing_file(tmp_path_factory), "--skip-invalid", "--max-steps", "4",
+            "--save-every", "2", "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
+    cmd = train_cmd(tiny_model_dir(), color_data_dir(), out, *args)
+
+    def run():
+        port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
+                                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                                   "--rdzv-id=nvr1-test", "--max-restarts=0", *cmd],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for n in range(2)]
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
+        return out, logs
+    return run
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """conftest.two_node_run's (run folder, each node's log)."""
+    return lane_result("uninterrupted", tmp_path_factory)
 
 
 def tiny_config(**kw):
@@ -126,3 +234,11 @@ def vllm_greedy_tokens(model_dir: str) -> int:
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
     return int(p.stdout.split("TOKENS ")[1])
+
+
+def pytest_sessionfinish(session):
+    """A background job still running (its tests not reached: -x, an interrupt) ends with the session."""
+    if LANE["thread"] is not None:
+        import psutil
+        for p in psutil.Process().children(recursive=True):
+            p.kill()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import background, lane_result  # noqa: E402
 from train import (Config, Group, advantages, agg_loss, check_config, has_spread, is_weight,  # noqa: E402
                    kl_penalty, load_config, overlong_penalty, policy_loss, reward_to_go, split_batch, whiten)
 
@@ -380,13 +381,17 @@ def assert_same(a, b):
         assert torch.allclose(a[1][k], b[1][k], atol=tol, rtol=1e-4), k
 
 
-@pytest.fixture(scope="module")
-def algo_data():
+def algo_data_dir() -> str:
     import make_synthetic_data
     from conftest import ROOT
     out = os.path.join(ROOT, ".cache/data/test_algos")
     make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0)
     return out
+
+
+@pytest.fixture(scope="module")
+def algo_data():
+    return algo_data_dir()
 
 
 @pytest.fixture(scope="module")
@@ -411,17 +416,26 @@ def test_micro_batch_invariance_real_model(reference_grads):
     assert ref[COMBOS[0]][0] != approx(ref[COMBOS[1]][0])  # the modes do aggregate differently
 
 
-@pytest.fixture(scope="module")
-def torchrun_job(tiny_model, algo_data, tmp_path_factory):
-    """One 2-rank torchrun job: the FSDP2 gradients of the invariance batch, then 2 steps of every algorithm."""
-    from conftest import ROOT
-    out = tmp_path_factory.mktemp("algos")
+@background("torchrun_job")
+def fsdp2_job(tmp_path_factory):
+    """One 2-rank torchrun job: the FSDP2 gradients of the invariance batch, then 2 steps of every algorithm (in
+    conftest's background lane). Returns its output folder."""
+    from conftest import ROOT, tiny_model_dir
+    out, tiny_model, data_dir = tmp_path_factory.mktemp("algos"), tiny_model_dir(), algo_data_dir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(out), tiny_model, algo_data]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    return out
+           os.path.abspath(__file__), str(out), tiny_model, data_dir]
+
+    def run():
+        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+        return out
+    return run
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    return lane_result("torchrun_job", tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from conftest import background, lane_result
 
 import data
 import evaluate as E
@@ -547,15 +548,27 @@ def test_two_models_default_folder_and_exit_code(tiny_model, synth, tmp_path, mo
     assert E.main(broken) == 1 and E.main(replace(broken, allow_failures=True)) == 0
 
 
-def test_readme_command_as_written(tiny_model, tmp_path):
+@background("readme_eval")
+def readme_eval(tmp_path_factory):
+    """The README's evaluate.py command in a fresh folder holding .cache/ (conftest's background lane). Returns
+    (that folder, the process)."""
     import make_synthetic_data
+    from conftest import tiny_model_dir
+    tiny_model, tmp_path = tiny_model_dir(), tmp_path_factory.mktemp("readme")
     make_synthetic_data.make(str(tmp_path / ".cache" / "data" / "color"), ["color"], num_train=1, num_val=3, seed=0,
                              size=56, fps=4, seconds=2.0)
     os.symlink(os.path.dirname(tiny_model), tmp_path / ".cache" / "models")
     cmd = f"python evaluate.py --model {tiny_model} --benchmarks nvr1 --data-dir .cache/data/color"  # the README's
     args = [sys.executable, os.path.join(ROOT, "evaluate.py")] + cmd.split()[2:]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # as written: the CPU default KV cache
-    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    def run():
+        return tmp_path, subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return run
+
+
+def test_readme_command_as_written(tmp_path_factory):
+    tmp_path, out = lane_result("readme_eval", tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "nvr1: 3/3" in out.stderr  # progress, and no exit traceback
     folder = next((tmp_path / "runs" / "eval").iterdir())

@@ -380,25 +380,73 @@ def test_pruning_never_deletes_what_latest_names(tmp_path, tiny_model):
 # ---------------------------------------------------------------------------------------------------
 # Hostile inputs, round two: each through the entry point that meets it
 
-def train_cli(model, *extra, configs=(), timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py in one process on the tiny model, stdout + stderr in one string (.stdout); configs: YAML files over
-    configs/tiny_cpu.yaml."""
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny_cpu.yaml", *map(str, configs), "--model", model,
-           "--val-data", "", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+def train_cli_args(model, *extra, configs=()) -> list:
+    """train.py's arguments on the tiny model; configs: YAML files over configs/tiny_cpu.yaml."""
+    return ["--config", "configs/tiny_cpu.yaml", *map(str, configs), "--model", model, "--val-data", "", *extra]
+
+
+# The command lines below run one after another in one process, each as `python train.py ARGS` runs it (sys.argv,
+# __main__), stdout and stderr in one stream cut at MARK lines: the imports (~5 CPU s a process) are paid once
+TRAIN_DRIVER = """
+import json, runpy, sys, traceback
+for key, args in json.loads(sys.argv[1]).items():
+    print("=== train_cli " + key, flush=True)
+    sys.argv, rc = ["train.py", *args], 0
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    sys.stderr.flush()
+    print("=== rc " + str(rc), flush=True)
+"""
+DATA_ERRORS = [
+    ("one.json", {"problem": "Q?", "answer": "A", "problem_type": "free-form"}, "expected a JSON array of samples"),
+    ("math.jsonl", {"id": "m1", "problem": "Q?", "answer": "\\frac{1}{2", "problem_type": "math"},
+     "sample m1: field 'answer': sample m1: answer '\\\\frac{1}{2' is not an expression math-verify parses"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory, tiny_model, synth) -> tuple:
+    """The inputs of the tests below in one folder, and their train.py command lines run in one process
+    (TRAIN_DRIVER). Returns (folder, key -> finished command with stdout + stderr in .stdout)."""
+    d = tmp_path_factory.mktemp("cli")
+    ids = [json.loads(line)["id"] for line in open(os.path.join(synth, "train.jsonl"))]
+    (d / "t.j2").write_text(f"{{% if id == '{ids[2]}' %}}{{% for i in range(100000) %}}{{% for j in range(100000) %}}"
+                            "{% endfor %}{% endfor %}{% endif %}{{ problem }} {{ instruction }}")
+    (d / "nan.yaml").write_text("temperature: .nan\nclip_high: .inf\n")
+    (d / "list.yaml").write_text("- lr: 1.0e-6\n")
+    runs = {f"template skip={skip}": train_cli_args(
+        tiny_model, "--train-data", os.path.join(synth, "train.jsonl"), "--prompt-template", str(d / "t.j2"),
+        "--out-dir", str(d / f"run-template-{skip}"), "--dry-run", *["--skip-invalid"] * skip)
+        for skip in (False, True)}
+    runs["config nan"] = train_cli_args(tiny_model, "--lr", "inf", "--kl-coef", "-inf", "--dry-run",
+                                        configs=[d / "nan.yaml"])
+    runs["config list"] = train_cli_args(tiny_model, "--dry-run", configs=[d / "list.yaml"])
+    for name, content, _ in DATA_ERRORS:
+        (d / name).write_text(json.dumps(content) + "\n")
+        runs[name] = train_cli_args(tiny_model, "--train-data", str(d / name), "--out-dir", str(d / f"run-{name}"),
+                                    "--dry-run")
+    p = subprocess.run([sys.executable, "-c", TRAIN_DRIVER, json.dumps(runs)], cwd=ROOT, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:]
+    out = {}
+    for key in runs:
+        log = p.stdout.split(f"=== train_cli {key}\n")[1].split("=== train_cli ")[0]
+        log, _, rc = log.rpartition("=== rc ")
+        out[key] = subprocess.CompletedProcess(runs[key], int(rc), log)
+    return d, out
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_template_is_bounded_on_every_sample(tmp_path, tiny_model, synth, skip):
+def test_template_is_bounded_on_every_sample(cli, synth, skip):
     """A template harmless on the first sample that loops on the third: a DataError naming the template file and that
     sample, or with --skip-invalid a skip (before: the startup check rendered sample 1 only, and step 1 hung)."""
     ids = [json.loads(line)["id"] for line in open(os.path.join(synth, "train.jsonl"))]
-    template = tmp_path / "t.j2"
-    template.write_text(f"{{% if id == '{ids[2]}' %}}{{% for i in range(100000) %}}{{% for j in range(100000) %}}"
-                        "{% endfor %}{% endfor %}{% endif %}{{ problem }} {{ instruction }}")
-    p = train_cli(tiny_model, "--train-data", os.path.join(synth, "train.jsonl"), "--prompt-template", str(template),
-                  "--out-dir", str(tmp_path / "run"), "--dry-run", *["--skip-invalid"] * skip)
+    template, p = cli[0] / "t.j2", cli[1][f"template skip={skip}"]
     if skip:
         assert p.returncode == 0 and f"data: {len(ids) - 1} train, 0 val, 1 skipped" in p.stdout, p.stdout[-3000:]
     else:
@@ -429,30 +477,22 @@ def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
     assert not (out / "ckpt").exists()
 
 
-def test_config_errors_name_the_setting_or_file(tmp_path, tiny_model):
+def test_config_errors_name_the_setting_or_file(cli):
     """Non-finite floats (flags and YAML) fail check_config by name; a YAML list is an error naming the file (before:
     --lr inf trained a step, then 'probability tensor contains inf'; the list: a raw AttributeError)."""
-    yaml_nan, yaml_list = tmp_path / "nan.yaml", tmp_path / "list.yaml"
-    yaml_nan.write_text("temperature: .nan\nclip_high: .inf\n")
-    yaml_list.write_text("- lr: 1.0e-6\n")
-    p = train_cli(tiny_model, "--lr", "inf", "--kl-coef", "-inf", "--dry-run", configs=[yaml_nan])
+    yaml_list, p = cli[0] / "list.yaml", cli[1]["config nan"]
     for name, value in (("lr", "inf"), ("kl_coef", "-inf"), ("temperature", "nan"), ("clip_high", "inf")):
         assert f"{name} must be finite, got {value}" in p.stdout, p.stdout[-3000:]
-    p = train_cli(tiny_model, "--dry-run", configs=[yaml_list])
+    p = cli[1]["config list"]
     assert p.returncode != 0 and f"{yaml_list}: expected a mapping of settings" in p.stdout, p.stdout[-3000:]
 
 
-@pytest.mark.parametrize("name, content, says", [
-    ("one.json", {"problem": "Q?", "answer": "A", "problem_type": "free-form"}, "expected a JSON array of samples"),
-    ("math.jsonl", {"id": "m1", "problem": "Q?", "answer": "\\frac{1}{2", "problem_type": "math"},
-     "sample m1: field 'answer': sample m1: answer '\\\\frac{1}{2' is not an expression math-verify parses"),
-])
-def test_data_errors_name_the_file_and_sample(tmp_path, tiny_model, name, content, says):
+@pytest.mark.parametrize("name, content, says", DATA_ERRORS)
+def test_data_errors_name_the_file_and_sample(cli, name, content, says):
     """A .json holding one object (before: 'expected a JSON object, got str', from iterating its keys) and a math
     answer no parse reads (before: accepted as text, then every correct rollout scored 0) fail at load."""
-    path = tmp_path / name
-    path.write_text(json.dumps(content) + "\n")
-    p = train_cli(tiny_model, "--train-data", str(path), "--out-dir", str(tmp_path / "run"), "--dry-run")
+    path, p = cli[0] / name, cli[1][name]
+    assert json.loads(path.read_text()) == content
     assert p.returncode != 0 and f"{path}" in p.stdout and says in p.stdout, p.stdout[-3000:]
 
 

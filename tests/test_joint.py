@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import background, lane_result, synth_dir, tiny_config, tiny_model_dir
 from PIL import Image
 
 import cache
@@ -115,27 +115,36 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def grads_by_case(tmp_path_factory, tiny_model, synth):
+@background("grads_by_case")
+def grad_jobs(tmp_path_factory):
     """tests/grad_worker.py, each process launched once for every case: the one-process references (split, uneven)
-    and, alongside them, the 2-rank FSDP2 runs (split, uneven, uneven+ckpt). case -> (reference, FSDP2) gradients."""
+    and, alongside them, the 2-rank FSDP2 runs (split, uneven, uneven+ckpt), in conftest's background lane.
+    case -> (reference, FSDP2) gradients."""
     import subprocess
     import sys
     from safetensors.torch import load_file
     out = tmp_path_factory.mktemp("grads")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = ["tests/grad_worker.py", tiny_model, os.path.join(synth, "train.jsonl")]
+    args = ["tests/grad_worker.py", tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in ([sys.executable, *args, str(out / "ref-{case}.safetensors"), "split,uneven"],
-                         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args,
-                          str(out / "fsdp-{case}.safetensors"), "split,uneven,uneven+ckpt"])]
-    for p in procs:
-        log = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, log[-6000:]
-    cases = ("split", "uneven", "uneven+ckpt")
-    return {c: (load_file(out / f"ref-{c.partition('+')[0]}.safetensors"), load_file(out / f"fsdp-{c}.safetensors"))
-            for c in cases}
+
+    def run():
+        procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for cmd in ([sys.executable, *args, str(out / "ref-{case}.safetensors"), "split,uneven"],
+                             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              *args, str(out / "fsdp-{case}.safetensors"), "split,uneven,uneven+ckpt"])]
+        for p in procs:
+            log = p.communicate(timeout=600)[0]
+            assert p.returncode == 0, log[-6000:]
+        cases = ("split", "uneven", "uneven+ckpt")
+        return {c: (load_file(out / f"ref-{c.partition('+')[0]}.safetensors"),
+                    load_file(out / f"fsdp-{c}.safetensors")) for c in cases}
+    return run
+
+
+@pytest.fixture(scope="module")
+def grads_by_case(tmp_path_factory):
+    return lane_result("grads_by_case", tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -180,24 +189,33 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     assert train.swap_offline(group, tiny_config(mix_offline=False), tok, eos) is group
 
 
-@pytest.fixture(scope="module")
-def text_vs_video(tmp_path_factory, tiny_model, synth) -> tuple:
-    """Two 2-rank runs, HF generate then vLLM, in one torchrun launch (tests/train_worker.py): every step one rank
-    holds a text-only prompt and the other a video prompt. Returns (video sample, rollout -> metrics rows)."""
+@background("text_vs_video")
+def text_vs_video_runs(tmp_path_factory):
+    """Two 2-rank runs, HF generate then vLLM, in one torchrun launch (tests/train_worker.py; conftest's background
+    lane): every step one rank holds a text-only prompt and the other a video prompt. Returns (video sample, rollout
+    -> metrics rows)."""
     import json
 
     from train_worker import launch
     tmp_path = tmp_path_factory.mktemp("text_vs_video")
-    video = next(s for s in data.load_samples(os.path.join(synth, "train.jsonl")) if s.get("videos"))
+    video = next(s for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl")) if s.get("videos"))
     text = {"id": "text-0", "problem": "What is two plus three?", "answer": "5", "problem_type": "numerical",
             "data_type": "text", "offline_output": "<answer>5</answer>"}
     (tmp_path / "d.jsonl").write_text(json.dumps(video) + "\n" + json.dumps(text) + "\n")
-    rollouts = ("hf", "vllm")
-    launch([["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data", str(tmp_path / "d.jsonl"),
-             "--val-data", "", "--out-dir", str(tmp_path / rollout), "--max-steps", "2", "--group-size", "2",
-             "--prompts-per-step", "2", "--rollout", rollout, "--no-save", "--cache-dir", "", "--dist-timeout", "120"]
-            for rollout in rollouts])
-    return video, {r: [json.loads(x) for x in open(tmp_path / r / "metrics.jsonl")] for r in rollouts}
+    rollouts, model = ("hf", "vllm"), tiny_model_dir()
+
+    def run():
+        launch([["--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data",
+                 str(tmp_path / "d.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / rollout), "--max-steps", "2",
+                 "--group-size", "2", "--prompts-per-step", "2", "--rollout", rollout, "--no-save", "--cache-dir", "",
+                 "--dist-timeout", "120"] for rollout in rollouts])
+        return video, {r: [json.loads(x) for x in open(tmp_path / r / "metrics.jsonl")] for r in rollouts}
+    return run
+
+
+@pytest.fixture(scope="module")
+def text_vs_video(tmp_path_factory) -> tuple:
+    return lane_result("text_vs_video", tmp_path_factory)
 
 
 @pytest.mark.slow

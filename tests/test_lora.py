@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config, vllm_greedy_tokens
+from conftest import ROOT, background, lane_result, synth_dir, tiny_config, tiny_model_dir, vllm_greedy_tokens
 from safetensors.torch import load_file
 
 import data
@@ -138,10 +138,28 @@ def torchrun(tiny_model, data_dir, out, *extra):
     return {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
 
 
-@pytest.mark.slow
-def test_two_ranks_vllm_agrees_resume_and_export(tmp_path, tiny_model, synth):
+@background("lora_runs")
+def lora_runs(tmp_path_factory):
+    """The 4-step 2-rank run, steps 3 and 4 again from its own step-2 checkpoint (`--resume FOLDER`, into a fresh
+    out_dir; the same 2 steps run again to write that checkpoint would add nothing), its last checkpoint exported
+    merged and as a PEFT adapter, and vLLM's greedy tokens from the merged folder, in the background lane (conftest).
+    Returns (folder, full run's rows, resumed run's rows, merged folder, adapter folder, vLLM's token count)."""
     import export_hf
-    full = torchrun(tiny_model, synth, tmp_path / "full", "--max-steps", "4")
+    tmp_path, tiny_model, synth = tmp_path_factory.mktemp("lora"), tiny_model_dir(), synth_dir()
+
+    def run():
+        full = torchrun(tiny_model, synth, tmp_path / "full", "--max-steps", "4")
+        step2 = tmp_path / "full" / "ckpt" / "step_00000002"
+        resumed = torchrun(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", str(step2))
+        merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
+        adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
+        return tmp_path, full, resumed, merged, adapter, vllm_greedy_tokens(merged)
+    return run
+
+
+@pytest.mark.slow
+def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
+    tmp_path, full, resumed, merged, adapter, vllm_tokens = lane_result("lora_runs", tmp_path_factory)
     # sampler (merged weights) and trainer (W x + s B A x) agree while B moves away from 0 (test_rollout's LOGP_TOL)
     assert all(full[s]["mismatch/max"] < 1e-2 for s in full) and full[4]["grad_norm"] > 0
     assert full[1]["kl"] == 0.0 and full[4]["kl"] > 0  # step 1: B = 0, the policy IS the reference
@@ -156,23 +174,18 @@ def test_two_ranks_vllm_agrees_resume_and_export(tmp_path, tiny_model, synth):
     keys = dcp.FileSystemReader(str(tmp_path / "full" / "ckpt" / "step_00000002")).read_metadata().state_dict_metadata
     tensors = [k for k in keys if not k.startswith("optim.param_groups.")]
     assert tensors and all(".lora_" in k for k in tensors)
-    # exact resume: steps 3 and 4 from the run's own step-2 checkpoint (`--resume FOLDER`, into a fresh out_dir),
-    # bit-equal to the uninterrupted run; the same 2 steps run again to write that checkpoint would add nothing here
-    step2 = tmp_path / "full" / "ckpt" / "step_00000002"
-    resumed = torchrun(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", str(step2))
+    # exact resume: steps 3 and 4 from the run's own step-2 checkpoint, bit-equal to the uninterrupted run
     assert sorted(resumed) == [3, 4]
     for s in (3, 4):
         for k in ("data/ids", "reward/mean", "loss", "grad_norm", "kl", "mismatch/mean"):
             assert resumed[s][k] == full[s][k], (s, k)
     # export: --merge is the run's own final folder; the PEFT adapter on the base gives the same weights
-    merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
     assert all(torch.equal(v, final[k]) for k, v in load_file(f"{merged}/model.safetensors").items())
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
-    adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
     assert sorted(os.listdir(adapter))[:2] == ["README.md", "adapter_config.json"]
     hf = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
     want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
     assert sd.keys() == want.keys() and all(torch.allclose(sd[k], want[k], atol=1e-6) for k in want)
-    assert vllm_greedy_tokens(merged) > 0
+    assert vllm_tokens > 0

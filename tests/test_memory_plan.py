@@ -15,7 +15,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, background, lane_result, tiny_model_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -341,15 +341,59 @@ def test_lora_trains_only_the_adapters():
     assert full.verdict.startswith("DOES NOT FIT")
 
 
-@pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(ROOT, "configs"))
-                                        if n.endswith(".yaml") and n.split(".")[0] in (
-                                            "tiny_cpu", "long_video_cpu", "qwen2_5_vl_3b", "qwen2_5_vl_7b",
-                                            "qwen2_5_vl_7b_lora", "qwen3_vl_8b")))
-def test_every_run_config_gets_an_answer(name, tiny_model):
+RUN_CONFIGS = sorted(n for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith(".yaml") and n.split(".")[0]
+                     in ("tiny_cpu", "long_video_cpu", "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_7b_lora",
+                         "qwen3_vl_8b"))
+
+
+# One process runs the command lines one after another, each as `python scripts/memory_plan.py ARGS` runs it (tyro
+# parses sys.argv, its stdout and stderr its own): the imports (~6 CPU s a process) are paid once, not 7 times
+CLI_DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+script, out = sys.argv[1], {}
+for key, args in json.loads(sys.argv[2]).items():
+    sys.argv, stdout, stderr, rc = [script, *args], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    out[key] = (rc, stdout.getvalue(), stderr.getvalue())
+print("RESULT" + json.dumps(out))
+"""
+
+
+@background("cli_runs")
+def cli_runs_job(tmp_path_factory):
+    """scripts/memory_plan.py's command line on each run config, then `--config <7B> <long> --table`, in one process
+    (CLI_DRIVER), in conftest's background lane. Returns config name (or "table") -> the finished command."""
+    import json
+    tiny_model_dir()  # the tiny config's model, built before the commands read it
+    cmds = {name: ["--config", f"configs/{name}"] for name in RUN_CONFIGS}
+    cmds["table"] = ["--config", *LONG, "--table"]
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", CLI_DRIVER, os.path.join(ROOT, "scripts/memory_plan.py"),
+                            json.dumps(cmds)], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert p.returncode == 0 and "RESULT" in p.stdout, p.stderr[-3000:]
+        return {k: subprocess.CompletedProcess(cmds[k], *v) for k, v in json.loads(p.stdout.split("RESULT")[1]).items()}
+    return run
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict:
+    return lane_result("cli_runs", tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_every_run_config_gets_an_answer(name, cli_runs):
     """Each shipped run config, as given: the GPU count from its own launch line (`torchrun --nproc_per_node=N`), a GPU
     verdict, or for the tiny CPU model (measured in fp32 only) a CPU answer; no traceback."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts/memory_plan.py"), "--config", f"configs/{name}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = cli_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = proc.stdout.splitlines()[0], proc.stdout.splitlines()[-1]
     ranks = {"tiny_cpu.yaml": 2, "long_video_cpu.yaml": 2, "qwen2_5_vl_3b.yaml": 1, "qwen2_5_vl_7b_lora.yaml": 1}
@@ -389,11 +433,10 @@ def test_the_long_video_recipes_fit():
     assert frozen.train == states + 8 * 129_600 * 46_530 > trained.train  # before the passes: no activations held
 
 
-def test_the_table_command_runs():
+def test_the_table_command_runs(cli_runs):
     """`memory_plan.py --config <7B> <long> --table`: frames 256-3,600 x sp_size 1/2/4/8; 128 x 144 + the question's
     tokens for 256 frames; 3,600 frames fit at sp_size 8 only (the 7B's 28 heads padded to 32)."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts/memory_plan.py"), "--config", *LONG, "--table"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = cli_runs["table"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r.strip("| ").split(" | ") for r in proc.stdout.splitlines()[-5:]]
     assert [r[0] for r in rows] == ["256", "512", "1024", "2048", "3600"]
@@ -401,16 +444,37 @@ def test_the_table_command_runs():
     assert [c.split(" (")[0] for c in rows[-1][2:6]] == ["does not fit", "does not fit", "does not fit", "fits"]
 
 
+SETTINGS = ["switches off", "gradient_checkpointing", "freeze_vision"]
+
+
+@background("worker_peaks")
+def worker_peaks_job(tmp_path_factory):
+    """bench/memory.py's worker in a fresh process per setting, one at a time in conftest's background lane (its peak
+    resident set is its own, whatever runs beside it). Returns setting -> the finished process."""
+    import memory
+    tiny_model_dir()
+    memory.prepare(memory.Config(size=56))
+
+    def run():
+        return {setting: subprocess.run([sys.executable, os.path.join(ROOT, "bench/memory.py"), "--worker", setting,
+                                         "--size", "56"], cwd=ROOT, capture_output=True, text=True)
+                for setting in SETTINGS}
+    return run
+
+
+@pytest.fixture(scope="module")
+def worker_peaks(tmp_path_factory) -> dict:
+    return lane_result("worker_peaks", tmp_path_factory)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["switches off", "gradient_checkpointing", "freeze_vision"])
-def test_plan_predicts_the_tiny_model_peak(setting, tiny_model):
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_plan_predicts_the_tiny_model_peak(setting, worker_peaks):
     """The planner (device cpu, 1 process, measurements of the tiny model's layers) against the peak resident set of the
     train phase that bench/memory.py's worker measures in a fresh process, 256-frame clips: within 20%."""
     import memory
     c = memory.Config(size=56)
-    memory.prepare(c)
-    cmd = [sys.executable, os.path.join(ROOT, "bench/memory.py"), "--worker", setting, "--size", "56"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = worker_peaks[setting]
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     cfg = memory.train_config(c, **memory.SETTINGS[setting])

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
+from conftest import ROOT, background, lane_result, tiny_config
 
 import data
 from rollout import VLLMEngine, device_normalize_ok, vision_token_ids
@@ -69,19 +69,31 @@ def clip_image_checkpoint(src: str, dst: str) -> str:
     return dst
 
 
-@pytest.fixture(scope="module")
-def qwen3():
+def qwen3_dir() -> str:
     import make_tiny_model
     return make_tiny_model.ensure("qwen3_vl", root=os.path.join(ROOT, ".cache/models"))
 
 
+def clip_qwen3_dir() -> str:
+    return clip_image_checkpoint(qwen3_dir(), qwen3_dir() + "-clip-image")
+
+
 @pytest.fixture(scope="module")
-def clip_qwen3(qwen3):
-    return clip_image_checkpoint(qwen3, qwen3 + "-clip-image")
+def qwen3():
+    return qwen3_dir()
+
+
+@pytest.fixture(scope="module")
+def clip_qwen3():
+    return clip_qwen3_dir()
 
 
 @pytest.fixture(scope="module")
 def clips():
+    return clip_videos()
+
+
+def clip_videos() -> dict:
     """6 s at 30 fps (square) and 3 s at 10 fps (96x64): strided frame indices, timestamps that are not 0.5 s steps."""
     import make_synthetic_data
     sq = make_synthetic_data.make(os.path.join(ROOT, ".cache/data/test_qwen3_30fps"), ["color", "direction"],
@@ -157,28 +169,38 @@ print("RESULT" + json.dumps(logp_gap(engine, model, proc, prompts)))
 """
 
 
-@pytest.fixture(scope="module")
-def clip_runs(tmp_path_factory, clip_qwen3, clips) -> tuple[list, list]:
+@background("clip_runs")
+def clip_jobs(tmp_path_factory):
     """On the CLIP-image checkpoint: vLLM's own device normalization in a fresh process (pytest already holds an
     engine; a second vLLM engine in one process takes the external-launcher path and wants torchrun's RANK), its
     (max, mean) log-prob gap; and, while that single-threaded process runs beside it, 2 ranks (torchrun, FSDP2 +
-    colocated vLLM per rank, our engine) for 2 steps on Qwen3-VL videos, metrics.jsonl's rows."""
+    colocated vLLM per rank, our engine) for 2 steps on Qwen3-VL videos, metrics.jsonl's rows. In conftest's
+    background lane."""
     from test_train import run_train
-    tmp = tmp_path_factory.mktemp("clip")
+    tmp, clip_qwen3, clips = tmp_path_factory.mktemp("clip"), clip_qwen3_dir(), clip_videos()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
-    with open(tmp / "vllm_default.log", "w+") as log:  # a file: a full pipe would stop the process until read
-        p = subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0])],
-                             env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
-            _, rows, _ = run_train(tmp, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0", "--video-max-frames", "8",
-                                   "--max-prompt-len", "1024", *[a for k in px for a in (k, str(PIXELS))], "--no-save")
-        finally:
-            p.wait(timeout=600)
-        log.seek(0)
-        out = log.read()
-    assert "RESULT" in out, out[-4000:]
-    return json.loads(out.split("RESULT")[1].splitlines()[0]), rows
+
+    def run():
+        with open(tmp / "vllm_default.log", "w+") as log:  # a file: a full pipe would stop the process until read
+            p = subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0])],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            try:
+                px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
+                _, rows, _ = run_train(tmp, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0", "--video-max-frames",
+                                       "8", "--max-prompt-len", "1024", *[a for k in px for a in (k, str(PIXELS))],
+                                       "--no-save")
+            finally:
+                p.wait(timeout=600)
+            log.seek(0)
+            out = log.read()
+        assert "RESULT" in out, out[-4000:]
+        return json.loads(out.split("RESULT")[1].splitlines()[0]), rows
+    return run
+
+
+@pytest.fixture(scope="module")
+def clip_runs(tmp_path_factory) -> tuple[list, list]:
+    return lane_result("clip_runs", tmp_path_factory)
 
 
 def test_workaround_clip_image_stats(clip_qwen3, clip_runs):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, train_cmd
+from conftest import ROOT, background, color_data_dir, lane_result, tiny_model_dir, train_cmd, val_with_missing_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs, killed and resumed
 
@@ -57,23 +57,32 @@ def test_two_nodes_on_loopback(uninterrupted):
     assert all(math.isfinite(r["loss"]) for r in rows)
 
 
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory, tiny_model, color_data, val_with_missing):
+@background("killed_and_resumed")
+def killed_and_resumed_run(tmp_path_factory):
     """The uninterrupted run's settings on `--standalone` torchrun: rank 1 is SIGKILLed once step 2's checkpoint is
-    complete, then `--resume auto` runs steps 3 and 4. Returns (run folder, skipped.jsonl's rows after the kill)."""
-    out = tmp_path_factory.mktemp("killed") / "run"
-    args = ("--val-data", val_with_missing, "--skip-invalid", "--save-every", "2")
-    p = torchrun(tiny_model, color_data, out, *args)
-    wait_for(out / "ckpt" / "latest", p)  # step 2 is complete ...
-    worker(p, 1).kill()                   # ... and rank 1 dies mid-run (SIGKILL: no handler, no checkpoint)
-    log = p.communicate(timeout=300)[0]
-    assert p.returncode != 0, log[-3000:]
-    assert open(out / "ckpt" / "latest").read() == "step_00000002"
-    skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
-    p = torchrun(tiny_model, color_data, out, *args, "--resume", "auto")
-    log = p.communicate(timeout=600)[0]
-    assert p.returncode == 0 and "resumed from" in log, log[-4000:]
-    return out, skipped
+    complete, then `--resume auto` runs steps 3 and 4 (in conftest's background lane). Returns (run folder,
+    skipped.jsonl's rows after the kill)."""
+    out, tiny_model, color_data = tmp_path_factory.mktemp("killed") / "run", tiny_model_dir(), color_data_dir()
+    args = ("--val-data", val_with_missing_file(tmp_path_factory), "--skip-invalid", "--save-every", "2")
+
+    def run():
+        p = torchrun(tiny_model, color_data, out, *args)
+        wait_for(out / "ckpt" / "latest", p)  # step 2 is complete ...
+        worker(p, 1).kill()                   # ... and rank 1 dies mid-run (SIGKILL: no handler, no checkpoint)
+        log = p.communicate(timeout=300)[0]
+        assert p.returncode != 0, log[-3000:]
+        assert open(out / "ckpt" / "latest").read() == "step_00000002"
+        skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
+        p = torchrun(tiny_model, color_data, out, *args, "--resume", "auto")
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0 and "resumed from" in log, log[-4000:]
+        return out, skipped
+    return run
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    return lane_result("killed_and_resumed", tmp_path_factory)
 
 
 def test_sigkill_one_rank_then_resume_matches(killed_and_resumed, uninterrupted):

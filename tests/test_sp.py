@@ -17,7 +17,7 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 import data  # noqa: E402
 import train  # noqa: E402
-from conftest import ROOT, tiny_config  # noqa: E402
+from conftest import ROOT, background, lane_result, synth_dir, tiny_config  # noqa: E402
 from rollout import Rollout, vision_token_ids  # noqa: E402
 
 TEMPERATURE, CHUNK = 0.7, 3
@@ -141,6 +141,34 @@ def torchrun(tmp_path, synth, nproc: int, *args: str):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
 
 
+# The SP launches run in conftest's background lane: each job returns its output folder (every rank's safetensors)
+LAUNCHES = {"sp2_ranks": (2, "2", "-", *ARCHS), "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
+            "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
+            "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide")}
+
+
+def sp_launch(name: str):
+    @background(name)
+    def prepare(tmp_path_factory):
+        nproc, *args = LAUNCHES[name]
+        out, synth = tmp_path_factory.mktemp(name), synth_dir()
+        for arch in args[2:]:  # built here, once: not by the ranks at the same time
+            model_dir(arch)
+
+        def launch():
+            torchrun(out, synth, nproc, *args)
+            return out
+        return launch
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory):
+        return lane_result(name, tmp_path_factory)
+    return fixture
+
+
+sp2_ranks, dp2_sp2_ranks, sp3_wide_ranks, sp4_wide_ranks = map(sp_launch, LAUNCHES)
+
+
 def check_against(ref: dict, got: list[dict], sp_size: int):
     """Every rank's log-probs/entropy equal the reference rows (fp32, 1e-5); the losses of one rank per SP group add
     up to the reference loss; rank 0's gradients equal the reference."""
@@ -160,11 +188,11 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 
 @pytest.mark.slow
-def test_sp2_matches_one_process(tmp_path, synth, reference):
+def test_sp2_matches_one_process(sp2_ranks, reference):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32); each rank encodes half of the temporal patches (one piece per modality: encodes 2 per batch)."""
     from safetensors.torch import load_file
-    torchrun(tmp_path, synth, 2, "2", "-", *ARCHS)
+    tmp_path = sp2_ranks
     for arch, ref in reference.items():
         got = [load_file(tmp_path / f"{arch}.rank{r}.safetensors") for r in range(2)]
         check_against(ref, got, 2)
@@ -173,28 +201,25 @@ def test_sp2_matches_one_process(tmp_path, synth, reference):
 
 
 @pytest.mark.slow
-def test_dp2_sp2_matches_one_process(tmp_path, synth, reference):
+def test_dp2_sp2_matches_one_process(dp2_sp2_ranks, reference):
     """4 ranks, dp 2 x sp 2 with activation checkpointing (the reference without): each SP pair takes half of the
     rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
     deepstack features sliced to the shards; the recomputed attention is Ulysses again)."""
     from safetensors.torch import load_file
-    torchrun(tmp_path, synth, 4, "2", "ckpt", "qwen3_vl")
-    got = [load_file(tmp_path / f"qwen3_vl.rank{r}.safetensors") for r in range(4)]
+    got = [load_file(dp2_sp2_ranks / f"qwen3_vl.rank{r}.safetensors") for r in range(4)]
     check_against(reference["qwen3_vl"], got, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp_size", [3, 4])
-def test_sp_size_not_dividing_the_heads(tmp_path, synth, sp_size):
+@pytest.mark.parametrize("launch", ["sp3_wide_ranks", "sp4_wide_ranks"], ids=["3", "4"])
+def test_sp_size_not_dividing_the_heads(request, synth, launch):
     """6 query / 2 KV heads (the wide tiny checkpoints; Qwen2.5-VL with several vision windows per frame) on sp_size
     ranks vs one process: sp 3 repeats each KV head 3 times, sp 4 pads the 6 heads to 8 with zero heads (and repeats
     every KV head to its query heads). Log-probs, entropy, losses and every gradient as test_sp2's; the exchange's
     own gradient (sp.AllToAll, uneven splits) equals its one-process adjoint."""
     from safetensors.torch import load_file
-    names = ["qwen2_5_vl-wide", "qwen3_vl-wide"][:1 if sp_size == 3 else 2]
-    for name in names:  # built here, once: not by sp_size ranks at the same time
-        model_dir(name)
-    torchrun(tmp_path, synth, sp_size, str(sp_size), "-", *names)
+    sp_size, _, _, *names = LAUNCHES[launch]
+    tmp_path = request.getfixturevalue(launch)
     for name in names:
         ref = run(name, os.path.join(synth, "train.jsonl"), 1, None)
         check_against(ref, [load_file(tmp_path / f"{name}.rank{r}.safetensors") for r in range(sp_size)], sp_size)
@@ -220,22 +245,31 @@ def test_config_errors(tiny_model):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
 
-@pytest.mark.slow
-def test_train_run_and_resume(tmp_path, tiny_model, synth):
+@background("sp_train_and_resume")
+def sp_train_and_resume(tmp_path_factory):
     """train.py with sp_size 2 on 2 ranks: 2 steps with the HF sampler, a checkpoint each step, then resumed with the
     vLLM sampler (and freeze_vision: features once per step) for a third, in the same torchrun launch
-    (tests/train_worker.py). Every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
-    import json
-    import math
-
+    (tests/train_worker.py), in conftest's background lane. Returns (run folder, each run's log)."""
     from train_worker import launch
-    args = ["--config", "configs/tiny_cpu.yaml", "--model", tiny_model, "--train-data",
-            os.path.join(synth, "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
+    tmp_path = tmp_path_factory.mktemp("sp_train")
+    args = ["--config", "configs/tiny_cpu.yaml", "--model", model_dir("qwen2_5_vl"), "--train-data",
+            os.path.join(synth_dir(), "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
             "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
             "--save-every", "1", "--dist-timeout", "120"]
     runs = (["--max-steps", "2", "--rollout", "hf"],
             ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision", "--allow-config-change"])
-    logs = launch([args + extra for extra in runs])
+
+    def run():
+        return tmp_path, launch([args + extra for extra in runs])
+    return run
+
+
+@pytest.mark.slow
+def test_train_run_and_resume(tmp_path_factory):
+    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
+    import json
+    import math
+    tmp_path, logs = lane_result("sp_train_and_resume", tmp_path_factory)
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]

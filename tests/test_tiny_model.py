@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, background, lane_result
 from safetensors.torch import load_file
 
 import make_tiny_model as mtm
@@ -120,13 +120,27 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
-def test_vllm_generates_from_video(ckpt):
-    """Every arch in one fresh process: vLLM's import (~14 s) is paid once, and pytest stays free of engines."""
-    jobs = [(a, ckpt[a], FACTOR[a]) for a in mtm.ARCHS]
+@background("vllm_video_results")
+def vllm_video_process(tmp_path_factory):
+    """Every arch in one fresh process (in conftest's background lane): vLLM's import (~14 s) is paid once, and
+    pytest stays free of engines. Returns the process (its stdout and stderr)."""
+    jobs = [(a, mtm.ensure(a, root=CACHE), FACTOR[a]) for a in mtm.ARCHS]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    p = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(jobs)], env=env, capture_output=True,
-                       text=True, timeout=300, check=False)
+
+    def run():
+        return subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(jobs)], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def vllm_video_results(tmp_path_factory):
+    return lane_result("vllm_video_results", tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_vllm_generates_from_video(vllm_video_results):
+    p = vllm_video_results
     assert "RESULT" in p.stdout, p.stderr[-4000:]
     res = json.loads(p.stdout.split("RESULT")[1])
     for arch in mtm.ARCHS:

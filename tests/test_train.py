@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, background, color_data_dir, lane_result, tiny_model_dir
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
@@ -85,14 +85,15 @@ def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
     assert len(changed) > len(before) // 2, "training did not change the weights"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, color_data) -> dict:
+@background("runs")
+def three_runs(tmp_path_factory):
     """Three runs in one torchrun launch (tests/train_worker.py: torchrun's start and the imports are paid once).
     "hf": the HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven on 2
     ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
     tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold. name -> (run folder, its rows, its log)."""
     import cache
     from train_worker import launch
+    tiny_model, color_data = tiny_model_dir(), color_data_dir()
     hf, tp2 = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("tp2")
     cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
                                   out=str(hf / "frames"), video_fps=4.0, video_min_frames=4,
@@ -101,12 +102,21 @@ def runs(tmp_path_factory, tiny_model, color_data) -> dict:
                       "--dist-timeout", "120", "--save-every", "2")
     names = {"hf": (hf, args), "again": (hf, [*args, "--resume", "auto"]),
              "tp2": (tp2, train_args(tp2, tiny_model, color_data, "--rollout-tp", "2"))}
-    logs = launch([a for _, a in names.values()])
-    out = {}
-    for k, (name, (d, _)) in enumerate(names.items()):
-        rows = [json.loads(line) for line in open(d / "run" / f"metrics.run{k}.jsonl")]  # after this run
-        out[name] = (d / "run", rows, logs[k])
-    return out
+
+    def run():
+        logs = launch([a for _, a in names.values()])
+        out = {}
+        for k, (name, (d, _)) in enumerate(names.items()):
+            rows = [json.loads(line) for line in open(d / "run" / f"metrics.run{k}.jsonl")]  # after this run
+            out[name] = (d / "run", rows, logs[k])
+        return out
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """three_runs' name -> (run folder, its rows, its log), launched in the background lane (conftest)."""
+    return lane_result("runs", tmp_path_factory)
 
 
 def test_hf_rollout_two_ranks_warm_cache(runs):
