@@ -8,6 +8,8 @@ import re
 import signal
 import socket
 import sys
+import threading
+import traceback
 import typing
 import urllib.parse
 from dataclasses import fields, replace
@@ -72,6 +74,14 @@ def print0(*a):
         print(*a, flush=True)
 
 
+def abandon(grace_s: float):
+    """The step did not reach its boundary in grace_s: every thread's stack (read holding the interpreter lock:
+    faulthandler's lock-free dump can crash on a thread that is running), then exit 1."""
+    stacks = [f"Thread {k}:\n" + "".join(traceback.format_stack(f)) for k, f in sys._current_frames().items()]
+    os.write(2, (f"Timeout ({grace_s} s): the step was abandoned\n" + "\n".join(stacks)).encode())
+    os._exit(1)
+
+
 def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | None = None) -> list:
     """catch (the step loop): the first SIGTERM/SIGINT (preemption, Ctrl-C) is only recorded in the list returned, the
     loop checkpoints at the next step boundary and exits 0, or after grace_s seconds the step (stuck) is abandoned: the
@@ -82,10 +92,14 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
     def record(num, frame):
         got.append(num)
         catch_stop_signals(catch=False)
-        if grace_s:  # faulthandler's thread fires even while C code holds the interpreter; os.write: no reentry
+        if grace_s:  # os.write: no reentry into a print the signal interrupted
             os.write(2, f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
                         f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode())
-            faulthandler.dump_traceback_later(grace_s, exit=True)
+            timer = threading.Timer(grace_s, abandon, args=(grace_s,))
+            timer.daemon = True
+            timer.start()
+            # C code that never lets Python run: faulthandler's own thread ends the process 30 s later
+            faulthandler.dump_traceback_later(grace_s + 30, exit=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, record if catch else signal.SIG_DFL)

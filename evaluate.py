@@ -747,7 +747,7 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 def make_engine(cfg: Config, tokenizer):
     """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
-    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, vision_token_ids
+    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors, vision_token_ids
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
@@ -761,14 +761,16 @@ def make_engine(cfg: Config, tokenizer):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        args = AsyncEngineArgs(
             model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
             enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
             tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
             kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
             trust_remote_code=cfg.trust_remote_code,
-            mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code)))
+            mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
+        with start_errors(cfg.max_model_len):
+            engine = AsyncLLM.from_engine_args(args)
         banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
         return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
     return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens, cfg.seed)], None

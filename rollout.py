@@ -9,6 +9,7 @@ Both sample with the vision pad tokens masked out (a random model samples them, 
 fed back through the model) and report log-probs of that *processed* distribution, softmax(logits / T) with those
 tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
+import contextlib
 import functools
 import hashlib
 import logging
@@ -83,6 +84,24 @@ def harmless_vllm_warning(record: logging.LogRecord) -> bool:
     return not any(text in record.getMessage() for text in harmless)
 
 
+@contextlib.contextmanager
+def start_errors(max_model_len: int):
+    """vLLM's start-up failures about memory as one line that names our knobs: its own message names
+    gpu_memory_utilization, which on CPU does not size the KV cache (VLLM_CPU_KVCACHE_SPACE does, 1 GiB here)."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as e:
+        text = " ".join(str(e).split())
+        if "memory" not in text.lower() and "Engine core initialization failed" not in text:
+            raise
+        from vllm.platforms import current_platform
+        knob = "VLLM_CPU_KVCACHE_SPACE (GiB, 1 by default)"
+        if current_platform.is_cuda():
+            knob = "--gpu-memory-utilization"
+        raise ValueError(f"vLLM did not start: {text[:400]} -> raise {knob} or lower --max-model-len "
+                         f"({max_model_len})") from None
+
+
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
     tp=1: one engine per rank, on its own prompts; tp=world: one engine over all ranks, which pass the same prompts."""
@@ -104,19 +123,21 @@ class VLLMEngine:
         # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
         # that does not fit a step's token budget waits for the next step, whole.
         chunk = not current_platform.is_cpu()
-        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
-                       max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
-                       # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a
-                       # shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it)
-                       kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,
-                       enable_chunked_prefill=chunk, max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
-                       logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
-                       limit_mm_per_prompt={"image": max_images, "video": max_videos},
-                       mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
-                       # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block (vLLM
-                       # falls back to splitting the weights where a model cannot); one video stays on one rank
-                       mm_encoder_tp_mode="data" if tp > 1 else "weights", **kw)
+        with start_errors(max_model_len):
+            self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
+                           max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
+                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+                           # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not
+                           # free (a shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides)
+                           kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,
+                           enable_chunked_prefill=chunk,
+                           max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
+                           logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
+                           limit_mm_per_prompt={"image": max_images, "video": max_videos},
+                           mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
+                           # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block
+                           # (vLLM splits the weights where a model cannot); one video stays on one rank
+                           mm_encoder_tp_mode="data" if tp > 1 else "weights", **kw)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]

@@ -114,3 +114,22 @@ def test_results_md_counts_are_counts(tmp_path):
     assert rows == ["| benchmark | metric | value |", "|---|---|---|", "| nvr1 | n | 64 |",
                     "| nvr1 | accuracy | 12.50 |", "| nvr1 | parse_fail | 55 |", "| nvr1 | dropped | 0 |",
                     "| nvr1 | problem_type/boolean | 10.00 |", "| nvr1 | unevaluable (not scored) | 1 |"]
+
+
+def test_engine_memory_errors_name_our_knobs():
+    """vLLM's start-up failure for want of KV cache names gpu_memory_utilization, which on CPU sizes nothing: the
+    error train.py and evaluate.py print names VLLM_CPU_KVCACHE_SPACE here and max_model_len, in one line; other
+    errors pass through as they are."""
+    from rollout import start_errors
+    vllm_text = ("To serve at least one request with the models's max seq len (262144), (16.0 GiB KV cache is\n"
+                 "needed, which is larger than the available KV cache memory (1.0 GiB). Try increasing "
+                 "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+    with pytest.raises(ValueError) as e:
+        with start_errors(262144):
+            raise ValueError(vllm_text)
+    text = str(e.value)
+    assert "\n" not in text and "VLLM_CPU_KVCACHE_SPACE" in text and "--max-model-len (262144)" in text, text
+    assert "16.0 GiB KV cache is needed" in text and e.value.__cause__ is None
+    with pytest.raises(ValueError, match="^unknown architecture$"):
+        with start_errors(4096):
+            raise ValueError("unknown architecture")
