@@ -76,7 +76,8 @@ def pytest_collection_finish(session):
     names = []
     for item in session.items:
         params = getattr(item, "callspec", None)
-        used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ())]
+        used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ()),
+                *(m.args[0] for m in item.iter_markers("lane"))]
         names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
     # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
     if names and not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":

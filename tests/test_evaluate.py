@@ -567,6 +567,7 @@ def readme_eval(tmp_path_factory):
     return run
 
 
+@pytest.mark.lane("readme_eval")
 def test_readme_command_as_written(tmp_path_factory):
     tmp_path, out = lane_result("readme_eval", tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]

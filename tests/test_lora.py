@@ -158,6 +158,7 @@ def lora_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("lora_runs")
 def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
     tmp_path, full, resumed, merged, adapter, vllm_tokens = lane_result("lora_runs", tmp_path_factory)
     # sampler (merged weights) and trainer (W x + s B A x) agree while B moves away from 0 (test_rollout's LOGP_TOL)

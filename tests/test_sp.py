@@ -265,6 +265,7 @@ def sp_train_and_resume(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("sp_train_and_resume")
 def test_train_run_and_resume(tmp_path_factory):
     """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
     import json
