@@ -522,7 +522,7 @@ def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk:
     return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
-def collate(rollouts: list[Rollout], pad_id: int, tokenizer, device, dummies: dict | None = None) -> dict:
+def collate(rollouts: list[Rollout], pad_id: int, device, dummies: dict | None = None) -> dict:
     """One micro-batch: left-padded prompts, right-padded responses, the rows' prompts (media) and M-RoPE grids; main
     fills in old/ref log-probs and advantages. dummies (data.dummy_prompts, FSDP2 on several ranks): the inputs
     token_logp's encode_vision runs through the tower for a modality no row has, weight 0 (never a decoder row)."""
@@ -573,7 +573,7 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-        minibatches.append([dict(collate([rollouts[j] for j in rows], tok.pad_token_id, tok, device, dummies),
+        minibatches.append([dict(collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies),
                                  index=rows) for rows in mini])
     return minibatches
 

@@ -37,7 +37,7 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
     torch.manual_seed(0)
     model = train.load_model(cfg, device)
     n = sum(len(rollouts[i].response_ids) for i in sum(parts, []))
-    b = train.collate(mine, tok.pad_token_id, tok, device, data.dummy_prompts(processor) if world > 1 else None)
+    b = train.collate(mine, tok.pad_token_id, device, data.dummy_prompts(processor) if world > 1 else None)
     logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
     loss = -(logp * b["mask"]).sum() / n * world  # n response tokens in all; FSDP averages grads over ranks
     loss.backward()

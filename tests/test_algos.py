@@ -355,7 +355,7 @@ def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_b
                       max_response_len=8)
     tok, world = processor.tokenizer, dist.get_world_size() if dist.is_initialized() else 1
     plan = split_batch(rollouts, 1, micro_batch_size, max_tokens)[0]
-    batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, tok, torch.device("cpu")) for mb in plan]
+    batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, torch.device("cpu")) for mb in plan]
     n_tok, n_seq = global_counts(batches)
     total = torch.zeros(1, dtype=torch.float64)
     for mb, b in zip(plan, batches):

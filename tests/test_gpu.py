@@ -121,7 +121,7 @@ def test_offload_keeps_shards_and_optimizer_on_cpu(tiny_model, monkeypatch):
         before = p.full_tensor().clone()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         rows = [Rollout(data.Prompt({}, "", list(range(10, 30))), [40, 41, 42], None, "")]
-        b = train.collate(rows, tok.pad_token_id, tok, device)
+        b = train.collate(rows, tok.pad_token_id, device)
         logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok), chunk=2)
         (-(logp * b["mask"]).sum()).backward()
         assert p.grad.to_local().device.type == "cpu" and torch.isfinite(p.grad.full_tensor()).all()

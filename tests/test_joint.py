@@ -99,7 +99,7 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
     grads = []
     for dummies in (None, data.dummy_prompts(proc)):
         model.zero_grad(set_to_none=True)
-        b = train.collate(rows, tok.pad_token_id, tok, "cpu", dummies)
+        b = train.collate(rows, tok.pad_token_id, "cpu", dummies)
         assert b["input_ids"].shape[0] == b["mask"].shape[0] == 1
         # one row, no padding: no mask at all (the kernel's causal mode, no (B, 1, S, S) tensor)
         inputs, _ = sp.model_inputs(model, b, sp.encode_vision(model, b["prompts"], "cpu"), None)

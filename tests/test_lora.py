@@ -31,7 +31,7 @@ def batch(tiny_model, synth):
     prompts = [data.prepare(s, proc, tiny_config()) for s in samples]
     ids = proc.tokenizer.encode("<answer>B</answer>", add_special_tokens=False)[:5]
     rollouts = [Rollout(p, ids, None, "") for p in prompts]
-    return proc, train.collate(rollouts, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+    return proc, train.collate(rollouts, proc.tokenizer.pad_token_id, "cpu")
 
 
 def lora_model(tiny_model, rank=4, targets=LM, seed=0):
@@ -106,7 +106,7 @@ def test_reference_and_merge_on_the_other_families(arch, synth):
     samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("videos")][:2]
     ids = proc.tokenizer.encode("<answer>B</answer>", add_special_tokens=False)[:5]
     rows = [Rollout(data.prepare(s, proc, tiny_config(model=d)), ids, None, "") for s in samples]
-    b = train.collate(rows, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+    b = train.collate(rows, proc.tokenizer.pad_token_id, "cpu")
     banned = vision_token_ids(proc.tokenizer)
     base = train.load_model(tiny_config(model=d), torch.device("cpu"))
     model = lora_model(d, targets=WITH_VISION)

@@ -65,7 +65,7 @@ def loss_and_grads(model, logp, mask):
 def test_vision_once_per_prompt_matches_per_row_forward(setup):
     model, processor, rows = setup
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
-    b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+    b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     ref = per_row_logp(model, b, rows, banned)
     ref_grads = loss_and_grads(model, ref, b["mask"])
     logp, ent = train.token_logp(model, b, 1.0, banned, chunk=4)
@@ -85,7 +85,7 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     gradients, float32."""
     model, processor, rows = setup
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
-    b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+    b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     R = b["mask"].shape[1]
     mm = concat_media(b["prompts"])
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
@@ -109,7 +109,7 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     assert g3.keys() == g0.keys()
     for k in g0:
         torch.testing.assert_close(g3[k], g0[k], rtol=1e-5, atol=1e-5 * g0[k].abs().max().item(), msg=k)
-    one = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+    one = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     logp_one, ent_one = train.token_logp(model, one, 0.7, banned, chunk=0)           # all positions at once
     torch.testing.assert_close(logp_one * b["mask"], logp3, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent_one * b["mask"], ent3, rtol=0, atol=1e-6)
@@ -129,7 +129,7 @@ def test_activation_checkpointing_same_gradients_recomputes(setup):
         for block in (m.model.language_model.layers[0], m.model.visual.blocks[0]):
             # a pre-hook: the recomputation stops once it has what backward needs, before any forward hook
             block.register_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))
-        b = train.collate(rows, tok.pad_token_id, tok, torch.device("cpu"))
+        b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
         logp, _ = train.token_logp(m, b, 1.0, banned)
         n_forward = len(calls)
         grads = loss_and_grads(m, logp, b["mask"])

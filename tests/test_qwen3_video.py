@@ -49,7 +49,7 @@ def settings(model, **kw):
 def logp_gap(engine, model, proc, prompts) -> tuple[float, float]:
     """(max, mean) per-token |logp_vllm - logp_trainer| over 4 sampled 12-token completions per prompt."""
     rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=0)
-    b = collate(rollouts, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+    b = collate(rollouts, proc.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logp, _ = token_logp(model, b, 1.0, vision_token_ids(proc.tokenizer))
     d = (logp - b["rollout_logp"].nan_to_num()).abs() * b["mask"]

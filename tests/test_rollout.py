@@ -54,7 +54,7 @@ def hf_engine(model, tokenizer) -> HFEngine:
 
 def trainer_logp_diff(model, rollouts, tokenizer) -> float:
     """max |logp_engine - logp_trainer| over the response tokens of rollouts (one batch, trainer's forward)."""
-    b = collate(rollouts, tokenizer.pad_token_id, tokenizer, "cpu")
+    b = collate(rollouts, tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
     ref = torch.zeros_like(logp)
@@ -69,7 +69,7 @@ def test_logp_agree_with_trainer(setup):
     assert len(rollouts) == 16 and all(r.response_ids and len(r.logp) == len(r.response_ids) for r in rollouts)
     banned = vision_token_ids(proc.tokenizer)
     assert not any(t in banned for r in rollouts for t in r.response_ids)
-    b = collate(rollouts, proc.tokenizer.pad_token_id, proc.tokenizer, "cpu")
+    b = collate(rollouts, proc.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logp, ent = token_logp(model, b, 1.0, banned)
     ref = torch.zeros_like(logp)
@@ -285,7 +285,7 @@ def main(model_dir: str, data_path: str):
 
     def logp_diff() -> float:
         rollouts = engine.generate(prompts, 2, 1.0, 6, seed=0)
-        b = collate(rollouts, tok.pad_token_id, tok, device, dummies)
+        b = collate(rollouts, tok.pad_token_id, device, dummies)
         with torch.no_grad():
             logp = token_logp(model, b, 1.0, vision_token_ids(tok))[0]
         ref = torch.zeros_like(logp)

@@ -74,7 +74,7 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     out = {}
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
-        b = train.collate([rows[i] for i in index], tok.pad_token_id, tok, device, dummies)
+        b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
         with torch.no_grad():
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
         b["encodes"] = 0
