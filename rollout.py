@@ -10,7 +10,6 @@ fed back through the model) and report log-probs of that *processed* distributio
 tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -202,7 +201,6 @@ class HFEngine:
         self.eos_ids, self.dummies = eos_ids, dummies
         self.banned = vision_token_ids(tokenizer)
 
-    @functools.cache  # built and validated once per (temperature, max_tokens), not per call
     def config(self, temperature: float, max_tokens: int):
         from transformers import GenerationConfig
         return GenerationConfig(do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,

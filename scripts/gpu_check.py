@@ -147,7 +147,6 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     """train.py's mismatch metrics: rollout hf's log-probs against the trainer's on the tokens it sampled."""
     engine = HFEngine(t.model, tok, eos_token_ids(t.model))
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
-    HFEngine.config.cache_clear()  # its functools.cache holds the engine, and so the model, for the process's life
     [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies)
     b["adv"] = torch.zeros_like(b["mask"])
     with torch.no_grad():
