@@ -644,9 +644,8 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
 
 @dataclass
 class Group:
-    """A prompt's completions, their rewards (overall, by component), ReMax's baseline (or 0)."""
+    """A prompt's completions, their reward components (score: "overall" the reward), ReMax's baseline (or 0)."""
     rollouts: list[Rollout]
-    rewards: list[float]
     components: list[dict]
     baseline: float = 0.0
 
@@ -662,8 +661,7 @@ def score(r: Rollout, cfg: Config) -> dict:
 
 
 def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) -> Group:
-    components = [score(r, cfg) for r in rollouts]
-    return Group(rollouts, [c["overall"] for c in components], components, baseline)
+    return Group(rollouts, [score(r, cfg) for r in rollouts], baseline)
 
 
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
@@ -681,7 +679,7 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
 
 def has_spread(group: Group, metric: str) -> bool:
     """DAPO's filter: the group's metric (accuracy or overall reward) differs among its rollouts."""
-    values = group.rewards if metric == "reward" else [c[metric] for c in group.components]
+    values = [c["overall" if metric == "reward" else metric] for c in group.components]
     return len(values) == 1 or max(values) > min(values)
 
 
@@ -733,7 +731,8 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
     """Per-row values of the global batch, data-parallel ranks in rank order (an SP group's rows
     once), and where this rank's rows start. One gather: advantages and metrics read them."""
     rollouts = [r for g in groups for r in g.rollouts]
-    mine = {"reward": [x for g in groups for x in g.rewards], "components": [c for g in groups for c in g.components],
+    mine = {"reward": [c["overall"] for g in groups for c in g.components],
+            "components": [c for g in groups for c in g.components],
             "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
             "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
             "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}

@@ -115,13 +115,13 @@ def test_dynamic_sampling_filters_on_configured_metric():
     """Defect 3: DAPO drops groups whose ACCURACY is the same for every rollout (its default), even when the overall
     reward differs (here the format reward); dyn_filter_metric: reward filters on the overall reward."""
     comps = [{"accuracy": 1.0, "format": 1.0, "overall": 1.0}, {"accuracy": 1.0, "format": 0.0, "overall": 0.9}]
-    same_acc = Group([None, None], [1.0, 0.9], comps)
+    same_acc = Group([None, None], comps)
     assert Config().dyn_filter_metric == "accuracy"
     assert not has_spread(same_acc, "accuracy") and has_spread(same_acc, "reward")
     comps = [{"accuracy": 1.0, "overall": 0.9}, {"accuracy": 0.0, "overall": 0.9}]  # e.g. an overlong penalty
-    assert has_spread(Group([None, None], [0.9, 0.9], comps), "accuracy")
-    assert not has_spread(Group([None, None], [0.9, 0.9], comps), "reward")
-    assert has_spread(Group([None], [0.5], comps[:1]), "accuracy")  # a group of 1 is never dropped
+    assert has_spread(Group([None, None], comps), "accuracy")
+    assert not has_spread(Group([None, None], comps), "reward")
+    assert has_spread(Group([None], comps[:1]), "accuracy")  # a group of 1 is never dropped
 
 
 def test_clip_ratio_c_must_exceed_one():

@@ -179,7 +179,7 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     assert g.rollouts[:3] == rollouts[:3] and g.components[:3] == group.components[:3] and g is not group
     assert g.rollouts[3].finish == "offline" and g.rollouts[3].logp is None and g.rollouts[3].text == right
     assert g.rollouts[3].response_ids == tok.encode(right, add_special_tokens=False) + [eos]
-    assert g.components[3]["accuracy"] == 1.0 and g.rewards[3] == g.components[3]["overall"]
+    assert g.components[3]["accuracy"] == 1.0 and g.components[3]["overall"] > group.components[3]["overall"]
     assert group.rollouts[3].text == wrong  # the input group is untouched
     short = train.swap_offline(group, tiny_config(group_size=4, max_response_len=3), tok, eos).rollouts[3]
     assert short.response_ids == tok.encode(right, add_special_tokens=False)[:3]  # truncated: no EOS
