@@ -668,9 +668,13 @@ def make_loader(processor, cfg, bench: str):
     return load, all_stats
 
 
-async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, allowed) -> dict:
+async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, tokenizer) -> dict:
     """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy share and load."""
     from vllm import SamplingParams
+
+    from rollout import vision_token_ids
+    banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
+    allowed = [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
     sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
                         skip_special_tokens=True, allowed_token_ids=allowed)
     loop, spans = asyncio.get_running_loop(), []
@@ -700,8 +704,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
 
 
-def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
-    """The plain loop: load a batch (decode or cache), generate, wait, repeat."""
+def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
+    """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or HFEngine)."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
         for s in samples[i:i + cfg.batch_size]:
@@ -710,8 +714,8 @@ def run_sync(generate, samples: list, load, cfg: Config, write) -> dict:
             except Exception as e:  # noqa: BLE001 - reported and counted, the run goes on
                 write(s, "", "", failure(s, e))
         if ok:
-            for p, text in zip(ok, generate(ok)):
-                write(p.sample, p.text, text)
+            for p, r in zip(ok, engine.generate(ok, 1, cfg.temperature, cfg.max_tokens, cfg.seed)):
+                write(p.sample, p.text, r.text)
     return {}
 
 
@@ -746,34 +750,30 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 
 def make_engine(cfg: Config, tokenizer):
-    """(engine, generate or None, allowed token ids): AsyncLLM, rollout.VLLMEngine or rollout.HFEngine."""
-    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors, vision_token_ids
+    """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
+    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
                                                             trust_remote_code=cfg.trust_remote_code).eval()
-        engine = HFEngine(model, tokenizer, eos_token_ids(model))
-    elif cfg.engine == "sync":
-        engine = VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
-                            dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
-                            sleep=False, max_images=1, trust_remote_code=cfg.trust_remote_code)
-    else:
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-        args = AsyncEngineArgs(
-            model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
-            enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
-            tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
-            kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
-            trust_remote_code=cfg.trust_remote_code,
-            mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
-        with start_errors(cfg.max_model_len):
-            engine = AsyncLLM.from_engine_args(args)
-        banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
-        return engine, None, [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
-    return engine, lambda ps: [r.text for r in engine.generate(ps, 1, cfg.temperature, cfg.max_tokens, cfg.seed)], None
+        return HFEngine(model, tokenizer, eos_token_ids(model))
+    if cfg.engine == "sync":
+        return VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
+                          dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
+                          sleep=False, max_images=1, trust_remote_code=cfg.trust_remote_code)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+    args = AsyncEngineArgs(
+        model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
+        enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
+        tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
+        kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
+        trust_remote_code=cfg.trust_remote_code,
+        mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
+    with start_errors(cfg.max_model_len):
+        return AsyncLLM.from_engine_args(args)
 
 
 def read_log(path: str) -> tuple[dict, int]:
@@ -847,8 +847,8 @@ def shut_down(timeout: float | None = None):
     """An engine's shutdown once it has run."""
 
 
-async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, processor=None) -> dict:
-    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; a given engine is kept."""
+async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
+    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine given is kept."""
     cfg = resolve(cfg)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
     if processor is None:
@@ -857,11 +857,11 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
         processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     own, results = engine is None, {}
     if own:
-        engine, generate, allowed = make_engine(cfg, processor.tokenizer)
+        engine = make_engine(cfg, processor.tokenizer)
     try:
         for bench, job in jobs.items():
             try:
-                results[bench] = await run_benchmark(bench, job, cfg, engine, generate, allowed, processor)
+                results[bench] = await run_benchmark(bench, job, cfg, engine, processor)
             except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
                 results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
                 print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
@@ -874,7 +874,7 @@ async def evaluate(cfg: Config, engine=None, generate=None, allowed=None, proces
     return results
 
 
-async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, allowed, processor) -> dict:
+async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
     samples, done = job["samples"], job["done"]
     path = os.path.join(job["folder"], "samples.jsonl")
@@ -896,10 +896,10 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, generate, al
                 rate, last[0] = n / (now - start), now
                 print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
                       file=sys.stderr, flush=True)
-        if generate is None:
-            engine_stats = await run_async(engine, todo, load, cfg, bench, write, allowed)
+        if cfg.engine == "async":
+            engine_stats = await run_async(engine, todo, load, cfg, bench, write, processor.tokenizer)
         else:
-            engine_stats = run_sync(generate, todo, load, cfg, write)
+            engine_stats = run_sync(engine, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge = judge_rows(rows, cfg, adapter(bench).get("judge"))
     write_jsonl(path, rows)

@@ -42,16 +42,16 @@ def main(samples: int = 64, width: int = 640, height: int = 360, fps: float = 30
 
     async def timed(c: E.Config, warmup_dir: str) -> tuple[dict, float]:
         """c's results and seconds, after a 4-sample warm-up (and with a cache, every video decoded once)."""
-        engine, generate, allowed = E.make_engine(c, processor.tokenizer)
+        engine = E.make_engine(c, processor.tokenizer)
         try:
             warmup = replace(c, max_samples=4, out_dir=os.path.join(work, warmup_dir))
-            await E.evaluate(warmup, engine, generate, allowed, processor)
+            await E.evaluate(warmup, engine, processor)
             if c.video_source != "decode_only":  # as after `python cache.py` or a previous eval
                 load, _ = E.make_loader(processor, c, "nvr1")
                 for s in E.load_benchmark("nvr1", c, []):
                     load(s)
             t = time.perf_counter()
-            res = await E.evaluate(c, engine, generate, allowed, processor)
+            res = await E.evaluate(c, engine, processor)
             return res["nvr1"], time.perf_counter() - t
         finally:
             if c.engine == "async":  # the sync engine goes with its last reference

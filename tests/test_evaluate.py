@@ -478,10 +478,10 @@ def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path)
     processor = AutoProcessor.from_pretrained(tiny_model)
     # one AsyncLLM (an engine-core process of its own) for the run and its resume, as bench/evaluate.py passes one
     # in; evaluate()'s own engine, started and shut down inside, is the README command's test below
-    engine, _, allowed = E.make_engine(E.resolve(cfg), processor.tokenizer)
+    engine = E.make_engine(E.resolve(cfg), processor.tokenizer)
 
     async def run(c):
-        return await E.evaluate(c, engine, None, allowed, processor)
+        return await E.evaluate(c, engine, processor)
     try:
         res = asyncio.run(async_run_and_resume(cfg, run, videos, synth, tmp_path))
     finally:
