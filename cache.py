@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from common import check_hub, cli, config_files, yaml_overlay
+from common import check_hub, cli, config_files, write_jsonl, yaml_overlay
 
 FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
 MODES = ("prefer_cache", "cache_only", "decode_only")
@@ -350,9 +350,8 @@ def preprocess(c: Config) -> dict:
             if "error" in stats:
                 failed.append({"video": jobs[job], "error": stats.pop("error")})
             total.update(stats)
-    os.makedirs(c.out, exist_ok=True)
-    with open(os.path.join(c.out, "failed.jsonl"), "w") as fh:  # rewritten each run: it lists this run's failures
-        fh.writelines(json.dumps(x) + "\n" for x in sorted(failed, key=lambda x: x["video"]))
+    # rewritten each run: it lists this run's failures
+    write_jsonl(os.path.join(c.out, "failed.jsonl"), sorted(failed, key=lambda x: x["video"]))
     return dict(videos=len(videos), cache_hit=total["cache_hit"], rebuilt=total["cache_corrupt"],
                 decode=total["decode"], failed=len(failed), bytes=total["bytes"], seconds=round(time.time() - t, 2))
 
