@@ -235,6 +235,7 @@ class Prompt:
     mm: dict = field(default_factory=dict)       # pixel_values(_videos), image/video_grid_thw, second_per_grid_ts
     videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
+    run: tuple = (0, 1)  # mm holds the pixel rows of SP run run[0] of run[1] (sp.run_rows); (0, 1): all of them
 
 
 def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
