@@ -291,14 +291,18 @@ def sp_train_and_resume(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.lane("sp_train_and_resume")
 def test_train_run_and_resume(tmp_path_factory):
-    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
+    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy),
+    and decodes each of their videos once (by the rank that generates its prompt; each rank did before)."""
     import json
     import math
     tmp_path, logs = lane_result("sp_train_and_resume", tmp_path_factory)
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    videos = {s["id"]: len(s.get("videos", [])) for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl"))}
+    assert sum(videos[i] for r in rows for i in r["data/ids"]) > 0
     for r in rows:
+        assert r["cache/decode"] == sum(videos[i] for i in r["data/ids"])  # no cache: a load is a decode
         assert math.isfinite(r["loss"]) and len(r["data/ids"]) == len(set(r["data/ids"])) == 2
         assert r["vision/encodes"] >= 4  # per rank at least one piece of each modality (a dummy where none)
         assert r["mismatch/mean"] < 1e-2  # the sampler's log-probs vs the SP trainer's, on the same tokens
