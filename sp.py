@@ -35,7 +35,7 @@ class Layout:
     tp: int = 1      # the rollout engine's tensor-parallel size
     rank: int = 0    # dp_rank * sp_size + sp_rank
     world: int = 1   # dp_size * sp_size
-    host: object = None  # the SP group's gloo group: media pass between its ranks in host memory (group_prompts)
+    host: object = None  # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
 
     def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
         """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
@@ -47,7 +47,7 @@ class Layout:
 
     def prepares(self, i: int) -> bool:
         """Whether this rank prepares item i of a step's prompts: the TP group that generates it does (SP peers get
-        their run of its pixel rows from it: group_prompts)."""
+        their run of its pixel rows from it: group_rollouts)."""
         return i % self.world // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:
@@ -213,43 +213,35 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
     return out
 
 
-def group_prompts(prompts: list, layout: Layout) -> list:
-    """The SP group's prompts (Layout.share's list; None where this rank did not prepare one), each holding only this
-    rank's run of each modality's pixel rows (runs) and no frames. A prompt this rank lacks comes from the first rank
-    that prepared it (rollout_tp 1: the one that generates it, data.next_valid): its ids and grids, then this rank's
-    run of its pixel rows, point to point in host memory (the gloo group). rollout_tp = sp_size: all prepared all."""
-    r, n, first = layout.sp_rank, layout.sp_size, layout.rank - layout.sp_rank
+def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
+    """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish)
+    gathered in rank order, n per prompt of the group (`prompts`, Layout.share's list: None where this rank did not
+    prepare one). Each prompt holds only this rank's run of each modality's pixel rows (runs), no frames. A prompt a
+    rank lacks (rollout_tp 1: each rank prepares the prompts it generates, data.next_valid) comes from the first rank
+    that prepared it: its ids and grids, then the rank's run of its pixel rows, in host memory (the gloo group)."""
+    r, size, first = layout.sp_rank, layout.sp_size, layout.rank - layout.sp_rank
     bare = [p and replace(p, mm={k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()},
                           videos=[], images=[]) for p in prompts]
-    held = [None] * n
-    dist.all_gather_object(held, bare, group=layout.host)
-    ops, out = [], []
+    parts = [None] * size
+    dist.all_gather_object(parts, ([replace(x, prompt=None) for x in rollouts], baselines, bare), group=layout.host)
+    works, group = [], []
     for k, p in enumerate(prompts):
-        src = next(q for q in range(n) if held[q][k] is not None)
-        mine = replace(held[src][k], run=(r, n))  # the pixel rows below: an empty tensor of their width till then
+        src = next(q for q in range(size) if parts[q][2][k] is not None)
+        group.append(replace(parts[src][2][k], run=(r, size)))  # its pixel rows: empty, of their width, till below
+        mm = group[k].mm
         for m, (_, pixels, grid) in enumerate(MEDIA):
-            if pixels in mine.mm and p is not None:  # the rows of this rank's run copied: the rest can be freed
-                mine.mm[pixels] = run_rows(p, pixels, grid, r, n).clone()
-                sends = [(j, run_rows(p, pixels, grid, j, n)) for j in range(n) if src == r and held[j][k] is None]
-                ops += [dist.P2POp(dist.isend, x, first + j, layout.host, tag=2 * k + m) for j, x in sends if len(x)]
-            elif pixels in mine.mm:
-                _, rows, cut = runs(mine.mm[grid], n)
-                mine.mm[pixels] = mine.mm[pixels].new_empty(rows[cut[r + 1]] - rows[cut[r]], mine.mm[pixels].shape[1])
-                if len(mine.mm[pixels]):
-                    ops.append(dist.P2POp(dist.irecv, mine.mm[pixels], first + src, layout.host, tag=2 * k + m))
-        out.append(mine)
-    for request in dist.batch_isend_irecv(ops) if ops else []:
-        request.wait()
-    return out
-
-
-def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
-    not the media) gathered in rank order onto this rank's Prompts (the group's, Layout.share's order), n each."""
-    parts = [None] * layout.sp_size
-    dist.all_gather_object(parts, ([replace(r, prompt=None) for r in rollouts], baselines), group=layout.group)
-    done = [x for part, _ in parts for x in part]
-    return [replace(x, prompt=prompts[i // n]) for i, x in enumerate(done)], [b for _, part in parts for b in part]
+            if pixels in mm and p is None:  # this rank's run, from src
+                _, rows, cut = runs(mm[grid], size)
+                mm[pixels] = mm[pixels].new_empty(rows[cut[r + 1]] - rows[cut[r]], mm[pixels].shape[1])
+                works.append(dist.irecv(mm[pixels], first + src, layout.host, tag=2 * k + m))
+            elif pixels in mm:  # a copy of this rank's run (the whole is freed); src sends the others theirs
+                mm[pixels] = run_rows(p, pixels, grid, r, size).clone()
+                works += [dist.isend(run_rows(p, pixels, grid, j, size), first + j, layout.host, tag=2 * k + m)
+                          for j in range(size) if src == r and parts[j][2][k] is None]
+    for work in works:
+        work.wait()
+    done = [x for part, _, _ in parts for x in part]
+    return [replace(x, prompt=group[i // n]) for i, x in enumerate(done)], [b for _, part, _ in parts for b in part]
 
 
 def language_model(model):

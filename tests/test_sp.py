@@ -37,19 +37,21 @@ def model_dir(name: str) -> str:
 def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = None) -> list:
     """7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1; the longest prompt plus the longest
     response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position). SP
-    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_prompts leaves each
-    rank its run of every prompt's pixel rows, as train.sample_batch does."""
+    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_rollouts leaves each
+    rank its run of every prompt's pixel rows, as in train.sample_batch."""
     import sp
     samples = data.load_samples(data_path)
     video = next(s for s in samples if s.get("videos"))
     image = next(s for s in samples if s.get("images"))
     both = dict(video, id="both", images=image["images"], data_type="video")
     text = dict(video, id="text", videos=[], data_type="text")
-    r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
-    prompts = [data.prepare(s, processor, cfg, stats) if k % n == r else None
-               for k, s in enumerate((video, image, both, text))]
-    if n > 1:
-        prompts = sp.group_prompts(prompts, layout)
+    samples, (r, n) = (video, image, both, text), (layout.sp_rank, layout.sp_size) if layout else (0, 1)
+    order = [k for q in range(n) for k in range(q, 4, n)]  # rank q prepares prompts q, q + n, ...: Layout.share's
+    prompts = [data.prepare(samples[k], processor, cfg, stats) if k % n == r else None for k in order]
+    if n > 1:  # a rollout of each prompt prepared here, to the SP group
+        own = [Rollout(p, [], None, "", "stop") for p in prompts if p is not None]
+        prompts = [x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]]
+    prompts = [prompts[order.index(k)] for k in range(4)]
     longest = 5 - max(len(p.prompt_ids) for p in prompts) % 2  # 4 or 5 response tokens: an odd total
     responses = [[30, 31, 32], [40], [50, 51], list(range(60, 60 + longest)), [70, 71], [], [80, 81]]
     return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
@@ -327,7 +329,7 @@ def test_layout_shares(world, sp_size, tp):
         assert share == layouts[r - r % tp].share(items, tp)[0]
         assert sorted(share) == sorted(i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world])
         assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
-    for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_prompts)
+    for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
         assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp)[0]]
         assert preparers == list(range(preparers[0], preparers[0] + tp))
