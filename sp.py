@@ -1,7 +1,7 @@
 """sp.py: sequence parallelism for long videos (Ulysses). The world is dp x sp: an SP group of sp_size consecutive
 ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
 
-    vision     each rank encodes 1/sp_size of the temporal patches (the Qwen-VL towers attend within one: exact)
+    vision     each rank holds and encodes its run of each prompt's temporal patches (the towers attend within one)
     embed      each rank embeds only its shard of the sequence (model_inputs): the M-RoPE positions of the whole,
                the features its positions hold, sent by the ranks that encoded them (one all-to-all)
     attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back;
@@ -46,8 +46,7 @@ class Layout:
         return [x for part in parts for x in part], sum(map(len, parts[:rank - first])), len(parts[rank - first])
 
     def prepares(self, i: int) -> bool:
-        """Whether this rank prepares item i of a step's prompts: the TP group that generates it does (SP peers get
-        their run of its pixel rows from it: group_rollouts)."""
+        """Whether this rank prepares item i of a step's prompts: the TP group that generates it (group_rollouts)."""
         return i % self.world // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:
@@ -124,9 +123,8 @@ class Vision:
 def encode_vision(model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None) -> Vision:
     """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt). SP:
     each rank encodes its run of each prompt's temporal patches (runs) and keeps their features. dummies
-    (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of a modality, or none of whose prompts has
-    it, encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every rank must run it as often,
-    in the same order)."""
+    (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of a modality encodes its dummy, weight 0
+    (FSDP2 all-gathers the tower each time it runs: every rank must run it as often, in the same order)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
@@ -144,15 +142,13 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None, du
         encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
         enc = encode(torch.cat(x).to(device), torch.tensor(grid_thw, device=device), return_dict=True)
         out.encodes += len(grid_thw)
-        # rank j holds the features of each prompt's run j, [s + tok[cut[j]], s + tok[cut[j + 1]]), in prompt order
-        tok = [[row // merge2 for row in rows] for _, rows, _ in split]
-        starts = list(itertools.accumulate([t[-1] for t in tok], initial=0))
-        held = [[i for s, t, (_, _, c) in zip(starts, tok, split) for i in range(s + t[c[j]], s + t[c[j + 1]])]
-                for j in range(n)]
+        # rank j holds the features of each prompt's run j (a feature: merge2 pixel rows), in prompt order
+        firsts = [[rows[c] // merge2 for c in cut] for _, rows, cut in split]  # each prompt's runs' first features
+        starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
+        held = [[i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])] for j in range(n)]
         bounds = list(itertools.accumulate(map(len, held), initial=0))
         where = torch.argsort(torch.tensor([i for h in held for i in h], dtype=torch.long)).to(device)
-        # a dummy's features: none kept, an empty slice in the graph that enters the model as real features do
-        # (FSDP2: the tower's backward then runs at the same point on every rank), with gradient zero
+        # a dummy's: none kept, an empty slice in the graph as real features (FSDP2: the same backward order), grad 0
         local = torch.cat([torch.cat(level) for level in levels(enc)], -1)[:bounds[r + 1] - bounds[r]]
         out.kinds[kind] = Features(local, bounds, where, {id(p): s for p, s in zip(mine, starts)},
                                    [level[0].shape[-1] for level in levels(enc)], type(enc))
@@ -160,21 +156,17 @@ def encode_vision(model, prompts: list, device, layout: Layout | None = None, du
 
 
 def runs(grid: torch.Tensor, n: int) -> tuple[list[int], list[int], list[int]]:
-    """One prompt's media of one modality, grid (items, 3) t, h, w, cut into n contiguous runs of its temporal
-    patches (SP rank j encodes run j): each patch's item, each patch's first pixel row (and the end), each run's first
-    patch (and the end)."""
+    """One prompt's media of one modality, grid (items, 3) t, h, w, in n runs of temporal patches (SP rank j's: run j):
+    each patch's item, each patch's first pixel row and each run's first patch (each list: and the end)."""
     units = [i for i, t in enumerate(grid[:, 0].tolist()) for _ in range(t)]
     rows = list(itertools.accumulate([int(grid[i, 1:].prod()) for i in units], initial=0))
     return units, rows, [len(units) * j // n for j in range(n + 1)]
 
 
 def run_rows(p, pixels: str, grid: str, j: int, n: int) -> torch.Tensor:
-    """Prompt p's pixel rows of run j of n (a view): p holds all of them (p.run (0, 1)) or that run alone."""
-    if p.run != (0, 1):
-        assert p.run == (j, n), f"prompt {p.sample['id']} holds run {p.run}, not {(j, n)}"
-        return p.mm[pixels]
+    """Prompt p's pixel rows of run j of n (a view): p holds all of them, or (group_rollouts') that run's alone."""
     _, rows, cut = runs(p.mm[grid], n)
-    return p.mm[pixels][rows[cut[j]]:rows[cut[j + 1]]]
+    return p.mm[pixels] if len(p.mm[pixels]) < rows[-1] else p.mm[pixels][rows[cut[j]]:rows[cut[j + 1]]]
 
 
 def levels(enc) -> list:
@@ -214,11 +206,9 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish)
-    gathered in rank order, n per prompt of the group (`prompts`, Layout.share's list: None where this rank did not
-    prepare one). Each prompt holds only this rank's run of each modality's pixel rows (runs), no frames. A prompt a
-    rank lacks (rollout_tp 1: each rank prepares the prompts it generates, data.next_valid) comes from the first rank
-    that prepared it: its ids and grids, then the rank's run of its pixel rows, in host memory (the gloo group)."""
+    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank order), n per prompt of
+    `prompts` (Layout.share's; None where this rank did not prepare one: rollout_tp 1, data.next_valid), each holding
+    this rank's run of pixel rows (runs) alone, no frames: from the first rank that prepared it, in host memory."""
     r, size, first = layout.sp_rank, layout.sp_size, layout.rank - layout.sp_rank
     bare = [p and replace(p, mm={k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()},
                           videos=[], images=[]) for p in prompts]
@@ -227,7 +217,7 @@ def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int
     works, group = [], []
     for k, p in enumerate(prompts):
         src = next(q for q in range(size) if parts[q][2][k] is not None)
-        group.append(replace(parts[src][2][k], run=(r, size)))  # its pixel rows: empty, of their width, till below
+        group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
         mm = group[k].mm
         for m, (_, pixels, grid) in enumerate(MEDIA):
             if pixels in mm and p is None:  # this rank's run, from src
