@@ -232,7 +232,7 @@ class Prompt:
     sample: dict                      # the validated sample (id, answer, problem_type, options, ...)
     text: str                         # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
     prompt_ids: list[int]             # processor-expanded token ids (what the trainer feeds)
-    mm: dict = field(default_factory=dict)       # pixel_values(_videos), image/video_grid_thw, second_per_grid_ts
+    mm: dict = field(default_factory=dict)       # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
     videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
 
@@ -271,9 +271,8 @@ def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
 
 def dummy_prompts(processor) -> dict:
     """{"image": Prompt, "video": Prompt}: the smallest input of each modality (zeros, one merged patch block; a video
-    of one temporal patch). FSDP2 all-gathers every vision block each time the tower runs (once for a forward's
-    images, once for its videos): ranks whose micro-batches differ in modalities would issue different collectives (a
-    hang). sp.encode_vision runs the dummy of each modality its prompts lack through the tower, weight 0."""
+    of one temporal patch). FSDP2 all-gathers the tower each time it runs (once per modality): sp.encode_vision runs
+    the dummy of each modality a rank has no patch of, weight 0, so that every rank issues the same collectives."""
     f = cache.vision_factor(processor)
     meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
     media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
@@ -358,7 +357,7 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
 
 
 def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
-    """The next prompts_per_step samples' prompts (prepared by the TP or SP group that uses them, else None) and skip
+    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
     and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
     batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]

@@ -1,7 +1,7 @@
 """sp.py: sequence parallelism for long videos (Ulysses). The world is dp x sp: an SP group of sp_size consecutive
 ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
 
-    vision     each rank encodes 1/sp_size of the temporal patches (the Qwen-VL towers attend within one: exact)
+    vision     each rank holds and encodes its run of each prompt's temporal patches (the towers attend within one)
     embed      each rank embeds only its shard of the sequence (model_inputs): the M-RoPE positions of the whole,
                the features its positions hold, sent by the ranks that encoded them (one all-to-all)
     attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back;
@@ -35,6 +35,7 @@ class Layout:
     tp: int = 1      # the rollout engine's tensor-parallel size
     rank: int = 0    # dp_rank * sp_size + sp_rank
     world: int = 1   # dp_size * sp_size
+    host: object = None  # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
 
     def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
         """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
@@ -45,9 +46,8 @@ class Layout:
         return [x for part in parts for x in part], sum(map(len, parts[:rank - first])), len(parts[rank - first])
 
     def prepares(self, i: int) -> bool:
-        """Whether this rank prepares item i of a step's prompts: the TP or SP group that uses it does."""
-        size = max(self.tp, self.sp_size)
-        return i % self.world // size == self.rank // size
+        """Whether this rank prepares item i of a step's prompts: the TP group that generates it (group_rollouts)."""
+        return i % self.world // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same rows)."""
@@ -57,11 +57,12 @@ class Layout:
 def make_layout(sp_size: int, tp: int = 1) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    groups = [None] * (world // sp_size)
+    groups = hosts = [None] * (world // sp_size)
     if sp_size > 1:
-        groups = [dist.new_group(list(range(start, start + sp_size))) for start in range(0, world, sp_size)]
+        spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
+        groups, hosts = ([dist.new_group(ranks, backend=backend) for ranks in spans] for backend in (None, "gloo"))
     dp_rank, dp_size = rank // sp_size, world // sp_size
-    return Layout(groups[dp_rank], rank % sp_size, sp_size, dp_rank, dp_size, tp, rank, world)
+    return Layout(groups[dp_rank], rank % sp_size, sp_size, dp_rank, dp_size, tp, rank, world, hosts[dp_rank])
 
 
 class AllReduce(torch.autograd.Function):
@@ -104,7 +105,8 @@ class Features:
     """One modality's encoder output for a set of prompts as this rank holds it (SP: the features of its own run of
     temporal patches), the model's levels (Qwen3-VL: + deepstack) side by side along the last dimension."""
     local: torch.Tensor   # (bounds[r + 1] - bounds[r], sum(dims))
-    bounds: list[int]     # rank j holds the features [bounds[j], bounds[j + 1]) of the prompts' media in order
+    bounds: list[int]     # rank j holds the features [bounds[j], bounds[j + 1]) of the ranks' runs one after another
+    where: torch.Tensor   # (features,) each feature of the prompts' media in order: its index in the ranks' runs
     spans: dict           # id(prompt) -> the index of its first feature
     dims: list[int]       # each level's width
     output: type          # the encoder output's class, which the model takes back (mm_encoder_outputs)
@@ -120,47 +122,51 @@ class Vision:
 
 def encode_vision(model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None) -> Vision:
     """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt). SP:
-    each rank encodes one of sp_size contiguous runs of the temporal patches and keeps their features (an empty run
-    encodes the first patch and keeps none). dummies (data.dummy_prompts; FSDP2 with several ranks): a modality that
-    none of the prompts has encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every rank
-    must run it as often, in the same order)."""
+    each rank encodes its run of each prompt's temporal patches (runs) and keeps their features. dummies
+    (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of a modality encodes its dummy, weight 0
+    (FSDP2 all-gathers the tower each time it runs: every rank must run it as often, in the same order)."""
     distinct = list({id(p): p for p in prompts}.values())
     merge2 = model.config.vision_config.spatial_merge_size ** 2
     r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
     out = Vision({}, 0)
     for kind, pixels, grid in MEDIA:
         mine = [p for p in distinct if pixels in p.mm]
-        encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
-        if not mine and dummies:
-            enc = encode(dummies[kind].mm[pixels].to(device), dummies[kind].mm[grid].to(device), return_dict=True)
-            # none of its features is kept: an empty slice, in the graph, that enters the model as real features do
-            # (FSDP2: the tower's backward then runs at the same point on every rank), with gradient zero
-            empty = torch.cat([torch.cat(level) for level in levels(enc)], -1)[:0]
-            dims = [level[0].shape[-1] for level in levels(enc)]
-            out.kinds[kind] = Features(empty, [0] * (n + 1), {}, dims, type(enc))
-            out.encodes += 1
-        if not mine:
+        if not mine and not dummies:
             continue
-        grids = torch.cat([p.mm[grid] for p in mine])                                  # (items, 3): t, h, w
-        units = [i for i, t in enumerate(grids[:, 0].tolist()) for _ in range(t)]  # each temporal patch's item
-        row = list(itertools.accumulate([int(grids[i, 1:].prod()) for i in units], initial=0))  # its first pixel row
-        a, b = len(units) * r // n, len(units) * (r + 1) // n
-        lo, hi = (a, b) if b > a else (0, 1)  # an empty run encodes the first patch (and keeps none of it)
-        pieces = [(i, len(list(g))) for i, g in itertools.groupby(units[lo:hi])]      # (item, its patches here)
-        grid_thw = torch.tensor([[t, *grids[i, 1:].tolist()] for i, t in pieces])
-        # the run's pixel rows [row[lo], row[hi]) of the prompts' rows one after another, sliced from each prompt's
-        # tensor (the media are never all copied)
-        firsts = itertools.accumulate([len(p.mm[pixels]) for p in mine], initial=0)
-        rows = [p.mm[pixels][max(row[lo] - s, 0):max(row[hi] - s, 0)] for p, s in zip(mine, firsts)]
-        enc = encode(torch.cat(rows).to(device), grid_thw.to(device), return_dict=True)
-        out.encodes += len(pieces)
-        tok = [x // merge2 for x in row]  # the first feature of each patch
-        bounds = [tok[len(units) * j // n] for j in range(n + 1)]
+        split = [runs(p.mm[grid], n) for p in mine]                      # per prompt: (units, rows, cuts)
+        grid_thw = [[len(list(g)), *p.mm[grid][i, 1:].tolist()] for p, (units, _, cut) in zip(mine, split)
+                    for i, g in itertools.groupby(units[cut[r]:cut[r + 1]])]             # this rank's pieces
+        x = [run_rows(p, pixels, grid, r, n) for p in mine]
+        if not grid_thw:  # none of the prompts has this modality, or this rank's runs are empty: the dummy
+            x, grid_thw = [dummies[kind].mm[pixels]], dummies[kind].mm[grid].tolist()
+        encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
+        enc = encode(torch.cat(x).to(device), torch.tensor(grid_thw, device=device), return_dict=True)
+        out.encodes += len(grid_thw)
+        # rank j holds the features of each prompt's run j (a feature: merge2 pixel rows), in prompt order
+        firsts = [[rows[c] // merge2 for c in cut] for _, rows, cut in split]  # each prompt's runs' first features
+        starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
+        held = [[i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])] for j in range(n)]
+        bounds = list(itertools.accumulate(map(len, held), initial=0))
+        where = torch.argsort(torch.tensor([i for h in held for i in h], dtype=torch.long)).to(device)
+        # a dummy's: none kept, an empty slice in the graph as real features (FSDP2: the same backward order), grad 0
         local = torch.cat([torch.cat(level) for level in levels(enc)], -1)[:bounds[r + 1] - bounds[r]]
-        starts = itertools.accumulate([int(p.mm[grid].prod(-1).sum()) // merge2 for p in mine], initial=0)
-        out.kinds[kind] = Features(local, bounds, {id(p): s for p, s in zip(mine, starts)},
+        out.kinds[kind] = Features(local, bounds, where, {id(p): s for p, s in zip(mine, starts)},
                                    [level[0].shape[-1] for level in levels(enc)], type(enc))
     return out
+
+
+def runs(grid: torch.Tensor, n: int) -> tuple[list[int], list[int], list[int]]:
+    """One prompt's media of one modality, grid (items, 3) t, h, w, in n runs of temporal patches (SP rank j's: run j):
+    each patch's item, each patch's first pixel row and each run's first patch (each list: and the end)."""
+    units = [i for i, t in enumerate(grid[:, 0].tolist()) for _ in range(t)]
+    rows = list(itertools.accumulate([int(grid[i, 1:].prod()) for i in units], initial=0))
+    return units, rows, [len(units) * j // n for j in range(n + 1)]
+
+
+def run_rows(p, pixels: str, grid: str, j: int, n: int) -> torch.Tensor:
+    """Prompt p's pixel rows of run j of n (a view): p holds all of them, or (group_rollouts') that run's alone."""
+    _, rows, cut = runs(p.mm[grid], n)
+    return p.mm[pixels] if len(p.mm[pixels]) < rows[-1] else p.mm[pixels][rows[cut[j]]:rows[cut[j + 1]]]
 
 
 def levels(enc) -> list:
@@ -184,7 +190,7 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
         if n == 1:
             x = f.local[needed(shard.start)]
         else:
-            r, need = shard.layout.sp_rank, [needed(j * size) for j in range(n)]
+            r, need = shard.layout.sp_rank, [f.where[needed(j * size)] for j in range(n)]
             lo, hi = f.bounds[r], f.bounds[r + 1]
             send = [f.local[x[(x >= lo) & (x < hi)] - lo] for x in need]           # what rank j needs of mine
             owner = torch.searchsorted(torch.tensor(f.bounds[1:n], device=f.local.device), need[r], right=True)
@@ -200,12 +206,32 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 
 
 def group_rollouts(rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks: the ranks' parts (tokens, log-probs, text, finish;
-    not the media) gathered in rank order onto this rank's Prompts (the group's, Layout.share's order), n each."""
-    parts = [None] * layout.sp_size
-    dist.all_gather_object(parts, ([replace(r, prompt=None) for r in rollouts], baselines), group=layout.group)
-    done = [x for part, _ in parts for x in part]
-    return [replace(x, prompt=prompts[i // n]) for i, x in enumerate(done)], [b for _, part in parts for b in part]
+    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank order), n per prompt of
+    `prompts` (Layout.share's; None where this rank did not prepare one: rollout_tp 1, data.next_valid), each holding
+    this rank's run of pixel rows (runs) alone, no frames: from the first rank that prepared it, in host memory."""
+    r, size, first = layout.sp_rank, layout.sp_size, layout.rank - layout.sp_rank
+    bare = [p and replace(p, mm={k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()},
+                          videos=[], images=[]) for p in prompts]
+    parts = [None] * size
+    dist.all_gather_object(parts, ([replace(x, prompt=None) for x in rollouts], baselines, bare), group=layout.host)
+    works, group = [], []
+    for k, p in enumerate(prompts):
+        src = next(q for q in range(size) if parts[q][2][k] is not None)
+        group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
+        mm = group[k].mm
+        for m, (_, pixels, grid) in enumerate(MEDIA):
+            if pixels in mm and p is None:  # this rank's run, from src
+                _, rows, cut = runs(mm[grid], size)
+                mm[pixels] = mm[pixels].new_empty(rows[cut[r + 1]] - rows[cut[r]], mm[pixels].shape[1])
+                works.append(dist.irecv(mm[pixels], first + src, layout.host, tag=2 * k + m))
+            elif pixels in mm:  # a copy of this rank's run (the whole is freed); src sends the others theirs
+                mm[pixels] = run_rows(p, pixels, grid, r, size).clone()
+                works += [dist.isend(run_rows(p, pixels, grid, j, size), first + j, layout.host, tag=2 * k + m)
+                          for j in range(size) if src == r and parts[j][2][k] is None]
+    for work in works:
+        work.wait()
+    done = [x for part, _, _ in parts for x in part]
+    return [replace(x, prompt=group[i // n]) for i, x in enumerate(done)], [b for _, part, _ in parts for b in part]
 
 
 def language_model(model):

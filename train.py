@@ -711,7 +711,7 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:][:k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
-        if layout.sp_size > 1:
+        if layout.sp_size > 1:  # each rank keeps its run of the pixel rows, from the rank that prepared them
             group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):

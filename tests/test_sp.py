@@ -34,15 +34,24 @@ def model_dir(name: str) -> str:
     return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"), variant=variant)
 
 
-def make_rows(processor, cfg, data_path: str) -> list:
+def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = None) -> list:
     """7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1; the longest prompt plus the longest
-    response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position)."""
+    response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position). SP
+    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_rollouts leaves each
+    rank its run of every prompt's pixel rows, as in train.sample_batch."""
+    import sp
     samples = data.load_samples(data_path)
     video = next(s for s in samples if s.get("videos"))
     image = next(s for s in samples if s.get("images"))
     both = dict(video, id="both", images=image["images"], data_type="video")
     text = dict(video, id="text", videos=[], data_type="text")
-    prompts = [data.prepare(s, processor, cfg) for s in (video, image, both, text)]
+    samples, (r, n) = (video, image, both, text), (layout.sp_rank, layout.sp_size) if layout else (0, 1)
+    order = [k for q in range(n) for k in range(q, 4, n)]  # rank q prepares prompts q, q + n, ...: Layout.share's
+    prompts = [data.prepare(samples[k], processor, cfg, stats) if k % n == r else None for k in order]
+    if n > 1:  # a rollout of each prompt prepared here, to the SP group
+        own = [Rollout(p, [], None, "", "stop") for p in prompts if p is not None]
+        prompts = [x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]]
+    prompts = [prompts[order.index(k)] for k in range(4)]
     longest = 5 - max(len(p.prompt_ids) for p in prompts) % 2  # 4 or 5 response tokens: an odd total
     responses = [[30, 31, 32], [40], [50, 51], list(range(60, 60 + longest)), [70, 71], [], [80, 81]]
     return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
@@ -62,7 +71,8 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     processor = AutoProcessor.from_pretrained(d)
     tok = processor.tokenizer
     banned = vision_token_ids(tok)
-    rows = make_rows(processor, cfg, data_path)
+    stats = {"decode": 0}
+    rows = make_rows(processor, cfg, data_path, layout, stats)
     model = train.load_model(cfg, torch.device(device))
     if kernel:
         sp.language_model(model).config._attn_implementation = kernel
@@ -71,7 +81,9 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     dummies = data.dummy_prompts(processor) if world > 1 else None
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout else (0, 1)
-    out = {}
+    prompts = list({id(r.prompt): r.prompt for r in rows}.values())
+    out = {"decodes": torch.tensor(stats["decode"])} | {  # each rank's own pixel rows (the reference: all)
+        pixels: torch.cat([p.mm[pixels] for p in prompts if pixels in p.mm]) for _, pixels, _ in sp.MEDIA}
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
         b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
@@ -188,16 +200,30 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 
 @pytest.mark.slow
-def test_sp2_matches_one_process(sp2_ranks, reference):
+def test_sp2_matches_one_process(sp2_ranks, reference, synth):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
-    (fp32); each rank encodes half of the temporal patches (one piece per modality: encodes 2 per batch)."""
+    (fp32). Each video is decoded once per SP group, by the rank that prepares its prompt; each rank holds only its
+    run of every prompt's pixel rows (bit for bit sp.run_rows of the whole prompt's) and encodes it: half of each
+    video's temporal patches, the one-patch images on rank 1 (rank 0 encodes a dummy image: FSDP2 in step)."""
     from safetensors.torch import load_file
-    tmp_path = sp2_ranks
+    from transformers import AutoProcessor
+
+    import sp
     for arch, ref in reference.items():
-        got = [load_file(tmp_path / f"{arch}.rank{r}.safetensors") for r in range(2)]
+        got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
         check_against(ref, got, 2)
+        # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
+        assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
+        rows = make_rows(AutoProcessor.from_pretrained(model_dir(arch)), tiny_config(model=model_dir(arch)),
+                         os.path.join(synth, "train.jsonl"))
+        prompts = list({id(x.prompt): x.prompt for x in rows}.values())
+        for _, pixels, grid in sp.MEDIA:
+            assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
+            for r, part in enumerate(got):
+                assert torch.equal(part[pixels], torch.cat([sp.run_rows(p, pixels, grid, r, 2) for p in prompts
+                                                            if pixels in p.mm]))
         assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
-        assert all(part[f"encodes{k}"] == 2 for part in got for k in range(2))
+        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 2], [4, 2]]
 
 
 @pytest.mark.slow
@@ -267,14 +293,18 @@ def sp_train_and_resume(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.lane("sp_train_and_resume")
 def test_train_run_and_resume(tmp_path_factory):
-    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy)."""
+    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy),
+    and decodes each of their videos once (by the rank that generates its prompt; each rank did before)."""
     import json
     import math
     tmp_path, logs = lane_result("sp_train_and_resume", tmp_path_factory)
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    videos = {s["id"]: len(s.get("videos", [])) for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl"))}
+    assert sum(videos[i] for r in rows for i in r["data/ids"]) > 0
     for r in rows:
+        assert r["cache/decode"] == sum(videos[i] for i in r["data/ids"])  # no cache: a load is a decode
         assert math.isfinite(r["loss"]) and len(r["data/ids"]) == len(set(r["data/ids"])) == 2
         assert r["vision/encodes"] >= 4  # per rank at least one piece of each modality (a dummy where none)
         assert r["mismatch/mean"] < 1e-2  # the sampler's log-probs vs the SP trainer's, on the same tokens
@@ -287,8 +317,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)])
 def test_layout_shares(world, sp_size, tp):
     """Layout's rank arithmetic over a whole world: rank r's own part is items[r::world] inside its TP group's list,
-    which is the same on the group's ranks; an item is prepared by one group of consecutive ranks, every rank that
-    generates or trains it among them; dedup keeps one rank per SP group."""
+    which is the same on the group's ranks; an item is prepared by the TP group (consecutive ranks) that generates it;
+    dedup keeps one rank per SP group."""
     import sp
     items = list(range(23))
     dp = world // sp_size
@@ -299,8 +329,8 @@ def test_layout_shares(world, sp_size, tp):
         assert share == layouts[r - r % tp].share(items, tp)[0]
         assert sorted(share) == sorted(i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world])
         assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
-    for i in items:
+    for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
-        users = [r for r, x in enumerate(layouts) if i in x.share(items, tp)[0] + x.share(items, sp_size)[0]]
-        assert set(users) <= set(preparers) and preparers == list(range(preparers[0], preparers[0] + max(tp, sp_size)))
+        assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp)[0]]
+        assert preparers == list(range(preparers[0], preparers[0] + tp))
     assert layouts[0].dedup(list(range(world))) == list(range(0, world, sp_size))
