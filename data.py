@@ -356,6 +356,15 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     return [p for p, _ in out if p], [report for _, report in out if report]
 
 
+def prep_share(prep, samples: list, cfg, layout) -> tuple[list, list]:
+    """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
+    group alone, and every rank's skip reports. A group with an empty share (fewer samples than groups) prepares the
+    first sample marked "pad": the HF engine's generate is collective, so every rank generates; a pad is not scored."""
+    share = layout.share(samples, layout.tp)[0]
+    prompts, skips = prep_all(prep, share or [{**s, "pad": True} for s in samples[:1]], cfg)
+    return prompts, [report for part in gather(skips if share else [])[::layout.tp] for report in part]
+
+
 def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
     """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
     reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots

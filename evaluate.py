@@ -737,12 +737,15 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
 
 
 def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks (an sp.Layout), scored here; rows in out_dir/eval/step_N.jsonl."""
-    share, start, k = layout.share(prompts, layout.tp)
-    # every rank generates as many prompts as rank 0 (the largest share): the HF engine's generate is collective
-    share = share + prompts[:1] * (len(layout.share(prompts, layout.tp, rank=0)[0]) - len(share))
-    outs = engine.generate(share, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed)
-    mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs[start:start + k]]
+    """Greedy held-out accuracy over all ranks (an sp.Layout), each given its TP group's prompts (data.prep_share);
+    scored here; rows in out_dir/eval/step_N.jsonl."""
+    # every rank generates as many prompts as the largest share: the HF engine's generate is collective
+    longest = max(gather(len(prompts)))
+    outs = engine.generate(prompts + prompts[:1] * (longest - len(prompts)), n=1, temperature=0.0,
+                           max_tokens=cfg.max_response_len, seed=cfg.seed)[:len(prompts)]
+    mine = []
+    if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records them
+        mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs if "pad" not in r.prompt.sample]
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)

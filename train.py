@@ -909,14 +909,15 @@ def main(cfg: Config):
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(prep, cfg=cfg.val_config())  # the held-out frame budget
-    val_prompts, skips = data.prep_all(val_prep, samples["val"], cfg)
+    val_prompts, skips = data.prep_share(val_prep, samples["val"], cfg, layout)  # its TP group's share
+    n_val = len(samples["val"]) - len(skips)  # on every rank
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
-    elif val_prompts:
+    elif n_val:
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {len(val_prompts)} val, "
+    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
            f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
@@ -966,7 +967,7 @@ def main(cfg: Config):
         # ---------------------------------------------------- log
         parts = gather({"m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
                         "samples": sample_rows(batch.groups, adv, step, cfg)})
-        evaluated = val_prompts and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
+        evaluated = n_val and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
         if evaluated:  # the result of the run, once the last step has run
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:

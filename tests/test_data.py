@@ -203,3 +203,29 @@ def test_rendered_prompt_size_is_bounded_per_sample():
     assert data.render_prompt(dict(GOOD, problem="ab"), template) == "abab"
     with pytest.raises(data.DataError, match="sample s1: the prompt renders over 1000000 characters"):
         data.render_prompt(dict(GOOD, problem="x" * 1001), template)
+
+
+def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
+    """data.prep_share: each held-out sample is prepared by one TP group only (its engine generates it), not by every
+    rank; a group with no sample prepares the first one as a pad, which evaluate.accuracy never scores."""
+    import sp
+    from types import SimpleNamespace
+    samples = [{"id": f"s{i}"} for i in range(5)]
+    cfg = SimpleNamespace(skip_invalid=False)
+    prepared = []
+
+    def prep(s):
+        prepared.append(s["id"])
+        return SimpleNamespace(sample=s)
+
+    # 4 ranks, engines of 2 ranks (rollout tp 2): ranks 0 and 1 share one engine, ranks 2 and 3 another
+    mine = {}
+    for rank in range(4):
+        layout = sp.Layout(None, 0, 1, rank, 4, tp=2, rank=rank, world=4)
+        mine[rank] = [p.sample["id"] for p in data.prep_share(prep, samples, cfg, layout)[0]]
+    assert mine[0] == mine[1] and mine[2] == mine[3]                       # a TP group shares its engine's prompts
+    assert sorted(mine[0] + mine[2]) == [s["id"] for s in samples]         # each sample in one group
+    assert len(prepared) == 2 * len(samples)                                # by its group's 2 ranks, not by all 4
+    one = sp.Layout(None, 0, 1, 1, 2, tp=1, rank=1, world=2)
+    [pad] = data.prep_share(prep, samples[:1], cfg, one)[0]                 # rank 1 of 2, one sample: a pad
+    assert pad.sample["pad"] and pad.sample["id"] == "s0" and "pad" not in samples[0]
