@@ -130,8 +130,7 @@ NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: not
     "torch._opaque_base": ("torch._opaque_base is deprecated",),
     "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
-    # vLLM on CPU: speed hints (Triton, tcmalloc/iomp preloads), what our CPU settings imply (enforce_eager, chunked
-    # prefill off: rollout.VLLMEngine says why), its seeding of the global RNGs with our seed
+    # vLLM on CPU: speed hints (Triton, LD_PRELOAD), our CPU settings (enforce_eager, chunked prefill off, in-process)
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
     "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
     "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
@@ -148,11 +147,10 @@ NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: not
 
 
 def quiet():
-    """At an entry script's start, before vLLM and transformers load (env vars reach child processes); not --debug."""
+    """At an entry script's start, before vLLM loads (the env var reaches its child processes); not with --debug."""
     if "--debug" in sys.argv:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per process at start-up
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars: loading and saving weights
     for name, texts in NOISE.items():
         logging.getLogger(name).addFilter(lambda record, texts=texts: not any(t in record.getMessage() for t in texts))
     # vLLM's kernel registry reads every module's attributes, torch.distributed's deprecated reduce_op among them
@@ -160,6 +158,8 @@ def quiet():
     # the sharded root's views (logits_to_keep=1, hidden states), which token_logp only reads: no in-place op
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP(PeftModel|\w+ForConditionalGeneration)\) "
                             "returned a view tensor", UserWarning)
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # loading and saving weights (the hub's download bars stay)
 
 
 def cli(main, load_config):
