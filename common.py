@@ -156,8 +156,8 @@ def quiet():
     # vLLM's kernel registry reads every module's attributes, torch.distributed's deprecated reduce_op among them
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning, "vllm")
     # the sharded root's views (logits_to_keep=1, hidden states), which token_logp only reads: no in-place op
-    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP(PeftModel|\w+ForConditionalGeneration)\) "
-                            "returned a view tensor", UserWarning)
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view",
+                            UserWarning)
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # loading and saving weights (the hub's download bars stay)
 
