@@ -3,6 +3,7 @@ collectives, stop signals, the config loader (dataclass + YAML overlay + flags),
 import datetime
 import faulthandler
 import json
+import logging
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import threading
 import traceback
 import typing
 import urllib.parse
+import warnings
 from dataclasses import fields, replace
 from typing import Literal
 
@@ -123,8 +125,46 @@ def check_hub(model: str):
 FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
 
 
+# Library lines, harmless in our runs, that quiet() drops (--debug keeps them): logger -> texts, why above each group
+NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: nothing we call, no CUDA build here
+    "torch._opaque_base": ("torch._opaque_base is deprecated",),
+    "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
+    # vLLM on CPU: speed hints (Triton, LD_PRELOAD), our CPU settings (enforce_eager, chunked prefill off, in-process)
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
+    "vllm.engine.arg_utils": ("The global random seed is set", "does not officially support disabling chunked"),
+    "vllm.v1.worker.cpu_worker": ("is not found in LD_PRELOAD", "`torch.set_num_threads` after the thread binding"),
+    # the weight sync: layers holding only buffers no checkpoint has (rotary caches, image mean/std), which vLLM keeps
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed", "FusedMMInputNorm: Failed"),
+    # evaluate.py: a float32 checkpoint (the tiny models) in bfloat16, a line per tensor; AsyncLLM.generate(dict) works
+    # in the vLLM we pin (warned once); the engine process outlasts vLLM's 5 s wait at shutdown (results are written)
+    "vllm.model_executor.models.utils": ("Attempted to load weight",),
+    "vllm.v1.engine.input_processor": ("Passing raw prompts to InputProcessor is deprecated",),
+    "vllm.v1.utils": ("Process manager: force killing remaining process",),
+}
+
+
+def quiet():
+    """At an entry script's start, before vLLM loads (the env var reaches its child processes); not with --debug."""
+    if "--debug" in sys.argv:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per process at start-up
+    for name, texts in NOISE.items():
+        logging.getLogger(name).addFilter(lambda record, texts=texts: not any(t in record.getMessage() for t in texts))
+    # vLLM's kernel registry reads every module's attributes, torch.distributed's deprecated reduce_op among them
+    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning, "vllm")
+    # the sharded root's views (logits_to_keep=1, hidden states), which token_logp only reads: no in-place op
+    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view",
+                            UserWarning)
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # loading and saving weights (the hub's download bars stay)
+
+
 def cli(main, load_config):
     """`main(load_config(argv))`: a ValueError or OSError (settings, data, paths, network) prints one line, exit 2."""
+    quiet()
     try:
         return main(load_config([arg for arg in sys.argv[1:] if arg != "--debug"]))
     except (ValueError, OSError) as e:

@@ -773,7 +773,7 @@ def make_engine(cfg: Config, tokenizer):
         tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
         kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
-        trust_remote_code=cfg.trust_remote_code,
+        trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False,
         mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
     with start_errors(cfg.max_model_len):
         return AsyncLLM.from_engine_args(args)
@@ -953,3 +953,5 @@ def main(cfg: Config) -> int:
 
 if __name__ == "__main__":
     sys.exit(common.cli(main, partial(common.load_config, Config)))
+elif __name__ == "__mp_main__":  # vLLM's engine and worker processes (spawned) run this file first: quiet there too
+    common.quiet()

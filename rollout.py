@@ -11,7 +11,6 @@ tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measur
 """
 import contextlib
 import hashlib
-import logging
 import os
 from dataclasses import dataclass
 
@@ -73,16 +72,6 @@ def vision_token_ids(tokenizer) -> list[int]:
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
-def harmless_vllm_warning(record: logging.LogRecord) -> bool:
-    """A logging filter: False for the warning vLLM's CPU worker puts in place of torch.set_num_threads, which vLLM's
-    own request renderer calls twice per multimodal request (496 of a 6-step demo run's 640 lines), and for the weight
-    sync's "Failed to load weights" of layers that hold only buffers no checkpoint has (rotary caches, the image
-    mean/std), which vLLM keeps (3 lines per rank and step)."""
-    harmless = ("`torch.set_num_threads` after the thread binding", "RotaryEmbedding: Failed to load weights",
-                "FusedMMInputNorm: Failed to load weights")
-    return not any(text in record.getMessage() for text in harmless)
-
-
 @contextlib.contextmanager
 def start_errors(max_model_len: int):
     """vLLM's start-up failures about memory as one line that names our knobs: its own message names
@@ -109,9 +98,6 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
                  max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per rank at startup
-        for name in ("vllm.v1.worker.cpu_worker", "vllm.model_executor.model_loader.reload.layerwise"):
-            logging.getLogger(name).addFilter(harmless_vllm_warning)
         from vllm import LLM
         from vllm.platforms import current_platform
         self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
@@ -132,7 +118,7 @@ class VLLMEngine:
                            enable_chunked_prefill=chunk,
                            max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                            logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
-                           limit_mm_per_prompt={"image": max_images, "video": max_videos},
+                           use_tqdm_on_load=False, limit_mm_per_prompt={"image": max_images, "video": max_videos},
                            mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
                            # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block
                            # (vLLM splits the weights where a model cannot); one video stays on one rank

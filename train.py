@@ -20,7 +20,6 @@ import math
 import os
 import time
 import typing
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -1134,8 +1133,6 @@ def load_model(cfg: Config, device):
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload)
-        # the root returns views (logits_to_keep=1, hidden states) that token_logp only reads: no in-place op
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model

@@ -59,6 +59,7 @@ def run_phases(paths: list[str]):
 
     train.micro_batches, rollout.VLLMEngine.sync = start, end
     cfg = train.load_config(["--config", *paths])
+    train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     train.main(cfg)
     peak = max(peaks[1:] or peaks)
     print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "peaks_mib": [round(p / 2 ** 20, 1) for p in peaks]}))

@@ -36,6 +36,7 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
     import data
     import rollout
     import train
+    train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     rank, world, device = train.init_dist()
     cfg = train.load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--model", model_dir])
     processor = AutoProcessor.from_pretrained(model_dir)

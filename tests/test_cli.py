@@ -133,3 +133,32 @@ def test_engine_memory_errors_name_our_knobs():
     with pytest.raises(ValueError, match="^unknown architecture$"):
         with start_errors(4096):
             raise ValueError("unknown architecture")
+
+
+QUIET_PROBE = """
+import logging, sys, warnings
+import common
+common.quiet()
+logging.basicConfig(format="%(name)s: %(message)s")
+logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+logging.getLogger("vllm.platforms.cpu").warning("a vLLM warning quiet() does not list")
+logging.getLogger("torch._opaque_base").error("an error on a listed logger")
+warnings.warn("our own warning", UserWarning)
+warnings.warn("`torch.distributed.reduce_op` is deprecated, elsewhere", FutureWarning)
+print("VLLM_LOGGING_LEVEL", common.os.environ.get("VLLM_LOGGING_LEVEL"))
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_quiet_drops_only_the_listed_lines(debug):
+    """common.quiet (each entry script's start): the listed library lines go, anything else still prints (other
+    warnings, errors, a listed text from another module); --debug keeps every line and vLLM's INFO level."""
+    env = dict(os.environ)
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    p = subprocess.run([sys.executable, "-c", QUIET_PROBE, *["--debug"] * debug], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert ("Triton is not installed" in p.stderr) == debug
+    assert "a vLLM warning quiet() does not list" in p.stderr and "an error on a listed logger" in p.stderr
+    assert "our own warning" in p.stderr and "reduce_op` is deprecated, elsewhere" in p.stderr  # not from vLLM
+    assert f"VLLM_LOGGING_LEVEL {None if debug else 'WARNING'}" in p.stdout

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, background, color_data_dir, lane_result, tiny_model_dir
+from conftest import LIBRARY_NOISE, ROOT, background, color_data_dir, lane_result, quiet_lines, tiny_model_dir
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
@@ -52,6 +52,14 @@ def test_two_rank_fsdp_vllm_steps_tp1(uninterrupted, tiny_model, color_data):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     check_vllm_run(out, rows, logs[0], tiny_model, color_data, 4)
     assert "torch.set_num_threads" not in logs[1] and "Traceback" not in logs[1]
+
+
+def test_a_run_prints_a_line_per_step(uninterrupted):
+    """issue 29: conftest's 4-step 2-node run (2 checkpoint saves) prints the step-0 line, a line per step and per
+    save and the final line; no library warning or progress bar (common.quiet: test_cli checks that
+    other warnings and errors still print). Was 51 lines for a 4-step 2-rank run, 43 of them torch's and vLLM's."""
+    lines = quiet_lines(*uninterrupted[1])  # node 1: torchrun's note that --node-rank is ignored with c10d
+    assert len(lines) <= 4 + 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], "\n".join(uninterrupted[1])
 
 
 def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):

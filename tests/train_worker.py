@@ -36,6 +36,7 @@ def launch(runs: list[list[str]], nproc: int = 2, timeout: float = 900) -> list[
 def main(argv: list[str]):
     sys.path.insert(0, ROOT)
     import train
+    train.common.quiet()  # as train.py's own start-up
     runs = [[]]
     for a in argv:
         if a == "--":
