@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -271,8 +272,8 @@ TRAIN_DRIVER = """
 import json, os, runpy, sys, traceback
 rank0 = os.environ.get("RANK", "0") == "0"
 for key, args in json.loads(sys.argv[1]).items():
-    if rank0:
-        print("=== train_cli " + key, flush=True)
+    if rank0:  # one write, newline included: another rank's lines may come between two writes
+        print("=== train_cli " + key + "\\n", end="", flush=True)
     sys.argv, rc = ["train.py", *args], 0
     try:
         runpy.run_path("train.py", run_name="__main__")
@@ -283,7 +284,7 @@ for key, args in json.loads(sys.argv[1]).items():
         rc = 1
     sys.stderr.flush()
     if rank0:
-        print("=== rc " + str(rc), flush=True)
+        print("=== rc " + str(rc) + "\\n", end="", flush=True)
 """
 
 
@@ -296,8 +297,9 @@ def drive(runs: dict, launcher: list, timeout: float = 600) -> dict:
     out = {}
     for key in runs:
         part = log.split(f"=== train_cli {key}\n")[1].split("=== train_cli ")[0]
-        part, _, rc = part.rpartition("=== rc ")
-        out[key] = subprocess.CompletedProcess(runs[key], int(rc), part)
+        part, _, rest = part.rpartition("=== rc ")
+        rc = re.match(r"-?\d+", rest).group()  # what follows: other ranks' output written after rank 0's mark
+        out[key] = subprocess.CompletedProcess(runs[key], int(rc), part + rest[len(rc):])
     return out
 
 
@@ -332,6 +334,8 @@ def failing_runs(tmp_path_factory, tiny_model, synth) -> tuple:
                                      "--max-consecutive-invalid", "20", "--rollout", "hf")
     runs["nan"] = train_args(tiny_model, os.path.join(synth, "train.jsonl"), d / "run-nan", "--adv-eps", "0",
                              "--w-acc", "0", "--w-fmt", "0", "--save-every", "1", "--save", "--rollout", "hf")
+    # the process group is the first run's: a run that would leave the ranks out of step fails in 2 minutes, not 30
+    runs["empty"] += ["--dist-timeout", "120"]
     return d, drive(runs, [*TORCHRUN, "--no-python", sys.executable])
 
 
