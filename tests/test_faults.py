@@ -320,10 +320,11 @@ def all_missing(tmp_path, synth) -> str:
 @pytest.fixture(scope="module")
 def failing_runs(tmp_path_factory, tiny_model, synth) -> tuple:
     """The runs of the tests below that fail before or in step 1, one after another in one 2-rank torchrun launch
-    (TRAIN_DRIVER: each fails on both ranks at the same point, so the next one starts in step; 4 launches were ~62 CPU
-    s, most of it torchrun's and the imports' start). The HF engine where a run gets to sample: the failures come
-    before the rollout or after it, whichever engine made it, and it spares the vLLM start-ups (the vLLM path: the
-    fuzz test). Returns (folder, key -> finished command: rank 0's exit code, stdout + stderr)."""
+    (TRAIN_DRIVER: each fails on both ranks at the same point, so the next one starts in step; 4 launches took 77
+    CPU s, this one 17: most of it was torchrun's and the imports' start). The HF engine where a run gets to
+    sample: the failures come before the rollout or after it, whichever engine made it, and it spares the vLLM
+    start-ups (the vLLM path: the fuzz test). Returns (folder, key -> finished command: rank 0's exit code, stdout +
+    stderr)."""
     d = tmp_path_factory.mktemp("failing")
     lines = broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline()))
     (d / "empty.jsonl").write_text("")
@@ -346,9 +347,8 @@ def test_no_valid_training_sample_fails_at_startup(failing_runs, synth):
     d, runs = failing_runs
     n_broken = len(broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline())))
     for name, n_skipped in (("empty", 0), ("broken", n_broken)):
-        path, p = d / f"{name}.jsonl", runs[name]
-        assert p.returncode != 0 and f"{path}: no valid training sample ({n_skipped} skipped)" in p.stdout, \
-            p.stdout[-4000:]
+        says, p = f"{d / name}.jsonl: no valid training sample ({n_skipped} skipped)", runs[name]
+        assert p.returncode != 0 and says in p.stdout, p.stdout[-4000:]
 
 
 @pytest.mark.slow
