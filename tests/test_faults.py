@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -73,9 +74,9 @@ TEMPLATE_FAILS = {"ZERO": "ZeroDivisionError", "TYPE": "TypeError", "PAD": "Stop
 RENDERED_FAILS = {**TEMPLATE_FAILS, "PAD": "contains '<|video_pad|>'"}
 
 
-def fuzz_dataset(tmp_path, synth, n_broken=300, seed=0) -> tuple[str, list, dict]:
-    """8 good synthetic samples mixed with n_broken broken ones. Returns (path, good ids, expected skips:
-    line number -> (sample id or None for load-time rejects, text its error must contain))."""
+def fuzz_dataset(tmp_path, synth, per_kind=2, seed=0) -> tuple[str, list, dict]:
+    """8 good synthetic samples mixed with per_kind broken ones of every kind, in a random order. Returns (path, good
+    ids, expected skips: line number -> (sample id or None for load-time rejects, text its error must contain))."""
     rng = random.Random(seed)
     good = [json.loads(x) for x in open(os.path.join(synth, "train.jsonl"))][:8]
     for s in good:  # absolute media paths: the fuzz file lives elsewhere
@@ -84,8 +85,7 @@ def fuzz_dataset(tmp_path, synth, n_broken=300, seed=0) -> tuple[str, list, dict
                 s[k] = [os.path.join(synth, p) for p in s[k]]
     media, lines = broken_media(tmp_path / "broken"), broken_lines(good[0])
     rows = [(json.dumps(s), None) for s in good]
-    for i in range(n_broken):
-        kind = rng.choice(sorted(media) + sorted(lines) + sorted(TEMPLATE_FAILS))
+    for i, kind in enumerate((sorted(media) + sorted(lines) + sorted(TEMPLATE_FAILS)) * per_kind):
         if kind in TEMPLATE_FAILS:  # fails in prepare, with FAILING_TEMPLATE
             s = {**good[0], "id": f"broken-{i}", "problem": good[0]["problem"] + kind}
             rows.append((json.dumps(s), (s["id"], RENDERED_FAILS[kind])))
@@ -197,10 +197,11 @@ def test_collective_timeout_fails_instead_of_hanging():
 
 @pytest.mark.slow
 def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, synth):
-    """~300 broken samples (bad lines: malformed, not UTF-8, 100k deep, lone surrogates, special tokens; missing,
-    corrupt, empty, 1-frame, over-8K videos; unreadable, absurd, bomb images; a FIFO and a device as media; a prompt
-    template raising ZeroDivisionError, TypeError, StopIteration) among 8 good ones, through loading, the frame cache,
-    vLLM rollout and reward in a 2-rank run with skip_invalid."""
+    """Every kind of broken sample twice, 52 in a random order (bad lines: malformed, not UTF-8, 100k deep, lone
+    surrogates, special tokens; missing, corrupt, empty, 1-frame, over-8K videos; unreadable, absurd, bomb images; a
+    FIFO and a device as media; a prompt template raising ZeroDivisionError, TypeError, StopIteration) among 8 good
+    ones, through loading, the frame cache, vLLM rollout and reward in a 2-rank run with skip_invalid (before: 300
+    drawn at random, 42.2 -> 37.4 CPU s: the 2-rank vLLM start is most of it)."""
     path, good_ids, expected = fuzz_dataset(tmp_path, synth)
     out = tmp_path / "run"
     (tmp_path / "template.jinja").write_text(FAILING_TEMPLATE)
@@ -231,12 +232,19 @@ def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, sy
 # ---------------------------------------------------------------------------------------------------
 # Runs that can never start, signals, NaN: the training command under torchrun (2 ranks)
 
-def train_cmd(model, train_data, out, *extra) -> list:
-    """The training command on the tiny model, 2 ranks, no held-out set, no final save (later flags win)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-            "train.py", "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", str(train_data),
-            "--val-data", "", "--out-dir", str(out), "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4",
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+
+
+def train_args(model, train_data, out, *extra) -> list:
+    """train.py's arguments on the tiny model, no held-out set, no final save (later flags win)."""
+    return ["--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", str(train_data), "--val-data", "",
+            "--out-dir", str(out), "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4",
             "--cache-dir", str(out.parent / "frames"), "--video-source", "prefer_cache", "--no-save", *extra]
+
+
+def train_cmd(model, train_data, out, *extra) -> list:
+    """The training command on the tiny model, 2 ranks (train_args)."""
+    return [*TORCHRUN, "train.py", *train_args(model, train_data, out, *extra)]
 
 
 def start(cmd) -> subprocess.Popen:
@@ -257,6 +265,44 @@ def finish(p: subprocess.Popen, timeout: float) -> str:
         raise AssertionError(f"still running after {timeout} s: " + p.communicate()[0][-4000:])
 
 
+# Command lines run one after another in one process (under torchrun: in each rank's, in step), each as `python
+# train.py ARGS` runs it (sys.argv, __main__), stdout and stderr in one stream cut at rank 0's MARK lines, its exit
+# code rank 0's: the imports (~5 CPU s a process) and torchrun's start are paid once
+TRAIN_DRIVER = """
+import json, os, runpy, sys, traceback
+rank0 = os.environ.get("RANK", "0") == "0"
+for key, args in json.loads(sys.argv[1]).items():
+    if rank0:  # one write, newline included: another rank's lines may come between two writes
+        print("=== train_cli " + key + "\\n", end="", flush=True)
+    sys.argv, rc = ["train.py", *args], 0
+    try:
+        runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    sys.stderr.flush()
+    if rank0:
+        print("=== rc " + str(rc) + "\\n", end="", flush=True)
+"""
+
+
+def drive(runs: dict, launcher: list, timeout: float = 600) -> dict:
+    """train.py's command lines `runs` (key -> arguments) through TRAIN_DRIVER started by `launcher` (python, or
+    torchrun's agent with --no-python python). Returns key -> finished command (stdout + stderr in .stdout)."""
+    p = start([*launcher, "-c", TRAIN_DRIVER, json.dumps(runs)])
+    log = finish(p, timeout)
+    assert p.returncode == 0, log[-3000:]
+    out = {}
+    for key in runs:
+        part = log.split(f"=== train_cli {key}\n")[1].split("=== train_cli ")[0]
+        part, _, rest = part.rpartition("=== rc ")
+        rc = re.match(r"-?\d+", rest).group()  # what follows: other ranks' output written after rank 0's mark
+        out[key] = subprocess.CompletedProcess(runs[key], int(rc), part + rest[len(rc):])
+    return out
+
+
 def run_train(cmd, timeout: float = 600) -> tuple[subprocess.Popen, str]:
     p = start(cmd)
     return p, finish(p, timeout)
@@ -271,33 +317,48 @@ def all_missing(tmp_path, synth) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def failing_runs(tmp_path_factory, tiny_model, synth) -> tuple:
+    """The runs of the tests below that fail before or in step 1, one after another in one 2-rank torchrun launch
+    (TRAIN_DRIVER: each fails on both ranks at the same point, so the next one starts in step; 4 launches took 77
+    CPU s, this one 17: most of it was torchrun's and the imports' start). The HF engine where a run gets to
+    sample: the failures come before the rollout or after it, whichever engine made it, and it spares the vLLM
+    start-ups (the vLLM path: the fuzz test). Returns (folder, key -> finished command: rank 0's exit code, stdout +
+    stderr)."""
+    d = tmp_path_factory.mktemp("failing")
+    lines = broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline()))
+    (d / "empty.jsonl").write_text("")
+    (d / "broken.jsonl").write_text("".join(line + "\n" for line in lines.values()), errors="surrogateescape")
+    runs = {name: train_args(tiny_model, d / f"{name}.jsonl", d / f"run-{name}", "--skip-invalid")
+            for name in ("empty", "broken")}
+    runs["all invalid"] = train_args(tiny_model, all_missing(d, synth), d / "run-invalid", "--skip-invalid",
+                                     "--max-consecutive-invalid", "20", "--rollout", "hf")
+    runs["nan"] = train_args(tiny_model, os.path.join(synth, "train.jsonl"), d / "run-nan", "--adv-eps", "0",
+                             "--w-acc", "0", "--w-fmt", "0", "--save-every", "1", "--save", "--rollout", "hf")
+    # the process group is the first run's: a run that would leave the ranks out of step fails in 2 minutes, not 30
+    runs["empty"] += ["--dist-timeout", "120"]
+    return d, drive(runs, [*TORCHRUN, "--no-python", sys.executable])
+
+
 @pytest.mark.slow
-def test_no_valid_training_sample_fails_at_startup(tmp_path, tiny_model, synth):
+def test_no_valid_training_sample_fails_at_startup(failing_runs, synth):
     """An empty training file, or --skip-invalid with every line invalid: a clear error before any step (before: an
     IndexError from the empty sample stream)."""
-    lines = broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline()))
-    empty, broken = tmp_path / "empty.jsonl", tmp_path / "broken.jsonl"
-    empty.write_text("")
-    broken.write_text("".join(line + "\n" for line in lines.values()), errors="surrogateescape")
-    cases = ((empty, 0), (broken, len(lines)))
-    # both jobs side by side: each fails within seconds of its start, which is most of its time
-    jobs = [start(train_cmd(tiny_model, path, tmp_path / f"run{i}", "--skip-invalid")) for i, (path, _) in
-            enumerate(cases)]
-    for (path, n_skipped), p in zip(cases, jobs):
-        log = finish(p, timeout=300)
-        assert p.returncode != 0 and f"{path}: no valid training sample ({n_skipped} skipped)" in log, log[-4000:]
+    d, runs = failing_runs
+    n_broken = len(broken_lines(json.loads(open(os.path.join(synth, "train.jsonl")).readline())))
+    for name, n_skipped in (("empty", 0), ("broken", n_broken)):
+        says, p = f"{d / name}.jsonl: no valid training sample ({n_skipped} skipped)", runs[name]
+        assert p.returncode != 0 and says in p.stdout, p.stdout[-4000:]
 
 
 @pytest.mark.slow
-def test_every_sample_invalid_fails_after_max_consecutive_invalid(tmp_path, tiny_model, synth):
+def test_every_sample_invalid_fails_after_max_consecutive_invalid(failing_runs):
     """--skip-invalid and every video missing: the run fails after max_consecutive_invalid failures in a row, with
     the last error (before: step 1 refilled its slots from the stream for ever)."""
-    # the HF engine: no rollout happens, and it spares the two vLLM engines' start-up (the vLLM path: the fuzz test)
-    p, log = run_train(train_cmd(tiny_model, all_missing(tmp_path, synth), tmp_path / "run", "--skip-invalid",
-                                 "--max-consecutive-invalid", "20", "--rollout", "hf"), timeout=300)
-    assert p.returncode != 0, log[-4000:]
-    assert "21 invalid samples in a row (max_consecutive_invalid=20)" in log, log[-4000:]
-    assert "video file not found" in log
+    p = failing_runs[1]["all invalid"]
+    assert p.returncode != 0, p.stdout[-4000:]
+    assert "21 invalid samples in a row (max_consecutive_invalid=20)" in p.stdout, p.stdout[-4000:]
+    assert "video file not found" in p.stdout
 
 
 @pytest.mark.slow
@@ -347,16 +408,13 @@ def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_before_the_update(tmp_path, tiny_model, synth):
+def test_nan_loss_stops_before_the_update(failing_runs):
     """--adv-eps 0 with every reward weight 0: each group's rollouts score the same, so GRPO's advantage is 0 / 0 =
     NaN. The run stops at step 1 naming its samples, before the optimizer step, and writes no checkpoint (before: rc 0,
     loss NaN, checkpoints and a final model of NaN weights)."""
-    out = tmp_path / "run"
-    # the HF engine: the loss check is after the rollout, whichever engine made it; it spares two vLLM start-ups
-    p, log = run_train(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--adv-eps", "0", "--w-acc", "0",
-                                 "--w-fmt", "0", "--save-every", "1", "--save", "--rollout", "hf"))
-    assert p.returncode != 0, log[-4000:]
-    assert "step 1: the loss (" in log and "is not finite; samples ['" in log, log[-4000:]
+    out, p = failing_runs[0] / "run-nan", failing_runs[1]["nan"]
+    assert p.returncode != 0, p.stdout[-4000:]
+    assert "step 1: the loss (" in p.stdout and "is not finite; samples ['" in p.stdout, p.stdout[-4000:]
     assert not (out / "ckpt").exists() and not (out / "final").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -385,23 +443,6 @@ def train_cli_args(model, *extra, configs=()) -> list:
     return ["--config", "configs/tiny_cpu.yaml", *map(str, configs), "--model", model, "--val-data", "", *extra]
 
 
-# The command lines below run one after another in one process, each as `python train.py ARGS` runs it (sys.argv,
-# __main__), stdout and stderr in one stream cut at MARK lines: the imports (~5 CPU s a process) are paid once
-TRAIN_DRIVER = """
-import json, runpy, sys, traceback
-for key, args in json.loads(sys.argv[1]).items():
-    print("=== train_cli " + key, flush=True)
-    sys.argv, rc = ["train.py", *args], 0
-    try:
-        runpy.run_path("train.py", run_name="__main__")
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    except Exception:
-        traceback.print_exc()
-        rc = 1
-    sys.stderr.flush()
-    print("=== rc " + str(rc), flush=True)
-"""
 DATA_ERRORS = [
     ("one.json", {"problem": "Q?", "answer": "A", "problem_type": "free-form"}, "expected a JSON array of samples"),
     ("math.jsonl", {"id": "m1", "problem": "Q?", "answer": "\\frac{1}{2", "problem_type": "math"},
@@ -430,15 +471,7 @@ def cli(tmp_path_factory, tiny_model, synth) -> tuple:
         (d / name).write_text(json.dumps(content) + "\n")
         runs[name] = train_cli_args(tiny_model, "--train-data", str(d / name), "--out-dir", str(d / f"run-{name}"),
                                     "--dry-run")
-    p = subprocess.run([sys.executable, "-c", TRAIN_DRIVER, json.dumps(runs)], cwd=ROOT, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:]
-    out = {}
-    for key in runs:
-        log = p.stdout.split(f"=== train_cli {key}\n")[1].split("=== train_cli ")[0]
-        log, _, rc = log.rpartition("=== rc ")
-        out[key] = subprocess.CompletedProcess(runs[key], int(rc), log)
-    return d, out
+    return d, drive(runs, [sys.executable])
 
 
 @pytest.mark.parametrize("skip", [False, True])
