@@ -151,6 +151,8 @@ def quiet():
     if "--debug" in sys.argv:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per process at start-up
+    # transformers' bars (loading and saving weights; the hub's downloads too): an env var, read when it is imported
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name, texts in NOISE.items():
         logging.getLogger(name).addFilter(lambda record, texts=texts: not any(t in record.getMessage() for t in texts))
     # vLLM's kernel registry reads every module's attributes, torch.distributed's deprecated reduce_op among them
@@ -158,8 +160,6 @@ def quiet():
     # the sharded root's views (logits_to_keep=1, hidden states), which token_logp only reads: no in-place op
     warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view",
                             UserWarning)
-    from transformers.utils import logging as transformers_logging
-    transformers_logging.disable_progress_bar()  # loading and saving weights (the hub's download bars stay)
 
 
 def cli(main, load_config):

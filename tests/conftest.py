@@ -105,6 +105,12 @@ def lane_result(name: str, tmp_path_factory):
 LIBRARY_NOISE = re.compile(r"WARNING|Warning|^(\[rank\d\]:)?\[?W\d{4}|it/s\]|%\|")
 
 
+def user_env(*drop: str, **extra) -> dict:
+    """os.environ as a user's shell holds it, less `drop`, plus `extra`: vLLM's in-process CPU engines (earlier tests)
+    set VLLM_DIST_IDENT in this process, and a child's vLLM warns of it as an unknown variable."""
+    return {**{k: v for k, v in os.environ.items() if k not in ("VLLM_DIST_IDENT", *drop)}, **extra}
+
+
 def quiet_lines(*logs: str) -> list[str]:
     """The lines of the logs but vLLM's NUMA note; the test asserts none is LIBRARY_NOISE."""
     return [x for log in logs for x in log.splitlines() if "NUMA binding" not in x]
@@ -196,7 +202,7 @@ def two_node_run(tmp_path_factory):
     cmd = train_cmd(tiny_model_dir(), color_data_dir(), out, *args)
 
     def run():
-        port, env = free_port(), dict(os.environ, OMP_NUM_THREADS="1")
+        port, env = free_port(), user_env(OMP_NUM_THREADS="1")
         procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
                                    "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                                    "--rdzv-id=nvr1-test", "--max-restarts=0", *cmd],

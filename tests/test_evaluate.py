@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import LIBRARY_NOISE, background, lane_result, quiet_lines
+from conftest import LIBRARY_NOISE, background, lane_result, quiet_lines, user_env
 
 import data
 import evaluate as E
@@ -560,7 +560,7 @@ def readme_eval(tmp_path_factory):
     os.symlink(os.path.dirname(tiny_model), tmp_path / ".cache" / "models")
     cmd = f"python evaluate.py --model {tiny_model} --benchmarks nvr1 --data-dir .cache/data/color"  # the README's
     args = [sys.executable, os.path.join(ROOT, "evaluate.py")] + cmd.split()[2:]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # as written: the CPU default KV cache
+    env = user_env("VLLM_CPU_KVCACHE_SPACE")  # as written: the CPU default KV cache
 
     def run():
         return tmp_path, subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
