@@ -356,13 +356,19 @@ def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
     return [p for p, _ in out if p], [report for _, report in out if report]
 
 
+PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)
+
+
 def prep_share(prep, samples: list, cfg, layout) -> tuple[list, list]:
     """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
-    group alone, and every rank's skip reports. A group with an empty share (fewer samples than groups) prepares the
-    first sample marked "pad": the HF engine's generate is collective, so every rank generates; a pad is not scored."""
-    share = layout.share(samples, layout.tp)[0]
-    prompts, skips = prep_all(prep, share or [{**s, "pad": True} for s in samples[:1]], cfg)
-    return prompts, [report for part in gather(skips if share else [])[::layout.tp] for report in part]
+    group alone, and every rank's skip reports."""
+    prompts, skips = prep_all(prep, layout.share(samples, layout.tp)[0], cfg)
+    reports = [report for part in gather(skips)[::layout.tp] for report in part]
+    # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF
+    # engine's generate is collective. It pads with the first valid sample, marked PAD: never scored
+    invalid = {report["where"] for report in reports}
+    pad = [{**s, "pad": PAD} for s in samples if s["id"] not in invalid][:1]
+    return prompts or prep_all(prep, pad, cfg)[0], reports
 
 
 def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:

@@ -745,7 +745,8 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
                            max_tokens=cfg.max_response_len, seed=cfg.seed)[:len(prompts)]
     mine = []
     if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records them
-        mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs if "pad" not in r.prompt.sample]
+        mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs
+                if r.prompt.sample.get("pad") is not data.PAD]
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)

@@ -228,4 +228,16 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
     assert len(prepared) == 2 * len(samples)                                # by its group's 2 ranks, not by all 4
     one = sp.Layout(None, 0, 1, 1, 2, tp=1, rank=1, world=2)
     [pad] = data.prep_share(prep, samples[:1], cfg, one)[0]                 # rank 1 of 2, one sample: a pad
-    assert pad.sample["pad"] and pad.sample["id"] == "s0" and "pad" not in samples[0]
+    assert pad.sample["pad"] is data.PAD and pad.sample["id"] == "s0" and "pad" not in samples[0]
+
+    def picky(s):  # s1 and s3, rank 1's share of 2 ranks, are invalid
+        if s["id"] in ("s1", "s3"):
+            raise ValueError("broken")
+        return prep(s)
+    cfg.skip_invalid = True
+    for rank in range(2):
+        layout = sp.Layout(None, 0, 1, rank, 2, tp=1, rank=rank, world=2)
+        prompts, skips = data.prep_share(picky, samples, cfg, layout)
+        assert sorted(r["where"] for r in skips) == [[], ["s1", "s3"]][rank]  # one process: gather is its own
+        ids = [(p.sample["id"], p.sample.get("pad") is data.PAD) for p in prompts]
+        assert ids == [[("s0", False), ("s2", False), ("s4", False)], [("s0", True)]][rank]  # rank 1 pads

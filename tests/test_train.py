@@ -52,6 +52,10 @@ def test_two_rank_fsdp_vllm_steps_tp1(uninterrupted, tiny_model, color_data):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     check_vllm_run(out, rows, logs[0], tiny_model, color_data, 4)
     assert "torch.set_num_threads" not in logs[1] and "Traceback" not in logs[1]
+    # node 1's held-out share is the sample with a missing video alone: it generates a pad, which is not scored
+    for step in (0, 4):
+        ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]
+        assert len(ids) == len(set(ids)) == 2 and "val-missing-video" not in ids
 
 
 def test_a_run_prints_a_line_per_step(uninterrupted):
