@@ -399,10 +399,11 @@ def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
         p = start(train_cmd(tiny_model, os.path.join(synth, "train.jsonl"), out, "--val-data", str(val)))
         wait_for(out, p)
         t = time.time()
-        while os.path.realpath(lock) not in [f.path for f in worker(p, 1).open_files()]:  # rank 1 waits on the lock
+        # rank 0 prepares the one held-out sample (data.prep_share: rank 1's share is empty) and waits on the lock
+        while os.path.realpath(lock) not in [f.path for f in worker(p, 0).open_files()]:
             assert p.poll() is None and time.time() - t < 300
             time.sleep(0.5)
-        worker(p, 1).terminate()
+        worker(p, 0).terminate()
         log = finish(p, timeout=300)  # a hang guard: the job ends in seconds when idle
     assert p.returncode != 0 and not (out / "metrics.jsonl").exists(), log[-4000:]
 
