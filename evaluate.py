@@ -755,7 +755,7 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors
+    from rollout import CPU_KV_CACHE_BYTES, HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
         model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
@@ -773,7 +773,7 @@ def make_engine(cfg: Config, tokenizer):
         enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
         tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
-        kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,  # as rollout.VLLMEngine
+        kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
         trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False,
         mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
     with start_errors(cfg.max_model_len):

@@ -72,6 +72,11 @@ def vision_token_ids(tokenizer) -> list[int]:
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
+# CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a shared machine); a 1 GiB
+# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides). Both engines, the trainer's and evaluate.py's
+CPU_KV_CACHE_BYTES = 2**30
+
+
 @contextlib.contextmanager
 def start_errors(max_model_len: int):
     """vLLM's start-up failures about memory as one line that names our knobs: its own message names
@@ -83,7 +88,7 @@ def start_errors(max_model_len: int):
         if "memory" not in text.lower() and "Engine core initialization failed" not in text:
             raise
         from vllm.platforms import current_platform
-        knob = "VLLM_CPU_KVCACHE_SPACE (GiB, 1 by default)"
+        knob = f"VLLM_CPU_KVCACHE_SPACE (GiB, {CPU_KV_CACHE_BYTES // 2**30} by default)"
         if current_platform.is_cuda():
             knob = "--gpu-memory-utilization"
         raise ValueError(f"vLLM did not start: {text[:400]} -> raise {knob} or lower --max-model-len "
@@ -112,9 +117,7 @@ class VLLMEngine:
             self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
                            max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
-                           # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not
-                           # free (a shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides)
-                           kv_cache_memory_bytes=None if current_platform.is_cuda() else 2**30,
+                           kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
                            enable_chunked_prefill=chunk,
                            max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                            logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
