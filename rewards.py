@@ -21,7 +21,6 @@ from collections import Counter
 from functools import lru_cache, partial
 
 import numpy as np
-from rouge_score import rouge_scorer
 
 MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()  # VSI-Bench's margins as its code computes them, in floats
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * |gt|, relative at every scale
@@ -275,11 +274,15 @@ def token_f1(pred: str, ref: str) -> float:
     return 0.0 if same == 0 else 2 * same / (len(p) + len(r))
 
 
-_ROUGE = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+@lru_cache(maxsize=1)
+def rouge_scorer():
+    """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that imports us)."""
+    from rouge_score.rouge_scorer import RougeScorer
+    return RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
 def rouge(pred: str, ref: str) -> float:  # mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)
-    return sum(x.fmeasure for x in _ROUGE.score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
+    return sum(x.fmeasure for x in rouge_scorer().score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
 
 
 def wer(pred: str, ref: str) -> float:
