@@ -14,6 +14,7 @@ import gc
 import hashlib
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import torch
@@ -107,9 +108,10 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
         self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
+        self.external = dist.is_initialized()  # the process group is the trainer's, not vLLM's
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
-        kw = dict(distributed_executor_backend="external_launcher") if dist.is_initialized() else {}
+        kw = dict(distributed_executor_backend="external_launcher") if self.external else {}
         # Chunked prefill splits a prompt over two engine steps and rewinds the request's generator for the token it
         # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
         # that does not fit a step's token budget waits for the next step, whole.
@@ -168,6 +170,14 @@ class VLLMEngine:
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
         self.llm.reset_mm_cache()
+
+    def close(self):
+        """Shut vLLM down now (at exit __del__ prints a traceback), but not the trainer's default group, which vLLM's
+        shutdown destroys: made again on torchrun's store, a next run's groups meet stale keys (its engine hangs)."""
+        from vllm.distributed import parallel_state
+        keep = mock.patch.object(parallel_state, "destroy_distributed_environment", lambda: None)
+        with keep if self.external else contextlib.nullcontext():
+            self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self):
         if self.can_sleep and not self.asleep:
@@ -253,5 +263,5 @@ class HFEngine:
     def sync(self, *args, **kwargs):
         """Nothing to push, free or restore: it samples from the training model itself."""
 
-    sleep = wake = sync
+    sleep = wake = close = sync
 

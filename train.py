@@ -874,10 +874,9 @@ def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
     if cfg.save:
         save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
-    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")  # before vLLM's shutdown ends dist
+    print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     logger.finish()
-    if isinstance(engine, VLLMEngine):
-        engine.llm.llm_engine.engine_core.shutdown()  # now, not in __del__ at exit (a traceback)
+    engine.close()  # now: a next run in this process (a notebook) builds its own engine
     barrier()
     return acc_before, acc_after
 
@@ -988,6 +987,7 @@ def main(cfg: Config):
             print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
+            engine.close()
             return acc_before, float("nan")
     trained = state.get("step", 0) < cfg.max_steps  # this process trained a step
     return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)

@@ -5,8 +5,6 @@
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -126,41 +124,45 @@ def test_reference_and_merge_on_the_other_families(arch, synth):
 # ---------------------------------------------------------------------------------------------------
 # 2 ranks under torchrun, colocated vLLM, LoRA on the language model and the vision tower, KL to the reference
 
-def torchrun(tiny_model, data_dir, out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
-           "train.py", "--config", "configs/tiny_cpu.yaml", "configs/lora.yaml", "--model", tiny_model,
-           "--train-data", f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", str(out), "--group-size", "4",
-           "--prompts-per-step", "4", "--cache-dir", str(out.parent / "frames"), "--lora-targets", WITH_VISION,
-           "--kl-coef", "0.01", "--save-every", "2", "--keep-last", "0", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+def run_args(tiny_model, data_dir, out, *extra) -> list[str]:
+    """train.py's arguments for a 2-rank LoRA run into `out`."""
+    return ["--config", "configs/tiny_cpu.yaml", "configs/lora.yaml", "--model", tiny_model, "--train-data",
+            f"{data_dir}/train.jsonl", "--val-data", "", "--out-dir", str(out), "--group-size", "4",
+            "--prompts-per-step", "4", "--cache-dir", str(out.parent / "frames"), "--lora-targets", WITH_VISION,
+            "--kl-coef", "0.01", "--save-every", "2", "--keep-last", "0", *extra]
+
+
+def metrics(out) -> dict:
     return {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
 
 
 @background("lora_runs")
 def lora_runs(tmp_path_factory):
-    """The 4-step 2-rank run, steps 3 and 4 again from its own step-2 checkpoint (`--resume FOLDER`, into a fresh
-    out_dir; the same 2 steps run again to write that checkpoint would add nothing), its last checkpoint exported
-    merged and as a PEFT adapter, and vLLM's greedy tokens from the merged folder, in the background lane (conftest).
-    Returns (folder, full run's rows, resumed run's rows, merged folder, adapter folder, vLLM's token count)."""
+    """The 4-step 2-rank run, then steps 3 and 4 again from its own step-2 checkpoint (`--resume FOLDER`, into a
+    fresh out_dir; the same 2 steps run again to write that checkpoint would add nothing) in the same torchrun
+    processes (tests/train_worker.py: the second run builds the second vLLM engine of the process), its last
+    checkpoint exported merged and as a PEFT adapter, and vLLM's greedy tokens from the merged folder, in the
+    background lane (conftest). Returns (folder, full run's rows, resumed run's rows, resumed run's log, merged
+    folder, adapter folder, vLLM's token count)."""
     import export_hf
+    from train_worker import launch
     tmp_path, tiny_model, synth = tmp_path_factory.mktemp("lora"), tiny_model_dir(), synth_dir()
 
     def run():
-        full = torchrun(tiny_model, synth, tmp_path / "full", "--max-steps", "4")
         step2 = tmp_path / "full" / "ckpt" / "step_00000002"
-        resumed = torchrun(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", str(step2))
+        logs = launch([run_args(tiny_model, synth, tmp_path / "full", "--max-steps", "4"),
+                       run_args(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", str(step2))])
         merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
         adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
-        return tmp_path, full, resumed, merged, adapter, vllm_greedy_tokens(merged)
+        return (tmp_path, metrics(tmp_path / "full"), metrics(tmp_path / "resumed"), logs[1], merged, adapter,
+                vllm_greedy_tokens(merged))
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.lane("lora_runs")
 def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
-    tmp_path, full, resumed, merged, adapter, vllm_tokens = lane_result("lora_runs", tmp_path_factory)
+    tmp_path, full, resumed, log, merged, adapter, vllm_tokens = lane_result("lora_runs", tmp_path_factory)
     # sampler (merged weights) and trainer (W x + s B A x) agree while B moves away from 0 (test_rollout's LOGP_TOL)
     assert all(full[s]["mismatch/max"] < 1e-2 for s in full) and full[4]["grad_norm"] > 0
     assert full[1]["kl"] == 0.0 and full[4]["kl"] > 0  # step 1: B = 0, the policy IS the reference
@@ -175,8 +177,9 @@ def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
     keys = dcp.FileSystemReader(str(tmp_path / "full" / "ckpt" / "step_00000002")).read_metadata().state_dict_metadata
     tensors = [k for k in keys if not k.startswith("optim.param_groups.")]
     assert tensors and all(".lora_" in k for k in tensors)
-    # exact resume: steps 3 and 4 from the run's own step-2 checkpoint, bit-equal to the uninterrupted run
-    assert sorted(resumed) == [3, 4]
+    # exact resume: steps 3 and 4 from the run's own step-2 checkpoint, bit-equal to the uninterrupted run; the resumed
+    # run is the process's second train.main and second vLLM engine (the first run's close() kept the process group)
+    assert f"resumed from {tmp_path / 'full' / 'ckpt' / 'step_00000002'}" in log and sorted(resumed) == [3, 4]
     for s in (3, 4):
         for k in ("data/ids", "reward/mean", "loss", "grad_norm", "kl", "mismatch/mean"):
             assert resumed[s][k] == full[s][k], (s, k)

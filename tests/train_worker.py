@@ -6,8 +6,8 @@ the groups separated by "--"; the tests start it with `launch`.
 
 Before each run, rank 0 prints MARK and the run's index: `launch` cuts each run's stdout there. After each run,
 rank 0 copies its out_dir's metrics.jsonl to metrics.run<index>.jsonl (the next run may rewrite the file).
-At most one run of a launch may sample with vLLM, the last: a second vLLM engine in the same process hung at its
-start (test_lora's run and resume, 2026-11-26).
+Several runs may sample with vLLM: each run's end closes its engine (VLLMEngine.close) keeping the process group,
+and the next run builds its own (test_lora's run and its resume).
 """
 import os
 import shutil
