@@ -219,6 +219,7 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("launch_2_ranks")  # the lane queues the jobs of tests' markers, not fixtures'
 def test_sp2_matches_one_process(sp2_ranks, reference, synth):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32). Each video is decoded once per SP group, by the rank that prepares its prompt; each rank holds only its
@@ -246,6 +247,7 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("launch_4_ranks")
 def test_dp2_sp2_matches_one_process(dp2_sp2_ranks, reference):
     """4 ranks, dp 2 x sp 2 with activation checkpointing (the reference without): each SP pair takes half of the
     rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
