@@ -221,6 +221,44 @@ def uninterrupted(tmp_path_factory):
     return lane_result("uninterrupted", tmp_path_factory)
 
 
+def algo_data_dir() -> str:
+    """test_algos' data: the "background color" task, 16 train and 4 held-out samples."""
+    import make_synthetic_data
+    out = os.path.join(ROOT, ".cache/data/test_algos")
+    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0)
+    return out
+
+
+SHARED_RUNS = ("grads", "algos", "sync")  # shared_2_ranks' runs, in order: Launch.log(SHARED_RUNS.index(...))
+
+
+@background("shared_2_ranks")
+def shared_two_rank_launch(tmp_path_factory):
+    """One 2-rank torchrun launch (tests/train_worker.py) of three files' workers, one after the other, in the lane:
+    torchrun's start and the ranks' imports (~15 CPU s) are paid once. grads: test_joint's FSDP2 gradients
+    (tests/grad_worker.py, into fsdp-{case}.safetensors); algos: test_algos' FSDP2 gradients and 2 steps of every
+    algorithm (HF sampler, into algos/); sync: test_rollout's weight sync, the launch's one vLLM engine (last).
+    Returns (its folder, train_worker.Launch)."""
+    from train_worker import start
+    out = tmp_path_factory.mktemp("shared_2_ranks")
+    (out / "algos").mkdir()
+    model, train_data = tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl")
+    runs = [["tests/grad_worker.py", model, train_data, str(out / "fsdp-{case}.safetensors"),
+             "split,uneven,uneven+ckpt"],
+            ["tests/test_algos.py", str(out / "algos"), model, algo_data_dir()],
+            ["tests/test_rollout.py", model, train_data]]
+
+    def run():
+        return out, start(runs)
+    return run
+
+
+@pytest.fixture(scope="session")
+def shared_2_ranks(tmp_path_factory):
+    """conftest.shared_two_rank_launch's (folder, train_worker.Launch)."""
+    return lane_result("shared_2_ranks", tmp_path_factory)
+
+
 def tiny_config(**kw):
     """train.Config for the tiny model and 56x56 synthetic videos (what configs/tiny_cpu.yaml uses)."""
     from train import Config

@@ -6,7 +6,8 @@
     a 5th argument "ckpt" turns on gradient_checkpointing (composed with FSDP2 on 2 ranks)
 
 Several cases in one launch (the process and torchrun start-up are paid once): comma-separated cases, each a layout
-with an optional "+ckpt", and "{case}" in OUT, e.g. OUT_DIR/{case}.safetensors with split,uneven,uneven+ckpt.
+with an optional "+ckpt", and "{case}" in OUT, e.g. OUT_DIR/{case}.safetensors with split,uneven,uneven+ckpt
+(conftest.shared_2_ranks runs worker() so).
 """
 import os
 import sys
@@ -49,7 +50,7 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
         torch.distributed.barrier()
 
 
-def main_cases(model_dir, data_path, out, cases="split", ckpt=""):
+def worker(model_dir, data_path, out, cases="split", ckpt=""):
     """main() once per comma-separated case ("uneven+ckpt": with gradient checkpointing), into out.format(case=...)."""
     names = cases.split(",")
     if len(names) > 1 and "{case}" not in out:
@@ -60,4 +61,4 @@ def main_cases(model_dir, data_path, out, cases="split", ckpt=""):
 
 
 if __name__ == "__main__":
-    main_cases(*sys.argv[1:6])
+    worker(*sys.argv[1:6])

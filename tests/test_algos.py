@@ -7,20 +7,22 @@ docs/algorithms.md). Split invariance runs the real tiny model: the loss and gra
 of 8 must not change when it is cut into 4 micro-batches of 2, nor under FSDP2 on 2 ranks (torchrun, gloo).
 The same torchrun job then runs 2 training steps of every configs/<algorithm>.yaml, one after the other in
 the same processes, sampling with the HF engine (a 3rd vLLM engine built in one torchrun process hung here;
-tests/test_train.py covers the vLLM path of the same loop).
+tests/test_train.py covers the vLLM path of the same loop). The job is this file's worker(), a run of
+conftest.shared_2_ranks' 2-rank launch (with test_joint's and test_rollout's):
+
+    torchrun --nproc_per_node=2 tests/test_algos.py OUT MODEL DATA_DIR
 """
 import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import background, lane_result  # noqa: E402
+from conftest import SHARED_RUNS, algo_data_dir  # noqa: E402
 from train import (Config, Group, advantages, agg_loss, check_config, has_spread, is_weight,  # noqa: E402
                    kl_penalty, load_config, overlong_penalty, policy_loss, reward_to_go, split_batch, whiten)
 
@@ -381,14 +383,6 @@ def assert_same(a, b):
         assert torch.allclose(a[1][k], b[1][k], atol=tol, rtol=1e-4), k
 
 
-def algo_data_dir() -> str:
-    import make_synthetic_data
-    from conftest import ROOT
-    out = os.path.join(ROOT, ".cache/data/test_algos")
-    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0)
-    return out
-
-
 @pytest.fixture(scope="module")
 def algo_data():
     return algo_data_dir()
@@ -416,26 +410,13 @@ def test_micro_batch_invariance_real_model(reference_grads):
     assert ref[COMBOS[0]][0] != approx(ref[COMBOS[1]][0])  # the modes do aggregate differently
 
 
-@background("torchrun_job")
-def fsdp2_job(tmp_path_factory):
-    """One 2-rank torchrun job: the FSDP2 gradients of the invariance batch, then 2 steps of every algorithm (in
-    conftest's background lane). Returns its output folder."""
-    from conftest import ROOT, tiny_model_dir
-    out, tiny_model, data_dir = tmp_path_factory.mktemp("algos"), tiny_model_dir(), algo_data_dir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(out), tiny_model, data_dir]
-
-    def run():
-        p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                           timeout=900)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-        return out
-    return run
-
-
 @pytest.fixture(scope="module")
-def torchrun_job(tmp_path_factory):
-    return lane_result("torchrun_job", tmp_path_factory)
+def torchrun_job(shared_2_ranks):
+    """The 2-rank job (worker below: the FSDP2 gradients of the invariance batch, then 2 steps of every algorithm),
+    a run of conftest.shared_2_ranks' launch. Returns its output folder."""
+    out, result = shared_2_ranks
+    result.log(SHARED_RUNS.index("algos"))
+    return out / "algos"
 
 
 @pytest.mark.slow
@@ -477,7 +458,7 @@ def test_two_step_smoke(torchrun_job, name):
         assert abs(rows[0]["kl"]) < 1e-6 and abs(rows[1]["kl"]) > 0
 
 
-def torchrun_main(out, model_dir, data_dir):
+def worker(out, model_dir, data_dir):
     """Under torchrun: rank r takes rows [4r, 4r + 4) of the invariance batch in micro-batches of 2, then
     runs each algorithm config for 2 steps in this same process."""
     import torch.distributed as dist
@@ -507,4 +488,4 @@ def torchrun_main(out, model_dir, data_dir):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    torchrun_main(*sys.argv[1:4])
+    worker(*sys.argv[1:4])

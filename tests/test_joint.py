@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import background, lane_result, synth_dir, tiny_config, tiny_model_dir
+from conftest import SHARED_RUNS, background, lane_result, synth_dir, tiny_config, tiny_model_dir
 from PIL import Image
 
 import cache
@@ -115,36 +115,39 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
-@background("grads_by_case")
-def grad_jobs(tmp_path_factory):
-    """tests/grad_worker.py, each process launched once for every case: the one-process references (split, uneven)
-    and, alongside them, the 2-rank FSDP2 runs (split, uneven, uneven+ckpt), in conftest's background lane.
-    case -> (reference, FSDP2) gradients."""
+@background("grads_reference")
+def grads_reference_job(tmp_path_factory):
+    """tests/grad_worker.py, one process for both cases: the one-process references (split, uneven), in conftest's
+    background lane. Returns its folder (ref-{case}.safetensors)."""
     import subprocess
     import sys
-    from safetensors.torch import load_file
     out = tmp_path_factory.mktemp("grads")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    args = ["tests/grad_worker.py", tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "tests/grad_worker.py", tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl"),
+           str(out / "ref-{case}.safetensors"), "split,uneven"]
 
     def run():
-        procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for cmd in ([sys.executable, *args, str(out / "ref-{case}.safetensors"), "split,uneven"],
-                             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              *args, str(out / "fsdp-{case}.safetensors"), "split,uneven,uneven+ckpt"])]
-        for p in procs:
-            log = p.communicate(timeout=600)[0]
-            assert p.returncode == 0, log[-6000:]
-        cases = ("split", "uneven", "uneven+ckpt")
-        return {c: (load_file(out / f"ref-{c.partition('+')[0]}.safetensors"),
-                    load_file(out / f"fsdp-{c}.safetensors")) for c in cases}
+        p = subprocess.run(cmd, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-6000:]
+        return out
     return run
 
 
 @pytest.fixture(scope="module")
-def grads_by_case(tmp_path_factory):
-    return lane_result("grads_by_case", tmp_path_factory)
+def grads_reference(tmp_path_factory):
+    return lane_result("grads_reference", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def grads_by_case(grads_reference, shared_2_ranks):
+    """case -> (reference, FSDP2) gradients: the 2-rank FSDP2 runs (split, uneven, uneven+ckpt) are
+    tests/grad_worker.py's run of conftest.shared_2_ranks' launch."""
+    from safetensors.torch import load_file
+    out, result = shared_2_ranks
+    result.log(SHARED_RUNS.index("grads"))
+    return {c: (load_file(grads_reference / f"ref-{c.partition('+')[0]}.safetensors"),
+                load_file(out / f"fsdp-{c}.safetensors")) for c in ("split", "uneven", "uneven+ckpt")}
 
 
 @pytest.mark.slow

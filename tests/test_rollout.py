@@ -7,19 +7,18 @@ trainer's recomputation on the same inputs; after a weight sync vLLM samples fro
 the HF engine and vLLM agree on greedy outputs; 8 prompts x 8 (a step that chunked and crashed) runs with
 per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights. Qwen2-VL (its own
 engine, one test): both samplers' log-probs on video and image, and the weight sync.
-This file is also the torchrun worker of the 2-rank test:
+This file is also the torchrun worker of the 2-rank test (a run of conftest.shared_2_ranks' launch):
 
     torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
 """
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
-from conftest import ROOT, concat_media, free_port, tiny_config  # noqa: E402
+from conftest import ROOT, SHARED_RUNS, concat_media, free_port, tiny_config  # noqa: E402
 
 import data  # noqa: E402
 from ckpt import full_tensors  # noqa: E402
@@ -177,14 +176,13 @@ def test_hf_engine_encodes_each_prompt_once(setup, synth):
         assert torch.allclose(torch.tensor(r.logp), ref, atol=1e-5, rtol=0)
 
 
-def test_two_rank_sync_is_exact(tiny_model, synth):
+def test_two_rank_sync_is_exact(shared_2_ranks):
     """FSDP2 on 2 ranks (torchrun, gloo): the bucketed gather returns every full tensor exactly (uneven and empty
-    shards included), vLLM then holds the trainer's weights, and its log-probs agree with the trainer's again."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, tiny_model,
-           f"{synth}/train.jsonl"]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=900)
-    assert p.returncode == 0 and p.stdout.count("SYNC OK") == 2, (p.stdout + p.stderr)[-5000:]
+    shards included), vLLM then holds the trainer's weights, and its log-probs agree with the trainer's again.
+    worker() below, the last run of conftest.shared_2_ranks' launch."""
+    _, result = shared_2_ranks
+    log = result.log(SHARED_RUNS.index("sync"))
+    assert log.count("SYNC OK") == 2, log[-5000:]
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +249,7 @@ def hf_name(name: str) -> str:
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: concatenated
 
 
-def main(model_dir: str, data_path: str):
+def worker(model_dir: str, data_path: str):
     import train
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -308,4 +306,4 @@ def main(model_dir: str, data_path: str):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    worker(*sys.argv[1:3])

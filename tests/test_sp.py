@@ -5,10 +5,12 @@ process computes on the whole rows. The torchrun workers are this file run as a 
     torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 2 ckpt qwen3_vl             # dp 2 x sp 2, checkpointing
     torchrun --nproc_per_node=4 tests/test_sp.py OUT DATA.jsonl 4 - qwen3_vl-wide           # sp 4: 6 heads padded to 8
 
+The tests run it through tests/train_worker.py, the configurations of one world size in one launch (the 2-rank one
+with sp_train's train.py runs).
+
     .venv/bin/python -m pytest -q tests/test_sp.py
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -145,40 +147,57 @@ def reference(synth):
     return {arch: run(arch, os.path.join(synth, "train.jsonl"), 1, None) for arch in ARCHS}
 
 
-def torchrun(tmp_path, synth, nproc: int, *args: str):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           str(tmp_path), os.path.join(synth, "train.jsonl"), *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
+# The SP configurations, fixture -> (ranks, sp_size, mode, checkpoints): the worker's arguments. They run in
+# conftest's background lane, those of one world size in one torchrun launch (tests/train_worker.py: torchrun's start
+# and every rank's imports, ~7 CPU s a rank, paid once); each fixture returns its folder (every rank's safetensors)
+CONFIGS = {"sp2_ranks": (2, "2", "-", *ARCHS), "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
+           "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
+           "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide")}
 
 
-# The SP launches run in conftest's background lane: each job returns its output folder (every rank's safetensors)
-LAUNCHES = {"sp2_ranks": (2, "2", "-", *ARCHS), "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
-            "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
-            "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide")}
+def worker_run(out, name: str) -> list[str]:
+    """train_worker's run of the SP configuration `name` into out / name; its checkpoints are built here, once (not
+    by the ranks at the same time)."""
+    _, sp_size, mode, *archs = CONFIGS[name]
+    for arch in archs:
+        model_dir(arch)
+    (out / name).mkdir()
+    return ["tests/test_sp.py", str(out / name), os.path.join(synth_dir(), "train.jsonl"), sp_size, mode, *archs]
 
 
-def sp_launch(name: str):
-    @background(name)
+def sp_launch(job: str, names: tuple):
+    """The background job `job`: the configurations `names` (of one world size) in one launch. Returns (its folder,
+    train_worker.Launch)."""
+    @background(job)
     def prepare(tmp_path_factory):
-        nproc, *args = LAUNCHES[name]
-        out, synth = tmp_path_factory.mktemp(name), synth_dir()
-        for arch in args[2:]:  # built here, once: not by the ranks at the same time
-            model_dir(arch)
+        from train_worker import start
+        out = tmp_path_factory.mktemp(job)
+        runs = [worker_run(out, name) for name in names]
 
         def launch():
-            torchrun(out, synth, nproc, *args)
-            return out
+            return out, start(runs, nproc=CONFIGS[names[0]][0], timeout=600)
         return launch
+    return prepare
 
+
+sp_launch("launch_3_ranks", ("sp3_wide_ranks",))
+sp_launch("launch_4_ranks", ("dp2_sp2_ranks", "sp4_wide_ranks"))
+
+
+def config_fixture(name: str, job: str, k: int):
+    """The fixture `name`: the folder of run k of the background job `job` (its failure: that run's output)."""
     @pytest.fixture(scope="module", name=name)
     def fixture(tmp_path_factory):
-        return lane_result(name, tmp_path_factory)
+        out, result = lane_result(job, tmp_path_factory)
+        result.log(k)
+        return out / name
     return fixture
 
 
-sp2_ranks, dp2_sp2_ranks, sp3_wide_ranks, sp4_wide_ranks = map(sp_launch, LAUNCHES)
+sp2_ranks = config_fixture("sp2_ranks", "launch_2_ranks", 0)  # with train.py's runs: two_rank_launch
+dp2_sp2_ranks = config_fixture("dp2_sp2_ranks", "launch_4_ranks", 0)
+sp4_wide_ranks = config_fixture("sp4_wide_ranks", "launch_4_ranks", 1)
+sp3_wide_ranks = config_fixture("sp3_wide_ranks", "launch_3_ranks", 0)
 
 
 def check_against(ref: dict, got: list[dict], sp_size: int):
@@ -200,6 +219,7 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("launch_2_ranks")  # the lane queues the jobs of tests' markers, not fixtures'
 def test_sp2_matches_one_process(sp2_ranks, reference, synth):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32). Each video is decoded once per SP group, by the rank that prepares its prompt; each rank holds only its
@@ -227,6 +247,7 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
 
 
 @pytest.mark.slow
+@pytest.mark.lane("launch_4_ranks")
 def test_dp2_sp2_matches_one_process(dp2_sp2_ranks, reference):
     """4 ranks, dp 2 x sp 2 with activation checkpointing (the reference without): each SP pair takes half of the
     rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
@@ -237,14 +258,16 @@ def test_dp2_sp2_matches_one_process(dp2_sp2_ranks, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["sp3_wide_ranks", "sp4_wide_ranks"], ids=["3", "4"])
+@pytest.mark.parametrize("launch", [pytest.param("sp3_wide_ranks", marks=pytest.mark.lane("launch_3_ranks")),
+                                    pytest.param("sp4_wide_ranks", marks=pytest.mark.lane("launch_4_ranks"))],
+                         ids=["3", "4"])
 def test_sp_size_not_dividing_the_heads(request, synth, launch):
     """6 query / 2 KV heads (the wide tiny checkpoints; Qwen2.5-VL with several vision windows per frame) on sp_size
     ranks vs one process: sp 3 repeats each KV head 3 times, sp 4 pads the 6 heads to 8 with zero heads (and repeats
     every KV head to its query heads). Log-probs, entropy, losses and every gradient as test_sp2's; the exchange's
     own gradient (sp.AllToAll, uneven splits) equals its one-process adjoint."""
     from safetensors.torch import load_file
-    sp_size, _, _, *names = LAUNCHES[launch]
+    sp_size, _, _, *names = CONFIGS[launch]
     tmp_path = request.getfixturevalue(launch)
     for name in names:
         ref = run(name, os.path.join(synth, "train.jsonl"), 1, None)
@@ -271,33 +294,36 @@ def test_config_errors(tiny_model):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
 
-@background("sp_train_and_resume")
-def sp_train_and_resume(tmp_path_factory):
-    """train.py with sp_size 2 on 2 ranks: 2 steps with the HF sampler, a checkpoint each step, then resumed with the
-    vLLM sampler (and freeze_vision: features once per step) for a third, in the same torchrun launch
-    (tests/train_worker.py), in conftest's background lane. Returns (run folder, each run's log)."""
-    from train_worker import launch
-    tmp_path = tmp_path_factory.mktemp("sp_train")
+@background("launch_2_ranks")
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank torchrun launch (tests/train_worker.py), in conftest's background lane: the sp2 configuration, then
+    train.py with sp_size 2: 2 steps with the HF sampler, a checkpoint each step, then resumed with the vLLM sampler
+    (and freeze_vision: features once per step) for a third (the launch's one vLLM engine, last). Returns (its
+    folder, train_worker.Launch)."""
+    from train_worker import start
+    tmp_path = tmp_path_factory.mktemp("launch_2_ranks")
     args = ["--config", "configs/tiny_cpu.yaml", "--model", model_dir("qwen2_5_vl"), "--train-data",
             os.path.join(synth_dir(), "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
             "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
             "--save-every", "1", "--dist-timeout", "120"]
     runs = (["--max-steps", "2", "--rollout", "hf"],
             ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision", "--allow-config-change"])
+    sp2 = worker_run(tmp_path, "sp2_ranks")
 
     def run():
-        return tmp_path, launch([args + extra for extra in runs])
+        return tmp_path, start([sp2] + [args + extra for extra in runs])
     return run
 
 
 @pytest.mark.slow
-@pytest.mark.lane("sp_train_and_resume")
+@pytest.mark.lane("launch_2_ranks")
 def test_train_run_and_resume(tmp_path_factory):
-    """sp_train_and_resume's runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy),
+    """launch_2_ranks' train.py runs: every step trains prompts_per_step distinct samples (the SP pair holds one copy),
     and decodes each of their videos once (by the rank that generates its prompt; each rank did before)."""
     import json
     import math
-    tmp_path, logs = lane_result("sp_train_and_resume", tmp_path_factory)
+    tmp_path, result = lane_result("launch_2_ranks", tmp_path_factory)
+    logs = [result.log(k) for k in (1, 2)]
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
