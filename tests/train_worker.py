@@ -8,7 +8,7 @@ launch, which starts the runs after a failed one again).
 Before each run, rank 0 prints MARK and the run's index: `launch` cuts each run's stdout there. After each run,
 rank 0 copies its out_dir's metrics.jsonl to metrics.run<index>.jsonl (the next run may rewrite the file).
 Several runs may sample with vLLM: each run's end closes its engine (VLLMEngine.close) keeping the process group,
-and the next run builds its own (test_lora's run and its resume).
+and the next run builds its own (conftest's shared launch: test_train's, test_lora's, test_qwen3_video's runs).
 """
 import os
 import shutil
