@@ -9,6 +9,9 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -80,6 +83,8 @@ def pytest_collection_finish(session):
         used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ()),
                 *(m.args[0] for m in item.iter_markers("lane"))]
         names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
+        if "two_rank" in getattr(item, "fixturenames", ()):
+            SHARE_USERS.add(item.module.__name__)
     # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
     if names and not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
         # one core each: torch's 2 intra-op threads here beside a 2-rank job spin-wait on each other (a 5 s test of
@@ -253,10 +258,116 @@ def shared_two_rank_launch(tmp_path_factory):
     return run
 
 
+# ---------------------------------------------------------------------------------------------------
+# The shared 2-rank launch of train.py runs (beside shared_2_ranks above, the launch of three files' workers): the
+# --standalone 2-rank train.py runs of several test files run one after another in one
+# tests/train_worker.py launch, a background job (a 2-rank vLLM launch costs ~35 CPU s before its first step, torchrun's
+# agent and each rank's imports; a later run's vLLM engine in the same processes ~2 s). A test module registers its
+# share with @two_rank_share: a function of tmp_path_factory (the job's prepare, at collection) that returns a Share.
+# Only the modules with a collected test that uses the `two_rank` fixture take part (`pytest tests/test_lora.py` runs
+# test_lora's runs alone); they run in the order the modules were collected.
+
+SHARES = {}  # test module -> its share's prepare function
+SHARE_USERS = set()  # the modules whose collected tests use `two_rank`
+
+
+@dataclass
+class Run:
+    """One finished run of the shared launch."""
+    folder: Path  # its --out-dir
+    rows: list    # metrics.jsonl's rows as this run left them
+    log: str      # rank 0's output from the run's start (the last run's: both ranks' stderr too)
+
+
+class Runs(dict):
+    """Run name -> Run for a module's runs that finished; asking for another fails with what happened to it."""
+
+    def __init__(self, runs: dict, failed: dict):
+        super().__init__(runs)
+        self.failed = failed
+
+    def __missing__(self, name):
+        raise AssertionError(self.failed.get(name, f"no run named {name!r} in the shared 2-rank launch"))
+
+
+def own_runs(runs: Runs) -> Runs:
+    """Share.after's default: the module's result is its runs."""
+    return runs
+
+
+@dataclass
+class Share:
+    """A test module's part of the shared launch."""
+    runs: dict  # run name (unique across modules) -> train.py's arguments with --out-dir, launched in this order
+    after: Callable = own_runs  # run in the lane after the launch: the module's Runs -> the module's result
+
+
+def two_rank_share(prepare):
+    """Register a test module's share of the launch: prepare(tmp_path_factory) -> Share."""
+    SHARES[prepare.__module__] = prepare
+    return prepare
+
+
+@background("two_rank")
+def two_rank_launch(tmp_path_factory):
+    """The shares' runs in one launch. A run that fails ends the launch: the runs after it start again in a new one,
+    so a failure fails only the tests of that run (and of runs that resume from it). Returns test module -> (its
+    Share.after's value, the error it raised)."""
+    from train_worker import start
+    # a snapshot: a prepare may import another test module (test_qwen3_video takes test_train's train_args)
+    shares = {m: prepare(tmp_path_factory) for m, prepare in list(SHARES.items()) if m in SHARE_USERS}
+    runs = {name: args for share in shares.values() for name, args in share.runs.items()}
+    assert len(runs) == sum(len(share.runs) for share in shares.values()), "two shares name the same run"
+
+    def run():
+        done, failed, pending = {}, {}, list(runs)
+        while pending:
+            # the process group is the launch's first run's: a collective that hangs fails in 2 minutes, not 30
+            argv = [[*runs[name], "--dist-timeout", "120"] for name in pending]
+            launch = start(argv, timeout=300 + 150 * len(pending))
+            for k, name in enumerate(pending[:launch.finished]):
+                folder = Path(runs[name][runs[name].index("--out-dir") + 1])
+                rows = [json.loads(line) for line in open(folder / f"metrics.run{k}.jsonl")]  # train_worker's copy
+                done[name] = Run(folder, rows, launch.logs[k])
+            if launch.finished == len(pending):
+                break
+            name = pending[launch.finished]
+            failed[name] = (f"run {name} of the shared 2-rank launch failed, its log:\n"
+                            f"{launch.logs[launch.finished][-6000:]}\n{launch.stderr[-3000:]}")
+            if not launch.logs[0]:  # the launch failed before its first run: starting it again would too
+                failed.update({n: f"the 2-rank launch failed before run {n}:\n{launch.stderr[-6000:]}"
+                               for n in pending})
+                break
+            pending = pending[launch.finished + 1:]
+        results = {}
+        for module, share in shares.items():
+            try:
+                mine = Runs({n: done[n] for n in share.runs if n in done}, failed)
+                results[module] = (share.after(mine), None)
+            except Exception as e:  # noqa: BLE001 - raised in the module's tests (share_of)
+                results[module] = (None, e)
+        return results
+    return run
+
+
 @pytest.fixture(scope="session")
 def shared_2_ranks(tmp_path_factory):
     """conftest.shared_two_rank_launch's (folder, train_worker.Launch)."""
     return lane_result("shared_2_ranks", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def two_rank(tmp_path_factory) -> dict:
+    """The shared launch's results, test module -> (value, error): share_of(two_rank, __name__) picks a module's."""
+    return lane_result("two_rank", tmp_path_factory)
+
+
+def share_of(two_rank: dict, module: str):
+    """The module's result from the shared launch: its Share.after's value (the error it raised re-raised)."""
+    value, error = two_rank[module]
+    if error is not None:
+        raise error
+    return value
 
 
 def tiny_config(**kw):

@@ -3,12 +3,13 @@
 
     .venv/bin/python -m pytest -q tests/test_lora.py
 """
-import json
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import ROOT, background, lane_result, synth_dir, tiny_config, tiny_model_dir, vllm_greedy_tokens
+from conftest import (ROOT, Runs, Share, share_of, synth_dir, tiny_config, tiny_model_dir, two_rank_share,
+                      vllm_greedy_tokens)
 from safetensors.torch import load_file
 
 import data
@@ -132,37 +133,42 @@ def run_args(tiny_model, data_dir, out, *extra) -> list[str]:
             "--kl-coef", "0.01", "--save-every", "2", "--keep-last", "0", *extra]
 
 
-def metrics(out) -> dict:
-    return {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
-
-
-@background("lora_runs")
-def lora_runs(tmp_path_factory):
-    """The 4-step 2-rank run, then steps 3 and 4 again from its own step-2 checkpoint (`--resume FOLDER`, into a
-    fresh out_dir; the same 2 steps run again to write that checkpoint would add nothing) in the same torchrun
-    processes (tests/train_worker.py: the second run builds the second vLLM engine of the process), its last
-    checkpoint exported merged and as a PEFT adapter, and vLLM's greedy tokens from the merged folder, in the
-    background lane (conftest). Returns (folder, full run's rows, resumed run's rows, resumed run's log, merged
-    folder, adapter folder, vLLM's token count)."""
-    import export_hf
-    from train_worker import launch
+@two_rank_share
+def lora_runs(tmp_path_factory) -> Share:
+    """Two runs in conftest's shared 2-rank launch: "lora", 4 steps; "lora_resumed", steps 3 and 4 again from its own
+    step-2 checkpoint (`--resume FOLDER`, into a fresh out_dir; the same 2 steps run again to write that checkpoint
+    would add nothing), in the same processes (tests/train_worker.py: the resume builds another vLLM engine); then
+    lora_exports."""
     tmp_path, tiny_model, synth = tmp_path_factory.mktemp("lora"), tiny_model_dir(), synth_dir()
+    step2 = tmp_path / "full" / "ckpt" / "step_00000002"
+    return Share({"lora": run_args(tiny_model, synth, tmp_path / "full", "--max-steps", "4"),
+                  "lora_resumed": run_args(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4",
+                                           "--resume", str(step2))}, after=lora_exports)
 
-    def run():
-        step2 = tmp_path / "full" / "ckpt" / "step_00000002"
-        logs = launch([run_args(tiny_model, synth, tmp_path / "full", "--max-steps", "4"),
-                       run_args(tiny_model, synth, tmp_path / "resumed", "--max-steps", "4", "--resume", str(step2))])
-        merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
-        adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
-        return (tmp_path, metrics(tmp_path / "full"), metrics(tmp_path / "resumed"), logs[1], merged, adapter,
-                vllm_greedy_tokens(merged))
-    return run
+
+@dataclass
+class Exported:
+    runs: Runs
+    merged: str       # the full run's last checkpoint exported merged (scripts/export_hf.py --merge)
+    adapter: str      # ... and as a PEFT adapter
+    vllm_tokens: int  # vLLM's greedy tokens from the merged folder, in a fresh process
+
+
+def lora_exports(runs: Runs) -> Exported:
+    """After the launch, in the background lane: the full run's last checkpoint exported, vLLM on the merged one."""
+    import export_hf
+    tmp_path = runs["lora"].folder.parent
+    merged = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "merged"), merge=True)
+    adapter = export_hf.export(str(tmp_path / "full" / "ckpt" / "latest"), str(tmp_path / "adapter"))
+    return Exported(runs, merged, adapter, vllm_greedy_tokens(merged))
 
 
 @pytest.mark.slow
-@pytest.mark.lane("lora_runs")
-def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
-    tmp_path, full, resumed, log, merged, adapter, vllm_tokens = lane_result("lora_runs", tmp_path_factory)
+def test_two_ranks_vllm_agrees_resume_and_export(two_rank, tiny_model):
+    lora = share_of(two_rank, __name__)
+    run, again = lora.runs["lora"], lora.runs["lora_resumed"]
+    tmp_path, log, merged, adapter = run.folder.parent, again.log, lora.merged, lora.adapter
+    full, resumed = ({r["step"]: r for r in x.rows} for x in (run, again))  # step -> row
     # sampler (merged weights) and trainer (W x + s B A x) agree while B moves away from 0 (test_rollout's LOGP_TOL)
     assert all(full[s]["mismatch/max"] < 1e-2 for s in full) and full[4]["grad_norm"] > 0
     assert full[1]["kl"] == 0.0 and full[4]["kl"] > 0  # step 1: B = 0, the policy IS the reference
@@ -192,4 +198,4 @@ def test_two_ranks_vllm_agrees_resume_and_export(tmp_path_factory, tiny_model):
     sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
     want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
     assert sd.keys() == want.keys() and all(torch.allclose(sd[k], want[k], atol=1e-6) for k in want)
-    assert vllm_tokens > 0
+    assert lora.vllm_tokens > 0

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, background, lane_result, tiny_config
+from conftest import ROOT, Runs, Share, background, lane_result, share_of, tiny_config, two_rank_share
 
 import data
 from rollout import VLLMEngine, device_normalize_ok, vision_token_ids
@@ -169,64 +169,69 @@ print("RESULT" + json.dumps(logp_gap(engine, model, proc, prompts)))
 """
 
 
-@background("clip_runs")
-def clip_jobs(tmp_path_factory):
+@background("clip_default")
+def vllm_default_job(tmp_path_factory):
     """On the CLIP-image checkpoint: vLLM's own device normalization in a fresh process (pytest already holds an
     engine; a second vLLM engine in one process takes the external-launcher path and wants torchrun's RANK), its
-    (max, mean) log-prob gap; and, while that single-threaded process runs beside it, 2 ranks (torchrun, FSDP2 +
-    colocated vLLM per rank, our engine) for 2 steps on Qwen3-VL videos, metrics.jsonl's rows. In conftest's
-    background lane."""
-    from test_train import run_train
-    tmp, clip_qwen3, clips = tmp_path_factory.mktemp("clip"), clip_qwen3_dir(), clip_videos()
+    (max, mean) log-prob gap. In conftest's background lane."""
+    clip_qwen3, clips = clip_qwen3_dir(), clip_videos()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
 
     def run():
-        with open(tmp / "vllm_default.log", "w+") as log:  # a file: a full pipe would stop the process until read
-            p = subprocess.Popen([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0])],
-                                 env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            try:
-                px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
-                _, rows, _ = run_train(tmp, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0", "--video-max-frames",
-                                       "8", "--max-prompt-len", "1024", *[a for k in px for a in (k, str(PIXELS))],
-                                       "--no-save")
-            finally:
-                p.wait(timeout=600)
-            log.seek(0)
-            out = log.read()
-        assert "RESULT" in out, out[-4000:]
-        return json.loads(out.split("RESULT")[1].splitlines()[0]), rows
+        p = subprocess.run([sys.executable, "-c", CLIP_SCRIPT, ROOT, clip_qwen3, json.dumps(clips["sq"][0])],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert "RESULT" in p.stdout, p.stdout[-4000:]
+        return json.loads(p.stdout.split("RESULT")[1].splitlines()[0])
     return run
 
 
 @pytest.fixture(scope="module")
-def clip_runs(tmp_path_factory) -> tuple[list, list]:
-    return lane_result("clip_runs", tmp_path_factory)
+def clip_default(tmp_path_factory) -> list:
+    return lane_result("clip_default", tmp_path_factory)
 
 
-def test_workaround_clip_image_stats(clip_qwen3, clip_runs):
+@two_rank_share
+def clip_run(tmp_path_factory) -> Share:
+    """One run in conftest's shared 2-rank launch, "qwen3_clip": 2 ranks (FSDP2 + colocated vLLM per rank, our
+    engine) for 2 steps on Qwen3-VL videos with the CLIP-image checkpoint."""
+    from test_train import train_args
+    tmp, clip_qwen3, clips = tmp_path_factory.mktemp("clip"), clip_qwen3_dir(), clip_videos()
+    px = [f"--{k}-pixels" for k in ("video-min", "video-max", "image-min", "image-max")]
+    return Share({"qwen3_clip": train_args(tmp, clip_qwen3, clips["sq_dir"], "--video-fps", "2.0",
+                                           "--video-max-frames", "8", "--max-prompt-len", "1024",
+                                           *[a for k in px for a in (k, str(PIXELS))], "--no-save")})
+
+
+@pytest.fixture(scope="module")
+def runs(two_rank) -> Runs:
+    """clip_run's "qwen3_clip" -> its Run."""
+    return share_of(two_rank, __name__)
+
+
+def test_workaround_clip_image_stats(clip_qwen3, runs):
     """Our engine on a checkpoint whose image and video normalization differ: CPU normalization, log-probs agree
-    (vLLM's sampled-token log-probs vs the trainer's at step 1 of clip_runs' 2-rank run, the weights still the
+    (vLLM's sampled-token log-probs vs the trainer's at step 1 of clip_run's 2-rank run, the weights still the
     checkpoint's: that run serves both tests, one fresh vLLM process fewer)."""
     assert device_normalize_ok(clip_qwen3) is False
-    rows = clip_runs[1]
+    rows = runs["qwen3_clip"].rows
     top, mean = rows[0]["mismatch/max"], rows[0]["mismatch/mean"]
     print(f"CLIP-image checkpoint, our engine: max {top:.2e} mean {mean:.2e}")
     assert top < LOGP_MAX and mean < LOGP_MEAN
 
 
-def test_upstream_vllm_video_normalization(clip_runs):
+def test_upstream_vllm_video_normalization(clip_default):
     """The upstream bug, still present: vLLM 0.32's device-side normalization gives videos the image processor's
     stats. CLIP vs 0.5/0.5 moves every video feature, the log-probs by ~1e-2 per token (measured 3-12e-2 max).
     When this fails, vLLM normalizes videos with the video processor's stats: drop rollout.device_normalize_ok."""
-    top, mean = clip_runs[0]
+    top, mean = clip_default
     print(f"CLIP-image checkpoint, vLLM's device normalization: max {top:.2e} mean {mean:.2e}")
     assert top > 2 * LOGP_MAX and mean > LOGP_MEAN, "vLLM fixed video normalization: remove the workaround"
 
 
-def test_two_ranks_train_mismatch(clip_runs):
+def test_two_ranks_train_mismatch(runs):
     """2 ranks (torchrun, FSDP2 + colocated vLLM per rank) on Qwen3-VL videos with the CLIP-image checkpoint:
     the trainer's step-1 recomputation matches the sampler's log-probs (train.py logs mismatch/max and /mean)."""
-    rows = clip_runs[1]
+    rows = runs["qwen3_clip"].rows
     print("mismatch/max", [r["mismatch/max"] for r in rows], "mismatch/mean", [r["mismatch/mean"] for r in rows])
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["mismatch/max"] < LOGP_MAX and rows[0]["mismatch/mean"] < LOGP_MEAN

@@ -5,12 +5,11 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import LIBRARY_NOISE, ROOT, background, color_data_dir, lane_result, quiet_lines, tiny_model_dir
+from conftest import (LIBRARY_NOISE, Runs, Share, color_data_dir, quiet_lines, share_of, tiny_model_dir,
+                      two_rank_share)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
@@ -24,17 +23,6 @@ def train_args(tmp_path, model, data_dir, *extra) -> list[str]:
             "0", *extra]
 
 
-def run_train(tmp_path, model, data_dir, *extra, nproc=2):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py",
-           *train_args(tmp_path, model, data_dir, *extra)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return out, rows, p.stdout + p.stderr
-
-
 def weights(folder):
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
     return {k: v for file in files for k, v in load_file(file).items()}
@@ -42,7 +30,8 @@ def weights(folder):
 
 def test_two_rank_fsdp_vllm_steps_tp2(runs, tiny_model, color_data):
     """2 steps, --standalone torchrun, both ranks share one tensor-parallel vLLM engine (rollout_tp 2)."""
-    check_vllm_run(*runs["tp2"], tiny_model, color_data, 2)
+    tp2 = runs["tp2"]
+    check_vllm_run(tp2.folder, tp2.rows, tp2.log, tiny_model, color_data, 2)
 
 
 def test_two_rank_fsdp_vllm_steps_tp1(uninterrupted, tiny_model, color_data):
@@ -97,43 +86,33 @@ def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
     assert len(changed) > len(before) // 2, "training did not change the weights"
 
 
-@background("runs")
-def three_runs(tmp_path_factory):
-    """Three runs in one torchrun launch (tests/train_worker.py: torchrun's start and the imports are paid once).
-    "hf": the HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven on 2
-    ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
-    tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold. name -> (run folder, its rows, its log)."""
+@two_rank_share
+def three_runs(tmp_path_factory) -> Share:
+    """Three runs in conftest's shared 2-rank launch (tests/train_worker.py: torchrun's start and the imports are paid
+    once). "hf": the HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven
+    on 2 ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
+    tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold."""
     import cache
-    from train_worker import launch
     tiny_model, color_data = tiny_model_dir(), color_data_dir()
     hf, tp2 = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("tp2")
     cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
                                   out=str(hf / "frames"), video_fps=4.0, video_min_frames=4,
                                   video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, factor=28))
     args = train_args(hf, tiny_model, color_data, "--rollout", "hf", "--eval-max-samples", "3", "--no-save",
-                      "--dist-timeout", "120", "--save-every", "2")
-    names = {"hf": (hf, args), "again": (hf, [*args, "--resume", "auto"]),
-             "tp2": (tp2, train_args(tp2, tiny_model, color_data, "--rollout-tp", "2"))}
-
-    def run():
-        logs = launch([a for _, a in names.values()])
-        out = {}
-        for k, (name, (d, _)) in enumerate(names.items()):
-            rows = [json.loads(line) for line in open(d / "run" / f"metrics.run{k}.jsonl")]  # after this run
-            out[name] = (d / "run", rows, logs[k])
-        return out
-    return run
+                      "--save-every", "2")  # uneven eval hanging in a collective: conftest's --dist-timeout 120
+    return Share({"hf": args, "again": [*args, "--resume", "auto"],
+                  "tp2": train_args(tp2, tiny_model, color_data, "--rollout-tp", "2")})
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """three_runs' name -> (run folder, its rows, its log), launched in the background lane (conftest)."""
-    return lane_result("runs", tmp_path_factory)
+def runs(two_rank) -> Runs:
+    """three_runs' name -> Run (conftest's shared launch, in the background lane)."""
+    return share_of(two_rank, __name__)
 
 
 def test_hf_rollout_two_ranks_warm_cache(runs):
     """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
-    _, rows, _ = runs["hf"]
+    rows = runs["hf"].rows
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
@@ -143,7 +122,8 @@ def test_hf_rollout_two_ranks_uneven_eval(runs):
     """3 held-out prompts on 2 ranks: the HF engine's generate is collective (FSDP), so both ranks must call it
     equally often; each prompt is still scored once. `--resume auto` on the finished run trains nothing and reports
     the saved held-out accuracies (it once printed "after nan")."""
-    (out, rows, stdout), (_, rows_again, again) = runs["hf"], runs["again"]
+    out, rows, stdout = runs["hf"].folder, runs["hf"].rows, runs["hf"].log
+    rows_again, again = runs["again"].rows, runs["again"].log
     assert len(rows) == 2 and "held-out accuracy: before" in stdout
     for step in (0, 2):
         ids = [json.loads(line)["doc_id"] for line in open(out / "eval" / f"step_{step}.jsonl")]

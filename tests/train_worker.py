@@ -1,7 +1,8 @@
 """Several train.py runs one after another in the same torchrun processes: torchrun's start, the imports (~15 CPU s
 for 2 ranks) and the process group are paid once. Each run's command line (train.py's arguments) is a group,
-the groups separated by "--"; the tests start it with `launch` (or `start`). A run whose first argument is a .py
-file of tests/ calls that module's worker() on the rest instead (test_sp.py's SP worker; imported once).
+the groups separated by "--"; the tests start it with `launch` (or `start`: conftest's shared launches).
+A run whose first argument is a .py file of tests/ calls that module's worker() on the rest instead
+(test_sp.py's SP worker; imported once).
 
     torchrun --nproc_per_node=2 tests/train_worker.py --config A.yaml ... -- --config B.yaml ... --resume auto
     torchrun --nproc_per_node=2 tests/train_worker.py tests/test_sp.py OUT DATA.jsonl 2 - qwen3_vl -- --config ...
@@ -11,7 +12,7 @@ each run's stdout there. After each run every rank flushes its stdout and passes
 the next MARK is printed. After each train.py run, rank 0 copies its out_dir's metrics.jsonl to
 metrics.run<index>.jsonl (the next run may rewrite the file).
 Several runs may sample with vLLM: each run's end closes its engine (VLLMEngine.close) keeping the process group,
-and the next run builds its own (test_lora's run and its resume).
+and the next run builds its own (conftest's shared launch: test_train's, test_lora's, test_qwen3_video's runs).
 """
 import importlib
 import os
