@@ -871,7 +871,9 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
                 print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
             write_results(results, cfg)
     finally:
-        if own and hasattr(engine, "shutdown"):
+        if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
+            engine.close()
+        elif own:
             engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
             engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)

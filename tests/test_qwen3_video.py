@@ -109,7 +109,9 @@ def setup(qwen3):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     proc = AutoProcessor.from_pretrained(qwen3)
     model = AutoModelForImageTextToText.from_pretrained(qwen3, dtype=torch.float32).eval()
-    return proc, model, VLLMEngine(qwen3, proc.tokenizer, max_model_len=1024, dtype="float32", max_videos=2)
+    engine = VLLMEngine(qwen3, proc.tokenizer, max_model_len=1024, dtype="float32", max_videos=2)
+    yield proc, model, engine
+    engine.close()  # vLLM's process group with it: a later module's engine starts as a first one
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -43,7 +43,8 @@ def setup(tiny_model, synth):
     samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("videos")][:4]
     prompts = [data.prepare(s, proc, cfg) for s in samples]
     engine = VLLMEngine(tiny_model, proc.tokenizer, max_model_len=1024, dtype="float32")
-    return proc, model, prompts, engine
+    yield proc, model, prompts, engine
+    engine.close()  # vLLM's process group with it: a later module's engine starts as a first one
 
 
 def hf_engine(model, tokenizer) -> HFEngine:
@@ -206,7 +207,8 @@ def qwen2(synth):
         for k, v in world.items():
             mp.setenv(k, v)
         engine = VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
-    return proc, model, prompts, engine
+    yield proc, model, prompts, engine
+    engine.close()
 
 
 def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
