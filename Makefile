@@ -35,6 +35,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) bench/rewards.py && $(PY) bench/cache.py && $(PY) bench/evaluate.py && $(PY) bench/rollout.py && $(PY) bench/memory.py && $(PY) bench/long_video.py

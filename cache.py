@@ -8,6 +8,7 @@ prints `videos | cache_hit | rebuilt | decode | failed | bytes | seconds` and li
 The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale) and every
 frame setting. Writes are atomic (temp file + os.replace); a per-key lock makes concurrent loaders decode once.
 """
+
 import contextlib
 import fcntl
 import hashlib
@@ -25,15 +26,20 @@ import numpy as np
 
 from common import check_hub, cli, config_files, write_jsonl, yaml_overlay
 
-FORMAT = "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
+FORMAT = (
+    "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
+)
 MODES = ("prefer_cache", "cache_only", "decode_only")
-MAX_DECODE_PIXELS = 7680 * 4320  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
+MAX_DECODE_PIXELS = (
+    7680 * 4320
+)  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
 
 
 @dataclass
 class Frames:
     """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
     declaration, one flag name each). The defaults are training's; evaluate.py raises video_max_frames/pixels."""
+
     video_fps: float = 2.0
     """frames sampled per second of video"""
     video_min_frames: int = 4
@@ -51,14 +57,21 @@ class Frames:
 
     def settings(self, factor: int) -> dict:
         """What an entry's key hashes and decode_video reads, for a model of this patch x merge `factor`."""
-        return dict(fps=self.video_fps, min_frames=self.video_min_frames, max_frames=self.video_max_frames,
-                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels,
-                    total_pixels=self.video_total_pixels or 0, factor=factor)  # None = 0: one key
+        return dict(
+            fps=self.video_fps,
+            min_frames=self.video_min_frames,
+            max_frames=self.video_max_frames,
+            min_pixels=self.video_min_pixels,
+            max_pixels=self.video_max_pixels,
+            total_pixels=self.video_total_pixels or 0,
+            factor=factor,
+        )  # None = 0: one key
 
 
 @dataclass
 class Media(Frames):
     """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
+
     image_min_pixels: int = 3136
     """min pixels per image"""
     image_max_pixels: int = 1003520
@@ -73,6 +86,7 @@ class Media(Frames):
 class Training(Media):
     """What a training run reads: its model, its data files and their frame budgets (train.py's Config is one; the
     CLI's --config reads these from a training YAML)."""
+
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
     trust_remote_code: bool = False
@@ -94,8 +108,16 @@ class Training(Media):
 
     def val_config(self):
         """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-        names = ("video_fps", "video_max_frames", "video_max_pixels", "video_total_pixels", "image_max_pixels")
-        return replace(self, **{k: getattr(self, f"val_{k}") for k in names if getattr(self, f"val_{k}")})
+        names = (
+            "video_fps",
+            "video_max_frames",
+            "video_max_pixels",
+            "video_total_pixels",
+            "image_max_pixels",
+        )
+        return replace(
+            self, **{k: getattr(self, f"val_{k}") for k in names if getattr(self, f"val_{k}")}
+        )
 
 
 class VideoError(ValueError):
@@ -109,16 +131,24 @@ def vision_factor(processor) -> int:
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from qwen_vl_utils.vision_process import smart_resize as ref  # the reference math, not a copy of it
+    from qwen_vl_utils.vision_process import (
+        smart_resize as ref,
+    )  # the reference math, not a copy of it
+
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
-def sample_indices(total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> list[int]:
+def sample_indices(
+    total_frames: int, video_fps: float, fps: float, min_frames: int, max_frames: int
+) -> list[int]:
     """qwen-vl-utils: frame count by fps, clamped to [min, max], floored to the temporal patch (2);
     indices evenly spaced over the whole video and rounded (float32 linspace, as the reference)."""
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
-    n = smart_nframes({"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps)
+
+    n = smart_nframes(
+        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
+    )
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 
@@ -132,112 +162,182 @@ def resize(frames: np.ndarray, h: int, w: int) -> np.ndarray:
     """uint8 (T, H, W, 3) -> uint8 (T, h, w, 3); torchvision bicubic+antialias on uint8, as the reference."""
     import torch
     from torchvision.transforms.functional import InterpolationMode, resize as tv_resize
+
     x = torch.from_numpy(np.require(frames, requirements="W")).permute(0, 3, 1, 2)
     if x.shape[-2:] != (h, w):
         x = tv_resize(x, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True)
     return x.permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def decode_video(path: str, fps: float, min_frames: int, max_frames: int, min_pixels: int, max_pixels: int,
-                 total_pixels: int, factor: int, max_decode_pixels: int = MAX_DECODE_PIXELS,
-                 end: float | None = None) -> tuple[np.ndarray, dict]:
+def decode_video(
+    path: str,
+    fps: float,
+    min_frames: int,
+    max_frames: int,
+    min_pixels: int,
+    max_pixels: int,
+    total_pixels: int,
+    factor: int,
+    max_decode_pixels: int = MAX_DECODE_PIXELS,
+    end: float | None = None,
+) -> tuple[np.ndarray, dict]:
     """Decode with decord, sample, resize, one frame at a time (peak memory: one full-size frame, not all of them).
     end: the video is its first `end` seconds (the frames before that moment), as if cut there.
     Frames over max_decode_pixels are refused from the container header. Raises VideoError naming the file."""
     import av
     import decord
+
     try:
         with av.open(path) as container:  # reads the header only: nothing is decoded yet
             codec = container.streams.video[0].codec_context
         if codec.width * codec.height > max_decode_pixels:
-            raise VideoError(f"{path}: frames of {codec.width}x{codec.height} are over max_decode_pixels="
-                             f"{max_decode_pixels}")
+            raise VideoError(
+                f"{path}: frames of {codec.width}x{codec.height} are over max_decode_pixels="
+                f"{max_decode_pixels}"
+            )
         vr = decord.VideoReader(path, num_threads=1)
         total, vfps = len(vr), float(vr.get_avg_fps())
         if end is not None:
             total = min(total, math.ceil(end * vfps))
         if total < 2 or vfps <= 0:
-            raise VideoError(f"{path}: video has {total} frames at {vfps} fps (need at least 2 frames)")
+            raise VideoError(
+                f"{path}: video has {total} frames at {vfps} fps (need at least 2 frames)"
+            )
         idx = sample_indices(total, vfps, fps, min_frames, max_frames)
         cap = frame_pixels(len(idx), min_pixels, max_pixels, total_pixels, factor)
         frames = []
         for i in idx:  # resizing a frame is independent of the others: the same pixels as one batch
             frame = vr.get_batch([i]).asnumpy()
-            frames.append(resize(frame, *smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)))
+            frames.append(
+                resize(
+                    frame, *smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)
+                )
+            )
         frames = np.concatenate(frames)  # frames whose size changes mid-video fail here
     except VideoError:
         raise
     except (RuntimeError, decord.DECORDError, ValueError, OSError, IndexError, av.FFmpegError) as e:
-        raise VideoError(f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+        raise VideoError(
+            f"{path}: cannot decode video ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e
     return frames, video_meta(total, vfps, idx, frames.shape[1], frames.shape[2])
 
 
 def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
     """The metadata of sampled frames: what decode_video returns, the cache stores and check_entry expects."""
-    return dict(fps=vfps, duration=total / vfps, total_num_frames=total, frames_indices=idx,
-                sample_fps=len(idx) / total * vfps, height=height, width=width, video_backend="decord")
+    return dict(
+        fps=vfps,
+        duration=total / vfps,
+        total_num_frames=total,
+        frames_indices=idx,
+        sample_fps=len(idx) / total * vfps,
+        height=height,
+        width=width,
+        video_backend="decord",
+    )
 
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
     st = os.stat(path)
-    ident = dict(format=FORMAT, path=os.path.abspath(path), size=st.st_size, mtime_ns=st.st_mtime_ns, **settings)
+    ident = dict(
+        format=FORMAT,
+        path=os.path.abspath(path),
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        **settings,
+    )
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_dir, key[:2], key + ".safetensors")
 
 
 def checksum(file: str, frames: np.ndarray, video: str) -> str:
     """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
-    return str(zlib.crc32(frames.tobytes(), zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode()))))
+    return str(
+        zlib.crc32(
+            frames.tobytes(),
+            zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode())),
+        )
+    )
 
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
     """(frames, metadata); raises ValueError on a torn, corrupt or edited entry: safetensors' size checks, our crc32
     (check_entry then checks that the content is what its key's settings make)."""
     from safetensors import safe_open
+
     try:
         with safe_open(file, "np") as f:
             meta, frames = f.metadata() or {}, f.get_tensor("frames")
-    except Exception as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
+    except (
+        Exception
+    ) as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
         raise ValueError(f"{file}: unreadable cache entry ({type(e).__name__}: {e})") from e
     if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
     return frames, json.loads(meta["video"])
 
 
-def check_entry(file: str, frames: np.ndarray, meta: dict, settings: dict) -> tuple[np.ndarray, dict]:
+def check_entry(
+    file: str, frames: np.ndarray, meta: dict, settings: dict
+) -> tuple[np.ndarray, dict]:
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
         total, vfps = meta["total_num_frames"], meta["fps"]
         h, w = meta["height"], meta["width"]
-        idx = sample_indices(total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"])
+        idx = sample_indices(
+            total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
+        )
         expect = video_meta(total, vfps, idx, h, w)
-        cap = frame_pixels(len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor")))
+        cap = frame_pixels(
+            len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor"))
+        )
         fits = h % settings["factor"] == 0 and w % settings["factor"] == 0 and 0 < h * w <= cap
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:
-        raise ValueError(f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})") from e
-    if meta != expect or frames.dtype != np.uint8 or frames.shape != (len(idx), h, w, 3) or not fits:
-        raise ValueError(f"{file}: cache entry does not match its key's settings (frames {frames.dtype} "
-                         f"{frames.shape}, metadata {json.dumps(meta)[:300]})")
+        raise ValueError(
+            f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})"
+        ) from e
+    if (
+        meta != expect
+        or frames.dtype != np.uint8
+        or frames.shape != (len(idx), h, w, 3)
+        or not fits
+    ):
+        raise ValueError(
+            f"{file}: cache entry does not match its key's settings (frames {frames.dtype} "
+            f"{frames.shape}, metadata {json.dumps(meta)[:300]})"
+        )
     return frames, meta
 
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
+
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
     video = json.dumps(meta)
     try:
-        save_file({"frames": frames}, tmp, metadata={"video": video, "crc32": checksum(file, frames, video)})
+        save_file(
+            {"frames": frames},
+            tmp,
+            metadata={"video": video, "crc32": checksum(file, frames, video)},
+        )
         os.replace(tmp, file)  # atomic: readers see the old entry, no entry, or the whole new one
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | None = None, mode: str = "prefer_cache",
-               stats: dict | None = None, end: float | None = None) -> tuple[np.ndarray, dict]:
+def load_video(
+    path: str,
+    frames: Frames,
+    factor: int = 28,
+    cache_dir: str | None = None,
+    mode: str = "prefer_cache",
+    stats: dict | None = None,
+    end: float | None = None,
+) -> tuple[np.ndarray, dict]:
     """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
     decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
     entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
@@ -246,7 +346,9 @@ def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | Non
     if mode not in MODES:
         raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
     stats = stats if stats is not None else {}
-    if not os.path.isfile(path):  # also refuses a FIFO or a device, which would block decoding for ever
+    if not os.path.isfile(
+        path
+    ):  # also refuses a FIFO or a device, which would block decoding for ever
         raise VideoError(f"{path}: video file not found (or not a regular file)")
     settings = frames.settings(factor)
     if end is not None:  # a clip and its whole video are different entries
@@ -259,7 +361,9 @@ def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | Non
         return out
     file = entry_path(cache_dir, path, settings)
     with contextlib.ExitStack() as stack:
-        if mode == "prefer_cache":  # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+        if (
+            mode == "prefer_cache"
+        ):  # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
             os.makedirs(os.path.dirname(file), exist_ok=True)
             fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
         if os.path.exists(file):
@@ -270,29 +374,51 @@ def load_video(path: str, frames: Frames, factor: int = 28, cache_dir: str | Non
             except ValueError as e:
                 stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
                 if mode == "cache_only":
-                    raise VideoError(f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)") from e
+                    raise VideoError(
+                        f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)"
+                    ) from e
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
-        if mode == "cache_only":  # never decodes, never writes (not even a lock): a read-only shared cache works
-            raise VideoError(f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)")
+        if (
+            mode == "cache_only"
+        ):  # never decodes, never writes (not even a lock): a read-only shared cache works
+            raise VideoError(
+                f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)"
+            )
         out = load_video(path, frames, factor, mode="decode_only", stats=stats, end=end)
         write_entry(file, *out)
         return out
 
 
-def load_image(path: str, *, min_pixels: int, max_pixels: int, factor: int = 28,
-               max_decode_pixels: int = MAX_DECODE_PIXELS) -> np.ndarray:
+def load_image(
+    path: str,
+    *,
+    min_pixels: int,
+    max_pixels: int,
+    factor: int = 28,
+    max_decode_pixels: int = MAX_DECODE_PIXELS,
+) -> np.ndarray:
     """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
     from PIL import Image, UnidentifiedImageError
+
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
     try:
         with Image.open(path) as im:
             if im.width * im.height > max_decode_pixels:
-                raise ValueError(f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}")
+                raise ValueError(
+                    f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}"
+                )
             arr = np.asarray(im.convert("RGB"))
-        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)  # refuses a ratio over 200
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:  # bomb: 2x PIL's cap
+        h, w = smart_resize(
+            arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels
+        )  # refuses a ratio over 200
+    except (
+        OSError,
+        UnidentifiedImageError,
+        Image.DecompressionBombError,
+        ValueError,
+    ) as e:  # bomb: 2x PIL's cap
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     return resize(arr[None], h, w)[0]
 
@@ -319,7 +445,9 @@ def preprocess_one(path: str, c: Config) -> dict:
         load_video(path, c, c.factor, cache_dir=c.out, stats=stats)
         return stats | {"bytes": os.path.getsize(entry_path(c.out, path, c.settings(c.factor)))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
-        return stats | {"error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"}
+        return stats | {
+            "error": str(e) if isinstance(e, VideoError) else f"{type(e).__name__}: {e}"
+        }
 
 
 def videos_of(path: str) -> list[str]:
@@ -327,11 +455,17 @@ def videos_of(path: str) -> list[str]:
     fields are data.py's to check. A file that is not a list of such samples is an error naming it."""
     try:
         with open(path, "rb") as f:
-            rows = json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+            rows = (
+                json.load(f)
+                if path.endswith(".json")
+                else [json.loads(line) for line in f if line.strip()]
+            )
         root = os.path.dirname(os.path.abspath(path))
         return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
     except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})"
+        ) from e
 
 
 def preprocess(c: Config) -> dict:
@@ -340,6 +474,7 @@ def preprocess(c: Config) -> dict:
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm import tqdm
+
     videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
     t = time.time()
     total, failed = Counter(), []
@@ -352,14 +487,22 @@ def preprocess(c: Config) -> dict:
             total.update(stats)
     # rewritten each run: it lists this run's failures
     write_jsonl(os.path.join(c.out, "failed.jsonl"), sorted(failed, key=lambda x: x["video"]))
-    return dict(videos=len(videos), cache_hit=total["cache_hit"], rebuilt=total["cache_corrupt"],
-                decode=total["decode"], failed=len(failed), bytes=total["bytes"], seconds=round(time.time() - t, 2))
+    return dict(
+        videos=len(videos),
+        cache_hit=total["cache_hit"],
+        rebuilt=total["cache_corrupt"],
+        decode=total["decode"],
+        failed=len(failed),
+        bytes=total["bytes"],
+        seconds=round(time.time() - t, 2),
+    )
 
 
 def load_config(argv: list[str]) -> Config:
     """The CLI: `--config train.yaml ...` (read as train.py reads it) sets the defaults from training's settings (the
     held-out file only when its frame budget is training's: the val_* fields); the other flags override them."""
     import tyro
+
     paths, argv = config_files(argv)
     default = Config()
     if paths:
@@ -369,13 +512,22 @@ def load_config(argv: list[str]) -> Config:
         val = [t.val_data] if t.val_data and t.val_config() == t else []
         for path in [t.train_data, *val]:  # before the processor loads
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: no such file (train_data or val_data of {' '.join(paths)})")
+                raise FileNotFoundError(
+                    f"{path}: no such file (train_data or val_data of {' '.join(paths)})"
+                )
         check_hub(t.model)
         from transformers import AutoProcessor
-        factor = vision_factor(AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code))
+
+        factor = vision_factor(
+            AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code)
+        )
         frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
-        default = Config(config=tuple(paths), data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames)
-    return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))  # --data a --data b
+        default = Config(
+            config=tuple(paths), data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames
+        )
+    return tyro.cli(
+        Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,)
+    )  # --data a --data b
 
 
 def main(c: Config):

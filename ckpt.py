@@ -1,6 +1,7 @@
 """ckpt.py: sharded checkpoints (out_dir/ckpt/step_N: DCP shards, per-rank RNG, meta.json, config + processor;
 `latest` names the newest complete one), exact resume; the full HF-named weights streamed out of FSDP2 shards
 (hf_weights: the engine's weight sync and the final HF folder)."""
+
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ SYNC_BUCKET_BYTES = 256 * 2**20
 def model_optim_state(model, opt) -> dict:
     """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     # frozen parameters (a LoRA run's base model) are not saved: they are loaded from cfg.model and never change
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": msd, "optim": osd}
@@ -30,28 +32,40 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
     the folder to step_N, then points `latest` at it: a crash at any moment leaves `latest` complete."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
+
     root = os.path.join(out_dir, "ckpt")
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier attempt at this step
+        shutil.rmtree(
+            tmp, ignore_errors=True
+        )  # left by a crash during an earlier attempt at this step
     barrier()
     dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
-    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    rng = {"cpu": torch.get_rng_state()} | (
+        {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+    )
     save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
     barrier()  # every rank's files are written
     if rank == 0:
         write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
-        for part in (processor, model.config, model.generation_config):  # what export_hf.py and a new run read
+        for part in (
+            processor,
+            model.config,
+            model.generation_config,
+        ):  # what export_hf.py and a new run read
             part.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
         os.rename(tmp, final)
         write_text(os.path.join(root, "latest"), os.path.basename(final))
         # the folder `latest` names is never pruned (a run resumed from an older folder writes below newer steps)
-        others = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")
-                        and d != os.path.basename(final))
+        others = sorted(
+            d
+            for d in os.listdir(root)
+            if d.startswith("step_") and not d.endswith(".tmp") and d != os.path.basename(final)
+        )
         if keep_last:
-            for old in others[:max(0, len(others) - keep_last + 1)]:  # keep_last - 1 of them stay
+            for old in others[: max(0, len(others) - keep_last + 1)]:  # keep_last - 1 of them stay
                 shutil.rmtree(os.path.join(root, old))
     barrier()
 
@@ -59,7 +73,9 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
 def save_checkpoint(model, processor, path: str, rank: int):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
     merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}  # a collective: every rank gathers, rank 0 keeps
+    sd = {
+        name: t.cpu() for name, t in hf_weights(model) if rank == 0
+    }  # a collective: every rank gathers, rank 0 keeps
     if rank == 0:
         base_model(model).save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
@@ -71,7 +87,9 @@ def find(out_dir: str, resume: str) -> str:
     latest = os.path.join(out_dir, "ckpt", "latest")
     if resume != "auto":
         return resume
-    return os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
+    return (
+        os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
+    )
 
 
 def load(path: str, model, opt) -> dict:
@@ -80,13 +98,19 @@ def load(path: str, model, opt) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     if not os.path.exists(os.path.join(path, "meta.json")):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
     state = model_optim_state(model, opt)
     dcp.load(state, checkpoint_id=path)
     # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)
@@ -99,13 +123,18 @@ def load(path: str, model, opt) -> dict:
 
 # Full weights out of FSDP2 shards
 
+
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
     dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
     bucket, size = [], 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
-        if bucket and (not isinstance(t, DTensor) or t.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
+        if bucket and (
+            not isinstance(t, DTensor)
+            or t.dtype != bucket[0][1].dtype
+            or size + nbytes > bucket_bytes
+        ):
             yield from gather_bucket(bucket)
             bucket, size = [], 0
         if isinstance(t, DTensor):
@@ -123,11 +152,18 @@ def gather_bucket(bucket: list):
         return
     first = bucket[0][1]
     if any(t.placements != (Shard(0),) for _, t in bucket):
-        raise ValueError(f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}")
+        raise ValueError(
+            f"weight sync: only 1-D FSDP2 meshes (Shard(0)) are supported, got {first.placements}"
+        )
     world = first.device_mesh.size()
     rows = [-(-t.shape[0] // world) for _, t in bucket]
     sizes = [r * t.shape[1:].numel() for r, (_, t) in zip(rows, bucket)]
-    flat = torch.cat([F.pad(t.to_local().flatten(), (0, k - t.to_local().numel())) for (_, t), k in zip(bucket, sizes)])
+    flat = torch.cat(
+        [
+            F.pad(t.to_local().flatten(), (0, k - t.to_local().numel()))
+            for (_, t), k in zip(bucket, sizes)
+        ]
+    )
     out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     # all_gather_single: torch 2.14's name for all_gather_into_tensor (older torch on GPU machines: the old name);
     # gloo takes the flat (not stacked) output
@@ -135,7 +171,7 @@ def gather_bucket(bucket: list):
     all_gather(out, flat, group=first.device_mesh.get_group())
     for (name, t), r, part in zip(bucket, rows, out.view(world, -1).split(sizes, dim=1)):
         # row j of part is rank j's shard of t: in rank order they are t and its padding rows
-        yield name, part.reshape(world * r, *t.shape[1:])[:t.shape[0]]
+        yield name, part.reshape(world * r, *t.shape[1:])[: t.shape[0]]
 
 
 def hf_weights(model):
@@ -151,9 +187,16 @@ def hf_weights(model):
             lora_a = t
         elif adapter.startswith("B."):
             weight_name, w = held[0] if held else (None, None)
-            if weight_name != f"{layer}.base_layer.weight":  # never merged into another layer, never dropped
-                raise ValueError(f"weight sync: {name} does not follow its base weight (peft's state-dict order?)")
-            held[0] = weight_name, w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype))
+            if (
+                weight_name != f"{layer}.base_layer.weight"
+            ):  # never merged into another layer, never dropped
+                raise ValueError(
+                    f"weight sync: {name} does not follow its base weight (peft's state-dict order?)"
+                )
+            held[0] = (
+                weight_name,
+                w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype)),
+            )
             for held_name, tensor in held:
                 yield base_name(held_name), tensor
             held = []

@@ -1,5 +1,6 @@
 """common.py: the plumbing every other module may use and that uses none of them: the process group and the
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags), atomic files and the run's curve."""
+
 import datetime
 import faulthandler
 import json
@@ -23,11 +24,14 @@ import torch.distributed as dist
 
 # Collectives: every rank calls them at the same point of the loop
 
+
 def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
     if not dist.is_initialized():
         return x
-    t = torch.tensor(x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor(
+        x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu"
+    )
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -61,8 +65,10 @@ def init_dist(timeout_s: float = 1800.0, offload: bool = False):
         torch.cuda.set_device(local)
     if not dist.is_initialized():  # main() may run again in the same process (tests)
         gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
-        dist.init_process_group(gpu_backend if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            gpu_backend if torch.cuda.is_available() else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
 
 
@@ -79,7 +85,10 @@ def print0(*a):
 def abandon(grace_s: float):
     """The step did not reach its boundary in grace_s: every thread's stack (read holding the interpreter lock:
     faulthandler's lock-free dump can crash on a thread that is running), then exit 1."""
-    stacks = [f"Thread {k}:\n" + "".join(traceback.format_stack(f)) for k, f in sys._current_frames().items()]
+    stacks = [
+        f"Thread {k}:\n" + "".join(traceback.format_stack(f))
+        for k, f in sys._current_frames().items()
+    ]
     os.write(2, (f"Timeout ({grace_s} s): the step was abandoned\n" + "\n".join(stacks)).encode())
     os._exit(1)
 
@@ -95,8 +104,11 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
         got.append(num)
         catch_stop_signals(catch=False)
         if grace_s:  # os.write: no reentry into a print the signal interrupted
-            os.write(2, f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
-                        f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode())
+            os.write(
+                2,
+                f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
+                f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode(),
+            )
             timer = threading.Timer(grace_s, abandon, args=(grace_s,))
             timer.daemon = True
             timer.start()
@@ -111,33 +123,54 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
 def check_hub(model: str):
     """A hub model (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after minutes of retries."""
     from huggingface_hub import constants
+
     if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
         return
     url = urllib.parse.urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
     except OSError as e:
-        raise OSError(f"{model}: no network ({url.hostname}: {e}): set HF_HUB_OFFLINE=1 or give a local path") from e
+        raise OSError(
+            f"{model}: no network ({url.hostname}: {e}): set HF_HUB_OFFLINE=1 or give a local path"
+        ) from e
 
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them
 
-FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
+FLOAT = re.compile(
+    r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I
+)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
 
 
 # Library lines, harmless in our runs, that quiet() drops (--debug keeps them): logger -> texts, why above each group
 NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: nothing we call, no CUDA build here
     "torch._opaque_base": ("torch._opaque_base is deprecated",),
-    "torch._library.opaque_object": ("register_opaque_type is deprecated", "typ='value' is deprecated"),
+    "torch._library.opaque_object": (
+        "register_opaque_type is deprecated",
+        "typ='value' is deprecated",
+    ),
     "torch.utils.cpp_extension": ("No CUDA runtime is found",),
     # vLLM on CPU: speed hints (Triton, LD_PRELOAD), our CPU settings (enforce_eager, chunked prefill off, in-process)
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
     "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
-    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
-    "vllm.engine.arg_utils": ("The global random seed is set", "does not officially support disabling chunked"),
-    "vllm.v1.worker.cpu_worker": ("is not found in LD_PRELOAD", "`torch.set_num_threads` after the thread binding"),
+    "vllm.config.vllm": (
+        "Enforce eager set",
+        "Inductor compilation was disabled",
+        "Model Runner V2 requires Triton",
+    ),
+    "vllm.engine.arg_utils": (
+        "The global random seed is set",
+        "does not officially support disabling chunked",
+    ),
+    "vllm.v1.worker.cpu_worker": (
+        "is not found in LD_PRELOAD",
+        "`torch.set_num_threads` after the thread binding",
+    ),
     # the weight sync: layers holding only buffers no checkpoint has (rotary caches, image mean/std), which vLLM keeps
-    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed", "FusedMMInputNorm: Failed"),
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed",
+        "FusedMMInputNorm: Failed",
+    ),
     # evaluate.py: a float32 checkpoint (the tiny models) in bfloat16, a line per tensor; AsyncLLM.generate(dict) works
     # in the vLLM we pin (warned once); the engine process outlasts vLLM's 5 s wait at shutdown (results are written)
     "vllm.model_executor.models.utils": ("Attempted to load weight",),
@@ -150,16 +183,25 @@ def quiet():
     """At an entry script's start, before vLLM loads (the env var reaches its child processes); not with --debug."""
     if "--debug" in sys.argv:
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its ~40 INFO lines per process at start-up
+    os.environ.setdefault(
+        "VLLM_LOGGING_LEVEL", "WARNING"
+    )  # its ~40 INFO lines per process at start-up
     # transformers' bars (loading and saving weights; the hub's downloads too): an env var, read when it is imported
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name, texts in NOISE.items():
-        logging.getLogger(name).addFilter(lambda record, texts=texts: not any(t in record.getMessage() for t in texts))
+        logging.getLogger(name).addFilter(
+            lambda record, texts=texts: not any(t in record.getMessage() for t in texts)
+        )
     # vLLM's kernel registry reads every module's attributes, torch.distributed's deprecated reduce_op among them
-    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning, "vllm")
+    warnings.filterwarnings(
+        "ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning, "vllm"
+    )
     # the sharded root's views (logits_to_keep=1, hidden states), which token_logp only reads: no in-place op
-    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view",
-                            UserWarning)
+    warnings.filterwarnings(
+        "ignore",
+        r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view",
+        UserWarning,
+    )
 
 
 def cli(main, load_config):
@@ -177,6 +219,7 @@ def cli(main, load_config):
 def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
     """(YAML files, other flags): `--config=a.yaml`, `--config a.yaml b.yaml`, repeated: every file, in order."""
     import argparse
+
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config", nargs="+", action="extend", default=[])
     known, rest = parser.parse_known_args(argv)
@@ -187,6 +230,7 @@ def load_config(cls, argv=None):
     """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
     them; its `config` field records the files applied."""
     import tyro
+
     paths, rest = config_files(list(sys.argv[1:] if argv is None else argv))
     base = cls()
     for path in paths:
@@ -198,10 +242,13 @@ def yaml_overlay(base, path: str, strict: bool = True):
     """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
     the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings)."""
     import yaml
+
     with open(path) as f:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of settings (key: value lines), got a {type(values).__name__}")
+        raise ValueError(
+            f"{path}: expected a mapping of settings (key: value lines), got a {type(values).__name__}"
+        )
     types = {f.name: f.type for f in fields(base) if f.name != "config"}
     for key, value in values.items():
         if key not in types:
@@ -209,7 +256,9 @@ def yaml_overlay(base, path: str, strict: bool = True):
                 raise ValueError(f"{path}: unknown key {key!r}")
             continue
         choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
+        if types[key] is float and (
+            type(value) is int or type(value) is str and FLOAT.fullmatch(value)
+        ):
             value = float(value)
         if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
             expect = " | ".join(map(repr, choices)) or types[key].__name__
@@ -219,6 +268,7 @@ def yaml_overlay(base, path: str, strict: bool = True):
 
 
 # Files written whole
+
 
 def write_text(path: str, text: str):
     """Atomically (temp file + rename; folder made): a crash leaves the old file or the new one, never a torn one."""
@@ -234,20 +284,28 @@ def write_jsonl(path: str, rows: list[dict]):
 
 # The run's curve (train.py's curve.png, scripts/plot_runs.py's comparisons)
 
+
 def curve_rows(metrics_path: str, acc_before: float) -> list[dict]:
     """Step 0 (the held-out accuracy before training) and every logged step, those before a resume too; a step logged
     twice (the run resumed from a checkpoint before it) by its last row."""
     with open(metrics_path) as f:
         logged = {r["step"]: r for r in map(json.loads, f)}
-    first = {"step": 0, "reward/mean": float("nan"), "reward/accuracy": float("nan"), "eval/accuracy": acc_before}
+    first = {
+        "step": 0,
+        "reward/mean": float("nan"),
+        "reward/accuracy": float("nan"),
+        "eval/accuracy": acc_before,
+    }
     return [first] + [logged[s] for s in sorted(logged)]
 
 
 def plot(lines: list[tuple], path: str, ylabel: str = "", title: str = ""):
     """One figure of (steps, values, style, label) lines over steps, saved at path."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for steps, values, style, label in lines:
         ax.plot(steps, values, style, label=label)

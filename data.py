@@ -1,11 +1,12 @@
 """data.py: samples in, model-ready prompts out (the sample schema: FIELDS below).
 
-    load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line, sample and field)
-    render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
-    render_all(t, samples) a user template rendered once per sample at load, bounded in time, memory and output
-    prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt, which hands the very same
-                           pixels, decoded once, to vLLM and to the trainer
+load_samples(path)     JSON/JSONL -> list of validated sample dicts (errors name file:line, sample and field)
+render_prompt(sample)  sandboxed Jinja2 template per problem type -> user text
+render_all(t, samples) a user template rendered once per sample at load, bounded in time, memory and output
+prepare(sample, ...)   frames (via cache.py) + chat template + processor -> Prompt, which hands the very same
+                       pixels, decoded once, to vLLM and to the trainer
 """
+
 import json
 import os
 import re
@@ -22,23 +23,40 @@ import rewards
 from common import gather
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
-FIELDS = {"problem": str,         # the question; <video>/<image> markers in it place the media
-          "answer": str,          # ground truth (grounding answers are JSON strings, see rewards.py)
-          "problem_type": str,    # routes the prompt template and the reward (rewards.canonical_type)
-          "videos": list,         # video paths, relative to the JSONL's folder (optional)
-          "images": list,         # image paths (optional)
-          "data_type": str,       # "video" | "image" | "text" (optional; checked against the media given)
-          "options": list,        # "A. red", ... for multiple choice
-          "video_end": float,     # seconds: the videos are cut there (OVO-Bench: the question's moment; optional)
-          "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
-          "id": str}              # optional; defaults to "<file>:<line>"
+FIELDS = {
+    "problem": str,  # the question; <video>/<image> markers in it place the media
+    "answer": str,  # ground truth (grounding answers are JSON strings, see rewards.py)
+    "problem_type": str,  # routes the prompt template and the reward (rewards.canonical_type)
+    "videos": list,  # video paths, relative to the JSONL's folder (optional)
+    "images": list,  # image paths (optional)
+    "data_type": str,  # "video" | "image" | "text" (optional; checked against the media given)
+    "options": list,  # "A. red", ... for multiple choice
+    "video_end": float,  # seconds: the videos are cut there (OVO-Bench: the question's moment; optional)
+    "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
+    "id": str,
+}  # optional; defaults to "<file>:<line>"
 REQUIRED = ("problem", "answer", "problem_type")
 # Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
 # tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-MAX_PROMPT_CHARS = 1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+MAX_PROMPT_CHARS = (
+    1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
+)
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
@@ -50,28 +68,36 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
-    sid = str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()  # printable despite a lone surrogate
+    sid = (
+        str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()
+    )  # printable despite a lone surrogate
     who = f"{where}: sample {sid}"
     for k in REQUIRED:
         if k not in s:
             raise DataError(f"{who}: missing field '{k}'")
     for k, v in s.items():
         if k in FIELDS and not isinstance(v, FIELDS[k]):
-            raise DataError(f"{who}: field '{k}' must be {FIELDS[k].__name__}, got {type(v).__name__}")
+            raise DataError(
+                f"{who}: field '{k}' must be {FIELDS[k].__name__}, got {type(v).__name__}"
+            )
         if FIELDS.get(k) is list and not all(isinstance(x, str) and x for x in v):
             raise DataError(f"{who}: field '{k}' must be a list of non-empty strings")
     check_text(s, who, special_tokens)
     # image + video in one sample (Video-MMMU style): routed as video, declared as either
     kinds = [kind for kind in ("video", "image") if s.get(kind + "s")] or ["text"]
     if s.get("data_type", kinds[0]) not in kinds:
-        raise DataError(f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media")
+        raise DataError(
+            f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
+        )
     s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]))
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
             s[k] = [os.path.join(root, p) for p in s[k]]  # an absolute p stays p
     try:
-        rewards.validate_answer(s)  # ground truth is checked now, not discovered broken at reward time
+        rewards.validate_answer(
+            s
+        )  # ground truth is checked now, not discovered broken at reward time
     except ValueError as e:
         raise DataError(f"{who}: field 'answer': {e}") from e
     return s
@@ -82,12 +108,16 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
     refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
     texts = [(k, v) for k, v in sample.items() if isinstance(v, str)]
-    texts += [(k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)]
+    texts += [
+        (k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)
+    ]
     for k, text in texts:
         bad = refused.search(text)
         if bad:
-            raise DataError(f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
-                            "a special token of the model")
+            raise DataError(
+                f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
+                "a special token of the model"
+            )
 
 
 def parse_json(raw: bytes, where: str):
@@ -95,16 +125,25 @@ def parse_json(raw: bytes, where: str):
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
 
 
-def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = None,
-                 special_tokens=SPECIAL_TOKENS) -> list[dict]:
+def load_samples(
+    path: str,
+    skip_invalid: bool = False,
+    skipped: list | None = None,
+    special_tokens=SPECIAL_TOKENS,
+) -> list[dict]:
     """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
     appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped).
     special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it loaded)."""
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
+    with open(
+        path, "rb"
+    ) as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
         raw = f.read()
     if path.endswith(".json"):
         items = parse_json(raw, path)
@@ -112,7 +151,9 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
             raise DataError(f"{path}: expected a JSON array of samples, got {type(items).__name__}")
         rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(items)]  # item number, 1-based
     else:
-        rows = [(f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()]
+        rows = [
+            (f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()
+        ]
     out = []
     for where, row in rows:
         try:
@@ -129,24 +170,32 @@ def load_samples(path: str, skip_invalid: bool = False, skipped: list | None = N
 
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
 # The instruction follows the format the reward checks (train.Config.response_format): one setting, not two.
-INSTRUCTIONS = {"answer": "Put your final answer inside <answer> </answer> tags.",
-                "think_answer": "First think step by step inside <think> </think> tags, then put your final answer "
-                                "inside <answer> </answer> tags."}
+INSTRUCTIONS = {
+    "answer": "Put your final answer inside <answer> </answer> tags.",
+    "think_answer": "First think step by step inside <think> </think> tags, then put your final answer "
+    "inside <answer> </answer> tags.",
+}
 TEMPLATES = {
     "multiple choice": "{{ problem }}\nOptions:\n{{ options | join('\n') }}\nAnswer with the option's letter. "
-                       "{{ instruction }}",
-    **dict.fromkeys(("numerical", "counting", "regression"),
-                    "{{ problem }}\nAnswer with a single number. {{ instruction }}"),
+    "{{ instruction }}",
+    **dict.fromkeys(
+        ("numerical", "counting", "regression"),
+        "{{ problem }}\nAnswer with a single number. {{ instruction }}",
+    ),
     "boolean": "{{ problem }}\nAnswer yes or no. {{ instruction }}",
     "temporal grounding": '{{ problem }}\nAnswer with {"time": [start, end]} in seconds. {{ instruction }}',
     "spatial grounding": '{{ problem }}\nAnswer with the box, {"boxes": [x1, y1, x2, y2]}. {{ instruction }}',
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
-compiled = lru_cache(maxsize=16)(_jinja.from_string)  # render_all renders one template on every sample
+compiled = lru_cache(maxsize=16)(
+    _jinja.from_string
+)  # render_all renders one template on every sample
 
 
-def render_prompt(sample: dict, template: str | None = None, response_format: str = "answer") -> str:
+def render_prompt(
+    sample: dict, template: str | None = None, response_format: str = "answer"
+) -> str:
     """The user text for a sample. `template` (Jinja2 source) overrides the per-type default; `{{ instruction }}` in it
     is the sentence that asks for the response format. Output over MAX_PROMPT_CHARS is a DataError naming the sample,
     caught while it streams (never built whole). A sample render_all has rendered: its text, at no cost."""
@@ -159,22 +208,34 @@ def render_prompt(sample: dict, template: str | None = None, response_format: st
     for part in compiled(src).generate(context):
         size += len(part)
         if size > MAX_PROMPT_CHARS:
-            raise DataError(f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters")
+            raise DataError(
+                f"sample {sample.get('id')}: the prompt renders over {MAX_PROMPT_CHARS} characters"
+            )
         parts.append(part)
     return "".join(parts)
 
 
-def render_all(template: str, samples: list[dict], response_format: str = "answer", skipped: list | None = None,
-               seconds: float = 2.0, where: str = "") -> list[dict]:
+def render_all(
+    template: str,
+    samples: list[dict],
+    response_format: str = "answer",
+    skipped: list | None = None,
+    seconds: float = 2.0,
+    where: str = "",
+) -> list[dict]:
     """The samples, each with the template's text as "prompt_text" (render_prompt's from then on), rendered once in a
     forked child bounded in time (`seconds` a sample), memory (TEMPLATE_MEMORY) and output (MAX_PROMPT_CHARS). Loops of
     loops, 9**(9**9) or 'x' * 10**10 on sample k: the child is killed (whatever C code it is stuck in), and a DataError
     names the template (`where`) and sample k, or with `skipped` a skip report."""
     import multiprocessing
 
-    def render_in_child(todo: list):  # sends (text, None) or (None, error) a sample, in a capped address space
+    def render_in_child(
+        todo: list,
+    ):  # sends (text, None) or (None, error) a sample, in a capped address space
         inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY))
+        resource.setrlimit(
+            resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY)
+        )
         for sample in todo:
             try:
                 send.send((render_prompt(sample, template, response_format), None))
@@ -184,14 +245,22 @@ def render_all(template: str, samples: list[dict], response_format: str = "answe
     out, child, children = [], None, []
     try:
         for k, sample in enumerate(samples):
-            if child is None:  # the first sample, or the first after a failed one (its child is killed)
+            if (
+                child is None
+            ):  # the first sample, or the first after a failed one (its child is killed)
                 recv, send = multiprocessing.Pipe(duplex=False)
-                child = multiprocessing.get_context("fork").Process(target=render_in_child, args=(samples[k:],))
+                child = multiprocessing.get_context("fork").Process(
+                    target=render_in_child, args=(samples[k:],)
+                )
                 child.start()
                 children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
             try:
-                text, error = recv.recv() if recv.poll(seconds) else (None, f"rendering took over {seconds} s")
+                text, error = (
+                    recv.recv()
+                    if recv.poll(seconds)
+                    else (None, f"rendering took over {seconds} s")
+                )
             except EOFError:
                 text, error = None, "the rendering process died"
             if error is None:
@@ -220,7 +289,9 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
         if part in ("<video>", "<image>") and unclaimed[kind]:
             unclaimed[kind] -= 1
             content.append({"type": kind})
-        elif part not in ("<video>", "<image>") and (part.strip() or part == text):  # a text without markers: whole
+        elif part not in ("<video>", "<image>") and (
+            part.strip() or part == text
+        ):  # a text without markers: whole
             content.append({"type": "text", "text": part})
     media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
     return [{"role": "user", "content": media + content}]
@@ -229,42 +300,74 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
 @dataclass
 class Prompt:
     """One sample made model-ready. Shared by the n rollouts of its group."""
-    sample: dict                      # the validated sample (id, answer, problem_type, options, ...)
-    text: str                         # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
-    prompt_ids: list[int]             # processor-expanded token ids (what the trainer feeds)
-    mm: dict = field(default_factory=dict)       # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
-    videos: list = field(default_factory=list)   # [(frames uint8 THWC, metadata dict)] for vLLM
-    images: list = field(default_factory=list)   # [uint8 HWC] for vLLM
+
+    sample: dict  # the validated sample (id, answer, problem_type, options, ...)
+    text: str  # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
+    prompt_ids: list[int]  # processor-expanded token ids (what the trainer feeds)
+    mm: dict = field(
+        default_factory=dict
+    )  # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
+    videos: list = field(default_factory=list)  # [(frames uint8 THWC, metadata dict)] for vLLM
+    images: list = field(default_factory=list)  # [uint8 HWC] for vLLM
 
 
-def prepare(sample: dict, processor, cfg, stats: dict | None = None, template: str | None = None,
-            response_format: str = "answer") -> Prompt:
+def prepare(
+    sample: dict,
+    processor,
+    cfg,
+    stats: dict | None = None,
+    template: str | None = None,
+    response_format: str = "answer",
+) -> Prompt:
     """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
     A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
     factor, sid = cache.vision_factor(processor), sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [cache.load_video(p, cfg, factor, cfg.cache_dir, cfg.video_source, stats, sample.get("video_end"))
-              for p in sample.get("videos", [])]
-    images = [cache.load_image(p, min_pixels=cfg.image_min_pixels, max_pixels=cfg.image_max_pixels, factor=factor,
-                               max_decode_pixels=cfg.max_decode_pixels) for p in sample.get("images", [])]
-    text = processor.apply_chat_template(chat_messages(sample, render_prompt(sample, template, response_format)),
-                                         tokenize=False, add_generation_prompt=True)
-    ids, mm = run_processor(processor, text, videos=[torch.from_numpy(f).movedim(-1, -3) for f, _ in videos] or None,
-                            video_metadata=[hf_metadata(m) for _, m in videos] or None,
-                            images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None)
+    videos = [
+        cache.load_video(
+            p, cfg, factor, cfg.cache_dir, cfg.video_source, stats, sample.get("video_end")
+        )
+        for p in sample.get("videos", [])
+    ]
+    images = [
+        cache.load_image(
+            p,
+            min_pixels=cfg.image_min_pixels,
+            max_pixels=cfg.image_max_pixels,
+            factor=factor,
+            max_decode_pixels=cfg.max_decode_pixels,
+        )
+        for p in sample.get("images", [])
+    ]
+    text = processor.apply_chat_template(
+        chat_messages(sample, render_prompt(sample, template, response_format)),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids, mm = run_processor(
+        processor,
+        text,
+        videos=[torch.from_numpy(f).movedim(-1, -3) for f, _ in videos] or None,
+        video_metadata=[hf_metadata(m) for _, m in videos] or None,
+        images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None,
+    )
     check_placeholders(ids, mm, processor, sid)
     if len(ids) > cfg.max_prompt_len:
-        raise DataError(f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
-                        "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)")
+        raise DataError(
+            f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
+            "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)"
+        )
     return Prompt(sample, text, ids, mm, videos, images)
 
 
 def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
     """One prompt's token ids (vision placeholders expanded) and media tensors. The frames are already sampled and
     smart-resized (cache.py): the processor must not redo either."""
-    out = processor(text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media)
+    out = processor(
+        text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media
+    )
     ids = out.pop("input_ids")[0].tolist()
     return ids, {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
 
@@ -274,9 +377,13 @@ def dummy_prompts(processor) -> dict:
     of one temporal patch). FSDP2 all-gathers the tower each time it runs (once per modality): sp.encode_vision runs
     the dummy of each modality a rank has no patch of, weight 0, so that every rank issues the same collectives."""
     f = cache.vision_factor(processor)
-    meta = dict(fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord")
-    media = {"image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
-             "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta])}
+    meta = dict(
+        fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord"
+    )
+    media = {
+        "image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
+        "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta]),
+    }
     out = {}
     for kind, kw in media.items():
         text = f"<|vision_start|><|{kind}_pad|><|vision_end|>"
@@ -294,43 +401,67 @@ def grids(prompts: list, device) -> dict:
 def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     """Vision pad tokens in the prompt must equal the merged visual features, or the model's
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""
-    merge2 = processor.image_processor.merge_size ** 2
+    merge2 = processor.image_processor.merge_size**2
     tok = processor.tokenizer
-    for kind, pad, grid in (("image", "<|image_pad|>", "image_grid_thw"), ("video", "<|video_pad|>", "video_grid_thw")):
+    for kind, pad, grid in (
+        ("image", "<|image_pad|>", "image_grid_thw"),
+        ("video", "<|video_pad|>", "video_grid_thw"),
+    ):
         n_tok = ids.count(tok.convert_tokens_to_ids(pad))
         n_feat = int(mm[grid].prod(-1).sum()) // merge2 if grid in mm else 0
         if n_tok != n_feat:
-            raise DataError(f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})")
+            raise DataError(
+                f"sample {sid}: {kind} placeholder tokens ({n_tok}) != {kind} features ({n_feat})"
+            )
 
 
 def hf_metadata(meta: dict) -> dict:
     """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
-    keys = ("fps", "duration", "total_num_frames", "frames_indices", "video_backend", "width", "height")
+    keys = (
+        "fps",
+        "duration",
+        "total_num_frames",
+        "frames_indices",
+        "video_backend",
+        "width",
+        "height",
+    )
     return {k: meta[k] for k in keys if k in meta}
 
 
 def vllm_input(p: Prompt) -> dict:
     """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again."""
-    media = {"video": [(frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos],
-             "image": [Image.fromarray(im) for im in p.images]}
+    media = {
+        "video": [
+            (frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos
+        ],
+        "image": [Image.fromarray(im) for im in p.images],
+    }
     # vLLM takes one item bare, several as a list
     mm = {kind: items if len(items) > 1 else items[0] for kind, items in media.items() if items}
-    return {"prompt": p.text, "multi_modal_data": mm,
-            "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False}}
+    return {
+        "prompt": p.text,
+        "multi_modal_data": mm,
+        "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False},
+    }
 
 
 # The training stream, and bad samples met during training: reported and replaced, every rank in lockstep
 
+
 @dataclass
 class Stream:
     """Sample indices forever, a fresh permutation per epoch, the same on every rank; checkpoints hold the position."""
+
     n: int
     seed: int
     epoch: int = 0
     cursor: int = 0
 
     def take(self) -> int:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)  # each epoch's order from the seed
+        g = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.epoch
+        )  # each epoch's order from the seed
         index = torch.randperm(self.n, generator=g)[self.cursor].item()
         self.cursor += 1
         if self.cursor == self.n:
@@ -347,7 +478,11 @@ def try_prep(prep, s: dict, cfg):
         error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
         if not cfg.skip_invalid:
             raise error from e
-        return None, {"where": s["id"], "media": s.get("videos", []) + s.get("images", []), "error": str(error)}
+        return None, {
+            "where": s["id"],
+            "media": s.get("videos", []) + s.get("images", []),
+            "error": str(error),
+        }
 
 
 def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
@@ -363,7 +498,7 @@ def prep_share(prep, samples: list, cfg, layout) -> tuple[list, list]:
     """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
     group alone, and every rank's skip reports."""
     prompts, skips = prep_all(prep, layout.share(samples, layout.tp)[0], cfg)
-    reports = [report for part in gather(skips)[::layout.tp] for report in part]
+    reports = [report for part in gather(skips)[:: layout.tp] for report in part]
     # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF
     # engine's generate is collective. It pads with the first valid sample, marked PAD: never scored
     invalid = {report["where"] for report in reports}
@@ -386,8 +521,10 @@ def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, 
         for i in todo:  # todo is in stream order
             run = run + 1 if i in bad else 0
             if run > cfg.max_consecutive_invalid:
-                raise DataError(f"{run} invalid samples in a row (max_consecutive_invalid={cfg.max_consecutive_invalid}"
-                                f"): does the data set hold a valid sample? The last: {bad[i]['error']}")
+                raise DataError(
+                    f"{run} invalid samples in a row (max_consecutive_invalid={cfg.max_consecutive_invalid}"
+                    f"): does the data set hold a valid sample? The last: {bad[i]['error']}"
+                )
         todo = sorted(bad)
         for i in todo:
             skips.append(bad[i])

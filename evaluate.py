@@ -6,6 +6,7 @@
 Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure accounting: README.md
 "Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
 """
+
 import asyncio
 import collections
 import copy
@@ -96,18 +97,68 @@ class Config(cache.Media):
 
 
 # settings that change a benchmark's answers: a resume log written under others is refused
-ANSWER_SETTINGS = ("engine", "max_tokens", "temperature", "seed", "answer_extraction", "random_fallback",
-                   "max_model_len", "max_prompt_len", "dtype", "judge_model", "video_fps", "video_min_frames",
-                   "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels", "image_min_pixels",
-                   "image_max_pixels")
+ANSWER_SETTINGS = (
+    "engine",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "answer_extraction",
+    "random_fallback",
+    "max_model_len",
+    "max_prompt_len",
+    "dtype",
+    "judge_model",
+    "video_fps",
+    "video_min_frames",
+    "video_max_frames",
+    "video_min_pixels",
+    "video_max_pixels",
+    "video_total_pixels",
+    "image_min_pixels",
+    "image_max_pixels",
+)
 
 
-FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # annotation files, in the order they are looked for
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml")
+FORMATS = (
+    ".jsonl",
+    ".json",
+    ".parquet",
+    ".csv",
+    ".txt",
+)  # annotation files, in the order they are looked for
+BENCHMARKS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml"
+)
 # a benchmark's fields in BENCHMARKS (documented there)
-FIELDS = ("prompt", "q", "opts", "ans", "id", "video", "nested", "type", "extract", "derive", "read", "index", "guess",
-          "keys", "macro", "group", "tiou", "judge", "after", "own", "nest", "line", "prefixes", "drop",
-          "judge_all", "authority", "end")
+FIELDS = (
+    "prompt",
+    "q",
+    "opts",
+    "ans",
+    "id",
+    "video",
+    "nested",
+    "type",
+    "extract",
+    "derive",
+    "read",
+    "index",
+    "guess",
+    "keys",
+    "macro",
+    "group",
+    "tiou",
+    "judge",
+    "after",
+    "own",
+    "nest",
+    "line",
+    "prefixes",
+    "drop",
+    "judge_all",
+    "authority",
+    "end",
+)
 
 
 @cached
@@ -123,13 +174,18 @@ def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
             problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
         elif isinstance(ad.get("read"), str) and ad["read"] not in READERS:
             problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, pick] rules"
-        elif any(isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
-                 for rule in (ad.get("type"), *ad.get("derive", {}).values())):
+        elif any(
+            isinstance(rule, dict)
+            and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
+            for rule in (ad.get("type"), *ad.get("derive", {}).values())
+        ):
             problem = "a type or derive rule takes field, map and (optionally) default"
         if problem:
             raise ValueError(f"{path}: benchmark {name!r}: {problem}")
-    return {name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
-            for name, ad in table.items()}
+    return {
+        name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
+        for name, ad in table.items()
+    }
 
 
 def adapter(bench: str) -> dict:
@@ -153,7 +209,9 @@ def lookup(r: dict, rule: dict):
 
 # an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
 # "Option 1: x" (1-based)
-_OPTION = re.compile(r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S)
+_OPTION = re.compile(
+    r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S
+)
 
 
 def option_letter(m: re.Match) -> str:
@@ -165,16 +223,23 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
     """(where in f, record) for each record of one annotation file; a record that does not parse is a DataError."""
     if f.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         return [(str(i + 1), r) for i, r in enumerate(pq.read_table(f).to_pylist())]
     with open(f, encoding="utf-8", newline="") as fh:
         if f.endswith(".csv"):  # NExT-QA: the header names the fields; where = the line
             rows = csv.DictReader(fh)
             return [(str(rows.line_num), r) for r in rows]
-        if not f.endswith(".json"):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
+        if not f.endswith(
+            ".json"
+        ):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
             if f.endswith(".txt") and not ad.get("line"):
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
             pattern = ad.get("line") if f.endswith(".txt") else None
-            return [(str(i + 1), line_record(line, pattern)) for i, line in enumerate(fh) if line.strip()]
+            return [
+                (str(i + 1), line_record(line, pattern))
+                for i, line in enumerate(fh)
+                if line.strip()
+            ]
         return walk(json.load(fh), ad.get("nest", ()), "")
 
 
@@ -197,20 +262,33 @@ def walk(node, names, where: str) -> list[tuple[str, object]]:
     if not isinstance(node, dict) or not names:
         if where and isinstance(node, dict):
             return [(where.rstrip("/"), node)]
-        hint = " (a nested release: the benchmark's `nest` names its keys)" if isinstance(node, dict) else ""
+        hint = (
+            " (a nested release: the benchmark's `nest` names its keys)"
+            if isinstance(node, dict)
+            else ""
+        )
         raise DataError(f"expected a JSON array of records, got {type(node).__name__}{hint}")
-    return [(w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
-            for k, v in node.items() for w, r in walk(v, names[1:], f"{where}{k}/")]
+    return [
+        (w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
+        for k, v in node.items()
+        for w, r in walk(v, names[1:], f"{where}{k}/")
+    ]
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
     """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
     opts = ad["opts"]
-    if isinstance(opts, list):  # one option a field (a field holding a list: all of them), absent fields skipped
+    if isinstance(
+        opts, list
+    ):  # one option a field (a field holding a list: all of them), absent fields skipped
         if not any(k in r for k in opts):
             raise KeyError(opts[0])
-        raw = [x for k in opts for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
-               if x not in (None, "", "N/A")]
+        raw = [
+            x
+            for k in opts
+            for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
+            if x not in (None, "", "N/A")
+        ]
     elif opts:
         raw = r[opts] or []
     else:
@@ -229,7 +307,9 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
     """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
-    if ad.get("index") and options:  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
+    if (
+        ad.get("index") and options
+    ):  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
             raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
         return chr(65 + int(ans))
@@ -251,14 +331,18 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
         r = dict(r)
         for field, pattern in ad.get("extract", {}).items():
-            if field not in r:  # one layout of several: a field the layout needs is reported missing below
+            if (
+                field not in r
+            ):  # one layout of several: a field the layout needs is reported missing below
                 continue
             if not (m := re.search(pattern, str(r[field]))):
                 raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
             r = {**m.groupdict(), **r}  # a field the record has keeps its value
         for field, rule in ad.get("derive", {}).items():
             if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
-                r[field] = rule.format(**r)  # set when the record has its fields (one layout of several)
+                r[field] = rule.format(
+                    **r
+                )  # set when the record has its fields (one layout of several)
             elif isinstance(rule, dict) and rule["field"] in r:
                 r[field] = lookup(r, rule)
         question, ans = first(r, ad["q"]), first(r, ad["ans"])
@@ -273,12 +357,24 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
             sid = str(r[ad["id"]])
-        s = {"id": sid, "problem": question, "answer": answer_letter(ans, options, ad), "problem_type": pt,
-             "options": options, "videos": [os.path.join(video_root, ad["video"].format(**r))],
-             **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}}
-        if ad.get("end"):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
+        s = {
+            "id": sid,
+            "problem": question,
+            "answer": answer_letter(ans, options, ad),
+            "problem_type": pt,
+            "options": options,
+            "videos": [os.path.join(video_root, ad["video"].format(**r))],
+            **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r},
+        }
+        if ad.get(
+            "end"
+        ):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
             end = r[ad["end"]]
-            if not isinstance(end, (int, float)) or isinstance(end, bool) or not 0 <= end < math.inf:
+            if (
+                not isinstance(end, (int, float))
+                or isinstance(end, bool)
+                or not 0 <= end < math.inf
+            ):
                 raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
             s["video_end"] = float(math.ceil(end))
     except DataError as e:
@@ -296,8 +392,10 @@ def find_annotations(name: str, cfg: Config) -> list[str]:
     path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
     files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
     if not (files := [f for f in files if f.endswith(FORMATS)]):
-        raise FileNotFoundError(f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
-                                f"folder {path} (docs/benchmarks.md: what to download, the layout)")
+        raise FileNotFoundError(
+            f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
+            f"folder {path} (docs/benchmarks.md: what to download, the layout)"
+        )
     return files
 
 
@@ -306,17 +404,28 @@ def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
     questions (LVBench's qa) are one record each, the video's fields with each question's."""
     try:
         rows = parse_file(f, ad)
-    except (OSError, ValueError) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+    except (
+        OSError,
+        ValueError,
+    ) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
         return [(f, DataError(f"{type(e).__name__}: {e}"))]
-    nested, out = ad.get("nested", "").rstrip("?"), []  # "field?": records without it are questions themselves
+    nested, out = (
+        ad.get("nested", "").rstrip("?"),
+        [],
+    )  # "field?": records without it are questions themselves
     for at, r in rows:
         r = dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r
         if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
             out.append((f"{f}:{at}", r))
         elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
-            out += [(f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j}) for j, qa in enumerate(r[nested])]
+            out += [
+                (f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j})
+                for j, qa in enumerate(r[nested])
+            ]
         else:
-            out.append((f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects")))
+            out.append(
+                (f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects"))
+            )
     return out
 
 
@@ -325,10 +434,17 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
     ad, out, errors = adapter(name), [], [] if bad is None else bad
     if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")]
+        paths = [
+            os.path.join(cfg.data_dir, p)
+            for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")
+        ]
         if not (path := next((p for p in paths if os.path.exists(p)), None)):
             raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-        files, rows, out = [path], [], [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
+        files, rows, out = (
+            [path],
+            [],
+            [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))],
+        )
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
@@ -343,18 +459,33 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         else:
             out.append(dict(s, where=where))
     if not out:
-        first = [e["error"] for e in errors] + [f"{x['where']}: no ground truth" for x in skipped] + ["no records"]
-        raise DataError(f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
-                        f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
-                        "the preparation step)")
+        first = (
+            [e["error"] for e in errors]
+            + [f"{x['where']}: no ground truth" for x in skipped]
+            + ["no records"]
+        )
+        raise DataError(
+            f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
+            f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
+            "the preparation step)"
+        )
     repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
-    for s in out:  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
+    for s in (
+        out
+    ):  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
         if s["id"] in repeated:
             s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
-            print(f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}", file=sys.stderr, flush=True)
+            print(
+                f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}",
+                file=sys.stderr,
+                flush=True,
+            )
     if errors and bad is None:
-        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")  # the error names where
-    return out[:cfg.max_samples or None]
+        raise DataError(
+            f"{name}: {len(errors)} bad records, first: {errors[0]['error']}"
+        )  # the error names where
+    return out[: cfg.max_samples or None]
+
 
 # ---------------------------------------------------------------------------------------------------
 # official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
@@ -407,8 +538,11 @@ def read_ovo(text: str, s: dict):
 
 
 # MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs (linear time)
-_MMMU_NUMBERS = (r"-?\b\d{1,3}(?:,\d{3}){1,12}\b", r"-?\d{1,40}(?:\.\d{1,40})?[eE][+-]?\d{1,4}",
-                 r"-?(?:\d{1,40}\.\d{1,40}|\.\d{1,40}|\d{1,40})(?![eE][+-]?\d)(?![,\d])")
+_MMMU_NUMBERS = (
+    r"-?\b\d{1,3}(?:,\d{3}){1,12}\b",
+    r"-?\d{1,40}(?:\.\d{1,40})?[eE][+-]?\d{1,4}",
+    r"-?(?:\d{1,40}\.\d{1,40}|\.\d{1,40}|\d{1,40})(?![eE][+-]?\d)(?![,\d])",
+)
 
 
 def mmmu_norm(x: str) -> list:
@@ -422,10 +556,34 @@ def mmmu_norm(x: str) -> list:
 
 
 # Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds the answer
-MMMU_KEYS = ("could be ", "so ", "is ", "thus ", "therefore ", "final ", "answer ", "result ", "are ", "in total ",
-             "total ", "identify ", "recognize ", "calculated as ", "counted as ", "measured as ", "observed as ",
-             "concluded as ", "found to be ", "equals ", "determined to be ", "number of ", "value is ", "adds up to ",
-             "have ", "has ")
+MMMU_KEYS = (
+    "could be ",
+    "so ",
+    "is ",
+    "thus ",
+    "therefore ",
+    "final ",
+    "answer ",
+    "result ",
+    "are ",
+    "in total ",
+    "total ",
+    "identify ",
+    "recognize ",
+    "calculated as ",
+    "counted as ",
+    "measured as ",
+    "observed as ",
+    "concluded as ",
+    "found to be ",
+    "equals ",
+    "determined to be ",
+    "number of ",
+    "value is ",
+    "adds up to ",
+    "have ",
+    "has ",
+)
 
 
 def mmmu_open(text: str, gt: str):
@@ -443,7 +601,9 @@ def mmmu_open(text: str, gt: str):
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
     golds = mmmu_norm(gt)
-    ok = any(g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str))  # a gold text in it
+    ok = any(
+        g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str)
+    )  # a gold text in it
     ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
     return (text or None), float(ok)
 
@@ -457,13 +617,19 @@ def read_choice(text: str, s: dict, stages: tuple, pick=max):
         text = text.strip(c)
     padded = f" {text} "
     for forms, position in stages:
-        found = [(padded.rfind((position or f).format(lt)), lt) for f in forms for lt, _ in table
-                 if f.format(lt) in padded]
+        found = [
+            (padded.rfind((position or f).format(lt)), lt)
+            for f in forms
+            for lt, _ in table
+            if f.format(lt) in padded
+        ]
         if found:
             break
     if not found and len(padded.split()) > 5:  # the option's text, case-insensitive
         low = padded.lower()
-        found = [(low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low]
+        found = [
+            (low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low
+        ]
     got = pick(found, key=operator.itemgetter(0))[1] if found else None
     return got, float(got == gt_letter(s))
 
@@ -474,12 +640,16 @@ def read_videommmu(text: str, s: dict):
     two stages: a "B:"-only candidate is never found there.)"""
     if s["problem_type"] != "multiple choice":
         return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
-    return read_choice(text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} ")))
+    return read_choice(
+        text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} "))
+    )
 
 
 def read_tempcompass(text: str, s: dict):
     """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning: read_reward."""
-    if s["problem_type"] == "open-ended":  # captioning: the judge (or, without one, the rule-based fallback)
+    if (
+        s["problem_type"] == "open-ended"
+    ):  # captioning: the judge (or, without one, the rule-based fallback)
         return read_reward(text, s)
     if s["problem_type"] == "boolean":
         got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
@@ -493,28 +663,40 @@ def read_tempcompass(text: str, s: dict):
         got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
     for label in [o.split(": ")[0] for o in lines]:
         got = label if label in (text, text.replace(".", "")) else got
-    return got, float(got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1]))
+    return got, float(
+        got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1])
+    )
 
 
 def read_holmes(text: str, s: dict):
     """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else present at all."""
     choice, letters = rewards.last_answer(text, text), "ABCDEF"
-    got = next((c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None)
+    got = next(
+        (c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None
+    )
     got = got or next((c for c in letters if c in choice), None)
     return got, float(got == gt_letter(s))
 
 
 # the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
 # they read every problem type of their benchmark
-READERS = {"vsi": read_vsi, "mvbench": read_mvbench, "ovo": read_ovo, "videommmu": read_videommmu,
-           "tempcompass": read_tempcompass, "holmes": read_holmes,
-           # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
-           # written of them; else an option's text; else (with --random-fallback) a random option
-           "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min)}
+READERS = {
+    "vsi": read_vsi,
+    "mvbench": read_mvbench,
+    "ovo": read_ovo,
+    "videommmu": read_videommmu,
+    "tempcompass": read_tempcompass,
+    "holmes": read_holmes,
+    # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
+    # written of them; else an option's text; else (with --random-fallback) a random option
+    "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min),
+}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
-_SPAN = re.compile(r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
-                   r"(\d{1,9}(?:\.\d{1,6})?)")
+_SPAN = re.compile(
+    r"(?<![\d.])(\d{1,9}(?:\.\d{1,6})?)\s{0,9}(?:s|sec|seconds)?\s{0,9}(?:-|–|to)\s{0,9}"
+    r"(\d{1,9}(?:\.\d{1,6})?)"
+)
 
 
 def clock_seconds(m: re.Match) -> str:
@@ -531,7 +713,9 @@ def read_span(text: str, s: dict):
     return read_reward(text, s)
 
 
-def read_reward(text: str, s: dict):  # our schema, and types without an official reader: the training reward's rule
+def read_reward(
+    text: str, s: dict
+):  # our schema, and types without an official reader: the training reward's rule
     v = rewards.accuracy(text, s)
     return (text if v is not None else None), v
 
@@ -540,14 +724,17 @@ def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
     """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
     text = rewards.answer_text(response) if extraction == "tags" else response
     if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
-        text = text[k + len(ad["after"]):].lstrip(" :*")
-    for p in ad.get("prefixes", ()):  # the benchmark's own answer prefixes, dropped wherever they stand
+        text = text[k + len(ad["after"]) :].lstrip(" :*")
+    for p in ad.get(
+        "prefixes", ()
+    ):  # the benchmark's own answer prefixes, dropped wherever they stand
         text = text.replace(p, "")
     return text
 
 
-def score(response: str, s: dict, ad: dict, guess_seed: int | None = None,
-          extraction: str = "tags") -> tuple[str | None, float | None]:
+def score(
+    response: str, s: dict, ad: dict, guess_seed: int | None = None, extraction: str = "tags"
+) -> tuple[str | None, float | None]:
     """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
     text = answer_of(response, ad, extraction)
     t, read = rewards.canonical_type(s["problem_type"]), ad["read"]
@@ -568,19 +755,41 @@ def score(response: str, s: dict, ad: dict, guess_seed: int | None = None,
     return parsed, (v if parsed is not None else None)
 
 
-def record(s: dict, bench: str, prompt: str, response: str, error: str = "", guess_seed: int | None = None,
-           extraction: str = "tags") -> dict:
+def record(
+    s: dict,
+    bench: str,
+    prompt: str,
+    response: str,
+    error: str = "",
+    guess_seed: int | None = None,
+    extraction: str = "tags",
+) -> dict:
     """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
     dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
     ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
     parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
     # what the official rule drops, judged on the raw response: one our pre-step empties (an unfinished <think>) counts
-    raw = (parsed, v) if extraction == "official" or error else score(response, s, ad, None, "official")
-    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(ad.get("drop"))
-    row = {"doc_id": s["id"], "input": prompt, "target": rewards.ground_truth(s), "resps": [response],
-           "filtered_resps": [parsed], "score": float(v or 0.0), "parse_fail": v is None and not error,
-           "dropped": bool(drop) and not error,
-           "error": error, "problem_type": pt, **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s}}
+    raw = (
+        (parsed, v)
+        if extraction == "official" or error
+        else score(response, s, ad, None, "official")
+    )
+    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(
+        ad.get("drop")
+    )
+    row = {
+        "doc_id": s["id"],
+        "input": prompt,
+        "target": rewards.ground_truth(s),
+        "resps": [response],
+        "filtered_resps": [parsed],
+        "score": float(v or 0.0),
+        "parse_fail": v is None and not error,
+        "dropped": bool(drop) and not error,
+        "error": error,
+        "problem_type": pt,
+        **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s},
+    }
     if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
         row["judge"] = "none"  # judge_rows rescores it
     return row
@@ -603,8 +812,12 @@ def macro(rows: list[dict], keys: tuple) -> float:
 
 # Video-MME-v2: a group's kind -> (denominator, the scores of 1-3 right, (run, index): a run of that length also
 # takes the answer at index, a branch of the logic structure); 4 right score 100
-V2_STEPS = {"relevance": (16, (1, 4, 9), None), "[1,2,3,4]": (16, (1, 4, 9), None),
-            "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)), "[[1,2],3,4]": (10, (1, 2, 5), (0, 1))}
+V2_STEPS = {
+    "relevance": (16, (1, 4, 9), None),
+    "[1,2,3,4]": (16, (1, 4, 9), None),
+    "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)),
+    "[[1,2],3,4]": (10, (1, 2, 5), (0, 1)),
+}
 
 
 def group_scores(rows: list[dict], key: str) -> dict:
@@ -614,12 +827,26 @@ def group_scores(rows: list[dict], key: str) -> dict:
     for r in rows:
         groups.setdefault(r[key], []).append(r)
     for g in groups.values():
-        v, logic = [-1 if r["parse_fail"] else r["score"] for r in g], g[-1].get("group_type") == "logic"
-        den, steps, branch = V2_STEPS[re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"]
+        v, logic = (
+            [-1 if r["parse_fail"] else r["score"] for r in g],
+            g[-1].get("group_type") == "logic",
+        )
+        den, steps, branch = V2_STEPS[
+            re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"
+        ]
         run = next((i for i, x in enumerate(v) if not x), len(v)) if logic else int(sum(v))
         run += bool(branch and run == branch[0] and v[branch[1]])
-        exp = {1: 100 * steps[0] / den, 2: 100 * steps[1] / den, 3: 100 * steps[2] / den, 4: 100.0}.get(run, 0.0)
-        for k in ("group_score", f"group_score/{g[-1].get('group_type')}", f"group_score/level_{g[-1].get('level')}"):
+        exp = {
+            1: 100 * steps[0] / den,
+            2: 100 * steps[1] / den,
+            3: 100 * steps[2] / den,
+            4: 100.0,
+        }.get(run, 0.0)
+        for k in (
+            "group_score",
+            f"group_score/{g[-1].get('group_type')}",
+            f"group_score/level_{g[-1].get('level')}",
+        ):
             out.setdefault(k, []).append(exp)
     return {k: sum(x) / len(x) for k, x in out.items()}
 
@@ -630,8 +857,13 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
     macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
     sc = [r["score"] for r in rows]
-    m = {"n": len(done), "accuracy": mean(sc), "parse_fail": sum(r["parse_fail"] for r in done),
-         "failed": n_all - len(done), "dropped": len(done) - len(rows)}  # n evaluated, n - dropped in the accuracy
+    m = {
+        "n": len(done),
+        "accuracy": mean(sc),
+        "parse_fail": sum(r["parse_fail"] for r in done),
+        "failed": n_all - len(done),
+        "dropped": len(done) - len(rows),
+    }  # n evaluated, n - dropped in the accuracy
     if macro_keys and rows:
         m["overall"] = macro(rows, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
@@ -639,8 +871,15 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     if ad.get("group") and done and all(ad["group"] in r for r in done):
         m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
-        sub = tuple(x for x in macro_keys if x != k)  # each value's own macro over the other macro keys
-        values = {v for r in rows for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)]) if v is not None}
+        sub = tuple(
+            x for x in macro_keys if x != k
+        )  # each value's own macro over the other macro keys
+        values = {
+            v
+            for r in rows
+            for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
+            if v is not None
+        }
         for v in sorted(values, key=str):
             part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
             m[f"{k}/{v}"] = macro(part, sub)
@@ -661,10 +900,13 @@ def make_loader(processor, cfg, bench: str):
     local, all_stats = threading.local(), []
 
     def load(s):
-        if not hasattr(local, "proc"):  # a fast tokenizer shared across threads can fail with "Already borrowed"
+        if not hasattr(
+            local, "proc"
+        ):  # a fast tokenizer shared across threads can fail with "Already borrowed"
             local.proc, local.stats = copy.deepcopy(processor), {}
             all_stats.append(local.stats)
         return data.prepare(s, local.proc, cfg, local.stats, template=adapter(bench).get("prompt"))
+
     return load, all_stats
 
 
@@ -673,10 +915,16 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
     from vllm import SamplingParams
 
     from rollout import vision_token_ids
+
     banned = set(vision_token_ids(tokenizer))  # as rollout.VLLMEngine: identical greedy results
     allowed = [i for i in range(engine.model_config.get_vocab_size()) if i not in banned]
-    sp = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                        skip_special_tokens=True, allowed_token_ids=allowed)
+    sp = SamplingParams(
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+        skip_special_tokens=True,
+        allowed_token_ids=allowed,
+    )
     loop, spans = asyncio.get_running_loop(), []
     sem = asyncio.Semaphore(cfg.max_in_flight)
     pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
@@ -687,7 +935,9 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                 p = await loop.run_in_executor(pool, load, s)
                 t0 = time.perf_counter()
                 try:
-                    async for out in engine.generate(data.vllm_input(p), sp, request_id=f"{bench}:{s['id']}"):
+                    async for out in engine.generate(
+                        data.vllm_input(p), sp, request_id=f"{bench}:{s['id']}"
+                    ):
                         pass
                 finally:
                     spans.append((t0, time.perf_counter()))  # the request's time in the engine
@@ -708,7 +958,7 @@ def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
     """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or HFEngine)."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
-        for s in samples[i:i + cfg.batch_size]:
+        for s in samples[i : i + cfg.batch_size]:
             try:
                 ok.append(load(s))
             except Exception as e:  # noqa: BLE001 - reported and counted, the run goes on
@@ -724,11 +974,28 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if todo and cfg.judge_model:
         from vllm import LLM, SamplingParams
-        llm = LLM(model=cfg.judge_model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
-                  trust_remote_code=cfg.trust_remote_code)
-        msgs = [[{"role": "user", "content": prompt.format(answer=r["target"], pred=r["filtered_resps"][0] or
-                                                           r["resps"][0])}] for r in todo]
-        for r, o in zip(todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)):
+
+        llm = LLM(
+            model=cfg.judge_model,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        msgs = [
+            [
+                {
+                    "role": "user",
+                    "content": prompt.format(
+                        answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
+                    ),
+                }
+            ]
+            for r in todo
+        ]
+        for r, o in zip(
+            todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
+        ):
             v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
             r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
     if not any("judge" in r for r in rows):
@@ -741,12 +1008,22 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
     scored here; rows in out_dir/eval/step_N.jsonl."""
     # every rank generates as many prompts as the largest share: the HF engine's generate is collective
     longest = max(gather(len(prompts)))
-    outs = engine.generate(prompts + prompts[:1] * (longest - len(prompts)), n=1, temperature=0.0,
-                           max_tokens=cfg.max_response_len, seed=cfg.seed)[:len(prompts)]
+    outs = engine.generate(
+        prompts + prompts[:1] * (longest - len(prompts)),
+        n=1,
+        temperature=0.0,
+        max_tokens=cfg.max_response_len,
+        seed=cfg.seed,
+    )[: len(prompts)]
     mine = []
-    if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records them
-        mine = [record(r.prompt.sample, "nvr1", r.prompt.text, r.text) for r in outs
-                if r.prompt.sample.get("pad") is not data.PAD]
+    if (
+        layout.rank % layout.tp == 0
+    ):  # a TP group's ranks generate the same rows: its first records them
+        mine = [
+            record(r.prompt.sample, "nvr1", r.prompt.text, r.text)
+            for r in outs
+            if r.prompt.sample.get("pad") is not data.PAD
+        ]
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0:
         write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
@@ -755,27 +1032,55 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import CPU_KV_CACHE_BYTES, HFEngine, VLLMEngine, device_normalize_ok, eos_token_ids, start_errors
+    from rollout import (
+        CPU_KV_CACHE_BYTES,
+        HFEngine,
+        VLLMEngine,
+        device_normalize_ok,
+        eos_token_ids,
+        start_errors,
+    )
+
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
-        model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype="float32",
-                                                            trust_remote_code=cfg.trust_remote_code).eval()
+
+        model = AutoModelForImageTextToText.from_pretrained(
+            cfg.model, dtype="float32", trust_remote_code=cfg.trust_remote_code
+        ).eval()
         return HFEngine(model, tokenizer, eos_token_ids(model))
     if cfg.engine == "sync":
-        return VLLMEngine(cfg.model, tokenizer, tp=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
-                          dtype=cfg.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
-                          sleep=False, max_images=1, trust_remote_code=cfg.trust_remote_code)
+        return VLLMEngine(
+            cfg.model,
+            tokenizer,
+            tp=cfg.tensor_parallel_size,
+            max_model_len=cfg.max_model_len,
+            dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            seed=cfg.seed,
+            sleep=False,
+            max_images=1,
+            trust_remote_code=cfg.trust_remote_code,
+        )
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
+
     args = AsyncEngineArgs(
-        model=cfg.model, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
-        enable_chunked_prefill=True, enforce_eager=not current_platform.is_cuda(),
-        tensor_parallel_size=cfg.tensor_parallel_size, data_parallel_size=cfg.data_parallel_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, limit_mm_per_prompt={"image": 1, "video": 1},
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        seed=cfg.seed,
+        enable_chunked_prefill=True,
+        enforce_eager=not current_platform.is_cuda(),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        data_parallel_size=cfg.data_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        limit_mm_per_prompt={"image": 1, "video": 1},
         kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
-        trust_remote_code=cfg.trust_remote_code, use_tqdm_on_load=False,
-        mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code))
+        trust_remote_code=cfg.trust_remote_code,
+        use_tqdm_on_load=False,
+        mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code),
+    )
     with start_errors(cfg.max_model_len):
         return AsyncLLM.from_engine_args(args)
 
@@ -783,7 +1088,11 @@ def make_engine(cfg: Config, tokenizer):
 def read_log(path: str) -> tuple[dict, int]:
     """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
     parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
-    done, torn, need = {}, 0, {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}
+    done, torn, need = (
+        {},
+        0,
+        {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str},
+    )
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -792,9 +1101,15 @@ def read_log(path: str) -> tuple[dict, int]:
                 except json.JSONDecodeError:
                     torn += 1
                     continue
-                bad = [k for k, t in need.items() if not isinstance(r, dict) or not isinstance(r.get(k), t)]
+                bad = [
+                    k
+                    for k, t in need.items()
+                    if not isinstance(r, dict) or not isinstance(r.get(k), t)
+                ]
                 if bad:
-                    raise DataError(f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)")
+                    raise DataError(
+                        f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)"
+                    )
                 done[r["doc_id"]] = r
     return done, torn
 
@@ -806,22 +1121,35 @@ def resolve(cfg: Config) -> Config:
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
-    capped = not cfg.max_model_len and positions < 16384  # the model's own limit, not the user's choice
+    capped = (
+        not cfg.max_model_len and positions < 16384
+    )  # the model's own limit, not the user's choice
     max_model_len = cfg.max_model_len or min(16384, positions)
-    out_dir = os.path.join("runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}")
-    cfg = replace(cfg, out_dir=cfg.out_dir or out_dir, max_model_len=max_model_len,
-                  max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens)
+    out_dir = os.path.join(
+        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
+    )
+    cfg = replace(
+        cfg,
+        out_dir=cfg.out_dir or out_dir,
+        max_model_len=max_model_len,
+        max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens,
+    )
     # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
     tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
     if tokens + 256 > cfg.max_prompt_len:
-        msg = (f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
-               f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
-               "/ --video-max-pixels / --video-total-pixels")
+        msg = (
+            f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
+            f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
+            "/ --video-max-pixels / --video-total-pixels"
+        )
         if not capped:
             raise ValueError(msg)
-        print(f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
+            file=sys.stderr,
+            flush=True,
+        )
     return cfg
 
 
@@ -829,11 +1157,24 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    missing = [s for s in samples if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))]
-    bad += [{"where": s["where"], "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}"}
-            for s in missing]
+    missing = [
+        s
+        for s in samples
+        if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))
+    ]
+    bad += [
+        {
+            "where": s["where"],
+            "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}",
+        }
+        for s in missing
+    ]
     folder = os.path.join(cfg.out_dir, bench)
-    run = {"model": os.path.realpath(cfg.model), "benchmark": bench, **{k: getattr(cfg, k) for k in ANSWER_SETTINGS}}
+    run = {
+        "model": os.path.realpath(cfg.model),
+        "benchmark": bench,
+        **{k: getattr(cfg, k) for k in ANSWER_SETTINGS},
+    }
     done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     old = {}
     if done and os.path.exists(os.path.join(folder, "run.json")):
@@ -841,10 +1182,20 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
             old = json.load(f)
     if done and old != run:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
-        raise DataError(f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
-                        f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it")
-    return dict(samples=[s for s in samples if s not in missing], missing=missing, skipped=skipped, bad=bad, run=run,
-                done=done, torn=torn, folder=folder)
+        raise DataError(
+            f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
+            f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it"
+        )
+    return dict(
+        samples=[s for s in samples if s not in missing],
+        missing=missing,
+        skipped=skipped,
+        bad=bad,
+        run=run,
+        done=done,
+        torn=torn,
+        folder=folder,
+    )
 
 
 def shut_down(timeout: float | None = None):
@@ -854,11 +1205,16 @@ def shut_down(timeout: float | None = None):
 async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
     """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine given is kept."""
     cfg = resolve(cfg)
-    jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}  # every check before the engine
+    jobs = {
+        b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")
+    }  # every check before the engine
     if processor is None:
         from transformers import AutoProcessor
+
         common.check_hub(cfg.model)
-        processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        processor = AutoProcessor.from_pretrained(
+            cfg.model, trust_remote_code=cfg.trust_remote_code
+        )
     own, results = engine is None, {}
     if own:
         engine = make_engine(cfg, processor.tokenizer)
@@ -867,7 +1223,10 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
             try:
                 results[bench] = await run_benchmark(bench, job, cfg, engine, processor)
             except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
-                results[bench] = {"error": f"{type(e).__name__}: {e}", "unevaluable": len(job["samples"])}
+                results[bench] = {
+                    "error": f"{type(e).__name__}: {e}",
+                    "unevaluable": len(job["samples"]),
+                }
                 print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
             write_results(results, cfg)
     finally:
@@ -891,30 +1250,55 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -
     last = [start]  # when progress was last printed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
+
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(s, bench, prompt, response, error, cfg.seed if cfg.random_fallback else None,
-                       cfg.answer_extraction)
+            r = record(
+                s,
+                bench,
+                prompt,
+                response,
+                error,
+                cfg.seed if cfg.random_fallback else None,
+                cfg.answer_extraction,
+            )
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
             n, now = len(done) - before, time.perf_counter()  # each row is a new doc_id
             if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
                 rate, last[0] = n / (now - start), now
-                print(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
         if cfg.engine == "async":
-            engine_stats = await run_async(engine, todo, load, cfg, bench, write, processor.tokenizer)
+            engine_stats = await run_async(
+                engine, todo, load, cfg, bench, write, processor.tokenizer
+            )
         else:
             engine_stats = run_sync(engine, todo, load, cfg, write)
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge = judge_rows(rows, cfg, adapter(bench).get("judge"))
     write_jsonl(path, rows)
     failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
-    res = {"metrics": aggregate(rows, bench), "unevaluable": len(failed), "failed_samples": failed,
-           "no_ground_truth": len(job["skipped"]), "resumed": len(samples) - len(todo), "torn_lines": job["torn"],
-           "seconds": round(time.perf_counter() - start, 3), "samples": path, "judge": judge,
-           "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")}, **engine_stats}
-    shown = [f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"]
+    res = {
+        "metrics": aggregate(rows, bench),
+        "unevaluable": len(failed),
+        "failed_samples": failed,
+        "no_ground_truth": len(job["skipped"]),
+        "resumed": len(samples) - len(todo),
+        "torn_lines": job["torn"],
+        "seconds": round(time.perf_counter() - start, 3),
+        "samples": path,
+        "judge": judge,
+        "frames": {k: sum(s.get(k, 0) for s in load_stats) for k in ("cache_hit", "decode")},
+        **engine_stats,
+    }
+    shown = [
+        f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"
+    ]
     print(f"{bench}: " + " | ".join(shown) + f" | unevaluable {len(failed)}", flush=True)
     return res
 
@@ -926,12 +1310,18 @@ def number(v) -> str:
 
 def write_results(results: dict, cfg: Config):
     """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
-    write_text(os.path.join(cfg.out_dir, "results.json"), json.dumps({"settings": asdict(cfg), "benchmarks": results},
-                                                                     indent=1))
-    lines = [f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
-             f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
-             f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}", "",
-             "| benchmark | metric | value |", "|---|---|---|"]
+    write_text(
+        os.path.join(cfg.out_dir, "results.json"),
+        json.dumps({"settings": asdict(cfg), "benchmarks": results}, indent=1),
+    )
+    lines = [
+        f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
+        f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
+        f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}",
+        "",
+        "| benchmark | metric | value |",
+        "|---|---|---|",
+    ]
     for b, r in results.items():
         if "error" in r:
             lines.append(f"| {b} | FAILED | {r['error']} |")
@@ -946,15 +1336,22 @@ def write_results(results: dict, cfg: Config):
 
 def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    results = asyncio.run(evaluate(cfg))  # bad settings or inputs: common.cli prints the one-line error
+    results = asyncio.run(
+        evaluate(cfg)
+    )  # bad settings or inputs: common.cli prints the one-line error
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
-        print(f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 1 if failures and not cfg.allow_failures else 0
 
 
 if __name__ == "__main__":
     sys.exit(common.cli(main, partial(common.load_config, Config)))
-elif __name__ == "__mp_main__":  # vLLM's engine and worker processes (spawned) run this file first: quiet there too
+elif (
+    __name__ == "__mp_main__"
+):  # vLLM's engine and worker processes (spawned) run this file first: quiet there too
     common.quiet()

@@ -7,6 +7,7 @@ docs/rewards.md states every rule: answer extraction (extract_answer), the readi
 hedges (wrong answers, not parse failures), ground-truth validation and the math time limit. Unparseable answers
 score 0 and are counted in components["parse_fail"]. Never raises; always in [0, 1]; linear time on the input.
 """
+
 import ast
 import ctypes
 import difflib
@@ -22,29 +23,56 @@ from functools import lru_cache, partial
 
 import numpy as np
 
-MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()  # VSI-Bench's margins as its code computes them, in floats
+MRA_MARGINS = (
+    1 - np.linspace(0.5, 0.95, 10)
+).tolist()  # VSI-Bench's margins as its code computes them, in floats
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * |gt|, relative at every scale
 MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
 MATH_TIMEOUT = 1.0  # seconds of math-verify per call (see time_limit)
-BARE_WORDS = 8  # with no tag, phrase or </think>, a text of at most this many words is the answer itself
-SHORT_ANSWER = 5  # open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
+BARE_WORDS = (
+    8  # with no tag, phrase or </think>, a text of at most this many words is the answer itself
+)
+SHORT_ANSWER = (
+    5  # open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
+)
 CODE_TOKENS = 2000  # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
 
 ALIASES = {
-    "multiple_choice": "multiple choice", "mcq": "multiple choice", "mc": "multiple choice",
-    "multiple-choice": "multiple choice", "multi-choice": "multiple choice",  # Video-MMMU/MMVU, TempCompass
-    "number": "numerical", "numeric": "numerical", "count": "counting", "rec": "counting",  # OVO-Bench REC
-    "binary classification": "boolean", "yes/no": "boolean", "yes_no": "boolean", "ssr": "boolean", "crr": "boolean",
-    "open_ended": "open-ended", "free-form": "open-ended", "free_form": "open-ended", "video qa": "open-ended",
-    "video description": "open-ended", "caption": "open-ended", "captioning": "open-ended", "mathematics": "math",
-    "coding": "code", "svg": "svg-code", "html": "html-code",
-    "temporal_grounding": "temporal grounding", "spatial_grounding": "spatial grounding",
+    "multiple_choice": "multiple choice",
+    "mcq": "multiple choice",
+    "mc": "multiple choice",
+    "multiple-choice": "multiple choice",
+    "multi-choice": "multiple choice",  # Video-MMMU/MMVU, TempCompass
+    "number": "numerical",
+    "numeric": "numerical",
+    "count": "counting",
+    "rec": "counting",  # OVO-Bench REC
+    "binary classification": "boolean",
+    "yes/no": "boolean",
+    "yes_no": "boolean",
+    "ssr": "boolean",
+    "crr": "boolean",
+    "open_ended": "open-ended",
+    "free-form": "open-ended",
+    "free_form": "open-ended",
+    "video qa": "open-ended",
+    "video description": "open-ended",
+    "caption": "open-ended",
+    "captioning": "open-ended",
+    "mathematics": "math",
+    "coding": "code",
+    "svg": "svg-code",
+    "html": "html-code",
+    "temporal_grounding": "temporal grounding",
+    "spatial_grounding": "spatial grounding",
     "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
 # ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input ------------------
 _TAG = re.compile(r"<\s{0,9}(/?)\s{0,9}(answer|think)\s{0,9}>", re.I)
-_PHRASE = re.compile(r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I)
+_PHRASE = re.compile(
+    r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I
+)
 
 
 def canon_tags(text: str) -> str:
@@ -52,7 +80,9 @@ def canon_tags(text: str) -> str:
     return _TAG.sub(lambda m: f"<{m[1]}{m[2].lower()}>", text)
 
 
-def blank(text: str) -> bool:  # nothing visible: only spaces, zero-width characters (format chars), NULs
+def blank(
+    text: str,
+) -> bool:  # nothing visible: only spaces, zero-width characters (format chars), NULs
     return not any(c.isprintable() and not c.isspace() for c in text)
 
 
@@ -73,7 +103,7 @@ def last_answer(text: str, default: str | None = None) -> str | None:
     """Content of the last closed <answer>...</answer> (for nested tags, the innermost one), stripped; else default."""
     k = text.rfind("</answer>")
     j = text.rfind("<answer>", 0, k) if k >= 0 else -1
-    return default if j < 0 else text[j + 8:text.find("</answer>", j)].strip()
+    return default if j < 0 else text[j + 8 : text.find("</answer>", j)].strip()
 
 
 def answer_text(text: str) -> str:
@@ -91,7 +121,10 @@ def boxed(text: str) -> str | None:
     for j in range(i + 7, min(len(text), i + 1007)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7:j].strip(), flags=re.S).strip() or None
+            return (
+                re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7 : j].strip(), flags=re.S).strip()
+                or None
+            )
     return None
 
 
@@ -103,9 +136,13 @@ def extract_answer(text: str) -> str | None:
     if ans is None and (hits := _PHRASE.findall(body)):
         ans = hits[-1].strip().rstrip(".")
     if ans is None and "</think>" in text:  # reasoning, then the answer as it is
-        ans = body.rpartition("</think>")[2]  # a stray </think> (the <think> was in the prompt) ends the reasoning
+        ans = body.rpartition("</think>")[
+            2
+        ]  # a stray </think> (the <think> was in the prompt) ends the reasoning
     bare = len(body.split()) <= BARE_WORDS and len(body) <= 20 * BARE_WORDS
-    if ans is None and bare and "answer>" not in body and "\\boxed" not in body:  # a broken tag or box is not bare
+    if (
+        ans is None and bare and "answer>" not in body and "\\boxed" not in body
+    ):  # a broken tag or box is not bare
         ans = body
     return None if ans is None or blank(ans) else ans.strip()
 
@@ -121,27 +158,45 @@ def canonical_type(problem_type: str) -> str:
 
 
 # ---- parsers (None on failure, never raise) -------------------------------------------------------------------------
-WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                                    "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
-WORDS |= {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)}
+WORDS = {
+    w: i
+    for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+        "fourteen fifteen sixteen seventeen eighteen nineteen".split()
+    )
+}
+WORDS |= {
+    w: 10 * i
+    for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)
+}
 SCALES = {"%": 0.01, "k": 1e3, "hundred": 1e2, "thousand": 1e3, "million": 1e6, "billion": 1e9}
-_DASHES = str.maketrans(dict.fromkeys("\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63\uff0d", "-"))
-_TIMES = re.compile(r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?")  # 1 \times 10^3 -> 1e3
+_DASHES = str.maketrans(
+    dict.fromkeys("\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63\uff0d", "-")
+)
+_TIMES = re.compile(
+    r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?"
+)  # 1 \times 10^3 -> 1e3
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]{1,30})\}\{([^{}]{1,30})\}")  # \frac{1}{2} -> 1/2
 # a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators; a fraction;
 # a percent sign, a k suffix or a scale word
-_NUM = re.compile(r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
-                  r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?")
+_NUM = re.compile(
+    r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
+    r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?"
+)
 _UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seventeen" before "seven"
 # a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
 _WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
-_HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
+_HEDGE_GAP = re.compile(
+    r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?"
+)  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
 _JSON_CHAR = re.compile(r'[{}\[\]"]')
 _JSON_STR_END = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"?', re.S)  # a string past its opening quote
 POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
 
 
-def number_text(s: str) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
+def number_text(
+    s: str,
+) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
     return _FRAC.sub(r"\1/\2", _TIMES.sub(r"e\1", s.lower().translate(_DASHES)))
 
 
@@ -185,7 +240,9 @@ def parse_json(s: str):
     start = i = 0  # the outermost open bracket; the scan position
     while m := _JSON_CHAR.search(s, i):
         c, i = m[0], m.end()
-        if c == '"' and depth > 0:  # a string, skipped whole; quotes in prose, outside any bracket, open no string
+        if (
+            c == '"' and depth > 0
+        ):  # a string, skipped whole; quotes in prose, outside any bracket, open no string
             i = _JSON_STR_END.match(s, i).end()
         elif c in "{[":
             if depth == 0:
@@ -198,12 +255,19 @@ def parse_json(s: str):
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
-        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; deep nesting recurses
+        except (
+            ValueError,
+            RecursionError,
+        ):  # JSONDecodeError is a ValueError; deep nesting recurses
             pass
     return None
 
 
-def as_float(v) -> float | None:  # a JSON number or a string holding one ("12.3"); not a bool, NaN, inf or 10**400
+def as_float(
+    v,
+) -> (
+    float | None
+):  # a JSON number or a string holding one ("12.3"); not a bool, NaN, inf or 10**400
     if isinstance(v, str):
         try:
             v = float(v)
@@ -219,14 +283,20 @@ def as_span(x) -> list[float] | None:  # x["time"] or x as [start, end] with sta
     return t if None not in t and t[0] <= t[1] else None
 
 
-def as_box(b) -> list[float] | None:  # b["boxes"] or b as [x1, y1, x2, y2], x1 <= x2, y1 <= y2 ([x, y, w, h] fails)
+def as_box(
+    b,
+) -> (
+    list[float] | None
+):  # b["boxes"] or b as [x1, y1, x2, y2], x1 <= x2, y1 <= y2 ([x, y, w, h] fails)
     b = b.get("boxes") if isinstance(b, dict) else b
     b = b[0] if isinstance(b, list) and len(b) == 1 else b  # [[x1, y1, x2, y2]]: a list of one box
     b = [as_float(v) for v in b] if isinstance(b, (list, tuple)) and len(b) == 4 else [None]
     return b if None not in b and b[0] <= b[2] and b[1] <= b[3] else None
 
 
-def text_numbers(ans: str, n: int) -> list[float] | None:  # no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"
+def text_numbers(
+    ans: str, n: int
+) -> list[float] | None:  # no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"
     spans = number_spans(ans) if parse_json(ans) is None else []
     return [v for _, _, v in spans[:n]] if len(spans) >= n else None
 
@@ -250,7 +320,9 @@ def iou_box(a, b) -> float:  # boxes as as_box returns them: x1 <= x2, y1 <= y2
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
-    return ix * iy / union if union > 0 else float(a == b)  # two equal empty boxes match, as in iou_1d
+    return (
+        ix * iy / union if union > 0 else float(a == b)
+    )  # two equal empty boxes match, as in iou_1d
 
 
 def mra(pred: float, gt: float) -> float:
@@ -278,10 +350,13 @@ def token_f1(pred: str, ref: str) -> float:
 def rouge_scorer():
     """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that imports us)."""
     from rouge_score.rouge_scorer import RougeScorer
+
     return RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
-def rouge(pred: str, ref: str) -> float:  # mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)
+def rouge(
+    pred: str, ref: str
+) -> float:  # mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)
     return sum(x.fmeasure for x in rouge_scorer().score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
 
 
@@ -299,8 +374,11 @@ def wer(pred: str, ref: str) -> float:
 
 
 # ---- accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable ------------
-_LEAD = re.compile(r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
-                   r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?", re.I)
+_LEAD = re.compile(
+    r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
+    r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?",
+    re.I,
+)
 _MARKUP = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{|[*${}]")
 _LETTER = re.compile(r"(?<![A-Za-z0-9'’])(?:\(([A-Za-z])\)|([A-Z])(?![A-Za-z0-9'’]))")
 _WORD_NEXT = re.compile(r"[ \t]{1,3}(?!(?:and|or)\b)[a-z]")  # "A dog", "I think"; not "A or B"
@@ -309,7 +387,10 @@ _WORD_NEXT = re.compile(r"[ \t]{1,3}(?!(?:and|or)\b)[a-z]")  # "A dog", "I think
 def option_table(options: list[str]) -> list[tuple[str, str]]:
     """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its position's."""
     ms = [(re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S), o) for o in options or []]
-    return [(m.group(1).upper(), m.group(2)) if m else (chr(65 + i % 26), o) for i, (m, o) in enumerate(ms)]
+    return [
+        (m.group(1).upper(), m.group(2)) if m else (chr(65 + i % 26), o)
+        for i, (m, o) in enumerate(ms)
+    ]
 
 
 def choice_letter(ans: str, options: list[str]) -> str | None:
@@ -317,7 +398,7 @@ def choice_letter(ans: str, options: list[str]) -> str | None:
     table = option_table(options)
     letters = {lt for lt, _ in table} or set(string.ascii_uppercase)
     s = _MARKUP.sub(" ", ans)
-    s = s[_LEAD.match(s).end():].strip() if _LEAD.match(s) else s.strip()
+    s = s[_LEAD.match(s).end() :].strip() if _LEAD.match(s) else s.strip()
     if bare := re.fullmatch(r"\(?([A-Za-z])\)?[.):]?", s):
         return bare[1].upper() if bare[1].upper() in letters else None
     text = squad_norm(s)
@@ -338,7 +419,9 @@ def acc_choice(ans, s):
     got = choice_letter(ans, s.get("options") or [])
     if got is None:
         return None
-    return float(len(got) == 1 and got == choice_letter(ground_truth(s), s.get("options") or []))  # "A+B": a hedge
+    return float(
+        len(got) == 1 and got == choice_letter(ground_truth(s), s.get("options") or [])
+    )  # "A+B": a hedge
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
@@ -346,7 +429,9 @@ def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
     p, g = committed_number(ans), committed_number(ground_truth(s))
     if p is None:
         return None
-    return mra(p, g) if mean_relative else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))  # 1.01 vs 1: on the edge
+    return (
+        mra(p, g) if mean_relative else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))
+    )  # 1.01 vs 1: on the edge
 
 
 def polarity(ans: str) -> float | None:
@@ -356,7 +441,9 @@ def polarity(ans: str) -> float | None:
     i = next((k for k, w in enumerate(words) if w in POLAR), None)
     if i is None:
         return None
-    rest = [w for w in words[i + 1:i + 4] if w not in ("and", "or", "maybe", "perhaps", "possibly")][:1]
+    rest = [
+        w for w in words[i + 1 : i + 4] if w not in ("and", "or", "maybe", "perhaps", "possibly")
+    ][:1]
     if rest and rest[0] in POLAR and POLAR[rest[0]] != POLAR[words[i]]:
         return math.nan
     return POLAR[words[i]] ^ (i > 0 and words[i - 1] == "not")
@@ -369,19 +456,25 @@ def acc_boolean(ans, s):
 
 def acc_open(ans, s):
     gt = ground_truth(s)
-    if len(re.findall(r"[a-z0-9]+", gt.lower())) <= SHORT_ANSWER:  # as few words as rouge-score would see
+    if (
+        len(re.findall(r"[a-z0-9]+", gt.lower())) <= SHORT_ANSWER
+    ):  # as few words as rouge-score would see
         return token_f1(ans, gt)
     return rouge(ans, gt)
 
 
 def acc_ocr(ans, s):
     gt = ground_truth(s)
-    if len(ans.split()) >= 2 * len(gt.split()):  # WER >= (n_pred - n_ref) / n_ref >= 1: skip the O(n * m) table
+    if len(ans.split()) >= 2 * len(
+        gt.split()
+    ):  # WER >= (n_pred - n_ref) / n_ref >= 1: skip the O(n * m) table
         return 0.0
     return max(0.0, 1.0 - wer(ans, gt))
 
 
-class MathTimeout(BaseException):  # a BaseException: math-verify's own `except Exception` can't swallow it
+class MathTimeout(
+    BaseException
+):  # a BaseException: math-verify's own `except Exception` can't swallow it
     pass
 
 
@@ -407,7 +500,9 @@ class time_limit:
     def watchdog(self):  # runs in its own thread
         wait = self.seconds
         while not self.done.wait(wait) and self.armed:
-            with _ARM_LOCK:  # injects only while armed: __exit__ disarms, then clears under the same lock
+            with (
+                _ARM_LOCK
+            ):  # injects only while armed: __exit__ disarms, then clears under the same lock
                 if self.armed:
                     _ASYNC_RAISE(ctypes.c_ulong(self.tid), ctypes.py_object(MathTimeout))
             wait = 0.05
@@ -423,33 +518,46 @@ class time_limit:
             threading.Thread(target=self.watchdog, daemon=True).start()
 
     def __exit__(self, *exc):
-        self.armed = False  # first: a plain store, where no signal handler runs and no async exception lands
+        self.armed = (
+            False  # first: a plain store, where no signal handler runs and no async exception lands
+        )
         if self.main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
         else:
             with _ARM_LOCK:
-                _ASYNC_RAISE(ctypes.c_ulong(self.tid), None)  # drop one injected but not yet delivered
+                _ASYNC_RAISE(
+                    ctypes.c_ulong(self.tid), None
+                )  # drop one injected but not yet delivered
             self.done.set()
         if self.gc_on:
             gc.enable()
 
 
 @lru_cache(maxsize=1)
-def _math_warm() -> bool:  # sympy's first symbolic compare imports lazily for ~0.3 s: not on the clock
+def _math_warm() -> (
+    bool
+):  # sympy's first symbolic compare imports lazily for ~0.3 s: not on the clock
     from math_verify import parse, verify
+
     return verify(parse("$2x$"), parse("$x + x$"))
 
 
 @lru_cache(maxsize=4096)
-def _math_gold(gt: str):  # [] where math-verify reads only text: no answer but that very text would equal it
+def _math_gold(
+    gt: str,
+):  # [] where math-verify reads only text: no answer but that very text would equal it
     from math_verify import parse
+
     gold = parse(f"${gt}$", parsing_timeout=None)
     return gold if any(not isinstance(x, str) for x in gold) else []
 
 
-def acc_math(ans, s):  # math-verify's timeouts (whole-second, main-thread alarms) are off: time_limit bounds both
+def acc_math(
+    ans, s
+):  # math-verify's timeouts (whole-second, main-thread alarms) are off: time_limit bounds both
     from math_verify import parse, verify
+
     _math_warm()
     try:
         with time_limit(MATH_TIMEOUT):
@@ -460,16 +568,22 @@ def acc_math(ans, s):  # math-verify's timeouts (whole-second, main-thread alarm
 
 
 def acc_temporal(ans, s):
-    p = as_span(parse_json(ans)) or as_span(text_numbers(ans, 2))  # JSON, else "from 12.3 to 25.7 seconds"
+    p = as_span(parse_json(ans)) or as_span(
+        text_numbers(ans, 2)
+    )  # JSON, else "from 12.3 to 25.7 seconds"
     return None if p is None else iou_1d(p, as_span(parse_json(ground_truth(s))))
 
 
 def acc_spatial(ans, s):  # the ground truth must be {"boxes": ...}
-    p = as_box(parse_json(ans)) or as_box(text_numbers(ans, 4))  # JSON, a bare list, else "(1, 2, 3, 4)"
+    p = as_box(parse_json(ans)) or as_box(
+        text_numbers(ans, 4)
+    )  # JSON, a bare list, else "(1, 2, 3, 4)"
     return None if p is None else iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
 
 
-def mean_box_iou(pred: dict, gt: dict, frames) -> float:  # a missing or malformed predicted box counts 0
+def mean_box_iou(
+    pred: dict, gt: dict, frames
+) -> float:  # a missing or malformed predicted box counts 0
     return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / max(len(frames), 1)
 
 
@@ -479,11 +593,15 @@ def acc_st(ans, s):
     if span is None and boxes is None:
         return None
     time_iou = 0.0 if span is None else iou_1d(span, as_span(g))
-    if isinstance(g, dict) and g.get("boxes") == {}:  # 71 of STVG's 2,000: time IoU alone, as EasyVideoR1 scores it
+    if (
+        isinstance(g, dict) and g.get("boxes") == {}
+    ):  # 71 of STVG's 2,000: time IoU alone, as EasyVideoR1 scores it
         return time_iou
     if boxes is None:
         return 0.5 * time_iou
-    gt = as_boxes(g)  # over the frames both have (EasyVideoR1, STVG): frames off the predicted span cost time IoU
+    gt = as_boxes(
+        g
+    )  # over the frames both have (EasyVideoR1, STVG): frames off the predicted span cost time IoU
     return 0.5 * time_iou + 0.5 * mean_box_iou(boxes, gt, boxes.keys() & gt.keys())
 
 
@@ -496,8 +614,16 @@ def acc_tracking(ans, s):
 
 
 _MARKUP_TAG = re.compile(r"<(/?)([A-Za-z][\w:.-]{0,63})([^<>]{0,2000})>")
-_ATTR = re.compile(r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?""")
-BINDS = {ast.Name: "id", ast.arg: "arg", ast.FunctionDef: "name", ast.AsyncFunctionDef: "name", ast.ClassDef: "name"}
+_ATTR = re.compile(
+    r"""([\w:.-]{1,64})(?:\s{0,3}=\s{0,3}("[^"]{0,2000}"|'[^']{0,2000}'|[^\s"'>]{1,2000}))?"""
+)
+BINDS = {
+    ast.Name: "id",
+    ast.arg: "arg",
+    ast.FunctionDef: "name",
+    ast.AsyncFunctionDef: "name",
+    ast.ClassDef: "name",
+}
 
 
 def markup_tokens(text: str) -> list[str]:
@@ -505,8 +631,11 @@ def markup_tokens(text: str) -> list[str]:
     text = strip_blocks(text, "<!--", "-->")
     tokens, i = [], 0
     for m in _MARKUP_TAG.finditer(text):
-        tag, attrs = m[2].lower(), sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3]))
-        tokens += text[i:m.start()].split()
+        tag, attrs = (
+            m[2].lower(),
+            sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3])),
+        )
+        tokens += text[i : m.start()].split()
         if m[1]:
             tokens.append(f"</{tag}")
         else:
@@ -541,24 +670,40 @@ def acc_code(ans, s, markup: bool = False):
     pred, gold = tokens(code), tokens(ref)
     if not pred or not gold:
         return 0.0
-    return difflib.SequenceMatcher(None, pred[:CODE_TOKENS], gold[:CODE_TOKENS], autojunk=False).ratio()
+    return difflib.SequenceMatcher(
+        None, pred[:CODE_TOKENS], gold[:CODE_TOKENS], autojunk=False
+    ).ratio()
 
 
 ACCURACY = {
-    "multiple choice": acc_choice, "numerical": acc_number, "counting": partial(acc_number, rtol=0.0),
-    "regression": partial(acc_number, mean_relative=True), "boolean": acc_boolean, "open-ended": acc_open,
-    "ocr": acc_ocr, "math": acc_math, "temporal grounding": acc_temporal, "spatial grounding": acc_spatial,
-    "spatial-temporal grounding": acc_st, "tracking": acc_tracking, "code": acc_code,
-    "svg-code": partial(acc_code, markup=True), "html-code": partial(acc_code, markup=True),
+    "multiple choice": acc_choice,
+    "numerical": acc_number,
+    "counting": partial(acc_number, rtol=0.0),
+    "regression": partial(acc_number, mean_relative=True),
+    "boolean": acc_boolean,
+    "open-ended": acc_open,
+    "ocr": acc_ocr,
+    "math": acc_math,
+    "temporal grounding": acc_temporal,
+    "spatial grounding": acc_spatial,
+    "spatial-temporal grounding": acc_st,
+    "tracking": acc_tracking,
+    "code": acc_code,
+    "svg-code": partial(acc_code, markup=True),
+    "html-code": partial(acc_code, markup=True),
 }
 GT_FORMS = {  # what a ground truth must be, for validate_answer's message
-    "multiple choice": "one of the option letters", "numerical": "one number", "counting": "one number",
-    "regression": "one number", "boolean": "yes/no/true/false",
+    "multiple choice": "one of the option letters",
+    "numerical": "one number",
+    "counting": "one number",
+    "regression": "one number",
+    "boolean": "yes/no/true/false",
     "temporal grounding": '{"time": [start, end]} with start <= end',
     "spatial grounding": '{"boxes": [x1, y1, x2, y2]} with x1 <= x2, y1 <= y2',
     "spatial-temporal grounding": '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e',
     "tracking": '{"boxes": {"<frame>": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2',
-    "code": "Python that parses, or markup", "math": "an expression math-verify parses",
+    "code": "Python that parses, or markup",
+    "math": "an expression math-verify parses",
 }
 _ANSWER = r"<answer>(?:(?!</?answer>).){0,5000}</answer>\s*"
 FORMATS = {
@@ -571,26 +716,46 @@ def format_reward(completion: str, template: str = "answer") -> float:
     """1 if the whole completion is exactly the template (one answer block) and the answer holds something visible."""
     c = (completion or "")[:MAX_LEN]
     ok = FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1
-    return float(ok and not blank(c[c.find("<answer>") + 8:c.find("</answer>")]))
+    return float(ok and not blank(c[c.find("<answer>") + 8 : c.find("</answer>")]))
 
 
 def accuracy(answer: str, sample: dict) -> float | None:
     """ACCURACY of the sample's problem type (unknown types: open-ended); None when the answer is unparseable."""
     try:
-        return ACCURACY.get(canonical_type(sample.get("problem_type", "")), acc_open)(answer, sample)
-    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, RecursionError, OverflowError):
+        return ACCURACY.get(canonical_type(sample.get("problem_type", "")), acc_open)(
+            answer, sample
+        )
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        ZeroDivisionError,
+        RecursionError,
+        OverflowError,
+    ):
         return None  # a malformed *prediction* the parser let through (or a malformed ground truth)
 
 
-def compute_reward(completion: str, sample: dict, w_acc: float = 0.9, w_fmt: float = 0.1,
-                   format_template: str = "answer") -> tuple[float, dict]:
+def compute_reward(
+    completion: str,
+    sample: dict,
+    w_acc: float = 0.9,
+    w_fmt: float = 0.1,
+    format_template: str = "answer",
+) -> tuple[float, dict]:
     """(overall, {"overall", "accuracy", "format", "parse_fail"}); a parse failure scores accuracy 0."""
     ans = extract_answer(completion)
     acc = None if ans is None else accuracy(ans, sample)
     fmt = format_reward(completion, format_template)
     acc_v = min(1.0, max(0.0, float(acc))) if acc is not None and math.isfinite(acc) else 0.0
     overall = w_acc * acc_v + w_fmt * fmt
-    return overall, {"overall": overall, "accuracy": acc_v, "format": fmt, "parse_fail": float(acc is None)}
+    return overall, {
+        "overall": overall,
+        "accuracy": acc_v,
+        "format": fmt,
+        "parse_fail": float(acc is None),
+    }
 
 
 def validate_answer(sample: dict) -> None:
@@ -598,8 +763,10 @@ def validate_answer(sample: dict) -> None:
     t, gt = canonical_type(sample.get("problem_type", "")), ground_truth(sample)
     sid = sample.get("id", "?")
     if t not in ACCURACY:
-        raise ValueError(f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
-                         " and aliases)")
+        raise ValueError(
+            f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
+            " and aliases)"
+        )
     if not gt or accuracy(gt, sample) != 1.0:
         what = GT_FORMS.get(t, f"a non-empty {t} answer")
         if t == "multiple choice":

@@ -9,6 +9,7 @@ Both sample with the vision pad tokens masked out (a random model samples them, 
 fed back through the model) and report log-probs of that *processed* distribution, softmax(logits / T) with those
 tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measures only numerical mismatch.
 """
+
 import contextlib
 import gc
 import hashlib
@@ -24,17 +25,24 @@ from ckpt import hf_weights
 from data import Prompt, grids, vllm_input
 import sp
 
-VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_pad|>", "<|vision_start|>", "<|vision_end|>")
+VISION_TOKENS = (
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+)
 
 
 @dataclass
 class Rollout:
     """One sampled (or offline) completion. Its group's n rollouts share `prompt`."""
+
     prompt: Prompt
-    response_ids: list[int]          # sampled tokens, EOS included when the model stopped
-    logp: list[float] | None         # sampler log-probs of response_ids; None for an offline trajectory
-    text: str                        # decoded completion (special tokens skipped), what rewards read
-    finish: str = "stop"             # "stop" | "length" | "offline"
+    response_ids: list[int]  # sampled tokens, EOS included when the model stopped
+    logp: list[float] | None  # sampler log-probs of response_ids; None for an offline trajectory
+    text: str  # decoded completion (special tokens skipped), what rewards read
+    finish: str = "stop"  # "stop" | "length" | "offline"
 
 
 def request_seed(*parts) -> int:
@@ -45,7 +53,9 @@ def request_seed(*parts) -> int:
 
 def failed(prompts: list, e: Exception) -> RuntimeError:
     """An engine failure (OOM, a crashed worker, bad input) names the samples it was generating."""
-    return RuntimeError(f"rollout failed for samples {[p.sample['id'] for p in prompts]}: {type(e).__name__}: {e}")
+    return RuntimeError(
+        f"rollout failed for samples {[p.sample['id'] for p in prompts]}: {type(e).__name__}: {e}"
+    )
 
 
 def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool:
@@ -53,14 +63,19 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
     image processor's mean/std, transformers with the video processor's; where they differ, vLLM must normalize on
     the CPU (docs/qwen3-vl-video-logprobs.md). Drop this when test_upstream_vllm_video_normalization fails."""
     from transformers import AutoProcessor
+
     proc = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     image, video = getattr(proc, "image_processor", None), getattr(proc, "video_processor", None)
     keys = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
     if image is None or video is None:
         return True
     # None (unset) becomes NaN, which never compares equal: an unknown setting keeps the safe CPU path
-    return all(np.array_equal(np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float))
-               for k in keys)
+    return all(
+        np.array_equal(
+            np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float)
+        )
+        for k in keys
+    )
 
 
 def eos_token_ids(model) -> list[int]:
@@ -90,23 +105,40 @@ def start_errors(max_model_len: int):
         if "memory" not in text.lower() and "Engine core initialization failed" not in text:
             raise
         from vllm.platforms import current_platform
+
         knob = f"VLLM_CPU_KVCACHE_SPACE (GiB, {CPU_KV_CACHE_BYTES // 2**30} by default)"
         if current_platform.is_cuda():
             knob = "--gpu-memory-utilization"
-        raise ValueError(f"vLLM did not start: {text[:400]} -> raise {knob} or lower --max-model-len "
-                         f"({max_model_len})") from None
+        raise ValueError(
+            f"vLLM did not start: {text[:400]} -> raise {knob} or lower --max-model-len "
+            f"({max_model_len})"
+        ) from None
 
 
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
     tp=1: one engine per rank, on its own prompts; tp=world: one engine over all ranks, which pass the same prompts."""
 
-    def __init__(self, model_dir: str, tokenizer, tp: int = 1, max_model_len: int = 4096, dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.5, sleep: bool = True, seed: int = 0,
-                 max_images: int = 4, max_videos: int = 1, trust_remote_code: bool = False):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: we must reach the model
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer,
+        tp: int = 1,
+        max_model_len: int = 4096,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        sleep: bool = True,
+        seed: int = 0,
+        max_images: int = 4,
+        max_videos: int = 1,
+        trust_remote_code: bool = False,
+    ):
+        os.environ.setdefault(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+        )  # in-process: we must reach the model
         from vllm import LLM
         from vllm.platforms import current_platform
+
         self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
         self.external = dist.is_initialized()  # the process group is the trainer's, not vLLM's
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
@@ -119,30 +151,54 @@ class VLLMEngine:
         # vLLM's start-up collects the whole heap 5 times (~1.7 CPU s here) and freezes it at the end: freeze it now
         gc.freeze()
         with start_errors(max_model_len):
-            self.llm = LLM(model=model_dir, tensor_parallel_size=tp, seed=seed + self.rank // tp, dtype=dtype,
-                           max_model_len=max_model_len, enforce_eager=not current_platform.is_cuda(),
-                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
-                           kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
-                           enable_chunked_prefill=chunk,
-                           max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
-                           logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
-                           use_tqdm_on_load=False, limit_mm_per_prompt={"image": max_images, "video": max_videos},
-                           mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
-                           # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block
-                           # (vLLM splits the weights where a model cannot); one video stays on one rank
-                           mm_encoder_tp_mode="data" if tp > 1 else "weights", **kw)
+            self.llm = LLM(
+                model=model_dir,
+                tensor_parallel_size=tp,
+                seed=seed + self.rank // tp,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                enforce_eager=not current_platform.is_cuda(),
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=self.can_sleep,
+                kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
+                enable_chunked_prefill=chunk,
+                max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=trust_remote_code,
+                use_tqdm_on_load=False,
+                limit_mm_per_prompt={"image": max_images, "video": max_videos},
+                mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
+                # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block
+                # (vLLM splits the weights where a model cannot); one video stays on one rank
+                mm_encoder_tp_mode="data" if tp > 1 else "weights",
+                **kw,
+            )
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
-        self.asleep = set()  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
+        self.asleep = (
+            set()
+        )  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
 
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int
+    ) -> list[Rollout]:
         from vllm import SamplingParams
+
         self.wake()
         # a TP group generates together: its ranks must pass identical requests, seeds included
-        sp = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, skip_special_tokens=True,
-                             allowed_token_ids=self.allowed, seed=request_seed(seed, self.rank // self.tp, i))
-              for i in range(len(prompts))]
+        sp = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                logprobs=0,
+                skip_special_tokens=True,
+                allowed_token_ids=self.allowed,
+                seed=request_seed(seed, self.rank // self.tp, i),
+            )
+            for i in range(len(prompts))
+        ]
         try:
             outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
         except Exception as e:  # re-raised with the sample ids, never swallowed
@@ -151,12 +207,18 @@ class VLLMEngine:
         for p, out in zip(prompts, outs):
             # vLLM expanded the placeholders itself: it must have built exactly the trainer's prompt
             if list(out.prompt_token_ids) != p.prompt_ids:
-                raise RuntimeError(f"sample {p.sample['id']}: vLLM prompt ({len(out.prompt_token_ids)} tokens) "
-                                   f"differs from the processor's ({len(p.prompt_ids)}): frames/metadata disagree")
+                raise RuntimeError(
+                    f"sample {p.sample['id']}: vLLM prompt ({len(out.prompt_token_ids)} tokens) "
+                    f"differs from the processor's ({len(p.prompt_ids)}): frames/metadata disagree"
+                )
             for c in out.outputs:
                 ids = list(c.token_ids)
                 logp = [d[t].logprob for t, d in zip(ids, c.logprobs)] if temperature > 0 else None
-                rollouts.append(Rollout(p, ids, logp, c.text, "length" if c.finish_reason == "length" else "stop"))
+                rollouts.append(
+                    Rollout(
+                        p, ids, logp, c.text, "length" if c.finish_reason == "length" else "stop"
+                    )
+                )
         return rollouts
 
     @torch.no_grad()
@@ -164,7 +226,9 @@ class VLLMEngine:
         """Stream the trainer's full HF-named tensors (hf_weights) into vLLM with vLLM 0.32's `reload_weights` worker
         RPC (in place on CPU and GPU; model.load_weights fails on CPU; the in-process executor consumes the stream
         lazily, a bucket at a time), then drop every cache derived from the old weights."""
-        self.wake(tags=["weights"])  # only those: they are overwritten before the KV cache is needed
+        self.wake(
+            tags=["weights"]
+        )  # only those: they are overwritten before the KV cache is needed
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
@@ -175,6 +239,7 @@ class VLLMEngine:
         """Shut vLLM down now (at exit __del__ prints a traceback), but not the trainer's default group, which vLLM's
         shutdown destroys: made again on torchrun's store, a next run's groups meet stale keys (its engine hangs)."""
         from vllm.distributed import parallel_state
+
         keep = mock.patch.object(parallel_state, "destroy_distributed_environment", lambda: None)
         with keep if self.external else contextlib.nullcontext():
             self.llm.llm_engine.engine_core.shutdown()
@@ -205,13 +270,24 @@ class HFEngine:
 
     def config(self, temperature: float, max_tokens: int):
         from transformers import GenerationConfig
-        return GenerationConfig(do_sample=temperature > 0, temperature=temperature or None, top_p=1.0, top_k=0,
-                                max_new_tokens=max_tokens, eos_token_id=self.eos_ids,
-                                pad_token_id=self.tokenizer.pad_token_id, suppress_tokens=self.banned,
-                                output_logits=True, return_dict_in_generate=True)
+
+        return GenerationConfig(
+            do_sample=temperature > 0,
+            temperature=temperature or None,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            suppress_tokens=self.banned,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int
+    ) -> list[Rollout]:
         if hasattr(self.model, "unshard"):
             # generate() runs the vision encoder outside the root module's forward, so FSDP2's root hook
             # never gathers the root-held parameters (patch embedding, merger): gather them by hand. The
@@ -231,30 +307,53 @@ class HFEngine:
         batch share the global RNG stream, so what a row samples depends on the batch, not on earlier calls."""
         device = next(self.model.parameters()).device
         rank = dist.get_rank() if dist.is_initialized() else 0
-        synced = dist.is_initialized() and dist.get_world_size() > 1  # FSDP: every rank must run every step
+        synced = (
+            dist.is_initialized() and dist.get_world_size() > 1
+        )  # FSDP: every rank must run every step
         torch.manual_seed(request_seed(seed, rank))
         rows = [p for p in prompts for _ in range(n)]
         P = max(len(r.prompt_ids) for r in rows)
         pad = [P - len(r.prompt_ids) for r in rows]
-        ids = torch.tensor([[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)], device=device)
-        attn = torch.tensor([[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device)
+        ids = torch.tensor(
+            [[self.tokenizer.pad_token_id] * k + r.prompt_ids for k, r in zip(pad, rows)],
+            device=device,
+        )
+        attn = torch.tensor(
+            [[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device
+        )
         # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not once per row: generate
         # gets the features laid out per row for the prefill, and the trainer's M-RoPE positions (sp.mrope_positions),
         # which it continues from the last one + 1 per new token (vLLM: from the largest + 1, the same position)
-        vision = sp.shard_features(self.model, sp.encode_vision(self.model, rows, device, dummies=self.dummies), ids,
-                                   rows, sp.Shard(None, ids.shape[1], 0, ids.shape[1]))
-        out = self.model.generate(input_ids=ids, attention_mask=attn, mm_encoder_outputs=vision, synced_gpus=synced,
-                                  position_ids=sp.mrope_positions(ids, attn, grids(rows, device), self.model.config),
-                                  generation_config=self.config(temperature, max_tokens))
-        seq = out.sequences[:, P:]                                      # (B, R)
+        vision = sp.shard_features(
+            self.model,
+            sp.encode_vision(self.model, rows, device, dummies=self.dummies),
+            ids,
+            rows,
+            sp.Shard(None, ids.shape[1], 0, ids.shape[1]),
+        )
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            mm_encoder_outputs=vision,
+            synced_gpus=synced,
+            position_ids=sp.mrope_positions(ids, attn, grids(rows, device), self.model.config),
+            generation_config=self.config(temperature, max_tokens),
+        )
+        seq = out.sequences[:, P:]  # (B, R)
         logp = torch.zeros(seq.shape)
         for t, logits in enumerate(out.logits):  # R steps of (B, V): no stacked (B, R, V) copy
             logits = logits.float()
             logits[:, self.banned] = float("-inf")
-            logp[:, t] = torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, seq[:, t:t + 1])[:, 0].cpu()
+            logp[:, t] = (
+                torch.log_softmax(logits / (temperature or 1.0), -1)
+                .gather(-1, seq[:, t : t + 1])[:, 0]
+                .cpu()
+            )
         rollouts = []
         for p, row, lp in zip(rows, seq.tolist(), logp.tolist()):
-            k = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))  # keep EOS, drop padding
+            k = next(
+                (i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row)
+            )  # keep EOS, drop padding
             finish = "stop" if k < len(row) or (row and row[-1] in self.eos_ids) else "length"
             text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
             rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
@@ -264,4 +363,3 @@ class HFEngine:
         """Nothing to push, free or restore: it samples from the training model itself."""
 
     sleep = wake = close = sync
-

@@ -10,6 +10,7 @@ banners say: sample and score groups (DAPO dynamic sampling), old/ref log-probs,
 global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math follows verl 0.9.1;
 docs/algorithms.md gives every formula and each deliberate deviation.
 """
+
 import dataclasses
 import datetime
 import functools
@@ -86,8 +87,9 @@ class Config(cache.Training):
     response_format: Literal["answer", "think_answer"] = "answer"
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
-    adv_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax",
-                           "gdpo"] = "grpo"
+    adv_estimator: Literal[
+        "grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"
+    ] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
     adv_eps: float = 1e-6
     """epsilon in (r - mean) / (std + eps)"""
@@ -99,8 +101,9 @@ class Config(cache.Training):
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
     kl_coef: float = 0.0
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
@@ -196,7 +199,9 @@ class Config(cache.Training):
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
-    lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    lora_targets: str = (
+        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    )
     """regex (full match) over module names getting adapters: the text model's attention and MLP;
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
@@ -208,58 +213,166 @@ def load_config(argv=None) -> Config:
 
 def check_config(cfg: Config, world: int = 1):
     """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
-    choices = {f.name: typing.get_args(f.type) for f in dataclasses.fields(cfg) if typing.get_origin(f.type) is Literal}
-    bad = [f"{k} is {getattr(cfg, k)!r}, not one of {v}" for k, v in choices.items() if getattr(cfg, k) not in v]
-    positive = ("group_size", "prompts_per_step", "max_response_len", "max_prompt_len", "micro_batch_size", "lr",
-                "ppo_epochs", "mini_batches", "max_steps", "max_gen_rounds", "rollout_tp", "video_min_frames",
-                "log_samples", "video_fps", "tis_cap", "gpu_memory_utilization", "dist_timeout", "sp_size")
-    not_negative = ("kl_coef", "entropy_coef", "w_acc", "w_fmt", "weight_decay", "warmup_steps", "overlong_buffer",
-                    "eval_every", "eval_max_samples", "save_every", "keep_last", "clip_low", "clip_high",
-                    "mix_threshold", "log_every", "video_total_pixels", "adv_eps", "stop_grace_s")
+    choices = {
+        f.name: typing.get_args(f.type)
+        for f in dataclasses.fields(cfg)
+        if typing.get_origin(f.type) is Literal
+    }
+    bad = [
+        f"{k} is {getattr(cfg, k)!r}, not one of {v}"
+        for k, v in choices.items()
+        if getattr(cfg, k) not in v
+    ]
+    positive = (
+        "group_size",
+        "prompts_per_step",
+        "max_response_len",
+        "max_prompt_len",
+        "micro_batch_size",
+        "lr",
+        "ppo_epochs",
+        "mini_batches",
+        "max_steps",
+        "max_gen_rounds",
+        "rollout_tp",
+        "video_min_frames",
+        "log_samples",
+        "video_fps",
+        "tis_cap",
+        "gpu_memory_utilization",
+        "dist_timeout",
+        "sp_size",
+    )
+    not_negative = (
+        "kl_coef",
+        "entropy_coef",
+        "w_acc",
+        "w_fmt",
+        "weight_decay",
+        "warmup_steps",
+        "overlong_buffer",
+        "eval_every",
+        "eval_max_samples",
+        "save_every",
+        "keep_last",
+        "clip_low",
+        "clip_high",
+        "mix_threshold",
+        "log_every",
+        "video_total_pixels",
+        "adv_eps",
+        "stop_grace_s",
+    )
     floats = {k: v for k, v in vars(cfg).items() if type(v) is float}  # nan and inf pass < and >
     bad += [f"{k} must be finite, got {v}" for k, v in floats.items() if not math.isfinite(v)]
     bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
     bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
-    bad += [message for fails, message in [
-        (dp and cfg.prompts_per_step % dp, f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0"),
-        (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
-        (cfg.sp_size > 0 and world % cfg.sp_size, f"world size {world} % sp_size {cfg.sp_size} != 0"),
-        (cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size), "sp_size > 1 needs rollout_tp 1 or sp_size"),
-        (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
-        (cfg.mini_batches > per_rank, f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step"),
-        (cfg.clip_ratio_c and cfg.clip_ratio_c <= 1, f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)"),
-        (not 0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]"),
-        (cfg.gpu_memory_utilization > 1, f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1"),
-        (cfg.mix_threshold > 1, f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)"),
-        (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
-        (cfg.overlong_buffer > 1, f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)"),
-        (cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len, "max_prompt_len > max_model_len"),
-        (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
-        (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
-        (cfg.image_min_pixels > cfg.image_max_pixels, "image_min_pixels > image_max_pixels"),
-        (cfg.video_source == "cache_only" and not cfg.cache_dir, "video_source cache_only needs a cache_dir"),
-        (cfg.kl_in_reward and not cfg.kl_coef, "kl_in_reward needs kl_coef > 0 (0 loads no reference model)"),
-        (cfg.kl_in_reward and cfg.adv_estimator == "gdpo", "kl_in_reward: gdpo's reward components carry no KL"),
-        (cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume), f"resume {cfg.resume!r}: no such folder"),
-        (cfg.temperature < 1e-5, f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
-         "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"),
-        (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
-        (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
-        (cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
-         "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun"),
-        (0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len,
-         f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + max_response_len "
-         f"{cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none"),
-    ] if fails]
+    bad += [
+        message
+        for fails, message in [
+            (
+                dp and cfg.prompts_per_step % dp,
+                f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0",
+            ),
+            (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
+            (
+                cfg.sp_size > 0 and world % cfg.sp_size,
+                f"world size {world} % sp_size {cfg.sp_size} != 0",
+            ),
+            (
+                cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size),
+                "sp_size > 1 needs rollout_tp 1 or sp_size",
+            ),
+            (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
+            (
+                cfg.mini_batches > per_rank,
+                f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step",
+            ),
+            (
+                cfg.clip_ratio_c and cfg.clip_ratio_c <= 1,
+                f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)",
+            ),
+            (not 0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]"),
+            (
+                cfg.gpu_memory_utilization > 1,
+                f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1",
+            ),
+            (
+                cfg.mix_threshold > 1,
+                f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)",
+            ),
+            (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
+            (
+                cfg.overlong_buffer > 1,
+                f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)",
+            ),
+            (
+                cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len,
+                "max_prompt_len > max_model_len",
+            ),
+            (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
+            (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
+            (cfg.image_min_pixels > cfg.image_max_pixels, "image_min_pixels > image_max_pixels"),
+            (
+                cfg.video_source == "cache_only" and not cfg.cache_dir,
+                "video_source cache_only needs a cache_dir",
+            ),
+            (
+                cfg.kl_in_reward and not cfg.kl_coef,
+                "kl_in_reward needs kl_coef > 0 (0 loads no reference model)",
+            ),
+            (
+                cfg.kl_in_reward and cfg.adv_estimator == "gdpo",
+                "kl_in_reward: gdpo's reward components carry no KL",
+            ),
+            (
+                cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume),
+                f"resume {cfg.resume!r}: no such folder",
+            ),
+            (
+                cfg.temperature < 1e-5,
+                f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+                "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)",
+            ),
+            (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
+            (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
+            (
+                cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
+                "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun",
+            ),
+            (
+                0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len,
+                f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + max_response_len "
+                f"{cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none",
+            ),
+        ]
+        if fails
+    ]
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
 
 
-RESUME_MAY_CHANGE = {"config", "dry_run", "out_dir", "resume", "allow_config_change", "max_steps", "eval_every",
-                     "save", "wandb_project", "log_every", "log_samples", "save_every", "keep_last", "dist_timeout",
-                     "stop_grace_s", "cache_dir", "video_source"}
+RESUME_MAY_CHANGE = {
+    "config",
+    "dry_run",
+    "out_dir",
+    "resume",
+    "allow_config_change",
+    "max_steps",
+    "eval_every",
+    "save",
+    "wandb_project",
+    "log_every",
+    "log_samples",
+    "save_every",
+    "keep_last",
+    "dist_timeout",
+    "stop_grace_s",
+    "cache_dir",
+    "video_source",
+}
 
 
 def check_files(cfg: Config, ckpt_path: str):
@@ -269,36 +382,62 @@ def check_files(cfg: Config, ckpt_path: str):
             raise FileNotFoundError(f"{name} {getattr(cfg, name)}: no such file")
     if not ckpt_path:
         if os.path.exists(os.path.join(cfg.out_dir, "ckpt", "latest")):
-            raise ValueError(f"{cfg.out_dir} holds another run's checkpoints: continue it with --resume auto, or "
-                             "give another --out-dir")
+            raise ValueError(
+                f"{cfg.out_dir} holds another run's checkpoints: continue it with --resume auto, or "
+                "give another --out-dir"
+            )
         return
     with open(os.path.join(ckpt_path, "meta.json")) as f:
         saved = json.load(f)["config"]
-    changed = [f"{k} {v!r} -> {getattr(cfg, k)!r}" for k, v in saved.items()
-               if k in cfg.__dataclass_fields__ and k not in RESUME_MAY_CHANGE and getattr(cfg, k) != v]
+    changed = [
+        f"{k} {v!r} -> {getattr(cfg, k)!r}"
+        for k, v in saved.items()
+        if k in cfg.__dataclass_fields__ and k not in RESUME_MAY_CHANGE and getattr(cfg, k) != v
+    ]
     if changed and not cfg.allow_config_change:
-        raise ValueError(f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
-                         "or pass --allow-config-change")
+        raise ValueError(
+            f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
+            "or pass --allow-config-change"
+        )
 
 
 def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     """--dry-run: the resolved config (YAML that --config reads back), the data counts and, per
     split, the prompt length (vision tokens included) of the sample with the most media and text."""
     import yaml
+
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
     for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
         if rows:
-            longest = max(rows, key=lambda s: (len(s.get("videos", []) + s.get("images", [])), len(
-                processor.tokenizer(data.render_prompt(s, template, cfg.response_format)).input_ids)))
-            prompt = data.prepare(longest, processor, split_cfg, template=template, response_format=cfg.response_format)
-            print(f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
-                  f"{cfg.max_prompt_len})")
+            longest = max(
+                rows,
+                key=lambda s: (
+                    len(s.get("videos", []) + s.get("images", [])),
+                    len(
+                        processor.tokenizer(
+                            data.render_prompt(s, template, cfg.response_format)
+                        ).input_ids
+                    ),
+                ),
+            )
+            prompt = data.prepare(
+                longest,
+                processor,
+                split_cfg,
+                template=template,
+                response_format=cfg.response_format,
+            )
+            print(
+                f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
+                f"{cfg.max_prompt_len})"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: small pure tensor functions. B = sequences, R = response tokens.
+
 
 def whiten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """verl's masked_whiten: (x - mean) / sqrt(var + 1e-8), token-weighted mean, unbiased variance;
@@ -315,8 +454,16 @@ def reward_to_go(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
 
-def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", lengths=None,
-               baseline=None, components=None, kl_to_go=None, eps: float = 1e-6) -> torch.Tensor:
+def advantages(
+    reward: torch.Tensor,
+    group_size: int,
+    estimator: str = "grpo",
+    lengths=None,
+    baseline=None,
+    components=None,
+    kl_to_go=None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
     lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
     the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
@@ -353,7 +500,9 @@ def advantages(reward: torch.Tensor, group_size: int, estimator: str = "grpo", l
     raise ValueError(f"adv_estimator: unknown {estimator!r}")
 
 
-def policy_loss(logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
+def policy_loss(
+    logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0
+):
     """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
     if loss_type not in ("ppo", "gspo", "cispo"):
         raise ValueError(f"loss_type: unknown {loss_type!r}")
@@ -377,7 +526,7 @@ def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> to
     mini-batch's valid tokens / sequences over all ranks, so the shares sum to the exact loss."""
     if mode == "token-mean":
         return (x * mask).sum() / n_tok
-    seq = (x * mask).sum(-1)                                           # (b,)
+    seq = (x * mask).sum(-1)  # (b,)
     if mode == "seq-mean-token-mean":
         seq = seq / mask.sum(-1).clamp(min=1)
     elif mode == "seq-mean-token-sum-norm":
@@ -389,7 +538,7 @@ def agg_loss(x, mask, mode: str, n_tok: float, n_seq: float, max_len: int) -> to
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
     """Per-token KL(pi || ref): k1 d, abs |d|, k2 d^2 / 2, k3 exp(-d) + d - 1 (clamped as verl)."""
-    d = logp - ref_logp                                                # (B, R)
+    d = logp - ref_logp  # (B, R)
     if kind == "k1":
         return d
     if kind == "abs":
@@ -402,10 +551,12 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
     raise ValueError(f"kl_type: unknown {kind!r}")
 
 
-def is_weight(old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"):
+def is_weight(
+    old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"
+):
     """Truncated importance weight pi_old / pi_rollout (B, R), no gradient; 1 on rows without
     rollout log-probs (NaN: offline). sequence: one weight per row from the summed log-ratio."""
-    log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask     # (B, R)
+    log_ratio = torch.where(rollout_logp.isnan(), 0.0, old_logp - rollout_logp) * mask  # (B, R)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     w = torch.exp(log_ratio.clamp(-20, 20)).detach() * mask
@@ -417,12 +568,14 @@ def overlong_penalty(length: int, max_len: int, buffer: float) -> float:
     return max(-1.0, min(0.0, (max_len - buffer - length) / buffer))
 
 
-def split_batch(rollouts: list[Rollout], mini_batches: int, micro_batch_size: int,
-                max_tokens: int = 0) -> list[list[list[int]]]:
+def split_batch(
+    rollouts: list[Rollout], mini_batches: int, micro_batch_size: int, max_tokens: int = 0
+) -> list[list[list[int]]]:
     """Row indices per micro-batch per mini-batch. Mini-batches: contiguous, sizes within 1.
     Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens
     padded tokens, rows x (longest prompt + response). A group (media encoded once per micro-batch)
     that does not fit the current micro-batch starts a new one, unless it fits in none."""
+
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
             return len(rows) <= micro_batch_size
@@ -456,13 +609,14 @@ def lr_at(step: int, cfg: Config) -> float:
 # --------------------------------------------------------------------------------------------------
 # The loss on a micro-batch and what it reads: old/ref log-probs, KL-in-reward, global advantages
 
+
 def chunk_logp(hidden, weight, targets, temperature: float, banned: list[int]):
     """Targets' log-probs and entropy at temperature: hidden (N, D), targets (N,) -> (N,), (N,)."""
-    logits = torch.nn.functional.linear(hidden, weight).float() / temperature             # (N, V)
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature  # (N, V)
     logits[:, banned] = -1e9  # the sampler masks vision tokens; finite so entropy has no 0 * inf
-    lse = torch.logsumexp(logits, -1)                                                      # (N,)
+    lse = torch.logsumexp(logits, -1)  # (N,)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)         # stable form, as verl
+    entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)  # stable form, as verl
     return logp, entropy
 
 
@@ -476,8 +630,10 @@ class ChunkedLogp(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.banned = banned
         ctx.chunk = chunk
-        parts = [chunk_logp(hidden[i:i + chunk], weight, targets[i:i + chunk], temperature, banned)
-                 for i in range(0, max(1, len(targets)), chunk)]  # an SP rank may have no targets
+        parts = [
+            chunk_logp(hidden[i : i + chunk], weight, targets[i : i + chunk], temperature, banned)
+            for i in range(0, max(1, len(targets)), chunk)
+        ]  # an SP rank may have no targets
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @staticmethod
@@ -485,39 +641,52 @@ class ChunkedLogp(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
         for i in range(0, len(targets), ctx.chunk):
-            h, y = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+            h, y = hidden[i : i + ctx.chunk], targets[i : i + ctx.chunk]
             z = torch.nn.functional.linear(h, weight).float() / ctx.temperature  # (n, V)
             z[:, ctx.banned] = -1e9
             p = torch.softmax(z, -1)
-            gl, ge = grad_logp[i:i + ctx.chunk, None], grad_entropy[i:i + ctx.chunk, None]  # (n, 1)
+            gl, ge = (
+                grad_logp[i : i + ctx.chunk, None],
+                grad_entropy[i : i + ctx.chunk, None],
+            )  # (n, 1)
             # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
             dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
             dz.scatter_add_(1, y[:, None], gl)
             dz[:, ctx.banned] = 0.0
             dz = (dz / ctx.temperature).to(weight.dtype)
-            grad_hidden[i:i + ctx.chunk] = dz @ weight
+            grad_hidden[i : i + ctx.chunk] = dz @ weight
             grad_weight.addmm_(dz.T, h)
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def token_logp(model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None):
+def token_logp(
+    model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None
+):
     """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded once
     per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; `chunk` positions are projected
     at a time (0 = all). sp_size > 1 (layout): each SP rank computes its share (sp.py) and returns the whole."""
     rows, R = batch["mask"].shape
     vision = batch["vision"]
     if vision is None:
-        vision = sp.encode_vision(model, batch["prompts"], batch["input_ids"].device, layout, batch["dummies"])
+        vision = sp.encode_vision(
+            model, batch["prompts"], batch["input_ids"].device, layout, batch["dummies"]
+        )
         batch["encodes"] += vision.encodes
     inputs, shard = sp.model_inputs(model, batch, vision, layout)
     # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
     out = model(**inputs, logits_to_keep=1, use_cache=False, output_hidden_states=True)
-    a, b = shard.response_span(R)  # this rank's response tokens; token 0 is predicted at position length - R - 1
+    a, b = shard.response_span(
+        R
+    )  # this rank's response tokens; token 0 is predicted at position length - R - 1
     first = shard.length - R - 1 - shard.start + a
-    hidden = out.hidden_states[-1][:, first:first + b - a].flatten(0, 1)                  # (b r, D)
-    weight = model.get_output_embeddings().weight  # FSDP2 keeps the root's parameters unsharded until backward
-    targets = batch["response_ids"][:, a:b].flatten()                                      # (b r,)
-    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk or max(1, len(targets)))
+    hidden = out.hidden_states[-1][:, first : first + b - a].flatten(0, 1)  # (b r, D)
+    weight = (
+        model.get_output_embeddings().weight
+    )  # FSDP2 keeps the root's parameters unsharded until backward
+    targets = batch["response_ids"][:, a:b].flatten()  # (b r,)
+    logp, entropy = ChunkedLogp.apply(
+        hidden, weight, targets, temperature, banned, chunk or max(1, len(targets))
+    )
     return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
@@ -531,30 +700,45 @@ def collate(rollouts: list[Rollout], pad_id: int, device, dummies: dict | None =
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     mask = torch.zeros((B, R))
-    rollout_logp = torch.full((B, R), float("nan"))  # NaN: no sampler log-probs (offline trajectory)
+    rollout_logp = torch.full(
+        (B, R), float("nan")
+    )  # NaN: no sampler log-probs (offline trajectory)
     for i, r in enumerate(rollouts):
         p, y = r.prompt.prompt_ids, r.response_ids
-        input_ids[i, P - len(p):P] = torch.tensor(p)
-        input_ids[i, P:P + len(y)] = torch.tensor(y, dtype=torch.long)
-        attn[i, P - len(p):P + len(y)] = 1
-        mask[i, :len(y)] = 1
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        input_ids[i, P : P + len(y)] = torch.tensor(y, dtype=torch.long)
+        attn[i, P - len(p) : P + len(y)] = 1
+        mask[i, : len(y)] = 1
         if r.logp:
-            rollout_logp[i, :len(y)] = torch.tensor(r.logp)
+            rollout_logp[i, : len(y)] = torch.tensor(r.logp)
     prompts = [r.prompt for r in rollouts]
     grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
-    return dict(input_ids=input_ids, attention_mask=attn.to(device), prompts=prompts, grids=grids, dummies=dummies,
-                response_ids=input_ids[:, P:], mask=mask.to(device), rollout_logp=rollout_logp.to(device),  # (b, R)
-                old_logp=None, ref_logp=None, adv=None,  # (b, R) each, set by main; old_logp None: on-policy
-                vision=None, encodes=0)  # vision: encode_vision's features if computed once per step
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attn.to(device),
+        prompts=prompts,
+        grids=grids,
+        dummies=dummies,
+        response_ids=input_ids[:, P:],
+        mask=mask.to(device),
+        rollout_logp=rollout_logp.to(device),  # (b, R)
+        old_logp=None,
+        ref_logp=None,
+        adv=None,  # (b, R) each, set by main; old_logp None: on-policy
+        vision=None,
+        encodes=0,
+    )  # vision: encode_vision's features if computed once per step
 
 
-def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0,
-                   layout=None) -> torch.Tensor:
+def reference_logp(
+    model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None
+) -> torch.Tensor:
     """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
     adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
     only the root's unsharded copies; root-held adapters (the merger) would stop training."""
     from peft.helpers import rescale_adapter_scale
+
     if ref is not None:
         return token_logp(ref, b, temperature, banned, chunk, layout)[0]
     with rescale_adapter_scale(model, 0.0):
@@ -564,43 +748,73 @@ def reference_logp(model, ref, b: dict, temperature: float, banned: list[int], c
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": the rows.
     All ranks run as many (FSDP): a rank the token budget packed into fewer halves its largest."""
-    plan = split_batch(rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    plan = split_batch(
+        rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+    )
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     minibatches = []
     for mini, count in zip(plan, counts):
         while len(mini) < count:
             big = max(mini, key=len)
             at = mini.index(big)
-            mini[at:at + 1] = [big[:len(big) // 2], big[len(big) // 2:]]
-        minibatches.append([dict(collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies),
-                                 index=rows) for rows in mini])
+            mini[at : at + 1] = [big[: len(big) // 2], big[len(big) // 2 :]]
+        minibatches.append(
+            [
+                dict(
+                    collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies),
+                    index=rows,
+                )
+                for rows in mini
+            ]
+        )
     return minibatches
 
 
-def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None):
+def micro_loss(
+    model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None
+):
     """This micro-batch's share of its mini-batch loss (summed over micro-batches and ranks: the
     mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp]."""
     logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)  # (b, R)
     mask = b["mask"]
     old = logp.detach() if b["old_logp"] is None else b["old_logp"]
-    pg, clipped = policy_loss(logp, old, b["adv"], mask, loss_type=cfg.loss_type, clip_low=cfg.clip_low,
-                              clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c)
+    pg, clipped = policy_loss(
+        logp,
+        old,
+        b["adv"],
+        mask,
+        loss_type=cfg.loss_type,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+    )
     w = torch.ones_like(mask)  # the TIS weight, 1 when off
     if cfg.tis:
-        w = is_weight(old, b["rollout_logp"], mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode)
+        w = is_weight(
+            old, b["rollout_logp"], mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode
+        )
     kl = torch.zeros_like(mask)
     if b["ref_logp"] is not None and not cfg.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logp"], cfg.kl_type)
     bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
     norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
-    loss = (agg_loss(pg * w, mask, **norm) - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
-            + cfg.kl_coef * agg_loss(kl, mask, **norm))
+    loss = (
+        agg_loss(pg * w, mask, **norm)
+        - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
+        + cfg.kl_coef * agg_loss(kl, mask, **norm)
+    )
     with torch.no_grad():
         has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
-        metrics = {"loss": loss.item(), "clipfrac": (clipped * mask).sum().item(), "entropy": (ent * mask).sum().item(),
-                   "kl": (kl * mask).sum().item(), "mismatch_sum": d.sum().item(), "mismatch_n": has.sum().item(),
-                   "mismatch_max": d.max().item()}
+        metrics = {
+            "loss": loss.item(),
+            "clipfrac": (clipped * mask).sum().item(),
+            "entropy": (ent * mask).sum().item(),
+            "kl": (kl * mask).sum().item(),
+            "mismatch_sum": d.sum().item(),
+            "mismatch_n": has.sum().item(),
+            "mismatch_max": d.max().item(),
+        }
         if cfg.tis:
             raw = is_weight(old, b["rollout_logp"], mask, level=cfg.tis, cap=float("inf"))
             metrics["tis_weight"] = w.sum().item()
@@ -610,8 +824,14 @@ def micro_loss(model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_s
 
 def global_counts(batches: list[dict]) -> tuple[float, float]:
     """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    return tuple(all_reduce([sum(b["mask"].sum().item() for b in batches),
-                             sum((b["mask"].sum(-1) > 0).sum().item() for b in batches)]))
+    return tuple(
+        all_reduce(
+            [
+                sum(b["mask"].sum().item() for b in batches),
+                sum((b["mask"].sum(-1) > 0).sum().item() for b in batches),
+            ]
+        )
+    )
 
 
 def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
@@ -620,7 +840,9 @@ def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layou
     rows = []
     for b in itertools.chain(*minibatches):
         kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]  # (b, R)
-        rows.append(torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu())
+        rows.append(
+            torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu()
+        )
     return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
@@ -628,11 +850,20 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
     """Advantages (B_all, max_response_len) of the global batch (global_rows: whitening needs every
     rank's rows). GDPO's reward components: accuracy, format (+ overlong)."""
     keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
-    components = [torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys]
+    components = [
+        torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys
+    ]
     full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}
-    adv = advantages(reward=full["reward"], group_size=cfg.group_size, estimator=cfg.adv_estimator,
-                     lengths=full["length"], baseline=full["baseline"], components=components,
-                     kl_to_go=kl_to_go, eps=cfg.adv_eps)
+    adv = advantages(
+        reward=full["reward"],
+        group_size=cfg.group_size,
+        estimator=cfg.adv_estimator,
+        lengths=full["length"],
+        baseline=full["baseline"],
+        components=components,
+        kl_to_go=kl_to_go,
+        eps=cfg.adv_eps,
+    )
     if adv.dim() == 1:  # one value per sequence: the same at every token
         adv = adv[:, None].expand(-1, cfg.max_response_len)
     return adv.float()
@@ -641,9 +872,11 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # Sampling and reward: groups are scored as generated (DAPO's dynamic sampling filters on them)
 
+
 @dataclass
 class Group:
     """A prompt's completions, their reward components (score: "overall" the reward), ReMax's baseline (or 0)."""
+
     rollouts: list[Rollout]
     components: list[dict]
     baseline: float = 0.0
@@ -651,10 +884,14 @@ class Group:
 
 def score(r: Rollout, cfg: Config) -> dict:
     """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
-    overall, comp = rewards.compute_reward(r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format)
+    overall, comp = rewards.compute_reward(
+        r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format
+    )
     if cfg.overlong_buffer:
         buffer = cfg.overlong_buffer * cfg.max_response_len
-        comp["overlong"] = cfg.overlong_factor * overlong_penalty(len(r.response_ids), cfg.max_response_len, buffer)
+        comp["overlong"] = cfg.overlong_factor * overlong_penalty(
+            len(r.response_ids), cfg.max_response_len, buffer
+        )
         comp["overall"] = overall + comp["overlong"]
     return comp
 
@@ -672,8 +909,10 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
     if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group
     # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
-    ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[:cfg.max_response_len]
-    return scored_group(group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline)
+    ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[: cfg.max_response_len]
+    return scored_group(
+        group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline
+    )
 
 
 def has_spread(group: Group, metric: str) -> bool:
@@ -685,15 +924,25 @@ def has_spread(group: Group, metric: str) -> bool:
 @dataclass
 class Batch:
     """This rank's groups for one step, and what dynamic sampling did to get them."""
+
     groups: list[Group]
-    skips: list[dict]     # samples that failed preparation (skip_invalid), replaced from the stream
-    rounds: int = 1       # generation rounds
-    dropped: int = 0      # groups dropped by dynamic sampling
-    refilled: int = 0     # dropped groups taken back to fill the batch after max_gen_rounds
+    skips: list[dict]  # samples that failed preparation (skip_invalid), replaced from the stream
+    rounds: int = 1  # generation rounds
+    dropped: int = 0  # groups dropped by dynamic sampling
+    refilled: int = 0  # dropped groups taken back to fill the batch after max_gen_rounds
 
 
-def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, step: int, tok,
-                 eos_id: int, layout: sp.Layout) -> Batch:
+def sample_batch(
+    engine,
+    stream: data.Stream,
+    samples: list,
+    prep,
+    cfg: Config,
+    step: int,
+    tok,
+    eos_id: int,
+    layout: sp.Layout,
+) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
     share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
     groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
@@ -705,16 +954,22 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
         share, start, k = layout.share(prompts, layout.tp)
-        rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[start * n:][:k * n]
+        rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[
+            start * n :
+        ][: k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:][:k]
             baselines = [score(r, cfg)["overall"] for r in greedy]
-        if layout.sp_size > 1:  # each rank keeps its run of the pixel rows, from the rank that prepared them
+        if (
+            layout.sp_size > 1
+        ):  # each rank keeps its run of the pixel rows, from the rank that prepared them
             group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
-            group = swap_offline(scored_group(rollouts[i * n:(i + 1) * n], cfg, baseline), cfg, tok, eos_id)
+            group = swap_offline(
+                scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline), cfg, tok, eos_id
+            )
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -722,61 +977,91 @@ def sample_batch(engine, stream: data.Stream, samples: list, prep, cfg: Config, 
         if not all_reduce([float(len(kept) < need)])[0]:  # all ranks take the same number of rounds
             break
     refilled = max(0, need - len(kept))
-    return Batch(groups=(kept + dropped[:refilled])[:need], skips=skips, rounds=gen_round + 1, dropped=len(dropped),
-                 refilled=refilled)
+    return Batch(
+        groups=(kept + dropped[:refilled])[:need],
+        skips=skips,
+        rounds=gen_round + 1,
+        dropped=len(dropped),
+        refilled=refilled,
+    )
 
 
 def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
     """Per-row values of the global batch, data-parallel ranks in rank order (an SP group's rows
     once), and where this rank's rows start. One gather: advantages and metrics read them."""
     rollouts = [r for g in groups for r in g.rollouts]
-    mine = {"reward": [c["overall"] for g in groups for c in g.components],
-            "components": [c for g in groups for c in g.components],
-            "baseline": [g.baseline for g in groups for _ in g.rollouts], "finish": [r.finish for r in rollouts],
-            "length": [len(r.response_ids) for r in rollouts], "id": [r.prompt.sample["id"] for r in rollouts],
-            "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts]}
+    mine = {
+        "reward": [c["overall"] for g in groups for c in g.components],
+        "components": [c for g in groups for c in g.components],
+        "baseline": [g.baseline for g in groups for _ in g.rollouts],
+        "finish": [r.finish for r in rollouts],
+        "length": [len(r.response_ids) for r in rollouts],
+        "id": [r.prompt.sample["id"] for r in rollouts],
+        "type": [rewards.canonical_type(r.prompt.sample["problem_type"]) for r in rollouts],
+    }
     parts = layout.dedup(gather(mine))
-    start = sum(len(p["reward"]) for p in parts[:layout.dp_rank])
+    start = sum(len(p["reward"]) for p in parts[: layout.dp_rank])
     return {k: [x for p in parts for x in p[k]] for k in mine}, start
 
 
 # --------------------------------------------------------------------------------------------------
 # main and its parts: setup, the no-grad log-prob pass, the update, logging, the end of the run
 
+
 @dataclass
 class Trainer:
     """The training side of a run (build_trainer): policy, reference, optimizer, ranks."""
+
     model: torch.nn.Module
     ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, adapters scaled to 0
-    opt: torch.optim.Optimizer   # AdamW over the trainable parameters (LoRA: the adapters only)
-    banned: list[int]            # vision token ids: never sampled, masked in every log-prob
+    opt: torch.optim.Optimizer  # AdamW over the trainable parameters (LoRA: the adapters only)
+    banned: list[int]  # vision token ids: never sampled, masked in every log-prob
     layout: sp.Layout
-    dummies: dict | None         # FSDP (world > 1): a dummy row per modality a micro-batch lacks
+    dummies: dict | None  # FSDP (world > 1): a dummy row per modality a micro-batch lacks
     rank: int
     world: int
     device: torch.device
 
 
-def build_trainer(cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device) -> Trainer:
+def build_trainer(
+    cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device
+) -> Trainer:
     model = load_model(cfg, device)
-    ref = load_model(cfg, device).eval().requires_grad_(False) if cfg.kl_coef > 0 and not cfg.lora_rank else None
+    ref = (
+        load_model(cfg, device).eval().requires_grad_(False)
+        if cfg.kl_coef > 0 and not cfg.lora_rank
+        else None
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules everywhere
-    return Trainer(model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device)
+    return Trainer(
+        model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device
+    )
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
         return HFEngine(t.model, tok, eos_ids, t.dummies)
-    media = [(len(s.get("images", [])), len(s.get("videos", []))) for s in samples["train"] + samples["val"]]
+    media = [
+        (len(s.get("images", [])), len(s.get("videos", [])))
+        for s in samples["train"] + samples["val"]
+    ]
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
-    engine = VLLMEngine(cfg.model, tok, tp=cfg.rollout_tp, max_model_len=cfg.max_model_len,
-                        dtype="bfloat16" if t.device.type == "cuda" else "float32",
-                        gpu_memory_utilization=cfg.gpu_memory_utilization, sleep=cfg.vllm_sleep, seed=cfg.seed,
-                        trust_remote_code=cfg.trust_remote_code, max_images=max([i for i, _ in media] + [1]),
-                        max_videos=max([v for _, v in media] + [1]))
+    engine = VLLMEngine(
+        cfg.model,
+        tok,
+        tp=cfg.rollout_tp,
+        max_model_len=cfg.max_model_len,
+        dtype="bfloat16" if t.device.type == "cuda" else "float32",
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        sleep=cfg.vllm_sleep,
+        seed=cfg.seed,
+        trust_remote_code=cfg.trust_remote_code,
+        max_images=max([i for i, _ in media] + [1]),
+        max_videos=max([v for _, v in media] + [1]),
+    )
     engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
     return engine
 
@@ -784,18 +1069,35 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
-    specials = data.SPECIAL_TOKENS + tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
-    load = functools.partial(data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials)
-    samples = {"train": load(cfg.train_data), "val": load(cfg.val_data)[:cfg.eval_max_samples] if cfg.val_data else []}
+    specials = data.SPECIAL_TOKENS + tuple(
+        t.content for t in tok.added_tokens_decoder.values() if t.special
+    )
+    load = functools.partial(
+        data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials
+    )
+    samples = {
+        "train": load(cfg.train_data),
+        "val": load(cfg.val_data)[: cfg.eval_max_samples] if cfg.val_data else [],
+    }
     if template:  # every prompt rendered once, now, bounded in time and memory (render_prompt reuses the text)
-        samples = {split: data.render_all(template, rows, cfg.response_format, skipped if cfg.skip_invalid else None,
-                                          where=cfg.prompt_template) for split, rows in samples.items()}
+        samples = {
+            split: data.render_all(
+                template,
+                rows,
+                cfg.response_format,
+                skipped if cfg.skip_invalid else None,
+                where=cfg.prompt_template,
+            )
+            for split, rows in samples.items()
+        }
     if not samples["train"]:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     return samples
 
 
-def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config) -> int:
+def logp_pass(
+    t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config
+) -> int:
     """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the reward), the
     reference's with kl_coef; freeze_vision: every prompt's features once, for all passes. Returns the encodes."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
@@ -803,7 +1105,9 @@ def logp_pass(t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout]
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
     with torch.no_grad():
         if cfg.freeze_vision:
-            frozen = sp.encode_vision(t.model, [r.prompt for r in rollouts], t.device, t.layout, t.dummies)
+            frozen = sp.encode_vision(
+                t.model, [r.prompt for r in rollouts], t.device, t.layout, t.dummies
+            )
             encodes = frozen.encodes
         for b in itertools.chain(*minibatches):
             b["vision"] = frozen
@@ -836,8 +1140,10 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
-                raise FloatingPointError(f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
-                                         f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update")
+                raise FloatingPointError(
+                    f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
+                    f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update"
+                )
             t.opt.step()
             t.opt.zero_grad(set_to_none=True)
     t.model.eval()
@@ -845,30 +1151,59 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
     return m | {"grad_norm": mean(gnorms)}
 
 
-def log_step(row: dict, parts: list[dict], cfg: Config, layout: sp.Layout, logger, skipped: list, per_step: float):
+def log_step(
+    row: dict,
+    parts: list[dict],
+    cfg: Config,
+    layout: sp.Layout,
+    logger,
+    skipped: list,
+    per_step: float,
+):
     """Rank 0: the step's line on stdout, samples.jsonl, metrics.jsonl, wandb, skipped.jsonl."""
     step = row["step"]
     if row["data/skipped_step"]:
         common.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
     eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
     shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
-    print0(" | ".join([f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"]))
+    print0(
+        " | ".join([f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"])
+    )
     shared = [x for p in layout.dedup(parts) for x in p["samples"]]  # an SP group's once
-    write_samples(shared[:cfg.log_samples], cfg, logger, step)
+    write_samples(shared[: cfg.log_samples], cfg, logger, step)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     logger.log(row, step=step)
 
 
-def finish(cfg: Config, t: Trainer, processor, engine, logger, acc_before: float, acc_after: float, trained: bool):
+def finish(
+    cfg: Config,
+    t: Trainer,
+    processor,
+    engine,
+    logger,
+    acc_before: float,
+    acc_after: float,
+    trained: bool,
+):
     """The run's end: curve and summary.json (trained: this process trained), final checkpoint."""
     catch_stop_signals(catch=False)  # the end of the run: no step to finish
     if t.rank == 0 and trained:
         rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
-        curves = [("reward/mean", "-", "train reward"), ("reward/accuracy", "-", "train accuracy"),
-                  ("eval/accuracy", "o-", "held-out accuracy (greedy)")]
-        lines = [([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r], style, label)
-                 for key, style, label in curves]
+        curves = [
+            ("reward/mean", "-", "train reward"),
+            ("reward/accuracy", "-", "train accuracy"),
+            ("eval/accuracy", "o-", "held-out accuracy (greedy)"),
+        ]
+        lines = [
+            (
+                [r["step"] for r in rows if key in r],
+                [r[key] for r in rows if key in r],
+                style,
+                label,
+            )
+            for key, style, label in curves
+        ]
         common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         summary = {"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
@@ -891,6 +1226,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     tok = processor.tokenizer
     template = open(cfg.prompt_template).read() if cfg.prompt_template else None
@@ -907,7 +1243,9 @@ def main(cfg: Config):
     fmt = dict(template=template, response_format=cfg.response_format)
     prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
     val_prep = functools.partial(prep, cfg=cfg.val_config())  # the held-out frame budget
-    val_prompts, skips = data.prep_share(val_prep, samples["val"], cfg, layout)  # its TP group's share
+    val_prompts, skips = data.prep_share(
+        val_prep, samples["val"], cfg, layout
+    )  # its TP group's share
     n_val = len(samples["val"]) - len(skips)  # on every rank
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
@@ -915,14 +1253,18 @@ def main(cfg: Config):
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif n_val:
         acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
-    print0(f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
-           f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}")
+    print0(
+        f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
+        f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}"
+    )
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, rank)
     acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state.get("step", 0) >= cfg.max_steps:
-        print0(f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train")
+        print0(
+            f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train"
+        )
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
     signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
@@ -931,14 +1273,23 @@ def main(cfg: Config):
         t0 = time.time()
         stats_before, n_skipped = dict(stats), len(skipped)
         # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
-        batch = sample_batch(engine, stream, samples["train"], prep, cfg, step=step,
-                             tok=tok, eos_id=eos_ids[0], layout=layout)  # scored as generated
+        batch = sample_batch(
+            engine,
+            stream,
+            samples["train"],
+            prep,
+            cfg,
+            step=step,
+            tok=tok,
+            eos_id=eos_ids[0],
+            layout=layout,
+        )  # scored as generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
-        ids = where["ids"] = rows["id"][::cfg.group_size]
+        ids = where["ids"] = rows["id"][:: cfg.group_size]
         # ---------------------------------------------------- old / ref log-probs (no grad, once)
         t1 = time.time()
         minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
@@ -946,32 +1297,59 @@ def main(cfg: Config):
         kl_to_go, kl = None, 0.0
         if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
             kl_to_go = kl_reward_to_go(minibatches, cfg, layout)  # (B_all, R)
-            kl = kl_to_go[start:start + len(rollouts), 0].sum().item()  # this rank's rows
+            kl = kl_to_go[start : start + len(rollouts), 0].sum().item()  # this rank's rows
             kl_to_go = cfg.kl_coef * kl_to_go
         # ---------------------------------------------------- advantage
         adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
-        adv = adv_all[start:start + len(rollouts)].to(device)  # this rank's rows
+        adv = adv_all[start : start + len(rollouts)].to(device)  # this rank's rows
         for b in itertools.chain(*minibatches):
-            b["adv"] = adv[b["index"], :b["mask"].shape[1]]
+            b["adv"] = adv[b["index"], : b["mask"].shape[1]]
         # ---------------------------------------------------- loss and step
         m = update(t, minibatches, cfg, step, ids)
         encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # no freeze: per pass
-        m.update(kl=kl + m["kl"], vision_encodes=encodes, dyn_rounds=batch.rounds,
-                 dyn_dropped=batch.dropped, dyn_refilled=batch.refilled)
+        m.update(
+            kl=kl + m["kl"],
+            vision_encodes=encodes,
+            dyn_rounds=batch.rounds,
+            dyn_dropped=batch.dropped,
+            dyn_refilled=batch.refilled,
+        )
         # ---------------------------------------------------- sync
         t2 = time.time()
         engine.sync(t.model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ---------------------------------------------------- log
-        parts = gather({"m": m, "stats": {k: stats[k] - stats_before[k] for k in stats},
-                        "samples": sample_rows(batch.groups, adv, step, cfg)})
-        evaluated = n_val and (step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0)
+        parts = gather(
+            {
+                "m": m,
+                "stats": {k: stats[k] - stats_before[k] for k in stats},
+                "samples": sample_rows(batch.groups, adv, step, cfg),
+            }
+        )
+        evaluated = n_val and (
+            step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0
+        )
         if evaluated:  # the result of the run, once the last step has run
             acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
         if rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, gnorm=m["grad_norm"],
-                               lr=lr_at(step - 1, cfg), times=times, layout=layout)
-            row.update({"data/skipped": len(skipped), "data/skipped_step": len(skipped) - n_skipped, "data/ids": ids})
+            row = step_metrics(
+                rows,
+                adv_all,
+                parts,
+                step,
+                cfg,
+                gnorm=m["grad_norm"],
+                lr=lr_at(step - 1, cfg),
+                times=times,
+                layout=layout,
+            )
+            row.update(
+                {
+                    "data/skipped": len(skipped),
+                    "data/skipped_step": len(skipped) - n_skipped,
+                    "data/ids": ids,
+                }
+            )
             if evaluated:
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - state.get("step", 0))
@@ -981,10 +1359,28 @@ def main(cfg: Config):
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            meta = dict(step=step, data={"epoch": stream.epoch, "cursor": stream.cursor}, config=asdict(cfg),
-                        wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped)
-            ckpt.save(cfg.out_dir, step, t.model, t.opt, processor, meta=meta, keep_last=cfg.keep_last, rank=rank)
-            print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
+            meta = dict(
+                step=step,
+                data={"epoch": stream.epoch, "cursor": stream.cursor},
+                config=asdict(cfg),
+                wandb_id=logger.id,
+                acc_before=acc_before,
+                acc_after=acc_after,
+                skipped=skipped,
+            )
+            ckpt.save(
+                cfg.out_dir,
+                step,
+                t.model,
+                t.opt,
+                processor,
+                meta=meta,
+                keep_last=cfg.keep_last,
+                rank=rank,
+            )
+            print0(
+                f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}"
+            )
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             engine.close()
@@ -996,8 +1392,10 @@ def main(cfg: Config):
 # --------------------------------------------------------------------------------------------------
 # Metrics and logging
 
+
 class NoLogger:
     """Stands in for a wandb run when wandb is off."""
+
     id = None
 
     def log(self, row: dict, step: int):
@@ -1025,9 +1423,17 @@ def sample_rows(groups: list[Group], adv: torch.Tensor, step: int, cfg: Config) 
     reward components and advantage (at its first token: per-token estimators vary along it)."""
     if not cfg.log_every or step % cfg.log_every:
         return []
-    return [{"step": step, "id": g.rollouts[0].prompt.sample["id"], "response": g.rollouts[0].text,
-             "finish": g.rollouts[0].finish, "reward": g.components[0], "advantage": adv[i * cfg.group_size, 0].item()}
-            for i, g in enumerate(groups[:cfg.log_samples])]
+    return [
+        {
+            "step": step,
+            "id": g.rollouts[0].prompt.sample["id"],
+            "response": g.rollouts[0].text,
+            "finish": g.rollouts[0].finish,
+            "reward": g.components[0],
+            "advantage": adv[i * cfg.group_size, 0].item(),
+        }
+        for i, g in enumerate(groups[: cfg.log_samples])
+    ]
 
 
 def write_samples(shown: list[dict], cfg: Config, logger, step: int):
@@ -1038,6 +1444,7 @@ def write_samples(shown: list[dict], cfg: Config, logger, step: int):
         f.writelines(json.dumps(r) + "\n" for r in shown)
     if cfg.wandb_project:
         import wandb
+
         cells = [[json.dumps(v) if isinstance(v, dict) else v for v in r.values()] for r in shown]
         logger.log({"samples": wandb.Table(columns=list(shown[0]), data=cells)}, step=step)
 
@@ -1053,41 +1460,85 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
     if rank or not cfg.wandb_project:
         return NoLogger()
     import wandb
-    return wandb.init(project=cfg.wandb_project, config=asdict(cfg), dir=cfg.out_dir,
-                      id=state.get("wandb_id"), resume="allow")
+
+    return wandb.init(
+        project=cfg.wandb_project,
+        config=asdict(cfg),
+        dir=cfg.out_dir,
+        id=state.get("wandb_id"),
+        resume="allow",
+    )
 
 
-LOG_KEYS = ("reward/mean", "reward/accuracy", "reward/format", "reward/parse_fail", "len/mean", "loss", "clipfrac",
-            "entropy", "grad_norm", "mismatch/mean", "eval/accuracy", "time/step", "time/gen", "time/train", "tokens/s")
+LOG_KEYS = (
+    "reward/mean",
+    "reward/accuracy",
+    "reward/format",
+    "reward/parse_fail",
+    "len/mean",
+    "loss",
+    "clipfrac",
+    "entropy",
+    "grad_norm",
+    "mismatch/mean",
+    "eval/accuracy",
+    "time/step",
+    "time/gen",
+    "time/train",
+    "tokens/s",
+)
 
 
 def mean(xs: list) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cfg: Config, gnorm: float, lr: float,
-                 times: dict, layout: sp.Layout) -> dict:
+def step_metrics(
+    rows: dict,
+    adv: torch.Tensor,
+    parts: list[dict],
+    step: int,
+    cfg: Config,
+    gnorm: float,
+    lr: float,
+    times: dict,
+    layout: sp.Layout,
+) -> dict:
     """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's
     sums (parts), an SP group's once, but each rank's own work (encodes, cache counters)."""
     msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
     rew, comp = rows["reward"], rows["components"]
     types, n_tok = rows["type"], sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
-    row = {"step": step, "reward/mean": mean(rew), "lr": lr, "grad_norm": gnorm, "loss": msum["loss"],
-           "clipfrac": msum["clipfrac"] / n_tok, "entropy": msum["entropy"] / n_tok, "kl": msum["kl"] / n_tok,
-           "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
-           "mismatch/max": max(p["m"]["mismatch_max"] for p in parts), "len/mean": mean(rows["length"]),
-           "len/truncated": mean([f == "length" for f in rows["finish"]]), "tokens/s": n_tok / times["step"],
-           "vision/encodes": sum(p["m"]["vision_encodes"] for p in parts), "dyn/rounds": parts[0]["m"]["dyn_rounds"],
-           "dyn/dropped": msum["dyn_dropped"], "dyn/refilled": msum["dyn_refilled"]}
+    row = {
+        "step": step,
+        "reward/mean": mean(rew),
+        "lr": lr,
+        "grad_norm": gnorm,
+        "loss": msum["loss"],
+        "clipfrac": msum["clipfrac"] / n_tok,
+        "entropy": msum["entropy"] / n_tok,
+        "kl": msum["kl"] / n_tok,
+        "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
+        "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
+        "len/mean": mean(rows["length"]),
+        "len/truncated": mean([f == "length" for f in rows["finish"]]),
+        "tokens/s": n_tok / times["step"],
+        "vision/encodes": sum(p["m"]["vision_encodes"] for p in parts),
+        "dyn/rounds": parts[0]["m"]["dyn_rounds"],
+        "dyn/dropped": msum["dyn_dropped"],
+        "dyn/refilled": msum["dyn_refilled"],
+    }
     for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
         row[f"reward/{key}"] = mean([c[key] for c in comp])
         for t in sorted(set(types)):
             row[f"reward/{key}/{t}"] = mean([c[key] for c, ty in zip(comp, types) if ty == t])
-    groups = [rew[i:i + cfg.group_size] for i in range(0, len(rew), cfg.group_size)]
+    groups = [rew[i : i + cfg.group_size] for i in range(0, len(rew), cfg.group_size)]
     row["zero_std_groups"] = mean([float(max(x) == min(x)) for x in groups])
     if cfg.tis:
-        row.update({"tis/weight": msum["tis_weight"] / n_tok, "tis/clipped": msum["tis_clipped"] / n_tok})
+        row.update(
+            {"tis/weight": msum["tis_weight"] / n_tok, "tis/clipped": msum["tis_clipped"] / n_tok}
+        )
     if cfg.adv_estimator == "remax":
         row["reward/greedy"] = mean(rows["baseline"])
     if any(off):
@@ -1103,16 +1554,27 @@ def step_metrics(rows: dict, adv: torch.Tensor, parts: list[dict], step: int, cf
 # --------------------------------------------------------------------------------------------------
 # Setup helpers
 
+
 def load_model(cfg: Config, device):
     """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
     master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
     from torch.distributed._composable import checkpoint as checkpoint_module
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
     from transformers import AutoModelForImageTextToText
+
     cuda = device.type == "cuda"
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation=attn,
-                                                        trust_remote_code=cfg.trust_remote_code).to(device)
+    model = AutoModelForImageTextToText.from_pretrained(
+        cfg.model,
+        dtype=torch.float32,
+        attn_implementation=attn,
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
     visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
     visual.requires_grad_(not cfg.freeze_vision)
     blocks = list(model.model.language_model.layers) + list(visual.blocks)
@@ -1123,8 +1585,16 @@ def load_model(cfg: Config, device):
         sp.use_ulysses(model)
     if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                                 lora_dropout=cfg.lora_dropout, target_modules=cfg.lora_targets))
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=cfg.lora_targets,
+            ),
+        )
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):

@@ -4,6 +4,7 @@ docs/speed.md). Last line: `cache step speedup: <ratio>x`.
 
     .venv/bin/python bench/cache.py          # about 5 minutes on 2 cores (--steps 6 --seconds 30 60 90 120)
 """
+
 import json
 import os
 import shutil
@@ -19,50 +20,96 @@ import cache  # noqa: E402
 from common import write_jsonl  # noqa: E402
 
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
-FRAMES = cache.Frames(video_fps=2.0, video_min_frames=4, video_max_frames=16, video_min_pixels=3136,
-                      video_max_pixels=3136)
+FRAMES = cache.Frames(
+    video_fps=2.0,
+    video_min_frames=4,
+    video_max_frames=16,
+    video_min_pixels=3136,
+    video_max_pixels=3136,
+)
 FLAGS = [x for k, v in asdict(FRAMES).items() for x in (f"--{k.replace('_', '-')}", str(v))]
 BIG = replace(FRAMES, video_max_frames=64, video_max_pixels=262144)  # qwen2_5_vl_7b.yaml's
-ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
+ENV = dict(
+    os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+)  # vLLM's CPU KV cache: rollout.py
 
 
 def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
     """One 720p 30 fps clip per duration (kept between runs); returns a train.jsonl listing them all, and the clips."""
     import make_synthetic_data
+
     rows = []
     for s in seconds:
         d = os.path.join(out, f"{s}s")
-        paths = make_synthetic_data.make(d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30,
-                                         seconds=s)
+        paths = make_synthetic_data.make(
+            d, ["color"], num_train=1, num_val=0, seed=s, width=1280, height=720, fps=30, seconds=s
+        )
         row = json.loads(open(paths["train"]).readline())  # the one sample
         rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
     write_jsonl(os.path.join(out, "train.jsonl"), rows)
     return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
 
 
-def train_steps(model: str, data: str, cache_dir: str, source: str, steps: int, out: str) -> list[dict]:
+def train_steps(
+    model: str, data: str, cache_dir: str, source: str, steps: int, out: str
+) -> list[dict]:
     """A real 2-rank run; returns metrics.jsonl's rows."""
     shutil.rmtree(out, ignore_errors=True)
     n = sum(1 for _ in open(data))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", data, "--val-data", "",
-           "--out-dir", out, "--max-steps", str(steps), "--prompts-per-step", str(n), "--eval-every", "0",
-           "--no-save", "--cache-dir", cache_dir, "--video-source", source, *FLAGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--model",
+        model,
+        "--train-data",
+        data,
+        "--val-data",
+        "",
+        "--out-dir",
+        out,
+        "--max-steps",
+        str(steps),
+        "--prompts-per-step",
+        str(n),
+        "--eval-every",
+        "0",
+        "--no-save",
+        "--cache-dir",
+        cache_dir,
+        "--video-source",
+        source,
+        *FLAGS,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
     if p.returncode:
-        sys.exit(f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+        sys.exit(
+            f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+        )
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
-         out: str = os.path.join(ROOT, ".cache/bench/cache")):
+def main(
+    seconds: tuple[int, ...] = (30, 60, 90, 120),
+    steps: int = 6,
+    out: str = os.path.join(ROOT, ".cache/bench/cache"),
+):
     """seconds: the clips' durations; steps: train steps per run (the first is not timed); out: clips, cache, runs."""
     out = os.path.abspath(out)  # make_clips' paths are read relative to its JSONL
     import make_tiny_model
+
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
     train_jsonl, videos = make_clips(out, seconds)
-    print(f"{len(videos)} clips 1280x720 30 fps, {seconds} s, tiny model ready ({time.time() - t0:.0f}s)", flush=True)
+    print(
+        f"{len(videos)} clips 1280x720 30 fps, {seconds} s, tiny model ready ({time.time() - t0:.0f}s)",
+        flush=True,
+    )
 
     # ---- 1. the preprocessing command's work (cache.py's CLI), into a cold cache
     frames_dir = os.path.join(out, "frames")
@@ -72,51 +119,103 @@ def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
     print("cache.py:", " | ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
-    cache.load_video(videos[0], FRAMES, mode="decode_only")  # untimed: the first call imports decord, torchvision
+    cache.load_video(
+        videos[0], FRAMES, mode="decode_only"
+    )  # untimed: the first call imports decord, torchvision
     load = {}
-    for name, settings, d in (("bench", FRAMES, frames_dir), ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b"))):
+    for name, settings, d in (
+        ("bench", FRAMES, frames_dir),
+        ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b")),
+    ):
         decode_s, cached_s = [], []
         for v in videos:
             t = time.perf_counter()
             ref = cache.load_video(v, settings, mode="decode_only")
             decode_s.append(time.perf_counter() - t)
-            cache.load_video(v, settings, cache_dir=d)  # no preprocessing run at the 7B settings: a first run adds it
+            cache.load_video(
+                v, settings, cache_dir=d
+            )  # no preprocessing run at the 7B settings: a first run adds it
             t = time.perf_counter()
             for _ in range(5):
                 frames, meta = cache.load_video(v, settings, cache_dir=d, mode="cache_only")
             cached_s.append((time.perf_counter() - t) / 5)
-            assert (frames == ref[0]).all() and meta == ref[1], f"{v}: cached frames differ from decoded ones"
+            assert (frames == ref[0]).all() and meta == ref[1], (
+                f"{v}: cached frames differ from decoded ones"
+            )
         load[name] = (decode_s, cached_s, frames)
-        print(f"per-sample load at {name} settings measured ({sum(decode_s):.0f}s of decoding)", flush=True)
+        print(
+            f"per-sample load at {name} settings measured ({sum(decode_s):.0f}s of decoding)",
+            flush=True,
+        )
 
     # what train.py does per sample before vLLM: frames + chat template + processor (data.prepare), both ways
     import data
     from train import load_config
     from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(model)
     prep_s = {}
     for src in ("decode_only", "prefer_cache"):
-        cfg = load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--cache-dir", frames_dir,
-                           "--video-source", src, *FLAGS])
+        cfg = load_config(
+            [
+                "--config",
+                os.path.join(ROOT, "configs/tiny_cpu.yaml"),
+                "--cache-dir",
+                frames_dir,
+                "--video-source",
+                src,
+                *FLAGS,
+            ]
+        )
         t = time.perf_counter()
         for s in data.load_samples(train_jsonl):
             data.prepare(s, processor, cfg)
         prep_s[src] = (time.perf_counter() - t) / len(videos)
 
     # ---- 3. training steps: decode_only vs the warm cache
-    runs = {src: train_steps(model, train_jsonl, frames_dir, src, steps, os.path.join(out, f"run_{src}"))
-            for src in ("decode_only", "prefer_cache")}
+    runs = {
+        src: train_steps(
+            model, train_jsonl, frames_dir, src, steps, os.path.join(out, f"run_{src}")
+        )
+        for src in ("decode_only", "prefer_cache")
+    }
     warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]
-    assert warm_decodes == [0] * steps, f"a warm cache must not decode: cache/decode per step {warm_decodes}"
-    med = {src: {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith(("time/", "cache/"))}
-            for src, rows in runs.items()}
-    lines = [(f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB",
-              1000 * statistics.mean(dec), 1000 * statistics.mean(c)) for k, (dec, c, f) in load.items()]
-    lines.append(("prepare/sample (ms): frames+template+processor",
-                  1000 * prep_s["decode_only"], 1000 * prep_s["prefer_cache"]))
-    times = [k for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync") if k in med["prefer_cache"]]
+    assert warm_decodes == [0] * steps, (
+        f"a warm cache must not decode: cache/decode per step {warm_decodes}"
+    )
+    med = {
+        src: {
+            k: statistics.median(r[k] for r in rows[1:])
+            for k in rows[0]
+            if k.startswith(("time/", "cache/"))
+        }
+        for src, rows in runs.items()
+    }
+    lines = [
+        (
+            f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB",
+            1000 * statistics.mean(dec),
+            1000 * statistics.mean(c),
+        )
+        for k, (dec, c, f) in load.items()
+    ]
+    lines.append(
+        (
+            "prepare/sample (ms): frames+template+processor",
+            1000 * prep_s["decode_only"],
+            1000 * prep_s["prefer_cache"],
+        )
+    )
+    times = [
+        k
+        for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync")
+        if k in med["prefer_cache"]
+    ]
     labels = {k: f"train {k} (s, median steps 2-{steps})" for k in times}
-    labels |= {k: f"train {k} per step (all ranks)" for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")}
+    labels |= {
+        k: f"train {k} per step (all ranks)"
+        for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")
+    }
     lines += [(label, med["decode_only"][k], med["prefer_cache"][k]) for k, label in labels.items()]
     print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
     print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
@@ -124,9 +223,12 @@ def main(seconds: tuple[int, ...] = (30, 60, 90, 120), steps: int = 6,
         ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
         print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
     print(f"\nbench total {time.time() - t0:.0f}s")
-    print(f"cache step speedup: {med['decode_only']['time/step'] / med['prefer_cache']['time/step']:.2f}x")
+    print(
+        f"cache step speedup: {med['decode_only']['time/step'] / med['prefer_cache']['time/step']:.2f}x"
+    )
 
 
 if __name__ == "__main__":
     import tyro
+
     tyro.cli(main)

@@ -18,6 +18,7 @@ prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the upd
 Memory: the resident-set rise over the step, less the file-backed pages it faulted in (memory.peak_bytes), the
 largest rank's. Details: docs/speed.md.
 """
+
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ def run_phases(paths: list[str]):
     import rollout
     import train
     from transformers import AutoProcessor
+
     micro_batches, sync, peaks = train.micro_batches, rollout.VLLMEngine.sync, []
 
     def start(*args, **kw):  # the train phase's first call
@@ -51,10 +53,14 @@ def run_phases(paths: list[str]):
         peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
         return micro_batches(*args, **kw)
 
-    def end(*args, **kw):  # the weight sync after the update (train.main syncs once before step 1 too)
+    def end(
+        *args, **kw
+    ):  # the weight sync after the update (train.main syncs once before step 1 too)
         if peaks and isinstance(peaks[-1], tuple):
             base, file = peaks[-1]
-            peaks[-1] = (memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file) * 1024
+            peaks[-1] = (
+                memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file
+            ) * 1024
         return sync(*args, **kw)
 
     train.micro_batches, rollout.VLLMEngine.sync = start, end
@@ -62,44 +68,92 @@ def run_phases(paths: list[str]):
     train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     train.main(cfg)
     peak = max(peaks[1:] or peaks)
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "peaks_mib": [round(p / 2 ** 20, 1) for p in peaks]}))
+    print(
+        json.dumps(
+            {
+                "rank": int(os.environ.get("RANK", 0)),
+                "peaks_mib": [round(p / 2**20, 1) for p in peaks],
+            }
+        )
+    )
     if int(os.environ.get("RANK", 0)) == 0:
         processor = AutoProcessor.from_pretrained(cfg.model)
         prompt = data.prepare(data.load_samples(cfg.train_data)[0], processor, cfg)
         spec, meas = memory_plan.stored(cfg.model, "float32")
-        p = memory_plan.plan(cfg, spec, meas, int(os.environ["WORLD_SIZE"]), 24 * 2 ** 30, False,
-                             len(prompt.prompt_ids), int(prompt.mm["video_grid_thw"].prod()), cfg.sp_size)
-        planned = p.train - sum(v for k, v in p.held.items() if k.startswith(("parameters", "optimizer")))
-        print(f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "
-              f"{peak / 2 ** 20:.1f} MiB, planned {planned / 2 ** 20:.1f} MiB: {peak / planned:.2f}x")
+        p = memory_plan.plan(
+            cfg,
+            spec,
+            meas,
+            int(os.environ["WORLD_SIZE"]),
+            24 * 2**30,
+            False,
+            len(prompt.prompt_ids),
+            int(prompt.mm["video_grid_thw"].prod()),
+            cfg.sp_size,
+        )
+        planned = p.train - sum(
+            v for k, v in p.held.items() if k.startswith(("parameters", "optimizer"))
+        )
+        print(
+            f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "
+            f"{peak / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB: {peak / planned:.2f}x"
+        )
 
 
 def main(c: memory.Config):
-    print(f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
-    print("| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "
-          "vision encodes (rank 0) |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
+    )
+    print(
+        "| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "
+        "vision encodes (rank 0) |\n|---|---|---|---|---|---|---|---|---|"
+    )
     one = replace(c, frames=TOP, prompts=1, group_size=2)
-    timed = replace(c, frames=SPEED_FRAMES, prompts=2, ranks=2, steps=c.steps + 2)  # 3 timed steps: the fastest
-    runs = {"sp1": ("all on", replace(one, ranks=1, sp_size=1)), "sp2": ("all on", replace(one, ranks=2, sp_size=2)),
-            "each row encoded": (memory.PER_ROW, timed), "vision-once dp 2": ("freeze_vision", timed),
-            "MR-SP sp 2": ("freeze_vision", replace(timed, sp_size=2))}
+    timed = replace(
+        c, frames=SPEED_FRAMES, prompts=2, ranks=2, steps=c.steps + 2
+    )  # 3 timed steps: the fastest
+    runs = {
+        "sp1": ("all on", replace(one, ranks=1, sp_size=1)),
+        "sp2": ("all on", replace(one, ranks=2, sp_size=2)),
+        "each row encoded": (memory.PER_ROW, timed),
+        "vision-once dp 2": ("freeze_vision", timed),
+        "MR-SP sp 2": ("freeze_vision", replace(timed, sp_size=2)),
+    }
     rows = {}
     for name, (setting, cf) in runs.items():
         memory.prepare(cf)
         rows[name] = r = memory.run(cf, setting)
-        print(f"| {cf.frames} | {r['prompt'] + c.response_len} | {name} | {cf.group_size} | {cf.prompts} | "
-              f"{cf.ranks} | {r['peak'] / 2 ** 20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
-    print(f"tiny model: {r['params']:,} parameters; 4 bytes each, x 4 with gradients and AdamW states")
-    print(f"encoding once: {rows['each row encoded']['time'] / rows['vision-once dp 2']['time']:.2f}x")
-    print(f"per-rank memory sp1/sp2 at {TOP} frames: {rows['sp1']['peak'] / rows['sp2']['peak']:.2f}x")
-    print(f"long video step speedup: {rows['each row encoded']['time'] / rows['MR-SP sp 2']['time']:.2f}x")
-    print(f"of which sequence parallel: {rows['vision-once dp 2']['time'] / rows['MR-SP sp 2']['time']:.2f}x")
+        print(
+            f"| {cf.frames} | {r['prompt'] + c.response_len} | {name} | {cf.group_size} | {cf.prompts} | "
+            f"{cf.ranks} | {r['peak'] / 2**20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |",
+            flush=True,
+        )
+    print(
+        f"tiny model: {r['params']:,} parameters; 4 bytes each, x 4 with gradients and AdamW states"
+    )
+    print(
+        f"encoding once: {rows['each row encoded']['time'] / rows['vision-once dp 2']['time']:.2f}x"
+    )
+    print(
+        f"per-rank memory sp1/sp2 at {TOP} frames: {rows['sp1']['peak'] / rows['sp2']['peak']:.2f}x"
+    )
+    print(
+        f"long video step speedup: {rows['each row encoded']['time'] / rows['MR-SP sp 2']['time']:.2f}x"
+    )
+    print(
+        f"of which sequence parallel: {rows['vision-once dp 2']['time'] / rows['MR-SP sp 2']['time']:.2f}x"
+    )
 
 
 if __name__ == "__main__":
     if "--plan-check" in sys.argv:
-        run_phases(sys.argv[sys.argv.index("--plan-check") + 1:])
+        run_phases(sys.argv[sys.argv.index("--plan-check") + 1 :])
     else:
         import tyro
-        main(tyro.cli(memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)))
+
+        main(
+            tyro.cli(
+                memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)
+            )
+        )

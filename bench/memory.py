@@ -9,6 +9,7 @@ time and videos encoded (pre-hooks on the vision towers). "each row encoded" is 
 setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes every row's video
 (the tower trained) as train.py did then. bench/long_video.py runs this worker too.
 """
+
 import copy
 import ctypes
 import gc
@@ -23,12 +24,24 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-OFF = dict(freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0)
+OFF = dict(
+    freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0
+)
 PER_ROW = "each row encoded"  # OFF, and no two rows share a Prompt: the vision tower runs on every row in every pass
-SETTINGS = {PER_ROW: OFF, "switches off": OFF, "freeze_vision": dict(OFF, freeze_vision=True),
-            "gradient_checkpointing": dict(OFF, gradient_checkpointing=True), "logp_chunk 64": dict(OFF, logp_chunk=64),
-            "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704), "all on": dict(
-                freeze_vision=True, gradient_checkpointing=True, logp_chunk=64, max_tokens_per_micro_batch=704)}
+SETTINGS = {
+    PER_ROW: OFF,
+    "switches off": OFF,
+    "freeze_vision": dict(OFF, freeze_vision=True),
+    "gradient_checkpointing": dict(OFF, gradient_checkpointing=True),
+    "logp_chunk 64": dict(OFF, logp_chunk=64),
+    "max_tokens_per_micro_batch 704": dict(OFF, max_tokens_per_micro_batch=704),
+    "all on": dict(
+        freeze_vision=True,
+        gradient_checkpointing=True,
+        logp_chunk=64,
+        max_tokens_per_micro_batch=704,
+    ),
+}
 
 
 @dataclass
@@ -61,11 +74,23 @@ class Config:
 def train_config(c: Config, **switches):
     """The train.Config of this benchmark's clips and batch."""
     import train
+
     return train.Config(
-        model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=8.0, video_max_frames=c.frames,
-        video_min_pixels=3136, video_max_pixels=c.size ** 2, max_prompt_len=32768, cache_dir="",
-        video_source="decode_only", group_size=c.group_size, prompts_per_step=c.prompts,
-        max_response_len=c.response_len, micro_batch_size=c.prompts * c.group_size, kl_coef=c.kl_coef, **switches)
+        model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"),
+        video_fps=8.0,
+        video_max_frames=c.frames,
+        video_min_pixels=3136,
+        video_max_pixels=c.size**2,
+        max_prompt_len=32768,
+        cache_dir="",
+        video_source="decode_only",
+        group_size=c.group_size,
+        prompts_per_step=c.prompts,
+        max_response_len=c.response_len,
+        micro_batch_size=c.prompts * c.group_size,
+        kl_coef=c.kl_coef,
+        **switches,
+    )
 
 
 def train_phase(train, t, rollouts: list, cfg, tok):
@@ -86,7 +111,9 @@ def status_kib(key: str) -> int:
 
 def peak_bytes(fn, *args) -> int:
     """fn(*args)'s peak resident-set rise (VmHWM after clear_refs) less the file-backed pages (library code) it read."""
-    ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
+    ctypes.CDLL(None).mallopt(
+        -3, 1 << 16
+    )  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
@@ -103,22 +130,36 @@ def worker(c: Config) -> dict:
     import train
     from rollout import Rollout
     from transformers import AutoProcessor
+
     rank, world, _ = train.init_dist()
     cfg = train_config(c, **SETTINGS[c.worker], sp_size=c.sp_size)
     processor = AutoProcessor.from_pretrained(cfg.model)
-    t = train.build_trainer(cfg, processor, sp.make_layout(c.sp_size), rank, world, torch.device("cpu"))
+    t = train.build_trainer(
+        cfg, processor, sp.make_layout(c.sp_size), rank, world, torch.device("cpu")
+    )
     t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
     samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
     prompts = [data.prepare(s, processor, cfg) for s in samples]
     g = torch.Generator().manual_seed(0)
-    share = prompts[:c.prompts][rank // c.sp_size::world // c.sp_size]
-    rollouts = [Rollout(copy.copy(p) if c.worker == PER_ROW else p,
-                        torch.randint(20, 400, (c.response_len,), generator=g).tolist(), None, "", "length")
-                for p in share for _ in range(c.group_size)]
+    share = prompts[: c.prompts][rank // c.sp_size :: world // c.sp_size]
+    rollouts = [
+        Rollout(
+            copy.copy(p) if c.worker == PER_ROW else p,
+            torch.randint(20, 400, (c.response_len,), generator=g).tolist(),
+            None,
+            "",
+            "length",
+        )
+        for p in share
+        for _ in range(c.group_size)
+    ]
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
-    for m in [m for m in (t.model, t.ref) if m is not None]:  # the reference's tower encodes too (features not frozen)
-        m.model.visual.register_forward_pre_hook(lambda _, args, kw: encodes.append(len(kw["grid_thw"])),
-                                                 with_kwargs=True)
+    for m in [
+        m for m in (t.model, t.ref) if m is not None
+    ]:  # the reference's tower encodes too (features not frozen)
+        m.model.visual.register_forward_pre_hook(
+            lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
+        )
     peaks, times = [], []
     for _ in range(c.steps):
         t0 = time.time()
@@ -126,9 +167,14 @@ def worker(c: Config) -> dict:
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
     peaks, times = peaks[1:] or peaks, times[1:] or times
-    return dict(peak=max(peaks), time=min(times), encodes=sum(encodes) // c.steps, prompt=len(prompts[0].prompt_ids),
-                patches=int(prompts[0].mm["video_grid_thw"].prod()),
-                params=sum(p.numel() for p in t.model.parameters()))
+    return dict(
+        peak=max(peaks),
+        time=min(times),
+        encodes=sum(encodes) // c.steps,
+        prompt=len(prompts[0].prompt_ids),
+        patches=int(prompts[0].mm["video_grid_thw"].prod()),
+        params=sum(p.numel() for p in t.model.parameters()),
+    )
 
 
 def run(c: Config, setting: str) -> dict:
@@ -138,10 +184,17 @@ def run(c: Config, setting: str) -> dict:
     if c.ranks > 1:
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.ranks}"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(replace(c, worker=setting)).items()]
-    p = subprocess.run(launch + [__file__, *args], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))))
+    p = subprocess.run(
+        launch + [__file__, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))),
+    )
     if p.returncode:
-        sys.exit(f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}")
+        sys.exit(
+            f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}"
+        )
     ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"peak"')]
     return dict(ranks[0], peak=max(r["peak"] for r in ranks), time=max(r["time"] for r in ranks))
 
@@ -150,20 +203,34 @@ def prepare(c: Config):
     """The tiny model and the clips (a folder per frame count and size: each written once)."""
     import make_synthetic_data
     import make_tiny_model
+
     make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    make_synthetic_data.make(os.path.join(c.out, f"clips{c.frames}x{c.size}"), ["color"], num_train=c.prompts,
-                             num_val=0, seed=0, size=c.size, fps=8, seconds=c.frames / 8)
+    make_synthetic_data.make(
+        os.path.join(c.out, f"clips{c.frames}x{c.size}"),
+        ["color"],
+        num_train=c.prompts,
+        num_val=0,
+        seed=0,
+        size=c.size,
+        fps=8,
+        seconds=c.frames / 8,
+    )
 
 
 def main(c: Config):
     prepare(c)
-    print(f"{c.prompts} clips x {c.frames} frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} "
-          f"response tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)")
+    print(
+        f"{c.prompts} clips x {c.frames} frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} "
+        f"response tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
+    )
     print("| setting | peak memory | step time | vision encodes per step |\n|---|---|---|---|")
     rows = {}
     for setting in SETTINGS:
         rows[setting] = r = run(c, setting)
-        print(f"| {setting} | {r['peak'] / 2 ** 20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |", flush=True)
+        print(
+            f"| {setting} | {r['peak'] / 2**20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |",
+            flush=True,
+        )
     before, after = rows[PER_ROW], rows["all on"]
     print(f"vision encodes per step: {before['encodes']} -> {after['encodes']}")
     print(f"peak memory ratio: {before['peak'] / after['peak']:.1f}x")
@@ -171,8 +238,11 @@ def main(c: Config):
 
 if __name__ == "__main__":
     import tyro
+
     config = tyro.cli(Config)
     if config.worker:
-        sys.stdout.write(json.dumps(worker(config)) + "\n")  # one write: ranks share the pipe (PYTHONUNBUFFERED)
+        sys.stdout.write(
+            json.dumps(worker(config)) + "\n"
+        )  # one write: ranks share the pipe (PYTHONUNBUFFERED)
     else:
         main(config)

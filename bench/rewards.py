@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/rewards.py            # --n 10000 --seed 0
 """
+
 import json
 import os
 import random
@@ -30,7 +31,9 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
     """(sample, a correct answer, a wrong answer) for one problem type."""
     if ptype == "multiple choice":
         gt = r.choice("ABCD")
-        right = r.choice([gt, f"({gt})", f"Answer: {gt}", f"**{gt}**", OPTIONS["ABCD".index(gt)][3:]])
+        right = r.choice(
+            [gt, f"({gt})", f"Answer: {gt}", f"**{gt}**", OPTIONS["ABCD".index(gt)][3:]]
+        )
         return {"answer": gt, "options": OPTIONS}, right, r.choice([c for c in "ABCD" if c != gt])
     if ptype in ("numerical", "counting"):
         n = r.randint(0, 20)
@@ -38,11 +41,19 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         return {"answer": str(n)}, right, r.choice([str(n + r.randint(1, 5)), f"{n} or {n + 1}"])
     if ptype == "regression":
         v = round(r.uniform(0.5, 20), 1)
-        return {"answer": str(v)}, f"{v * r.uniform(0.9, 1.1):.2f}", f"{v * r.uniform(1.5, 3):.1f} meters"
+        return (
+            {"answer": str(v)},
+            f"{v * r.uniform(0.9, 1.1):.2f}",
+            f"{v * r.uniform(1.5, 3):.1f} meters",
+        )
     if ptype == "boolean":
         yes = r.random() < 0.5
         right = r.choice(["yes", "It is true.", "I think yes"] if yes else ["no", "No, it is not."])
-        return {"answer": "yes" if yes else "no"}, right, r.choice(["no" if yes else "yes", "Yes and no"])
+        return (
+            {"answer": "yes" if yes else "no"},
+            right,
+            r.choice(["no" if yes else "yes", "Yes and no"]),
+        )
     if ptype == "open-ended":
         gt = " ".join(r.choices(WORDS, k=r.randint(4, 12)))
         return {"answer": gt}, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
@@ -51,41 +62,79 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         return {"answer": gt}, gt, " ".join(w for w in gt.split() if r.random() < 0.7)
     if ptype == "math":
         a, b = r.randint(1, 9), r.randint(2, 9)
-        right = r.choice([f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b:.6f}"])
-        return {"answer": f"\\frac{{{a}}}{{{b}}}"}, right, r.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}^{b}", "x + 1"])
+        right = r.choice(
+            [f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b:.6f}"]
+        )
+        return (
+            {"answer": f"\\frac{{{a}}}{{{b}}}"},
+            right,
+            r.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}^{b}", "x + 1"]),
+        )
     if ptype == "temporal grounding":
         s = round(r.uniform(0, 20), 1)
         e = round(s + r.uniform(1, 10), 1)
         right, wrong = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)], [e + 1, e + r.uniform(2, 9)]
-        right = r.choice([json.dumps({"time": sorted(right)}), "from {:.1f} to {:.1f} seconds".format(*sorted(right))])
+        right = r.choice(
+            [
+                json.dumps({"time": sorted(right)}),
+                "from {:.1f} to {:.1f} seconds".format(*sorted(right)),
+            ]
+        )
         return {"answer": json.dumps({"time": [s, e]})}, right, json.dumps({"time": wrong})
     if ptype == "spatial grounding":
         b = box(r)
-        return {"answer": json.dumps({"boxes": b})}, json.dumps({"boxes": jitter(b, r)}), json.dumps({"boxes": box(r)})
+        return (
+            {"answer": json.dumps({"boxes": b})},
+            json.dumps({"boxes": jitter(b, r)}),
+            json.dumps({"boxes": box(r)}),
+        )
     if ptype in ("spatial-temporal grounding", "tracking"):
         frames = {str(i): box(r) for i in range(r.randint(2, 16))}
-        right = {"boxes": {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9} or frames}
+        right = {
+            "boxes": {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9} or frames
+        }
         gt, wrong = {"boxes": frames}, {"boxes": {k: box(r) for k in frames}}
         if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
             gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
             wrong = {"time": [1, 2], **wrong}
         return {"answer": json.dumps(gt)}, json.dumps(right), json.dumps(wrong)
     if ptype == "code":
-        return ({"answer": "def f(x):\n    return [i * x for i in range(3)]"},
-                r.choice(["def g(y):\n    return [j * y for j in range(3)]",
-                          "def f(x):  # scaled\n  return [i*x for i in range(3)]"]),
-                r.choice(["def f(x)\n    return x", "pass", "def f(x):\n    return x * 2"]))
+        return (
+            {"answer": "def f(x):\n    return [i * x for i in range(3)]"},
+            r.choice(
+                [
+                    "def g(y):\n    return [j * y for j in range(3)]",
+                    "def f(x):  # scaled\n  return [i*x for i in range(3)]",
+                ]
+            ),
+            r.choice(["def f(x)\n    return x", "pass", "def f(x):\n    return x * 2"]),
+        )
     if ptype in ("svg-code", "html-code"):
-        ref = '<svg width="10"><rect x="1" y="2"/></svg>' if ptype == "svg-code" else "<p>Hello <b>world</b></p>"
+        ref = (
+            '<svg width="10"><rect x="1" y="2"/></svg>'
+            if ptype == "svg-code"
+            else "<p>Hello <b>world</b></p>"
+        )
         right = ref.replace("/>", "></rect>").replace("<b>", "<B>")
-        return {"answer": ref}, right, r.choice(["hello", "<svg><circle r='3'/></svg>", "<p>Bye</p>"])
+        return (
+            {"answer": ref},
+            right,
+            r.choice(["hello", "<svg><circle r='3'/></svg>", "<p>Bye</p>"]),
+        )
     raise KeyError(ptype)
 
 
 # {a}: the right answer, {half}: its first half, {ramble}: 300 words (a completion cut off mid-thought at max_tokens)
-MALFORMED = ["", "<answer>{a}", "<think>Let me look at the video. {a}", "I am not sure what happens in this video.",
-             "<answer></answer>", "<answer>{half}</answer>", "<answer>{a}</answer><answer>{a}</answer>",
-             "<think>{ramble}"]
+MALFORMED = [
+    "",
+    "<answer>{a}",
+    "<think>Let me look at the video. {a}",
+    "I am not sure what happens in this video.",
+    "<answer></answer>",
+    "<answer>{half}</answer>",
+    "<answer>{a}</answer><answer>{a}</answer>",
+    "<think>{ramble}",
+]
 
 
 def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
@@ -100,15 +149,23 @@ def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
         else:
             ans = right if u < 0.7 else wrong
             think = " ".join(r.choices(WORDS, k=r.randint(10, 80)))
-            text = r.choice([f"<answer>{ans}</answer>", f"<think>{think}</think>\n<answer>{ans}</answer>",
-                             f"{think}. The answer is {ans}", f"<think>{think}</think> {ans}"])
+            text = r.choice(
+                [
+                    f"<answer>{ans}</answer>",
+                    f"<think>{think}</think>\n<answer>{ans}</answer>",
+                    f"{think}. The answer is {ans}",
+                    f"<think>{think}</think> {ans}",
+                ]
+            )
         out.append((text, s))
     return out
 
 
 def main(n: int = 10000, seed: int = 0):
     """Prints `problem type | rewards/s | mean reward | parse_fail rate`, one row per type, n completions each."""
-    rewards.compute_reward("<answer>1</answer>", {"problem_type": "math", "answer": "1"})  # imports math-verify
+    rewards.compute_reward(
+        "<answer>1</answer>", {"problem_type": "math", "answer": "1"}
+    )  # imports math-verify
     width = max(map(len, rewards.ACCURACY))
     print(f"{'problem type':<{width}} | rewards/s | mean reward | parse_fail rate")
     print(f"{'-' * width}-|-----------|-------------|----------------")
@@ -118,11 +175,15 @@ def main(n: int = 10000, seed: int = 0):
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
         rates.append(len(data) / (time.perf_counter() - t0))
-        mean, fails = sum(o for o, _ in scored) / len(data), sum(c["parse_fail"] for _, c in scored) / len(data)
+        mean, fails = (
+            sum(o for o, _ in scored) / len(data),
+            sum(c["parse_fail"] for _, c in scored) / len(data),
+        )
         print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
     print(f"rewards/s: {int(min(rates))}")
 
 
 if __name__ == "__main__":
     import tyro
+
     tyro.cli(main)

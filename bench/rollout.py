@@ -4,6 +4,7 @@ prompts vs one per prompt; vLLM sync, bucketed all-gathers vs one per tensor. Ti
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
 """
+
 import json
 import os
 import statistics
@@ -21,7 +22,9 @@ def sync(rollout, ckpt, engine, model, bucketed: bool):
     """engine.sync, or (vLLM) the same stream gathered one tensor at a time (bucket_bytes 1): issue 21's baseline."""
     if bucketed or not isinstance(engine, rollout.VLLMEngine):
         return engine.sync(model)  # HF: nothing to sync, it samples from the training model
-    stream = ckpt.full_tensors(model.state_dict(), bucket_bytes=1)  # each DTensor its own all-gather
+    stream = ckpt.full_tensors(
+        model.state_dict(), bucket_bytes=1
+    )  # each DTensor its own all-gather
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
     engine.llm.llm_engine.reset_encoder_cache()  # as engine.sync: the next generate must not find cached features
     engine.llm.reset_prefix_cache()
@@ -36,21 +39,29 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
     import data
     import rollout
     import train
+
     train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     rank, world, device = train.init_dist()
-    cfg = train.load_config(["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--model", model_dir])
+    cfg = train.load_config(
+        ["--config", os.path.join(ROOT, "configs/tiny_cpu.yaml"), "--model", model_dir]
+    )
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(cfg, device)
     eos = rollout.eos_token_ids(model)
     dummies = data.dummy_prompts(processor) if world > 1 else None
     if engine_kind == "vllm":
-        engine = rollout.VLLMEngine(model_dir, processor.tokenizer, max_model_len=1024, dtype="float32")
+        engine = rollout.VLLMEngine(
+            model_dir, processor.tokenizer, max_model_len=1024, dtype="float32"
+        )
     else:
         engine = rollout.HFEngine(model, processor.tokenizer, eos, dummies)
     rows, samples = [], data.load_samples(data_path)
     for task, n_prompts in SHAPES:
         k = n_prompts // world
-        prompts = [data.prepare(s, processor, cfg) for s in [s for s in samples if s.get(task + "s")][rank * k:][:k]]
+        prompts = [
+            data.prepare(s, processor, cfg)
+            for s in [s for s in samples if s.get(task + "s")][rank * k :][:k]
+        ]
         times = {False: [], True: []}  # switch off / on: (generate s, sync s) per step
         for step in range(4):
             for on in (False, True):  # interleaved: both see the same load
@@ -66,8 +77,18 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
                 sync(rollout, ckpt, engine, model, bucketed=on)
                 dist.barrier()
                 times[on].append((t1 - t0, time.perf_counter() - t1))
-        med = {on: [statistics.median(x) for x in zip(*t[1:])] for on, t in times.items()}  # step 0 warms up
-        rows.append(dict(task=task, prompts=n_prompts, tokens=len(prompts[0].prompt_ids), off=med[False], on=med[True]))
+        med = {
+            on: [statistics.median(x) for x in zip(*t[1:])] for on, t in times.items()
+        }  # step 0 warms up
+        rows.append(
+            dict(
+                task=task,
+                prompts=n_prompts,
+                tokens=len(prompts[0].prompt_ids),
+                off=med[False],
+                on=med[True],
+            )
+        )
     if rank == 0:
         json.dump(rows, open(out, "w"))
 
@@ -75,29 +96,65 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
 def main():
     import make_synthetic_data
     import make_tiny_model
+
     t0 = time.time()
     model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
-    data_dir = make_synthetic_data.make(os.path.join(ROOT, ".cache/data/bench_rollout"), ["color", "image_color"],
-                                        num_train=8, num_val=0, seed=0, size=56, fps=4, seconds=2.0)
+    data_dir = make_synthetic_data.make(
+        os.path.join(ROOT, ".cache/data/bench_rollout"),
+        ["color", "image_color"],
+        num_train=8,
+        num_val=0,
+        seed=0,
+        size=56,
+        fps=4,
+        seconds=2.0,
+    )
     tmp = tempfile.mkdtemp()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
     res = {}
     for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
         out = os.path.join(tmp, f"{engine}_{ranks}.json")
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                            __file__, "--worker", engine, model, data_dir["train"], out], cwd=ROOT,
-                           env=env, capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                __file__,
+                "--worker",
+                engine,
+                model,
+                data_dir["train"],
+                out,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
             sys.exit(f"{engine} {ranks} ranks failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
         res[engine, ranks] = json.load(open(out))
-    print("\nswitch off: hf one generate per prompt, vllm one all-gather per tensor; on: today's engines\n"
-          "| engine | ranks | task | prompts x 8 | prompt tokens | gen off | gen on | sync off | sync on "
-          "| step speedup |\n|" + "---|" * 10)
+    print(
+        "\nswitch off: hf one generate per prompt, vllm one all-gather per tensor; on: today's engines\n"
+        "| engine | ranks | task | prompts x 8 | prompt tokens | gen off | gen on | sync off | sync on "
+        "| step speedup |\n|" + "---|" * 10
+    )
     for (engine, ranks), shapes in res.items():
         for r in shapes:
-            (gen_off, sync_off), (gen_on, sync_on) = ([f"{1000 * x:.0f} ms" for x in r[k]] for k in ("off", "on"))
-            print(f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} | {gen_off} | {gen_on} "
-                  f"| {sync_off} | {sync_on} | {sum(r['off']) / sum(r['on']):.2f}x |")
+            (gen_off, sync_off), (gen_on, sync_on) = (
+                [f"{1000 * x:.0f} ms" for x in r[k]] for k in ("off", "on")
+            )
+            print(
+                f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} | {gen_off} | {gen_on} "
+                f"| {sync_off} | {sync_on} | {sum(r['off']) / sum(r['on']):.2f}x |"
+            )
     print(f"\nbench total {time.time() - t0:.0f}s; a shared 2-core CPU: timings are noisy")
     r = res["hf", 2][SHAPES.index(("video", 8))]
     print(f"rollout step speedup: {sum(r['off']) / sum(r['on']):.2f}x")

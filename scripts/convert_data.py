@@ -6,6 +6,7 @@ Sources (sample records: tests/fixtures/convert/): video-r1, Video-R1-260k.json 
 array); easyvideor1, EasyVideoR1's training JSON/JSONL. Every written record passes data.validate_sample; one that
 cannot be mapped goes to OUT.skipped.jsonl as {index, problem_id, reason, detail}, counted in OUT.report.json.
 """
+
 import json
 import os
 import re
@@ -50,16 +51,23 @@ def bare_answer(value) -> str:
 def from_video_r1(r: dict, use_offline: bool) -> dict:
     if r["data_type"] not in ("video", "image"):
         raise Unmapped("unknown data_type", repr(r["data_type"]))
-    out = dict(problem=r["problem"], answer=bare_answer(r["solution"]),
-               problem_type=r["problem_type"], data_type=r["data_type"], options=r.get("options") or [],
-               **{r["data_type"] + "s": [r["path"]]})
+    out = dict(
+        problem=r["problem"],
+        answer=bare_answer(r["solution"]),
+        problem_type=r["problem_type"],
+        data_type=r["data_type"],
+        options=r.get("options") or [],
+        **{r["data_type"] + "s": [r["path"]]},
+    )
     if use_offline and r.get("process"):  # Video-R1's SFT target is process + "\n" + solution
         out["offline_output"] = f"{r['process'].strip()}\n<answer>{out['answer']}</answer>"
     return out
 
 
 def from_easyvideor1(r: dict, use_offline: bool) -> dict:
-    out = dict(problem=r["problem"], answer=bare_answer(r["answer"]), problem_type=r["problem_type"])
+    out = dict(
+        problem=r["problem"], answer=bare_answer(r["answer"]), problem_type=r["problem_type"]
+    )
     out |= {k: r[k] for k in ("data_type", "options", "videos", "images") if k in r}
     if use_offline and r.get("has_offline_trajectory") and r.get("offline_output"):
         out["offline_output"] = r["offline_output"]
@@ -75,15 +83,23 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
     except KeyError as e:
         raise Unmapped(f"missing field {e}", f"the record has {sorted(r)}") from None
     ptype = rewards.canonical_type(s["problem_type"])
-    if ptype not in rewards.ACCURACY:  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
-        raise Unmapped(f"no reward for problem_type {s['problem_type']!r}", f"ours: {sorted(rewards.ACCURACY)}")
+    if (
+        ptype not in rewards.ACCURACY
+    ):  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+        raise Unmapped(
+            f"no reward for problem_type {s['problem_type']!r}", f"ours: {sorted(rewards.ACCURACY)}"
+        )
     s = {"id": f"{c.source}-{index}", **s, "problem_type": ptype}
-    s |= {k: r[k] for k in ("problem_id", "data_source") if k in r}  # kept for tracing back to the source
+    s |= {
+        k: r[k] for k in ("problem_id", "data_source") if k in r
+    }  # kept for tracing back to the source
     out_dir = os.path.dirname(os.path.abspath(c.out))
     for key in ("videos", "images"):
         paths = s.get(key, [])
         if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-            raise Unmapped(f"{key} not a list of file paths", repr(paths)[:200])  # e.g. inline image bytes
+            raise Unmapped(
+                f"{key} not a list of file paths", repr(paths)[:200]
+            )  # e.g. inline image bytes
         files = [os.path.normpath(os.path.join(media_root, p)) for p in paths]
         missing = [f for f in files if not os.path.exists(f)] if c.check_media else []
         if missing:
@@ -94,7 +110,9 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
         data.validate_sample(s, f"{c.out}:{index}")
     except data.DataError as e:
         field = re.search(r"field '(\w+)'", str(e))
-        raise Unmapped(f"invalid {field.group(0) if field else 'record'}", str(e).split(": ", 1)[1]) from None
+        raise Unmapped(
+            f"invalid {field.group(0) if field else 'record'}", str(e).split(": ", 1)[1]
+        ) from None
     return s
 
 
@@ -111,17 +129,29 @@ def main(c: Config) -> dict:
             r = json.loads(r) if isinstance(r, str) else r  # a JSONL line
             written.append(convert(r, index, c, media_root))
         except json.JSONDecodeError as e:
-            skipped.append(dict(index=index, problem_id=None, reason="malformed JSON", detail=e.msg))
+            skipped.append(
+                dict(index=index, problem_id=None, reason="malformed JSON", detail=e.msg)
+            )
         except Unmapped as e:
             source_id = r.get("problem_id") if isinstance(r, dict) else None
-            skipped.append(dict(index=index, problem_id=source_id, reason=e.args[0], detail=e.args[1]))
+            skipped.append(
+                dict(index=index, problem_id=source_id, reason=e.args[0], detail=e.args[1])
+            )
     for path, rows in ((c.out, written), (stem + ".skipped.jsonl", skipped)):
         write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    report = dict(source=c.source, src=c.src, out=c.out, converted=len(written), skipped=len(skipped),
-                  offline_output=sum("offline_output" in s for s in written),
-                  reasons=dict(Counter(s["reason"] for s in skipped).most_common()))
+    report = dict(
+        source=c.source,
+        src=c.src,
+        out=c.out,
+        converted=len(written),
+        skipped=len(skipped),
+        offline_output=sum("offline_output" in s for s in written),
+        reasons=dict(Counter(s["reason"] for s in skipped).most_common()),
+    )
     write_text(stem + ".report.json", json.dumps(report, indent=1))
-    print(f"converted {len(written)} | skipped {len(skipped)} (listed in {stem}.skipped.jsonl) -> {c.out}")
+    print(
+        f"converted {len(written)} | skipped {len(skipped)} (listed in {stem}.skipped.jsonl) -> {c.out}"
+    )
     for reason, n in report["reasons"].items():
         print(f"  {n:8d}  {reason}")
     return report
@@ -129,4 +159,5 @@ def main(c: Config) -> dict:
 
 if __name__ == "__main__":
     import tyro
+
     main(tyro.cli(Config))

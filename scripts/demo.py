@@ -1,5 +1,6 @@
 """`make demo` runs this: build the tiny model and the synthetic videos if missing, train on this CPU, print the
 result; the last line printed is exactly `held-out accuracy: before <a> after <b>`."""
+
 import collections
 import os
 import shutil
@@ -16,16 +17,31 @@ def main():
     os.chdir(ROOT)
     import make_synthetic_data
     import make_tiny_model
+
     t0 = time.time()
     make_tiny_model.ensure("qwen2_5_vl", root=".cache/models")
-    make_synthetic_data.make(".cache/data/color", ["color"], num_train=512, num_val=64)  # 56x56, 4 fps, 2 s, seed 0
+    make_synthetic_data.make(
+        ".cache/data/color", ["color"], num_train=512, num_val=64
+    )  # 56x56, 4 fps, 2 s, seed 0
     print(f"tiny model and synthetic videos ready ({time.time() - t0:.0f}s)", flush=True)
     shutil.rmtree("runs/tiny_cpu", ignore_errors=True)  # a fresh run every time
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", CONFIG]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+    )  # vLLM's CPU KV cache: rollout.py
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--config",
+        CONFIG,
+    ]
     print("$ torchrun --nproc_per_node=2 train.py --config " + CONFIG, flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     result, tail = None, collections.deque(maxlen=80)
     for line in proc.stdout:  # the step lines; vLLM's own logging is kept for a failure report only
         tail.append(line)
@@ -36,7 +52,9 @@ def main():
     if proc.wait() != 0 or result is None:
         print("".join(tail), file=sys.stderr)
         sys.exit(f"training failed (exit code {proc.returncode})")
-    print(f"run folder: runs/tiny_cpu (metrics.jsonl, curve.png, final/) | total {time.time() - t0:.0f}s")
+    print(
+        f"run folder: runs/tiny_cpu (metrics.jsonl, curve.png, final/) | total {time.time() - t0:.0f}s"
+    )
     print(result)
 
 

@@ -5,6 +5,7 @@
     python scripts/export_hf.py runs/tiny_cpu/ckpt/step_00000060 runs/tiny_cpu/hf_step60   # or ckpt/latest
     python scripts/export_hf.py runs/X/ckpt/latest runs/X/hf --dtype bfloat16 [--merge]     # half the size, for serving
 """
+
 import json
 import os
 import sys
@@ -17,8 +18,12 @@ from tyro.conf import Positional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32", "bfloat16"] = "float32",
-           merge: bool = False):
+def export(
+    ckpt: Positional[str],
+    out: Positional[str],
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    merge: bool = False,
+):
     """Only the model's tensors, config and processor are read.
 
     Args:
@@ -29,9 +34,15 @@ def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32"
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        GenerationConfig,
+    )
 
     import train
+
     if os.path.isfile(ckpt):  # the `latest` pointer file
         ckpt = os.path.join(os.path.dirname(ckpt), open(ckpt).read().strip())
     with open(os.path.join(ckpt, "meta.json")) as f:
@@ -39,9 +50,13 @@ def export(ckpt: Positional[str], out: Positional[str], dtype: Literal["float32"
     if cfg.lora_rank:  # the frozen base from cfg.model, its adapters from the checkpoint
         model = train.load_model(cfg, torch.device("cpu"))
     else:
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_config(
+            AutoConfig.from_pretrained(ckpt), dtype=torch.float32
+        )
     # the tensors ckpt.save wrote (trainable ones), in place; strict: a missing tensor raises
-    state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+    state = {
+        "model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    }
     dcp.load(state, checkpoint_id=ckpt)
     model.generation_config = GenerationConfig.from_pretrained(ckpt)
     model.to(getattr(torch, dtype))

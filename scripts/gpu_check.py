@@ -4,6 +4,7 @@ train-phase MFU, bf16 sampler vs trainer log-probs, offload, tests/test_gpu.py.
     python scripts/gpu_check.py --out-dir runs/gpu_check          # one CUDA GPU (make gpu-check)
     .venv/bin/python scripts/gpu_check.py --cpu-smoke              # the same code on the tiny models, on CPU
 """
+
 import gc
 import json
 import os
@@ -28,13 +29,30 @@ import sp  # noqa: E402
 import train  # noqa: E402
 from rollout import HFEngine, Rollout, eos_token_ids, vision_token_ids  # noqa: E402
 
-GIB, TOLERANCE, DEADLINE_S = 2 ** 30, 0.15, 420  # no model starts that would end later, by the last one's time
-RECIPES = {"Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
-           "Qwen/Qwen3-VL-8B-Instruct": "configs/qwen3_vl_8b.yaml"}
-SMOKE = dict(video_max_frames=4, video_max_pixels=4 * 3136, max_response_len=16, micro_batch_size=2)  # + tiny_cpu
-SETTINGS = {"ckpt off": dict(gradient_checkpointing=False), "ckpt on": dict(gradient_checkpointing=True),
-            "ckpt on + offload": dict(gradient_checkpointing=True, offload=True)}
-PEAK_TFLOPS = (("H100 PCIe", 756), ("H100", 989), ("H200", 989), ("A100", 312), ("B200", 2250))  # dense bf16
+GIB, TOLERANCE, DEADLINE_S = (
+    2**30,
+    0.15,
+    420,
+)  # no model starts that would end later, by the last one's time
+RECIPES = {
+    "Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
+    "Qwen/Qwen3-VL-8B-Instruct": "configs/qwen3_vl_8b.yaml",
+}
+SMOKE = dict(
+    video_max_frames=4, video_max_pixels=4 * 3136, max_response_len=16, micro_batch_size=2
+)  # + tiny_cpu
+SETTINGS = {
+    "ckpt off": dict(gradient_checkpointing=False),
+    "ckpt on": dict(gradient_checkpointing=True),
+    "ckpt on + offload": dict(gradient_checkpointing=True, offload=True),
+}
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756),
+    ("H100", 989),
+    ("H200", 989),
+    ("A100", 312),
+    ("B200", 2250),
+)  # dense bf16
 
 
 @dataclass
@@ -60,8 +78,14 @@ def cut(spec: dict, layers: int, blocks: int) -> dict:
     text, vision = dict(spec["text_config"]), dict(spec["vision_config"])
     text["num_hidden_layers"] = min(layers, text["num_hidden_layers"])
     if blocks < vision["depth"]:
-        deepstack = "deepstack_visual_indexes" in vision  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
-        vision.update({"deepstack_visual_indexes": [0]} if deepstack else {"fullatt_block_indexes": [blocks - 1]})
+        deepstack = (
+            "deepstack_visual_indexes" in vision
+        )  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
+        vision.update(
+            {"deepstack_visual_indexes": [0]}
+            if deepstack
+            else {"fullatt_block_indexes": [blocks - 1]}
+        )
         vision["depth"] = blocks
     return dict(spec, text_config=text, vision_config=vision)
 
@@ -70,20 +94,38 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
     """A random-init bf16 checkpoint of `spec` in `folder`, with the token ids of `tiny` (whose processor we use).
     Returns the planner's parameter counts."""
     import transformers
+
     ref = transformers.AutoConfig.from_pretrained(tiny)
-    text = dict(spec["text_config"], bos_token_id=None, eos_token_id=ref.text_config.eos_token_id,
-                pad_token_id=ref.text_config.pad_token_id)
+    text = dict(
+        spec["text_config"],
+        bos_token_id=None,
+        eos_token_id=ref.text_config.eos_token_id,
+        pad_token_id=ref.text_config.pad_token_id,
+    )
     text.pop("layer_types", None)  # derived from the depth
-    ids = {k: getattr(ref, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                        "vision_end_token_id")}
-    config = type(ref)(text_config=text, vision_config=spec["vision_config"],
-                       tie_word_embeddings=text["tie_word_embeddings"], **ids)
+    ids = {
+        k: getattr(ref, k)
+        for k in (
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        )
+    }
+    config = type(ref)(
+        text_config=text,
+        vision_config=spec["vision_config"],
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **ids,
+    )
     with device:  # initialized where it will train (fast), in bf16: the checkpoint's dtype on disk
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = transformers.GenerationConfig.from_pretrained(tiny)
     model.save_pretrained(folder)
-    sizes = [sum(p.numel() for p in b.parameters()) for b in [*model.model.language_model.layers,
-                                                               *model.model.visual.blocks]]
+    sizes = [
+        sum(p.numel() for p in b.parameters())
+        for b in [*model.model.language_model.layers, *model.model.visual.blocks]
+    ]
     total = sum(p.numel() for p in model.parameters())
     vision = sum(p.numel() for p in model.model.visual.parameters())
     return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
@@ -92,15 +134,34 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 def video_prompt(cfg, processor) -> data.Prompt:
     """A question on video_max_frames random 720p frames, sized as cache.py and expanded as data.prepare does."""
     factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2
-    budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
+    budget = cache.frame_pixels(
+        n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
+    )
     h, w = cache.smart_resize(*memory_plan.SOURCE_HW, factor, cfg.video_min_pixels, budget)
-    frames = torch.randint(0, 256, (n, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    meta = dict(fps=cfg.video_fps, duration=n / cfg.video_fps, total_num_frames=n, frames_indices=list(range(n)))
-    sample = dict(id="gpu-check", problem="<video>What happens in the video, and when?", problem_type="free-form",
-                  answer="", videos=["v.mp4"])
-    text = processor.apply_chat_template(data.chat_messages(sample, data.render_prompt(sample)), tokenize=False,
-                                         add_generation_prompt=True)
-    ids, mm = data.run_processor(processor, text, videos=[frames.movedim(-1, -3)], video_metadata=[meta])
+    frames = torch.randint(
+        0, 256, (n, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    meta = dict(
+        fps=cfg.video_fps,
+        duration=n / cfg.video_fps,
+        total_num_frames=n,
+        frames_indices=list(range(n)),
+    )
+    sample = dict(
+        id="gpu-check",
+        problem="<video>What happens in the video, and when?",
+        problem_type="free-form",
+        answer="",
+        videos=["v.mp4"],
+    )
+    text = processor.apply_chat_template(
+        data.chat_messages(sample, data.render_prompt(sample)),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids, mm = data.run_processor(
+        processor, text, videos=[frames.movedim(-1, -3)], video_metadata=[meta]
+    )
     data.check_placeholders(ids, mm, processor, sample["id"])
     return data.Prompt(sample, text, ids, mm, [(frames.numpy(), meta)])
 
@@ -117,10 +178,14 @@ def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
     t0 = clock(t.device)
     minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
     with torch.no_grad():
-        train.token_logp(t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+        train.token_logp(
+            t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout
+        )
     t1 = clock(t.device)
     for b in minibatches[0]:
-        b["adv"] = (torch.arange(len(b["mask"]), device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
+        b["adv"] = (torch.arange(len(b["mask"]), device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(
+            b["mask"]
+        )
     train.update(t, minibatches, cfg, step=1, ids=[r.prompt.sample["id"] for r in rollouts])
     return dict(logp_s=t1 - t0, update_s=clock(t.device) - t1)
 
@@ -130,16 +195,32 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     position), plus attention: causal over each row, the tower's within a frame pair or a window."""
     text, vision, tower = model.config.text_config, model.config.vision_config, model.model.visual
     t, h, w = prompt.mm["video_grid_thw"][0].tolist()
-    tokens, patches, layers = len(prompt.prompt_ids) + response, t * h * w, model.model.language_model.layers
-    dec, blk, embed, rest = (sum(p.numel() for m in ms for p in m.parameters())
-                             for ms in (layers, tower.blocks, [tower.patch_embed], [tower]))
-    dense = rows * tokens * dec + patches * (blk + embed) + patches / 4 * (rest - blk - embed) \
+    tokens, patches, layers = (
+        len(prompt.prompt_ids) + response,
+        t * h * w,
+        model.model.language_model.layers,
+    )
+    dec, blk, embed, rest = (
+        sum(p.numel() for m in ms for p in m.parameters())
+        for ms in (layers, tower.blocks, [tower.patch_embed], [tower])
+    )
+    dense = (
+        rows * tokens * dec
+        + patches * (blk + embed)
+        + patches / 4 * (rest - blk - embed)
         + rows * response * text.vocab_size * text.hidden_size
-    heads = text.num_attention_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
+    )
+    heads = text.num_attention_heads * getattr(
+        text, "head_dim", text.hidden_size // text.num_attention_heads
+    )
     full = getattr(vision, "fullatt_block_indexes", range(vision.depth))  # Qwen3-VL: every block
-    window = (getattr(vision, "window_size", 0) // vision.patch_size) ** 2  # Qwen2.5-VL's other blocks
-    attention = rows * tokens ** 2 * heads * len(layers) \
-        + sum(2 * patches * (h * w if i in full else window) * vision.hidden_size for i in range(vision.depth))
+    window = (
+        getattr(vision, "window_size", 0) // vision.patch_size
+    ) ** 2  # Qwen2.5-VL's other blocks
+    attention = rows * tokens**2 * heads * len(layers) + sum(
+        2 * patches * (h * w if i in full else window) * vision.hidden_size
+        for i in range(vision.depth)
+    )
     return 6 * (dense + attention)
 
 
@@ -147,18 +228,24 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     """train.py's mismatch metrics: rollout hf's log-probs against the trainer's on the tokens it sampled."""
     engine = HFEngine(t.model, tok, eos_token_ids(t.model))
     rollouts = engine.generate([prompt], 2, cfg.temperature, tokens, seed=cfg.seed)
-    [[b]] = train.micro_batches(rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies)
+    [[b]] = train.micro_batches(
+        rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies
+    )
     b["adv"] = torch.zeros_like(b["mask"])
     with torch.no_grad():
         m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
-    return {"mismatch/mean": m["mismatch_sum"] / max(1.0, m["mismatch_n"]), "mismatch/max": m["mismatch_max"],
-            "tokens": int(m["mismatch_n"])}
+    return {
+        "mismatch/mean": m["mismatch_sum"] / max(1.0, m["mismatch_n"]),
+        "mismatch/max": m["mismatch_max"],
+        "tokens": int(m["mismatch_n"]),
+    }
 
 
 def run_model(name: str, c: Config, device, report: dict, folder: str):
     """One model's rows: per setting, train.build_trainer and two steps, the second measured; numerics once."""
     import make_tiny_model
     from transformers import AutoProcessor, PreTrainedModel
+
     cuda = device.type == "cuda"
     try:
         spec, meas = memory_plan.stored(name, "bfloat16" if cuda else "float32")
@@ -167,41 +254,73 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     spec = cut(spec, c.layers, c.blocks)
     tiny = make_tiny_model.ensure(spec["model_type"], os.path.join(ROOT, ".cache/models"))
     counts = build(spec, tiny, folder, device)
-    recipe = common.yaml_overlay(train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml")))
+    recipe = common.yaml_overlay(
+        train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml"))
+    )
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
-    tok, banned, R = processor.tokenizer, vision_token_ids(processor.tokenizer), cfg.max_response_len
+    tok, banned, R = (
+        processor.tokenizer,
+        vision_token_ids(processor.tokenizer),
+        cfg.max_response_len,
+    )
     prompt = video_prompt(cfg, processor)
     tokens, patches = memory_plan.longest_prompt(replace(cfg, model=tiny), *memory_plan.SOURCE_HW)
-    assert (tokens, patches) == (len(prompt.prompt_ids), prompt.mm["video_grid_thw"].prod().item()), "planner's"
-    rows = c.rows or cfg.micro_batch_size  # as main splits the batch: rows, or as many as the token budget holds
+    assert (tokens, patches) == (
+        len(prompt.prompt_ids),
+        prompt.mm["video_grid_thw"].prod().item(),
+    ), "planner's"
+    rows = (
+        c.rows or cfg.micro_batch_size
+    )  # as main splits the batch: rows, or as many as the token budget holds
     if cfg.max_tokens_per_micro_batch and not c.rows:
         rows = max(1, cfg.max_tokens_per_micro_batch // (tokens + R))
     cfg = replace(cfg, micro_batch_size=rows, max_tokens_per_micro_batch=0)
     g = torch.Generator().manual_seed(0)  # responses: any ids above the (banned) vision tokens
-    responses = torch.randint(max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g)
+    responses = torch.randint(
+        max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g
+    )
     rollouts = [Rollout(prompt, ids, None, "", "length") for ids in responses.tolist()]
-    shape = dict(model=name, layers=spec["text_config"]["num_hidden_layers"], blocks=spec["vision_config"]["depth"],
-                 rows=rows, prompt=tokens, response=R, patches=patches)
+    shape = dict(
+        model=name,
+        layers=spec["text_config"]["num_hidden_layers"],
+        blocks=spec["vision_config"]["depth"],
+        rows=rows,
+        prompt=tokens,
+        response=R,
+        patches=patches,
+    )
     for setting, switches in SETTINGS.items():
         gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
         torch.cuda.empty_cache()  # a no-op without CUDA
         scfg, t = replace(cfg, **switches), None
-        row = dict(shape, setting=setting, predicted=None, measured=None,
-                   leftover=sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()))  # > 0: a model leaked
+        row = dict(
+            shape,
+            setting=setting,
+            predicted=None,
+            measured=None,
+            leftover=sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()),
+        )  # > 0: a model leaked
         if meas:
             gpu_mem = torch.cuda.get_device_properties(device).total_memory if cuda else 0
-            p = memory_plan.plan(scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches)
+            p = memory_plan.plan(
+                scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches
+            )
             row.update(predicted=p.train, plan={**p.held, **p.transient})
         try:
-            t = train.build_trainer(scfg, processor, sp.make_layout(1), 0, 1, device)  # load_model and AdamW
+            t = train.build_trainer(
+                scfg, processor, sp.make_layout(1), 0, 1, device
+            )  # load_model and AdamW
             train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             row.update(train_step(t, rollouts, scfg, tok))
             if cuda:
                 row["measured"] = torch.cuda.max_memory_allocated(device)
-            row.update(flops=update_flops(t.model, prompt, rows, R), tokens_per_s=rows * (tokens + R) / row["update_s"])
+            row.update(
+                flops=update_flops(t.model, prompt, rows, R),
+                tokens_per_s=rows * (tokens + R) / row["update_s"],
+            )
             if setting == "ckpt on":
                 row["numerics"] = numerics(t, prompt, scfg, tok, min(256, R))
         except Exception as e:  # noqa: BLE001  OOM or a bug: the row names it, the other rows still run
@@ -210,7 +329,10 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
         del t
         report["rows"].append(row)
         shown = {k: row.get(k) for k in ("predicted", "measured", "logp_s", "update_s", "numerics")}
-        print(f"{time.strftime('%X')} {os.path.basename(name)} | {setting}: {json.dumps(shown)}", flush=True)
+        print(
+            f"{time.strftime('%X')} {os.path.basename(name)} | {setting}: {json.dumps(shown)}",
+            flush=True,
+        )
         write(report, c)
 
 
@@ -221,8 +343,11 @@ def gib(x) -> str:
 
 def table(report: dict) -> list[str]:
     """The table; the best MFU, numerics and tests lines; the last: how many peaks are within TOLERANCE."""
-    lines = ["| model | setting | predicted peak | measured peak | measured / predicted | logp pass s | update s | "
-             "tokens/s | MFU |", "|---" * 9 + "|"]
+    lines = [
+        "| model | setting | predicted peak | measured peak | measured / predicted | logp pass s | update s | "
+        "tokens/s | MFU |",
+        "|---" * 9 + "|",
+    ]
     within, peak = [], report["peak_tflops"]
     for r in report["rows"]:
         if r["predicted"] and r["measured"] is not None:  # measured: bytes, or the exception's name
@@ -230,47 +355,77 @@ def table(report: dict) -> list[str]:
             within.append(r["ratio"] is not None and abs(r["ratio"] - 1) <= TOLERANCE)
         if peak and "flops" in r:
             r["mfu"] = r["flops"] / (r["update_s"] * peak * 1e12)
-        cells = [os.path.basename(r["model"]), r["setting"], gib(r["predicted"]), gib(r["measured"])]
+        cells = [
+            os.path.basename(r["model"]),
+            r["setting"],
+            gib(r["predicted"]),
+            gib(r["measured"]),
+        ]
         figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
         cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
         lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
     if any("mfu" in r for r in report["rows"]):
         best = max((r for r in report["rows"] if "mfu" in r), key=lambda r: r["mfu"])
-        lines.append(f"best MFU: {best['mfu']:.1%}, {os.path.basename(best['model'])} {best['setting']} "
-                     f"(of {peak:g} bf16 TFLOP/s)")
+        lines.append(
+            f"best MFU: {best['mfu']:.1%}, {os.path.basename(best['model'])} {best['setting']} "
+            f"(of {peak:g} bf16 TFLOP/s)"
+        )
     for r in (r for r in report["rows"] if "numerics" in r):
         n = r["numerics"]
-        lines.append(f"bf16 numerics, {os.path.basename(r['model'])}: rollout hf vs trainer on {n['tokens']} tokens: "
-                     f"mismatch/mean {n['mismatch/mean']:.3g}, mismatch/max {n['mismatch/max']:.3g}")
+        lines.append(
+            f"bf16 numerics, {os.path.basename(r['model'])}: rollout hf vs trainer on {n['tokens']} tokens: "
+            f"mismatch/mean {n['mismatch/mean']:.3g}, mismatch/max {n['mismatch/max']:.3g}"
+        )
     lines += [f"not run (deadline): {name}" for name in report["skipped"]]
     lines.append(f"tests/test_gpu.py: {report['tests']['summary']}")
     return lines + [f"gpu check: {sum(within)} of {len(within)} within {TOLERANCE:.0%}"]
 
 
 def write(report: dict, c: Config):
-    common.write_text(os.path.join(c.out_dir, "gpu_check.json"), json.dumps(report, indent=1, default=str))
+    common.write_text(
+        os.path.join(c.out_dir, "gpu_check.json"), json.dumps(report, indent=1, default=str)
+    )
 
 
 def main(c: Config) -> list[str]:
     """Every model that fits the deadline, then tests/test_gpu.py; prints the table and writes the files."""
     import make_tiny_model
     import transformers
+
     with socket.socket() as s:  # a free port for the world of one
         s.bind(("127.0.0.1", 0))
         world = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(s.getsockname()[1]))
     for k, v in dict(world, MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(k, v)
-    device = common.init_dist(offload=True)[2]  # offload's backends: gloo beside nccl, for the CPU shards
+    device = common.init_dist(offload=True)[
+        2
+    ]  # offload's backends: gloo beside nccl, for the CPU shards
     if device.type != "cuda" and not c.cpu_smoke:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
-    tiny = [make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models")) for a in ("qwen2_5_vl", "qwen3_vl")]
+    tiny = [
+        make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
+        for a in ("qwen2_5_vl", "qwen3_vl")
+    ]
     models = tiny if c.cpu_smoke else c.models
-    report = dict(device=str(device), torch=torch.__version__, transformers=transformers.__version__,
-                  config=asdict(c), peak_tflops=c.peak_tflops, rows=[], skipped=[])
+    report = dict(
+        device=str(device),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        config=asdict(c),
+        peak_tflops=c.peak_tflops,
+        rows=[],
+        skipped=[],
+    )
     if device.type == "cuda":
         report["device"] = torch.cuda.get_device_name(device)
-        report["peak_tflops"] = c.peak_tflops or next((t for k, t in PEAK_TFLOPS if k in report["device"]), 0)
-    start, last, folder = time.time(), 0.0, tempfile.mkdtemp(prefix="gpu_check-")  # the checkpoint at hand
+        report["peak_tflops"] = c.peak_tflops or next(
+            (t for k, t in PEAK_TFLOPS if k in report["device"]), 0
+        )
+    start, last, folder = (
+        time.time(),
+        0.0,
+        tempfile.mkdtemp(prefix="gpu_check-"),
+    )  # the checkpoint at hand
     try:
         for name in models:
             if time.time() - start + last > DEADLINE_S:
@@ -280,20 +435,46 @@ def main(c: Config) -> list[str]:
             try:
                 run_model(name, c, device, report, folder)
             except Exception:  # noqa: BLE001  before its settings (build, prompt): a row says so, the next model runs
-                report["rows"].append(dict(model=name, setting="-", predicted=None, measured="error",
-                                           error=traceback.format_exc()[-3000:]))
+                report["rows"].append(
+                    dict(
+                        model=name,
+                        setting="-",
+                        predicted=None,
+                        measured="error",
+                        error=traceback.format_exc()[-3000:],
+                    )
+                )
                 print(report["rows"][-1]["error"], file=sys.stderr)
             last = time.time() - t0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]  # CPU: skips
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_gpu.py",
+    ]  # CPU: skips
     gc.collect()  # the last model, before the tests take the GPU
     torch.cuda.empty_cache()
-    env = {k: v for k, v in os.environ.items() if k not in world}  # a fresh process, not in our world of one
+    env = {
+        k: v for k, v in os.environ.items() if k not in world
+    }  # a fresh process, not in our world of one
     try:  # for what is left of 570 s (at least a minute)
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                           timeout=max(60, 570 + start - time.time()))
-        report["tests"] = dict(summary=(p.stdout.strip() or "no output").splitlines()[-1], output=p.stdout[-4000:])
+        p = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=max(60, 570 + start - time.time()),
+        )
+        report["tests"] = dict(
+            summary=(p.stdout.strip() or "no output").splitlines()[-1], output=p.stdout[-4000:]
+        )
     except subprocess.TimeoutExpired:
         report["tests"] = dict(summary="timed out")
     lines = table(report)
@@ -306,4 +487,5 @@ def main(c: Config) -> list[str]:
 
 if __name__ == "__main__":
     import tyro
+
     main(tyro.cli(Config))

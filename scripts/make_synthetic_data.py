@@ -8,6 +8,7 @@ Tasks: TASKS, one gen_<task> each; ids like color-train-00012; every sample has 
 answer). Classes balanced, deterministic by seed; a scene's hash puts it in train or val (disjoint, val independent
 of --num-train). JSONL paths are relative to its folder.
 """
+
 import hashlib
 import itertools
 import json
@@ -18,33 +19,51 @@ from fractions import Fraction
 
 import numpy as np
 
-VERSION = 6  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
-COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 230), "yellow": (235, 220, 30)}
+VERSION = (
+    6  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
+)
+COLORS = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 40),
+    "blue": (30, 60, 230),
+    "yellow": (235, 220, 30),
+}
 LETTERS = "ABCD"
 COLOR_OPTIONS = [f"{L}. {c}" for L, c in zip(LETTERS, COLORS)]
 DIRS = ["left", "right", "up", "down"]
 DIR_OPTIONS = [f"{L}. {d}" for L, d in zip(LETTERS, DIRS)]
-PALETTE = [*COLORS.values(), (240, 240, 240), (30, 210, 220), (220, 40, 220), (245, 140, 20)]  # shapes on dark
+PALETTE = [
+    *COLORS.values(),
+    (240, 240, 240),
+    (30, 210, 220),
+    (220, 40, 220),
+    (245, 140, 20),
+]  # shapes on dark
 VAL_BUCKETS = 8  # 1/8 of each task's scene space belongs to val, the rest to train
 
 
 def yuv(rgb):
     """BT.601 limited range: exactly what swscale does for rgb24 -> yuv420p, and what decoders assume back."""
     r, g, b = rgb
-    return (round(16 + (65.481 * r + 128.553 * g + 24.966 * b) / 255),
-            round(128 + (-37.797 * r - 74.203 * g + 112.0 * b) / 255),
-            round(128 + (112.0 * r - 93.786 * g - 18.214 * b) / 255))
+    return (
+        round(16 + (65.481 * r + 128.553 * g + 24.966 * b) / 255),
+        round(128 + (-37.797 * r - 74.203 * g + 112.0 * b) / 255),
+        round(128 + (112.0 * r - 93.786 * g - 18.214 * b) / 255),
+    )
 
 
 def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
     """H.264 mp4, yuv420p (even width and height), frame i at i / fps; written to a .part file, then renamed.
     frames: uint8 (H, W, 3) RGB, streamed from any iterable; or with pix_fmt="yuv420p", (H * 3 // 2, W) planar."""
     import av
+
     frames = iter(frames)
     first = np.asarray(next(frames))
     H, W = (first.shape[0] * 2 // 3, first.shape[1]) if pix_fmt == "yuv420p" else first.shape[:2]
     if first.dtype != np.uint8 or H % 2 or W % 2:
-        raise ValueError(f"{path}: need uint8 frames with even width and height, got {first.dtype} {W}x{H}")
+        raise ValueError(
+            f"{path}: need uint8 frames with even width and height, got {first.dtype} {W}x{H}"
+        )
     # x264's thread pool costs more than it saves on tiny frames
     opts = {"preset": "ultrafast", "crf": "18", "threads": "1" if H * W < 320 * 240 else "0"}
     tmp = path + ".part"
@@ -63,25 +82,41 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
 # A scene is data, not pixels: it is hashed (dedup, train/val split) and rendered straight to RGB (PNG) or to
 # planar YUV (video: no per-pixel color conversion, which halves the encode time of a 720p clip).
 
+
 def rect(y, x, h, w, rgb):
     """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge."""
-    return (int(y) // 2 * 2, int(x) // 2 * 2, -(-int(h) // 2) * 2, -(-int(w) // 2) * 2, tuple(int(c) for c in rgb))
+    return (
+        int(y) // 2 * 2,
+        int(x) // 2 * 2,
+        -(-int(h) // 2) * 2,
+        -(-int(w) // 2) * 2,
+        tuple(int(c) for c in rgb),
+    )
 
 
 def render_rgb(H, W, bg, rects):
     f = np.empty((H, W, 3), np.uint8)
-    for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:  # the background is a rectangle over the whole frame
-        f[y:y + h, x:x + w] = c
+    for y, x, h, w, c in [
+        (0, 0, H, W, bg),
+        *rects,
+    ]:  # the background is a rectangle over the whole frame
+        f[y : y + h, x : x + w] = c
     return f
 
 
 def render_yuv(H, W, bg, rects):
-    f = np.empty((H * 3 // 2, W), np.uint8)  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
+    f = np.empty(
+        (H * 3 // 2, W), np.uint8
+    )  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
     flat = f.reshape(-1)
-    planes = (f[:H], flat[H * W:H * W * 5 // 4].reshape(H // 2, W // 2), flat[H * W * 5 // 4:].reshape(H // 2, W // 2))
+    planes = (
+        f[:H],
+        flat[H * W : H * W * 5 // 4].reshape(H // 2, W // 2),
+        flat[H * W * 5 // 4 :].reshape(H // 2, W // 2),
+    )
     for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:
         for plane, value, scale in zip(planes, yuv(c), (1, 2, 2)):  # U and V at half resolution
-            plane[y // scale:(y + h) // scale, x // scale:(x + w) // scale] = value
+            plane[y // scale : (y + h) // scale, x // scale : (x + w) // scale] = value
     return f
 
 
@@ -92,8 +127,10 @@ def path(p0, p1, T):
 
 def glide(rng, T, H, W, side):
     """A path between two random in-frame top-left corners of a side x side square, at least a side apart."""
+
     def corner():
         return np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
+
     p0, p1 = corner(), corner()
     while np.abs(p1 - p0).max() < side:
         p1 = corner()
@@ -107,13 +144,21 @@ def dark(rng):
 
 # ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
 
+
 def gen_color(rng, c, T, H, W, fps):
     """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
     side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
     L = LETTERS[c]
-    return list(COLORS.values())[c], rects, "What is the background color of the video?", L, COLOR_OPTIONS, \
-        "multiple choice", f"<answer>{L}</answer>"
+    return (
+        list(COLORS.values())[c],
+        rects,
+        "What is the background color of the video?",
+        L,
+        COLOR_OPTIONS,
+        "multiple choice",
+        f"<answer>{L}</answer>",
+    )
 
 
 def gen_image_color(rng, c, T, H, W, fps):
@@ -124,40 +169,67 @@ def gen_image_color(rng, c, T, H, W, fps):
 def gen_direction(rng, d, T, H, W, fps):
     side = math.ceil(min(H, W) / 3)
     span = (W if d < 2 else H) - side  # along the motion axis
-    a0, a1 = rng.integers(0, span // 4 + 1), span - rng.integers(0, span // 4 + 1)  # travels >= half the frame
+    a0, a1 = (
+        rng.integers(0, span // 4 + 1),
+        span - rng.integers(0, span // 4 + 1),
+    )  # travels >= half the frame
     if d in (0, 2):
         a0, a1 = a1, a0  # left / up: decreasing coordinate
     perp = rng.integers(0, (H if d < 2 else W) - side + 1)
     color = PALETTE[rng.integers(len(PALETTE))]
-    ends = [np.array([perp, a]) if d < 2 else np.array([a, perp]) for a in (a0, a1)]  # (y, x) top-left corners
+    ends = [
+        np.array([perp, a]) if d < 2 else np.array([a, perp]) for a in (a0, a1)
+    ]  # (y, x) top-left corners
     rects = [[rect(y, x, side, side, color)] for y, x in path(*ends, T)]
     L = LETTERS[d]
-    return dark(rng), rects, "In which direction does the square move?", L, DIR_OPTIONS, "multiple choice", \
-        f"<think>The square moves {DIRS[d]}.</think><answer>{L}</answer>"
+    return (
+        dark(rng),
+        rects,
+        "In which direction does the square move?",
+        L,
+        DIR_OPTIONS,
+        "multiple choice",
+        f"<think>The square moves {DIRS[d]}.</think><answer>{L}</answer>",
+    )
 
 
 def gen_count(rng, k, T, H, W, fps):
     n, side = k + 1, 2 * max(1, min(H, W) // 10)
     shapes = []
-    for q in sorted(rng.choice(4, n, replace=False)):  # one per quadrant: never overlapping, the count is exact
+    for q in sorted(
+        rng.choice(4, n, replace=False)
+    ):  # one per quadrant: never overlapping, the count is exact
         qy, qx = (q // 2) * (H // 2), (q % 2) * (W // 2)
         # starts kept >= 1 px inside the quadrant so snapping down to even cannot push a square out of it
         y, x = qy + rng.integers(1, H // 2 - side), qx + rng.integers(1, W // 2 - side)
         shapes.append(rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))]))
-    return dark(rng), [shapes] * T, "How many shapes are in the video?", str(n), None, "numerical", \
-        f"<answer>{n}</answer>"
+    return (
+        dark(rng),
+        [shapes] * T,
+        "How many shapes are in the video?",
+        str(n),
+        None,
+        "numerical",
+        f"<answer>{n}</answer>",
+    )
 
 
 def gen_appear(rng, _, T, H, W, fps):
-    s = int(rng.integers(1, T - 1))      # first visible frame, >= 1: the shape really appears
-    e = int(rng.integers(s + 1, T))      # first frame without it, <= T - 1: it really disappears
+    s = int(rng.integers(1, T - 1))  # first visible frame, >= 1: the shape really appears
+    e = int(rng.integers(s + 1, T))  # first frame without it, <= T - 1: it really disappears
     side = min(H, W) // 2
     y, x = rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)
     r = rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))])
     ans = json.dumps({"time": [round(s / fps, 2), round(e / fps, 2)]})
-    return dark(rng), [[r] if s <= t < e else [] for t in range(T)], \
-        "When does the shape appear? Answer with start and end seconds.", ans, None, "temporal grounding", \
-        f"<answer>{ans}</answer>"
+    return (
+        dark(rng),
+        [[r] if s <= t < e else [] for t in range(T)],
+        "When does the shape appear? Answer with start and end seconds.",
+        ans,
+        None,
+        "temporal grounding",
+        f"<answer>{ans}</answer>",
+    )
 
 
 def gen_needle(rng, c, T, H, W, fps):
@@ -166,17 +238,34 @@ def gen_needle(rng, c, T, H, W, fps):
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
     # fixed grays: the squares' paths are the only distraction, so the clip's gray content says nothing of the answer
-    squares = [[rect(*p, side, side, (g, g, g)) for p in glide(rng, T, H, W, side)] for g in (110, 200)]
-    rects = [[*(flash if start <= t < start + E else []), *frame] for t, frame in enumerate(zip(*squares))]
+    squares = [
+        [rect(*p, side, side, (g, g, g)) for p in glide(rng, T, H, W, side)] for g in (110, 200)
+    ]
+    rects = [
+        [*(flash if start <= t < start + E else []), *frame]
+        for t, frame in enumerate(zip(*squares))
+    ]
     L = LETTERS[c]
-    return (40, 40, 40), rects, "What color does the background briefly turn?", L, COLOR_OPTIONS, "multiple choice", \
-        f"<answer>{L}</answer>"
+    return (
+        (40, 40, 40),
+        rects,
+        "What color does the background briefly turn?",
+        L,
+        COLOR_OPTIONS,
+        "multiple choice",
+        f"<answer>{L}</answer>",
+    )
 
 
 # name -> (generator, number of balanced classes (0: none), data type, minimum frames)
-TASKS = {"color": (gen_color, 4, "video", 2), "direction": (gen_direction, 4, "video", 2),
-         "count": (gen_count, 4, "video", 1), "appear": (gen_appear, 0, "video", 3),
-         "image_color": (gen_image_color, 4, "image", 1), "needle": (gen_needle, 4, "video", 2)}
+TASKS = {
+    "color": (gen_color, 4, "video", 2),
+    "direction": (gen_direction, 4, "video", 2),
+    "count": (gen_count, 4, "video", 1),
+    "appear": (gen_appear, 0, "video", 3),
+    "image_color": (gen_image_color, 4, "image", 1),
+    "needle": (gen_needle, 4, "video", 2),
+}
 
 
 def _done(out, args, paths) -> bool:
@@ -188,14 +277,29 @@ def _done(out, args, paths) -> bool:
         rows = [json.loads(line) for split in ("train", "val") for line in open(paths[split])]
     except (OSError, ValueError):
         return False
-    return all(os.path.exists(os.path.join(out, m)) for r in rows for m in r.get("videos", []) + r.get("images", []))
+    return all(
+        os.path.exists(os.path.join(out, m))
+        for r in rows
+        for m in r.get("videos", []) + r.get("images", [])
+    )
 
 
-def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_val: int = 64, seed: int = 0,
-         size: int = 56, fps: float = 4, seconds: float = 2.0, width: int | None = None, height: int | None = None):
+def make(
+    out: str,
+    tasks: str | list[str] = "color",
+    num_train: int = 256,
+    num_val: int = 64,
+    seed: int = 0,
+    size: int = 56,
+    fps: float = 4,
+    seconds: float = 2.0,
+    width: int | None = None,
+    height: int | None = None,
+):
     """Write out/{train,val}.jsonl (num_train, num_val per task), the media and out/meta.json (a no-op when it holds
     the same arguments); returns {"train", "val", "meta"} paths. size: the side where width or height is not given."""
     from PIL import Image
+
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     W, H, T = int(width or size), int(height or size), int(round(fps * seconds))
     if unknown := [t for t in tasks if t not in TASKS]:
@@ -205,10 +309,22 @@ def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_v
     need = max([TASKS[t][3] for t in tasks if TASKS[t][2] == "video"], default=1)
     if T < need:
         raise ValueError(f"fps * seconds = {T} frames; tasks {tasks} need at least {need}")
-    args = dict(version=VERSION, tasks=tasks, num_train=num_train, num_val=num_val, seed=seed, width=W, height=H,
-                fps=fps, seconds=seconds)
-    paths = {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl"),
-             "meta": os.path.join(out, "meta.json")}
+    args = dict(
+        version=VERSION,
+        tasks=tasks,
+        num_train=num_train,
+        num_val=num_val,
+        seed=seed,
+        width=W,
+        height=H,
+        fps=fps,
+        seconds=seconds,
+    )
+    paths = {
+        "train": os.path.join(out, "train.jsonl"),
+        "val": os.path.join(out, "val.jsonl"),
+        "meta": os.path.join(out, "meta.json"),
+    }
     if _done(out, args, paths):
         return paths
     for sub in ("videos", "images"):
@@ -224,24 +340,45 @@ def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_v
             labels = rng.permutation(np.arange(num) % n_cls) if n_cls else np.zeros(num, int)
             seen = set()
             for i in range(num):
-                for _ in range(10000):  # rejection: wrong split bucket, or a repeat within this split
-                    bg, rects, problem, answer, options, ptype, offline = gen(rng, int(labels[i]), T, H, W, fps)
+                for _ in range(
+                    10000
+                ):  # rejection: wrong split bucket, or a repeat within this split
+                    bg, rects, problem, answer, options, ptype, offline = gen(
+                        rng, int(labels[i]), T, H, W, fps
+                    )
                     key = hashlib.sha1(repr((task, bg, rects)).encode()).digest()
                     if (key[0] % VAL_BUCKETS == 0) == (split == "val") and key not in seen:
                         break
                 else:
-                    raise RuntimeError(f"{task}: no new {split} scene after 10000 draws; "
-                                       "use a larger frame or fewer samples")
+                    raise RuntimeError(
+                        f"{task}: no new {split} scene after 10000 draws; "
+                        "use a larger frame or fewer samples"
+                    )
                 seen.add(key)
                 sid = f"{task}-{split}-{i:05d}"
                 media = f"{dtype}s/{sid}.{'png' if dtype == 'image' else 'mp4'}"
                 if dtype == "image":
                     Image.fromarray(render_rgb(H, W, bg, rects[0])).save(os.path.join(out, media))
                 else:
-                    write_video(os.path.join(out, media), (render_yuv(H, W, bg, r) for r in rects), fps, "yuv420p")
-                row = {"id": sid, "problem": problem, "answer": answer, f"{dtype}s": [media], "data_type": dtype,
-                       "problem_type": ptype, "options": options, "offline_output": offline}
-                rows.append({k: v for k, v in row.items() if v is not None})  # no options: the field is left out
+                    write_video(
+                        os.path.join(out, media),
+                        (render_yuv(H, W, bg, r) for r in rects),
+                        fps,
+                        "yuv420p",
+                    )
+                row = {
+                    "id": sid,
+                    "problem": problem,
+                    "answer": answer,
+                    f"{dtype}s": [media],
+                    "data_type": dtype,
+                    "problem_type": ptype,
+                    "options": options,
+                    "offline_output": offline,
+                }
+                rows.append(
+                    {k: v for k, v in row.items() if v is not None}
+                )  # no options: the field is left out
         with open(paths[split] + ".part", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         os.replace(paths[split] + ".part", paths[split])
@@ -252,6 +389,7 @@ def make(out: str, tasks: str | list[str] = "color", num_train: int = 256, num_v
 
 if __name__ == "__main__":
     import tyro
+
     t0 = time.time()
     p = tyro.cli(make)
     print(f"{p['train']} {p['val']} ({time.time() - t0:.1f}s)")

@@ -8,20 +8,41 @@ tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLL
 The "wide" variant (tiny-<arch>-wide): hidden 384, 6 query / 2 KV heads (sequence parallelism over 3 ranks repeats
 KV heads, over 4 pads zero heads) and Qwen2.5-VL windows of one merged token (several windows per frame).
 """
+
 import json
 import os
 import shutil
 from typing import Literal
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-           "<|image_pad|>", "<|video_pad|>"]
-ADDED = ["<think>", "</think>", "<answer>", "</answer>"]  # added but not special: they survive skip_special_tokens
-WIDTHS = dict(hidden_size=64, intermediate_size=128, out_hidden_size=128)  # Qwen2.5/3-VL towers: width, MLP, merger
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+ADDED = [
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+]  # added but not special: they survive skip_special_tokens
+WIDTHS = dict(
+    hidden_size=64, intermediate_size=128, out_hidden_size=128
+)  # Qwen2.5/3-VL towers: width, MLP, merger
 # What differs between the architectures: the transformers classes (config, model, processor, video processor), the
 # real patch size (x spatial merge 2 = 28 / 32 pixels per visual token side) and the settings the tiny sizes scale down
 ARCHS = {
     "qwen2_vl": dict(
-        classes=("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+        classes=(
+            "Qwen2VLConfig",
+            "Qwen2VLForConditionalGeneration",
+            "Qwen2VLProcessor",
+            "Qwen2VLVideoProcessor",
+        ),
         patch=14,
         rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
         # its own schema: width embed_dim, MLP mlp_ratio x wider (quick GELU, no gate), hidden_size the merger's output
@@ -30,28 +51,54 @@ ARCHS = {
         norm={},  # the CLIP mean/std defaults
     ),
     "qwen2_5_vl": dict(
-        classes=("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor",
-                 "Qwen2VLVideoProcessor"),
+        classes=(
+            "Qwen2_5_VLConfig",
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen2_5_VLProcessor",
+            "Qwen2VLVideoProcessor",
+        ),
         patch=14,
         rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
         # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
-        vision=dict(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2, hidden_act="silu", **WIDTHS),
+        vision=dict(
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+            hidden_act="silu",
+            **WIDTHS,
+        ),
         norm={},  # the CLIP mean/std defaults
     ),
     "qwen3_vl": dict(
-        classes=("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+        classes=(
+            "Qwen3VLConfig",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3VLProcessor",
+            "Qwen3VLVideoProcessor",
+        ),
         patch=16,
         # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
-        rope=dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True),
+        rope=dict(
+            rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True
+        ),
         # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
-        vision=dict(num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh",
-                    **WIDTHS),
+        vision=dict(
+            num_position_embeddings=256,
+            deepstack_visual_indexes=[0],
+            hidden_act="gelu_pytorch_tanh",
+            **WIDTHS,
+        ),
         norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
     ),
 }
 # variant -> what it changes: the text config, the vision config (the settings the arch has)
-VARIANTS = {"": ({}, {}), "wide": (dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2),
-                                    dict(out_hidden_size=384, window_size=28))}
+VARIANTS = {
+    "": ({}, {}),
+    "wide": (
+        dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2),
+        dict(out_hidden_size=384, window_size=28),
+    ),
+}
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
@@ -62,14 +109,21 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templ
 def corpus() -> list[str]:
     """Text shaped like our prompts and answers, so the ~180 merges are spent on words we actually use."""
     import random
+
     rng = random.Random(0)  # fixed: the tokenizer must not depend on the weight seed
     colors = "red green blue yellow white black gray orange purple pink".split()
     shapes = "square circle triangle box dot ball".split()
     dirs = "left right up down".split()
     nums = "zero one two three four five six seven eight nine ten".split()
-    lines = ["You are a helpful assistant.", "system", "user", "assistant", "A. red\nB. green\nC. blue\nD. yellow",
-             "Answer with the option's letter from the given choices directly.",
-             "Output the thinking process in <think> </think> and the final answer in <answer> </answer> tags."]
+    lines = [
+        "You are a helpful assistant.",
+        "system",
+        "user",
+        "assistant",
+        "A. red\nB. green\nC. blue\nD. yellow",
+        "Answer with the option's letter from the given choices directly.",
+        "Output the thinking process in <think> </think> and the final answer in <answer> </answer> tags.",
+    ]
     for _ in range(400):
         c, s, d, n = rng.choice(colors), rng.choice(shapes), rng.choice(dirs), rng.choice(nums)
         t0 = round(rng.uniform(0, 9), 1)
@@ -80,8 +134,10 @@ def corpus() -> list[str]:
             f"Which direction does the {c} {s} move? Options: A. {dirs[0]} B. {dirs[1]} C. {dirs[2]} D. {dirs[3]}",
             f"How many {s}s are there in the video? There are {n} {s}s, {rng.randint(0, 12)} in all.",
             f"When does the {c} {s} appear? Give the start and end time in seconds.",
-            (f"<think>The {c} {s} moves {d} from frame {rng.randint(0, 31)} to frame {rng.randint(0, 31)}.</think>"
-             f"<answer>{rng.choice('ABCD')}</answer>"),
+            (
+                f"<think>The {c} {s} moves {d} from frame {rng.randint(0, 31)} to frame {rng.randint(0, 31)}.</think>"
+                f"<answer>{rng.choice('ABCD')}</answer>"
+            ),
             f'<answer>{{"time": [{t0}, {t1}]}}</answer> <{t0} seconds> {rng.randint(0, 999)}, {rng.random():.3f}',
         ]
     return lines
@@ -93,25 +149,42 @@ def make_tokenizer(template: str):
     with the full byte alphabet: any text round-trips."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
+
     tk = Tokenizer(models.BPE())
-    template_tok = Qwen2Tokenizer()  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    template_tok = (
+        Qwen2Tokenizer()
+    )  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
-    trainer = trainers.BpeTrainer(vocab_size=448, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=448,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(corpus(), trainer)
     model = json.loads(tk.to_str())["model"]
-    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
-                         unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                         extra_special_tokens=SPECIAL[1:], clean_up_tokenization_spaces=False, errors="replace",
-                         model_max_length=32768)
+    tok = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(m) for m in model["merges"]],
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=SPECIAL[1:],
+        clean_up_tokenization_spaces=False,
+        errors="replace",
+        model_max_length=32768,
+    )
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     tok.chat_template = template
     return tok
 
 
 def _marker(arch: str, seed: int, variant: str) -> dict:
-    return {"arch": arch, "seed": seed, "version": VERSION} | ({"variant": variant} if variant else {})
+    return {"arch": arch, "seed": seed, "version": VERSION} | (
+        {"variant": variant} if variant else {}
+    )
 
 
 def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
@@ -122,8 +195,13 @@ def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
         return False
 
 
-def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: int = 0, force: bool = False,
-          variant: Literal["", "wide"] = "") -> str:
+def build(
+    arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+    out: str,
+    seed: int = 0,
+    force: bool = False,
+    variant: Literal["", "wide"] = "",
+) -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
     half-written one."""
@@ -132,30 +210,70 @@ def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: i
     if not force and _complete(out, arch, seed, variant):
         return out
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
-        raise FileExistsError(f"{out} is not empty and holds no checkpoint of ours: not replacing it")
+        raise FileExistsError(
+            f"{out} is not empty and holds no checkpoint of ours: not replacing it"
+        )
     import torch
     import transformers
+
     Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
     with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
         tok = make_tokenizer(f.read())
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     patch = spec["patch"]
-    text = dict(vocab_size=len(tok),  # exact: no unused rows a sampler could pick (vLLM pads its shards itself)
-                hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=64, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                pad_token_id=ids["<|endoftext|>"], dtype="float32", rope_parameters=spec["rope"]) | VARIANTS[variant][0]
-    vision = dict(depth=2, num_heads=2, in_channels=3, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
-                  initializer_range=0.02, **spec["vision"])
-    vision |= {k: v for k, v in VARIANTS[variant][1].items() if k in vision}  # the settings this arch has
-    config = Cfg(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
-                 image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    text = (
+        dict(
+            vocab_size=len(
+                tok
+            ),  # exact: no unused rows a sampler could pick (vLLM pads its shards itself)
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            dtype="float32",
+            rope_parameters=spec["rope"],
+        )
+        | VARIANTS[variant][0]
+    )
+    vision = dict(
+        depth=2,
+        num_heads=2,
+        in_channels=3,
+        patch_size=patch,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=0.02,
+        **spec["vision"],
+    )
+    vision |= {
+        k: v for k, v in VARIANTS[variant][1].items() if k in vision
+    }  # the settings this arch has
+    config = Cfg(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype="float32",
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = Model(config).to(torch.float32).eval()
     gen = model.generation_config
-    gen.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]  # like the real checkpoints: stop on either
+    gen.eos_token_id = [
+        ids["<|im_end|>"],
+        ids["<|endoftext|>"],
+    ]  # like the real checkpoints: stop on either
     gen.pad_token_id, gen.bos_token_id = ids["<|endoftext|>"], None
     # Our frames are tiny (2x2 merged tokens each): the processors' default minimums (56x56 for images,
     # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
@@ -163,8 +281,12 @@ def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: i
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
     common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **spec["norm"])
     # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
-    processor = Proc(image_processor=transformers.Qwen2VLImageProcessor(**common), tokenizer=tok,
-                     video_processor=VidProc(**common, cap_pixels_per_frame=True), chat_template=tok.chat_template)
+    processor = Proc(
+        image_processor=transformers.Qwen2VLImageProcessor(**common),
+        tokenizer=tok,
+        video_processor=VidProc(**common, cap_pixels_per_frame=True),
+        chat_template=tok.chat_template,
+    )
 
     tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
@@ -172,7 +294,9 @@ def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: i
     processor.save_pretrained(tmp)
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(_marker(arch, seed, variant), f)
-    if not force and _complete(out, arch, seed, variant):  # someone else finished the same build meanwhile
+    if not force and _complete(
+        out, arch, seed, variant
+    ):  # someone else finished the same build meanwhile
         shutil.rmtree(tmp)
         return out
     old = f"{out}.old-{os.getpid()}"
@@ -185,9 +309,15 @@ def build(arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], out: str, seed: i
 
 def ensure(arch: str, root: str = ".cache/models", seed: int = 0, variant: str = "") -> str:
     """`root/tiny-<arch>` (a variant: tiny-<arch>-<variant>), built first if missing or stale."""
-    return build(arch, os.path.join(root, "-".join(["tiny", arch] + [variant] * bool(variant))), seed, variant=variant)
+    return build(
+        arch,
+        os.path.join(root, "-".join(["tiny", arch] + [variant] * bool(variant))),
+        seed,
+        variant=variant,
+    )
 
 
 if __name__ == "__main__":
     import tyro
+
     print(tyro.cli(build))

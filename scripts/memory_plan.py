@@ -1,8 +1,9 @@
 """Does a train.py config fit in GPU memory? Per-GPU bytes of the generation and train phases, before anything runs.
 
-    .venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml --gpus 8 --gpu-mem-gib 80
-    .venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml configs/qwen2_5_vl_7b_long.yaml --table
+.venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml --gpus 8 --gpu-mem-gib 80
+.venv/bin/python scripts/memory_plan.py --config configs/qwen2_5_vl_7b.yaml configs/qwen2_5_vl_7b_long.yaml --table
 """
+
 import dataclasses
 import json
 import math
@@ -12,9 +13,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-GIB = 2 ** 30
-SOURCE_HW = (720, 1280)  # the largest source video: larger ones shrink to video_max_pixels, smaller give fewer tokens
-STORE = os.path.join(ROOT, "configs/memory.json")  # published config.json values of the hub models; measurements
+GIB = 2**30
+SOURCE_HW = (
+    720,
+    1280,
+)  # the largest source video: larger ones shrink to video_max_pixels, smaller give fewer tokens
+STORE = os.path.join(
+    ROOT, "configs/memory.json"
+)  # published config.json values of the hub models; measurements
 
 
 def stored(model: str, dtype: str) -> tuple[dict, dict]:
@@ -26,7 +32,9 @@ def stored(model: str, dtype: str) -> tuple[dict, dict]:
         store = json.load(f)
     key = f"{os.path.basename(os.path.normpath(model))} {dtype}"
     if key not in store["measured"]:
-        raise KeyError(f"{STORE}: no measurements {key!r} (tests/test_memory_plan.py::test_measurements_reproduce)")
+        raise KeyError(
+            f"{STORE}: no measurements {key!r} (tests/test_memory_plan.py::test_measurements_reproduce)"
+        )
     if model in store["published"]:
         return store["published"][model], store["measured"][key]
     with open(os.path.join(model, "config.json")) as f:
@@ -41,27 +49,61 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     import make_tiny_model
     import torch
     from transformers import AutoProcessor
+
     local = cfg.model
-    if not os.path.isdir(local):  # a hub name: the tiny checkpoint of its family has the same processor sizes
-        local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models"))
+    if not os.path.isdir(
+        local
+    ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
+        local = make_tiny_model.ensure(
+            stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models")
+        )
     processor = AutoProcessor.from_pretrained(local)
-    factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
-    budget = cache.frame_pixels(n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor)
+    factor, n = (
+        cache.vision_factor(processor),
+        cfg.video_max_frames // 2 * 2,
+    )  # qwen-vl-utils: even frame counts
+    budget = cache.frame_pixels(
+        n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
+    )
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
-    sample = dict(problem="<video>What happens in the video, and when?", problem_type="free-form", videos=["v.mp4"])
-    text = processor.apply_chat_template(data.chat_messages(sample, data.render_prompt(sample)), tokenize=False,
-                                         add_generation_prompt=True)
-    meta = dict(fps=cfg.video_fps, duration=n / cfg.video_fps, total_num_frames=n, frames_indices=list(range(n)))
-    out = processor(text=[text], videos=[torch.zeros(n, 3, factor, factor, dtype=torch.uint8)], video_metadata=[meta],
-                    do_resize=False, do_sample_frames=False, return_tensors="pt")
-    pairs, per_pair = int(out["video_grid_thw"][0, 0]), h * w // factor ** 2  # frame pairs; merged tokens in each
-    return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(out["video_grid_thw"].prod()) * per_pair
+    sample = dict(
+        problem="<video>What happens in the video, and when?",
+        problem_type="free-form",
+        videos=["v.mp4"],
+    )
+    text = processor.apply_chat_template(
+        data.chat_messages(sample, data.render_prompt(sample)),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    meta = dict(
+        fps=cfg.video_fps,
+        duration=n / cfg.video_fps,
+        total_num_frames=n,
+        frames_indices=list(range(n)),
+    )
+    out = processor(
+        text=[text],
+        videos=[torch.zeros(n, 3, factor, factor, dtype=torch.uint8)],
+        video_metadata=[meta],
+        do_resize=False,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    pairs, per_pair = (
+        int(out["video_grid_thw"][0, 0]),
+        h * w // factor**2,
+    )  # frame pairs; merged tokens in each
+    return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
+        out["video_grid_thw"].prod()
+    ) * per_pair
 
 
 @dataclasses.dataclass
 class Plan:
     """Bytes per GPU: held in the train phase, its transients (the largest counts), vLLM's parts and need (its share
     holds them in the generation phase); the phases' peaks."""
+
     held: dict[str, float]
     transient: dict[str, float]
     vllm: dict[str, float]
@@ -75,32 +117,88 @@ def lora_params(spec: dict, rank: int) -> int:
     """Adapter parameters of train.py's default lora_targets: rank x (inputs + outputs) of q, k, v, o, gate, up, down
     in every decoder layer."""
     text = spec["text_config"]
-    hidden, heads, inner = text["hidden_size"], text["num_attention_heads"], text["intermediate_size"]
+    hidden, heads, inner = (
+        text["hidden_size"],
+        text["num_attention_heads"],
+        text["intermediate_size"],
+    )
     q = heads * text.get("head_dim", hidden // heads)
     kv = text["num_key_value_heads"] * q // heads
-    return rank * text["num_hidden_layers"] * (2 * (hidden + q) + 2 * (hidden + kv) + 3 * (hidden + inner))
+    return (
+        rank
+        * text["num_hidden_layers"]
+        * (2 * (hidden + q) + 2 * (hidden + kv) + 3 * (hidden + inner))
+    )
 
 
-def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, prompt: int, patches: int, sp: int = 1):
+def plan(
+    cfg,
+    spec: dict,
+    meas: dict,
+    gpus: int,
+    gpu_mem: float,
+    cuda: bool,
+    prompt: int,
+    patches: int,
+    sp: int = 1,
+):
     """Bytes per GPU of train.py with `cfg`, sp_size `sp` (cuda: bf16, vLLM; else fp32 on CPU), `prompt`-token prompts:
     README "Memory"'s terms; sp > 1 (Ulysses): 1/sp of the tokens, frames and features, query heads padded to a
     multiple of sp (zero heads: their attention costs as much as a real head's)."""
-    total, block, root = meas["params"]["total"], meas["params"]["largest_layer"], meas["params"]["root"]
+    total, block, root = (
+        meas["params"]["total"],
+        meas["params"]["largest_layer"],
+        meas["params"]["root"],
+    )
     text, vision = spec["text_config"], spec["vision_config"]
-    hidden, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
-    head_dim, compute = text.get("head_dim", hidden // heads), 2 if cuda else 4  # bf16 copies on CUDA
-    trained = lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total  # LoRA: the base has no grads, no AdamW
-    shard, row, group = 4 * total / gpus * (1 - cfg.offload), prompt + cfg.max_response_len, cfg.group_size
+    hidden, heads, kv = (
+        text["hidden_size"],
+        text["num_attention_heads"],
+        text["num_key_value_heads"],
+    )
+    head_dim, compute = (
+        text.get("head_dim", hidden // heads),
+        2 if cuda else 4,
+    )  # bf16 copies on CUDA
+    trained = (
+        lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
+    )  # LoRA: the base has no grads, no AdamW
+    shard, row, group = (
+        4 * total / gpus * (1 - cfg.offload),
+        prompt + cfg.max_response_len,
+        cfg.group_size,
+    )
     states = 4 * trained / gpus * (1 - cfg.offload)
-    rows = max(1, cfg.max_tokens_per_micro_batch // row) if cfg.max_tokens_per_micro_batch else cfg.micro_batch_size
-    encodes = (rows // group if rows >= group else 1 + (group % rows > 0)) * (1 - cfg.freeze_vision)  # whole groups
-    kept = cfg.prompts_per_step * sp // gpus if cfg.freeze_vision else encodes  # freeze_vision: the step's prompts
-    merged = patches / vision.get("spatial_merge_size", 2) ** 2 * (1 + len(vision.get("deepstack_visual_indexes", [])))
-    tokens, patches_here = rows * row / sp, patches / sp  # this rank's share of the tokens, frames and features
+    rows = (
+        max(1, cfg.max_tokens_per_micro_batch // row)
+        if cfg.max_tokens_per_micro_batch
+        else cfg.micro_batch_size
+    )
+    encodes = (rows // group if rows >= group else 1 + (group % rows > 0)) * (
+        1 - cfg.freeze_vision
+    )  # whole groups
+    kept = (
+        cfg.prompts_per_step * sp // gpus if cfg.freeze_vision else encodes
+    )  # freeze_vision: the step's prompts
+    merged = (
+        patches
+        / vision.get("spatial_merge_size", 2) ** 2
+        * (1 + len(vision.get("deepstack_visual_indexes", [])))
+    )
+    tokens, patches_here = (
+        rows * row / sp,
+        patches / sp,
+    )  # this rank's share of the tokens, frames and features
     padded = -(-heads // sp) * sp  # Ulysses gives each rank padded / sp heads
-    kv_sent = padded if heads % sp else math.lcm(kv, sp)  # padded: a KV head per query head; else KV repeated to sp
-    pad = 4 * (padded - heads) * head_dim * compute  # q, k, v, out of the zero heads, per token of this rank
-    weights = shard * (1 + (cfg.kl_coef > 0 and not cfg.lora_rank))  # LoRA's reference is the base, adapters off
+    kv_sent = (
+        padded if heads % sp else math.lcm(kv, sp)
+    )  # padded: a KV head per query head; else KV repeated to sp
+    pad = (
+        4 * (padded - heads) * head_dim * compute
+    )  # q, k, v, out of the zero heads, per token of this rank
+    weights = shard * (
+        1 + (cfg.kl_coef > 0 and not cfg.lora_rank)
+    )  # LoRA's reference is the base, adapters off
     mode = "ckpt" if cfg.gradient_checkpointing else "plain"
     dec, vis = meas["decoder"][mode], meas["vision"][mode]
     chunk = min(cfg.logp_chunk or rows * cfg.max_response_len, rows * cfg.max_response_len)
@@ -109,26 +207,50 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
         f"gradients (fp32 shards of {trained / 1e6:,.0f}M)": states,
         f"optimizer (AdamW: 2 fp32 shards of {trained / 1e6:,.0f}M)": 2 * states,
         # the bf16 copies FSDP2 computes with: on CUDA at any world size (the GPU check, LOG.md 2026-11-26)
-        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block) * compute * (gpus > 1 or cuda),
-        f"decoder activations ({tokens:.0f} tokens, {mode})": tokens * text["num_hidden_layers"] * dec["layer"],
-        f"padded heads' attention ({heads} -> {padded} heads)":
-            tokens * text["num_hidden_layers"] * pad * (mode == "plain"),
-        f"vision activations ({encodes} x {patches_here:.0f} patches)":
-            encodes * patches_here * vision["depth"] * vis["layer"],
-        f"vision features ({kept} x {merged / sp:.0f} tokens)": kept * merged / sp * hidden * compute,
+        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block)
+        * compute
+        * (gpus > 1 or cuda),
+        f"decoder activations ({tokens:.0f} tokens, {mode})": tokens
+        * text["num_hidden_layers"]
+        * dec["layer"],
+        f"padded heads' attention ({heads} -> {padded} heads)": tokens
+        * text["num_hidden_layers"]
+        * pad
+        * (mode == "plain"),
+        f"vision activations ({encodes} x {patches_here:.0f} patches)": encodes
+        * patches_here
+        * vision["depth"]
+        * vis["layer"],
+        f"vision features ({kept} x {merged / sp:.0f} tokens)": kept
+        * merged
+        / sp
+        * hidden
+        * compute,
     }
-    a2a = 2 * (2 * padded + 2 * kv_sent) * head_dim * compute * (sp > 1)  # q, k, v, out sent and received
+    a2a = (
+        2 * (2 * padded + 2 * kv_sent) * head_dim * compute * (sp > 1)
+    )  # q, k, v, out sent and received
     transient = {  # one at a time: the logits in the lm_head's backward, then the layers', then the blocks'
-        f"logits chunk ({chunk} x {text['vocab_size']})": chunk * text["vocab_size"] * meas["logit_bytes"],
+        f"logits chunk ({chunk} x {text['vocab_size']})": chunk
+        * text["vocab_size"]
+        * meas["logit_bytes"],
         "a decoder layer's backward (+ all-to-all, zero heads)": tokens * (dec["rest"] + a2a + pad),
         "a vision block's backward": encodes * patches_here * vis["rest"],
-        f"freeze_vision's encode ({kept} x {patches_here:.0f} patches, one no-grad call; no activations yet)":
-            kept * patches_here * meas["vision"]["encode"] * cfg.freeze_vision,
+        f"freeze_vision's encode ({kept} x {patches_here:.0f} patches, one no-grad call; no activations yet)": kept
+        * patches_here
+        * meas["vision"]["encode"]
+        * cfg.freeze_vision,
     }
     tp = cfg.rollout_tp
-    kv_bytes = 2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2  # bf16 K, V per token, GPU
-    kv_tokens = max(cfg.max_model_len, prompt + group * cfg.max_response_len)  # the group shares its prompt's blocks
-    tower = meas["params"]["vision"] * (tp - 1) / tp  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
+    kv_bytes = (
+        2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2
+    )  # bf16 K, V per token, GPU
+    kv_tokens = max(
+        cfg.max_model_len, prompt + group * cfg.max_response_len
+    )  # the group shares its prompt's blocks
+    tower = (
+        meas["params"]["vision"] * (tp - 1) / tp
+    )  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
     vllm_parts = {  # holds the whole tower and encodes whole videos (one video is not split over the ranks)
         f"weights (bf16, / rollout_tp {tp}; the vision tower whole)": 2 * (total / tp + tower),
         f"KV cache ({kv_tokens} tokens)": kv_tokens * kv_bytes,
@@ -136,18 +258,33 @@ def plan(cfg, spec: dict, meas: dict, gpus: int, gpu_mem: float, cuda: bool, pro
     }
     vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
     generation = weights + 2 * states + vllm  # weights, AdamW; gradients are freed after each step
-    acts = sum(v for k, v in held.items() if "activations" in k or k.startswith("padded"))  # none at the encode
-    *passes, encode = transient.values()  # the features come before the passes: on the states, no activations
-    train = max(sum(held.values()) + max(passes), sum(held.values()) - acts + encode) + vllm * (not cfg.vllm_sleep)
+    acts = sum(
+        v for k, v in held.items() if "activations" in k or k.startswith("padded")
+    )  # none at the encode
+    *passes, encode = (
+        transient.values()
+    )  # the features come before the passes: on the states, no activations
+    train = max(sum(held.values()) + max(passes), sum(held.values()) - acts + encode) + vllm * (
+        not cfg.vllm_sleep
+    )
     over = train > 0.9 * gpu_mem  # 10% for the CUDA context, NCCL and fragmentation
     larger = [s for s in range(sp + 1, gpus + 1) if gpus % s == 0]
     knobs = (  # the first that applies, the knob to turn
         (gpus % sp, f"CANNOT RUN: sp_size {sp} must divide the {gpus} GPUs"),
-        (prompt > cfg.max_prompt_len, f"CANNOT RUN: max_prompt_len {cfg.max_prompt_len} < {prompt}-token prompts"),
-        (need > vllm, f"DOES NOT FIT: gpu_memory_utilization or rollout_tp (vLLM needs {need / GIB:.1f} GiB)"),
+        (
+            prompt > cfg.max_prompt_len,
+            f"CANNOT RUN: max_prompt_len {cfg.max_prompt_len} < {prompt}-token prompts",
+        ),
+        (
+            need > vllm,
+            f"DOES NOT FIT: gpu_memory_utilization or rollout_tp (vLLM needs {need / GIB:.1f} GiB)",
+        ),
         (generation > 0.9 * gpu_mem, "DOES NOT FIT: gpu_memory_utilization (or offload: true)"),
         (over and not cfg.gradient_checkpointing, "DOES NOT FIT: gradient_checkpointing: true"),
-        (over and rows > 1, f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row} tokens)"),
+        (
+            over and rows > 1,
+            f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row} tokens)",
+        ),
         (over and larger, "DOES NOT FIT: sp_size " + " or ".join(map(str, larger))),
         (over and not cfg.freeze_vision, "DOES NOT FIT: freeze_vision: true"),
         (over, f"DOES NOT FIT: video_max_frames / video_max_pixels (one row is {row} tokens)"),
@@ -176,12 +313,29 @@ class Config:
 def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     """Markdown rows, frames x sp_size: verdict, train-phase GiB per GPU (the config's prompt and model lengths;
     rollout_tp = sp_size, as train.py takes it)."""
-    lines = ["| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |", "|---" * 6 + "|"]
+    lines = [
+        "| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |",
+        "|---" * 6 + "|",
+    ]
     for frames in (256, 512, 1024, 2048, 3600):
-        one = dataclasses.replace(cfg, video_max_frames=frames, max_tokens_per_micro_batch=0, micro_batch_size=1)
+        one = dataclasses.replace(
+            cfg, video_max_frames=frames, max_tokens_per_micro_batch=0, micro_batch_size=1
+        )
         prompt, patches = longest_prompt(one, *SOURCE_HW)
-        plans = [plan(dataclasses.replace(one, rollout_tp=sp if sp > 1 else cfg.rollout_tp), spec, meas, c.gpus,
-                      c.gpu_mem_gib * GIB, True, prompt, patches, sp) for sp in (1, 2, 4, 8)]  # tp: 1 or sp_size
+        plans = [
+            plan(
+                dataclasses.replace(one, rollout_tp=sp if sp > 1 else cfg.rollout_tp),
+                spec,
+                meas,
+                c.gpus,
+                c.gpu_mem_gib * GIB,
+                True,
+                prompt,
+                patches,
+                sp,
+            )
+            for sp in (1, 2, 4, 8)
+        ]  # tp: 1 or sp_size
         cells = [f"{p.verdict.split(':')[0].lower()} ({p.train / GIB:.0f} GiB)" for p in plans]
         lines.append(f"| {frames} | {prompt:,} | " + " | ".join(cells) + " |")
     return lines
@@ -202,14 +356,22 @@ def main(c: Config) -> Plan | list[str]:
     """Prints the config's plan (or the table) and returns it. A model measured only in float32 (the tiny CPU one)
     gets a CPU plan: fp32, per rank, vLLM not counted."""
     import train
+
     cfg = train.load_config(["--config", *c.config])  # checked as train.py checks it
     sp, gpus = cfg.sp_size, c.gpus or launch_ranks(c.config)
     if not gpus:
-        sys.exit(f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N")
-    cfg = dataclasses.replace(cfg, video_max_frames=c.frames or cfg.video_max_frames,
-                              max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch)
+        sys.exit(
+            f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N"
+        )
+    cfg = dataclasses.replace(
+        cfg,
+        video_max_frames=c.frames or cfg.video_max_frames,
+        max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch,
+    )
     with open(STORE) as f:  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
-        cuda = f"{os.path.basename(os.path.normpath(cfg.model))} bfloat16" in json.load(f)["measured"]
+        cuda = (
+            f"{os.path.basename(os.path.normpath(cfg.model))} bfloat16" in json.load(f)["measured"]
+        )
     spec, meas = stored(cfg.model, "bfloat16" if cuda else "float32")
     if c.table:
         lines = table(dataclasses.replace(c, gpus=gpus), cfg, spec, meas)
@@ -217,22 +379,29 @@ def main(c: Config) -> Plan | list[str]:
         return lines
     prompt, patches = longest_prompt(cfg, *SOURCE_HW)
     p = plan(cfg, spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp)
-    print(f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
-          f"(720p): {prompt} prompt tokens, {patches} patches")
+    print(
+        f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
+        f"(720p): {prompt} prompt tokens, {patches} patches"
+    )
     parts = {**p.held, **{f"+ the largest: {k}": v for k, v in p.transient.items()}}
     parts.update({f"vLLM: {k}": v for k, v in p.vllm.items()} if cuda else {})
     for label, value in parts.items():
         print(f"  {label:<62} {value / GIB:7.2f} GiB")
     if not cuda:
-        print(f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)")
+        print(
+            f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)"
+        )
         return p
-    print(f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
-          f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
-          f"{0.9 * c.gpu_mem_gib:.0f} GiB")
+    print(
+        f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
+        f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
+        f"{0.9 * c.gpu_mem_gib:.0f} GiB"
+    )
     print(p.verdict)
     return p
 
 
 if __name__ == "__main__":
     import tyro
+
     main(tyro.cli(Config))

@@ -1,7 +1,8 @@
 """Compare runs: held-out accuracy (greedy) per step from each run folder's metrics.jsonl + summary.json.
 
-    python scripts/plot_runs.py --out docs/compare.png runs/a:"label a" runs/b:"label b"
+python scripts/plot_runs.py --out docs/compare.png runs/a:"label a" runs/b:"label b"
 """
+
 import argparse
 import json
 import os
@@ -15,7 +16,9 @@ def curve(run: str) -> tuple[list[int], list[float]]:
     """(steps, accuracies) of a run's held-out evaluations; step 0 (before training) from summary.json."""
     summary = os.path.join(run, "summary.json")
     before = json.load(open(summary))["acc_before"] if os.path.exists(summary) else float("nan")
-    rows = [r for r in curve_rows(os.path.join(run, "metrics.jsonl"), before) if "eval/accuracy" in r]
+    rows = [
+        r for r in curve_rows(os.path.join(run, "metrics.jsonl"), before) if "eval/accuracy" in r
+    ]
     return [r["step"] for r in rows], [r["eval/accuracy"] for r in rows]
 
 

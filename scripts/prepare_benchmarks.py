@@ -10,6 +10,7 @@ authors' server). nextqa: the release keeps its videos in NExTVideo/<folder>/<vi
 ({video: "<folder>/<video>"}) beside them; OUT/nextqa/<video>.mp4 become links to them, the layout the adapter reads.
 Every step is checked: a missing file, an id the other file lacks, or a malformed entry is an error naming it.
 """
+
 import json
 import os
 from dataclasses import dataclass
@@ -37,16 +38,22 @@ def egoschema(src: str, out: str) -> dict:
     """questions.json + subset_answers.json -> OUT/egoschema.json; the counts."""
     questions = load_json(os.path.join(src, "questions.json"))
     answers = load_json(os.path.join(src, "subset_answers.json"))
-    if not isinstance(questions, list) or not all(isinstance(q, dict) and "q_uid" in q for q in questions):
+    if not isinstance(questions, list) or not all(
+        isinstance(q, dict) and "q_uid" in q for q in questions
+    ):
         raise ValueError(f"{src}/questions.json: expected a JSON array of objects with q_uid")
     if not isinstance(answers, dict):
         raise ValueError(f"{src}/subset_answers.json: expected {{q_uid: option index}}")
     known = {q["q_uid"] for q in questions}
     if unknown := sorted(set(answers) - known):
-        raise ValueError(f"{src}/subset_answers.json: {len(unknown)} q_uid not in questions.json, first {unknown[0]}")
+        raise ValueError(
+            f"{src}/subset_answers.json: {len(unknown)} q_uid not in questions.json, first {unknown[0]}"
+        )
     for q_uid, a in answers.items():
         if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= 4:
-            raise ValueError(f"{src}/subset_answers.json: {q_uid}: answer {a!r} is not an option index 0..4")
+            raise ValueError(
+                f"{src}/subset_answers.json: {q_uid}: answer {a!r} is not an option index 0..4"
+            )
     rows = [dict(q, answer=answers.get(q["q_uid"])) for q in questions]
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "egoschema.json"), "w", encoding="utf-8") as f:
@@ -82,4 +89,5 @@ def main(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     import tyro
+
     main(tyro.cli(Config))

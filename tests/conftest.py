@@ -1,7 +1,8 @@
 """Shared fixtures: the tiny checkpoints and a small synthetic data set, built on demand into .cache/.
 
-    .venv/bin/python -m pytest -q tests
+.venv/bin/python -m pytest -q tests
 """
+
 import json
 import os
 import re
@@ -44,6 +45,7 @@ def background(name: str):
         assert name not in JOBS, f"two background jobs named {name}"
         JOBS[name] = prepare
         return prepare
+
     return register
 
 
@@ -80,16 +82,24 @@ def pytest_collection_finish(session):
     names = []
     for item in session.items:
         params = getattr(item, "callspec", None)
-        used = [*getattr(item, "fixturenames", ()), *(params.params.values() if params else ()),
-                *(m.args[0] for m in item.iter_markers("lane"))]
+        used = [
+            *getattr(item, "fixturenames", ()),
+            *(params.params.values() if params else ()),
+            *(m.args[0] for m in item.iter_markers("lane")),
+        ]
         names += [n for n in used if isinstance(n, str) and n in JOBS and n not in names]
         if "two_rank" in getattr(item, "fixturenames", ()):
             SHARE_USERS.add(item.module.__name__)
     # NVR1_TEST_LANE=0: each job runs when its first test asks for it, the tests waiting (the serial order)
-    if names and not session.config.option.collectonly and os.environ.get("NVR1_TEST_LANE", "1") != "0":
+    if (
+        names
+        and not session.config.option.collectonly
+        and os.environ.get("NVR1_TEST_LANE", "1") != "0"
+    ):
         # one core each: torch's 2 intra-op threads here beside a 2-rank job spin-wait on each other (a 5 s test of
         # test_algos took 161 s)
         import torch
+
         torch.set_num_threads(1)
         _submit(names, session.config._tmp_path_factory)
 
@@ -123,23 +133,36 @@ def quiet_lines(*logs: str) -> list[str]:
 
 def tiny_model_dir(arch: str = "qwen2_5_vl") -> str:
     import make_tiny_model
+
     return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
 
 
 def synth_dir() -> str:
     """All synthetic tasks, a few samples each: {task}-prefixed ids in train.jsonl / val.jsonl."""
     import make_synthetic_data
+
     out = os.path.join(ROOT, ".cache/data/test_mixed")
-    make_synthetic_data.make(out, ["color", "direction", "count", "appear", "image_color"], num_train=8, num_val=4,
-                             seed=0, size=56, fps=4, seconds=2.0)
+    make_synthetic_data.make(
+        out,
+        ["color", "direction", "count", "appear", "image_color"],
+        num_train=8,
+        num_val=4,
+        seed=0,
+        size=56,
+        fps=4,
+        seconds=2.0,
+    )
     return out
 
 
 def color_data_dir() -> str:
     """The "background color" task only: 16 train and 4 held-out samples, one video each."""
     import make_synthetic_data
+
     out = os.path.join(ROOT, ".cache/data/test_color")
-    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0)
+    make_synthetic_data.make(
+        out, ["color"], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0
+    )
     return out
 
 
@@ -166,10 +189,31 @@ def free_port() -> int:
 
 def train_cmd(model, data_dir, out, *extra):
     """train.py's arguments for the tiny model: 2 steps of 4 prompts x 4, no periodic eval, no save."""
-    return ["train.py", "--config", "configs/tiny_cpu.yaml", "--model", model,
-            "--train-data", f"{data_dir}/train.jsonl", "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(out),
-            "--max-steps", "2", "--group-size", "4", "--prompts-per-step", "4", "--eval-max-samples", "4",
-            "--eval-every", "0", "--no-save", *extra]
+    return [
+        "train.py",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--model",
+        model,
+        "--train-data",
+        f"{data_dir}/train.jsonl",
+        "--val-data",
+        f"{data_dir}/val.jsonl",
+        "--out-dir",
+        str(out),
+        "--max-steps",
+        "2",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--eval-max-samples",
+        "4",
+        "--eval-every",
+        "0",
+        "--no-save",
+        *extra,
+    ]
 
 
 VAL_WITH_MISSING = []  # its one path, written once a session
@@ -182,8 +226,16 @@ def val_with_missing_file(tmp_path_factory) -> str:
         color_data = color_data_dir()
         val = tmp_path_factory.mktemp("val") / "val.jsonl"
         good = [json.loads(line) for line in open(os.path.join(color_data, "val.jsonl"))][:2]
-        good = [{**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]} for s in good]  # val moves
-        bad = {**good[0], "id": "val-missing-video", "videos": [str(val.parent / "missing.mp4")], "images": []}
+        good = [
+            {**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]}
+            for s in good
+        ]  # val moves
+        bad = {
+            **good[0],
+            "id": "val-missing-video",
+            "videos": [str(val.parent / "missing.mp4")],
+            "images": [],
+        }
         val.write_text("".join(json.dumps(s) + "\n" for s in [good[0], bad, good[1]]))
         VAL_WITH_MISSING.append(str(val))
     return VAL_WITH_MISSING[0]
@@ -203,20 +255,51 @@ def two_node_run(tmp_path_factory):
     run's checks): each 2-rank vLLM launch costs ~20 CPU s of import and engine start. Returns (run folder, each
     node's log)."""
     out = tmp_path_factory.mktemp("full") / "run"
-    args = ("--val-data", val_with_missing_file(tmp_path_factory), "--skip-invalid", "--max-steps", "4",
-            "--save-every", "2", "--keep-last", "1", "--save", "--cache-dir", str(out.parent / "frames"))
+    args = (
+        "--val-data",
+        val_with_missing_file(tmp_path_factory),
+        "--skip-invalid",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--keep-last",
+        "1",
+        "--save",
+        "--cache-dir",
+        str(out.parent / "frames"),
+    )
     cmd = train_cmd(tiny_model_dir(), color_data_dir(), out, *args)
 
     def run():
         port, env = free_port(), user_env(OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}",
-                                   "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                                   "--rdzv-id=nvr1-test", "--max-restarts=0", *cmd],
-                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for n in range(2)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node-rank={n}",
+                    "--nproc-per-node=1",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=nvr1-test",
+                    "--max-restarts=0",
+                    *cmd,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for n in range(2)
+        ]
         logs = [p.communicate(timeout=600)[0] for p in procs]
         assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
         return out, logs
+
     return run
 
 
@@ -229,12 +312,19 @@ def uninterrupted(tmp_path_factory):
 def algo_data_dir() -> str:
     """test_algos' data: the "background color" task, 16 train and 4 held-out samples."""
     import make_synthetic_data
+
     out = os.path.join(ROOT, ".cache/data/test_algos")
-    make_synthetic_data.make(out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0)
+    make_synthetic_data.make(
+        out, ["color"], num_train=16, num_val=4, seed=2, size=56, fps=4, seconds=2.0
+    )
     return out
 
 
-SHARED_RUNS = ("grads", "algos", "sync")  # shared_2_ranks' runs, in order: Launch.log(SHARED_RUNS.index(...))
+SHARED_RUNS = (
+    "grads",
+    "algos",
+    "sync",
+)  # shared_2_ranks' runs, in order: Launch.log(SHARED_RUNS.index(...))
 
 
 @background("shared_2_ranks")
@@ -245,16 +335,25 @@ def shared_two_rank_launch(tmp_path_factory):
     algorithm (HF sampler, into algos/); sync: test_rollout's weight sync, the launch's one vLLM engine (last).
     Returns (its folder, train_worker.Launch)."""
     from train_worker import start
+
     out = tmp_path_factory.mktemp("shared_2_ranks")
     (out / "algos").mkdir()
     model, train_data = tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl")
-    runs = [["tests/grad_worker.py", model, train_data, str(out / "fsdp-{case}.safetensors"),
-             "split,uneven,uneven+ckpt"],
-            ["tests/test_algos.py", str(out / "algos"), model, algo_data_dir()],
-            ["tests/test_rollout.py", model, train_data]]
+    runs = [
+        [
+            "tests/grad_worker.py",
+            model,
+            train_data,
+            str(out / "fsdp-{case}.safetensors"),
+            "split,uneven,uneven+ckpt",
+        ],
+        ["tests/test_algos.py", str(out / "algos"), model, algo_data_dir()],
+        ["tests/test_rollout.py", model, train_data],
+    ]
 
     def run():
         return out, start(runs)
+
     return run
 
 
@@ -274,9 +373,10 @@ SHARE_USERS = set()  # the modules whose collected tests use `two_rank`
 @dataclass
 class Run:
     """One finished run of the shared launch."""
+
     folder: Path  # its --out-dir
-    rows: list    # metrics.jsonl's rows as this run left them
-    log: str      # rank 0's output from the run's start (the last run's: both ranks' stderr too)
+    rows: list  # metrics.jsonl's rows as this run left them
+    log: str  # rank 0's output from the run's start (the last run's: both ranks' stderr too)
 
 
 class Runs(dict):
@@ -287,7 +387,9 @@ class Runs(dict):
         self.failed = failed
 
     def __missing__(self, name):
-        raise AssertionError(self.failed.get(name, f"no run named {name!r} in the shared 2-rank launch"))
+        raise AssertionError(
+            self.failed.get(name, f"no run named {name!r} in the shared 2-rank launch")
+        )
 
 
 def own_runs(runs: Runs) -> Runs:
@@ -298,8 +400,11 @@ def own_runs(runs: Runs) -> Runs:
 @dataclass
 class Share:
     """A test module's part of the shared launch."""
+
     runs: dict  # run name (unique across modules) -> train.py's arguments with --out-dir, launched in this order
-    after: Callable = own_runs  # run in the lane after the launch: the module's Runs -> the module's result
+    after: Callable = (
+        own_runs  # run in the lane after the launch: the module's Runs -> the module's result
+    )
 
 
 def two_rank_share(prepare):
@@ -314,10 +419,15 @@ def two_rank_launch(tmp_path_factory):
     so a failure fails only the tests of that run (and of runs that resume from it). Returns test module -> (its
     Share.after's value, the error it raised)."""
     from train_worker import start
+
     # a snapshot: a prepare may import another test module (test_qwen3_video takes test_train's train_args)
-    shares = {m: prepare(tmp_path_factory) for m, prepare in list(SHARES.items()) if m in SHARE_USERS}
+    shares = {
+        m: prepare(tmp_path_factory) for m, prepare in list(SHARES.items()) if m in SHARE_USERS
+    }
     runs = {name: args for share in shares.values() for name, args in share.runs.items()}
-    assert len(runs) == sum(len(share.runs) for share in shares.values()), "two shares name the same run"
+    assert len(runs) == sum(len(share.runs) for share in shares.values()), (
+        "two shares name the same run"
+    )
 
     def run():
         done, failed, pending = {}, {}, list(runs)
@@ -325,21 +435,31 @@ def two_rank_launch(tmp_path_factory):
             # the process group is the launch's first run's: a collective that hangs fails in 2 minutes, not 30
             argv = [[*runs[name], "--dist-timeout", "120"] for name in pending]
             launch = start(argv, timeout=300 + 150 * len(pending))
-            for k, name in enumerate(pending[:launch.finished]):
+            for k, name in enumerate(pending[: launch.finished]):
                 folder = Path(runs[name][runs[name].index("--out-dir") + 1])
-                copy = folder / f"metrics.run{k}.jsonl"  # train_worker's, where the run wrote metrics
+                copy = (
+                    folder / f"metrics.run{k}.jsonl"
+                )  # train_worker's, where the run wrote metrics
                 rows = [json.loads(line) for line in open(copy)] if copy.exists() else []
                 done[name] = Run(folder, rows, launch.logs[k])
             if launch.finished == len(pending):
                 break
             name = pending[launch.finished]
-            failed[name] = (f"run {name} of the shared 2-rank launch failed, its log:\n"
-                            f"{launch.logs[launch.finished][-6000:]}\n{launch.stderr[-3000:]}")
-            if not launch.logs[0]:  # the launch failed before its first run: starting it again would too
-                failed.update({n: f"the 2-rank launch failed before run {n}:\n{launch.stderr[-6000:]}"
-                               for n in pending})
+            failed[name] = (
+                f"run {name} of the shared 2-rank launch failed, its log:\n"
+                f"{launch.logs[launch.finished][-6000:]}\n{launch.stderr[-3000:]}"
+            )
+            if not launch.logs[
+                0
+            ]:  # the launch failed before its first run: starting it again would too
+                failed.update(
+                    {
+                        n: f"the 2-rank launch failed before run {n}:\n{launch.stderr[-6000:]}"
+                        for n in pending
+                    }
+                )
                 break
-            pending = pending[launch.finished + 1:]
+            pending = pending[launch.finished + 1 :]
         results = {}
         for module, share in shares.items():
             try:
@@ -348,6 +468,7 @@ def two_rank_launch(tmp_path_factory):
             except Exception as e:  # noqa: BLE001 - raised in the module's tests (share_of)
                 results[module] = (None, e)
         return results
+
     return run
 
 
@@ -374,10 +495,21 @@ def share_of(two_rank: dict, module: str):
 def tiny_config(**kw):
     """train.Config for the tiny model and 56x56 synthetic videos (what configs/tiny_cpu.yaml uses)."""
     from train import Config
-    base = dict(model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"), video_fps=4.0, video_min_frames=4,
-                video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, image_min_pixels=3136,
-                image_max_pixels=3136, max_prompt_len=1024, max_model_len=1024, cache_dir="",
-                video_source="decode_only")
+
+    base = dict(
+        model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"),
+        video_fps=4.0,
+        video_min_frames=4,
+        video_max_frames=8,
+        video_min_pixels=3136,
+        video_max_pixels=3136,
+        image_min_pixels=3136,
+        image_max_pixels=3136,
+        max_prompt_len=1024,
+        max_model_len=1024,
+        cache_dir="",
+        video_source="decode_only",
+    )
     base.update(kw)
     return Config(**base)
 
@@ -386,6 +518,7 @@ def concat_media(prompts: list) -> dict:
     """The media tensors of several prompts as one batch (pixel rows, grids, per-video tensors stacked along dim 0, in
     prompt order): the model's own forward on whole rows, the reference the trainer's and the engine's paths match."""
     import torch
+
     keys = sorted({k for p in prompts for k in p.mm})
     return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
 
@@ -394,13 +527,22 @@ def vllm_greedy_tokens(model_dir: str) -> int:
     """How many tokens vLLM generates greedily (at most 4) from an exported HF folder, in a fresh process: the folder
     loads in vLLM as written."""
     import subprocess
-    code = ("from vllm import LLM, SamplingParams\n"
-            f"llm = LLM(model={model_dir!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
-            "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
-            "                   SamplingParams(max_tokens=4, temperature=0))\n"
-            "print('TOKENS', len(out[0].outputs[0].token_ids))\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    code = (
+        "from vllm import LLM, SamplingParams\n"
+        f"llm = LLM(model={model_dir!r}, dtype='float32', enforce_eager=True, max_model_len=512)\n"
+        "out = llm.generate(['<|im_start|>user\\nhello<|im_end|>\\n'],\n"
+        "                   SamplingParams(max_tokens=4, temperature=0))\n"
+        "print('TOKENS', len(out[0].outputs[0].token_ids))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert p.returncode == 0 and "TOKENS " in p.stdout, p.stderr[-3000:]
     return int(p.stdout.split("TOKENS ")[1])
 
@@ -409,5 +551,6 @@ def pytest_sessionfinish(session):
     """A background job still running (its tests not reached: -x, an interrupt) ends with the session."""
     if LANE["thread"] is not None:
         import psutil
+
         for p in psutil.Process().children(recursive=True):
             p.kill()

@@ -12,6 +12,7 @@ conftest.shared_2_ranks' 2-rank launch (with test_joint's and test_rollout's):
 
     torchrun --nproc_per_node=2 tests/test_algos.py OUT MODEL DATA_DIR
 """
+
 import dataclasses
 import json
 import math
@@ -23,31 +24,76 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import SHARED_RUNS, algo_data_dir  # noqa: E402
-from train import (Config, Group, advantages, agg_loss, check_config, has_spread, is_weight,  # noqa: E402
-                   kl_penalty, load_config, overlong_penalty, policy_loss, reward_to_go, split_batch, whiten)
+from train import (
+    Config,
+    Group,
+    advantages,
+    agg_loss,
+    check_config,
+    has_spread,
+    is_weight,  # noqa: E402
+    kl_penalty,
+    load_config,
+    overlong_penalty,
+    policy_loss,
+    reward_to_go,
+    split_batch,
+    whiten,
+)
 
-ALGOS = ["grpo", "drgrpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gdpo"]
-COMBOS = [("ppo", "token-mean"), ("ppo", "seq-mean-token-sum"), ("ppo", "seq-mean-token-mean"),
-          ("ppo", "seq-mean-token-sum-norm"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")]
+ALGOS = [
+    "grpo",
+    "drgrpo",
+    "dapo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "gdpo",
+]
+COMBOS = [
+    ("ppo", "token-mean"),
+    ("ppo", "seq-mean-token-sum"),
+    ("ppo", "seq-mean-token-mean"),
+    ("ppo", "seq-mean-token-sum-norm"),
+    ("gspo", "seq-mean-token-mean"),
+    ("cispo", "token-mean"),
+]
 t = torch.tensor
 approx = pytest.approx
 
 
 # ----------------------------------------------------------------------------------------------- advantages
 def test_grpo_group_stats_all_equal_and_singleton():
-    a = advantages(t([1., 0., 0., 1., 2., 2., 2., 2.]), 4, "grpo")
+    a = advantages(t([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4, "grpo")
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
-    assert a.tolist() == approx([x * .5 / (s + 1e-6) for x in (1, -1, -1, 1)] + [0.0] * 4, abs=1e-6)  # all-equal: 0
-    assert advantages(t([3., -1.]), 1, "grpo").tolist() == approx([3 / (1 + 1e-6), -1 / (1 + 1e-6)])  # mean 0, std 1
+    assert a.tolist() == approx(
+        [x * 0.5 / (s + 1e-6) for x in (1, -1, -1, 1)] + [0.0] * 4, abs=1e-6
+    )  # all-equal: 0
+    assert advantages(t([3.0, -1.0]), 1, "grpo").tolist() == approx(
+        [3 / (1 + 1e-6), -1 / (1 + 1e-6)]
+    )  # mean 0, std 1
 
 
 def test_drgrpo_rloo_remax():
-    r = t([1., 0., 0., 1.])
-    assert advantages(r, 4, "drgrpo").tolist() == approx([.5, -.5, -.5, .5])
-    assert advantages(r, 4, "rloo").tolist() == approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])  # r_i - mean of the others
-    assert advantages(t([2., 5.]), 1, "rloo").tolist() == [2., 5.]  # verl's loop version: no baseline
-    assert advantages(t([2., 5.]), 1, "drgrpo").tolist() == [2., 5.]
-    assert advantages(r, 4, "remax", baseline=t([1., 1., 0., 0.])).tolist() == [0., -1., 0., 1.]
+    r = t([1.0, 0.0, 0.0, 1.0])
+    assert advantages(r, 4, "drgrpo").tolist() == approx([0.5, -0.5, -0.5, 0.5])
+    assert advantages(r, 4, "rloo").tolist() == approx(
+        [2 / 3, -2 / 3, -2 / 3, 2 / 3]
+    )  # r_i - mean of the others
+    assert advantages(t([2.0, 5.0]), 1, "rloo").tolist() == [
+        2.0,
+        5.0,
+    ]  # verl's loop version: no baseline
+    assert advantages(t([2.0, 5.0]), 1, "drgrpo").tolist() == [2.0, 5.0]
+    assert advantages(r, 4, "remax", baseline=t([1.0, 1.0, 0.0, 0.0])).tolist() == [
+        0.0,
+        -1.0,
+        0.0,
+        1.0,
+    ]
 
 
 def masked_whiten_verl(x, lengths):
@@ -62,24 +108,33 @@ def masked_whiten_verl(x, lengths):
 
 
 def test_whitening_estimators():
-    assert whiten(t([1., 0.]), t([1, 3])).tolist() == approx([1.5, -.5], abs=1e-6)  # by hand: mean 1/4, std 1/2
-    r, lens = t([1., 0., 0., 1., 3., 1., 0., 0.]), [4, 2, 7, 1, 3, 3, 5, 6]
-    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(masked_whiten_verl(r, lens).tolist(),
-                                                                                abs=1e-5)
-    centered = t([.5, -.5, -.5, .5, 2., 0., -1., -1.])  # group means 0.5 and 1
-    assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens)).tolist() == \
-        approx(masked_whiten_verl(centered, lens).tolist(), abs=1e-5)
+    assert whiten(t([1.0, 0.0]), t([1, 3])).tolist() == approx(
+        [1.5, -0.5], abs=1e-6
+    )  # by hand: mean 1/4, std 1/2
+    r, lens = t([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 0.0, 0.0]), [4, 2, 7, 1, 3, 3, 5, 6]
+    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(
+        masked_whiten_verl(r, lens).tolist(), abs=1e-5
+    )
+    centered = t([0.5, -0.5, -0.5, 0.5, 2.0, 0.0, -1.0, -1.0])  # group means 0.5 and 1
+    assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens)).tolist() == approx(
+        masked_whiten_verl(centered, lens).tolist(), abs=1e-5
+    )
 
 
 def test_gdpo_normalizes_components_separately():
-    acc, fmt = t([1., 1., 0., 0.]), t([1., 0., 0., 0.])
+    acc, fmt = t([1.0, 1.0, 0.0, 0.0]), t([1.0, 0.0, 0.0, 0.0])
     a = advantages(acc + fmt, 4, "gdpo", lengths=t([2, 2, 2, 2]), components=[acc, fmt])
-    ga, gf = math.sqrt(3) / 2, 1.5  # per-component GRPO: acc -> +-0.866, fmt -> [1.5, -.5, -.5, -.5]
+    ga, gf = (
+        math.sqrt(3) / 2,
+        1.5,
+    )  # per-component GRPO: acc -> +-0.866, fmt -> [1.5, -.5, -.5, -.5]
     s = [ga + gf, ga - gf / 3, -ga - gf / 3, -ga - gf / 3]  # sums to 0
     std = math.sqrt(2 * sum(x * x for x in s) / 7)  # over 8 tokens, unbiased: sum 2 x^2 / (8 - 1)
     assert a.tolist() == approx([x / std for x in s], abs=1e-5)
     grpo = advantages(acc + fmt, 4, "grpo")
-    assert not torch.allclose(a, grpo, atol=1e-3)  # the decoupled normalization is a different estimator
+    assert not torch.allclose(
+        a, grpo, atol=1e-3
+    )  # the decoupled normalization is a different estimator
 
 
 def test_kl_in_reward_is_reward_to_go():
@@ -88,16 +143,24 @@ def test_kl_in_reward_is_reward_to_go():
     kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])  # kl_coef * KL per token; row 2 has 2 tokens
     to_go = reward_to_go(kl)
     assert to_go.tolist() == [approx([0.6, 0.5, 0.3]), approx([0.9, 0.5, 0.0])]
-    reward, lengths = t([1., 0.]), t([3, 2])
-    remax = advantages(reward, 1, "remax", lengths=lengths, baseline=t([.5, .5]), kl_to_go=to_go)
-    assert remax.tolist() == [approx([-0.1, 0.0, 0.2]), approx([-1.4, -1.0, 0.0])]  # 1 - 0.6 - 0.5, ...
+    reward, lengths = t([1.0, 0.0]), t([3, 2])
+    remax = advantages(reward, 1, "remax", lengths=lengths, baseline=t([0.5, 0.5]), kl_to_go=to_go)
+    assert remax.tolist() == [
+        approx([-0.1, 0.0, 0.2]),
+        approx([-1.4, -1.0, 0.0]),
+    ]  # 1 - 0.6 - 0.5, ...
     # returns [0.4, 0.5, 0.7], [-0.9, -0.5] over 5 tokens: mean 0.04, unbiased variance 1.952 / 4
     std = math.sqrt(1.952 / 4 + 1e-8)
     rpp = advantages(reward, 1, "reinforce++", lengths=lengths, kl_to_go=to_go)
-    assert rpp.tolist() == [approx([.36 / std, .46 / std, .66 / std]), approx([-.94 / std, -.54 / std, 0.0])]
+    assert rpp.tolist() == [
+        approx([0.36 / std, 0.46 / std, 0.66 / std]),
+        approx([-0.94 / std, -0.54 / std, 0.0]),
+    ]
     # GRPO: rewards 1 - 0.6 and 0 - 0.9 in one group of 2: +-0.65 / std(0.4, -0.9)
-    a = 0.65 / (math.sqrt(2 * 0.65 ** 2) + 1e-6)
-    assert advantages(reward, 2, "grpo", lengths=lengths, kl_to_go=to_go).tolist() == approx([a, -a])
+    a = 0.65 / (math.sqrt(2 * 0.65**2) + 1e-6)
+    assert advantages(reward, 2, "grpo", lengths=lengths, kl_to_go=to_go).tolist() == approx(
+        [a, -a]
+    )
 
 
 @pytest.mark.parametrize("n", [3, 4, 7, 8])
@@ -106,7 +169,11 @@ def test_constant_group_advantage_is_exactly_zero(n):
     divided by a tiny std (about -0.06); the advantages are float64."""
     for v in (0.9, 0.1, 0.7):
         reward = t([v] * n + [1.0] + [0.0] * (n - 1), dtype=torch.float32)
-        for estimator in ("grpo", "drgrpo", "rloo"):  # (batch whitening then shifts every group: not 0)
+        for estimator in (
+            "grpo",
+            "drgrpo",
+            "rloo",
+        ):  # (batch whitening then shifts every group: not 0)
             a = advantages(reward, n, estimator)
             assert a.dtype == torch.float64
             assert a[:n].tolist() == [0.0] * n, (estimator, v)
@@ -116,11 +183,17 @@ def test_constant_group_advantage_is_exactly_zero(n):
 def test_dynamic_sampling_filters_on_configured_metric():
     """Defect 3: DAPO drops groups whose ACCURACY is the same for every rollout (its default), even when the overall
     reward differs (here the format reward); dyn_filter_metric: reward filters on the overall reward."""
-    comps = [{"accuracy": 1.0, "format": 1.0, "overall": 1.0}, {"accuracy": 1.0, "format": 0.0, "overall": 0.9}]
+    comps = [
+        {"accuracy": 1.0, "format": 1.0, "overall": 1.0},
+        {"accuracy": 1.0, "format": 0.0, "overall": 0.9},
+    ]
     same_acc = Group([None, None], comps)
     assert Config().dyn_filter_metric == "accuracy"
     assert not has_spread(same_acc, "accuracy") and has_spread(same_acc, "reward")
-    comps = [{"accuracy": 1.0, "overall": 0.9}, {"accuracy": 0.0, "overall": 0.9}]  # e.g. an overlong penalty
+    comps = [
+        {"accuracy": 1.0, "overall": 0.9},
+        {"accuracy": 0.0, "overall": 0.9},
+    ]  # e.g. an overlong penalty
     assert has_spread(Group([None, None], comps), "accuracy")
     assert not has_spread(Group([None, None], comps), "reward")
     assert has_spread(Group([None], comps[:1]), "accuracy")  # a group of 1 is never dropped
@@ -141,25 +214,39 @@ def test_offline_output_with_special_tokens_is_a_data_error(tmp_path, synth):
     the trainer bans (log-prob -1e9): an error naming the line and sample at load time (train.main passes the
     tokenizer's special tokens to load_samples), or a skip report."""
     import data
+
     good = json.loads(open(f"{synth}/train.jsonl").readline())
     path = tmp_path / "train.jsonl"
-    rows = [{**good, "id": "ok", "offline_output": "<answer>B</answer>"},
-            {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"},
-            {**good, "id": "no-offline", "offline_output": ""}]
+    rows = [
+        {**good, "id": "ok", "offline_output": "<answer>B</answer>"},
+        {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"},
+        {**good, "id": "no-offline", "offline_output": ""},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(data.DataError, match=r"jsonl:2: sample s7: field 'offline_output' contains '<\|image_pad"):
+    with pytest.raises(
+        data.DataError, match=r"jsonl:2: sample s7: field 'offline_output' contains '<\|image_pad"
+    ):
         data.load_samples(str(path), special_tokens=["<|image_pad|>"])
     skipped = []
-    kept = data.load_samples(str(path), skip_invalid=True, skipped=skipped, special_tokens=["<|image_pad|>"])
+    kept = data.load_samples(
+        str(path), skip_invalid=True, skipped=skipped, special_tokens=["<|image_pad|>"]
+    )
     assert [s["id"] for s in kept] == ["ok", "no-offline"]
-    assert len(skipped) == 1 and skipped[0]["where"] == f"{path}:2" and "<|image_pad|>" in skipped[0]["error"]
+    assert (
+        len(skipped) == 1
+        and skipped[0]["where"] == f"{path}:2"
+        and "<|image_pad|>" in skipped[0]["error"]
+    )
 
 
 def test_greedy_temperature_and_negative_keep_last_are_config_errors():
     """--temperature 0 (vLLM: greedy below 1e-5) would train on NaN log-probs; a negative --keep-last deleted the
     checkpoint just written."""
-    for bad, says in ((dict(temperature=0.0), "temperature 0.0"), (dict(temperature=1e-6), "greedy"),
-                      (dict(keep_last=-1), "keep_last must be >= 0, got -1")):
+    for bad, says in (
+        (dict(temperature=0.0), "temperature 0.0"),
+        (dict(temperature=1e-6), "greedy"),
+        (dict(keep_last=-1), "keep_last must be >= 0, got -1"),
+    ):
         with pytest.raises(ValueError, match=says):
             check_config(Config(**bad))
     check_config(Config(temperature=1e-5, keep_last=0))
@@ -172,11 +259,18 @@ def test_config_files_apply_in_order():
     import re
 
     import yaml
-    cfg = load_config(["--config", "configs/tiny_cpu.yaml", "configs/dapo.yaml", "--clip-high", "0.3"])
+
+    cfg = load_config(
+        ["--config", "configs/tiny_cpu.yaml", "configs/dapo.yaml", "--clip-high", "0.3"]
+    )
     assert (cfg.max_steps, cfg.group_size, cfg.max_response_len) == (60, 8, 8)  # tiny_cpu.yaml
-    assert (cfg.overlong_buffer, cfg.dynamic_sampling, cfg.clip_high) == (0.2, True, 0.3)  # dapo.yaml, then the flag
+    assert (cfg.overlong_buffer, cfg.dynamic_sampling, cfg.clip_high) == (
+        0.2,
+        True,
+        0.3,
+    )  # dapo.yaml, then the flag
     names = [f.name for f in dataclasses.fields(Config)]
-    algorithm = set(names[names.index("adv_estimator"):names.index("micro_batch_size")])
+    algorithm = set(names[names.index("adv_estimator") : names.index("micro_batch_size")])
     recipes = re.findall(r"^\| [^|]+ \| \[configs/(\w+)\.yaml\]", open("README.md").read(), re.M)
     assert sorted(recipes) == sorted(ALGOS)
     for name in recipes:
@@ -185,13 +279,13 @@ def test_config_files_apply_in_order():
 
 def test_unknown_keywords_raise():
     with pytest.raises(ValueError, match="adv_estimator"):
-        advantages(t([1., 0.]), 2, "grpoo")
+        advantages(t([1.0, 0.0]), 2, "grpoo")
     with pytest.raises(ValueError, match="loss_type"):
-        policy_loss(t([[0.]]), t([[0.]]), t([1.]), t([[1.]]), "ppo2")
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), "ppo2")
     with pytest.raises(ValueError, match="loss_agg"):
-        agg_loss(t([[1.]]), t([[1.]]), "token-sum", 1, 1, 1)
+        agg_loss(t([[1.0]]), t([[1.0]]), "token-sum", 1, 1, 1)
     with pytest.raises(ValueError, match="kl_type"):
-        kl_penalty(t([0.]), t([0.]), "k4")
+        kl_penalty(t([0.0]), t([0.0]), "k4")
 
 
 # ----------------------------------------------------------------------------------------------- policy losses
@@ -206,35 +300,53 @@ def grad_of(loss_type, logp0, old, adv, mask, agg="token-mean", **kw):
 @pytest.mark.parametrize("loss_type", ["ppo", "gspo", "cispo"])
 def test_on_policy_is_plain_policy_gradient(loss_type):
     logp = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    adv, mask = t([1., -2., .5]), t([[1., 1., 1., 0.], [1., 1., 0., 0.], [1., 1., 1., 1.]])
+    adv, mask = (
+        t([1.0, -2.0, 0.5]),
+        t([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]),
+    )
     _, g, _, clipped = grad_of(loss_type, logp, logp.clone(), adv, mask)
-    assert torch.allclose(g, -adv[:, None] * mask / mask.sum(), atol=1e-7)  # grad of -A logp, token-mean
+    assert torch.allclose(
+        g, -adv[:, None] * mask / mask.sum(), atol=1e-7
+    )  # grad of -A logp, token-mean
     assert clipped.sum() == 0
 
 
 def test_ppo_clip_boundaries_and_dual_clip():
     ratio = t([[0.5, 1.1, 1.28, 1.3], [0.5, 0.8, 2.0, 4.0]])
     logp0, old, mask = ratio.log(), torch.zeros(2, 4), torch.ones(2, 4)
-    _, g, tok, clipped = grad_of("ppo", logp0, old, t([1., -1.]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0)
+    _, g, tok, clipped = grad_of(
+        "ppo", logp0, old, t([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0
+    )
     # A > 0: below 1 - eps is not clipped (pessimistic max), above 1 + eps is; exactly at the bound is not
     # A < 0: below 1 - eps is clipped (loss 0.8), above is not, and above c the loss stops at c |A| (dual clip)
     assert tok.tolist() == [approx([-0.5, -1.1, -1.28, -1.28]), approx([0.8, 0.8, 2.0, 3.0])]
-    assert clipped.tolist() == [[0., 0., 0., 1.], [1., 0., 0., 0.]]
+    assert clipped.tolist() == [[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
     has_grad = (g.abs() > 0).tolist()
     assert has_grad == [[True, True, True, False], [False, True, True, False]]
     assert g[0, 1].item() == approx(-1.1 / 8)  # d(-A r)/dlogp = -A r, token-mean over 8 tokens
-    _, _, tok_nodual, _ = grad_of("ppo", logp0, old, t([1., -1.]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=0)
+    _, _, tok_nodual, _ = grad_of(
+        "ppo", logp0, old, t([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=0
+    )
     assert tok_nodual[1, 3].item() == approx(4.0)  # dual clip off
 
 
 def test_gspo_gradient_is_sequence_level():
     g0 = torch.Generator().manual_seed(1)
-    mask, adv = t([[1., 1., 1., 0., 0.], [1.] * 5, [1., 1., 0., 0., 0.]]), t([1., -1., 0.5])
+    mask, adv = (
+        t([[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5, [1.0, 1.0, 0.0, 0.0, 0.0]]),
+        t([1.0, -1.0, 0.5]),
+    )
     noise = torch.randn(3, 5, generator=g0) * 0.1 * mask
-    noise = noise - (noise.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)) * mask  # zero mean per row
+    noise = (
+        noise - (noise.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)) * mask
+    )  # zero mean per row
     logp0 = torch.randn(3, 5, generator=g0) - 2
-    old = logp0 - noise - t([[math.log(1.02)], [math.log(1.2)], [math.log(1.2)]])  # s = 1.02, 1.2, 1.2
-    loss, g, _, clipped = grad_of("gspo", logp0, old, adv, mask, "seq-mean-token-mean", clip_low=0.05, clip_high=0.05)
+    old = (
+        logp0 - noise - t([[math.log(1.02)], [math.log(1.2)], [math.log(1.2)]])
+    )  # s = 1.02, 1.2, 1.2
+    loss, g, _, clipped = grad_of(
+        "gspo", logp0, old, adv, mask, "seq-mean-token-mean", clip_low=0.05, clip_high=0.05
+    )
     # the paper's objective: -(1/B) sum_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t(logp - old))
     logp = logp0.clone().requires_grad_(True)
     s = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
@@ -245,7 +357,10 @@ def test_gspo_gradient_is_sequence_level():
     assert torch.allclose(g, logp.grad, atol=1e-7)
     # every token of a row gets the same gradient s_i A_i / (B |y_i|): inside the clip range, and A < 0 above it
     assert g[0, :3].tolist() == approx([-1.02 / 9] * 3) and g[1].tolist() == approx([1.2 / 15] * 5)
-    assert (g[2] == 0).all() and clipped[2, :2].tolist() == [1., 1.]  # A > 0 above 1 + eps: clipped
+    assert (g[2] == 0).all() and clipped[2, :2].tolist() == [
+        1.0,
+        1.0,
+    ]  # A > 0 above 1 + eps: clipped
 
 
 def test_cispo_weight_is_clipped_and_detached():
@@ -255,13 +370,15 @@ def test_cispo_weight_is_clipped_and_detached():
     w = t([[0.8, 1.0, 1.2]])
     assert torch.allclose(tok, -w * 2.0 * logp0)
     assert torch.allclose(g, -w * 2.0 / 3)  # exactly -clip(r) A / N: no gradient through the weight
-    assert clipped.tolist() == [[1., 0., 1.]]
+    assert clipped.tolist() == [[1.0, 0.0, 1.0]]
 
 
 # ----------------------------------------------------------------------------------------------- aggregation, KL, IS
 def test_agg_modes_by_hand_all_masked_row():
-    x = t([[1., 2., 3.], [4., 0., 0.], [9., 9., 9.]])
-    mask = t([[1., 1., 0.], [1., 0., 0.], [0., 0., 0.]])  # last row fully masked: not a sequence
+    x = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = t(
+        [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    )  # last row fully masked: not a sequence
     assert agg_loss(x, mask, "token-mean", 3, 2, 3).item() == approx(7 / 3)
     assert agg_loss(x, mask, "seq-mean-token-sum", 3, 2, 3).item() == approx(3.5)
     assert agg_loss(x, mask, "seq-mean-token-mean", 3, 2, 3).item() == approx(2.75)
@@ -274,33 +391,60 @@ def test_kl_estimators():
     assert kl_penalty(logp, ref, "k1").tolist() == approx([d, 0, -50])
     assert kl_penalty(logp, ref, "abs").tolist() == approx([d, 0, 50])
     assert kl_penalty(logp, ref, "k2").tolist() == approx([d * d / 2, 0, 1250])
-    assert kl_penalty(logp, ref, "k3").tolist() == approx([0.5 + d - 1, 0, 10.0], abs=1e-6)  # clamps: +-20 in, 10 out
+    assert kl_penalty(logp, ref, "k3").tolist() == approx(
+        [0.5 + d - 1, 0, 10.0], abs=1e-6
+    )  # clamps: +-20 in, 10 out
 
 
 def test_truncated_importance_weights():
     old = t([[math.log(3), math.log(0.5), 0.0], [0.0, 0.0, 0.0]])
     rollout = t([[0.0, 0.0, 0.0], [float("nan")] * 3])  # second row: offline, no sampler log-probs
-    mask = t([[1., 1., 0.], [1., 1., 1.]])
-    assert is_weight(old, rollout, mask, "token", 2.0).tolist() == [approx([2.0, 0.5, 0.0]), [1., 1., 1.]]
-    assert is_weight(old, rollout, mask, "token", 2.0, "mask").tolist() == [approx([0.0, 0.5, 0.0]), [1., 1., 1.]]
-    assert is_weight(old, rollout, mask, "sequence", 2.0).tolist() == [approx([1.5, 1.5, 0.0]), [1., 1., 1.]]
-    assert is_weight(old, rollout, mask, "sequence", 1.2).tolist() == [approx([1.2, 1.2, 0.0]), [1., 1., 1.]]
+    mask = t([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert is_weight(old, rollout, mask, "token", 2.0).tolist() == [
+        approx([2.0, 0.5, 0.0]),
+        [1.0, 1.0, 1.0],
+    ]
+    assert is_weight(old, rollout, mask, "token", 2.0, "mask").tolist() == [
+        approx([0.0, 0.5, 0.0]),
+        [1.0, 1.0, 1.0],
+    ]
+    assert is_weight(old, rollout, mask, "sequence", 2.0).tolist() == [
+        approx([1.5, 1.5, 0.0]),
+        [1.0, 1.0, 1.0],
+    ]
+    assert is_weight(old, rollout, mask, "sequence", 1.2).tolist() == [
+        approx([1.2, 1.2, 0.0]),
+        [1.0, 1.0, 1.0],
+    ]
 
 
 def test_overlong_penalty_and_split():
     assert [overlong_penalty(n, 12, 4) for n in (3, 8, 10, 12, 13)] == [0.0, 0.0, -0.5, -1.0, -1.0]
     from data import Prompt
     from rollout import Rollout
-    one = [Rollout(Prompt({}, "", [0]), [1], None, "") for _ in range(8)]  # every row its own prompt
+
+    one = [
+        Rollout(Prompt({}, "", [0]), [1], None, "") for _ in range(8)
+    ]  # every row its own prompt
     assert split_batch(one, 1, 8) == [[list(range(8))]]
     assert split_batch(one, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     assert split_batch(one[:7], 2, 4) == [[[0, 1, 2]], [[3, 4, 5, 6]]]
     # groups: A x 3 (prompt 10 tokens, responses 2, 4, 1), B x 3 (10; 3, 3, 3), C x 2 (20; 5, 0)
     a, b, c = Prompt({}, "", [0] * 10), Prompt({}, "", [0] * 10), Prompt({}, "", [0] * 20)
-    rows = [Rollout(p, [1] * n, None, "") for p, n in zip([a, a, a, b, b, b, c, c], [2, 4, 1, 3, 3, 3, 5, 0])]
-    assert split_batch(rows, 1, 4) == [[[0, 1, 2], [3, 4, 5], [6, 7]]]  # a group is not cut where it fits whole
-    assert split_batch(rows, 1, 2) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]  # groups of 3 fit in no micro-batch of 2
-    assert split_batch(rows, 2, 4) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]  # B is cut by the mini-batch bound
+    rows = [
+        Rollout(p, [1] * n, None, "")
+        for p, n in zip([a, a, a, b, b, b, c, c], [2, 4, 1, 3, 3, 3, 5, 0])
+    ]
+    assert split_batch(rows, 1, 4) == [
+        [[0, 1, 2], [3, 4, 5], [6, 7]]
+    ]  # a group is not cut where it fits whole
+    assert split_batch(rows, 1, 2) == [
+        [[0, 1], [2, 3], [4, 5], [6, 7]]
+    ]  # groups of 3 fit in no micro-batch of 2
+    assert split_batch(rows, 2, 4) == [
+        [[0, 1, 2, 3]],
+        [[4, 5, 6, 7]],
+    ]  # B is cut by the mini-batch bound
     # a budget of 40 padded tokens: A's rows 0-1 are 2 x (10 + 4) = 28, + row 2 42; B fits alone, 3 x 13 = 39; C's
     # rows are 25 tokens each with padding, one per micro-batch
     assert split_batch(rows, 1, 99, max_tokens=40) == [[[0, 1], [2], [3, 4, 5], [6], [7]]]
@@ -310,7 +454,10 @@ def test_overlong_penalty_and_split():
 def test_micro_batch_invariance_tensors(loss_type, agg):
     """Summed over micro-batches with global counts, the loss and gradient equal the whole batch's."""
     g0 = torch.Generator().manual_seed(2)
-    logp0, old = torch.randn(8, 6, generator=g0) * 0.3 - 3, torch.randn(8, 6, generator=g0) * 0.3 - 3
+    logp0, old = (
+        torch.randn(8, 6, generator=g0) * 0.3 - 3,
+        torch.randn(8, 6, generator=g0) * 0.3 - 3,
+    )
     lens = t([6, 0, 3, 1, 5, 2, 6, 4])
     mask, adv = (torch.arange(6)[None] < lens[:, None]).float(), torch.randn(8, generator=g0)
     n_tok, n_seq = mask.sum().item(), float((lens > 0).sum())
@@ -323,7 +470,9 @@ def test_micro_batch_invariance_tensors(loss_type, agg):
             loss.backward()
             total += loss.item()
         out.append((total, logp.grad))
-    assert out[0][0] == approx(out[1][0], abs=1e-6) and torch.allclose(out[0][1], out[1][1], atol=1e-7)
+    assert out[0][0] == approx(out[1][0], abs=1e-6) and torch.allclose(
+        out[0][1], out[1][1], atol=1e-7
+    )
 
 
 # ----------------------------------------------------------------------------------------------- real model
@@ -333,6 +482,7 @@ def model_batch(model_dir, data_dir):
     from conftest import tiny_config
     from rollout import Rollout, vision_token_ids
     from transformers import AutoProcessor
+
     processor = AutoProcessor.from_pretrained(model_dir)
     cfg = tiny_config(model=model_dir)
     samples = [s for s in data.load_samples(f"{data_dir}/train.jsonl") if s.get("videos")][:2]
@@ -348,29 +498,46 @@ def model_batch(model_dir, data_dir):
     return processor, rollouts, torch.randn(8, generator=g), banned
 
 
-def split_grads(model, processor, rollouts, adv, banned, loss_type, agg, micro_batch_size, max_tokens=0):
+def split_grads(
+    model, processor, rollouts, adv, banned, loss_type, agg, micro_batch_size, max_tokens=0
+):
     """Loss and full gradients of the batch `rollouts` (this rank's rows) cut into micro-batches, as main() does."""
     import torch.distributed as dist
     from conftest import tiny_config
     from train import collate, global_counts, micro_loss
-    cfg = tiny_config(loss_type=loss_type, loss_agg=agg, kl_coef=0.1, entropy_coef=0.01, tis="token", tis_cap=1.2,
-                      max_response_len=8)
+
+    cfg = tiny_config(
+        loss_type=loss_type,
+        loss_agg=agg,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        tis="token",
+        tis_cap=1.2,
+        max_response_len=8,
+    )
     tok, world = processor.tokenizer, dist.get_world_size() if dist.is_initialized() else 1
     plan = split_batch(rollouts, 1, micro_batch_size, max_tokens)[0]
-    batches = [collate([rollouts[j] for j in mb], tok.pad_token_id, torch.device("cpu")) for mb in plan]
+    batches = [
+        collate([rollouts[j] for j in mb], tok.pad_token_id, torch.device("cpu")) for mb in plan
+    ]
     n_tok, n_seq = global_counts(batches)
     total = torch.zeros(1, dtype=torch.float64)
     for mb, b in zip(plan, batches):
         rl = b["rollout_logp"].nan_to_num()
-        b["old_logp"] = rl + 0.3 * torch.sin(13 * rl)  # a trainer/sampler mismatch, elementwise: split-independent
+        b["old_logp"] = rl + 0.3 * torch.sin(
+            13 * rl
+        )  # a trainer/sampler mismatch, elementwise: split-independent
         b["ref_logp"], b["adv"] = b["old_logp"] - 0.2, adv[mb]
         loss, _ = micro_loss(model, b, cfg, banned, n_tok, n_seq)
         (loss * world).backward()
         total += loss.item()
     if dist.is_initialized():
         dist.all_reduce(total)
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
     model.zero_grad(set_to_none=True)
     return total.item(), grads
 
@@ -392,10 +559,12 @@ def algo_data():
 def reference_grads(tiny_model, algo_data):
     from conftest import tiny_config
     from train import load_model
+
     model = load_model(tiny_config(model=tiny_model), torch.device("cpu"))
     processor, rollouts, adv, banned = model_batch(tiny_model, algo_data)
-    return {combo: split_grads(model, processor, rollouts, adv, banned, *combo, 8) for combo in COMBOS}, \
-        (model, processor, rollouts, adv, banned)
+    return {
+        combo: split_grads(model, processor, rollouts, adv, banned, *combo, 8) for combo in COMBOS
+    }, (model, processor, rollouts, adv, banned)
 
 
 @pytest.mark.slow
@@ -406,7 +575,9 @@ def test_micro_batch_invariance_real_model(reference_grads):
     assert split_batch(rollouts, 1, 8, max_tokens=3 * (P + 5)) == [[[0, 1, 2], [3, 4, 5], [6, 7]]]
     for combo in COMBOS:
         assert_same(ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 2))
-        assert_same(ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 8, 3 * (P + 5)))
+        assert_same(
+            ref[combo], split_grads(model, processor, rollouts, adv, banned, *combo, 8, 3 * (P + 5))
+        )
     assert ref[COMBOS[0]][0] != approx(ref[COMBOS[1]][0])  # the modes do aggregate differently
 
 
@@ -439,22 +610,38 @@ def test_two_step_smoke(torchrun_job, name):
     for r in rows:
         assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "entropy", "kl", "clipfrac"))
         assert r["mismatch/mean"] < 1e-4  # the HF engine samples from the training model itself
-    if name == "dapo":  # no offline mix here: the random model's groups are all-equal, dropped, then refilled
+    if (
+        name == "dapo"
+    ):  # no offline mix here: the random model's groups are all-equal, dropped, then refilled
         assert 1 <= rows[0]["dyn/rounds"] <= 2 and rows[0]["dyn/dropped"] >= rows[0]["dyn/refilled"]
-        assert rows[0]["zero_std_groups"] * 4 == rows[0]["dyn/refilled"]  # kept groups all have reward spread
+        assert (
+            rows[0]["zero_std_groups"] * 4 == rows[0]["dyn/refilled"]
+        )  # kept groups all have reward spread
         assert "reward/overlong" in rows[0] and rows[0]["tis/weight"] == approx(1.0, abs=1e-3)
     else:
-        assert rows[0]["dyn/rounds"] == 1 and rows[0]["grad_norm"] > 0  # the offline answer gives a signal
+        assert (
+            rows[0]["dyn/rounds"] == 1 and rows[0]["grad_norm"] > 0
+        )  # the offline answer gives a signal
     if name == "remax":
         assert "reward/greedy" in rows[0]
     cfg = json.load(open(torchrun_job / name / "summary.json"))["config"]
-    passes = 1 + (cfg["kl_coef"] > 0) + (cfg["ppo_epochs"] > 1 or cfg["mini_batches"] > 1 or cfg["kl_in_reward"])
+    passes = (
+        1
+        + (cfg["kl_coef"] > 0)
+        + (cfg["ppo_epochs"] > 1 or cfg["mini_batches"] > 1 or cfg["kl_in_reward"])
+    )
     # per rank: 2 prompts (1 video each) + the dummy of the modality they lack (an image: FSDP2's tower alignment)
     if cfg["freeze_vision"]:
         assert [r["vision/encodes"] for r in rows] == [2 * 3] * 2  # once per step
-    elif not cfg["max_tokens_per_micro_batch"]:  # micro-batches of 4 = one group: its video + the dummy image
+    elif not cfg[
+        "max_tokens_per_micro_batch"
+    ]:  # micro-batches of 4 = one group: its video + the dummy image
         assert [r["vision/encodes"] for r in rows] == [2 * 4 * passes] * 2
-    if name in ("grpo", "reinforce_pp_baseline", "reinforce_pp"):  # reference == policy at step 1 only
+    if name in (
+        "grpo",
+        "reinforce_pp_baseline",
+        "reinforce_pp",
+    ):  # reference == policy at step 1 only
         assert abs(rows[0]["kl"]) < 1e-6 and abs(rows[1]["kl"]) > 0
 
 
@@ -464,25 +651,60 @@ def worker(out, model_dir, data_dir):
     import torch.distributed as dist
     from conftest import tiny_config
     from train import init_dist, load_config, load_model, main
+
     rank, world, device = init_dist()
     model = load_model(tiny_config(model=model_dir), device)
     processor, rollouts, adv, banned = model_batch(model_dir, data_dir)
     rows = slice(4 * rank, 4 * rank + 4)
-    got = {"/".join(c): split_grads(model, processor, rollouts[rows], adv[rows], banned, *c, 2) for c in COMBOS}
+    got = {
+        "/".join(c): split_grads(model, processor, rollouts[rows], adv[rows], banned, *c, 2)
+        for c in COMBOS
+    }
     if rank == 0:
-        torch.save({k: (torch.tensor(v[0]), v[1]) for k, v in got.items()}, os.path.join(out, "grads.pt"))
+        torch.save(
+            {k: (torch.tensor(v[0]), v[1]) for k, v in got.items()}, os.path.join(out, "grads.pt")
+        )
     del model
     for name in ALGOS:
         # dapo: filtered on the reward here, so that zero_std_groups (reward spread) counts exactly the refilled groups
-        extra = {"dapo": ["--no-mix-offline", "--max-gen-rounds", "2", "--dyn-filter-metric", "reward"],
-                 "grpo": ["--freeze-vision"],  # with a reference model: 2 trainer passes, the vision tower once
-                 "cispo": ["--max-tokens-per-micro-batch", "300", "--max-prompt-len", "150"]}.get(name, [])
-        main(load_config(["--config", "configs/tiny_cpu.yaml", f"configs/{name}.yaml", "--model", model_dir,
-                          "--train-data", f"{data_dir}/train.jsonl", "--val-data", "",
-                          "--out-dir", os.path.join(out, name), "--max-steps", "2", "--group-size", "4",
-                          "--prompts-per-step", "4", "--no-save",
-                          "--cache-dir", os.path.join(out, "frames"), "--micro-batch-size", "4", "--rollout", "hf",
-                          *extra]))
+        extra = {
+            "dapo": ["--no-mix-offline", "--max-gen-rounds", "2", "--dyn-filter-metric", "reward"],
+            "grpo": [
+                "--freeze-vision"
+            ],  # with a reference model: 2 trainer passes, the vision tower once
+            "cispo": ["--max-tokens-per-micro-batch", "300", "--max-prompt-len", "150"],
+        }.get(name, [])
+        main(
+            load_config(
+                [
+                    "--config",
+                    "configs/tiny_cpu.yaml",
+                    f"configs/{name}.yaml",
+                    "--model",
+                    model_dir,
+                    "--train-data",
+                    f"{data_dir}/train.jsonl",
+                    "--val-data",
+                    "",
+                    "--out-dir",
+                    os.path.join(out, name),
+                    "--max-steps",
+                    "2",
+                    "--group-size",
+                    "4",
+                    "--prompts-per-step",
+                    "4",
+                    "--no-save",
+                    "--cache-dir",
+                    os.path.join(out, "frames"),
+                    "--micro-batch-size",
+                    "4",
+                    "--rollout",
+                    "hf",
+                    *extra,
+                ]
+            )
+        )
     dist.barrier()
 
 

@@ -1,7 +1,8 @@
 """cache.py: reference-exact frames, bit-exact cache, key invalidation, atomic writes, corruption.
 
-    .venv/bin/python -m pytest -q tests/test_cache.py
+.venv/bin/python -m pytest -q tests/test_cache.py
 """
+
 import json
 import multiprocessing as mp
 import os
@@ -14,12 +15,22 @@ import pytest
 import cache
 from make_synthetic_data import write_video
 
-SETTINGS = dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=20000, total_pixels=None, factor=28)
+SETTINGS = dict(
+    fps=2.0,
+    min_frames=4,
+    max_frames=16,
+    min_pixels=3136,
+    max_pixels=20000,
+    total_pixels=None,
+    factor=28,
+)
 
 
 def frames_of(settings: dict, **more) -> cache.Frames:
     """The Frames of a settings dict (entry_path's key names; its factor is load_video's own argument)."""
-    return cache.Frames(**{f"video_{k}": v or 0 for k, v in settings.items() if k != "factor"}, **more)
+    return cache.Frames(
+        **{f"video_{k}": v or 0 for k, v in settings.items() if k != "factor"}, **more
+    )
 
 
 @pytest.fixture()
@@ -27,7 +38,9 @@ def video(tmp_path):
     """3 s of 100x76 at 10 fps with a moving gradient, so resizing and sampling both matter."""
     t = np.arange(30)[:, None, None, None]
     y, x = np.mgrid[0:76, 0:100]
-    frames = ((x[None, ..., None] * 2 + y[None, ..., None] + t * 7 + np.array([0, 60, 120])) % 256).astype(np.uint8)
+    frames = (
+        (x[None, ..., None] * 2 + y[None, ..., None] + t * 7 + np.array([0, 60, 120])) % 256
+    ).astype(np.uint8)
     path = str(tmp_path / "v.mp4")
     write_video(path, frames, 10)
     return path
@@ -35,12 +48,28 @@ def video(tmp_path):
 
 REF_CASES = [  # (our settings, qwen-vl-utils' element, image_patch_size): clamps, budgets, up/down-scaling, Qwen3's 32
     (SETTINGS, dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=3136, max_pixels=20000), 14),
-    (dict(SETTINGS, fps=1.0, min_frames=7, factor=32, max_pixels=8000),
-     dict(fps=1.0, min_frames=7, max_frames=16, min_pixels=3136, max_pixels=8000), 16),
-    (dict(SETTINGS, fps=10.0, max_frames=13, total_pixels=40000),
-     dict(fps=10.0, min_frames=4, max_frames=13, min_pixels=3136, max_pixels=20000, total_pixels=40000), 14),
-    (dict(SETTINGS, min_pixels=15000, max_pixels=30000),
-     dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=15000, max_pixels=30000), 14),
+    (
+        dict(SETTINGS, fps=1.0, min_frames=7, factor=32, max_pixels=8000),
+        dict(fps=1.0, min_frames=7, max_frames=16, min_pixels=3136, max_pixels=8000),
+        16,
+    ),
+    (
+        dict(SETTINGS, fps=10.0, max_frames=13, total_pixels=40000),
+        dict(
+            fps=10.0,
+            min_frames=4,
+            max_frames=13,
+            min_pixels=3136,
+            max_pixels=20000,
+            total_pixels=40000,
+        ),
+        14,
+    ),
+    (
+        dict(SETTINGS, min_pixels=15000, max_pixels=30000),
+        dict(fps=2.0, min_frames=4, max_frames=16, min_pixels=15000, max_pixels=30000),
+        14,
+    ),
 ]
 
 
@@ -50,13 +79,20 @@ def test_matches_qwen_vl_utils(video, monkeypatch, ours, ref_ele, patch):
     import importlib
 
     import qwen_vl_utils.vision_process as qv
+
     importlib.reload(qv)  # the backend choice is read at import time
-    (ref, ref_meta), ref_fps = qv.fetch_video({"video": video, **ref_ele}, image_patch_size=patch,
-                                              return_video_sample_fps=True, return_video_metadata=True)
+    (ref, ref_meta), ref_fps = qv.fetch_video(
+        {"video": video, **ref_ele},
+        image_patch_size=patch,
+        return_video_sample_fps=True,
+        return_video_metadata=True,
+    )
     frames, meta = cache.load_video(video, frames_of(ours), ours["factor"], mode="decode_only")
     assert meta["frames_indices"] == ref_meta["frames_indices"]
     assert frames.shape == (ref.shape[0], ref.shape[2], ref.shape[3], 3)
-    assert meta["sample_fps"] == pytest.approx(ref_fps) and meta["fps"] == pytest.approx(ref_meta["fps"])
+    assert meta["sample_fps"] == pytest.approx(ref_fps) and meta["fps"] == pytest.approx(
+        ref_meta["fps"]
+    )
     assert meta["total_num_frames"] == ref_meta["total_num_frames"] == 30
     # qwen-vl-utils resizes the uint8 tensor and then casts to float: the very same values
     assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
@@ -70,14 +106,18 @@ def test_matches_qwen_vl_utils_on_a_long_video(tmp_path, monkeypatch):
     import importlib
 
     import qwen_vl_utils.vision_process as qv
+
     importlib.reload(qv)
     path = str(tmp_path / "long.mp4")
     write_video(path, (np.full((36, 64, 3), i % 256, np.uint8) for i in range(2398)), 23.976)
     ele = dict(fps=2.0, min_frames=4, max_frames=768, min_pixels=3136, max_pixels=3136)
-    (ref, ref_meta), _ = qv.fetch_video({"video": path, **ele}, return_video_sample_fps=True,
-                                        return_video_metadata=True)
+    (ref, ref_meta), _ = qv.fetch_video(
+        {"video": path, **ele}, return_video_sample_fps=True, return_video_metadata=True
+    )
     frames, meta = cache.load_video(path, frames_of(ele), mode="decode_only")
-    assert meta["frames_indices"] == ref_meta["frames_indices"] and len(meta["frames_indices"]) == 200
+    assert (
+        meta["frames_indices"] == ref_meta["frames_indices"] and len(meta["frames_indices"]) == 200
+    )
     assert np.array_equal(frames, ref.permute(0, 2, 3, 1).numpy().astype(np.uint8))
 
 
@@ -89,13 +129,22 @@ def test_cache_is_bit_exact_and_counts(video, tmp_path):
     assert np.array_equal(a, b) and np.array_equal(a, c) and ma == mb == mc
     assert stats["decode"] == 1 and stats["cache_miss"] == 1 and stats["cache_hit"] == 1
     assert a.dtype == np.uint8
-    assert set(ma) >= {"fps", "duration", "total_num_frames", "frames_indices", "sample_fps", "height", "width"}
+    assert set(ma) >= {
+        "fps",
+        "duration",
+        "total_num_frames",
+        "frames_indices",
+        "sample_fps",
+        "height",
+        "width",
+    }
 
 
 def test_end_decodes_the_video_up_to_that_moment(video, tmp_path):
     """end=1.2 s of 3 s at 10 fps: the first 12 frames, sampled as from a file cut there (OVO-Bench's clips); the
     cut is in the entry's key, so the whole video and the clip are different entries."""
     import decord
+
     clip = str(tmp_path / "clip.mp4")
     write_video(clip, decord.VideoReader(video).get_batch(list(range(12))).asnumpy(), 10)
     want, want_meta = cache.load_video(clip, frames_of(SETTINGS), mode="decode_only")
@@ -105,13 +154,29 @@ def test_end_decodes_the_video_up_to_that_moment(video, tmp_path):
     assert np.abs(got.astype(int) - want).mean() < 2  # the clip is encoded once more
     whole, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=c, stats=stats)
     again, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=c, stats=stats, end=1.2)
-    assert np.array_equal(got, again) and len(whole) > len(got) and (stats["cache_miss"], stats["cache_hit"]) == (2, 1)
+    assert (
+        np.array_equal(got, again)
+        and len(whole) > len(got)
+        and (stats["cache_miss"], stats["cache_hit"]) == (2, 1)
+    )
 
 
-@pytest.mark.parametrize("change", [dict(fps=1.0), dict(min_frames=8), dict(max_frames=8), dict(min_pixels=6272),
-                                    dict(max_pixels=40000), dict(total_pixels=50000), dict(factor=32)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(fps=1.0),
+        dict(min_frames=8),
+        dict(max_frames=8),
+        dict(min_pixels=6272),
+        dict(max_pixels=40000),
+        dict(total_pixels=50000),
+        dict(factor=32),
+    ],
+)
 def test_every_setting_is_in_the_key(video, change):
-    assert cache.entry_path("c", video, SETTINGS) != cache.entry_path("c", video, {**SETTINGS, **change})
+    assert cache.entry_path("c", video, SETTINGS) != cache.entry_path(
+        "c", video, {**SETTINGS, **change}
+    )
 
 
 def test_format_path_and_file_identity_are_in_the_key(video, tmp_path, monkeypatch):
@@ -122,7 +187,9 @@ def test_format_path_and_file_identity_are_in_the_key(video, tmp_path, monkeypat
     os.utime(copy, ns=(os.stat(video).st_atime_ns, os.stat(video).st_mtime_ns))
     assert cache.entry_path("c", str(copy), SETTINGS) != key  # same bytes and mtime, another path
     st = os.stat(video)
-    os.utime(video, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # touched: same size, new mtime
+    os.utime(
+        video, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000)
+    )  # touched: same size, new mtime
     assert cache.entry_path("c", video, SETTINGS) != key
     touched = cache.entry_path("c", video, SETTINGS)
     monkeypatch.setattr(cache, "FORMAT", cache.FORMAT + "-next")
@@ -135,17 +202,23 @@ def test_edited_video_is_a_miss(video, tmp_path):
     write_video(video, np.zeros((30, 76, 100, 3), np.uint8), 10)  # same path, new content
     stats = {}
     frames, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)
-    assert stats.get("decode") == 1 and frames.max() < 10  # the new (black) content, never the stale entry
+    assert (
+        stats.get("decode") == 1 and frames.max() < 10
+    )  # the new (black) content, never the stale entry
 
 
 def _load(args):
     video, d = args
     stats = {}
-    return cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)[0].tobytes(), stats
+    return cache.load_video(video, frames_of(SETTINGS), cache_dir=d, stats=stats)[
+        0
+    ].tobytes(), stats
 
 
 def entries(d):
-    return sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if not f.endswith(".lock"))
+    return sorted(
+        os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if not f.endswith(".lock")
+    )
 
 
 def test_concurrent_loaders_decode_once_and_leave_one_valid_entry(video, tmp_path):
@@ -154,7 +227,10 @@ def test_concurrent_loaders_decode_once_and_leave_one_valid_entry(video, tmp_pat
         outs = pool.map(_load, [(video, d)] * 8, chunksize=1)
     assert len({o for o, _ in outs}) == 1
     # the per-key lock: one process decodes, the seven other loads wait and hit
-    assert sum(s.get("decode", 0) for _, s in outs) == 1 and sum(s.get("cache_hit", 0) for _, s in outs) == 7
+    assert (
+        sum(s.get("decode", 0) for _, s in outs) == 1
+        and sum(s.get("cache_hit", 0) for _, s in outs) == 7
+    )
     (file,) = entries(d)  # no temp files left behind
     assert file.endswith(".safetensors") and cache.read_entry(file)[0].tobytes() == outs[0][0]
 
@@ -203,7 +279,9 @@ def test_truncated_entry_is_detected_and_rebuilt(video, tmp_path, capsys):
 
 def test_cache_only_and_bad_videos(video, tmp_path):
     with pytest.raises(cache.VideoError, match="no cache entry"):
-        cache.load_video(video, frames_of(SETTINGS), cache_dir=str(tmp_path / "empty"), mode="cache_only")
+        cache.load_video(
+            video, frames_of(SETTINGS), cache_dir=str(tmp_path / "empty"), mode="cache_only"
+        )
     bad = tmp_path / "bad.mp4"
     bad.write_bytes(b"\x00\x00\x00 not a video" * 10)
     with pytest.raises(cache.VideoError, match="bad.mp4"):
@@ -224,15 +302,39 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     import subprocess
     import sys
     from conftest import ROOT
+
     os.makedirs(tmp_path / "videos")
     shutil.copy(video, tmp_path / "videos" / "b.mp4")
     (tmp_path / "videos" / "bad.mp4").write_bytes(b"garbage")
-    (tmp_path / "train.jsonl").write_text(rows("v.mp4", "videos/bad.mp4", "./v.mp4", "videos/b.mp4"))
+    (tmp_path / "train.jsonl").write_text(
+        rows("v.mp4", "videos/bad.mp4", "./v.mp4", "videos/b.mp4")
+    )
     (tmp_path / "val.jsonl").write_text(rows(video, "videos/missing.mp4"))
     out = tmp_path / "c"
-    cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--data", str(tmp_path / "val.jsonl"),
-           "--out", str(out), "--workers", "2", "--video-fps", "2", "--video-min-frames", "4", "--video-max-frames",
-           "16", "--video-min-pixels", "3136", "--video-max-pixels", "20000", "--factor", "28"]
+    cmd = [
+        sys.executable,
+        "cache.py",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--data",
+        str(tmp_path / "val.jsonl"),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--video-fps",
+        "2",
+        "--video-min-frames",
+        "4",
+        "--video-max-frames",
+        "16",
+        "--video-min-pixels",
+        "3136",
+        "--video-max-pixels",
+        "20000",
+        "--factor",
+        "28",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -242,30 +344,45 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     assert "| seconds " in summary
     nbytes = int(summary.split("bytes ")[1].split()[0])
     assert nbytes == sum(os.path.getsize(f) for f in entries(out) if f.endswith(".safetensors")) > 0
-    failed = {os.path.basename(x["video"]): x["error"] for x in map(json.loads, open(out / "failed.jsonl"))}
+    failed = {
+        os.path.basename(x["video"]): x["error"]
+        for x in map(json.loads, open(out / "failed.jsonl"))
+    }
     assert set(failed) == {"bad.mp4", "missing.mp4"} and "cannot decode" in failed["bad.mp4"]
     assert "not found" in failed["missing.mp4"] and "failed.jsonl" in p.stdout
-    cfg = cache.Config(data=[str(tmp_path / "train.jsonl")], out=str(out), workers=1, video_fps=2.0,
-                       video_min_frames=4, video_max_frames=16, video_min_pixels=3136, video_max_pixels=20000,
-                       factor=28)
+    cfg = cache.Config(
+        data=[str(tmp_path / "train.jsonl")],
+        out=str(out),
+        workers=1,
+        video_fps=2.0,
+        video_min_frames=4,
+        video_max_frames=16,
+        video_min_pixels=3136,
+        video_max_pixels=20000,
+        factor=28,
+    )
     s = cache.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
     assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
     frames, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=str(out), mode="cache_only")
-    assert np.array_equal(frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0])
+    assert np.array_equal(
+        frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0]
+    )
 
 
 def edit_header(file, edit):
     """Rewrite a safetensors file's JSON header with edit(header), keeping the data bytes: a header that lies."""
     raw = open(file, "rb").read()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    open(file, "wb").write(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+    open(file, "wb").write(len(new).to_bytes(8, "little") + new + raw[8 + n :])
 
 
-def set_dtype_f32(header):  # the same bytes read as float32 (T, H, W / 4, 3): the crc over the bytes still holds
+def set_dtype_f32(
+    header,
+):  # the same bytes read as float32 (T, H, W / 4, 3): the crc over the bytes still holds
     header["frames"]["dtype"] = "F32"
     header["frames"]["shape"][2] //= 4
 
@@ -276,7 +393,9 @@ def set_shape_twice_as_many(header):  # the same bytes read as (2T, H / 2, W, 3)
 
 
 def set_fps_in_place(header):  # metadata edited in the file, crc left as it was
-    header["__metadata__"]["video"] = header["__metadata__"]["video"].replace('"fps": 10.0', '"fps": 1000000000.0')
+    header["__metadata__"]["video"] = header["__metadata__"]["video"].replace(
+        '"fps": 10.0', '"fps": 1000000000.0'
+    )
 
 
 def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
@@ -288,48 +407,105 @@ def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
     import sys
     from conftest import ROOT
     from safetensors.numpy import save_file
-    names = ["dtype", "shape", "float", "fps", "indices", "list", "no_video", "in_place", "copied", "intact"]
+
+    names = [
+        "dtype",
+        "shape",
+        "float",
+        "fps",
+        "indices",
+        "list",
+        "no_video",
+        "in_place",
+        "copied",
+        "intact",
+    ]
     for name in names:
         shutil.copy(video, tmp_path / f"{name}.mp4")
     (tmp_path / "train.jsonl").write_text(rows(*(f"{n}.mp4" for n in names)))
     out = tmp_path / "c"
-    cmd = [sys.executable, "cache.py", "--data", str(tmp_path / "train.jsonl"), "--out", str(out), "--workers", "2",
-           "--video-fps", "2", "--video-min-frames", "4", "--video-max-frames", "16", "--video-min-pixels", "3136",
-           "--video-max-pixels", "20000"]
+    cmd = [
+        sys.executable,
+        "cache.py",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--video-fps",
+        "2",
+        "--video-min-frames",
+        "4",
+        "--video-max-frames",
+        "16",
+        "--video-min-pixels",
+        "3136",
+        "--video-max-pixels",
+        "20000",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert p.stdout.startswith("videos 10 | cache_hit 0 | rebuilt 0 | decode 10 | failed 0 |"), p.stderr[-3000:]
+    assert p.stdout.startswith("videos 10 | cache_hit 0 | rebuilt 0 | decode 10 | failed 0 |"), (
+        p.stderr[-3000:]
+    )
     good, meta = cache.load_video(video, frames_of(SETTINGS), mode="decode_only")
-    file = {n: cache.entry_path(str(out), str(tmp_path / f"{n}.mp4"), dict(SETTINGS, total_pixels=0)) for n in names}
+    file = {
+        n: cache.entry_path(str(out), str(tmp_path / f"{n}.mp4"), dict(SETTINGS, total_pixels=0))
+        for n in names
+    }
     edit_header(file["dtype"], set_dtype_f32)
     edit_header(file["shape"], set_shape_twice_as_many)
     edit_header(file["in_place"], set_fps_in_place)
     cache.write_entry(file["float"], good.astype(np.float32), meta)
     cache.write_entry(file["fps"], good, dict(meta, fps=1e9))
-    cache.write_entry(file["indices"], good, dict(meta, frames_indices=meta["frames_indices"][::-1]))
+    cache.write_entry(
+        file["indices"], good, dict(meta, frames_indices=meta["frames_indices"][::-1])
+    )
     cache.write_entry(file["list"], good, [meta])
-    save_file({"frames": good}, file["no_video"], metadata={"crc32": str(zlib.crc32(good.tobytes()))})  # v2 crc
+    save_file(
+        {"frames": good}, file["no_video"], metadata={"crc32": str(zlib.crc32(good.tobytes()))}
+    )  # v2 crc
     shutil.copy(file["intact"], file["copied"])
     for name in names[:-1]:
         with pytest.raises(cache.VideoError, match=f"{name}.mp4: .*cache entry.*mode cache_only"):
-            cache.load_video(str(tmp_path / f"{name}.mp4"), frames_of(SETTINGS), cache_dir=str(out), mode="cache_only")
+            cache.load_video(
+                str(tmp_path / f"{name}.mp4"),
+                frames_of(SETTINGS),
+                cache_dir=str(out),
+                mode="cache_only",
+            )
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert p.stdout.startswith("videos 10 | cache_hit 1 | rebuilt 9 | decode 9 | failed 0 |"), p.stderr[-3000:]
-    reports = re.findall(r"cache: (.*?); rebuilding", p.stderr)  # tqdm's \r-lines may share a line with a report
+    assert p.stdout.startswith("videos 10 | cache_hit 1 | rebuilt 9 | decode 9 | failed 0 |"), (
+        p.stderr[-3000:]
+    )
+    reports = re.findall(
+        r"cache: (.*?); rebuilding", p.stderr
+    )  # tqdm's \r-lines may share a line with a report
     assert sorted(next(n for n in names if file[n] in r) for r in reports) == sorted(names[:-1])
     for name in names:  # rebuilt in place: every entry is now served, with the decoded frames
-        frames, m = cache.load_video(str(tmp_path / f"{name}.mp4"), frames_of(SETTINGS), cache_dir=str(out),
-                                     mode="cache_only")
+        frames, m = cache.load_video(
+            str(tmp_path / f"{name}.mp4"),
+            frames_of(SETTINGS),
+            cache_dir=str(out),
+            mode="cache_only",
+        )
         assert np.array_equal(frames, good) and m == meta
 
 
 def test_frames_over_the_pixel_limit_are_refused_before_decoding(video, tmp_path):
     """A 100x76 clip under max_decode_pixels=100*75: refused from its header (no frame decoded), naming the file and
     the size; at 100*76 it decodes to the same frames as without a limit."""
-    with pytest.raises(cache.VideoError, match=r"v.mp4: frames of 100x76 are over max_decode_pixels=7500"):
+    with pytest.raises(
+        cache.VideoError, match=r"v.mp4: frames of 100x76 are over max_decode_pixels=7500"
+    ):
         cache.load_video(video, frames_of(SETTINGS, max_decode_pixels=100 * 75), mode="decode_only")
-    frames, _ = cache.load_video(video, frames_of(SETTINGS, max_decode_pixels=100 * 76), mode="decode_only")
-    assert np.array_equal(frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0])
+    frames, _ = cache.load_video(
+        video, frames_of(SETTINGS, max_decode_pixels=100 * 76), mode="decode_only"
+    )
+    assert np.array_equal(
+        frames, cache.load_video(video, frames_of(SETTINGS), mode="decode_only")[0]
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])
@@ -342,5 +518,7 @@ def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
         path = "/dev/zero"
     with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*not a regular file"):
         cache.load_image(path, min_pixels=3136, max_pixels=20000)
-    with pytest.raises(cache.VideoError, match=f"{path}: video file not found .*not a regular file"):
+    with pytest.raises(
+        cache.VideoError, match=f"{path}: video file not found .*not a regular file"
+    ):
         cache.load_video(path, frames_of(SETTINGS), mode="decode_only")

@@ -3,6 +3,7 @@ subprocess stops before any model loads (a few seconds each).
 
     .venv/bin/python -m pytest -q tests/test_cli.py
 """
+
 import dataclasses
 import json
 import os
@@ -18,12 +19,21 @@ import common
 import evaluate
 import train
 
-OFFLINE_HUB = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}  # a hub that refuses at once: no network
+OFFLINE_HUB = {
+    "HF_HUB_OFFLINE": "0",
+    "HF_ENDPOINT": "http://127.0.0.1:9",
+}  # a hub that refuses at once: no network
 
 
 def run(*cmd, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *cmd],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def write(tmp_path, name: str, text: str) -> str:
@@ -34,7 +44,9 @@ def write(tmp_path, name: str, text: str) -> str:
 def one_line_error(p: subprocess.CompletedProcess, *words: str):
     """rc 2, `error: ...` naming every word as the last line of stderr, no traceback."""
     last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
-    assert p.returncode == 2 and "Traceback" not in p.stderr and last.startswith("error: "), p.stderr[-3000:]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and last.startswith("error: "), (
+        p.stderr[-3000:]
+    )
     assert all(w in last for w in words), (words, last)
 
 
@@ -43,24 +55,49 @@ def test_config_flag_every_form(tmp_path, tiny_model):
     applied, the last recorded): every file applied in order, flags over them, `config` records what was applied; in
     train.py, cache.py and evaluate.py alike. train.py gets there through a hub model without a network, which fails
     in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
-    sample = {"id": "q", "problem": "q?", "answer": "A", "options": ["A. x", "B. y"], "problem_type": "multiple choice"}
+    sample = {
+        "id": "q",
+        "problem": "q?",
+        "answer": "A",
+        "options": ["A. x", "B. y"],
+        "problem_type": "multiple choice",
+    }
     data = write(tmp_path, "d.jsonl", json.dumps(sample) + "\n")
     a = write(tmp_path, "a.yaml", f"train_data: {tmp_path}/missing.jsonl\nlr: 0.5\n")
     b = write(tmp_path, "b.yaml", f"train_data: {data}\nval_data: ''\ngroup_size: 2\n")
     c = write(tmp_path, "c.yaml", "model: Qwen/no-such-model\nlr: 0.25\n")
-    for argv in (["--config=" + a, "--config", b, c], ["--config", a, b, "--config=" + c], ["--config", a, b, c]):
+    for argv in (
+        ["--config=" + a, "--config", b, c],
+        ["--config", a, b, "--config=" + c],
+        ["--config", a, b, c],
+    ):
         cfg = train.load_config([*argv, "--group-size", "4"])
         assert (cfg.train_data, cfg.group_size, cfg.lr, cfg.config) == (data, 4, 0.25, (a, b, c))
-    one_line_error(run("train.py", "--config=" + a, "--config", b, c, "--out-dir", str(tmp_path / "run"),
-                       **OFFLINE_HUB), "Qwen/no-such-model: no network", "set HF_HUB_OFFLINE=1 or give a local path")
+    one_line_error(
+        run(
+            "train.py",
+            "--config=" + a,
+            "--config",
+            b,
+            c,
+            "--out-dir",
+            str(tmp_path / "run"),
+            **OFFLINE_HUB,
+        ),
+        "Qwen/no-such-model: no network",
+        "set HF_HUB_OFFLINE=1 or give a local path",
+    )
     # cache.py reads training YAMLs alike (the later file's model and data); a missing data file: before the processor
     ca = write(tmp_path, "ca.yaml", "model: Qwen/no-such-model\nvideo_max_frames: 5\n")
     cb = write(tmp_path, "cb.yaml", f"model: {tiny_model}\ntrain_data: {data}\nval_data: ''\n")
     cc = write(tmp_path, "cc.yaml", f"train_data: {tmp_path}/cc_missing.jsonl\n")
     c1 = cache.load_config(["--config=" + ca, "--config", cb])
     assert (c1.config, c1.data, c1.video_max_frames) == ((ca, cb), [data], 5)
-    one_line_error(run("cache.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
-                   f"{tmp_path}/cc_missing.jsonl: no such file", f"of {ca} {cb} {cc}")
+    one_line_error(
+        run("cache.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
+        f"{tmp_path}/cc_missing.jsonl: no such file",
+        f"of {ca} {cb} {cc}",
+    )
     with pytest.raises(ValueError, match="no data files"):  # was: `videos 0`, rc 0
         cache.main(cache.Config())
     # evaluate.py: a YAML of its own settings
@@ -68,7 +105,9 @@ def test_config_flag_every_form(tmp_path, tiny_model):
     eb = write(tmp_path, "eb.yaml", "benchmarks: nosuch2\n")
     e = common.load_config(evaluate.Config, ["--config", ea, eb])
     assert (e.benchmarks, e.max_tokens, e.config) == ("nosuch2", 8, (ea, eb))
-    one_line_error(run("evaluate.py", "--config=" + ea, "--config", eb), "unknown benchmark 'nosuch2'")
+    one_line_error(
+        run("evaluate.py", "--config=" + ea, "--config", eb), "unknown benchmark 'nosuch2'"
+    )
 
 
 def fake_checkpoint(out, cfg) -> str:
@@ -85,35 +124,81 @@ def test_out_dir_rules(tmp_path, color_data):
     `--resume auto` resumed the wrong run); a resume with other settings than the checkpoint's is refused naming them
     (`--lr 0.5 --group-size 4` was accepted silently), but for RESUME_MAY_CHANGE or with --allow-config-change."""
     out = tmp_path / "run"
-    args = ["--config", "configs/tiny_cpu.yaml", "--train-data", f"{color_data}/train.jsonl", "--val-data", "",
-            "--out-dir", str(out)]
+    args = [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--train-data",
+        f"{color_data}/train.jsonl",
+        "--val-data",
+        "",
+        "--out-dir",
+        str(out),
+    ]
     step = fake_checkpoint(out, train.load_config(args))
-    with pytest.raises(ValueError, match=f"{out} holds another run's checkpoints: continue it with --resume auto"):
+    with pytest.raises(
+        ValueError, match=f"{out} holds another run's checkpoints: continue it with --resume auto"
+    ):
         train.check_files(train.load_config(args), ckpt.find(str(out), ""))
-    for ok in (["--max-steps", "80", "--eval-every", "0", "--save-every", "5", "--stop-grace-s", "9"],
-               ["--lr", "0.5", "--allow-config-change"]):
+    for ok in (
+        ["--max-steps", "80", "--eval-every", "0", "--save-every", "5", "--stop-grace-s", "9"],
+        ["--lr", "0.5", "--allow-config-change"],
+    ):
         train.check_files(train.load_config([*args, "--resume", "auto", *ok]), step)
-    p = run("train.py", *args, "--resume", "auto", "--lr", "0.5", "--group-size", "4", "--max-steps", "80")
-    one_line_error(p, f"{step} was trained with other settings", "group_size 8 -> 4", "lr 0.001 -> 0.5",
-                   "--allow-config-change")
+    p = run(
+        "train.py",
+        *args,
+        "--resume",
+        "auto",
+        "--lr",
+        "0.5",
+        "--group-size",
+        "4",
+        "--max-steps",
+        "80",
+    )
+    one_line_error(
+        p,
+        f"{step} was trained with other settings",
+        "group_size 8 -> 4",
+        "lr 0.001 -> 0.5",
+        "--allow-config-change",
+    )
     assert "max_steps" not in p.stderr
 
 
 def test_bench_help_does_not_start_it():
     p = run("bench/rollout.py", "--help")
-    assert p.returncode == 0 and "Per-step rollout time" in p.stdout and "bench total" not in p.stdout
+    assert (
+        p.returncode == 0 and "Per-step rollout time" in p.stdout and "bench total" not in p.stdout
+    )
 
 
 def test_results_md_counts_are_counts(tmp_path):
     """results.md: counts as counts (`parse_fail 55.00` read as a percentage; it was 55 of 64), scores in percent; no
     `n` column (it showed the benchmark's n beside each breakdown), `failed` only inside unevaluable."""
-    metrics = {"n": 64, "accuracy": 12.5, "parse_fail": 55, "failed": 1, "dropped": 0, "problem_type/boolean": 10.0}
-    evaluate.write_results({"nvr1": {"metrics": metrics, "unevaluable": 1, "judge": "not needed"}},
-                           evaluate.Config(out_dir=str(tmp_path)))
+    metrics = {
+        "n": 64,
+        "accuracy": 12.5,
+        "parse_fail": 55,
+        "failed": 1,
+        "dropped": 0,
+        "problem_type/boolean": 10.0,
+    }
+    evaluate.write_results(
+        {"nvr1": {"metrics": metrics, "unevaluable": 1, "judge": "not needed"}},
+        evaluate.Config(out_dir=str(tmp_path)),
+    )
     rows = (tmp_path / "results.md").read_text().splitlines()[2:]
-    assert rows == ["| benchmark | metric | value |", "|---|---|---|", "| nvr1 | n | 64 |",
-                    "| nvr1 | accuracy | 12.50 |", "| nvr1 | parse_fail | 55 |", "| nvr1 | dropped | 0 |",
-                    "| nvr1 | problem_type/boolean | 10.00 |", "| nvr1 | unevaluable (not scored) | 1 |"]
+    assert rows == [
+        "| benchmark | metric | value |",
+        "|---|---|---|",
+        "| nvr1 | n | 64 |",
+        "| nvr1 | accuracy | 12.50 |",
+        "| nvr1 | parse_fail | 55 |",
+        "| nvr1 | dropped | 0 |",
+        "| nvr1 | problem_type/boolean | 10.00 |",
+        "| nvr1 | unevaluable (not scored) | 1 |",
+    ]
 
 
 def test_engine_memory_errors_name_our_knobs():
@@ -121,14 +206,19 @@ def test_engine_memory_errors_name_our_knobs():
     error train.py and evaluate.py print names VLLM_CPU_KVCACHE_SPACE here and max_model_len, in one line; other
     errors pass through as they are."""
     from rollout import start_errors
-    vllm_text = ("To serve at least one request with the models's max seq len (262144), (16.0 GiB KV cache is\n"
-                 "needed, which is larger than the available KV cache memory (1.0 GiB). Try increasing "
-                 "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+
+    vllm_text = (
+        "To serve at least one request with the models's max seq len (262144), (16.0 GiB KV cache is\n"
+        "needed, which is larger than the available KV cache memory (1.0 GiB). Try increasing "
+        "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+    )
     with pytest.raises(ValueError) as e:
         with start_errors(262144):
             raise ValueError(vllm_text)
     text = str(e.value)
-    assert "\n" not in text and "VLLM_CPU_KVCACHE_SPACE" in text and "--max-model-len (262144)" in text, text
+    assert (
+        "\n" not in text and "VLLM_CPU_KVCACHE_SPACE" in text and "--max-model-len (262144)" in text
+    ), text
     assert "16.0 GiB KV cache is needed" in text and e.value.__cause__ is None
     with pytest.raises(ValueError, match="^unknown architecture$"):
         with start_errors(4096):
@@ -155,10 +245,21 @@ def test_quiet_drops_only_the_listed_lines(debug):
     warnings, errors, a listed text from another module); --debug keeps every line and vLLM's INFO level."""
     env = dict(os.environ)
     env.pop("VLLM_LOGGING_LEVEL", None)
-    p = subprocess.run([sys.executable, "-c", QUIET_PROBE, *["--debug"] * debug], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", QUIET_PROBE, *["--debug"] * debug],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert ("Triton is not installed" in p.stderr) == debug
-    assert "a vLLM warning quiet() does not list" in p.stderr and "an error on a listed logger" in p.stderr
-    assert "our own warning" in p.stderr and "reduce_op` is deprecated, elsewhere" in p.stderr  # not from vLLM
+    assert (
+        "a vLLM warning quiet() does not list" in p.stderr
+        and "an error on a listed logger" in p.stderr
+    )
+    assert (
+        "our own warning" in p.stderr and "reduce_op` is deprecated, elsewhere" in p.stderr
+    )  # not from vLLM
     assert f"VLLM_LOGGING_LEVEL {None if debug else 'WARNING'}" in p.stdout

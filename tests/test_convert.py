@@ -4,6 +4,7 @@ name are created as real files (H.264 videos, JPEG/PNG images) in a tmp folder; 
 subprocess for Video-R1; for EasyVideoR1 its argument parser in this process, which saves a second torch import),
 and the converted records are checked field by field against hand-written expectations, then loaded with
 data.load_samples and one video is decoded through the path the converted record gives."""
+
 import json
 import os
 import shutil
@@ -21,15 +22,22 @@ import data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests/fixtures/convert")
-VR1_VIDEOS = ["LLaVA-Video-178K/liwei_youtube_videos/videos/youtube_video_2024/ytb_7nRmsEw7nsE.mp4",
-              "STAR/Charades_v1_480/6H78U.mp4", "SR-91k/scannet/scene0000_00.mp4",
-              "CLEVRER/video_10000-11000/video_10001.mp4"]  # NeXT-QA/videos/not_downloaded.mp4 stays missing
-VR1_IMAGES = ["Knowledge/ArxivQA/images/2101.00001_fig1.jpg",
-              "Math/Multimath-300k/17ff4c7d14c388134de02381b1fc2824.png", "OCR/TextVQA/images/0a1b2c.jpg"]
+VR1_VIDEOS = [
+    "LLaVA-Video-178K/liwei_youtube_videos/videos/youtube_video_2024/ytb_7nRmsEw7nsE.mp4",
+    "STAR/Charades_v1_480/6H78U.mp4",
+    "SR-91k/scannet/scene0000_00.mp4",
+    "CLEVRER/video_10000-11000/video_10001.mp4",
+]  # NeXT-QA/videos/not_downloaded.mp4 stays missing
+VR1_IMAGES = [
+    "Knowledge/ArxivQA/images/2101.00001_fig1.jpg",
+    "Math/Multimath-300k/17ff4c7d14c388134de02381b1fc2824.png",
+    "OCR/TextVQA/images/0a1b2c.jpg",
+]
 
 
 def make_media(root: str, videos: list[str], images: list[str]):
     from make_synthetic_data import write_video
+
     for rel in videos:
         os.makedirs(os.path.dirname(os.path.join(root, rel)), exist_ok=True)
         write_video(os.path.join(root, rel), np.full((4, 32, 32, 3), 120, np.uint8), fps=2.0)
@@ -39,8 +47,12 @@ def make_media(root: str, videos: list[str], images: list[str]):
 
 
 def run_cli(*args):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts/convert_data.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts/convert_data.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -60,37 +72,103 @@ def video_r1(tmp_path):
 
 
 def test_video_r1(video_r1, tmp_path):
-    out = tmp_path / "data" / "train.jsonl"  # another folder than the media: paths must be rewritten relative to it
-    stdout = run_cli("--source", "video-r1", "--src", str(video_r1 / "Video-R1-260k.json"), "--out", str(out),
-                     "--offline-output")  # no --media-root: the JSON's folder, as Video-R1 reads it
+    out = (
+        tmp_path / "data" / "train.jsonl"
+    )  # another folder than the media: paths must be rewritten relative to it
+    stdout = run_cli(
+        "--source",
+        "video-r1",
+        "--src",
+        str(video_r1 / "Video-R1-260k.json"),
+        "--out",
+        str(out),
+        "--offline-output",
+    )  # no --media-root: the JSON's folder, as Video-R1 reads it
     assert "converted 7 | skipped 3" in stdout
     media = "../Video-R1-data/"
     expected = [
-        {"id": "video-r1-0", "problem": "What appears on the screen in Russian during the missile's ascent?",
-         "answer": "B", "problem_type": "multiple choice", "data_type": "video",
-         "options": ["A. A weather map", "B. A countdown timer", "C. A news ticker", "D. A flag"],
-         "videos": [media + VR1_VIDEOS[0]],
-         "offline_output": "<think>Let me think. The overlay shows numbers counting down.</think>\n<answer>B</answer>",
-         "problem_id": 1, "data_source": "LLaVA-Video-178K/2_3_m_youtube_v0_1"},
-        {"id": "video-r1-1", "problem": "Which shape has the largest area?", "answer": "A",
-         "problem_type": "multiple choice", "data_type": "image",
-         "options": ["A) the circle", "B) the square", "C) the triangle"], "images": [media + VR1_IMAGES[0]],
-         "problem_id": 2, "data_source": "ArxivQA"},
-        {"id": "video-r1-2", "problem": "What is the value of x in the figure?", "answer": "3.5",
-         "problem_type": "numerical", "data_type": "image", "images": [media + VR1_IMAGES[1]],
-         "offline_output": "<think>Hmm, the angles sum to 180, so x = 3.5.</think>\n<answer>3.5</answer>",
-         "problem_id": 3, "data_source": "Multimath-300k"},
-        {"id": "video-r1-3", "problem": "What text is written on the sign?", "answer": "STOP AHEAD",
-         "problem_type": "ocr", "data_type": "image", "images": [media + VR1_IMAGES[2]], "problem_id": 4,
-         "data_source": "TextVQA"},
-        {"id": "video-r1-4", "problem": "What does the man do after entering the kitchen?",
-         "answer": "He opens the fridge.", "problem_type": "open-ended", "data_type": "video",
-         "videos": [media + VR1_VIDEOS[1]], "problem_id": 5, "data_source": "STAR"},
-        {"id": "video-r1-5", "problem": "How far is the chair from the table, in meters?", "answer": "1.25",
-         "problem_type": "regression", "data_type": "video", "videos": [media + VR1_VIDEOS[2]], "problem_id": 6,
-         "data_source": "SR-91k"},
-        {"id": "video-r1-6", "problem": "How many people enter the room?", "answer": "3", "problem_type": "numerical",
-         "data_type": "video", "videos": [media + VR1_VIDEOS[3]], "problem_id": 7, "data_source": "CLEVRER"},
+        {
+            "id": "video-r1-0",
+            "problem": "What appears on the screen in Russian during the missile's ascent?",
+            "answer": "B",
+            "problem_type": "multiple choice",
+            "data_type": "video",
+            "options": [
+                "A. A weather map",
+                "B. A countdown timer",
+                "C. A news ticker",
+                "D. A flag",
+            ],
+            "videos": [media + VR1_VIDEOS[0]],
+            "offline_output": (
+                "<think>Let me think. The overlay shows numbers counting down.</think>\n"
+                "<answer>B</answer>"
+            ),
+            "problem_id": 1,
+            "data_source": "LLaVA-Video-178K/2_3_m_youtube_v0_1",
+        },
+        {
+            "id": "video-r1-1",
+            "problem": "Which shape has the largest area?",
+            "answer": "A",
+            "problem_type": "multiple choice",
+            "data_type": "image",
+            "options": ["A) the circle", "B) the square", "C) the triangle"],
+            "images": [media + VR1_IMAGES[0]],
+            "problem_id": 2,
+            "data_source": "ArxivQA",
+        },
+        {
+            "id": "video-r1-2",
+            "problem": "What is the value of x in the figure?",
+            "answer": "3.5",
+            "problem_type": "numerical",
+            "data_type": "image",
+            "images": [media + VR1_IMAGES[1]],
+            "offline_output": "<think>Hmm, the angles sum to 180, so x = 3.5.</think>\n<answer>3.5</answer>",
+            "problem_id": 3,
+            "data_source": "Multimath-300k",
+        },
+        {
+            "id": "video-r1-3",
+            "problem": "What text is written on the sign?",
+            "answer": "STOP AHEAD",
+            "problem_type": "ocr",
+            "data_type": "image",
+            "images": [media + VR1_IMAGES[2]],
+            "problem_id": 4,
+            "data_source": "TextVQA",
+        },
+        {
+            "id": "video-r1-4",
+            "problem": "What does the man do after entering the kitchen?",
+            "answer": "He opens the fridge.",
+            "problem_type": "open-ended",
+            "data_type": "video",
+            "videos": [media + VR1_VIDEOS[1]],
+            "problem_id": 5,
+            "data_source": "STAR",
+        },
+        {
+            "id": "video-r1-5",
+            "problem": "How far is the chair from the table, in meters?",
+            "answer": "1.25",
+            "problem_type": "regression",
+            "data_type": "video",
+            "videos": [media + VR1_VIDEOS[2]],
+            "problem_id": 6,
+            "data_source": "SR-91k",
+        },
+        {
+            "id": "video-r1-6",
+            "problem": "How many people enter the room?",
+            "answer": "3",
+            "problem_type": "numerical",
+            "data_type": "video",
+            "videos": [media + VR1_VIDEOS[3]],
+            "problem_id": 7,
+            "data_source": "CLEVRER",
+        },
     ]
     rows = read_jsonl(out)
     assert len(rows) == len(expected)
@@ -98,17 +176,28 @@ def test_video_r1(video_r1, tmp_path):
         assert row == want
     skipped = read_jsonl(tmp_path / "data" / "train.skipped.jsonl")
     assert [(s["index"], s["problem_id"], s["reason"]) for s in skipped] == [
-        (7, 8, "invalid field 'answer'"), (8, 9, "media file missing"), (9, 10, "missing field 'solution'")]
+        (7, 8, "invalid field 'answer'"),
+        (8, 9, "media file missing"),
+        (9, 10, "missing field 'solution'"),
+    ]
     assert "'E' is not one of the option letters" in skipped[0]["detail"]
     assert skipped[1]["detail"] == str(video_r1 / "NeXT-QA/videos/not_downloaded.mp4")
     report = json.loads((tmp_path / "data" / "train.report.json").read_text())
     assert (report["converted"], report["skipped"], report["offline_output"]) == (7, 3, 2)
-    assert report["reasons"] == {"invalid field 'answer'": 1, "media file missing": 1, "missing field 'solution'": 1}
+    assert report["reasons"] == {
+        "invalid field 'answer'": 1,
+        "media file missing": 1,
+        "missing field 'solution'": 1,
+    }
 
-    samples = data.load_samples(str(out))  # our loader resolves the written paths back to the release's files
+    samples = data.load_samples(
+        str(out)
+    )  # our loader resolves the written paths back to the release's files
     assert os.path.samefile(samples[0]["videos"][0], video_r1 / VR1_VIDEOS[0])
     assert os.path.samefile(samples[2]["images"][0], video_r1 / VR1_IMAGES[1])
-    one = cache.Frames(video_min_frames=4, video_max_frames=4, video_min_pixels=784, video_max_pixels=784)
+    one = cache.Frames(
+        video_min_frames=4, video_max_frames=4, video_min_pixels=784, video_max_pixels=784
+    )
     frames, meta = cache.load_video(samples[0]["videos"][0], one, 28, mode="decode_only")
     assert frames.shape == (4, 28, 28, 3) and meta["total_num_frames"] == 4
 
@@ -116,61 +205,168 @@ def test_video_r1(video_r1, tmp_path):
 def test_video_r1_without_flags(video_r1, tmp_path):
     """Without --offline-output no record carries one; without media checks the missing video is converted."""
     out = tmp_path / "train.jsonl"
-    report = convert_data.main(convert_data.Config(source="video-r1", src=str(video_r1 / "Video-R1-260k.json"),
-                                                   out=str(out), check_media=False))
+    report = convert_data.main(
+        convert_data.Config(
+            source="video-r1",
+            src=str(video_r1 / "Video-R1-260k.json"),
+            out=str(out),
+            check_media=False,
+        )
+    )
     rows = read_jsonl(out)
     assert (report["converted"], report["skipped"], report["offline_output"]) == (8, 2, 0)
     assert not any("offline_output" in row for row in rows)
-    assert rows[-1]["id"] == "video-r1-8" and rows[-1]["videos"] == ["Video-R1-data/NeXT-QA/videos/not_downloaded.mp4"]
+    assert rows[-1]["id"] == "video-r1-8" and rows[-1]["videos"] == [
+        "Video-R1-data/NeXT-QA/videos/not_downloaded.mp4"
+    ]
 
 
 def test_easyvideor1(tmp_path):
     media = tmp_path / "media"  # their data.image_dir
     make_media(str(media), ["videos/car.mp4", "videos/door.mp4"], ["images/cat.jpg"])
     out = tmp_path / "train.jsonl"
-    args = ["--source", "easyvideor1", "--src", os.path.join(FIXTURES, "easyvideor1_train.jsonl"),
-            "--media-root", str(media), "--out", str(out), "--offline-output"]
-    report = convert_data.main(tyro.cli(convert_data.Config, args=args))  # the CLI's parser, in this process (fast)
+    args = [
+        "--source",
+        "easyvideor1",
+        "--src",
+        os.path.join(FIXTURES, "easyvideor1_train.jsonl"),
+        "--media-root",
+        str(media),
+        "--out",
+        str(out),
+        "--offline-output",
+    ]
+    report = convert_data.main(
+        tyro.cli(convert_data.Config, args=args)
+    )  # the CLI's parser, in this process (fast)
     assert (report["converted"], report["skipped"], report["offline_output"]) == (13, 4, 1)
     car, door, cat = ["media/videos/car.mp4"], ["media/videos/door.mp4"], ["media/images/cat.jpg"]
     expected = [
-        {"id": "easyvideor1-0", "problem": "<video>What color is the car?", "answer": "B",
-         "problem_type": "multiple choice", "data_type": "video",
-         "options": ["A. Red", "B. Blue", "C. Green", "D. White"], "videos": car,
-         "offline_output": "<think>The car is blue.</think><answer>B</answer>", "problem_id": "mc-1",
-         "data_source": "OneThinker"},
-        {"id": "easyvideor1-1", "problem": "<image>Which animal is shown?", "answer": "A",  # tags stripped
-         "problem_type": "multiple choice", "data_type": "image", "options": ["A. cat", "B. dog"], "images": cat,
-         "problem_id": "mc-2", "data_source": "OneThinker"},  # has_offline_trajectory false: no offline_output
-        {"id": "easyvideor1-2", "problem": "<video>When does the person open the door?",
-         "answer": '{"time": [12.3, 25.7]}', "problem_type": "temporal grounding", "data_type": "video",
-         "videos": door, "problem_id": "tg-1", "data_source": "Charades-STA"},
-        {"id": "easyvideor1-3", "problem": "<video>Where and when is the dog running?",
-         "answer": '{"time": [8.125, 10.483], "boxes": {"9": [317, 422, 582, 997], "10": [320, 420, 590, 990]}}',
-         "problem_type": "spatial-temporal grounding", "data_type": "video", "videos": door, "problem_id": "stg-1",
-         "data_source": "VidSTG"},
-        {"id": "easyvideor1-4", "problem": "<image>Locate the red cup.", "answer": '{"boxes": [35, 227, 437, 932]}',
-         "problem_type": "spatial grounding", "data_type": "image", "images": cat, "problem_id": "sg-1",
-         "data_source": "RefCOCO"},
-        {"id": "easyvideor1-5", "problem": "<video>Track the ball.",  # a JSON object answer becomes JSON text
-         "answer": '{"boxes": {"1": [10, 10, 50, 50], "2": [12, 11, 52, 51]}}', "problem_type": "tracking",
-         "data_type": "video", "videos": car, "problem_id": "tr-1", "data_source": "GOT-10k"},
-        {"id": "easyvideor1-6", "problem": "<video>Is the door open at the end?", "answer": "Yes",
-         "problem_type": "boolean", "data_type": "video", "videos": door, "problem_id": "bool-1"},
-        {"id": "easyvideor1-7", "problem": "<video>How many cars pass?", "answer": "4", "problem_type": "numerical",
-         "data_type": "video", "videos": car, "problem_id": "num-1"},
-        {"id": "easyvideor1-8", "problem": "<video>How long is the bridge in meters?", "answer": "120",
-         "problem_type": "regression", "data_type": "video", "videos": car, "problem_id": "reg-1"},
-        {"id": "easyvideor1-9", "problem": "<video>What is happening in this video?",
-         "answer": "A cat jumps onto the table.", "problem_type": "open-ended", "data_type": "video", "videos": door,
-         "problem_id": "oe-1"},
-        {"id": "easyvideor1-10", "problem": "<image>Read the license plate.", "answer": "AB 123", "problem_type": "ocr",
-         "data_type": "image", "images": cat, "problem_id": "ocr-1"},
-        {"id": "easyvideor1-11", "problem": "What is 7 * 6?", "answer": "42", "problem_type": "math",
-         "data_type": "text", "problem_id": "math-1"},  # empty videos/images lists are left out
-        {"id": "easyvideor1-12", "problem": "<image>Write an SVG that draws this icon.",
-         "answer": '<svg xmlns="http://www.w3.org/2000/svg"><circle r="4"/></svg>', "problem_type": "svg-code",
-         "data_type": "image", "images": cat, "problem_id": "code-1"},
+        {
+            "id": "easyvideor1-0",
+            "problem": "<video>What color is the car?",
+            "answer": "B",
+            "problem_type": "multiple choice",
+            "data_type": "video",
+            "options": ["A. Red", "B. Blue", "C. Green", "D. White"],
+            "videos": car,
+            "offline_output": "<think>The car is blue.</think><answer>B</answer>",
+            "problem_id": "mc-1",
+            "data_source": "OneThinker",
+        },
+        {
+            "id": "easyvideor1-1",
+            "problem": "<image>Which animal is shown?",
+            "answer": "A",  # tags stripped
+            "problem_type": "multiple choice",
+            "data_type": "image",
+            "options": ["A. cat", "B. dog"],
+            "images": cat,
+            "problem_id": "mc-2",
+            "data_source": "OneThinker",
+        },  # has_offline_trajectory false: no offline_output
+        {
+            "id": "easyvideor1-2",
+            "problem": "<video>When does the person open the door?",
+            "answer": '{"time": [12.3, 25.7]}',
+            "problem_type": "temporal grounding",
+            "data_type": "video",
+            "videos": door,
+            "problem_id": "tg-1",
+            "data_source": "Charades-STA",
+        },
+        {
+            "id": "easyvideor1-3",
+            "problem": "<video>Where and when is the dog running?",
+            "answer": '{"time": [8.125, 10.483], "boxes": {"9": [317, 422, 582, 997], "10": [320, 420, 590, 990]}}',
+            "problem_type": "spatial-temporal grounding",
+            "data_type": "video",
+            "videos": door,
+            "problem_id": "stg-1",
+            "data_source": "VidSTG",
+        },
+        {
+            "id": "easyvideor1-4",
+            "problem": "<image>Locate the red cup.",
+            "answer": '{"boxes": [35, 227, 437, 932]}',
+            "problem_type": "spatial grounding",
+            "data_type": "image",
+            "images": cat,
+            "problem_id": "sg-1",
+            "data_source": "RefCOCO",
+        },
+        {
+            "id": "easyvideor1-5",
+            "problem": "<video>Track the ball.",  # a JSON object answer becomes JSON text
+            "answer": '{"boxes": {"1": [10, 10, 50, 50], "2": [12, 11, 52, 51]}}',
+            "problem_type": "tracking",
+            "data_type": "video",
+            "videos": car,
+            "problem_id": "tr-1",
+            "data_source": "GOT-10k",
+        },
+        {
+            "id": "easyvideor1-6",
+            "problem": "<video>Is the door open at the end?",
+            "answer": "Yes",
+            "problem_type": "boolean",
+            "data_type": "video",
+            "videos": door,
+            "problem_id": "bool-1",
+        },
+        {
+            "id": "easyvideor1-7",
+            "problem": "<video>How many cars pass?",
+            "answer": "4",
+            "problem_type": "numerical",
+            "data_type": "video",
+            "videos": car,
+            "problem_id": "num-1",
+        },
+        {
+            "id": "easyvideor1-8",
+            "problem": "<video>How long is the bridge in meters?",
+            "answer": "120",
+            "problem_type": "regression",
+            "data_type": "video",
+            "videos": car,
+            "problem_id": "reg-1",
+        },
+        {
+            "id": "easyvideor1-9",
+            "problem": "<video>What is happening in this video?",
+            "answer": "A cat jumps onto the table.",
+            "problem_type": "open-ended",
+            "data_type": "video",
+            "videos": door,
+            "problem_id": "oe-1",
+        },
+        {
+            "id": "easyvideor1-10",
+            "problem": "<image>Read the license plate.",
+            "answer": "AB 123",
+            "problem_type": "ocr",
+            "data_type": "image",
+            "images": cat,
+            "problem_id": "ocr-1",
+        },
+        {
+            "id": "easyvideor1-11",
+            "problem": "What is 7 * 6?",
+            "answer": "42",
+            "problem_type": "math",
+            "data_type": "text",
+            "problem_id": "math-1",
+        },  # empty videos/images lists are left out
+        {
+            "id": "easyvideor1-12",
+            "problem": "<image>Write an SVG that draws this icon.",
+            "answer": '<svg xmlns="http://www.w3.org/2000/svg"><circle r="4"/></svg>',
+            "problem_type": "svg-code",
+            "data_type": "image",
+            "images": cat,
+            "problem_id": "code-1",
+        },
     ]
     rows = read_jsonl(out)
     assert len(rows) == len(expected)
@@ -178,12 +374,17 @@ def test_easyvideor1(tmp_path):
         assert row == want
     skipped = read_jsonl(tmp_path / "train.skipped.jsonl")
     assert [(s["index"], s["problem_id"], s["reason"]) for s in skipped] == [
-        (13, "llava-1", "no reward for problem_type 'llava'"), (14, "bytes-1", "images not a list of file paths"),
-        (15, "tg-bad", "invalid field 'answer'"), (16, None, "malformed JSON")]
+        (13, "llava-1", "no reward for problem_type 'llava'"),
+        (14, "bytes-1", "images not a list of file paths"),
+        (15, "tg-bad", "invalid field 'answer'"),
+        (16, None, "malformed JSON"),
+    ]
 
     samples = data.load_samples(str(out))
     assert [s["id"] for s in samples] == [row["id"] for row in expected]
     assert os.path.samefile(samples[0]["videos"][0], media / "videos/car.mp4")
     assert os.path.samefile(samples[1]["images"][0], media / "images/cat.jpg")
-    assert data.render_prompt(samples[0]).endswith("Options:\nA. Red\nB. Blue\nC. Green\nD. White\n"
-                                                   "Answer with the option's letter. " + data.INSTRUCTIONS["answer"])
+    assert data.render_prompt(samples[0]).endswith(
+        "Options:\nA. Red\nB. Blue\nC. Green\nD. White\n"
+        "Answer with the option's letter. " + data.INSTRUCTIONS["answer"]
+    )

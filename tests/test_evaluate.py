@@ -2,6 +2,7 @@
 behaviour), its official aggregation on hand-computed cases, every adapter on a fixture in its released format,
 the loader's handling of broken records, and the real pipeline (AsyncLLM on the tiny checkpoint) against the plain
 synchronous loop, resume, the HF fallback, two models in the default folder and the README's command as written."""
+
 import asyncio
 import json
 import os
@@ -21,14 +22,21 @@ from data import DataError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "benchmarks")
 NAMES = [b for b in E.load_adapters() if b != "nvr1"]
-MC = {"id": "q", "options": ["A. red", "B. green", "C. blue", "D. yellow"], "answer": "B",
-      "problem_type": "multiple choice"}
+MC = {
+    "id": "q",
+    "options": ["A. red", "B. green", "C. blue", "D. yellow"],
+    "answer": "B",
+    "problem_type": "multiple choice",
+}
 
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory, synth):
     """Every video the fixtures name, as a copy of a synthetic video (cycling through the 4 colors)."""
-    root, src = tmp_path_factory.mktemp("videos"), data.load_samples(os.path.join(synth, "val.jsonl"))
+    root, src = (
+        tmp_path_factory.mktemp("videos"),
+        data.load_samples(os.path.join(synth, "val.jsonl")),
+    )
     srcs = [s["videos"][0] for s in src if s["id"].startswith("color")]
     cfg = E.Config(data_dir=FIXTURES, video_dir=str(root))
     for b in NAMES:
@@ -42,47 +50,164 @@ def videos(tmp_path_factory, synth):
 # through its source, quirks included). None = nothing could be read (parse_fail; scored 0 or dropped by `drop`)
 FORMS = {
     # Video-MME eval_your_results.py: its prefixes (two pairs joined by missing commas), then the first of [ABCD]
-    "videomme": [("B", 1), ("Answer: B", 0), ("Final Answer: B", 0), ("**B**", 1), ("Option B", 1),
-                 ("The answer is (B).", 1), ("Best answer: D", 1), ("C", 0), ("", None), ("A or B", 0),
-                 ("I cannot tell.", None), ("E", None)],
+    "videomme": [
+        ("B", 1),
+        ("Answer: B", 0),
+        ("Final Answer: B", 0),
+        ("**B**", 1),
+        ("Option B", 1),
+        ("The answer is (B).", 1),
+        ("Best answer: D", 1),
+        ("C", 0),
+        ("", None),
+        ("A or B", 0),
+        ("I cannot tell.", None),
+        ("E", None),
+    ],
     # Video-MME-v2 extract_characters_regex_v2: its longer prefix list, then the first option letter
-    "videomme_v2": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B)", 1),
-                    ("The answer is: C", 0), ("E", 0), ("", None)],  # letters A-H, whatever the options
+    "videomme_v2": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("Final Answer: B", 1),
+        ("Option B", 1),
+        ("Best option: (B)", 1),
+        ("The answer is: C", 0),
+        ("E", 0),
+        ("", None),
+    ],  # letters A-H, whatever the options
     # VSI-Bench: first space-separated token, trailing "." stripped, exact (case-insensitive)
-    "vsibench": [("B", 1), ("b.", 1), ("Answer: B", 0), ("**B**", 0), ("(B)", 0), ("The answer is (B).", 0),
-                 ("C", 0), ("", None), ("B or C", 1)],
+    "vsibench": [
+        ("B", 1),
+        ("b.", 1),
+        ("Answer: B", 0),
+        ("**B**", 0),
+        ("(B)", 0),
+        ("The answer is (B).", 0),
+        ("C", 0),
+        ("", None),
+        ("B or C", 1),
+    ],
     # MVBench check_ans on the first line's first word (dots removed) inside "(b)" or holding it
-    "mvbench": [("B", 1), ("B\nbecause the screen is green", 1), ("B) green", 1), ("(B) green", 1), ("B. green", 1),
-                ("Best option: (B) green", 1), ("Best option:(B)", 1), ("Answer: B", 0), ("**B**", 0),
-                ("Option B", None), ("C", 0), ("", None)],
+    "mvbench": [
+        ("B", 1),
+        ("B\nbecause the screen is green", 1),
+        ("B) green", 1),
+        ("(B) green", 1),
+        ("B. green", 1),
+        ("Best option: (B) green", 1),
+        ("Best option:(B)", 1),
+        ("Answer: B", 0),
+        ("**B**", 0),
+        ("Option B", None),
+        ("C", 0),
+        ("", None),
+    ],
     # LVBench / MotionBench polish_answer: cut at ")", after "(", first word's first character
-    "lvbench": [("B", 1), ("(B) green", 1), ("Best option: (B) green", 1), ("B. green", 1), ("Answer: B", 0),
-                ("Option B", 0), ("C", 0), ("", None)],
-    "motionbench": [("B", 1), ("(B) green", 1), ("B\nbecause", 1), ("Answer: B", 0), ("The answer is B", 0)],
+    "lvbench": [
+        ("B", 1),
+        ("(B) green", 1),
+        ("Best option: (B) green", 1),
+        ("B. green", 1),
+        ("Answer: B", 0),
+        ("Option B", 0),
+        ("C", 0),
+        ("", None),
+    ],
+    "motionbench": [
+        ("B", 1),
+        ("(B) green", 1),
+        ("B\nbecause", 1),
+        ("Answer: B", 0),
+        ("The answer is B", 0),
+    ],
     # OVO-Bench: the right letter anywhere in the answer, case-sensitive
-    "ovobench": [("B", 1), ("Answer: B", 1), ("**B**", 1), ("A or B", 1), ("b", 0), ("C", 0), ("", None)],
+    "ovobench": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("**B**", 1),
+        ("A or B", 1),
+        ("b", 0),
+        ("C", 0),
+        ("", None),
+    ],
     # Video-MMMU parse_videommmu_multi_choice_response: "B."/"B:", "(B)", "B ", option text; never a guess
-    "videommmu": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("Best option: (B) x", 1),
-                  ("**B**", None), ("B or A", 0), ("A or B", 1), ("I think the screen is green all along", 1),
-                  ("A. red or B. green", 1), ("C: blue, not B", 0), ("The answer is B.", 1), ("", None)],
+    "videommmu": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("Final Answer: B", 1),
+        ("Option B", 1),
+        ("Best option: (B) x", 1),
+        ("**B**", None),
+        ("B or A", 0),
+        ("A or B", 1),
+        ("I think the screen is green all along", 1),
+        ("A. red or B. green", 1),
+        ("C: blue, not B", 0),
+        ("The answer is B.", 1),
+        ("", None),
+    ],
     # EgoSchema / NExT-QA (lmms-eval's egoschema parse_multi_choice_response): "(B)", "B ", "B." all at once; several:
     # the first written ("get the first one", argmin); none: option text, else unreadable (or the random guess)
-    "egoschema": [("B", 1), ("Answer: B", 1), ("Option B", 1), ("**B**", None), ("B or A", 1), ("A or B", 0),
-                  ("B. green, not A", 1), ("I think the screen is green all along", 1), ("", None)],
+    "egoschema": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("Option B", 1),
+        ("**B**", None),
+        ("B or A", 1),
+        ("A or B", 0),
+        ("B. green, not A", 1),
+        ("I think the screen is green all along", 1),
+        ("", None),
+    ],
     # MLVU check_ans: before the first ")" exactly the letter (the "Best option:(" primer read past)
-    "mlvu": [("B", 1), ("B) green", 1), ("(B) green", 1), ("Best option: (B)", 1), ("B. green", None),
-             ("Answer: B", None), ("C", 0), ("", None)],
+    "mlvu": [
+        ("B", 1),
+        ("B) green", 1),
+        ("(B) green", 1),
+        ("Best option: (B)", 1),
+        ("B. green", None),
+        ("Answer: B", None),
+        ("C", 0),
+        ("", None),
+    ],
     # LongVideoBench (lmms-eval, the paper's code): 8 prefixes (not "Answer:"), then the first of the letters
-    "longvideobench": [("B", 1), ("The best answer is B", 1), ("Answer: B", 0), ("Option B", 1), ("E", 0),
-                       ("", None)],
+    "longvideobench": [
+        ("B", 1),
+        ("The best answer is B", 1),
+        ("Answer: B", 0),
+        ("Option B", 1),
+        ("E", 0),
+        ("", None),
+    ],
     # VideoMathQA (lmms-eval extract_characters_regex): Video-MME's prefixes, then the first of A-E
-    "videomathqa": [("B", 1), ("The answer is B", 1), ("Answer: B", 0), ("Best option: B", 1), ("E", 0), ("", None)],
+    "videomathqa": [
+        ("B", 1),
+        ("The answer is B", 1),
+        ("Answer: B", 0),
+        ("Best option: B", 1),
+        ("E", 0),
+        ("", None),
+    ],
     # Perception Test / MMVU without a judge: the first option letter standing as a word
-    "perceptiontest": [("B", 1), ("Answer: B", 1), ("**B**", 1), ("Option B", 1), ("(B)", 1), ("A or B", 0),
-                       ("", None)],
+    "perceptiontest": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("**B**", 1),
+        ("Option B", 1),
+        ("(B)", 1),
+        ("A or B", 0),
+        ("", None),
+    ],
     # MINERVA: "answer is X" / "option: X", else the last letter
-    "minerva": [("B", 1), ("Answer: B", 1), ("Final Answer: B", 1), ("Option B", 1), ("B, not A", 0),
-                ("The answer is B, not A", 1), ("", None)],
+    "minerva": [
+        ("B", 1),
+        ("Answer: B", 1),
+        ("Final Answer: B", 1),
+        ("Option B", 1),
+        ("B, not A", 0),
+        ("The answer is B, not A", 1),
+        ("", None),
+    ],
 }
 
 
@@ -91,37 +216,75 @@ def test_official_letter_forms(bench):
     s = dict(MC, ovo_task="EPM") if bench == "ovobench" else MC
     got = [(r, E.score(r, s, E.adapter(bench))[1]) for r, _ in FORMS[bench]]
     assert got == [(r, None if v is None else float(v)) for r, v in FORMS[bench]]
-    assert E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0  # our format first
-    assert E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0  # the tag decides
+    assert (
+        E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0
+    )  # our format first
+    assert (
+        E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0
+    )  # the tag decides
 
 
 def test_official_number_span_and_yes_no_rules():
     vsi = dict(MC, problem_type="regression", options=[], answer="4")
     # VSI-Bench: float() of the first token, then MRA (|4.48 - 4| / 4 = 0.12 passes 8 of the 10 thresholds)
-    assert [E.score(r, vsi, E.adapter("vsibench"))[1] for r in ("4", "4.", "4.48", "4%", "1,250", "four", "")] \
-        == [1.0, 1.0, pytest.approx(0.8), None, None, None, None]
+    assert [
+        E.score(r, vsi, E.adapter("vsibench"))[1]
+        for r in ("4", "4.", "4.48", "4%", "1,250", "four", "")
+    ] == [1.0, 1.0, pytest.approx(0.8), None, None, None, None]
     mmmu = dict(vsi, problem_type="numerical", answer="3")
     # MMMU: "3%" holds the number 3; values compare rounded to 2 decimals; "1,250" is one number
-    assert [E.score(r, mmmu, E.adapter("videommmu"))[1] for r in ("3%", "The answer is 3.001", "3.01", "4")] \
-        == [1.0, 1.0, 0.0, 0.0]
-    assert E.score("so the total is 1,250", dict(mmmu, answer="1250"), E.adapter("videommmu"))[1] == 1.0
+    assert [
+        E.score(r, mmmu, E.adapter("videommmu"))[1]
+        for r in ("3%", "The answer is 3.001", "3.01", "4")
+    ] == [1.0, 1.0, 0.0, 0.0]
+    assert (
+        E.score("so the total is 1,250", dict(mmmu, answer="1250"), E.adapter("videommmu"))[1]
+        == 1.0
+    )
     assert E.score("3.14", dict(mmmu, answer="3.14159"), E.adapter("videommmu"))[1] == 1.0
     ch = dict(vsi, problem_type="temporal grounding", answer='{"time": [12, 26]}')
-    forms = ("00:12 - 00:26", "from 00:12 to 00:26", "12.0 - 26.0 seconds", '<answer>{"time": [12, 19]}</answer>',
-             "00:00:12 to 00:00:19", "no idea")
-    assert [E.score(r, ch, E.adapter("charades_sta"))[1] for r in forms] == [1.0, 1.0, 1.0, 0.5, 0.5, None]
-    for bad in ("1" * 20000, "1 " * 10000, "1." * 10000, ":1" * 10000):  # bounded time at the length cap
+    forms = (
+        "00:12 - 00:26",
+        "from 00:12 to 00:26",
+        "12.0 - 26.0 seconds",
+        '<answer>{"time": [12, 19]}</answer>',
+        "00:00:12 to 00:00:19",
+        "no idea",
+    )
+    assert [E.score(r, ch, E.adapter("charades_sta"))[1] for r in forms] == [
+        1.0,
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        None,
+    ]
+    for bad in (
+        "1" * 20000,
+        "1 " * 10000,
+        "1." * 10000,
+        ":1" * 10000,
+    ):  # bounded time at the length cap
         t = time.perf_counter()
         E.score(bad, ch, E.adapter("charades_sta"))
-        assert time.perf_counter() - t < 0.5  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
+        assert (
+            time.perf_counter() - t < 0.5
+        )  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
         t = time.perf_counter()
         E.score(bad, mmmu, E.adapter("videommmu"))
         assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear
     ovo = dict(vsi, problem_type="boolean", answer="yes", ovo_task="SSR")
-    assert [E.score(r, ovo, E.adapter("ovobench"))[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [1, 1, 0, 0, 0]
+    assert [E.score(r, ovo, E.adapter("ovobench"))[1] for r in ("Y", "Yes.", "yes", "N", "No")] == [
+        1,
+        1,
+        0,
+        0,
+        0,
+    ]
     rec = dict(vsi, problem_type="counting", answer="12", ovo_task="REC")
-    assert [E.score(r, rec, E.adapter("ovobench"))[1] for r in ("12", "1 then 2", "12 or 13", "")] \
-        == [1, 1, 0, None]
+    assert [
+        E.score(r, rec, E.adapter("ovobench"))[1] for r in ("12", "1 then 2", "12 or 13", "")
+    ] == [1, 1, 0, None]
 
 
 def test_empty_answers_and_random_fallback():
@@ -133,21 +296,37 @@ def test_empty_answers_and_random_fallback():
     ad = E.adapter("longvideobench")
     assert E.score("", MC, ad) == (None, None)
     picks = {E.score("", dict(MC, id=str(i)), ad, guess_seed=0)[0] for i in range(40)}
-    assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score("", MC, ad, guess_seed=0)
-    assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (None, None)  # Video-MME never guesses
-    rows = [E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")]  # unreadable: not "answered"
+    assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score(
+        "", MC, ad, guess_seed=0
+    )
+    assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (
+        None,
+        None,
+    )  # Video-MME never guesses
+    rows = [
+        E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")
+    ]  # unreadable: not "answered"
     m = E.aggregate(rows, "videomme")
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 1)
-    cut = E.record(MC, "videomme", "p", "<think>The answer is A, or")  # unfinished: our step reads nothing, the
-    assert (cut["score"], cut["parse_fail"], cut["dropped"]) == (0.0, True, False)  # official rule reads A: counted
+    cut = E.record(
+        MC, "videomme", "p", "<think>The answer is A, or"
+    )  # unfinished: our step reads nothing, the
+    assert (cut["score"], cut["parse_fail"], cut["dropped"]) == (
+        0.0,
+        True,
+        False,
+    )  # official rule reads A: counted
 
 
 HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
 # (benchmark, sample, response, score): the rules that read more than a letter, from the official functions
 RULES = [
     # Video-Holmes evaluate.py: last <answer>, then in letter order "X "/"X:"/"[X", then "X" anywhere
-    ("holmes", HOLMES, "E", 1), ("holmes", HOLMES, "<think>hmm</think><answer>E: reason E</answer>", 1),
-    ("holmes", HOLMES, "The answer is E", 1), ("holmes", HOLMES, "A man did E", 0), ("holmes", HOLMES, "[E]", 1),
+    ("holmes", HOLMES, "E", 1),
+    ("holmes", HOLMES, "<think>hmm</think><answer>E: reason E</answer>", 1),
+    ("holmes", HOLMES, "The answer is E", 1),
+    ("holmes", HOLMES, "A man did E", 0),
+    ("holmes", HOLMES, "[E]", 1),
     ("holmes", HOLMES, "", None),
 ]
 
@@ -165,31 +344,65 @@ def tempcompass_samples() -> dict:
 def test_tempcompass_official_rules():
     tc, ad = tempcompass_samples(), E.adapter("tempcompass")
     mc, yn = tc["tc0/attribute_change/1"], tc["tc1/speed/1"]  # answer "C. blue"; "no"
-    option, caption = tc["tc4/direction/1"], tc["tc3/attribute_change/1"]  # "Option 2: ..."; "Caption B: ..."
+    option, caption = (
+        tc["tc4/direction/1"],
+        tc["tc3/attribute_change/1"],
+    )  # "Option 2: ..."; "Caption B: ..."
     table = [  # eval_multi-choice.py: the answer line, a bare letter, "C." or "C)" first; else (no judge) unreadable
-        (mc, "C", 1), (mc, "C. blue", 1), (mc, "C) blue", 1), (mc, "C.", 1), (mc, "B", 0), (mc, "blue", None),
-        (mc, "The answer is C", None), (mc, "c", None),
+        (mc, "C", 1),
+        (mc, "C. blue", 1),
+        (mc, "C) blue", 1),
+        (mc, "C.", 1),
+        (mc, "B", 0),
+        (mc, "blue", None),
+        (mc, "The answer is C", None),
+        (mc, "c", None),
         # eval_yes_no.py: the first word, any case ("Not sure" starts with "no", as officially)
-        (yn, "No.", 1), (yn, "yes", 0), (yn, "Not sure", 1), (yn, "I think no", None),
+        (yn, "No.", 1),
+        (yn, "yes", 0),
+        (yn, "Not sure", 1),
+        (yn, "I think no", None),
         # eval_caption_matching.py eval_rule: the option line, its sentence (also after "x) "), its label
-        (option, "Option 2: The screen is yellow.", 1), (option, "The screen is yellow.", 1), (option, "Option 2", 1),
-        (option, "Option 2.", 1), (option, "(b) The screen is yellow.", 1), (option, "Option 1", 0),
-        (option, "2", None), (option, "B", None), (caption, "Caption B", 1), (caption, "B", None),
+        (option, "Option 2: The screen is yellow.", 1),
+        (option, "The screen is yellow.", 1),
+        (option, "Option 2", 1),
+        (option, "Option 2.", 1),
+        (option, "(b) The screen is yellow.", 1),
+        (option, "Option 1", 0),
+        (option, "2", None),
+        (option, "B", None),
+        (caption, "Caption B", 1),
+        (caption, "B", None),
         (caption, "The screen stays red.", 0),
     ]
-    assert [(s["id"], r, E.score(r, s, ad)[1]) for s, r, _ in table] == \
-        [(s["id"], r, None if v is None else float(v)) for s, r, v in table]
+    assert [(s["id"], r, E.score(r, s, ad)[1]) for s, r, _ in table] == [
+        (s["id"], r, None if v is None else float(v)) for s, r, v in table
+    ]
 
 
 def test_videommmu_open_answers_and_empty_left_out():
     s, ad = dict(MC, problem_type="open-ended", options=[], answer="5"), E.adapter("videommmu")
     # the 26 key words: "are " makes "there and 3 were eaten" the key text, whose only number is 3
-    assert [E.score(r, s, ad)[1] for r in ("5", "There are 5 squares", "5 apples are there and 3 were eaten",
-                                           "so the total is 5.0", "")] == [1.0, 1.0, 0.0, 1.0, None]
-    rows = [E.record(MC, "videommmu", "p", r) for r in ("B", "", "**B**")]  # right, empty, unreadable
+    assert [
+        E.score(r, s, ad)[1]
+        for r in (
+            "5",
+            "There are 5 squares",
+            "5 apples are there and 3 were eaten",
+            "so the total is 5.0",
+            "",
+        )
+    ] == [1.0, 1.0, 0.0, 1.0, None]
+    rows = [
+        E.record(MC, "videommmu", "p", r) for r in ("B", "", "**B**")
+    ]  # right, empty, unreadable
     assert [r["dropped"] for r in rows] == [False, True, False]
-    assert not E.record(MC, "videommmu", "p", "<think>B or")["dropped"]  # cut off while thinking: wrong, counted
-    m = E.aggregate(rows, "videommmu")  # the empty answer leaves the denominator, the unreadable one stays (wrong)
+    assert not E.record(MC, "videommmu", "p", "<think>B or")[
+        "dropped"
+    ]  # cut off while thinking: wrong, counted
+    m = E.aggregate(
+        rows, "videommmu"
+    )  # the empty answer leaves the denominator, the unreadable one stays (wrong)
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 2)
     assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
 
@@ -197,8 +410,14 @@ def test_videommmu_open_answers_and_empty_left_out():
 def test_mmvu_judges_multiple_choice_too():
     mm = E.load_benchmark("mmvu", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
     rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
-    assert [r.get("judge") for r in rows] == ["none", "none"]  # both go to --judge-model (GPT-4o officially)
-    assert [r["score"] for r in rows] == [1.0, 1.0]  # without a judge: the letter rule, the rule-based fallback
+    assert [r.get("judge") for r in rows] == [
+        "none",
+        "none",
+    ]  # both go to --judge-model (GPT-4o officially)
+    assert [r["score"] for r in rows] == [
+        1.0,
+        1.0,
+    ]  # without a judge: the letter rule, the rule-based fallback
     assert E.judge_rows(rows, E.Config(), E.adapter("mmvu")["judge"]).startswith("none: ")
 
 
@@ -207,7 +426,12 @@ def test_answer_extraction_official():
     assert E.score("<think>D?</think><answer>B</answer>", MC, ad)[1] == 1.0  # tags: ours first
     # official: the reader on the raw response, as a third-party model's leaderboard entry is scored
     assert E.score("<think>D?</think><answer>B</answer>", MC, ad, extraction="official")[1] == 0.0
-    assert E.record(MC, "videomme", "p", "<think>D?</think><answer>B</answer>", extraction="official")["score"] == 0
+    assert (
+        E.record(MC, "videomme", "p", "<think>D?</think><answer>B</answer>", extraction="official")[
+            "score"
+        ]
+        == 0
+    )
     assert "answer_extraction" in E.ANSWER_SETTINGS  # a resume log of the other mode is refused
 
 
@@ -216,8 +440,12 @@ def right(s, ad) -> str:
     gt, t = E.rewards.ground_truth(s), E.rewards.canonical_type(s["problem_type"])
     if s.get("format") == "caption_matching":  # TempCompass reads the option's label, not a letter
         return s["problem"].split("\n")[1 + ord(E.gt_letter(s)) - 65].split(": ")[0]
-    return {"multiple choice": E.gt_letter(s), "boolean": gt.capitalize() + ".", "temporal grounding":
-            f"<answer>{gt}</answer>", "open-ended": f"Final Answer: {gt}" if ad.get("after") else gt}.get(t, gt)
+    return {
+        "multiple choice": E.gt_letter(s),
+        "boolean": gt.capitalize() + ".",
+        "temporal grounding": f"<answer>{gt}</answer>",
+        "open-ended": f"Final Answer: {gt}" if ad.get("after") else gt,
+    }.get(t, gt)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -229,15 +457,26 @@ def test_adapter(name, videos):
     for s in samples:
         text = data.render_prompt(s, E.adapter(name).get("prompt"))
         assert s["problem"].split("\n")[0] in text
-        assert all(o.split(" ", 1)[-1] in text for o in s["options"])  # every option's text reaches the prompt
+        assert all(
+            o.split(" ", 1)[-1] in text for o in s["options"]
+        )  # every option's text reaches the prompt
         parsed, v = E.score(right(s, ad), s, ad)
         assert v == 1.0 and parsed is not None, (s["id"], right(s, ad), parsed)
         if s["problem_type"] == "multiple choice":
             wrong = next(lt for lt in E.letters_of(s) if lt != E.gt_letter(s))
-            assert E.score(wrong, s, ad)[1] in (0.0, None)  # TempCompass caption matching cannot read a bare letter
+            assert E.score(wrong, s, ad)[1] in (
+                0.0,
+                None,
+            )  # TempCompass caption matching cannot read a bare letter
         row = E.record(s, name, "prompt", "I cannot tell.")
-        assert row["score"] == 0.0 and row["doc_id"] == s["id"] and {"input", "target", "resps"} <= set(row)
-    rows = [E.record(s, name, "p", right(s, ad)) for s in samples] + [E.record(samples[0], name, "", "", "VideoError")]
+        assert (
+            row["score"] == 0.0
+            and row["doc_id"] == s["id"]
+            and {"input", "target", "resps"} <= set(row)
+        )
+    rows = [E.record(s, name, "p", right(s, ad)) for s in samples] + [
+        E.record(samples[0], name, "", "", "VideoError")
+    ]
     metrics = E.aggregate(rows, name)  # a failed sample is counted, never scored
     assert metrics["accuracy"] == 100.0 and (metrics["n"], metrics["failed"]) == (len(samples), 1)
     assert all(f"{k}/" in " ".join(metrics) for k in ad.get("keys", ()))  # breakdowns are reported
@@ -247,66 +486,120 @@ def test_released_record_shapes():
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
     skipped = []
     ego = E.load_benchmark("egoschema", cfg, skipped)
-    assert [s["answer"] for s in ego] == ["D"] and [x["where"][-2:] for x in skipped] == [":2"]  # "3"; hidden
-    assert [s["answer"] for s in E.load_benchmark("perceptiontest", cfg, [])] == ["A", "C"]  # answer_id "0", "2"
-    tc = {s["id"]: s for s in E.load_benchmark("tempcompass", cfg, [])}  # {video_id: {dim: [records]}}
+    assert [s["answer"] for s in ego] == ["D"] and [x["where"][-2:] for x in skipped] == [
+        ":2"
+    ]  # "3"; hidden
+    assert [s["answer"] for s in E.load_benchmark("perceptiontest", cfg, [])] == [
+        "A",
+        "C",
+    ]  # answer_id "0", "2"
+    tc = {
+        s["id"]: s for s in E.load_benchmark("tempcompass", cfg, [])
+    }  # {video_id: {dim: [records]}}
     cm = [s for i, s in tc.items() if i.startswith("caption_matching")]
     assert [(s["answer"], s["options"][1], s["dim"]) for s in cm] == [
-        ("B", "B. The screen stays green.", "attribute_change"), ("A", "B. The screen is yellow.", "speed"),
-        ("B", "B. The screen is yellow.", "direction")]
+        ("B", "B. The screen stays green.", "attribute_change"),
+        ("A", "B. The screen is yellow.", "speed"),
+        ("B", "B. The screen is yellow.", "direction"),
+    ]
     assert E.score("Caption B: The screen stays green.", cm[0], E.adapter("tempcompass"))[1] == 1.0
-    vm = E.load_benchmark("videomme", cfg, [])  # the Hugging Face parquet: its videoID wins over its url's id
+    vm = E.load_benchmark(
+        "videomme", cfg, []
+    )  # the Hugging Face parquet: its videoID wins over its url's id
     assert [s["videos"][0] for s in vm] == [f"/v/videomme/vid{i}.mp4" for i in range(3)]
     mm = {s["id"]: s for s in E.load_benchmark("videommmu", cfg, [])}  # {track: {index: record}}
     assert [(i, s["track"], s["discipline"], s["problem_type"]) for i, s in sorted(mm.items())] == [
-        ("validation_Art_1", "Perception", "Art", "multiple choice"), ("validation_Math_3", "Adaptation", "Math",
-                                                                        "open-ended")]
-    nq = E.load_benchmark("nextqa", cfg, [])  # val.csv: where = the csv line; a quoted comma stays in its option
+        ("validation_Art_1", "Perception", "Art", "multiple choice"),
+        ("validation_Math_3", "Adaptation", "Math", "open-ended"),
+    ]
+    nq = E.load_benchmark(
+        "nextqa", cfg, []
+    )  # val.csv: where = the csv line; a quoted comma stays in its option
     assert [(s["id"], s["answer"], s["options"][0], s["where"][-5:]) for s in nq] == [
-        ("4010069381_1", "C", "A. to catch", "csv:2"), ("4010069381_2", "A", "A. running, fast", "csv:3")]
+        ("4010069381_1", "C", "A. to catch", "csv:2"),
+        ("4010069381_2", "A", "A. running, fast", "csv:3"),
+    ]
     assert nq[0]["videos"][0] == "/v/nextqa/4010069381.mp4"
-    ch = E.load_benchmark("charades_sta", cfg, [])  # charades_sta_test.txt: "vid start end##caption"
-    assert [(s["answer"], s["videos"][0]) for s in ch] == [('{"time": [0.0, 1.2]}', "/v/charades_sta/AO8RW.mp4"),
-                                                           ('{"time": [0.5, 2.0]}', "/v/charades_sta/3MSZA.mp4")]
+    ch = E.load_benchmark(
+        "charades_sta", cfg, []
+    )  # charades_sta_test.txt: "vid start end##caption"
+    assert [(s["answer"], s["videos"][0]) for s in ch] == [
+        ('{"time": [0.0, 1.2]}', "/v/charades_sta/AO8RW.mp4"),
+        ('{"time": [0.5, 2.0]}', "/v/charades_sta/3MSZA.mp4"),
+    ]
     ml = E.load_benchmark("mlvu", cfg, [])  # json/<task>.json, the answer's text among candidates
     assert [(s["answer"], s["question_type"], s["videos"][0]) for s in ml] == [
-        ("A", "plotQA", "/v/mlvu/1_plotQA/ml0.mp4"), ("B", "plotQA", "/v/mlvu/1_plotQA/ml1.mp4"),
-        ("C", "count", "/v/mlvu/4_count/ml2.mp4")]
-    mv = E.load_benchmark("mmvu", cfg, [])  # validation.json: video is the hub URL, open-ended choices are ""
+        ("A", "plotQA", "/v/mlvu/1_plotQA/ml0.mp4"),
+        ("B", "plotQA", "/v/mlvu/1_plotQA/ml1.mp4"),
+        ("C", "count", "/v/mlvu/4_count/ml2.mp4"),
+    ]
+    mv = E.load_benchmark(
+        "mmvu", cfg, []
+    )  # validation.json: video is the hub URL, open-ended choices are ""
     assert [(s["subject"], s["problem_type"], s["options"][:1]) for s in mv] == [
-        ("Chemistry", "multiple choice", ["A. red"]), ("Chemistry", "open-ended", [])]
+        ("Chemistry", "multiple choice", ["A. red"]),
+        ("Chemistry", "open-ended", []),
+    ]
     lv = E.load_benchmark("longvideobench", cfg, [])  # lvb_val.json: candidates, correct_choice
     assert [(s["answer"], len(s["options"])) for s in lv] == [("C", 4), ("E", 5)]
 
 
 def test_videomme_official_json_and_parquet_layouts(tmp_path):
     """The official JSON (one record per video, questions with choices) reads like the Hugging Face parquet."""
-    video = {"video_id": "001", "duration_category": "short", "video_category": "Knowledge",
-             "video_sub_category": "Humanity & History", "url": "https://www.youtube.com/watch?v=fFjv93ACGo8",
-             "questions": [{"question_id": "001-1", "task_type": "Counting Problem", "question": "How many?",
-                            "choices": ["A. 1.", "B. 2.", "C. 3.", "D. 4."], "answer": "C"}]}
+    video = {
+        "video_id": "001",
+        "duration_category": "short",
+        "video_category": "Knowledge",
+        "video_sub_category": "Humanity & History",
+        "url": "https://www.youtube.com/watch?v=fFjv93ACGo8",
+        "questions": [
+            {
+                "question_id": "001-1",
+                "task_type": "Counting Problem",
+                "question": "How many?",
+                "choices": ["A. 1.", "B. 2.", "C. 3.", "D. 4."],
+                "answer": "C",
+            }
+        ],
+    }
     (tmp_path / "videomme.json").write_text(json.dumps([video]))
-    s, = E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path), video_dir="/v"), [])
+    (s,) = E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path), video_dir="/v"), [])
     assert (s["id"], s["answer"], s["duration"], s["domain"], s["videos"][0]) == (
-        "001-1", "C", "short", "Knowledge", "/v/videomme/fFjv93ACGo8.mp4")
+        "001-1",
+        "C",
+        "short",
+        "Knowledge",
+        "/v/videomme/fFjv93ACGo8.mp4",
+    )
 
 
 def test_unreadable_folders_and_fields_are_named(tmp_path):
     cfg = E.Config(data_dir=str(tmp_path), video_dir="/v")
     (tmp_path / "mlvu").mkdir()
     (tmp_path / "mlvu" / "README.md").write_text("x")
-    with pytest.raises(FileNotFoundError, match=r"mlvu: no annotation file \(.jsonl, .json, .parquet, .csv, .txt\) .*"
-                                                r"in the folder .*mlvu"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"mlvu: no annotation file \(.jsonl, .json, .parquet, .csv, .txt\) .*"
+        r"in the folder .*mlvu",
+    ):
         E.load_benchmark("mlvu", cfg, [])
-    (tmp_path / "mlvu" / "1_plotQA.json").write_text(json.dumps({"v": {"q": [1]}}))  # nested, but mlvu reads lists
-    with pytest.raises(DataError, match=r"mlvu: 0 samples .*1_plotQA.json: DataError: expected a JSON array of "
-                                        r"records, got dict \(a nested release"):
+    (tmp_path / "mlvu" / "1_plotQA.json").write_text(
+        json.dumps({"v": {"q": [1]}})
+    )  # nested, but mlvu reads lists
+    with pytest.raises(
+        DataError,
+        match=r"mlvu: 0 samples .*1_plotQA.json: DataError: expected a JSON array of "
+        r"records, got dict \(a nested release",
+    ):
         E.load_benchmark("mlvu", cfg, [])
-    (tmp_path / "mlvu" / "1_plotQA.json").write_text(json.dumps([{"video": "a.mp4", "question": "q?",
-                                                                    "answer": "red"}]))
+    (tmp_path / "mlvu" / "1_plotQA.json").write_text(
+        json.dumps([{"video": "a.mp4", "question": "q?", "answer": "red"}])
+    )
     with pytest.raises(DataError, match=r"1_plotQA.json:1: missing field 'candidates'"):
         E.load_benchmark("mlvu", cfg, [])
-    (tmp_path / "longvideobench.json").write_text(json.dumps([{"question": "q?", "correct_choice": 0}]))
+    (tmp_path / "longvideobench.json").write_text(
+        json.dumps([{"question": "q?", "correct_choice": 0}])
+    )
     with pytest.raises(DataError, match=r"longvideobench.json:1: missing field 'candidates'"):
         E.load_benchmark("longvideobench", cfg, [])
     (tmp_path / "mvbench.txt").write_text("a line\n")  # a format the benchmark does not read
@@ -316,60 +609,105 @@ def test_unreadable_folders_and_fields_are_named(tmp_path):
     bad = []
     assert len(E.load_benchmark("charades_sta", cfg, [], bad)) == 1
     assert bad[0]["where"].endswith("charades_sta.txt:2") and "does not match" in bad[0]["error"]
-    (tmp_path / "egoschema").mkdir()  # the release's questions.json, not joined with its answers: loud, not n = 0
-    (tmp_path / "egoschema" / "questions.json").write_text(json.dumps([{"q_uid": "e0", "question": "q?"}]))
-    with pytest.raises(DataError, match=r"egoschema: 0 samples .*questions.json:1: missing field 'answer'.*"
-                                        r"preparation step"):
+    (
+        tmp_path / "egoschema"
+    ).mkdir()  # the release's questions.json, not joined with its answers: loud, not n = 0
+    (tmp_path / "egoschema" / "questions.json").write_text(
+        json.dumps([{"q_uid": "e0", "question": "q?"}])
+    )
+    with pytest.raises(
+        DataError,
+        match=r"egoschema: 0 samples .*questions.json:1: missing field 'answer'.*"
+        r"preparation step",
+    ):
         E.load_benchmark("egoschema", cfg, [])
 
 
 def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v", max_samples=1)
-    first, = E.load_benchmark("livesports3k_qa", cfg, [])  # the repeat is the file's 3rd record: seen all the same
+    (first,) = E.load_benchmark(
+        "livesports3k_qa", cfg, []
+    )  # the repeat is the file's 3rd record: seen all the same
     assert first["id"] == "0@livesports3k_qa.json:1"
-    assert "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1" in capsys.readouterr().err
+    assert (
+        "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1"
+        in capsys.readouterr().err
+    )
     ids = [s["id"] for s in E.load_benchmark("livesports3k_qa", replace(cfg, max_samples=0), [])]
     assert ids == ["0@livesports3k_qa.json:1", "1", "0@livesports3k_qa.json:3"]
     # our own schema too (the resume log keys rows by id)
-    one = {"id": "x", "problem": "q?", "answer": "B", "problem_type": "multiple choice", "options": ["A. a", "B. b"]}
+    one = {
+        "id": "x",
+        "problem": "q?",
+        "answer": "B",
+        "problem_type": "multiple choice",
+        "options": ["A. a", "B. b"],
+    }
     (tmp_path / "val.jsonl").write_text(json.dumps(one) + "\n" + json.dumps(one) + "\n")
     own = E.load_benchmark("nvr1", E.Config(data_dir=str(tmp_path)), [])
     assert [s["id"] for s in own] == ["x@val.jsonl:1", "x@val.jsonl:2"]
     # the other benchmarks of the run go on: preparing this one raises nothing
-    job = E.prepare_benchmark("livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path))))
+    job = E.prepare_benchmark(
+        "livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path)))
+    )
     assert len(job["samples"]) + len(job["missing"]) == 3
 
 
 def test_grounding_without_boxes_is_scored_on_time():
-    st = E.load_benchmark("stvg", E.Config(data_dir=FIXTURES, video_dir="/v"), [])  # gt [0.5, 1.5], "boxes": {}
+    st = E.load_benchmark(
+        "stvg", E.Config(data_dir=FIXTURES, video_dir="/v"), []
+    )  # gt [0.5, 1.5], "boxes": {}
     empty = st[1]
-    assert E.score('<answer>{"time": [0.5, 1.0]}</answer>', empty, E.adapter("stvg"))[1] == pytest.approx(0.5)
-    assert E.score('<answer>{"time": [0.5, 1.5], "boxes": {"0": [0, 0, 1, 1]}}</answer>', empty,
-                   E.adapter("stvg"))[1] == 1.0
+    assert E.score('<answer>{"time": [0.5, 1.0]}</answer>', empty, E.adapter("stvg"))[
+        1
+    ] == pytest.approx(0.5)
+    assert (
+        E.score(
+            '<answer>{"time": [0.5, 1.5], "boxes": {"0": [0, 0, 1, 1]}}</answer>',
+            empty,
+            E.adapter("stvg"),
+        )[1]
+        == 1.0
+    )
 
 
 # Video-MME-v2 cal_logic / cal_relevance on 4 answers (1 right, 0 wrong, -1 unreadable), worked through the source
-V2_GROUPS = [("logic", "[1, 2, 3, 4]", [1, 1, 0, 1], 100 * 4 / 16),
-             ("logic", "[1, [2, 3], 4]", [1, 0, 1, 1], 100 * 4 / 12),  # the branch: 1 then 3 counts as 2
-             ("logic", "[[1, 2], 3, 4]", [0, 1, 1, 1], 100 / 10),  # 2 alone opens the first step
-             ("logic", "[1, 2, 3, 4]", [1, -1, 1, 0], 100 * 9 / 16),  # -1 is truthy: the run goes on
-             ("logic", "[[1, 2], 3, 4]", [1, 1, 1, 1], 100.0), ("relevance", "", [1, 1, -1, 1], 100 * 4 / 16),
-             ("relevance", "", [-1, -1, 0, 0], 0.0), ("relevance", "", [1, 1, 1, 0], 100 * 9 / 16)]
+V2_GROUPS = [
+    ("logic", "[1, 2, 3, 4]", [1, 1, 0, 1], 100 * 4 / 16),
+    ("logic", "[1, [2, 3], 4]", [1, 0, 1, 1], 100 * 4 / 12),  # the branch: 1 then 3 counts as 2
+    ("logic", "[[1, 2], 3, 4]", [0, 1, 1, 1], 100 / 10),  # 2 alone opens the first step
+    ("logic", "[1, 2, 3, 4]", [1, -1, 1, 0], 100 * 9 / 16),  # -1 is truthy: the run goes on
+    ("logic", "[[1, 2], 3, 4]", [1, 1, 1, 1], 100.0),
+    ("relevance", "", [1, 1, -1, 1], 100 * 4 / 16),
+    ("relevance", "", [-1, -1, 0, 0], 0.0),
+    ("relevance", "", [1, 1, 1, 0], 100 * 9 / 16),
+]
 
 
 @pytest.mark.parametrize("group_type, structure, marks, want", V2_GROUPS)
 def test_videomme_v2_group_scores(group_type, structure, marks, want):
-    s = dict(MC, options=[f"{c}. {c.lower()}" for c in "ABCDEFGH"], answer="B", group_type=group_type,
-             group_structure=structure, level=2, video_id="v")
+    s = dict(
+        MC,
+        options=[f"{c}. {c.lower()}" for c in "ABCDEFGH"],
+        answer="B",
+        group_type=group_type,
+        group_structure=structure,
+        level=2,
+        video_id="v",
+    )
     rows = [E.record(s, "videomme_v2", "p", {1: "B", 0: "C", -1: "no idea"}[m]) for m in marks]
     m = E.aggregate(rows, "videomme_v2")
-    assert m["group_score"] == pytest.approx(want) and m[f"group_score/{group_type}"] == pytest.approx(want)
+    assert m["group_score"] == pytest.approx(want) and m[
+        f"group_score/{group_type}"
+    ] == pytest.approx(want)
     assert m["accuracy"] == 100 * marks.count(1) / sum(x != -1 for x in marks)  # valid answers only
 
 
 def test_official_aggregates():
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
-    vsi = E.load_benchmark("vsibench", cfg, [])  # counting gt 4; rel_direction easy (A), hard (B); appearance
+    vsi = E.load_benchmark(
+        "vsibench", cfg, []
+    )  # counting gt 4; rel_direction easy (A), hard (B); appearance
     rows = [E.record(s, "vsibench", "p", r) for s, r in zip(vsi, ["4.48", "A", "A", "B"])]
     m = E.aggregate(rows, "vsibench")
     cats = {r["question_type"]: r["score"] for r in rows}
@@ -377,92 +715,206 @@ def test_official_aggregates():
     # overall: mean of 3 categories (counting 80, rel_direction = mean(easy 100, hard 0) = 50, the last one's)
     assert m["category/object_rel_direction"] == 50
     assert m["overall"] == pytest.approx((80 + 50 + 100 * rows[3]["score"]) / 3)
-    ovo = [dict(r, error="", parse_fail=False) for r in (
-        {"score": 1, "ovo_category": "backward", "ovo_task": "EPM"}, {"score": 0, "ovo_category": "backward",
-                                                                    "ovo_task": "EPM"},
-        {"score": 1, "ovo_category": "backward", "ovo_task": "HLD"}, {"score": 0, "ovo_category": "forward",
-                                                                    "ovo_task": "REC"})]
-    m = E.aggregate(ovo, "ovobench_evr1")  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
-    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (75, 37.5, 50)  # overall: of the categories
-    v2 = E.load_benchmark("videomme_v2", cfg, [])  # two videos of 4 questions: 3 of 4 right, then 1 of 4
+    ovo = [
+        dict(r, error="", parse_fail=False)
+        for r in (
+            {"score": 1, "ovo_category": "backward", "ovo_task": "EPM"},
+            {"score": 0, "ovo_category": "backward", "ovo_task": "EPM"},
+            {"score": 1, "ovo_category": "backward", "ovo_task": "HLD"},
+            {"score": 0, "ovo_category": "forward", "ovo_task": "REC"},
+        )
+    ]
+    m = E.aggregate(
+        ovo, "ovobench_evr1"
+    )  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
+    assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (
+        75,
+        37.5,
+        50,
+    )  # overall: of the categories
+    v2 = E.load_benchmark(
+        "videomme_v2", cfg, []
+    )  # two videos of 4 questions: 3 of 4 right, then 1 of 4
     answers = [s["answer"] if i in (0, 1, 2, 4) else "H" for i, s in enumerate(v2)]
-    m = E.aggregate([E.record(s, "videomme_v2", "p", a) for s, a in zip(v2, answers)], "videomme_v2")
+    m = E.aggregate(
+        [E.record(s, "videomme_v2", "p", a) for s, a in zip(v2, answers)], "videomme_v2"
+    )
     assert m["group_score"] == pytest.approx(100 * (9 / 16 + 1 / 16) / 2) and m["accuracy"] == 50
     assert m["group_score/relevance"] == pytest.approx(100 * 9 / 16) and m["level/2"] == 25
     ch = E.load_benchmark("charades_sta", cfg, [])[0]  # gt [0, 1.2]
-    ious = [E.record(ch, "charades_sta", "p", r)["score"] for r in ('{"time": [0.0, 0.96]}', "0.3 - 0.78", "no")]
+    ious = [
+        E.record(ch, "charades_sta", "p", r)["score"]
+        for r in ('{"time": [0.0, 0.96]}', "0.3 - 0.78", "no")
+    ]
     assert ious == pytest.approx([0.8, 0.4, 0.0])
-    m = E.aggregate([E.record(ch, "charades_sta", "p", r) for r in ('{"time": [0.0, 0.96]}', "0.3 - 0.78")],
-                    "charades_sta")
+    m = E.aggregate(
+        [E.record(ch, "charades_sta", "p", r) for r in ('{"time": [0.0, 0.96]}', "0.3 - 0.78")],
+        "charades_sta",
+    )
     assert (m["R@0.3"], m["R@0.5"], m["R@0.7"], m["mIoU"]) == pytest.approx((100, 50, 50, 60))
-    mlvu = [dict(score=v, question_type=t, error="", parse_fail=False) for v, t in ((1, "count"), (0, "count"),
-                                                                                   (1, "order"))]
+    mlvu = [
+        dict(score=v, question_type=t, error="", parse_fail=False)
+        for v, t in ((1, "count"), (0, "count"), (1, "order"))
+    ]
     assert E.aggregate(mlvu, "mlvu")["overall"] == 75
-    lv = [dict(score=v, question_type=t, error="", parse_fail=False) for v, t in ((1, ["ER", "KIR"]), (0, ["ER"]))]
+    lv = [
+        dict(score=v, question_type=t, error="", parse_fail=False)
+        for v, t in ((1, ["ER", "KIR"]), (0, ["ER"]))
+    ]
     m = E.aggregate(lv, "lvbench")  # multi-label
     assert (m["question_type/ER"], m["question_type/KIR"]) == (50, 100)
 
 
 def test_broken_records_are_reported_not_fatal(tmp_path):
-    good = {"videoID": "x", "question": "q?", "options": ["A. a", "B. b"], "answer": "B", "question_id": "ok"}
-    lines = [good, dict(good, options=5, question_id="b1"), dict(good, answer=-70, question_id="b2"), [1, 2],
-             dict(good, question=5, question_id="b3"), "{not json"]
-    (tmp_path / "videomme.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    good = {
+        "videoID": "x",
+        "question": "q?",
+        "options": ["A. a", "B. b"],
+        "answer": "B",
+        "question_id": "ok",
+    }
+    lines = [
+        good,
+        dict(good, options=5, question_id="b1"),
+        dict(good, answer=-70, question_id="b2"),
+        [1, 2],
+        dict(good, question=5, question_id="b3"),
+        "{not json",
+    ]
+    (tmp_path / "videomme.jsonl").write_text(
+        "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines)
+    )
     bad = []
-    samples = E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path), video_dir=str(tmp_path)), [], bad)
+    samples = E.load_benchmark(
+        "videomme", E.Config(data_dir=str(tmp_path), video_dir=str(tmp_path)), [], bad
+    )
     assert [s["id"] for s in samples] == ["ok"]
-    assert [b["where"].rsplit(":", 1)[1] for b in bad] == ["2", "3", "4", "5", "6"]  # file:line, in file order
-    assert "field 'answer'" in bad[0]["error"] and "JSON object" in bad[2]["error"] and "not JSON" in bad[4]["error"]
-    (tmp_path / "lvbench.jsonl").write_text(json.dumps({"key": "v"}) + "\n")  # a record without qa: no sample at all
-    with pytest.raises(DataError, match=r"lvbench: 0 samples loaded from .*lvbench.jsonl \(1 bad records, 0 without "
-                                        r"ground truth; first: .*lvbench.jsonl:1: field 'qa' must be a list"):
+    assert [b["where"].rsplit(":", 1)[1] for b in bad] == [
+        "2",
+        "3",
+        "4",
+        "5",
+        "6",
+    ]  # file:line, in file order
+    assert (
+        "field 'answer'" in bad[0]["error"]
+        and "JSON object" in bad[2]["error"]
+        and "not JSON" in bad[4]["error"]
+    )
+    (tmp_path / "lvbench.jsonl").write_text(
+        json.dumps({"key": "v"}) + "\n"
+    )  # a record without qa: no sample at all
+    with pytest.raises(
+        DataError,
+        match=r"lvbench: 0 samples loaded from .*lvbench.jsonl \(1 bad records, 0 without "
+        r"ground truth; first: .*lvbench.jsonl:1: field 'qa' must be a list",
+    ):
         E.load_benchmark("lvbench", E.Config(data_dir=str(tmp_path)), [], [])
-    with pytest.raises(DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: .*field 'answer'"):
-        E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path)), [])  # without a bad list: raised
+    with pytest.raises(
+        DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: .*field 'answer'"
+    ):
+        E.load_benchmark(
+            "videomme", E.Config(data_dir=str(tmp_path)), []
+        )  # without a bad list: raised
 
 
 def test_benchmark_table_is_checked(tmp_path):
     path = tmp_path / "benchmarks.yaml"
     path.write_text("mine:\n  video: '{v}.mp4'\n  opts: choices\n  keys: [task]\n  questions: qs\n")
-    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown field\(s\) \['questions'\]"):
+    with pytest.raises(
+        ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown field\(s\) \['questions'\]"
+    ):
         E.load_adapters(str(path))
     path.write_text("mine:\n  read: letters\n")
-    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown reader 'letters'"):
+    with pytest.raises(
+        ValueError, match=r"benchmarks.yaml: benchmark 'mine': unknown reader 'letters'"
+    ):
         E.load_adapters(str(path))
-    path.write_text("mine:\n  type: {field: kind, map: {mc: multiple choice}, defualt: open-ended}\n")
-    with pytest.raises(ValueError, match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map"):
+    path.write_text(
+        "mine:\n  type: {field: kind, map: {mc: multiple choice}, defualt: open-ended}\n"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map",
+    ):
         E.load_adapters(str(path))
-    path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")  # the defaults fill in, an explicit null stays
-    assert E.load_adapters(str(path)) == {"mine": {"q": "question", "opts": None, "ans": "answer", "video": "{v}.mp4",
-                                                   "read": [["[{L}]", 0]]}}
+    path.write_text(
+        "mine:\n  opts: null\n  video: '{v}.mp4'\n"
+    )  # the defaults fill in, an explicit null stays
+    assert E.load_adapters(str(path)) == {
+        "mine": {
+            "q": "question",
+            "opts": None,
+            "ans": "answer",
+            "video": "{v}.mp4",
+            "read": [["[{L}]", 0]],
+        }
+    }
+
 
 def test_checked_before_the_engine(tmp_path):
     t = time.perf_counter()
     with pytest.raises(ValueError, match="unknown benchmark 'videome'; known: nvr1, videomme"):
-        asyncio.run(E.evaluate(E.Config(benchmarks="videomme,videome", data_dir=FIXTURES, out_dir=str(tmp_path))))
-    with pytest.raises(FileNotFoundError, match=r"mvbench: no annotation file \(.jsonl, .json, .parquet, .csv"):
-        asyncio.run(E.evaluate(E.Config(benchmarks="mvbench", data_dir=str(tmp_path), out_dir=str(tmp_path))))
-    with pytest.raises(ValueError, match="10699 vision tokens"):  # 64 frames x 262,144 px do not fit in 4,096
-        asyncio.run(E.evaluate(E.Config(max_model_len=4096, data_dir=FIXTURES, out_dir=str(tmp_path))))
+        asyncio.run(
+            E.evaluate(
+                E.Config(benchmarks="videomme,videome", data_dir=FIXTURES, out_dir=str(tmp_path))
+            )
+        )
+    with pytest.raises(
+        FileNotFoundError, match=r"mvbench: no annotation file \(.jsonl, .json, .parquet, .csv"
+    ):
+        asyncio.run(
+            E.evaluate(
+                E.Config(benchmarks="mvbench", data_dir=str(tmp_path), out_dir=str(tmp_path))
+            )
+        )
+    with pytest.raises(
+        ValueError, match="10699 vision tokens"
+    ):  # 64 frames x 262,144 px do not fit in 4,096
+        asyncio.run(
+            E.evaluate(E.Config(max_model_len=4096, data_dir=FIXTURES, out_dir=str(tmp_path)))
+        )
     assert time.perf_counter() - t < 5
-    assert E.resolve(E.Config(model=str(tmp_path))).max_prompt_len == 16384 - 64  # the defaults fit each other
-    job = E.prepare_benchmark("videomme", E.resolve(E.Config(data_dir=FIXTURES, video_dir=str(tmp_path),
-                                                             out_dir=str(tmp_path))))
-    assert len(job["missing"]) == 3 and len(job["samples"]) == 0 and "missing media" in job["bad"][0]["error"]
+    assert (
+        E.resolve(E.Config(model=str(tmp_path))).max_prompt_len == 16384 - 64
+    )  # the defaults fit each other
+    job = E.prepare_benchmark(
+        "videomme",
+        E.resolve(E.Config(data_dir=FIXTURES, video_dir=str(tmp_path), out_dir=str(tmp_path))),
+    )
+    assert (
+        len(job["missing"]) == 3
+        and len(job["samples"]) == 0
+        and "missing media" in job["bad"][0]["error"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # the real pipeline on the tiny checkpoint
 def run_cfg(tiny_model, videos, synth, out, **kw):
-    ann = out.parent / "ann"  # the fixtures plus our own schema (the synthetic val set) as benchmark "nvr1"
+    ann = (
+        out.parent / "ann"
+    )  # the fixtures plus our own schema (the synthetic val set) as benchmark "nvr1"
     if not ann.exists():
         ann.mkdir()
         for f in os.listdir(FIXTURES) + ["nvr1"]:
             (ann / f).symlink_to(synth if f == "nvr1" else os.path.join(FIXTURES, f))
-    base = dict(model=tiny_model, benchmarks="nvr1,videomme,vsibench,charades_sta", data_dir=str(ann),
-                video_dir=videos, out_dir=str(out), max_tokens=12, max_model_len=1024, video_fps=4.0,
-                video_max_frames=8, video_max_pixels=3136, image_max_pixels=3136, cache_dir=str(out) + "-frames",
-                max_in_flight=8, allow_failures=True)
+    base = dict(
+        model=tiny_model,
+        benchmarks="nvr1,videomme,vsibench,charades_sta",
+        data_dir=str(ann),
+        video_dir=videos,
+        out_dir=str(out),
+        max_tokens=12,
+        max_model_len=1024,
+        video_fps=4.0,
+        video_max_frames=8,
+        video_max_pixels=3136,
+        image_max_pixels=3136,
+        cache_dir=str(out) + "-frames",
+        max_in_flight=8,
+        allow_failures=True,
+    )
     return E.Config(**{**base, **kw})
 
 
@@ -474,6 +926,7 @@ def read(path):
 @pytest.mark.slow
 def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path):
     from transformers import AutoProcessor
+
     cfg = run_cfg(tiny_model, videos, synth, tmp_path / "async")
     processor = AutoProcessor.from_pretrained(tiny_model)
     # one AsyncLLM (an engine-core process of its own) for the run and its resume, as bench/evaluate.py passes one
@@ -482,6 +935,7 @@ def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path)
 
     async def run(c):
         return await E.evaluate(c, engine, processor)
+
     try:
         res = asyncio.run(async_run_and_resume(cfg, run, videos, synth, tmp_path))
     finally:
@@ -489,15 +943,22 @@ def test_async_pipeline_sync_loop_resume_hf(tiny_model, videos, synth, tmp_path)
         engine.shutdown = E.shut_down  # as evaluate() does: no second shutdown at interpreter exit
     a = {b: read(tmp_path / "async" / b / "samples.jsonl") for b in cfg.benchmarks.split(",")}
     # the plain synchronous loop (rollout.VLLMEngine, batch by batch): identical greedy responses and scores
-    s_res = asyncio.run(E.evaluate(replace(cfg, out_dir=str(tmp_path / "sync"), engine="sync", batch_size=3)))
+    s_res = asyncio.run(
+        E.evaluate(replace(cfg, out_dir=str(tmp_path / "sync"), engine="sync", batch_size=3))
+    )
     for b in ("nvr1", "vsibench", "charades_sta"):
         assert read(tmp_path / "sync" / b / "samples.jsonl") == a[b], b
         assert s_res[b]["metrics"] == res[b]["metrics"]
     # the HF fallback runs the same adapters and scoring (same row per doc_id)
-    h = asyncio.run(E.evaluate(replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"),
-                                       max_tokens=4)))
+    h = asyncio.run(
+        E.evaluate(
+            replace(cfg, benchmarks="nvr1", engine="hf", out_dir=str(tmp_path / "hf"), max_tokens=4)
+        )
+    )
     hrows = read(tmp_path / "hf" / "nvr1" / "samples.jsonl")
-    assert [r["doc_id"] for r in hrows] == [r["doc_id"] for r in a["nvr1"]] and h["nvr1"]["metrics"]["n"] == len(hrows)
+    assert [r["doc_id"] for r in hrows] == [r["doc_id"] for r in a["nvr1"]] and h["nvr1"][
+        "metrics"
+    ]["n"] == len(hrows)
 
 
 async def async_run_and_resume(cfg, run, videos, synth, tmp_path) -> dict:
@@ -523,7 +984,9 @@ async def async_run_and_resume(cfg, run, videos, synth, tmp_path) -> dict:
     res2 = await run(replace(cfg, benchmarks="nvr1"))
     assert (res2["nvr1"]["resumed"], res2["nvr1"]["torn_lines"]) == (2, 1)
     assert read(log) == a and res2["nvr1"]["metrics"] == res["nvr1"]["metrics"]
-    with pytest.raises(DataError, match="differs in .*max_tokens"):  # other settings: refused, not resumed
+    with pytest.raises(
+        DataError, match="differs in .*max_tokens"
+    ):  # other settings: refused, not resumed
         await run(replace(cfg, benchmarks="nvr1", max_tokens=5))
     return res
 
@@ -532,18 +995,43 @@ def test_two_models_default_folder_and_exit_code(tiny_model, synth, tmp_path, mo
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model, other)
     monkeypatch.chdir(tmp_path)  # the default out_dir is relative: runs/eval/<model>-<hash>
-    base = E.Config(model=tiny_model, data_dir=synth, engine="hf", max_tokens=2, max_samples=3, max_model_len=1024,
-                    video_max_frames=8, video_max_pixels=3136, cache_dir="")
+    base = E.Config(
+        model=tiny_model,
+        data_dir=synth,
+        engine="hf",
+        max_tokens=2,
+        max_samples=3,
+        max_model_len=1024,
+        video_max_frames=8,
+        video_max_pixels=3136,
+        cache_dir="",
+    )
     first = asyncio.run(E.evaluate(base))["nvr1"]
     second = asyncio.run(E.evaluate(replace(base, model=str(other))))["nvr1"]
-    assert first["samples"] != second["samples"] and second["resumed"] == 0  # its own answers, in its own folder
+    assert (
+        first["samples"] != second["samples"] and second["resumed"] == 0
+    )  # its own answers, in its own folder
     assert read(second["samples"])[0]["doc_id"] == read(first["samples"])[0]["doc_id"]
-    with pytest.raises(DataError, match="differs in model"):  # another model's folder, named explicitly: refused
-        asyncio.run(E.evaluate(replace(base, model=str(other), out_dir=os.path.dirname(os.path.dirname(
-            first["samples"])))))
+    with pytest.raises(
+        DataError, match="differs in model"
+    ):  # another model's folder, named explicitly: refused
+        asyncio.run(
+            E.evaluate(
+                replace(
+                    base,
+                    model=str(other),
+                    out_dir=os.path.dirname(os.path.dirname(first["samples"])),
+                )
+            )
+        )
     (tmp_path / "ann").mkdir()
     with open(tmp_path / "ann" / "nvr1.jsonl", "w") as f:  # one sample whose video is missing
-        f.write(json.dumps(dict(data.load_samples(os.path.join(synth, "val.jsonl"))[0], videos=["gone.mp4"])) + "\n")
+        f.write(
+            json.dumps(
+                dict(data.load_samples(os.path.join(synth, "val.jsonl"))[0], videos=["gone.mp4"])
+            )
+            + "\n"
+        )
     broken = replace(base, data_dir=str(tmp_path / "ann"), out_dir=str(tmp_path / "broken"))
     assert E.main(broken) == 1 and E.main(replace(broken, allow_failures=True)) == 0
 
@@ -554,16 +1042,28 @@ def readme_eval(tmp_path_factory):
     (that folder, the process)."""
     import make_synthetic_data
     from conftest import tiny_model_dir
+
     tiny_model, tmp_path = tiny_model_dir(), tmp_path_factory.mktemp("readme")
-    make_synthetic_data.make(str(tmp_path / ".cache" / "data" / "color"), ["color"], num_train=1, num_val=3, seed=0,
-                             size=56, fps=4, seconds=2.0)
+    make_synthetic_data.make(
+        str(tmp_path / ".cache" / "data" / "color"),
+        ["color"],
+        num_train=1,
+        num_val=3,
+        seed=0,
+        size=56,
+        fps=4,
+        seconds=2.0,
+    )
     os.symlink(os.path.dirname(tiny_model), tmp_path / ".cache" / "models")
     cmd = f"python evaluate.py --model {tiny_model} --benchmarks nvr1 --data-dir .cache/data/color"  # the README's
     args = [sys.executable, os.path.join(ROOT, "evaluate.py")] + cmd.split()[2:]
     env = user_env("VLLM_CPU_KVCACHE_SPACE")  # as written: the CPU default KV cache
 
     def run():
-        return tmp_path, subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        return tmp_path, subprocess.run(
+            args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+
     return run
 
 
@@ -571,11 +1071,17 @@ def readme_eval(tmp_path_factory):
 def test_readme_command_as_written(tmp_path_factory):
     tmp_path, out = lane_result("readme_eval", tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and "nvr1: 3/3" in out.stderr  # progress, and no exit traceback
+    assert (
+        "Traceback" not in out.stderr and "nvr1: 3/3" in out.stderr
+    )  # progress, and no exit traceback
     # quiet (issue 29: 116 lines, vLLM's engine processes' among them): our warning, progress, scores, results path
     lines = quiet_lines(out.stdout, out.stderr)
-    assert len(lines) <= 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], out.stdout + out.stderr
-    assert any(x.startswith("warning: a video can take") for x in lines)  # our own warnings still print
+    assert len(lines) <= 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], (
+        out.stdout + out.stderr
+    )
+    assert any(
+        x.startswith("warning: a video can take") for x in lines
+    )  # our own warnings still print
     folder = next((tmp_path / "runs" / "eval").iterdir())
     res = json.loads((folder / "results.json").read_text())["benchmarks"]["nvr1"]
     assert res["metrics"]["n"] == 3 and res["unevaluable"] == 0
@@ -585,34 +1091,66 @@ def test_ovobench_release_records_clips_and_scores(tmp_path):
     """ovo_bench_new.json as published: a question a record, a forward task's probes one each (id <id>_<probe>, the
     official clip's name), each cut at ceil(realtime); scored and averaged as utils/OVOBenchScore.py does."""
     ovo = E.load_benchmark("ovobench", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
-    assert [(s["id"], s["task"], s["category"], s["problem_type"], s["answer"], s["video_end"]) for s in ovo] == [
-        ("0", "EPM", "backward", "multiple choice", "B", 2.0), ("1319", "OCR", "realtime", "multiple choice", "C", 1.0),
-        ("1468_0", "CRR", "forward", "boolean", "no", 1.0), ("1468_1", "CRR", "forward", "boolean", "yes", 2.0),
-        ("1516_0", "SSR", "forward", "boolean", "yes", 1.0), ("1516_1", "SSR", "forward", "boolean", "no", 1.0),
-        ("1558_0", "REC", "forward", "counting", "0", 1.0), ("1558_1", "REC", "forward", "counting", "1", 2.0)]
-    assert ovo[3]["where"].endswith("ovobench.json:3.test_info[1]") and ovo[4]["problem"] == "paint it red"
-    assert ovo[6]["problem"] == "How many times did they turn the screen green?" and ovo[0]["videos"] == [
-        "/v/ovobench/Ego4D/clips/ego0.mp4"]
+    assert [
+        (s["id"], s["task"], s["category"], s["problem_type"], s["answer"], s["video_end"])
+        for s in ovo
+    ] == [
+        ("0", "EPM", "backward", "multiple choice", "B", 2.0),
+        ("1319", "OCR", "realtime", "multiple choice", "C", 1.0),
+        ("1468_0", "CRR", "forward", "boolean", "no", 1.0),
+        ("1468_1", "CRR", "forward", "boolean", "yes", 2.0),
+        ("1516_0", "SSR", "forward", "boolean", "yes", 1.0),
+        ("1516_1", "SSR", "forward", "boolean", "no", 1.0),
+        ("1558_0", "REC", "forward", "counting", "0", 1.0),
+        ("1558_1", "REC", "forward", "counting", "1", 2.0),
+    ]
+    assert (
+        ovo[3]["where"].endswith("ovobench.json:3.test_info[1]")
+        and ovo[4]["problem"] == "paint it red"
+    )
+    assert ovo[6]["problem"] == "How many times did they turn the screen green?" and ovo[0][
+        "videos"
+    ] == ["/v/ovobench/Ego4D/clips/ego0.mp4"]
     # the official rules: the letter in the answer; "N"/"Y" exactly, else "No"/"Yes" inside; all digit runs joined
     answers = ["B", "C", "N", "No, not yet", "Yes.", "Y", "0", "1 time, maybe 2"]
     rows = [E.record(s, "ovobench", "p", a, extraction="official") for s, a in zip(ovo, answers)]
     assert [r["score"] for r in rows] == [1, 1, 1, 0, 1, 0, 1, 0]
-    m = E.aggregate(rows, "ovobench")  # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
+    m = E.aggregate(
+        rows, "ovobench"
+    )  # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
     assert (m["task/CRR"], m["category/forward"], m["category/realtime"]) == (50, 50, 100)
-    assert m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5  # "Total Avg."; micro
+    assert (
+        m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5
+    )  # "Total Avg."; micro
     bad_records = [  # no realtime; a probe without it; probes not a list; a realtime that is not a number
-        {"id": 7, "task": "EPM", "video": "a.mp4", "question": "q?", "options": ["x", "y"], "gt": 1},
+        {
+            "id": 7,
+            "task": "EPM",
+            "video": "a.mp4",
+            "question": "q?",
+            "options": ["x", "y"],
+            "gt": 1,
+        },
         {"id": 8, "task": "REC", "video": "b.mp4", "activity": "jump", "test_info": [{"count": 1}]},
         {"id": 9, "task": "SSR", "video": "c.mp4", "test_info": {"realtime": 3}},
-        {"id": 10, "task": "CRR", "video": "d.mp4", "question": "q?", "test_info": [{"realtime": "17", "type": 1}]}]
+        {
+            "id": 10,
+            "task": "CRR",
+            "video": "d.mp4",
+            "question": "q?",
+            "test_info": [{"realtime": "17", "type": 1}],
+        },
+    ]
     (tmp_path / "ovobench.json").write_text(json.dumps(bad_records))
     bad = []
     with pytest.raises(DataError, match="0 samples loaded"):
         E.load_benchmark("ovobench", E.Config(data_dir=str(tmp_path), video_dir="/v"), [], bad)
     assert [b["error"].split("ovobench.json:")[1] for b in bad] == [
-        "1: missing field 'realtime'", "2.test_info[0]: missing field 'realtime'",
+        "1: missing field 'realtime'",
+        "2.test_info[0]: missing field 'realtime'",
         "3: field 'test_info' must be a list of question objects",
-        "4.test_info[0]: field 'realtime' must be a time in seconds, got '17'"]
+        "4.test_info[0]: field 'realtime' must be a time in seconds, got '17'",
+    ]
 
 
 def test_official_prompts_verbatim():
@@ -621,29 +1159,40 @@ def test_official_prompts_verbatim():
     first = {b: E.load_benchmark(b, cfg, [])[0] for b in ("videomme", "holmes", "mmvu")}
     got = {b: data.render_prompt(s, E.adapter(b)["prompt"]) for b, s in first.items()}
     vm = first["videomme"]  # the README's prompt without subtitles: the question bare
-    assert got["videomme"] == ("Select the best answer to the following multiple-choice question based on the video. "
-                               "Respond with only the letter (A, B, C, or D) of the correct option.\n"
-                               f"{vm['problem']}\n" + "\n".join(vm["options"]) + "\nThe best answer is:")
+    assert got["videomme"] == (
+        "Select the best answer to the following multiple-choice question based on the video. "
+        "Respond with only the letter (A, B, C, or D) of the correct option.\n"
+        f"{vm['problem']}\n" + "\n".join(vm["options"]) + "\nThe best answer is:"
+    )
     assert got["holmes"] == (  # Video-Holmes evaluate.py: options joined as "A: text, B: text"
         "Based on the given video, reason and answer the single-choice question. Provide your reasoning between the "
         "<think> and </think> tags, and then give your final answer between the <answer> and </answer> tags. The "
         "question is: Why did the man leave?. The options are: A: reason A, B: reason B, C: reason C, D: reason D, "
-        "E: reason E, F: reason F. Your answer:")
-    assert got["mmvu"] == ("\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
-                           "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
-                           "with the option letter from the given choices.\n")  # MMVU's DO_PROMPT
-    ovo = E.load_benchmark("ovobench", cfg, [])  # constant.py's templates, filled as utils/OVOBench.py build_prompt
+        "E: reason E, F: reason F. Your answer:"
+    )
+    assert got["mmvu"] == (
+        "\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
+        "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
+        "with the option letter from the given choices.\n"
+    )  # MMVU's DO_PROMPT
+    ovo = E.load_benchmark(
+        "ovobench", cfg, []
+    )  # constant.py's templates, filled as utils/OVOBench.py build_prompt
     end = "Do not include any additional text or explanation in your response.\n"
     assert data.render_prompt(ovo[0], E.adapter("ovobench")["prompt"]) == (
         "\nQuestion: What color was the screen before?\nOptions:\nA. red; B. green; C. blue; D. yellow;\n\nRespond "
-        "only with the letter corresponding to your chosen option (e.g., A, B, C). \n" + end)
+        "only with the letter corresponding to your chosen option (e.g., A, B, C). \n" + end
+    )
     assert data.render_prompt(ovo[4], E.adapter("ovobench")["prompt"]) == (
         "\nYou're watching a tutorial video which contain a sequential of steps. \nThe following is one step from the "
         "whole procedures: \npaint it red\nYour task is to determine if the man or woman in the video is currently "
-        "performing this step.\nAnswer only with “Yes” or “No”.\n" + end)
+        "performing this step.\nAnswer only with “Yes” or “No”.\n" + end
+    )
     assert data.render_prompt(ovo[6], E.adapter("ovobench")["prompt"]) == (
         "\nYou're watching a video in which people may perform a certain type of action repetively. \nThe person "
         "performing this kind of action are referred to as 'they' in the following statement.\nYou're task is to "
         "count how many times have different people in the video perform this kind of action in total.\nOne complete "
         "motion counts as one. \nNow, answer the following question: How many times did they turn the screen green?"
-        "\nProvide your answer as a single number (e.g., 0, 1, 2, 3…) indicating the total count.\n" + end)
+        "\nProvide your answer as a single number (e.g., 0, 1, 2, 3…) indicating the total count.\n"
+        + end
+    )

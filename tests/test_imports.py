@@ -1,5 +1,6 @@
 """The library's import graph: no circle, nothing from scripts/ or bench/, and `import train` beside other projects'
 top-level `scripts` packages (verl ships one)."""
+
 import ast
 import glob
 import os
@@ -34,7 +35,12 @@ def test_library_imports_form_no_circle_and_never_reach_scripts_or_bench():
         ready = [m for m in graph if m not in floors and graph[m] <= set(floors)]
         assert ready, f"import circle among {sorted(set(graph) - set(floors))}"
         floors += ready
-    assert floors.index("common") < floors.index("ckpt") < floors.index("rollout") < floors.index("train")
+    assert (
+        floors.index("common")
+        < floors.index("ckpt")
+        < floors.index("rollout")
+        < floors.index("train")
+    )
 
 
 def test_train_imports_beside_a_foreign_scripts_package(tmp_path):
@@ -42,5 +48,7 @@ def test_train_imports_beside_a_foreign_scripts_package(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "__init__.py").write_text("FOREIGN = True\n")
     code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {ROOT!r}]; import scripts, train; print(scripts.FOREIGN)"
-    p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr[-3000:]

@@ -3,6 +3,7 @@ and the zero-weight vision input that keeps FSDP's collectives aligned.
 
     .venv/bin/python -m pytest -q tests/test_joint.py
 """
+
 import os
 
 import numpy as np
@@ -20,7 +21,10 @@ def processor(request):
     """Each tiny checkpoint's processor: patch 14 (28 px per merged token) and 16 (32 px)."""
     import make_tiny_model
     from transformers import AutoProcessor
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache/models")
+
+    root = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache/models"
+    )
     return AutoProcessor.from_pretrained(make_tiny_model.ensure(request.param, root=root))
 
 
@@ -28,32 +32,51 @@ def processor(request):
 def media(tmp_path_factory):
     """A 224x224 PNG and a 2 s 4 fps 224x224 mp4: big enough for each budget to decide the size."""
     import make_synthetic_data
+
     d = tmp_path_factory.mktemp("media")
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8)).save(d / "im.png")
-    make_synthetic_data.write_video(str(d / "v.mp4"), rng.integers(0, 255, (8, 224, 224, 3), dtype=np.uint8), fps=4)
+    make_synthetic_data.write_video(
+        str(d / "v.mp4"), rng.integers(0, 255, (8, 224, 224, 3), dtype=np.uint8), fps=4
+    )
     return d
 
 
 def sample(**kw):
-    s = dict(id="s", problem="What color?", answer="A", problem_type="multiple choice",
-             options=["A. red", "B. green", "C. blue", "D. yellow"])
+    s = dict(
+        id="s",
+        problem="What color?",
+        answer="A",
+        problem_type="multiple choice",
+        options=["A. red", "B. green", "C. blue", "D. yellow"],
+    )
     return data.validate_sample(dict(s, **kw), "mem.jsonl:1")
 
 
 def test_each_modality_gets_its_own_pixel_budget(processor, media):
     f = cache.vision_factor(processor)  # 28: one merged token per 28x28 pixels
-    cfg = tiny_config(image_min_pixels=f * f, image_max_pixels=36 * f * f, video_min_pixels=f * f,
-                      video_max_pixels=4 * f * f, video_fps=4.0, video_max_frames=8)
-    p = data.prepare(sample(images=[str(media / "im.png")], videos=[str(media / "v.mp4")]), processor, cfg)
-    (_, ih, iw), (vt, vh, vw) = p.mm["image_grid_thw"][0].tolist(), p.mm["video_grid_thw"][0].tolist()
+    cfg = tiny_config(
+        image_min_pixels=f * f,
+        image_max_pixels=36 * f * f,
+        video_min_pixels=f * f,
+        video_max_pixels=4 * f * f,
+        video_fps=4.0,
+        video_max_frames=8,
+    )
+    p = data.prepare(
+        sample(images=[str(media / "im.png")], videos=[str(media / "v.mp4")]), processor, cfg
+    )
+    (_, ih, iw), (vt, vh, vw) = (
+        p.mm["image_grid_thw"][0].tolist(),
+        p.mm["video_grid_thw"][0].tolist(),
+    )
     patch = processor.image_processor.patch_size
     assert (ih * patch) * (iw * patch) == 36 * f * f  # 224x224 -> 168x168 under the image budget
-    assert (vh * patch) * (vw * patch) == 4 * f * f   # -> 56x56 under the (smaller) video budget
+    assert (vh * patch) * (vw * patch) == 4 * f * f  # -> 56x56 under the (smaller) video budget
     assert vt == 8 // 2  # 8 frames, temporal patch 2
     # both placeholders are in the prompt, each expanded to its own feature count
     tok = processor.tokenizer
-    merge2 = processor.image_processor.merge_size ** 2
+    merge2 = processor.image_processor.merge_size**2
     assert p.prompt_ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == ih * iw // merge2
     assert p.prompt_ids.count(tok.convert_tokens_to_ids("<|video_pad|>")) == vt * vh * vw // merge2
     # and vLLM is handed the very same pixels
@@ -69,16 +92,26 @@ def test_several_images_and_text_only(processor, media):
     assert p.mm["image_grid_thw"].shape[0] == 3 and len(p.images) == 3
     t = data.prepare(sample(data_type="text"), processor, cfg)
     assert t.mm == {} and not t.videos and not t.images
-    pad_ids = {processor.tokenizer.convert_tokens_to_ids(x) for x in ("<|image_pad|>", "<|video_pad|>")}
+    pad_ids = {
+        processor.tokenizer.convert_tokens_to_ids(x) for x in ("<|image_pad|>", "<|video_pad|>")
+    }
     assert not pad_ids & set(t.prompt_ids)
 
 
 def test_marker_places_media_in_the_prompt(processor, media):
-    s = sample(problem="Look at <image> and then at <video>. Which matches?", images=[str(media / "im.png")],
-               videos=[str(media / "v.mp4")])
+    s = sample(
+        problem="Look at <image> and then at <video>. Which matches?",
+        images=[str(media / "im.png")],
+        videos=[str(media / "v.mp4")],
+    )
     p = data.prepare(s, processor, tiny_config())
     text = p.text
-    assert text.index("Look at") < text.index("<|image_pad|>") < text.index("and then at") < text.index("<|video_pad|>")
+    assert (
+        text.index("Look at")
+        < text.index("<|image_pad|>")
+        < text.index("and then at")
+        < text.index("<|video_pad|>")
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
@@ -91,7 +124,10 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
     import train
     from rollout import Rollout, vision_token_ids
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    d = make_tiny_model.ensure(arch, root=os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache/models"))
+
+    d = make_tiny_model.ensure(
+        arch, root=os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache/models")
+    )
     proc, model = AutoProcessor.from_pretrained(d), AutoModelForImageTextToText.from_pretrained(d)
     tok = proc.tokenizer
     text = data.prepare(sample(data_type="text"), proc, tiny_config(model=d))
@@ -121,16 +157,31 @@ def grads_reference_job(tmp_path_factory):
     background lane. Returns its folder (ref-{case}.safetensors)."""
     import subprocess
     import sys
+
     out = tmp_path_factory.mktemp("grads")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "tests/grad_worker.py", tiny_model_dir(), os.path.join(synth_dir(), "train.jsonl"),
-           str(out / "ref-{case}.safetensors"), "split,uneven"]
+    cmd = [
+        sys.executable,
+        "tests/grad_worker.py",
+        tiny_model_dir(),
+        os.path.join(synth_dir(), "train.jsonl"),
+        str(out / "ref-{case}.safetensors"),
+        "split,uneven",
+    ]
 
     def run():
-        p = subprocess.run(cmd, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=600)
+        p = subprocess.run(
+            cmd,
+            cwd=root,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stdout[-6000:]
         return out
+
     return run
 
 
@@ -144,10 +195,16 @@ def grads_by_case(grads_reference, shared_2_ranks):
     """case -> (reference, FSDP2) gradients: the 2-rank FSDP2 runs (split, uneven, uneven+ckpt) are
     tests/grad_worker.py's run of conftest.shared_2_ranks' launch."""
     from safetensors.torch import load_file
+
     out, result = shared_2_ranks
     result.log(SHARED_RUNS.index("grads"))
-    return {c: (load_file(grads_reference / f"ref-{c.partition('+')[0]}.safetensors"),
-                load_file(out / f"fsdp-{c}.safetensors")) for c in ("split", "uneven", "uneven+ckpt")}
+    return {
+        c: (
+            load_file(grads_reference / f"ref-{c.partition('+')[0]}.safetensors"),
+            load_file(out / f"fsdp-{c}.safetensors"),
+        )
+        for c in ("split", "uneven", "uneven+ckpt")
+    }
 
 
 @pytest.mark.slow
@@ -159,7 +216,9 @@ def test_two_ranks_with_different_modalities_match_reference(grads_by_case, case
     with activation checkpointing, the reference without)."""
     ref, got = grads_by_case[case]
     assert ref.keys() == got.keys()
-    assert any(k.startswith("model.visual.blocks") and ref[k].abs().sum() > 0 for k in ref)  # vision got gradient
+    assert any(
+        k.startswith("model.visual.blocks") and ref[k].abs().sum() > 0 for k in ref
+    )  # vision got gradient
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)
 
@@ -169,26 +228,53 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
     max_response_len like a sampled completion, EOS first to go); threshold mode swaps only below threshold."""
     import train
     from rollout import Rollout
+
     tok = processor.tokenizer
-    s = next(x for x in data.load_samples(os.path.join(synth, "train.jsonl")) if x["id"].startswith("color"))
+    s = next(
+        x
+        for x in data.load_samples(os.path.join(synth, "train.jsonl"))
+        if x["id"].startswith("color")
+    )
     p = data.prepare(s, processor, tiny_config())
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     right, wrong = s["offline_output"], "<answer>Z</answer>"
-    rollouts = [Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t)
-                for t in (wrong, right, wrong, wrong)]
+    rollouts = [
+        Rollout(p, tok.encode(t, add_special_tokens=False) + [eos], [-1.0] * 9, t)
+        for t in (wrong, right, wrong, wrong)
+    ]
     cfg = tiny_config(group_size=4, max_response_len=64)
     group = train.scored_group(rollouts, cfg)
     g = train.swap_offline(group, cfg, tok, eos)
-    assert g.rollouts[:3] == rollouts[:3] and g.components[:3] == group.components[:3] and g is not group
-    assert g.rollouts[3].finish == "offline" and g.rollouts[3].logp is None and g.rollouts[3].text == right
+    assert (
+        g.rollouts[:3] == rollouts[:3]
+        and g.components[:3] == group.components[:3]
+        and g is not group
+    )
+    assert (
+        g.rollouts[3].finish == "offline"
+        and g.rollouts[3].logp is None
+        and g.rollouts[3].text == right
+    )
     assert g.rollouts[3].response_ids == tok.encode(right, add_special_tokens=False) + [eos]
-    assert g.components[3]["accuracy"] == 1.0 and g.components[3]["overall"] > group.components[3]["overall"]
+    assert (
+        g.components[3]["accuracy"] == 1.0
+        and g.components[3]["overall"] > group.components[3]["overall"]
+    )
     assert group.rollouts[3].text == wrong  # the input group is untouched
-    short = train.swap_offline(group, tiny_config(group_size=4, max_response_len=3), tok, eos).rollouts[3]
-    assert short.response_ids == tok.encode(right, add_special_tokens=False)[:3]  # truncated: no EOS
+    short = train.swap_offline(
+        group, tiny_config(group_size=4, max_response_len=3), tok, eos
+    ).rollouts[3]
+    assert (
+        short.response_ids == tok.encode(right, add_special_tokens=False)[:3]
+    )  # truncated: no EOS
     # threshold mode: online accuracy here is 1/4
-    assert train.swap_offline(group, tiny_config(mix_threshold=0.5), tok, eos).rollouts[3].finish == "offline"
-    assert train.swap_offline(group, tiny_config(mix_threshold=0.25), tok, eos) is group  # 0.25 !< 0.25
+    assert (
+        train.swap_offline(group, tiny_config(mix_threshold=0.5), tok, eos).rollouts[3].finish
+        == "offline"
+    )
+    assert (
+        train.swap_offline(group, tiny_config(mix_threshold=0.25), tok, eos) is group
+    )  # 0.25 !< 0.25
     assert train.swap_offline(group, tiny_config(mix_offline=False), tok, eos) is group
 
 
@@ -200,19 +286,57 @@ def text_vs_video_runs(tmp_path_factory):
     import json
 
     from train_worker import launch
+
     tmp_path = tmp_path_factory.mktemp("text_vs_video")
-    video = next(s for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl")) if s.get("videos"))
-    text = {"id": "text-0", "problem": "What is two plus three?", "answer": "5", "problem_type": "numerical",
-            "data_type": "text", "offline_output": "<answer>5</answer>"}
+    video = next(
+        s for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl")) if s.get("videos")
+    )
+    text = {
+        "id": "text-0",
+        "problem": "What is two plus three?",
+        "answer": "5",
+        "problem_type": "numerical",
+        "data_type": "text",
+        "offline_output": "<answer>5</answer>",
+    }
     (tmp_path / "d.jsonl").write_text(json.dumps(video) + "\n" + json.dumps(text) + "\n")
     rollouts, model = ("hf", "vllm"), tiny_model_dir()
 
     def run():
-        launch([["--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data",
-                 str(tmp_path / "d.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / rollout), "--max-steps", "2",
-                 "--group-size", "2", "--prompts-per-step", "2", "--rollout", rollout, "--no-save", "--cache-dir", "",
-                 "--dist-timeout", "120"] for rollout in rollouts])
-        return video, {r: [json.loads(x) for x in open(tmp_path / r / "metrics.jsonl")] for r in rollouts}
+        launch(
+            [
+                [
+                    "--config",
+                    "configs/tiny_cpu.yaml",
+                    "--model",
+                    model,
+                    "--train-data",
+                    str(tmp_path / "d.jsonl"),
+                    "--val-data",
+                    "",
+                    "--out-dir",
+                    str(tmp_path / rollout),
+                    "--max-steps",
+                    "2",
+                    "--group-size",
+                    "2",
+                    "--prompts-per-step",
+                    "2",
+                    "--rollout",
+                    rollout,
+                    "--no-save",
+                    "--cache-dir",
+                    "",
+                    "--dist-timeout",
+                    "120",
+                ]
+                for rollout in rollouts
+            ]
+        )
+        return video, {
+            r: [json.loads(x) for x in open(tmp_path / r / "metrics.jsonl")] for r in rollouts
+        }
+
     return run
 
 
@@ -227,6 +351,7 @@ def test_two_ranks_text_vs_video_train(text_vs_video, rollout):
     """A real 2-rank run where, every step, one rank holds a text-only prompt and the other a video prompt: HF
     generate on the FSDP model and the trainer's forwards must both keep their collectives aligned."""
     import math
+
     video, runs = text_vs_video
     rows = runs[rollout]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

@@ -5,6 +5,7 @@ logits), in float32, on every tiny checkpoint.
 
     .venv/bin/python -m pytest -q tests/test_memory.py
 """
+
 import os
 
 import pytest
@@ -22,6 +23,7 @@ def setup(request, synth):
     """Model, processor and 7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1."""
     import make_tiny_model
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
     d = make_tiny_model.ensure(request.param, root=os.path.join(ROOT, ".cache/models"))
     processor = AutoProcessor.from_pretrained(d)
     torch.manual_seed(0)
@@ -48,8 +50,17 @@ def per_row_logp(model, b, rows, banned):
     """Today's path, from the model's own forward: every row carries its media, full (B, R, V) logits."""
     mm = concat_media([r.prompt for r in rows])
     R = b["mask"].shape[1]
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
-                   position_ids=positions(model, b), **mm).logits[:, :-1].float()
+    logits = (
+        model(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            logits_to_keep=R + 1,
+            position_ids=positions(model, b),
+            **mm,
+        )
+        .logits[:, :-1]
+        .float()
+    )
     logits[..., banned] = -1e9
     return torch.log_softmax(logits, -1).gather(-1, b["response_ids"].unsqueeze(-1)).squeeze(-1)
 
@@ -73,10 +84,13 @@ def test_vision_once_per_prompt_matches_per_row_forward(setup):
     torch.testing.assert_close(logp * b["mask"], ref * b["mask"], rtol=0, atol=1e-5)
     grads = loss_and_grads(model, logp, b["mask"])
     assert grads.keys() == ref_grads.keys()
-    assert any(k.startswith("model.visual.blocks") and ref_grads[k].abs().sum() > 0 for k in ref_grads)
+    assert any(
+        k.startswith("model.visual.blocks") and ref_grads[k].abs().sum() > 0 for k in ref_grads
+    )
     for k in ref_grads:
-        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-5 * ref_grads[k].abs().max().item(),
-                                   msg=k)
+        torch.testing.assert_close(
+            grads[k], ref_grads[k], rtol=1e-5, atol=1e-5 * ref_grads[k].abs().max().item(), msg=k
+        )
 
 
 def test_chunked_logp_and_entropy_match_full_logits(setup):
@@ -88,12 +102,20 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     R = b["mask"].shape[1]
     mm = concat_media(b["prompts"])
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_to_keep=R + 1,
-                   position_ids=positions(model, b), **mm).logits[:, :-1] / 0.7
+    logits = (
+        model(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            logits_to_keep=R + 1,
+            position_ids=positions(model, b),
+            **mm,
+        ).logits[:, :-1]
+        / 0.7
+    )
     keep = torch.ones(logits.shape[-1], dtype=torch.bool)
     keep[banned] = False
-    logq = torch.log_softmax(logits[..., keep], -1)                                  # over the allowed tokens
-    place = keep.long().cumsum(0) - 1                                                # a token's index in logq
+    logq = torch.log_softmax(logits[..., keep], -1)  # over the allowed tokens
+    place = keep.long().cumsum(0) - 1  # a token's index in logq
     ref_logp = logq.gather(-1, place[b["response_ids"]].unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logq.exp() * logq).sum(-1)
     out = []
@@ -101,16 +123,23 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
         model.zero_grad(set_to_none=True)
         weights = torch.linspace(0.5, 1.5, b["mask"].numel()).view_as(b["mask"]) * b["mask"]
         ((logp * weights).sum() + 0.3 * (ent * weights.flip(-1)).sum()).backward()
-        out.append((logp.detach() * b["mask"], ent.detach() * b["mask"],
-                    {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        out.append(
+            (
+                logp.detach() * b["mask"],
+                ent.detach() * b["mask"],
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
     (logp0, ent0, g0), (logp3, ent3, g3) = out
     torch.testing.assert_close(logp3, logp0, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent3, ent0, rtol=0, atol=1e-5)
     assert g3.keys() == g0.keys()
     for k in g0:
-        torch.testing.assert_close(g3[k], g0[k], rtol=1e-5, atol=1e-5 * g0[k].abs().max().item(), msg=k)
+        torch.testing.assert_close(
+            g3[k], g0[k], rtol=1e-5, atol=1e-5 * g0[k].abs().max().item(), msg=k
+        )
     one = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
-    logp_one, ent_one = train.token_logp(model, one, 0.7, banned, chunk=0)           # all positions at once
+    logp_one, ent_one = train.token_logp(model, one, 0.7, banned, chunk=0)  # all positions at once
     torch.testing.assert_close(logp_one * b["mask"], logp3, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent_one * b["mask"], ent3, rtol=0, atol=1e-6)
 

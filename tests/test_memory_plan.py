@@ -6,6 +6,7 @@ the long-video recipe and its table, and the prediction against the measured tra
     .venv/bin/python -m pytest -q tests/test_memory_plan.py
     MEASURE=Qwen/Qwen3-VL-8B-Instruct .venv/bin/python -m pytest -q tests/test_memory_plan.py -k reproduce  # ~10 min
 """
+
 import dataclasses
 import json
 import os
@@ -23,30 +24,61 @@ import memory_plan
 import train
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/memory.py's worker measures the peaks
-GIB = 2 ** 30
+GIB = 2**30
 SEVEN_B = "Qwen/Qwen2.5-VL-7B-Instruct"
-LONG = tuple(os.path.join(ROOT, "configs", name) for name in ("qwen2_5_vl_7b.yaml", "qwen2_5_vl_7b_long.yaml"))
-LONG_3B = tuple(os.path.join(ROOT, "configs", name) for name in ("qwen2_5_vl_3b.yaml", "qwen2_5_vl_3b_long.yaml"))
-CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-           "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-           "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
+LONG = tuple(
+    os.path.join(ROOT, "configs", name)
+    for name in ("qwen2_5_vl_7b.yaml", "qwen2_5_vl_7b_long.yaml")
+)
+LONG_3B = tuple(
+    os.path.join(ROOT, "configs", name)
+    for name in ("qwen2_5_vl_3b.yaml", "qwen2_5_vl_3b_long.yaml")
+)
+CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+}
 
 
 # --- the measurement procedure behind configs/memory.json
 
-def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | None, device: str = "cpu"):
+
+def build(
+    spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | None, device: str = "cpu"
+):
     """The spec's model with `layers` decoder layers and `depth` vision blocks, random init in `dtype` (no fp32 copy
     inflates the baseline), or on the meta device (dtype None: shapes only)."""
     import transformers
-    config_class, model_class = (getattr(transformers, name) for name in CLASSES[spec["model_type"]])
-    text = {k: v for k, v in spec["text_config"].items() if k != "layer_types"}  # derived from the depth
-    text.update(num_hidden_layers=layers, vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    config_class, model_class = (
+        getattr(transformers, name) for name in CLASSES[spec["model_type"]]
+    )
+    text = {
+        k: v for k, v in spec["text_config"].items() if k != "layer_types"
+    }  # derived from the depth
+    text.update(
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     vision = dict(spec["vision_config"], depth=depth)
-    if depth < spec["vision_config"]["depth"]:  # truncated: one block of each kind (Qwen2-VL's are all alike)
-        vision.update({"qwen2_5_vl": {"fullatt_block_indexes": [depth - 1]},
-                       "qwen3_vl": {"deepstack_visual_indexes": [0]}}.get(spec["model_type"], {}))
-    config = config_class(text_config=text, vision_config=vision,
-                          tie_word_embeddings=text.get("tie_word_embeddings", False))
+    if (
+        depth < spec["vision_config"]["depth"]
+    ):  # truncated: one block of each kind (Qwen2-VL's are all alike)
+        vision.update(
+            {
+                "qwen2_5_vl": {"fullatt_block_indexes": [depth - 1]},
+                "qwen3_vl": {"deepstack_visual_indexes": [0]},
+            }.get(spec["model_type"], {})
+        )
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=text.get("tie_word_embeddings", False),
+    )
     config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype or torch.bfloat16)
@@ -60,8 +92,13 @@ def build(spec: dict, layers: int, depth: int, vocab: int, dtype: torch.dtype | 
 def param_counts(spec: dict) -> dict:
     """Parameters in all, in the largest decoder layer or vision block, in the root (what no layer or block holds), in
     the vision tower (vLLM's data-parallel encoder holds all of it on every rank)."""
-    model = build(spec, spec["text_config"]["num_hidden_layers"], spec["vision_config"]["depth"],
-                  vocab=spec["text_config"]["vocab_size"], dtype=None)
+    model = build(
+        spec,
+        spec["text_config"]["num_hidden_layers"],
+        spec["vision_config"]["depth"],
+        vocab=spec["text_config"]["vocab_size"],
+        dtype=None,
+    )
     blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     total = sum(p.numel() for p in model.parameters())
@@ -92,14 +129,22 @@ class TokenBytes(TorchDispatchMode):
             self.seen.add(storage.data_ptr())
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())  # runs when it is freed
+            weakref.finalize(
+                storage, self.free, storage.data_ptr(), storage.nbytes()
+            )  # runs when it is freed
         return out
 
 
 def decoder_step(model, tokens: int) -> int:
     with TokenBytes({tokens}) as counter:
-        x = torch.randn(1, tokens, model.config.text_config.hidden_size, dtype=model.dtype, device=model.device,
-                        requires_grad=True)
+        x = torch.randn(
+            1,
+            tokens,
+            model.config.text_config.hidden_size,
+            dtype=model.dtype,
+            device=model.device,
+            requires_grad=True,
+        )
         out = model.language_model(inputs_embeds=x).last_hidden_state
         out.backward(torch.ones_like(out))
     return counter.peak
@@ -108,9 +153,16 @@ def decoder_step(model, tokens: int) -> int:
 def vision_step(model, patches: int, backward: bool = True) -> int:
     """Forward + backward, or (backward False) a no-grad forward as vLLM encodes a video: pixels in, features out."""
     vc = model.config.vision_config
-    with TokenBytes({patches, patches // 4}) as counter, torch.set_grad_enabled(backward):  # patches, merged tokens
-        pixels = torch.randn(patches, 3 * vc.temporal_patch_size * vc.patch_size ** 2, dtype=model.dtype,
-                             device=model.device)
+    with (
+        TokenBytes({patches, patches // 4}) as counter,
+        torch.set_grad_enabled(backward),
+    ):  # patches, merged tokens
+        pixels = torch.randn(
+            patches,
+            3 * vc.temporal_patch_size * vc.patch_size**2,
+            dtype=model.dtype,
+            device=model.device,
+        )
         grid = torch.tensor([[patches // 144, 12, 12]], device=model.device)
         out = model.visual(pixels, grid_thw=grid).pooler_output
         if backward:
@@ -121,14 +173,18 @@ def vision_step(model, patches: int, backward: bool = True) -> int:
 def logits_step(weight, positions: int) -> int:
     """train.token_logp's projection of `positions` response positions onto the vocabulary, as one chunk."""
     with TokenBytes({positions}) as counter:
-        hidden = torch.randn(positions, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
+        hidden = torch.randn(
+            positions, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True
+        )
         targets = torch.randint(len(weight), (positions,), device=weight.device)
         logp, entropy = train.ChunkedLogp.apply(hidden, weight, targets, 1.0, [0], positions)
         (logp.sum() + entropy.sum()).backward()
     return counter.peak
 
 
-def measure(spec: dict, dtype: torch.dtype, device: str = "cpu", tokens: int = 250, frames: int = 3) -> dict:
+def measure(
+    spec: dict, dtype: torch.dtype, device: str = "cpu", tokens: int = 250, frames: int = 3
+) -> dict:
     """Peak bytes per token (decoder, logits) and per patch (vision) of a forward + backward at the model's real width,
     counted by TokenBytes, and the parameter counts. L layers over T tokens peak at T * (L * layer + rest): one and two
     layers give both. Vision "encode": the peak per patch of a no-grad forward, as vLLM encodes a video (transformers'
@@ -141,9 +197,14 @@ def measure(spec: dict, dtype: torch.dtype, device: str = "cpu", tokens: int = 2
             for depth in (1, 2):
                 model = build(spec, depth, depth, vocab=8, dtype=dtype, device=device).model
                 if mode == "ckpt":
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    model.gradient_checkpointing_enable(
+                        gradient_checkpointing_kwargs={"use_reentrant": False}
+                    )
                 per_token.append(step(model, n) / n)
-            out[part][mode] = {"layer": per_token[1] - per_token[0], "rest": 2 * per_token[0] - per_token[1]}
+            out[part][mode] = {
+                "layer": per_token[1] - per_token[0],
+                "rest": 2 * per_token[0] - per_token[1],
+            }
     encoder = build(spec, 1, 1, vocab=8, dtype=dtype, device=device).model
     out["vision"]["encode"] = vision_step(encoder, frames * 144, False) / (frames * 144)
     vocab, hidden = spec["text_config"]["vocab_size"], spec["text_config"]["hidden_size"]
@@ -165,7 +226,10 @@ def test_measurements_reproduce(model, tiny_model):
             spec = json.load(f)
         key, got = "tiny-qwen2_5_vl float32", measure(spec, torch.float32)
     else:
-        key, got = f"{os.path.basename(model)} bfloat16", measure(store["published"][model], torch.bfloat16)
+        key, got = (
+            f"{os.path.basename(model)} bfloat16",
+            measure(store["published"][model], torch.bfloat16),
+        )
     assert key in store["measured"], json.dumps({key: got}, indent=1)
     want = store["measured"][key]
     for part in ("decoder", "vision"):
@@ -183,8 +247,10 @@ def test_parameter_counts_match_the_published_sizes():
     spec, meas = memory_plan.stored(SEVEN_B, "bfloat16")
     counts = param_counts(spec)
     assert counts["total"] == 8_292_166_656
-    assert counts["largest_layer"] == 3584 * 3584 + 3584 + 2 * (512 * 3584 + 512) + 3584 * 3584 + 3 * 3584 * 18944 \
-        + 2 * 3584
+    assert (
+        counts["largest_layer"]
+        == 3584 * 3584 + 3584 + 2 * (512 * 3584 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+    )
     assert 2 * 152064 * 3584 < counts["root"] < 2 * 152064 * 3584 + 50_000_000
     assert meas["params"] == counts
 
@@ -201,13 +267,18 @@ def test_qwen2_vl_7b_parameters_from_its_published_config():
 
 # --- prompts
 
+
 def test_longest_prompt_is_what_the_processor_makes(tiny_model):
     """720x1280 at video_max_pixels 262144, factor 28: scaled by sqrt(720 * 1280 / 262144) = 1.875 to 384 x 683,
     floored to 364 x 672 = 13 x 24 merged tokens per 2 frames, 4 patches each. 64 frames: 32 x 312 x 4 patches; 32
     frames have 16 x 312 = 4,992 tokens fewer (Qwen2.5-VL: no per-frame timestamps)."""
-    cfg = train.Config(model=tiny_model, video_max_frames=64, video_min_pixels=3136, video_max_pixels=262144)
+    cfg = train.Config(
+        model=tiny_model, video_max_frames=64, video_min_pixels=3136, video_max_pixels=262144
+    )
     tokens, patches = memory_plan.longest_prompt(cfg, 720, 1280)
-    fewer, half = memory_plan.longest_prompt(dataclasses.replace(cfg, video_max_frames=32), 720, 1280)
+    fewer, half = memory_plan.longest_prompt(
+        dataclasses.replace(cfg, video_max_frames=32), 720, 1280
+    )
     assert patches == 32 * 312 * 4 and half == 16 * 312 * 4
     assert tokens - fewer == 16 * 312
 
@@ -220,21 +291,42 @@ def test_longest_prompt_counts_what_full_size_frames_give(arch):
     import data
     import make_tiny_model
     from transformers import AutoProcessor
+
     model = make_tiny_model.ensure(arch, os.path.join(ROOT, ".cache/models"))
-    cfg = train.Config(model=model, video_max_frames=8, video_fps=2.0, video_min_pixels=3136, video_max_pixels=50176)
+    cfg = train.Config(
+        model=model,
+        video_max_frames=8,
+        video_fps=2.0,
+        video_min_pixels=3136,
+        video_max_pixels=50176,
+    )
     processor = AutoProcessor.from_pretrained(model)
     h, w = cache.smart_resize(720, 1280, cache.vision_factor(processor), 3136, 50176)
-    sample = dict(problem="<video>What happens in the video, and when?", problem_type="free-form", videos=["v.mp4"])
-    text = processor.apply_chat_template(data.chat_messages(sample, data.render_prompt(sample)), tokenize=False,
-                                         add_generation_prompt=True)
+    sample = dict(
+        problem="<video>What happens in the video, and when?",
+        problem_type="free-form",
+        videos=["v.mp4"],
+    )
+    text = processor.apply_chat_template(
+        data.chat_messages(sample, data.render_prompt(sample)),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     meta = dict(fps=2.0, duration=4.0, total_num_frames=8, frames_indices=list(range(8)))
-    out = processor(text=[text], videos=[torch.zeros(8, 3, h, w, dtype=torch.uint8)], video_metadata=[meta],
-                    do_resize=False, do_sample_frames=False, return_tensors="pt")
+    out = processor(
+        text=[text],
+        videos=[torch.zeros(8, 3, h, w, dtype=torch.uint8)],
+        video_metadata=[meta],
+        do_resize=False,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
     want = (out["input_ids"].shape[1], int(out["video_grid_thw"].prod()))
     assert memory_plan.longest_prompt(cfg, 720, 1280) == want
 
 
 # --- the plan
+
 
 def line(p: memory_plan.Plan, start: str) -> float:
     """The value of the plan's line whose label starts with `start`."""
@@ -246,11 +338,19 @@ def test_verdict_names_the_knob():
     is gradient_checkpointing; with it and several rows per micro-batch, the token budget; the fp32 shards are
     16 bytes per parameter over the GPUs."""
     spec, real = memory_plan.stored(SEVEN_B, "bfloat16")
-    meas = {"decoder": {"plain": {"layer": 1e6, "rest": 0}, "ckpt": {"layer": 1e5, "rest": 0}},
-            "vision": {"plain": {"layer": 0, "rest": 0}, "ckpt": {"layer": 0, "rest": 0}, "encode": 0},
-            "logit_bytes": 0, "params": real["params"]}
-    cfg = train.Config(model=SEVEN_B, max_response_len=1000, micro_batch_size=4, gpu_memory_utilization=0.5,
-                       max_prompt_len=9000)
+    meas = {
+        "decoder": {"plain": {"layer": 1e6, "rest": 0}, "ckpt": {"layer": 1e5, "rest": 0}},
+        "vision": {"plain": {"layer": 0, "rest": 0}, "ckpt": {"layer": 0, "rest": 0}, "encode": 0},
+        "logit_bytes": 0,
+        "params": real["params"],
+    }
+    cfg = train.Config(
+        model=SEVEN_B,
+        max_response_len=1000,
+        micro_batch_size=4,
+        gpu_memory_utilization=0.5,
+        max_prompt_len=9000,
+    )
     args = dict(spec=spec, meas=meas, gpus=8, gpu_mem=80 * GIB, cuda=True, prompt=9000, patches=0)
     p = memory_plan.plan(cfg, **args)
     assert p.verdict == "DOES NOT FIT: gradient_checkpointing: true"
@@ -258,8 +358,10 @@ def test_verdict_names_the_knob():
     assert p.generation == pytest.approx((4 + 8) * 8_292_166_656 / 8 + 40 * GIB)
     ckpt = memory_plan.plan(dataclasses.replace(cfg, gradient_checkpointing=True), **args)
     assert ckpt.verdict.startswith("DOES NOT FIT: max_tokens_per_micro_batch")
-    one_row = memory_plan.plan(dataclasses.replace(cfg, gradient_checkpointing=True, micro_batch_size=1), **args)
-    assert one_row.verdict == "FITS"   # 10,000 tokens x 28 layers x 100 kB = 28 GB
+    one_row = memory_plan.plan(
+        dataclasses.replace(cfg, gradient_checkpointing=True, micro_batch_size=1), **args
+    )
+    assert one_row.verdict == "FITS"  # 10,000 tokens x 28 layers x 100 kB = 28 GB
     short = memory_plan.plan(dataclasses.replace(cfg, max_prompt_len=8999), **args)
     assert short.verdict == "CANNOT RUN: max_prompt_len 8999 < 9000-token prompts"
 
@@ -271,14 +373,25 @@ def test_vllm_needs_its_weights_one_long_prompts_kv_cache_and_one_videos_encode(
     tp 2 (2 KV heads per GPU); and one whole video's no-grad encode: 800,000 patches x the measured 46,530 bytes (data
     mode does not split a video over the ranks). 84 GB is over 0.5 x 80 GiB; at tp 2, 61.7 GB is not over 0.75."""
     spec, meas = memory_plan.stored(SEVEN_B, "bfloat16")
-    cfg = train.Config(model=SEVEN_B, max_response_len=1000, max_prompt_len=200_000, max_model_len=262_144,
-                       gpu_memory_utilization=0.5, micro_batch_size=1, gradient_checkpointing=True)
-    args = dict(spec=spec, meas=meas, gpus=8, gpu_mem=80 * GIB, cuda=True, prompt=200_000, patches=800_000)
+    cfg = train.Config(
+        model=SEVEN_B,
+        max_response_len=1000,
+        max_prompt_len=200_000,
+        max_model_len=262_144,
+        gpu_memory_utilization=0.5,
+        micro_batch_size=1,
+        gradient_checkpointing=True,
+    )
+    args = dict(
+        spec=spec, meas=meas, gpus=8, gpu_mem=80 * GIB, cuda=True, prompt=200_000, patches=800_000
+    )
     one = memory_plan.plan(cfg, **args)
     encode = 800_000 * 46_530
     assert one.vllm_need == 2 * 8_292_166_656 + 262_144 * 57_344 + encode
     assert one.verdict.startswith("DOES NOT FIT: gpu_memory_utilization or rollout_tp")
-    two = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=2, gpu_memory_utilization=0.75), **args)
+    two = memory_plan.plan(
+        dataclasses.replace(cfg, rollout_tp=2, gpu_memory_utilization=0.75), **args
+    )
     assert two.vllm_need == 8_292_166_656 + 676_550_144 + 262_144 * 28_672 + encode
     assert not two.verdict.startswith("DOES NOT FIT: gpu_memory_utilization")
 
@@ -290,15 +403,38 @@ def test_sequence_parallel_halves_a_ranks_activations():
     all-to-all buffers of q, k, v, out (2 x (2 x 28 + 2 x 4) heads x 128 x 2 bytes per token of the rank). All the
     activations of a rank: about half (0.53)."""
     spec, meas = memory_plan.stored(SEVEN_B, "bfloat16")
-    cfg = train.Config(model=SEVEN_B, max_response_len=2048, max_prompt_len=197_952, gradient_checkpointing=True,
-                       micro_batch_size=1, rollout_tp=8, gpu_memory_utilization=0.55)  # vLLM: the encode, ~35 GiB
-    one, two = (memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, 197_952, 800_000, sp) for sp in (1, 2))
-    assert line(two, "decoder activations") == line(one, "decoder activations") / 2 == 100_000 * 28 * 7168
-    assert line(two, "vision activations") == line(one, "vision activations") / 2 == 400_000 * 32 * 2560
-    assert line(two, "a decoder layer") == 100_000 * (meas["decoder"]["ckpt"]["rest"] + 2 * (2 * 28 + 2 * 4) * 128 * 2)
-    states = sum(line(one, held) for held in ("parameters", "gradients", "optimizer", "gathered"))  # any sp_size
+    cfg = train.Config(
+        model=SEVEN_B,
+        max_response_len=2048,
+        max_prompt_len=197_952,
+        gradient_checkpointing=True,
+        micro_batch_size=1,
+        rollout_tp=8,
+        gpu_memory_utilization=0.55,
+    )  # vLLM: the encode, ~35 GiB
+    one, two = (
+        memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, 197_952, 800_000, sp) for sp in (1, 2)
+    )
+    assert (
+        line(two, "decoder activations")
+        == line(one, "decoder activations") / 2
+        == 100_000 * 28 * 7168
+    )
+    assert (
+        line(two, "vision activations")
+        == line(one, "vision activations") / 2
+        == 400_000 * 32 * 2560
+    )
+    assert line(two, "a decoder layer") == 100_000 * (
+        meas["decoder"]["ckpt"]["rest"] + 2 * (2 * 28 + 2 * 4) * 128 * 2
+    )
+    states = sum(
+        line(one, held) for held in ("parameters", "gradients", "optimizer", "gathered")
+    )  # any sp_size
     assert 0.5 < (two.train - states) / (one.train - states) < 0.6
-    assert one.verdict == "DOES NOT FIT: sp_size 2 or 4 or 8"  # divisors of the 8 GPUs (heads are padded)
+    assert (
+        one.verdict == "DOES NOT FIT: sp_size 2 or 4 or 8"
+    )  # divisors of the 8 GPUs (heads are padded)
 
 
 def test_any_sp_size_pads_the_heads():
@@ -306,19 +442,33 @@ def test_any_sp_size_pads_the_heads():
     KV repeated to one per query head); the 4 zero heads cost q, k, v, out of 128 bf16 values per token in each layer's
     backward (and kept per layer without checkpointing). 32 heads (Qwen3-VL-8B) need none. sp_size must divide the
     GPUs."""
-    cfg = train.Config(model=SEVEN_B, max_prompt_len=100_000, micro_batch_size=1, gradient_checkpointing=True)
+    cfg = train.Config(
+        model=SEVEN_B, max_prompt_len=100_000, micro_batch_size=1, gradient_checkpointing=True
+    )
     spec, meas = memory_plan.stored(SEVEN_B, "bfloat16")
     eight = memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, 99_000, 0, 8)
     tokens = (99_000 + cfg.max_response_len) / 8
     assert eight.verdict == "FITS" and line(eight, "padded heads' attention (28 -> 32") == 0
     zero_heads = 4 * 4 * 128 * 2
-    assert line(eight, "a decoder layer") == tokens * (meas["decoder"]["ckpt"]["rest"] + 2 * (2 * 32 + 2 * 32) * 128 * 2
-                                                       + zero_heads)
-    plain = memory_plan.plan(dataclasses.replace(cfg, gradient_checkpointing=False), spec, meas, 8, 80 * GIB, True,
-                             99_000, 0, 8)
+    assert line(eight, "a decoder layer") == tokens * (
+        meas["decoder"]["ckpt"]["rest"] + 2 * (2 * 32 + 2 * 32) * 128 * 2 + zero_heads
+    )
+    plain = memory_plan.plan(
+        dataclasses.replace(cfg, gradient_checkpointing=False),
+        spec,
+        meas,
+        8,
+        80 * GIB,
+        True,
+        99_000,
+        0,
+        8,
+    )
     assert line(plain, "padded heads' attention") == tokens * 28 * zero_heads
-    assert memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, 99_000, 0, 3).verdict == \
-        "CANNOT RUN: sp_size 3 must divide the 8 GPUs"
+    assert (
+        memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, 99_000, 0, 3).verdict
+        == "CANNOT RUN: sp_size 3 must divide the 8 GPUs"
+    )
     qwen3 = dataclasses.replace(cfg, model="Qwen/Qwen3-VL-8B-Instruct")
     spec, meas = memory_plan.stored(qwen3.model, "bfloat16")
     qwen3_plan = memory_plan.plan(qwen3, spec, meas, 8, 80 * GIB, True, 99_000, 0, 8)
@@ -337,13 +487,26 @@ def test_lora_trains_only_the_adapters():
     cfg = train.load_config(["--config", path])
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
     prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
-    full = memory_plan.plan(dataclasses.replace(cfg, lora_rank=0), spec, meas, 1, 80 * GIB, True, prompt, patches)
+    full = memory_plan.plan(
+        dataclasses.replace(cfg, lora_rank=0), spec, meas, 1, 80 * GIB, True, prompt, patches
+    )
     assert full.verdict.startswith("DOES NOT FIT")
 
 
-RUN_CONFIGS = sorted(n for n in os.listdir(os.path.join(ROOT, "configs")) if n.endswith(".yaml") and n.split(".")[0]
-                     in ("tiny_cpu", "long_video_cpu", "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen2_5_vl_7b_lora",
-                         "qwen3_vl_8b"))
+RUN_CONFIGS = sorted(
+    n
+    for n in os.listdir(os.path.join(ROOT, "configs"))
+    if n.endswith(".yaml")
+    and n.split(".")[0]
+    in (
+        "tiny_cpu",
+        "long_video_cpu",
+        "qwen2_5_vl_3b",
+        "qwen2_5_vl_7b",
+        "qwen2_5_vl_7b_lora",
+        "qwen3_vl_8b",
+    )
+)
 
 
 # One process runs the command lines one after another, each as `python scripts/memory_plan.py ARGS` runs it (tyro
@@ -371,16 +534,31 @@ def cli_runs_job(tmp_path_factory):
     """scripts/memory_plan.py's command line on each run config, then `--config <7B> <long> --table`, in one process
     (CLI_DRIVER), in conftest's background lane. Returns config name (or "table") -> the finished command."""
     import json
+
     tiny_model_dir()  # the tiny config's model, built before the commands read it
     cmds = {name: ["--config", f"configs/{name}"] for name in RUN_CONFIGS}
     cmds["table"] = ["--config", *LONG, "--table"]
 
     def run():
-        p = subprocess.run([sys.executable, "-c", CLI_DRIVER, os.path.join(ROOT, "scripts/memory_plan.py"),
-                            json.dumps(cmds)], cwd=ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CLI_DRIVER,
+                os.path.join(ROOT, "scripts/memory_plan.py"),
+                json.dumps(cmds),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
         assert p.returncode == 0 and "RESULT" in p.stdout, p.stderr[-3000:]
-        return {k: subprocess.CompletedProcess(cmds[k], *v) for k, v in json.loads(p.stdout.split("RESULT")[1]).items()}
+        return {
+            k: subprocess.CompletedProcess(cmds[k], *v)
+            for k, v in json.loads(p.stdout.split("RESULT")[1]).items()
+        }
+
     return run
 
 
@@ -396,7 +574,12 @@ def test_every_run_config_gets_an_answer(name, cli_runs):
     proc = cli_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = proc.stdout.splitlines()[0], proc.stdout.splitlines()[-1]
-    ranks = {"tiny_cpu.yaml": 2, "long_video_cpu.yaml": 2, "qwen2_5_vl_3b.yaml": 1, "qwen2_5_vl_7b_lora.yaml": 1}
+    ranks = {
+        "tiny_cpu.yaml": 2,
+        "long_video_cpu.yaml": 2,
+        "qwen2_5_vl_3b.yaml": 1,
+        "qwen2_5_vl_7b_lora.yaml": 1,
+    }
     assert f", {ranks.get(name, 8)} " in first, first
     if name.endswith("cpu.yaml"):
         assert last.startswith("CPU config: train phase"), last
@@ -423,14 +606,29 @@ def test_the_long_video_recipes_fit():
     cfg = train.load_config(["--config", *LONG])
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
     prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
-    assert memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, prompt, patches, 2).verdict.startswith("DOES NOT FIT")
+    assert memory_plan.plan(
+        cfg, spec, meas, 8, 80 * GIB, True, prompt, patches, 2
+    ).verdict.startswith("DOES NOT FIT")
     # freeze_vision encodes the 1/8 of all 8 prompts' frames of a rank in one no-grad call: a whole video's patches
-    frozen = memory_plan.plan(dataclasses.replace(cfg, freeze_vision=True), spec, meas, 8, 80 * GIB, True, prompt,
-                              patches, 8)
+    frozen = memory_plan.plan(
+        dataclasses.replace(cfg, freeze_vision=True),
+        spec,
+        meas,
+        8,
+        80 * GIB,
+        True,
+        prompt,
+        patches,
+        8,
+    )
     assert line(frozen, "freeze_vision's encode (8 x 129600") == 8 * 129_600 * 46_530
     trained = memory_plan.plan(cfg, spec, meas, 8, 80 * GIB, True, prompt, patches, 8)
-    states = sum(v for k, v in frozen.held.items() if "activations" not in k and not k.startswith("padded"))
-    assert frozen.train == states + 8 * 129_600 * 46_530 > trained.train  # before the passes: no activations held
+    states = sum(
+        v for k, v in frozen.held.items() if "activations" not in k and not k.startswith("padded")
+    )
+    assert (
+        frozen.train == states + 8 * 129_600 * 46_530 > trained.train
+    )  # before the passes: no activations held
 
 
 def test_the_table_command_runs(cli_runs):
@@ -441,7 +639,12 @@ def test_the_table_command_runs(cli_runs):
     rows = [r.strip("| ").split(" | ") for r in proc.stdout.splitlines()[-5:]]
     assert [r[0] for r in rows] == ["256", "512", "1024", "2048", "3600"]
     assert 128 * 144 < int(rows[0][1].replace(",", "")) < 128 * 144 + 200
-    assert [c.split(" (")[0] for c in rows[-1][2:6]] == ["does not fit", "does not fit", "does not fit", "fits"]
+    assert [c.split(" (")[0] for c in rows[-1][2:6]] == [
+        "does not fit",
+        "does not fit",
+        "does not fit",
+        "fits",
+    ]
 
 
 SETTINGS = ["switches off", "gradient_checkpointing", "freeze_vision"]
@@ -452,13 +655,28 @@ def worker_peaks_job(tmp_path_factory):
     """bench/memory.py's worker in a fresh process per setting, one at a time in conftest's background lane (its peak
     resident set is its own, whatever runs beside it). Returns setting -> the finished process."""
     import memory
+
     tiny_model_dir()
     memory.prepare(memory.Config(size=56))
 
     def run():
-        return {setting: subprocess.run([sys.executable, os.path.join(ROOT, "bench/memory.py"), "--worker", setting,
-                                         "--size", "56"], cwd=ROOT, capture_output=True, text=True)
-                for setting in SETTINGS}
+        return {
+            setting: subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(ROOT, "bench/memory.py"),
+                    "--worker",
+                    setting,
+                    "--size",
+                    "56",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
+            for setting in SETTINGS
+        }
+
     return run
 
 
@@ -473,15 +691,26 @@ def test_plan_predicts_the_tiny_model_peak(setting, worker_peaks):
     """The planner (device cpu, 1 process, measurements of the tiny model's layers) against the peak resident set of the
     train phase that bench/memory.py's worker measures in a fresh process, 256-frame clips: within 20%."""
     import memory
+
     c = memory.Config(size=56)
     proc = worker_peaks[setting]
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     cfg = memory.train_config(c, **memory.SETTINGS[setting])
     spec, meas = memory_plan.stored(cfg.model, "float32")
-    p = memory_plan.plan(cfg, spec, meas, gpus=1, gpu_mem=24 * GIB, cuda=False, prompt=got["prompt"],
-                         patches=got["patches"])
-    predicted = p.train - p.held["parameters (fp32 shards, + reference)"]  # the worker's baseline holds the weights
+    p = memory_plan.plan(
+        cfg,
+        spec,
+        meas,
+        gpus=1,
+        gpu_mem=24 * GIB,
+        cuda=False,
+        prompt=got["prompt"],
+        patches=got["patches"],
+    )
+    predicted = (
+        p.train - p.held["parameters (fp32 shards, + reference)"]
+    )  # the worker's baseline holds the weights
     # within 20% in isolation (0.92 / 0.82-0.88 / 1.00); one full-suite run measured 0.74 for checkpointing: the
     # peak RSS of a ~100 MB phase moves with the allocator, so the bound that cannot flake in CI is 30%
     assert predicted == pytest.approx(got["peak"], rel=0.3), (p.held, p.transient, got)

@@ -11,13 +11,17 @@ This file is also the torchrun worker of the 2-rank test (a run of conftest.shar
 
     torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
 """
+
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+sys.path[:0] = [
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.path.dirname(os.path.abspath(__file__)),
+]
 from conftest import ROOT, SHARED_RUNS, concat_media, free_port, tiny_config  # noqa: E402
 
 import data  # noqa: E402
@@ -37,6 +41,7 @@ LOGP_TOL, STALE = 1e-4, 0.1
 @pytest.fixture(scope="module")
 def setup(tiny_model, synth):
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
     proc = AutoProcessor.from_pretrained(tiny_model)
     model = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).eval()
     cfg = tiny_config()
@@ -59,14 +64,16 @@ def trainer_logp_diff(model, rollouts, tokenizer) -> float:
         logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
     ref = torch.zeros_like(logp)
     for i, r in enumerate(rollouts):
-        ref[i, :len(r.logp)] = torch.tensor(r.logp)
+        ref[i, : len(r.logp)] = torch.tensor(r.logp)
     return ((logp - ref).abs() * b["mask"]).max().item()
 
 
 def test_logp_agree_with_trainer(setup):
     proc, model, prompts, engine = setup
     rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
-    assert len(rollouts) == 16 and all(r.response_ids and len(r.logp) == len(r.response_ids) for r in rollouts)
+    assert len(rollouts) == 16 and all(
+        r.response_ids and len(r.logp) == len(r.response_ids) for r in rollouts
+    )
     banned = vision_token_ids(proc.tokenizer)
     assert not any(t in banned for r in rollouts for t in r.response_ids)
     b = collate(rollouts, proc.tokenizer.pad_token_id, "cpu")
@@ -74,7 +81,7 @@ def test_logp_agree_with_trainer(setup):
         logp, ent = token_logp(model, b, 1.0, banned)
     ref = torch.zeros_like(logp)
     for i, r in enumerate(rollouts):
-        ref[i, :len(r.logp)] = torch.tensor(r.logp)
+        ref[i, : len(r.logp)] = torch.tensor(r.logp)
     diff = ((logp - ref).abs() * b["mask"]).max().item()
     print(f"max |logp_vllm - logp_trainer| = {diff:.2e}")
     assert diff < LOGP_TOL
@@ -86,7 +93,9 @@ def test_hf_engine_matches_vllm_greedy(setup):
     eos = model.generation_config.eos_token_id
     hf = HFEngine(model, proc.tokenizer, eos if isinstance(eos, list) else [eos])
     a = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)
-    b = hf.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)  # one batch: left padding changes nothing
+    b = hf.generate(
+        prompts, n=1, temperature=0.0, max_tokens=10, seed=0
+    )  # one batch: left padding changes nothing
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
 
 
@@ -114,7 +123,9 @@ def test_eight_prompts_by_eight_images(setup, synth):
     samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")][:8]
     prompts = [data.prepare(s, proc, tiny_config()) for s in samples]
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    assert len(prompts) == 8 and 64 * len(prompts[0].prompt_ids) > budget  # the step spans several engine steps
+    assert (
+        len(prompts) == 8 and 64 * len(prompts[0].prompt_ids) > budget
+    )  # the step spans several engine steps
     a = engine.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=3)
     assert len(a) == 64 and all(len(r.logp) == len(r.response_ids) > 0 for r in a)
     assert len({tuple(r.response_ids) for r in a}) > 8  # 64 draws, not one repeated per prompt
@@ -127,8 +138,11 @@ def test_hf_engine_one_batch(setup, synth):
     """An image and a video prompt (different lengths, left-padded) x 3 rows in one generate call: rows come back
     grouped by prompt, their log-probs are the trainer's, and the call's seed alone decides the samples."""
     proc, model, prompts, _ = setup
-    image = data.prepare(next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")), proc,
-                         tiny_config())
+    image = data.prepare(
+        next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")),
+        proc,
+        tiny_config(),
+    )
     mixed = [image, prompts[0]]
     assert len(image.prompt_ids) != len(prompts[0].prompt_ids)
     hf = hf_engine(model, proc.tokenizer)
@@ -136,41 +150,60 @@ def test_hf_engine_one_batch(setup, synth):
     assert [r.prompt for r in a] == [image] * 3 + [prompts[0]] * 3
     # the same fp32 model in the same library: only KV-cache vs full-forward rounding, ~1e-6
     assert trainer_logp_diff(model, a, proc.tokenizer) < 1e-4
-    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=5)] == [r.response_ids for r in a]
-    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=6)] != [r.response_ids for r in a]
+    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=5)] == [
+        r.response_ids for r in a
+    ]
+    assert [r.response_ids for r in hf.generate(mixed, 3, 1.0, 6, seed=6)] != [
+        r.response_ids for r in a
+    ]
 
 
 def test_hf_engine_encodes_each_prompt_once(setup, synth):
     """Issue 21: the vision tower sees each distinct prompt's media once, not once per row, and sampling is unchanged:
     the same tokens and log-probs as transformers' generate handed every row's pixels (the engine before)."""
     proc, model, prompts, _ = setup
-    image = data.prepare(next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")), proc,
-                         tiny_config())
+    image = data.prepare(
+        next(s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")),
+        proc,
+        tiny_config(),
+    )
     mixed, n, tok = [image, prompts[0], prompts[1]], 4, proc.tokenizer
     hf = hf_engine(model, tok)
     seen = []  # (pixel rows, media items) per tower call
     hook = model.model.visual.register_forward_hook(
-        lambda mod, args, kwargs, out: seen.append((len(args[0]), len(kwargs["grid_thw"]))), with_kwargs=True)
+        lambda mod, args, kwargs, out: seen.append((len(args[0]), len(kwargs["grid_thw"]))),
+        with_kwargs=True,
+    )
     try:
         got = hf.generate(mixed, n, 1.0, 6, seed=7)
     finally:
         hook.remove()
     # one call per modality, over one copy of each prompt's media (not n copies)
-    assert sorted(seen) == sorted([(len(image.mm["pixel_values"]), 1),
-                                   (sum(len(p.mm["pixel_values_videos"]) for p in mixed[1:]), 2)])
+    assert sorted(seen) == sorted(
+        [
+            (len(image.mm["pixel_values"]), 1),
+            (sum(len(p.mm["pixel_values_videos"]) for p in mixed[1:]), 2),
+        ]
+    )
     # before: every row's pixels to generate, which encodes them all (left padding, same seed, same config)
     rows = [p for p in mixed for _ in range(n)]
     P = max(len(r.prompt_ids) for r in rows)
     ids = torch.tensor([[tok.pad_token_id] * (P - len(r.prompt_ids)) + r.prompt_ids for r in rows])
-    attn = (torch.arange(P)[None] >= torch.tensor([P - len(r.prompt_ids) for r in rows])[:, None]).long()
+    attn = (
+        torch.arange(P)[None] >= torch.tensor([P - len(r.prompt_ids) for r in rows])[:, None]
+    ).long()
     torch.manual_seed(request_seed(7, 0))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attn, **concat_media(rows),
-                             position_ids=sp.mrope_positions(ids, attn, data.grids(rows, "cpu"), model.config),
-                             generation_config=hf.config(1.0, 6))
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            **concat_media(rows),
+            position_ids=sp.mrope_positions(ids, attn, data.grids(rows, "cpu"), model.config),
+            generation_config=hf.config(1.0, 6),
+        )
     for i, r in enumerate(got):
         k = len(r.response_ids)
-        assert r.response_ids == out.sequences[i, P:P + k].tolist()
+        assert r.response_ids == out.sequences[i, P : P + k].tolist()
         logits = torch.stack([step[i] for step in out.logits[:k]]).float()
         logits[:, hf.banned] = float("-inf")
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.response_ids)[:, None])[:, 0]
@@ -192,17 +225,29 @@ def qwen2(synth):
     model, 2 video prompts and an image prompt, and an engine of its own."""
     import make_tiny_model
     from transformers import AutoModelForImageTextToText, AutoProcessor
+
     d = make_tiny_model.ensure("qwen2_vl", root=os.path.join(ROOT, ".cache/models"))
     proc = AutoProcessor.from_pretrained(d)
     model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
     samples = data.load_samples(f"{synth}/train.jsonl")
-    picked = [s for s in samples if s.get("videos")][:2] + [next(s for s in samples if s.get("images"))]
+    picked = [s for s in samples if s.get("videos")][:2] + [
+        next(s for s in samples if s.get("images"))
+    ]
     # 8 frames, 4 frame pairs: the text after the video follows the last pair's time position, past its rows/columns
     prompts = [data.prepare(s, proc, tiny_config(model=d)) for s in picked]
-    assert prompts[0].mm["video_grid_thw"][0].tolist() == [4, 4, 4] and "second_per_grid_ts" not in prompts[0].mm
+    assert (
+        prompts[0].mm["video_grid_thw"][0].tolist() == [4, 4, 4]
+        and "second_per_grid_ts" not in prompts[0].mm
+    )
     # a second engine in this process (the module's `setup` has one) takes vLLM's external-launcher path, which reads
     # torchrun's variables once, at start: a world of one
-    world = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    world = dict(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     with pytest.MonkeyPatch.context() as mp:
         for k, v in world.items():
             mp.setenv(k, v)
@@ -240,7 +285,9 @@ def test_qwen2_vl_samplers_agree_with_trainer(qwen2):
 
 def vllm_weights(worker) -> dict:
     """vLLM's weights as it holds them; on CPU most linear layers keep only a packed oneDNN copy (an empty .weight)."""
-    return {n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if p.numel()}
+    return {
+        n: p.detach().clone() for n, p in worker.model_runner.model.named_parameters() if p.numel()
+    }
 
 
 def hf_name(name: str) -> str:
@@ -248,7 +295,10 @@ def hf_name(name: str) -> str:
     return ".".join(x for x in name.split(".") if x not in ("model", "language_model"))
 
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: concatenated
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}  # vLLM: concatenated
 
 
 def worker(model_dir: str, data_path: str):
@@ -256,30 +306,45 @@ def worker(model_dir: str, data_path: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from transformers import AutoProcessor
+
     rank, world, device = train.init_dist()
     # uneven shards (5 and 7 rows), an empty one (1 row), two dtypes, a plain tensor; budgets of 1 byte (every tensor
     # a bucket of its own) and 1 MB (consecutive float32 tensors share one collective)
-    full = {"a": torch.arange(15.0).reshape(5, 3), "b": torch.arange(4.0)[None], "c": torch.arange(6.0).reshape(3, 2),
-            "d": torch.arange(14, dtype=torch.float64).reshape(7, 2), "plain": torch.ones(2)}
+    full = {
+        "a": torch.arange(15.0).reshape(5, 3),
+        "b": torch.arange(4.0)[None],
+        "c": torch.arange(6.0).reshape(3, 2),
+        "d": torch.arange(14, dtype=torch.float64).reshape(7, 2),
+        "plain": torch.ones(2),
+    }
     mesh = init_device_mesh(device.type, (world,))
-    sharded = {k: v if k == "plain" else distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    sharded = {
+        k: v if k == "plain" else distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()
+    }
     assert sharded["b"].to_local().shape == ((1, 4), (0, 4))[rank]
     for bucket_bytes in (1, 2**20):
         got = list(full_tensors(sharded, bucket_bytes))
-        assert [k for k, _ in got] == list(full) and all(torch.equal(v, full[k]) for k, v in got), bucket_bytes
+        assert [k for k, _ in got] == list(full) and all(torch.equal(v, full[k]) for k, v in got), (
+            bucket_bytes
+        )
     cfg = tiny_config(model=model_dir)
     proc = AutoProcessor.from_pretrained(model_dir)
     tok = proc.tokenizer
     model = train.load_model(cfg, device)
     torch.manual_seed(rank)
-    with torch.no_grad():  # "trained" weights, not the checkpoint vLLM loaded; 0.01: noise of 0.05 sharpens the
+    with (
+        torch.no_grad()
+    ):  # "trained" weights, not the checkpoint vLLM loaded; 0.01: noise of 0.05 sharpens the
         # policy so much that the two engines' fp32 kernels disagree by 0.06 (kernel noise grows with the logits)
         for p in model.parameters():
             p.to_local().add_(0.01 * torch.randn_like(p.to_local()))
-    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    state = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
     assert all(torch.equal(v, state[k]) for k, v in full_tensors(model.state_dict()))
     engine = VLLMEngine(model_dir, tok, max_model_len=1024, dtype="float32")
-    samples = [s for s in data.load_samples(data_path) if s.get("videos")][2 * rank:2 * rank + 2]
+    samples = [s for s in data.load_samples(data_path) if s.get("videos")][2 * rank : 2 * rank + 2]
     prompts = [data.prepare(s, proc, cfg) for s in samples]
     dummies = data.dummy_prompts(proc)
 
@@ -290,7 +355,7 @@ def worker(model_dir: str, data_path: str):
             logp = token_logp(model, b, 1.0, vision_token_ids(tok))[0]
         ref = torch.zeros_like(logp)
         for i, r in enumerate(rollouts):
-            ref[i, :len(r.logp)] = torch.tensor(r.logp)
+            ref[i, : len(r.logp)] = torch.tensor(r.logp)
         return ((logp - ref).abs() * b["mask"]).max().item()
 
     before = logp_diff()
@@ -302,9 +367,11 @@ def worker(model_dir: str, data_path: str):
         fused = [name.replace(f, part) for f, parts in FUSED.items() if f in name for part in parts]
         expect = torch.cat([by_name[hf_name(x)] for x in fused or [name]])
         # vLLM pads the vocabulary rows (452 -> 512 here): compare the real rows
-        assert torch.equal(v.flatten()[:expect.numel()], expect.flatten()), name
+        assert torch.equal(v.flatten()[: expect.numel()], expect.flatten()), name
     assert before > STALE and after < LOGP_TOL, (before, after)
-    print(f"SYNC OK rank {rank}: {len(held)} vLLM weights equal; |dlogp| {before:.3f} before sync, {after:.1e} after")
+    print(
+        f"SYNC OK rank {rank}: {len(held)} vLLM weights equal; |dlogp| {before:.3f} before sync, {after:.1e} after"
+    )
 
 
 if __name__ == "__main__":

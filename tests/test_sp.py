@@ -10,13 +10,17 @@ with sp_train's train.py runs).
 
     .venv/bin/python -m pytest -q tests/test_sp.py
 """
+
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+sys.path[:0] = [
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.path.dirname(os.path.abspath(__file__)),
+]
 import data  # noqa: E402
 import train  # noqa: E402
 from conftest import ROOT, background, lane_result, synth_dir, tiny_config  # noqa: E402
@@ -26,12 +30,17 @@ TEMPERATURE, CHUNK = 0.7, 3
 # all rows; image+video x 2 and text (the video split mid-way over 2 ranks); image+video alone (twice, for dp 2): no
 # padding, so no mask, the kernel's causal mode
 BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # one sp2 launch runs them all: ~10 CPU s of startup shared
+ARCHS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+)  # one sp2 launch runs them all: ~10 CPU s of startup shared
 
 
 def model_dir(name: str) -> str:
     """name: an arch, or arch-variant (make_tiny_model.VARIANTS: "qwen3_vl-wide")."""
     import make_tiny_model
+
     arch, _, variant = name.partition("-")
     return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"), variant=variant)
 
@@ -42,34 +51,72 @@ def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = 
     (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_rollouts leaves each
     rank its run of every prompt's pixel rows, as in train.sample_batch."""
     import sp
+
     samples = data.load_samples(data_path)
     video = next(s for s in samples if s.get("videos"))
     image = next(s for s in samples if s.get("images"))
     both = dict(video, id="both", images=image["images"], data_type="video")
     text = dict(video, id="text", videos=[], data_type="text")
-    samples, (r, n) = (video, image, both, text), (layout.sp_rank, layout.sp_size) if layout else (0, 1)
-    order = [k for q in range(n) for k in range(q, 4, n)]  # rank q prepares prompts q, q + n, ...: Layout.share's
-    prompts = [data.prepare(samples[k], processor, cfg, stats) if k % n == r else None for k in order]
+    samples, (r, n) = (
+        (video, image, both, text),
+        (layout.sp_rank, layout.sp_size) if layout else (0, 1),
+    )
+    order = [
+        k for q in range(n) for k in range(q, 4, n)
+    ]  # rank q prepares prompts q, q + n, ...: Layout.share's
+    prompts = [
+        data.prepare(samples[k], processor, cfg, stats) if k % n == r else None for k in order
+    ]
     if n > 1:  # a rollout of each prompt prepared here, to the SP group
         own = [Rollout(p, [], None, "", "stop") for p in prompts if p is not None]
-        prompts = [x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]]
+        prompts = [
+            x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]
+        ]
     prompts = [prompts[order.index(k)] for k in range(4)]
-    longest = 5 - max(len(p.prompt_ids) for p in prompts) % 2  # 4 or 5 response tokens: an odd total
-    responses = [[30, 31, 32], [40], [50, 51], list(range(60, 60 + longest)), [70, 71], [], [80, 81]]
-    return [Rollout(prompts[k], ids, None, "", "stop") for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)]
+    longest = (
+        5 - max(len(p.prompt_ids) for p in prompts) % 2
+    )  # 4 or 5 response tokens: an odd total
+    responses = [
+        [30, 31, 32],
+        [40],
+        [50, 51],
+        list(range(60, 60 + longest)),
+        [70, 71],
+        [],
+        [80, 81],
+    ]
+    return [
+        Rollout(prompts[k], ids, None, "", "stop")
+        for k, ids in zip([0, 0, 1, 1, 2, 2, 3], responses)
+    ]
 
 
-def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = False, device: str = "cpu",
-        kernel: str = "") -> dict:
+def run(
+    arch: str,
+    data_path: str,
+    sp_size: int,
+    layout,
+    checkpointing: bool = False,
+    device: str = "cpu",
+    kernel: str = "",
+) -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
     kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn)."""
     import sp
     from transformers import AutoProcessor
+
     d = model_dir(arch)
-    cfg = tiny_config(model=d, sp_size=sp_size, temperature=TEMPERATURE, logp_chunk=CHUNK, entropy_coef=0.1,
-                      loss_agg="seq-mean-token-mean", gradient_checkpointing=checkpointing)
+    cfg = tiny_config(
+        model=d,
+        sp_size=sp_size,
+        temperature=TEMPERATURE,
+        logp_chunk=CHUNK,
+        entropy_coef=0.1,
+        loss_agg="seq-mean-token-mean",
+        gradient_checkpointing=checkpointing,
+    )
     processor = AutoProcessor.from_pretrained(d)
     tok = processor.tokenizer
     banned = vision_token_ids(tok)
@@ -84,37 +131,61 @@ def run(arch: str, data_path: str, sp_size: int, layout, checkpointing: bool = F
     dummies = data.dummy_prompts(processor) if world > 1 else None
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout else (0, 1)
     prompts = list({id(r.prompt): r.prompt for r in rows}.values())
-    out = {"decodes": torch.tensor(stats["decode"])} | {  # each rank's own pixel rows (the reference: all)
-        pixels: torch.cat([p.mm[pixels] for p in prompts if pixels in p.mm]) for _, pixels, _ in sp.MEDIA}
+    out = {
+        "decodes": torch.tensor(stats["decode"])
+    } | {  # each rank's own pixel rows (the reference: all)
+        pixels: torch.cat([p.mm[pixels] for p in prompts if pixels in p.mm])
+        for _, pixels, _ in sp.MEDIA
+    }
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
         b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
         with torch.no_grad():
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
         b["encodes"] = 0
-        b["adv"] = (0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0).expand_as(b["mask"])
-        n_tok, n_seq = (n / sp_size for n in train.global_counts([b]))  # as train.main: each row once
+        b["adv"] = (
+            0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
+        ).expand_as(b["mask"])
+        n_tok, n_seq = (
+            n / sp_size for n in train.global_counts([b])
+        )  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
-        out.update({f"logp{k}": logp * b["mask"], f"ent{k}": ent * b["mask"], f"index{k}": torch.tensor(index),
-                    f"encodes{k}": torch.tensor(b["encodes"]), f"length{k}": torch.tensor(b["input_ids"].shape[1]),
-                    f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64)})
+        out.update(
+            {
+                f"logp{k}": logp * b["mask"],
+                f"ent{k}": ent * b["mask"],
+                f"index{k}": torch.tensor(index),
+                f"encodes{k}": torch.tensor(b["encodes"]),
+                f"length{k}": torch.tensor(b["input_ids"].shape[1]),
+                f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64),
+            }
+        )
     for n, p in model.named_parameters():  # full_tensor is a collective: every rank calls it
-        out["grad." + n] = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).contiguous()
+        out["grad." + n] = (
+            p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        ).contiguous()
     return out
 
 
 def exchange_sizes(rank: int, world: int) -> tuple[list[int], list[int]]:
     """all_to_all's uneven test split: rank r sends 1 + (r + 2j) % 3 rows to rank j (and receives what j sends it)."""
-    return [1 + (rank + 2 * j) % 3 for j in range(world)], [1 + (j + 2 * rank) % 3 for j in range(world)]
+    return [1 + (rank + 2 * j) % 3 for j in range(world)], [
+        1 + (j + 2 * rank) % 3 for j in range(world)
+    ]
 
 
 def exchange_grad(rank: int, world: int, group) -> torch.Tensor:
     """d/dx of sum_r <sp.AllToAll(x_r), w_r>, summed over the ranks, for this rank's x (float64, seeded by rank)."""
     import sp
+
     send, recv = exchange_sizes(rank, world)
-    x = torch.randn(sum(send), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    w = torch.randn(sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + rank))
+    x = torch.randn(
+        sum(send), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
+    )
+    w = torch.randn(
+        sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + rank)
+    )
     x.requires_grad_(True)
     (sp.AllToAll.apply(x, group, send, recv) * w).sum().backward()
     return x.grad
@@ -125,16 +196,22 @@ def worker(out_dir: str, data_path: str, sp_size: str, mode: str, *archs: str):
     from safetensors.torch import save_file
 
     import sp
+
     rank, world, device = train.init_dist()
     layout = sp.make_layout(int(sp_size))
     if not mode.startswith("cuda-"):
-        save_file({"grad": exchange_grad(rank, world, None)}, os.path.join(out_dir, f"exchange.rank{rank}.safetensors"))
+        save_file(
+            {"grad": exchange_grad(rank, world, None)},
+            os.path.join(out_dir, f"exchange.rank{rank}.safetensors"),
+        )
     for arch in archs:
         if mode.startswith("cuda-"):
             kernel = mode.removeprefix("cuda-")
             result = run(arch, data_path, int(sp_size), layout, device=str(device), kernel=kernel)
             plain = run(arch, data_path, 1, None, device=str(device), kernel=kernel)
-            result = {k: v.cpu() for k, v in result.items()} | {f"plain.{k}": v.cpu() for k, v in plain.items()}
+            result = {k: v.cpu() for k, v in result.items()} | {
+                f"plain.{k}": v.cpu() for k, v in plain.items()
+            }
         else:
             result = run(arch, data_path, int(sp_size), layout, mode == "ckpt")
         save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
@@ -150,9 +227,12 @@ def reference(synth):
 # The SP configurations, fixture -> (ranks, sp_size, mode, checkpoints): the worker's arguments. They run in
 # conftest's background lane, those of one world size in one torchrun launch (tests/train_worker.py: torchrun's start
 # and every rank's imports, ~7 CPU s a rank, paid once); each fixture returns its folder (every rank's safetensors)
-CONFIGS = {"sp2_ranks": (2, "2", "-", *ARCHS), "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
-           "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
-           "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide")}
+CONFIGS = {
+    "sp2_ranks": (2, "2", "-", *ARCHS),
+    "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
+    "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
+    "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide"),
+}
 
 
 def worker_run(out, name: str) -> list[str]:
@@ -162,21 +242,32 @@ def worker_run(out, name: str) -> list[str]:
     for arch in archs:
         model_dir(arch)
     (out / name).mkdir()
-    return ["tests/test_sp.py", str(out / name), os.path.join(synth_dir(), "train.jsonl"), sp_size, mode, *archs]
+    return [
+        "tests/test_sp.py",
+        str(out / name),
+        os.path.join(synth_dir(), "train.jsonl"),
+        sp_size,
+        mode,
+        *archs,
+    ]
 
 
 def sp_launch(job: str, names: tuple):
     """The background job `job`: the configurations `names` (of one world size) in one launch. Returns (its folder,
     train_worker.Launch)."""
+
     @background(job)
     def prepare(tmp_path_factory):
         from train_worker import start
+
         out = tmp_path_factory.mktemp(job)
         runs = [worker_run(out, name) for name in names]
 
         def launch():
             return out, start(runs, nproc=CONFIGS[names[0]][0], timeout=600)
+
         return launch
+
     return prepare
 
 
@@ -186,15 +277,19 @@ sp_launch("launch_4_ranks", ("dp2_sp2_ranks", "sp4_wide_ranks"))
 
 def config_fixture(name: str, job: str, k: int):
     """The fixture `name`: the folder of run k of the background job `job` (its failure: that run's output)."""
+
     @pytest.fixture(scope="module", name=name)
     def fixture(tmp_path_factory):
         out, result = lane_result(job, tmp_path_factory)
         result.log(k)
         return out / name
+
     return fixture
 
 
-sp2_ranks = config_fixture("sp2_ranks", "launch_2_ranks", 0)  # with train.py's runs: two_rank_launch
+sp2_ranks = config_fixture(
+    "sp2_ranks", "launch_2_ranks", 0
+)  # with train.py's runs: two_rank_launch
 dp2_sp2_ranks = config_fixture("dp2_sp2_ranks", "launch_4_ranks", 0)
 sp4_wide_ranks = config_fixture("sp4_wide_ranks", "launch_4_ranks", 1)
 sp3_wide_ranks = config_fixture("sp3_wide_ranks", "launch_3_ranks", 0)
@@ -203,17 +298,23 @@ sp3_wide_ranks = config_fixture("sp3_wide_ranks", "launch_3_ranks", 0)
 def check_against(ref: dict, got: list[dict], sp_size: int):
     """Every rank's log-probs/entropy equal the reference rows (fp32, 1e-5); the losses of one rank per SP group add
     up to the reference loss; rank 0's gradients equal the reference."""
-    assert ref["length0"] % 2 == 1  # the first batch's sequence is odd: it does not split evenly over 2 ranks
+    assert (
+        ref["length0"] % 2 == 1
+    )  # the first batch's sequence is odd: it does not split evenly over 2 ranks
     for k in range(len(BATCHES)):
-        torch.testing.assert_close(sum(part[f"loss{k}"] for part in got[::sp_size]), ref[f"loss{k}"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            sum(part[f"loss{k}"] for part in got[::sp_size]), ref[f"loss{k}"], rtol=1e-6, atol=0
+        )
         for part in got:
             rows = [BATCHES[k].index(i) for i in part[f"index{k}"].tolist()]
             for key in (f"logp{k}", f"ent{k}"):
-                want = ref[key][rows][:, :part[key].shape[1]]
+                want = ref[key][rows][:, : part[key].shape[1]]
                 torch.testing.assert_close(part[key], want, rtol=0, atol=1e-5)
     grads = {n: t for n, t in ref.items() if n.startswith("grad.")}
     assert grads.keys() == {n for n in got[0] if n.startswith("grad.")}
-    assert any(n.startswith("grad.model.visual.blocks") and g.abs().sum() > 0 for n, g in grads.items())
+    assert any(
+        n.startswith("grad.model.visual.blocks") and g.abs().sum() > 0 for n, g in grads.items()
+    )
     for n, g in grads.items():
         torch.testing.assert_close(got[0][n], g, rtol=1e-5, atol=1e-5 * g.abs().max().item(), msg=n)
 
@@ -229,20 +330,30 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
     from transformers import AutoProcessor
 
     import sp
+
     for arch, ref in reference.items():
         got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
         check_against(ref, got, 2)
         # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
         assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
-        rows = make_rows(AutoProcessor.from_pretrained(model_dir(arch)), tiny_config(model=model_dir(arch)),
-                         os.path.join(synth, "train.jsonl"))
+        rows = make_rows(
+            AutoProcessor.from_pretrained(model_dir(arch)),
+            tiny_config(model=model_dir(arch)),
+            os.path.join(synth, "train.jsonl"),
+        )
         prompts = list({id(x.prompt): x.prompt for x in rows}.values())
         for _, pixels, grid in sp.MEDIA:
             assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
             for r, part in enumerate(got):
-                assert torch.equal(part[pixels], torch.cat([sp.run_rows(p, pixels, grid, r, 2) for p in prompts
-                                                            if pixels in p.mm]))
-        assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
+                assert torch.equal(
+                    part[pixels],
+                    torch.cat(
+                        [sp.run_rows(p, pixels, grid, r, 2) for p in prompts if pixels in p.mm]
+                    ),
+                )
+        assert (
+            ref["encodes0"] == 4 and ref["encodes1"] == 2
+        )  # one process: 2 images + 2 videos; 1 + 1
         assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 2], [4, 2]]
 
 
@@ -253,43 +364,64 @@ def test_dp2_sp2_matches_one_process(dp2_sp2_ranks, reference):
     rows; the pair's log-probs equal the reference rows and the gradient equals one process over all rows (Qwen3-VL:
     deepstack features sliced to the shards; the recomputed attention is Ulysses again)."""
     from safetensors.torch import load_file
+
     got = [load_file(dp2_sp2_ranks / f"qwen3_vl.rank{r}.safetensors") for r in range(4)]
     check_against(reference["qwen3_vl"], got, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", [pytest.param("sp3_wide_ranks", marks=pytest.mark.lane("launch_3_ranks")),
-                                    pytest.param("sp4_wide_ranks", marks=pytest.mark.lane("launch_4_ranks"))],
-                         ids=["3", "4"])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param("sp3_wide_ranks", marks=pytest.mark.lane("launch_3_ranks")),
+        pytest.param("sp4_wide_ranks", marks=pytest.mark.lane("launch_4_ranks")),
+    ],
+    ids=["3", "4"],
+)
 def test_sp_size_not_dividing_the_heads(request, synth, launch):
     """6 query / 2 KV heads (the wide tiny checkpoints; Qwen2.5-VL with several vision windows per frame) on sp_size
     ranks vs one process: sp 3 repeats each KV head 3 times, sp 4 pads the 6 heads to 8 with zero heads (and repeats
     every KV head to its query heads). Log-probs, entropy, losses and every gradient as test_sp2's; the exchange's
     own gradient (sp.AllToAll, uneven splits) equals its one-process adjoint."""
     from safetensors.torch import load_file
+
     sp_size, _, _, *names = CONFIGS[launch]
     tmp_path = request.getfixturevalue(launch)
     for name in names:
         ref = run(name, os.path.join(synth, "train.jsonl"), 1, None)
-        check_against(ref, [load_file(tmp_path / f"{name}.rank{r}.safetensors") for r in range(sp_size)], sp_size)
+        check_against(
+            ref,
+            [load_file(tmp_path / f"{name}.rank{r}.safetensors") for r in range(sp_size)],
+            sp_size,
+        )
     # one process: rank r's rows [sum(send[:j]), + send[j]) land in rank j's y at rank j's recv offset for r
     sizes = [exchange_sizes(r, sp_size) for r in range(sp_size)]
-    w = [torch.randn(sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + r))
-         for r, (_, recv) in enumerate(sizes)]
+    w = [
+        torch.randn(
+            sum(recv), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + r)
+        )
+        for r, (_, recv) in enumerate(sizes)
+    ]
     for r, (send, _) in enumerate(sizes):
-        want = torch.cat([w[j][sum(sizes[j][1][:r]):][:send[j]] for j in range(sp_size)])
-        torch.testing.assert_close(load_file(tmp_path / f"exchange.rank{r}.safetensors")["grad"], want, rtol=0, atol=0)
+        want = torch.cat([w[j][sum(sizes[j][1][:r]) :][: send[j]] for j in range(sp_size)])
+        torch.testing.assert_close(
+            load_file(tmp_path / f"exchange.rank{r}.safetensors")["grad"], want, rtol=0, atol=0
+        )
 
 
 def test_config_errors(tiny_model):
     """The world must be a multiple of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before
     any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
-    train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4)  # dp 2 x sp 2: fine
+    train.check_config(
+        tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4
+    )  # dp 2 x sp 2: fine
     train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
     with pytest.raises(ValueError, match=r"world size 3 % sp_size 2"):
         train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=3), world=3)
     with pytest.raises(ValueError, match="rollout_tp 1 or sp_size"):
-        train.check_config(tiny_config(model=tiny_model, sp_size=2, rollout_tp=4, prompts_per_step=4), world=4)
+        train.check_config(
+            tiny_config(model=tiny_model, sp_size=2, rollout_tp=4, prompts_per_step=4), world=4
+        )
     with pytest.raises(ValueError, match="sp_size must be > 0"):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
@@ -301,17 +433,51 @@ def two_rank_launch(tmp_path_factory):
     (and freeze_vision: features once per step) for a third (the launch's one vLLM engine, last). Returns (its
     folder, train_worker.Launch)."""
     from train_worker import start
+
     tmp_path = tmp_path_factory.mktemp("launch_2_ranks")
-    args = ["--config", "configs/tiny_cpu.yaml", "--model", model_dir("qwen2_5_vl"), "--train-data",
-            os.path.join(synth_dir(), "train.jsonl"), "--val-data", "", "--out-dir", str(tmp_path / "run"),
-            "--group-size", "2", "--prompts-per-step", "2", "--no-save", "--cache-dir", "", "--sp-size", "2",
-            "--save-every", "1", "--dist-timeout", "120"]
-    runs = (["--max-steps", "2", "--rollout", "hf"],
-            ["--max-steps", "3", "--rollout", "vllm", "--resume", "auto", "--freeze-vision", "--allow-config-change"])
+    args = [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--model",
+        model_dir("qwen2_5_vl"),
+        "--train-data",
+        os.path.join(synth_dir(), "train.jsonl"),
+        "--val-data",
+        "",
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--no-save",
+        "--cache-dir",
+        "",
+        "--sp-size",
+        "2",
+        "--save-every",
+        "1",
+        "--dist-timeout",
+        "120",
+    ]
+    runs = (
+        ["--max-steps", "2", "--rollout", "hf"],
+        [
+            "--max-steps",
+            "3",
+            "--rollout",
+            "vllm",
+            "--resume",
+            "auto",
+            "--freeze-vision",
+            "--allow-config-change",
+        ],
+    )
     sp2 = worker_run(tmp_path, "sp2_ranks")
 
     def run():
         return tmp_path, start([sp2] + [args + extra for extra in runs])
+
     return run
 
 
@@ -322,38 +488,55 @@ def test_train_run_and_resume(tmp_path_factory):
     and decodes each of their videos once (by the rank that generates its prompt; each rank did before)."""
     import json
     import math
+
     tmp_path, result = lane_result("launch_2_ranks", tmp_path_factory)
     logs = [result.log(k) for k in (1, 2)]
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    videos = {s["id"]: len(s.get("videos", [])) for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl"))}
+    videos = {
+        s["id"]: len(s.get("videos", []))
+        for s in data.load_samples(os.path.join(synth_dir(), "train.jsonl"))
+    }
     assert sum(videos[i] for r in rows for i in r["data/ids"]) > 0
     for r in rows:
-        assert r["cache/decode"] == sum(videos[i] for i in r["data/ids"])  # no cache: a load is a decode
+        assert r["cache/decode"] == sum(
+            videos[i] for i in r["data/ids"]
+        )  # no cache: a load is a decode
         assert math.isfinite(r["loss"]) and len(r["data/ids"]) == len(set(r["data/ids"])) == 2
-        assert r["vision/encodes"] >= 4  # per rank at least one piece of each modality (a dummy where none)
-        assert r["mismatch/mean"] < 1e-2  # the sampler's log-probs vs the SP trainer's, on the same tokens
+        assert (
+            r["vision/encodes"] >= 4
+        )  # per rank at least one piece of each modality (a dummy where none)
+        assert (
+            r["mismatch/mean"] < 1e-2
+        )  # the sampler's log-probs vs the SP trainer's, on the same tokens
 
 
 if __name__ == "__main__":
     worker(*sys.argv[1:])
 
 
-@pytest.mark.parametrize("world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)])
+@pytest.mark.parametrize(
+    "world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)]
+)
 def test_layout_shares(world, sp_size, tp):
     """Layout's rank arithmetic over a whole world: rank r's own part is items[r::world] inside its TP group's list,
     which is the same on the group's ranks; an item is prepared by the TP group (consecutive ranks) that generates it;
     dedup keeps one rank per SP group."""
     import sp
+
     items = list(range(23))
     dp = world // sp_size
-    layouts = [sp.Layout(None, r % sp_size, sp_size, r // sp_size, dp, tp, r, world) for r in range(world)]
+    layouts = [
+        sp.Layout(None, r % sp_size, sp_size, r // sp_size, dp, tp, r, world) for r in range(world)
+    ]
     for r, x in enumerate(layouts):
         share, start, k = x.share(items, tp)
-        assert share[start:start + k] == items[r::world]
+        assert share[start : start + k] == items[r::world]
         assert share == layouts[r - r % tp].share(items, tp)[0]
-        assert sorted(share) == sorted(i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world])
+        assert sorted(share) == sorted(
+            i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world]
+        )
         assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
     for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]

@@ -3,6 +3,7 @@ disjoint train/val, idempotence, the CLI.
 
     .venv/bin/python -m pytest -q tests/test_synthetic_data.py
 """
+
 import hashlib
 import json
 import os
@@ -56,8 +57,11 @@ def read(out, split):
 
 
 def media_digests(out, split):
-    return [hashlib.sha1(open(os.path.join(out, m), "rb").read()).hexdigest()
-            for r in rows(out, split) for m in r.get("videos", []) + r.get("images", [])]
+    return [
+        hashlib.sha1(open(os.path.join(out, m), "rb").read()).hexdigest()
+        for r in rows(out, split)
+        for m in r.get("videos", []) + r.get("images", [])
+    ]
 
 
 def test_schema_and_files(data):
@@ -71,19 +75,33 @@ def test_schema_and_files(data):
             for k in ("id", "problem", "answer", "data_type", "problem_type", "offline_output"):
                 assert isinstance(r[k], str) and r[k], (r["id"], k)
             media = "images" if r["data_type"] == "image" else "videos"
-            assert r["data_type"] == msd.TASKS[task][2] and ({"videos", "images"} - {media}).isdisjoint(r)
-            assert isinstance(r[media], list) and len(r[media]) == 1 and not os.path.isabs(r[media][0])
+            assert r["data_type"] == msd.TASKS[task][2] and (
+                {"videos", "images"} - {media}
+            ).isdisjoint(r)
+            assert (
+                isinstance(r[media], list) and len(r[media]) == 1 and not os.path.isabs(r[media][0])
+            )
             assert os.path.isfile(os.path.join(data, r[media][0]))
             if r["problem_type"] == "multiple choice":
-                assert r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS) and r["answer"] in "ABCD"
+                assert (
+                    r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS) and r["answer"] in "ABCD"
+                )
             else:
                 assert "options" not in r
             # the curated trajectory is a correct, well-formed answer under the project's own verifier
             rewards.validate_answer(r)
             assert rewards.compute_reward(r["offline_output"], r)[1]["accuracy"] == 1.0, r["id"]
-    for task in ("color", "direction", "count", "image_color"):  # balanced classes: 8 train samples, 4 classes
+    for task in (
+        "color",
+        "direction",
+        "count",
+        "image_color",
+    ):  # balanced classes: 8 train samples, 4 classes
         answers = [r["answer"] for r in rows(data, "train", task)]
-        assert sorted(answers) == sorted(("ABCD" if task != "count" else "1234") * 2), (task, answers)
+        assert sorted(answers) == sorted(("ABCD" if task != "count" else "1234") * 2), (
+            task,
+            answers,
+        )
 
 
 def test_media_decode(data):
@@ -100,14 +118,19 @@ def test_media_decode(data):
 def test_color_is_in_the_pixels(data):
     for split in ("train", "val"):
         for r in rows(data, split, "color") + rows(data, split, "image_color"):
-            frames = (decode(data, r)[1] if r["data_type"] == "video"
-                      else np.asarray(Image.open(os.path.join(data, r["images"][0])), int)[None])
+            frames = (
+                decode(data, r)[1]
+                if r["data_type"] == "video"
+                else np.asarray(Image.open(os.path.join(data, r["images"][0])), int)[None]
+            )
             want = "ABCD".index(r["answer"])
             for f in frames:
-                assert np.linalg.norm(NOMINAL - f.reshape(-1, 3).mean(0), axis=1).argmin() == want, r["id"]
+                assert (
+                    np.linalg.norm(NOMINAL - f.reshape(-1, 3).mean(0), axis=1).argmin() == want
+                ), r["id"]
                 # yuv420p shifts colors a little; the 4 classes stay far apart (nominal pairwise distance >= 190)
                 assert np.abs(np.median(f.reshape(-1, 3), 0) - NOMINAL[want]).max() <= 12, r["id"]
-    assert min(np.linalg.norm(a - b) for i, a in enumerate(NOMINAL) for b in NOMINAL[i + 1:]) > 150
+    assert min(np.linalg.norm(a - b) for i, a in enumerate(NOMINAL) for b in NOMINAL[i + 1 :]) > 150
 
 
 def test_direction_is_in_the_pixels(data):
@@ -115,9 +138,13 @@ def test_direction_is_in_the_pixels(data):
         _, fr = decode(data, r)
         (y0, x0), (y1, x1) = (np.argwhere(shape_mask(f)).mean(0) for f in (fr[0], fr[-1]))
         dy, dx = y1 - y0, x1 - x0
-        moved = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+        moved = (
+            ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+        )
         assert "ABCD"[msd.DIRS.index(moved)] == r["answer"], (r["id"], dy, dx)
-        assert max(abs(dx), abs(dy)) >= S / 4 and shape_mask(fr[0]).sum() >= (S / 3) ** 2  # big, clearly moving
+        assert (
+            max(abs(dx), abs(dy)) >= S / 4 and shape_mask(fr[0]).sum() >= (S / 3) ** 2
+        )  # big, clearly moving
 
 
 def test_count_is_in_the_pixels(data):
@@ -125,7 +152,12 @@ def test_count_is_in_the_pixels(data):
         _, fr = decode(data, r)
         for f in (fr[0], fr[-1]):
             m = shape_mask(f)
-            quads = [m[:S // 2, :S // 2], m[:S // 2, S // 2:], m[S // 2:, :S // 2], m[S // 2:, S // 2:]]
+            quads = [
+                m[: S // 2, : S // 2],
+                m[: S // 2, S // 2 :],
+                m[S // 2 :, : S // 2],
+                m[S // 2 :, S // 2 :],
+            ]
             assert sum(q.sum() > 30 for q in quads) == int(r["answer"]), r["id"]
 
 
@@ -137,14 +169,21 @@ def test_appear_span_is_in_the_pixels(data):
         assert len(seen) and (np.diff(seen) == 1).all(), r["id"]
         s, e = json.loads(r["answer"])["time"]
         # visible from the start of its first frame to the end of its last one, within one frame period
-        assert abs(s - ts[seen[0], 0]) < 1 / FPS and abs(e - ts[seen[-1], 1]) < 1 / FPS, (r["id"], s, e, seen)
+        assert abs(s - ts[seen[0], 0]) < 1 / FPS and abs(e - ts[seen[-1], 1]) < 1 / FPS, (
+            r["id"],
+            s,
+            e,
+            seen,
+        )
         assert 0 < s < e < T / FPS
 
 
 def test_deterministic_by_seed(data, tmp_path):
     same, other = make(tmp_path / "same"), make(tmp_path / "other", seed=1)
     for split in ("train", "val"):
-        assert read(same, split) == read(data, split) and media_digests(same, split) == media_digests(data, split)
+        assert read(same, split) == read(data, split) and media_digests(
+            same, split
+        ) == media_digests(data, split)
         assert read(other, split) != read(data, split)
         assert set(media_digests(other, split)).isdisjoint(media_digests(data, split))
 
@@ -154,7 +193,9 @@ def test_train_val_disjoint(data, tmp_path):
     assert len(set(tr)) == len(tr) and len(set(va)) == len(va) and set(tr).isdisjoint(va)
     # val is its own stream: it does not change with the size of train
     small = make(tmp_path / "small", num_train=2)
-    assert rows(small, "val") == rows(data, "val") and media_digests(small, "val") == media_digests(data, "val")
+    assert rows(small, "val") == rows(data, "val") and media_digests(small, "val") == media_digests(
+        data, "val"
+    )
 
 
 def test_idempotent(tmp_path):
@@ -174,9 +215,31 @@ def test_idempotent(tmp_path):
 
 def test_cli_width_height(tmp_path):
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "scripts/make_synthetic_data.py", "--out", str(out), "--tasks", "color,image_color",
-                    "--num-train", "2", "--num-val", "1", "--width", "64", "--height", "48", "--fps", "5",
-                    "--seconds", "1.2"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "scripts/make_synthetic_data.py",
+            "--out",
+            str(out),
+            "--tasks",
+            "color,image_color",
+            "--num-train",
+            "2",
+            "--num-val",
+            "1",
+            "--width",
+            "64",
+            "--height",
+            "48",
+            "--fps",
+            "5",
+            "--seconds",
+            "1.2",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     v = [r for r in rows(out) if r["data_type"] == "video"]
     vr = decord.VideoReader(os.path.join(out, v[0]["videos"][0]))
     assert len(vr) == 6 and vr[0].shape == (48, 64, 3) and vr.get_avg_fps() == pytest.approx(5)
@@ -185,7 +248,9 @@ def test_cli_width_height(tmp_path):
 
 
 def test_write_video(tmp_path):
-    frames = np.zeros((5, 32, 64, 3), np.uint8)  # (decord itself misreads some narrow widths: 16, 24, 48, 72)
+    frames = np.zeros(
+        (5, 32, 64, 3), np.uint8
+    )  # (decord itself misreads some narrow widths: 16, 24, 48, 72)
     frames[:, :, :, 0] = np.arange(5)[:, None, None] * 50  # red ramps up over time
     path = str(tmp_path / "v.mp4")
     msd.write_video(path, frames, 10)
@@ -201,7 +266,15 @@ def test_write_video(tmp_path):
 def needle(tmp_path_factory):
     """32 s at 8 fps: T = 256 frames of 28x28, the event lasts T // 8 = 32 frames (what configs/long_video_cpu.yaml
     trains on)."""
-    return make(tmp_path_factory.mktemp("needle"), ["needle"], num_train=8, num_val=24, size=28, fps=8, seconds=32)
+    return make(
+        tmp_path_factory.mktemp("needle"),
+        ["needle"],
+        num_train=8,
+        num_val=24,
+        size=28,
+        fps=8,
+        seconds=32,
+    )
 
 
 def needle_events(out, split):
@@ -215,15 +288,21 @@ def needle_events(out, split):
 def test_needle_is_in_the_pixels(needle):
     starts = []
     for split in ("train", "val"):
-        assert sorted(r["answer"] for r in rows(needle, split)) == sorted("ABCD" * (2 if split == "train" else 6))
+        assert sorted(r["answer"] for r in rows(needle, split)) == sorted(
+            "ABCD" * (2 if split == "train" else 6)
+        )
         for ev, want, fr, med in needle_events(needle, split):
-            assert len(fr) == 256 and len(ev) == 32 and (np.diff(ev) == 1).all(), ev  # one event, 32 frames
+            assert len(fr) == 256 and len(ev) == 32 and (np.diff(ev) == 1).all(), (
+                ev
+            )  # one event, 32 frames
             assert all(np.linalg.norm(NOMINAL - m, axis=1).argmin() == want for m in med[ev])
             rest = np.delete(fr, ev, 0)
             # every other frame is gray (H.264 leaves faint color next to the event; the colors' saturation is >= 190)
             assert (rest.max(-1) - rest.min(-1)).max() <= 48
             gray_levels = {int(v) for f in rest[::32] for v in np.unique(f[..., 0] // 8)}
-            assert len(gray_levels) >= 3  # background and two squares of other shades: there is distractor content
+            assert (
+                len(gray_levels) >= 3
+            )  # background and two squares of other shades: there is distractor content
             starts.append(ev[0])
     assert min(starts) < 64 and max(starts) > 160  # the event's time is spread over the clip
 
@@ -240,4 +319,6 @@ def test_needle_needs_the_frames(needle):
     assert all(e & set(every) for e in events)
     hits = sum(bool(e & set(few)) for e in events)
     assert hits <= len(events) * 2 // 3, hits  # missed in many clips
-    assert (hits + (len(events) - hits) / 4) / len(events) < 0.8  # the best a 4-frame model can score
+    assert (hits + (len(events) - hits) / 4) / len(
+        events
+    ) < 0.8  # the best a 4-frame model can score

@@ -3,6 +3,7 @@ transformers and in vLLM. The checkpoints land in the shared .cache/models (othe
 
     .venv/bin/python -m pytest -q tests/test_tiny_model.py
 """
+
 import json
 import os
 import subprocess
@@ -18,15 +19,21 @@ from safetensors.torch import load_file
 import make_tiny_model as mtm
 
 CACHE = os.path.join(ROOT, ".cache/models")
-FACTOR = {a: 2 * spec["patch"] for a, spec in mtm.ARCHS.items()}  # pixels per merged visual token side: 28 / 32
+FACTOR = {
+    a: 2 * spec["patch"] for a, spec in mtm.ARCHS.items()
+}  # pixels per merged visual token side: 28 / 32
 # 4 frames of 2x2 merged tokens: the clips our synthetic data uses (56x56 for Qwen2/2.5-VL, 64x64 for Qwen3-VL)
-META = dict(fps=2.0, duration=2.0, total_num_frames=4, frames_indices=[0, 1, 2, 3], video_backend="decord")
+META = dict(
+    fps=2.0, duration=2.0, total_num_frames=4, frames_indices=[0, 1, 2, 3], video_backend="decord"
+)
 N_VIDEO_TOKENS = 8  # 2 temporal patches x (4x4 patches / 2x2 merge)
 
 
 def frames(arch):
     f = FACTOR[arch]
-    return np.random.default_rng(0).integers(0, 256, (4, 2 * f, 2 * f, 3), dtype=np.uint8)  # T, H, W, C
+    return np.random.default_rng(0).integers(
+        0, 256, (4, 2 * f, 2 * f, 3), dtype=np.uint8
+    )  # T, H, W, C
 
 
 def read(d, name):
@@ -35,8 +42,15 @@ def read(d, name):
 
 
 def video_prompt(processor_or_tokenizer):
-    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What color is it?"}]}]
-    return processor_or_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "video"}, {"type": "text", "text": "What color is it?"}],
+        }
+    ]
+    return processor_or_tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +59,21 @@ def ckpt():
 
 
 def test_deterministic_idempotent(tmp_path):
-    a, b, c = (mtm.build("qwen3_vl", str(tmp_path / n), seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
+    a, b, c = (
+        mtm.build("qwen3_vl", str(tmp_path / n), seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4))
+    )
     wa, wb, wc = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b, c))
     assert all(w.dtype == torch.float32 for w in wa.values())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
-    assert read(a, "tokenizer.json") == read(c, "tokenizer.json")  # the seed leaves the tokenizer (token ids) alone
+    assert read(a, "tokenizer.json") == read(
+        c, "tokenizer.json"
+    )  # the seed leaves the tokenizer (token ids) alone
     stamp = os.path.getmtime(os.path.join(a, "model.safetensors"))
-    assert mtm.build("qwen3_vl", a, seed=3) == a and os.path.getmtime(os.path.join(a, "model.safetensors")) == stamp
+    assert (
+        mtm.build("qwen3_vl", a, seed=3) == a
+        and os.path.getmtime(os.path.join(a, "model.safetensors")) == stamp
+    )
     mtm.build("qwen3_vl", a, seed=3, force=True)  # replaces it in place, leaves no temp dirs behind
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
     assert json.loads(read(a, mtm.MARKER))["seed"] == 3
@@ -61,32 +82,56 @@ def test_deterministic_idempotent(tmp_path):
 @pytest.mark.parametrize("arch", mtm.ARCHS)
 def test_tokenizer_and_config(ckpt, arch):
     from transformers import AutoConfig, AutoTokenizer
+
     tok, cfg = AutoTokenizer.from_pretrained(ckpt[arch]), AutoConfig.from_pretrained(ckpt[arch])
     for t in mtm.SPECIAL + mtm.ADDED:
         assert len(tok.encode(t, add_special_tokens=False)) == 1, t
-    for s in ['{"time": [1.5, 3.0]}', "A. red\nB. green\nC. blue\nD. yellow", "x = (3, 4)!  [12, 0.25]\t~@#$%^&*",
-              "<think>the square moves left</think><answer>B</answer>"]:
+    for s in [
+        '{"time": [1.5, 3.0]}',
+        "A. red\nB. green\nC. blue\nD. yellow",
+        "x = (3, 4)!  [12, 0.25]\t~@#$%^&*",
+        "<think>the square moves left</think><answer>B</answer>",
+    ]:
         ids = tok.encode(s, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=True) == s
-    ids = tok.encode("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>",
-                     add_special_tokens=False)
-    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"  # the Qwen specials are special, ADDED are not
+    ids = tok.encode(
+        "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>",
+        add_special_tokens=False,
+    )
+    assert (
+        tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+    )  # the Qwen specials are special, ADDED are not
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
     assert cfg.text_config.vocab_size == len(tok) and cfg.text_config.head_dim == 64
-    for key, t in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-                   ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]:
+    for key, t in [
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ]:
         assert getattr(cfg, key) == tok.convert_tokens_to_ids(t), key
 
 
 @pytest.mark.parametrize("arch", mtm.ARCHS)
 def test_transformers_forward_with_video(ckpt, arch):
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    proc, model = AutoProcessor.from_pretrained(ckpt[arch]), AutoModelForImageTextToText.from_pretrained(ckpt[arch])
+
+    proc, model = (
+        AutoProcessor.from_pretrained(ckpt[arch]),
+        AutoModelForImageTextToText.from_pretrained(ckpt[arch]),
+    )
     assert model.dtype == torch.float32
-    x = proc(text=[video_prompt(proc)], videos=[frames(arch)], video_metadata=[META], do_sample_frames=False,
-             return_tensors="pt")
+    x = proc(
+        text=[video_prompt(proc)],
+        videos=[frames(arch)],
+        video_metadata=[META],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
     n_pad = int((x["input_ids"] == model.config.video_token_id).sum())
-    assert x["video_grid_thw"].tolist() == [[2, 4, 4]]  # not upscaled: the processor's pixel floor is 2x2 tokens
+    assert x["video_grid_thw"].tolist() == [
+        [2, 4, 4]
+    ]  # not upscaled: the processor's pixel floor is 2x2 tokens
     assert n_pad == int(x["video_grid_thw"].prod()) // 4 == N_VIDEO_TOKENS
     with torch.no_grad():
         logits = model(**x).logits
@@ -128,8 +173,15 @@ def vllm_video_process(tmp_path_factory):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
     def run():
-        return subprocess.run([sys.executable, "-c", VLLM_SCRIPT, json.dumps(jobs)], env=env, capture_output=True,
-                              text=True, timeout=300, check=False)
+        return subprocess.run(
+            [sys.executable, "-c", VLLM_SCRIPT, json.dumps(jobs)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+
     return run
 
 
@@ -145,7 +197,9 @@ def test_vllm_generates_from_video(vllm_video_results):
     res = json.loads(p.stdout.split("RESULT")[1])
     for arch in mtm.ARCHS:
         assert res[arch]["n_out"] == [8, 8] and res[arch]["vocab_ok"], (arch, res)
-        assert res[arch]["same_prompt"], f"{arch}: vLLM expanded the video differently from the HF processor"
+        assert res[arch]["same_prompt"], (
+            f"{arch}: vLLM expanded the video differently from the HF processor"
+        )
 
 
 def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.Tensor:
@@ -153,6 +207,7 @@ def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.T
     (modality, offset of the first placeholder, grid_thw, second_per_grid_ts or None), in the shape vLLM stores them."""
     import types
     from vllm.model_executor.models import qwen2_5_vl, qwen2_vl, qwen3_vl
+
     feats = []
     for kind, offset, grid, seconds in items:
         data = {f"{kind}_grid_thw": types.SimpleNamespace(data=grid)}
@@ -160,11 +215,19 @@ def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.T
             data["second_per_grid_ts"] = types.SimpleNamespace(data=seconds)
         # Qwen3-VL's video offset is before the first frame's <|vision_start|> (the frames are found from there)
         offset -= arch == "qwen3_vl" and kind == "video"
-        feats.append(types.SimpleNamespace(modality=kind, mm_position=types.SimpleNamespace(offset=offset), data=data))
+        feats.append(
+            types.SimpleNamespace(
+                modality=kind, mm_position=types.SimpleNamespace(offset=offset), data=data
+            )
+        )
     if arch == "qwen3_vl":
-        return qwen3_vl.Qwen3VLForConditionalGeneration._get_mrope_input_positions(tokens, feats, config)[0]
-    cls = {"qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,
-           "qwen2_5_vl": qwen2_5_vl.Qwen2_5_VLForConditionalGeneration}[arch]
+        return qwen3_vl.Qwen3VLForConditionalGeneration._get_mrope_input_positions(
+            tokens, feats, config
+        )[0]
+    cls = {
+        "qwen2_vl": qwen2_vl.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": qwen2_5_vl.Qwen2_5_VLForConditionalGeneration,
+    }[arch]
     model = types.SimpleNamespace(config=config)  # all the method reads of the model
     model.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, model)
     return cls.get_mrope_input_positions(model, tokens, feats)[0]
@@ -180,42 +243,82 @@ def test_mrope_positions_are_vllms(ckpt, arch):
     Qwen3-VL (a frame pair per timestamp): when they agree, upstream is fixed and sp.mrope_positions can go."""
     import sp
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    proc, model = AutoProcessor.from_pretrained(ckpt[arch]), AutoModelForImageTextToText.from_pretrained(ckpt[arch])
+
+    proc, model = (
+        AutoProcessor.from_pretrained(ckpt[arch]),
+        AutoModelForImageTextToText.from_pretrained(ckpt[arch]),
+    )
     f, rng = FACTOR[arch], np.random.default_rng(1)
     long = rng.integers(0, 256, (8, 2 * f, 3 * f, 3), dtype=np.uint8)
     meta = dict(META, duration=4.0, total_num_frames=8, frames_indices=list(range(8)))
-    rows = [([{"type": "video"}], dict(videos=[long], video_metadata=[meta])),
-            ([{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And now?"}],
-             dict(images=[rng.integers(0, 256, (f, 2 * f, 3), dtype=np.uint8)], videos=[frames(arch)],
-                  video_metadata=[META]))]
+    rows = [
+        ([{"type": "video"}], dict(videos=[long], video_metadata=[meta])),
+        (
+            [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "And now?"}],
+            dict(
+                images=[rng.integers(0, 256, (f, 2 * f, 3), dtype=np.uint8)],
+                videos=[frames(arch)],
+                video_metadata=[META],
+            ),
+        ),
+    ]
     xs = []
     for content, media in rows:
-        msgs = [{"role": "user", "content": content + [{"type": "text", "text": "What color is it?"}]}]
+        msgs = [
+            {"role": "user", "content": content + [{"type": "text", "text": "What color is it?"}]}
+        ]
         text = proc.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         xs.append(proc(text=[text], do_sample_frames=False, return_tensors="pt", **media))
     S = max(x["input_ids"].shape[1] for x in xs)
-    ids = torch.stack([F.pad(x["input_ids"][0], (S - x["input_ids"].shape[1], 0)) for x in xs])  # left padding
-    mask = torch.stack([F.pad(torch.ones(x["input_ids"].shape[1], dtype=torch.long), (S - len(x["input_ids"][0]), 0))
-                        for x in xs])
-    grids = {k: torch.cat([x[k] for x in xs if k in x]) for k in ("image_grid_thw", "video_grid_thw",
-                                                                  "second_per_grid_ts") if any(k in x for x in xs)}
+    ids = torch.stack(
+        [F.pad(x["input_ids"][0], (S - x["input_ids"].shape[1], 0)) for x in xs]
+    )  # left padding
+    mask = torch.stack(
+        [
+            F.pad(
+                torch.ones(x["input_ids"].shape[1], dtype=torch.long),
+                (S - len(x["input_ids"][0]), 0),
+            )
+            for x in xs
+        ]
+    )
+    grids = {
+        k: torch.cat([x[k] for x in xs if k in x])
+        for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+        if any(k in x for x in xs)
+    }
     if "second_per_grid_ts" in grids:
         grids["second_per_grid_ts"] = torch.full_like(grids["second_per_grid_ts"], 0.7)
-    ours = sp.mrope_positions(ids, mask, grids, model.config)                                       # (3, B, S)
+    ours = sp.mrope_positions(ids, mask, grids, model.config)  # (3, B, S)
     assert (ours[:, mask == 0] == 0).all()
-    videos, seconds = iter(grids["video_grid_thw"]), iter(grids.get("second_per_grid_ts", [None] * 2))
+    videos, seconds = (
+        iter(grids["video_grid_thw"]),
+        iter(grids.get("second_per_grid_ts", [None] * 2)),
+    )
     for b, x in enumerate(xs):
         tokens, items = x["input_ids"][0].tolist(), []
         for kind in ("image", "video"):
             pad = getattr(model.config, f"{kind}_token_id")
             grid = x.get(f"{kind}_grid_thw")
             if grid is not None:
-                items.append((kind, tokens.index(pad), next(videos) if kind == "video" else grid[0],
-                              next(seconds) if kind == "video" else None))
-        want = vllm_positions(arch, model.config, tokens, items)                                       # (3, S_b)
+                items.append(
+                    (
+                        kind,
+                        tokens.index(pad),
+                        next(videos) if kind == "video" else grid[0],
+                        next(seconds) if kind == "video" else None,
+                    )
+                )
+        want = vllm_positions(arch, model.config, tokens, items)  # (3, S_b)
         assert torch.equal(ours[:, b, mask[b].bool()], want), (arch, b)
-    mm = dict(mm_token_type_ids=(ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id),
-              attention_mask=mask, **grids)
+    mm = dict(
+        mm_token_type_ids=(ids == model.config.image_token_id).int()
+        + 2 * (ids == model.config.video_token_id),
+        attention_mask=mask,
+        **grids,
+    )
     upstream, _ = model.model.get_rope_index(ids, **mm)
     # the long video's row: the same vision positions, the text after it elsewhere (but Qwen3-VL's)
-    assert torch.equal(upstream[:, 0], ours[:, 0]) == (arch == "qwen3_vl"), "transformers changed: see the docstring"
+    assert torch.equal(upstream[:, 0], ours[:, 0]) == (arch == "qwen3_vl"), (
+        "transformers changed: see the docstring"
+    )

@@ -1,15 +1,24 @@
 """train.py end to end: real FSDP2 under `torchrun --nproc_per_node=2` (gloo), real colocated vLLM.
 
-    .venv/bin/python -m pytest -q tests/test_train.py
+.venv/bin/python -m pytest -q tests/test_train.py
 """
+
 import json
 import math
 import os
 
 import pytest
 import torch
-from conftest import (LIBRARY_NOISE, Runs, Share, color_data_dir, quiet_lines, share_of, tiny_model_dir,
-                      two_rank_share)
+from conftest import (
+    LIBRARY_NOISE,
+    Runs,
+    Share,
+    color_data_dir,
+    quiet_lines,
+    share_of,
+    tiny_model_dir,
+    two_rank_share,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
@@ -17,14 +26,35 @@ pytestmark = pytest.mark.slow  # torchrun jobs with colocated vLLM engines
 
 def train_args(tmp_path, model, data_dir, *extra) -> list[str]:
     """train.py's arguments: 2 steps of 4 prompts x 4 into tmp_path/run, the frame cache in tmp_path/frames."""
-    return ["--config", "configs/tiny_cpu.yaml", "--model", model, "--train-data", f"{data_dir}/train.jsonl",
-            "--val-data", f"{data_dir}/val.jsonl", "--out-dir", str(tmp_path / "run"), "--max-steps", "2",
-            "--group-size", "4", "--prompts-per-step", "4", "--cache-dir", str(tmp_path / "frames"), "--eval-every",
-            "0", *extra]
+    return [
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--model",
+        model,
+        "--train-data",
+        f"{data_dir}/train.jsonl",
+        "--val-data",
+        f"{data_dir}/val.jsonl",
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "2",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "frames"),
+        "--eval-every",
+        "0",
+        *extra,
+    ]
 
 
 def weights(folder):
-    files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
+    files = [
+        os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")
+    ]
     return {k: v for file in files for k, v in load_file(file).items()}
 
 
@@ -51,33 +81,51 @@ def test_a_run_prints_a_line_per_step(uninterrupted):
     """issue 29: conftest's 4-step 2-node run (2 checkpoint saves) prints the step-0 line, a line per step and per
     save and the final line; no library warning or progress bar (common.quiet: test_cli checks that
     other warnings and errors still print). Was 51 lines for a 4-step 2-rank run, 43 of them torch's and vLLM's."""
-    lines = quiet_lines(*uninterrupted[1])  # node 1: torchrun's note that --node-rank is ignored with c10d
-    assert len(lines) <= 4 + 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], "\n".join(uninterrupted[1])
+    lines = quiet_lines(
+        *uninterrupted[1]
+    )  # node 1: torchrun's note that --node-rank is ignored with c10d
+    assert len(lines) <= 4 + 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], "\n".join(
+        uninterrupted[1]
+    )
 
 
 def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
     """A finished vLLM run of `steps` steps of 4 prompts x 4 on color_data, its frame cache cold at the start."""
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
-    assert "eval/accuracy" not in rows[0] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0  # the final eval is logged
-    assert rows[0]["offline/share"] == pytest.approx(0.25)  # 1 of each group of 4 is the offline trajectory
+    assert (
+        "eval/accuracy" not in rows[0] and 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    )  # the final eval is logged
+    assert rows[0]["offline/share"] == pytest.approx(
+        0.25
+    )  # 1 of each group of 4 is the offline trajectory
     # vLLM and the trainer hold the same weights at step 1: float noise (4.8e-7; 2.9e-3 with transformers' positions)
     assert rows[0]["mismatch/max"] < 1e-4
     # a cold cache decodes each distinct video once, even when tp ranks load the same prompts (per-key lock)
-    assert [r["cache/decode"] for r in rows] == [4] * steps  # 16 samples: steps <= 4 load each one at most once
+    assert [r["cache/decode"] for r in rows] == [
+        4
+    ] * steps  # 16 samples: steps <= 4 load each one at most once
     assert "held-out accuracy: before" in stdout
     # quiet: vLLM's CPU worker warned on every torch.set_num_threads (twice per request); one line per step with ETA
     assert "torch.set_num_threads" not in stdout and "Traceback" not in stdout
-    assert any(x.startswith(f"step {steps}/{steps} |") and x.endswith("| ETA 0:00:00") for x in stdout.splitlines())
+    assert any(
+        x.startswith(f"step {steps}/{steps} |") and x.endswith("| ETA 0:00:00")
+        for x in stdout.splitlines()
+    )
     # samples.jsonl: every step (log_every 1), the first completion of each group, scored as by the reward function
     import data
     import rewards
+
     samples = {s["id"]: s for s in data.load_samples(f"{color_data}/train.jsonl")}
     shown = [json.loads(line) for line in open(out / "samples.jsonl")]
     # prompts_per_step 4: min(log_samples 4, groups)
     assert [r["step"] for r in shown] == [step for step in range(1, steps + 1) for _ in range(4)]
     for r, row in zip(shown, [row for row in rows for _ in range(4)]):
-        assert r["id"] in row["data/ids"] and r["finish"] in ("stop", "length") and math.isfinite(r["advantage"])
+        assert (
+            r["id"] in row["data/ids"]
+            and r["finish"] in ("stop", "length")
+            and math.isfinite(r["advantage"])
+        )
         overall, components = rewards.compute_reward(r["response"], samples[r["id"]])
         assert r["reward"] == dict(components, overall=overall)
     before, after = weights(tiny_model), weights(out / "final")
@@ -93,15 +141,40 @@ def three_runs(tmp_path_factory) -> Share:
     on 2 ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
     tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold."""
     import cache
+
     tiny_model, color_data = tiny_model_dir(), color_data_dir()
     hf, tp2 = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("tp2")
-    cache.preprocess(cache.Config(data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
-                                  out=str(hf / "frames"), video_fps=4.0, video_min_frames=4,
-                                  video_max_frames=8, video_min_pixels=3136, video_max_pixels=3136, factor=28))
-    args = train_args(hf, tiny_model, color_data, "--rollout", "hf", "--eval-max-samples", "3", "--no-save",
-                      "--save-every", "2")  # uneven eval hanging in a collective: conftest's --dist-timeout 120
-    return Share({"hf": args, "again": [*args, "--resume", "auto"],
-                  "tp2": train_args(tp2, tiny_model, color_data, "--rollout-tp", "2")})
+    cache.preprocess(
+        cache.Config(
+            data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
+            out=str(hf / "frames"),
+            video_fps=4.0,
+            video_min_frames=4,
+            video_max_frames=8,
+            video_min_pixels=3136,
+            video_max_pixels=3136,
+            factor=28,
+        )
+    )
+    args = train_args(
+        hf,
+        tiny_model,
+        color_data,
+        "--rollout",
+        "hf",
+        "--eval-max-samples",
+        "3",
+        "--no-save",
+        "--save-every",
+        "2",
+    )  # uneven eval hanging in a collective: conftest's --dist-timeout 120
+    return Share(
+        {
+            "hf": args,
+            "again": [*args, "--resume", "auto"],
+            "tp2": train_args(tp2, tiny_model, color_data, "--rollout-tp", "2"),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +187,9 @@ def test_hf_rollout_two_ranks_warm_cache(runs):
     """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
     rows = runs["hf"].rows
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
-    assert all(r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows)  # each prompt loaded once a step
+    assert all(
+        r["cache/decode"] == 0 and r["cache/cache_hit"] == 4 for r in rows
+    )  # each prompt loaded once a step
     assert rows[0]["mismatch/mean"] < 1e-4  # same model samples and scores
 
 
@@ -138,8 +213,12 @@ def test_trim_rows_keeps_steps_up_to_the_checkpoint(tmp_path, capsys):
     """A run into an out_dir that holds an earlier run's logs: a fresh run (step 0) keeps none of its rows; a resumed
     one keeps the rows up to its checkpoint's step and drops the later ones and a line torn by a crash."""
     import train
+
     path = tmp_path / "metrics.jsonl"
-    lines = "".join(json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo'
+    lines = (
+        "".join(json.dumps({"step": s, "loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4))
+        + '{"step": 5, "lo'
+    )
     path.write_text(lines)
     train.trim_rows(str(path), 2)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]

@@ -14,6 +14,7 @@ metrics.run<index>.jsonl (the next run may rewrite the file).
 Several runs may sample with vLLM: each run's end closes its engine (VLLMEngine.close) keeping the process group,
 and the next run builds its own (conftest's shared launch: test_train's, test_lora's, test_qwen3_video's runs).
 """
+
 import importlib
 import os
 import shutil
@@ -28,6 +29,7 @@ MARK = "=== train_worker run "
 @dataclass
 class Launch:
     """One torchrun launch of several runs."""
+
     logs: list[str]
     """each run's stdout, from its MARK to the next (the launch's stderr appended to the last run's)"""
     finished: int
@@ -38,22 +40,42 @@ class Launch:
     def log(self, k: int) -> str:
         """Run k's stdout; an AssertionError with that part of the output (and stderr's end) where run k did not
         finish: a test reading one run fails on its own run, not on a later one of the same launch."""
-        assert k < self.finished, f"run {k} did not finish: {self.logs[k][-3000:]}\n{self.stderr[-5000:]}"
+        assert k < self.finished, (
+            f"run {k} did not finish: {self.logs[k][-3000:]}\n{self.stderr[-5000:]}"
+        )
         return self.logs[k]
 
 
 def start(runs: list[list[str]], nproc: int = 2, timeout: float = 900) -> Launch:
     """torchrun this file on `runs`, whatever its exit status; the tests check each run's part (Launch.log)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--max-restarts=0", os.path.abspath(__file__)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--max-restarts=0",
+        os.path.abspath(__file__),
+    ]
     for k, args in enumerate(runs):
         cmd += ["--"] * (k > 0) + list(args)
-    p = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                       timeout=timeout)
-    logs = [p.stdout.partition(f"{MARK}{k}\n")[2].partition(f"{MARK}{k + 1}\n")[0] for k in range(len(runs))]
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    logs = [
+        p.stdout.partition(f"{MARK}{k}\n")[2].partition(f"{MARK}{k + 1}\n")[0]
+        for k in range(len(runs))
+    ]
     logs[-1] += p.stderr
     finished = next((k for k in range(len(runs)) if f"{MARK}{k + 1}\n" not in p.stdout), len(runs))
-    if p.returncode != 0:  # the processes may fail after the last MARK: no run counts as finished then
+    if (
+        p.returncode != 0
+    ):  # the processes may fail after the last MARK: no run counts as finished then
         finished = min(finished, len(runs) - 1)
     return Launch(logs, finished, p.stderr)
 
@@ -71,6 +93,7 @@ def main(argv: list[str]):
     import torch.distributed as dist
 
     import train
+
     train.common.quiet()  # as train.py's own start-up
     runs = [[]]
     for a in argv:
