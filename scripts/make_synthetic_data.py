@@ -69,7 +69,9 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
     tmp = path + ".part"
     with av.open(tmp, "w", format="mp4") as f:
         s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
-        s.width, s.height, s.pix_fmt = W, H, "yuv420p"
+        s.width = W
+        s.height = H
+        s.pix_fmt = "yuv420p"
         for i, fr in enumerate(itertools.chain([first], frames)):
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(fr), format=pix_fmt)
             vf.pts = i  # in 1/fps units (the codec time base), so decoders report exactly i / fps
@@ -301,8 +303,11 @@ def make(
     from PIL import Image
 
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
-    W, H, T = int(width or size), int(height or size), int(round(fps * seconds))
-    if unknown := [t for t in tasks if t not in TASKS]:
+    W = int(width or size)
+    H = int(height or size)
+    T = int(round(fps * seconds))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {list(TASKS)}")
     if W % 2 or H % 2 or min(W, H) < 16:
         raise ValueError(f"frame {W}x{H}: width and height must be even (yuv420p) and >= 16")
