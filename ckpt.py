@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from common import barrier, base_model, write_text
+from common import UserError, barrier, base_model, write_text
 
 # the weight stream's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
 # the base tensors of one adapted layer, waiting for its adapters)
@@ -87,9 +87,10 @@ def find(out_dir: str, resume: str) -> str:
     latest = os.path.join(out_dir, "ckpt", "latest")
     if resume != "auto":
         return resume
-    return (
-        os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
-    )
+    if not os.path.exists(latest):
+        return ""
+    with open(latest) as f:
+        return os.path.join(out_dir, "ckpt", f.read().strip())
 
 
 def load(path: str, model, opt) -> dict:
@@ -100,7 +101,7 @@ def load(path: str, model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not os.path.exists(os.path.join(path, "meta.json")):
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
+        raise UserError(f"{path}: not a complete checkpoint (no meta.json)")
     state = model_optim_state(model, opt)
     dcp.load(state, checkpoint_id=path)
     # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
@@ -180,23 +181,21 @@ def hf_weights(model):
     merged, W + scaling * B A: peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`), `X.lora_A...`,
     `X.lora_B...`, so the base tensors wait for their lora_B, then go out as `X.weight` (merged) and `X.bias`."""
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
-    held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
+    held = []  # the adapted layer's base tensors, until its B arrives
+    lora_a = None  # and its A
     for name, t in full_tensors(model.state_dict()):
         layer, _, adapter = name.partition(".lora_")
         if adapter.startswith("A."):
             lora_a = t
         elif adapter.startswith("B."):
-            weight_name, w = held[0] if held else (None, None)
-            if (
-                weight_name != f"{layer}.base_layer.weight"
-            ):  # never merged into another layer, never dropped
+            # never merged into another layer, never dropped
+            if not held or held[0][0] != f"{layer}.base_layer.weight":
                 raise ValueError(
                     f"weight sync: {name} does not follow its base weight (peft's state-dict order?)"
                 )
-            held[0] = (
-                weight_name,
-                w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype)),
-            )
+            weight_name, w = held[0]
+            delta = t.to(w.dtype) @ lora_a.to(w.dtype)
+            held[0] = (weight_name, w + lora[layer].scaling["default"] * delta)
             for held_name, tensor in held:
                 yield base_name(held_name), tensor
             held = []

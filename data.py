@@ -20,7 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cache
 import rewards
-from common import gather
+from cache import Media
+from common import UserError, gather
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {
@@ -60,7 +61,7 @@ MAX_PROMPT_CHARS = (
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A sample that breaks the schema; the message names file, line, sample id and field."""
 
 
@@ -314,33 +315,35 @@ class Prompt:
 def prepare(
     sample: dict,
     processor,
-    cfg,
+    media: Media,
     stats: dict | None = None,
     template: str | None = None,
     response_format: str = "answer",
+    max_prompt_len: int = 0,
 ) -> Prompt:
-    """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
-    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
-    factor, sid = cache.vision_factor(processor), sample["id"]
+    """Load media (cache or decode, by the `media` settings), render the chat prompt, run the processor once. A
+    placeholder/feature mismatch or a prompt over max_prompt_len (0 = no limit; never truncated) is a DataError."""
+    factor = cache.vision_factor(processor)
+    sid = sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [
-        cache.load_video(
-            p, cfg, factor, cfg.cache_dir, cfg.video_source, stats, sample.get("video_end")
+    videos = []
+    for path in sample.get("videos", []):
+        end = sample.get("video_end")
+        videos.append(
+            cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
         )
-        for p in sample.get("videos", [])
-    ]
-    images = [
-        cache.load_image(
-            p,
-            min_pixels=cfg.image_min_pixels,
-            max_pixels=cfg.image_max_pixels,
+    images = []
+    for path in sample.get("images", []):
+        image = cache.load_image(
+            path,
+            min_pixels=media.image_min_pixels,
+            max_pixels=media.image_max_pixels,
             factor=factor,
-            max_decode_pixels=cfg.max_decode_pixels,
+            max_decode_pixels=media.max_decode_pixels,
         )
-        for p in sample.get("images", [])
-    ]
+        images.append(image)
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,
@@ -354,9 +357,9 @@ def prepare(
         images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None,
     )
     check_placeholders(ids, mm, processor, sid)
-    if len(ids) > cfg.max_prompt_len:
+    if max_prompt_len and len(ids) > max_prompt_len:
         raise DataError(
-            f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
+            f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={max_prompt_len} "
             "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)"
         )
     return Prompt(sample, text, ids, mm, videos, images)
@@ -469,61 +472,72 @@ class Stream:
         return index
 
 
-def try_prep(prep, s: dict, cfg):
+def try_prep(prep, s: dict, skip_invalid: bool):
     """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
     exception (a processor's bare StopIteration...) is the sample's: a bug failing all hits max_consecutive_invalid"""
     try:
         return prep(s), None
     except Exception as e:
         error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
-        if not cfg.skip_invalid:
+        if not skip_invalid:
             raise error from e
-        return None, {
-            "where": s["id"],
-            "media": s.get("videos", []) + s.get("images", []),
-            "error": str(error),
-        }
+        media = s.get("videos", []) + s.get("images", [])
+        return None, {"where": s["id"], "media": media, "error": str(error)}
 
 
-def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
+def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
-    out = [try_prep(prep, s, cfg) for s in samples]
-    return [p for p, _ in out if p], [report for _, report in out if report]
+    prompts = []
+    reports = []
+    for s in samples:
+        prompt, report = try_prep(prep, s, skip_invalid)
+        if prompt:
+            prompts.append(prompt)
+        if report:
+            reports.append(report)
+    return prompts, reports
 
 
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)
 
 
-def prep_share(prep, samples: list, cfg, layout) -> tuple[list, list]:
+def prep_share(prep, samples: list, skip_invalid: bool, layout) -> tuple[list, list]:
     """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
     group alone, and every rank's skip reports."""
-    prompts, skips = prep_all(prep, layout.share(samples, layout.tp)[0], cfg)
+    share = layout.share(samples, layout.tp)[0]
+    prompts, skips = prep_all(prep, share, skip_invalid)
     reports = [report for part in gather(skips)[:: layout.tp] for report in part]
     # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF
     # engine's generate is collective. It pads with the first valid sample, marked PAD: never scored
+    if prompts:
+        return prompts, reports
     invalid = {report["where"] for report in reports}
     pad = [{**s, "pad": PAD} for s in samples if s["id"] not in invalid][:1]
-    return prompts or prep_all(prep, pad, cfg)[0], reports
+    return prep_all(prep, pad, skip_invalid)[0], reports
 
 
-def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
-    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
-    reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
-    and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
-    batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips = [None] * len(batch), []
-    todo, run = list(range(len(batch))), 0  # the slots still to fill; invalid samples in a row
+def next_valid(
+    stream: Stream, samples: list, prep, layout, count: int, skip_invalid: bool, max_invalid: int
+) -> tuple[list, list]:
+    """The next `count` samples' prompts (prepared by the TP group that generates them, else None) and skip reports.
+    A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots and keeps
+    the same stream position. Over max_invalid (max_consecutive_invalid) failures in a row are a DataError."""
+    batch = [samples[stream.take()] for _ in range(count)]
+    prompts = [None] * len(batch)
+    skips = []
+    todo = list(range(len(batch)))  # the slots still to fill
+    run = 0  # invalid samples in a row
     while todo:
         reports = {}
         for i in filter(layout.prepares, todo):
-            prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
+            prompts[i], reports[i] = try_prep(prep, batch[i], skip_invalid)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
         for i in todo:  # todo is in stream order
             run = run + 1 if i in bad else 0
-            if run > cfg.max_consecutive_invalid:
+            if run > max_invalid:
                 raise DataError(
-                    f"{run} invalid samples in a row (max_consecutive_invalid={cfg.max_consecutive_invalid}"
-                    f"): does the data set hold a valid sample? The last: {bad[i]['error']}"
+                    f"{run} invalid samples in a row (max_consecutive_invalid={max_invalid}): does the "
+                    f"data set hold a valid sample? The last: {bad[i]['error']}"
                 )
         todo = sorted(bad)
         for i in todo:
