@@ -106,9 +106,8 @@ def vision_factor(processor) -> int:
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from qwen_vl_utils.vision_process import (
-        smart_resize as ref,
-    )  # the reference math, not a copy of it
+    # the reference math, not a copy of it
+    from qwen_vl_utils.vision_process import smart_resize as ref
 
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
@@ -171,7 +170,8 @@ def decode_video(
                 f"{max_decode_pixels}"
             )
         vr = decord.VideoReader(path, num_threads=1)
-        total, vfps = len(vr), float(vr.get_avg_fps())
+        total = len(vr)
+        vfps = float(vr.get_avg_fps())
         if end is not None:
             total = min(total, math.ceil(end * vfps))
         if total < 2 or vfps <= 0:
@@ -243,10 +243,10 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 
     try:
         with safe_open(file, "np") as f:
-            meta, frames = f.metadata() or {}, f.get_tensor("frames")
-    except (
-        Exception
-    ) as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
+            meta = f.metadata() or {}
+            frames = f.get_tensor("frames")
+    # safetensors raises its own SafetensorError / OSError / ValueError variants
+    except Exception as e:
         raise ValueError(f"{file}: unreadable cache entry ({type(e).__name__}: {e})") from e
     if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
@@ -259,8 +259,10 @@ def check_entry(
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
-        total, vfps = meta["total_num_frames"], meta["fps"]
-        h, w = meta["height"], meta["width"]
+        total = meta["total_num_frames"]
+        vfps = meta["fps"]
+        h = meta["height"]
+        w = meta["width"]
         idx = sample_indices(
             total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
         )
@@ -383,15 +385,10 @@ def load_image(
                     f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}"
                 )
             arr = np.asarray(im.convert("RGB"))
-        h, w = smart_resize(
-            arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels
-        )  # refuses a ratio over 200
-    except (
-        OSError,
-        UnidentifiedImageError,
-        Image.DecompressionBombError,
-        ValueError,
-    ) as e:  # bomb: 2x PIL's cap
+        # refuses a ratio over 200
+        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
+    # a bomb: 2x PIL's cap
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     return resize(arr[None], h, w)[0]
 
@@ -428,13 +425,15 @@ def videos_of(path: str) -> list[str]:
     fields are data.py's to check. A file that is not a list of such samples is an error naming it."""
     try:
         with open(path, "rb") as f:
-            rows = (
-                json.load(f)
-                if path.endswith(".json")
-                else [json.loads(line) for line in f if line.strip()]
-            )
+            if path.endswith(".json"):
+                rows = json.load(f)
+            else:
+                rows = [json.loads(line) for line in f if line.strip()]
         root = os.path.dirname(os.path.abspath(path))
-        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
+        videos = []
+        for s in rows:
+            videos += [os.path.abspath(os.path.join(root, v)) for v in s.get("videos", [])]
+        return videos
     except (ValueError, AttributeError, TypeError) as e:
         raise UserError(
             f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})"
@@ -448,9 +447,13 @@ def preprocess(c: Config) -> dict:
 
     from tqdm import tqdm
 
-    videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
+    videos = []
+    for path in c.data:
+        videos += videos_of(path)
+    videos = list(dict.fromkeys(videos))  # each distinct video once, in order
     t = time.time()
-    total, failed = Counter(), []
+    total = Counter()
+    failed = []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):

@@ -37,23 +37,19 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(
-            tmp, ignore_errors=True
-        )  # left by a crash during an earlier attempt at this step
+        # left by a crash during an earlier attempt at this step
+        shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
-    rng = {"cpu": torch.get_rng_state()} | (
-        {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    )
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
     barrier()  # every rank's files are written
     if rank == 0:
         write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
-        for part in (
-            processor,
-            model.config,
-            model.generation_config,
-        ):  # what export_hf.py and a new run read
+        # what export_hf.py and a new run read
+        for part in (processor, model.config, model.generation_config):
             part.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
         os.rename(tmp, final)
@@ -128,7 +124,8 @@ def load(path: str, model, opt) -> dict:
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
     dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
-    bucket, size = [], 0
+    bucket = []
+    size = 0  # its bytes
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
         if bucket and (
@@ -137,7 +134,8 @@ def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
             or size + nbytes > bucket_bytes
         ):
             yield from gather_bucket(bucket)
-            bucket, size = [], 0
+            bucket = []
+            size = 0
         if isinstance(t, DTensor):
             bucket.append((name, t))
             size += nbytes
@@ -184,7 +182,8 @@ def hf_weights(model):
     held = []  # the adapted layer's base tensors, until its B arrives
     lora_a = None  # and its A
     for name, t in full_tensors(model.state_dict()):
-        layer, _, adapter = name.partition(".lora_")
+        layer = name.partition(".lora_")[0]
+        adapter = name.partition(".lora_")[2]
         if adapter.startswith("A."):
             lora_a = t
         elif adapter.startswith("B."):

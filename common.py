@@ -60,7 +60,8 @@ def init_dist(timeout_s: float = 1800.0, offload: bool = False):
     """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
@@ -138,9 +139,8 @@ def check_hub(model: str):
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them
 
-FLOAT = re.compile(
-    r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I
-)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
+# YAML 1.1 floats need a dot: 1e-6 is a str, made float
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)
 
 
 # Library lines, harmless in our runs, that quiet() drops (--debug keeps them): logger -> texts, why above each group
@@ -184,9 +184,8 @@ def quiet():
     """At an entry script's start, before vLLM loads (the env var reaches its child processes); not with --debug."""
     if "--debug" in sys.argv:
         return
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "WARNING"
-    )  # its ~40 INFO lines per process at start-up
+    # vLLM's ~40 INFO lines per process at start-up
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # transformers' bars (loading and saving weights; the hub's downloads too): an env var, read when it is imported
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name, texts in NOISE.items():

@@ -69,9 +69,8 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
-    sid = (
-        str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()
-    )  # printable despite a lone surrogate
+    # printable despite a lone surrogate
+    sid = str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()
     who = f"{where}: sample {sid}"
     for k in REQUIRED:
         if k not in s:
@@ -95,10 +94,9 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     for k in ("videos", "images"):
         if k in s:
             s[k] = [os.path.join(root, p) for p in s[k]]  # an absolute p stays p
+    # ground truth is checked now, not discovered broken at reward time
     try:
-        rewards.validate_answer(
-            s
-        )  # ground truth is checked now, not discovered broken at reward time
+        rewards.validate_answer(s)
     except ValueError as e:
         raise DataError(f"{who}: field 'answer': {e}") from e
     return s
@@ -108,10 +106,10 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
     refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
-    texts = [(k, v) for k, v in sample.items() if isinstance(v, str)]
-    texts += [
-        (k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)
-    ]
+    texts = []
+    for k, v in sample.items():
+        items = v if isinstance(v, list) else [v]
+        texts += [(k, x) for x in items if isinstance(x, str)]
     for k, text in texts:
         bad = refused.search(text)
         if bad:
@@ -205,7 +203,8 @@ def render_prompt(
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
     context = {**sample, "problem_type": ptype, "instruction": INSTRUCTIONS[response_format]}
-    parts, size = [], 0
+    parts = []
+    size = 0
     for part in compiled(src).generate(context):
         size += len(part)
         if size > MAX_PROMPT_CHARS:
@@ -230,25 +229,25 @@ def render_all(
     names the template (`where`) and sample k, or with `skipped` a skip report."""
     import multiprocessing
 
-    def render_in_child(
-        todo: list,
-    ):  # sends (text, None) or (None, error) a sample, in a capped address space
-        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(
-            resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY)
-        )
+    def render_in_child(todo: list):
+        """Sends (text, None) or (None, error) a sample, in a capped address space."""
+        with open("/proc/self/statm") as f:
+            inherited = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = inherited + TEMPLATE_MEMORY
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         for sample in todo:
             try:
                 send.send((render_prompt(sample, template, response_format), None))
             except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
                 send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
 
-    out, child, children = [], None, []
+    out = []
+    child = None  # the process rendering now
+    children = []  # every one started
     try:
         for k, sample in enumerate(samples):
-            if (
-                child is None
-            ):  # the first sample, or the first after a failed one (its child is killed)
+            # the first sample, or the first after a failed one (its child is killed)
+            if child is None:
                 recv, send = multiprocessing.Pipe(duplex=False)
                 child = multiprocessing.get_context("fork").Process(
                     target=render_in_child, args=(samples[k:],)
@@ -256,14 +255,13 @@ def render_all(
                 child.start()
                 children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+            text = None
+            error = f"rendering took over {seconds} s"
             try:
-                text, error = (
-                    recv.recv()
-                    if recv.poll(seconds)
-                    else (None, f"rendering took over {seconds} s")
-                )
+                if recv.poll(seconds):
+                    text, error = recv.recv()
             except EOFError:
-                text, error = None, "the rendering process died"
+                error = "the rendering process died"
             if error is None:
                 out.append(dict(sample, prompt_text=text))
                 continue
@@ -290,10 +288,8 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
         if part in ("<video>", "<image>") and unclaimed[kind]:
             unclaimed[kind] -= 1
             content.append({"type": kind})
-        elif part not in ("<video>", "<image>") and (
-            part.strip() or part == text
-        ):  # a text without markers: whole
-            content.append({"type": "text", "text": part})
+        elif part not in ("<video>", "<image>") and (part.strip() or part == text):
+            content.append({"type": "text", "text": part})  # a text without markers: whole
     media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
     return [{"role": "user", "content": media + content}]
 
@@ -305,9 +301,8 @@ class Prompt:
     sample: dict  # the validated sample (id, answer, problem_type, options, ...)
     text: str  # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
     prompt_ids: list[int]  # processor-expanded token ids (what the trainer feeds)
-    mm: dict = field(
-        default_factory=dict
-    )  # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
+    # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
+    mm: dict = field(default_factory=dict)
     videos: list = field(default_factory=list)  # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)  # [uint8 HWC] for vLLM
 
@@ -462,13 +457,13 @@ class Stream:
     cursor: int = 0
 
     def take(self) -> int:
-        g = torch.Generator().manual_seed(
-            self.seed * 1_000_003 + self.epoch
-        )  # each epoch's order from the seed
+        # each epoch's order from the seed
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         index = torch.randperm(self.n, generator=g)[self.cursor].item()
         self.cursor += 1
         if self.cursor == self.n:
-            self.epoch, self.cursor = self.epoch + 1, 0
+            self.epoch += 1
+            self.cursor = 0
         return index
 
 

@@ -70,7 +70,7 @@ class Config(Media):
     val_data: str = ".cache/data/color/val.jsonl"
     """held-out samples for greedy accuracy ('' to skip evaluation)"""
     val_video_fps: float = 0.0
-    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
+    """held-out frame budget (Config.media): fps (0 = the training value); likewise the val_* fields below"""
     val_video_max_frames: int = 0
     """validation: max frames per video (0 = video_max_frames)"""
     val_video_max_pixels: int = 0
@@ -240,22 +240,12 @@ class Config(Media):
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
     def media(self, held_out: bool = False) -> Media:
-        """The media settings data.prepare reads; held_out: each val_* field that is set replaces its training one."""
+        """The media settings data.prepare reads; held_out: a val_<name> field that is set replaces <name>."""
         media = {f.name: getattr(self, f.name) for f in fields(Media)}
-        for name in VAL_BUDGET:
-            if held_out and getattr(self, f"val_{name}"):
+        for name in media:
+            if held_out and getattr(self, f"val_{name}", 0):
                 media[name] = getattr(self, f"val_{name}")
         return Media(**media)
-
-
-# the held-out frame budget: val_<name> replaces <name> when set
-VAL_BUDGET = (
-    "video_fps",
-    "video_max_frames",
-    "video_max_pixels",
-    "video_total_pixels",
-    "image_max_pixels",
-)
 
 
 def load_config(argv=None) -> Config:
