@@ -120,9 +120,8 @@ def sample_indices(
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
 
-    n = smart_nframes(
-        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
-    )
+    budget = {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}
+    n = smart_nframes(budget, total_frames, video_fps)
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 
@@ -183,11 +182,8 @@ def decode_video(
         frames = []
         for i in idx:  # resizing a frame is independent of the others: the same pixels as one batch
             frame = vr.get_batch([i]).asnumpy()
-            frames.append(
-                resize(
-                    frame, *smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)
-                )
-            )
+            h, w = smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)
+            frames.append(resize(frame, h, w))
         frames = np.concatenate(frames)  # frames whose size changes mid-video fail here
     except VideoError:
         raise
@@ -228,12 +224,9 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
 
 def checksum(file: str, frames: np.ndarray, video: str) -> str:
     """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
-    return str(
-        zlib.crc32(
-            frames.tobytes(),
-            zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode())),
-        )
-    )
+    crc = zlib.crc32(os.path.basename(file).encode())
+    crc = zlib.crc32(video.encode(), crc)
+    return str(zlib.crc32(frames.tobytes(), crc))
 
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:

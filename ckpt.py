@@ -69,9 +69,8 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
 def save_checkpoint(model, processor, path: str, rank: int):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
     merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {
-        name: t.cpu() for name, t in hf_weights(model) if rank == 0
-    }  # a collective: every rank gathers, rank 0 keeps
+    # a collective: every rank gathers, rank 0 keeps
+    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}
     if rank == 0:
         base_model(model).save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)

@@ -30,9 +30,8 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
     if not dist.is_initialized():
         return x
-    t = torch.tensor(
-        x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu"
-    )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(x, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
 

@@ -34,8 +34,8 @@ FIELDS = {
     "options": list,  # "A. red", ... for multiple choice
     "video_end": float,  # seconds: the videos are cut there (OVO-Bench: the question's moment; optional)
     "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
-    "id": str,
-}  # optional; defaults to "<file>:<line>"
+    "id": str,  # optional; defaults to "<file>:<line>"
+}
 REQUIRED = ("problem", "answer", "problem_type")
 # Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
 # tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
@@ -124,10 +124,8 @@ def parse_json(raw: bytes, where: str):
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except (
-        ValueError,
-        RecursionError,
-    ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as e:
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
 
 
@@ -140,19 +138,17 @@ def load_samples(
     """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
     appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped).
     special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it loaded)."""
-    with open(
-        path, "rb"
-    ) as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
+    # bytes: a line that is not UTF-8 is an error on that line, not on the file
+    with open(path, "rb") as f:
         raw = f.read()
     if path.endswith(".json"):
         items = parse_json(raw, path)
         if not isinstance(items, list):
             raise DataError(f"{path}: expected a JSON array of samples, got {type(items).__name__}")
-        rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(items)]  # item number, 1-based
+        rows = [(f"{path}:{n}", item) for n, item in enumerate(items, start=1)]
     else:
-        rows = [
-            (f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()
-        ]
+        lines = enumerate(raw.split(b"\n"), start=1)
+        rows = [(f"{path}:{n}", line) for n, line in lines if line.strip()]
     out = []
     for where, row in rows:
         try:
@@ -187,9 +183,8 @@ TEMPLATES = {
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
-compiled = lru_cache(maxsize=16)(
-    _jinja.from_string
-)  # render_all renders one template on every sample
+# render_all renders one template on every sample
+compiled = lru_cache(maxsize=16)(_jinja.from_string)
 
 
 def render_prompt(
