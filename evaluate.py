@@ -38,11 +38,10 @@ from common import ANSWERS, UserError, gather, write_jsonl, write_text
 from data import DataError
 
 
+# The settings of an evaluation; Media (cache.py) declares the frame and image ones. ANSWERS beside a field (the
+# frame settings' too): it changes the answers, so a resume log written under another value is refused.
 @dataclass
 class Config(cache.Media):
-    """The settings of an evaluation; Media (cache.py) declares the frame and image ones. ANSWERS beside a field
-    (the frame settings' too): it changes the answers, so a resume log written under another value is refused."""
-
     config: tuple[str, ...] = ()
     """YAML files of these settings, each over the ones before (bad keys fail); flags win"""
     model: str = ".cache/models/tiny-qwen2_5_vl"

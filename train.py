@@ -49,13 +49,12 @@ from common import (
 from rollout import HFEngine, Rollout, VLLMEngine, eos_token_ids, request_seed, vision_token_ids
 
 
+# Every setting of a run. Media (cache.py, shared with evaluate.py) declares the frame and image settings:
+# video_fps, video_min/max_frames, video_min/max/total_pixels, max_decode_pixels, image_min/max_pixels,
+# video_source, cache_dir. Facts beside a field (common.py): POSITIVE / NOT_NEGATIVE (check_config),
+# MAY_CHANGE_ON_RESUME (check_files). (No docstring: tyro would print it atop --help.)
 @dataclass
 class Config(Media):
-    """Every setting of a run. Media (cache.py, shared with evaluate.py) declares the frame and image settings:
-    video_fps, video_min/max_frames, video_min/max/total_pixels, max_decode_pixels, image_min/max_pixels,
-    video_source, cache_dir. Facts beside a field (common.py): POSITIVE / NOT_NEGATIVE (check_config),
-    MAY_CHANGE_ON_RESUME (check_files)."""
-
     config: tuple[str, ...] = field(default=(), metadata=MAY_CHANGE_ON_RESUME)
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
