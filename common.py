@@ -23,6 +23,18 @@ import torch
 import torch.distributed as dist
 
 
+# Errors: the user's (one line) and ours (a traceback)
+
+
+class UserError(ValueError):
+    """Bad input the user can fix (a setting, a data file, a path): common.cli prints its message as one line. Our
+    own checks raise it (data.DataError, cache.VideoError are ones); any other exception is a bug: a traceback."""
+
+
+# OSErrors about one path that is missing or unreadable: the user's input, the message names the file
+FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 # Collectives: every rank calls them at the same point of the loop
 
 
@@ -203,15 +215,6 @@ def quiet():
     )
 
 
-class UserError(ValueError):
-    """Bad input the user can fix (a setting, a data file, a path): common.cli prints its message as one line. Our
-    own checks raise it (data.DataError, cache.VideoError are ones); any other exception is a bug: a traceback."""
-
-
-# OSErrors about one path that is missing or unreadable: the user's input, the message names the file
-FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
 def cli(main, load_config, error_log: bool = False):
     """`main(load_config(argv))`. A UserError or a missing/unreadable file prints one line `error: ...`, exit 2 (with
     --debug: its traceback); any other exception keeps its traceback, and with error_log (train.py) is also written
@@ -256,7 +259,9 @@ def load_config(cls, argv=None):
     them; its `config` field records the files applied."""
     import tyro
 
-    paths, rest = config_files(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        argv = sys.argv[1:]
+    paths, rest = config_files(list(argv))
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)
