@@ -493,7 +493,7 @@ def training_defaults(paths: list[str]) -> Config:
         with open(path) as f:
             run.update(yaml.safe_load(f) or {})
     held_out = {k: v for k, v in run.items() if k.startswith("val_") and k != "val_data" and v}
-    own_budget = any(getattr(media, k.removeprefix("val_")) != v for k, v in held_out.items())
+    own_budget = any(getattr(media, k[4:], None) != v for k, v in held_out.items())
     files = []
     if run.get("train_data"):
         files.append(run["train_data"])
