@@ -19,20 +19,32 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import numpy as np
 
-from common import check_hub, cli, config_files, write_jsonl, yaml_overlay
-
-FORMAT = (
-    "nvr1-frames-v3"  # bump when stored frames or metadata change: every older entry becomes a miss
+from common import (
+    ANSWERS,
+    MAY_CHANGE_ON_RESUME,
+    NOT_NEGATIVE,
+    POSITIVE,
+    UserError,
+    check_hub,
+    choice_error,
+    cli,
+    config_files,
+    write_jsonl,
+    yaml_overlay,
 )
-MODES = ("prefer_cache", "cache_only", "decode_only")
-MAX_DECODE_PIXELS = (
-    7680 * 4320
-)  # 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
+
+# bump when stored frames or metadata change: every older entry becomes a miss
+FORMAT = "nvr1-frames-v3"
+# 8K; decoding + resizing costs ~46 bytes per pixel of one frame (LOG.md): ~1.5 GB
+MAX_DECODE_PIXELS = 7680 * 4320
+
+
+VideoSource = Literal["prefer_cache", "cache_only", "decode_only"]
 
 
 @dataclass
@@ -40,17 +52,17 @@ class Frames:
     """How a video becomes frames: the settings cache.py's, train.py's and evaluate.py's Config inherit (one
     declaration, one flag name each). The defaults are training's; evaluate.py raises video_max_frames/pixels."""
 
-    video_fps: float = 2.0
+    video_fps: float = field(default=2.0, metadata=POSITIVE | ANSWERS)
     """frames sampled per second of video"""
-    video_min_frames: int = 4
+    video_min_frames: int = field(default=4, metadata=POSITIVE | ANSWERS)
     """at least this many frames per video"""
-    video_max_frames: int = 32
+    video_max_frames: int = field(default=32, metadata=ANSWERS)
     """at most this many frames per video"""
-    video_min_pixels: int = 3136
+    video_min_pixels: int = field(default=3136, metadata=ANSWERS)
     """min pixels per frame (smart-resize lower bound)"""
-    video_max_pixels: int = 100352
+    video_max_pixels: int = field(default=100352, metadata=ANSWERS)
     """max pixels per frame"""
-    video_total_pixels: int = 0
+    video_total_pixels: int = field(default=0, metadata=NOT_NEGATIVE | ANSWERS)
     """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
     max_decode_pixels: int = MAX_DECODE_PIXELS
     """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
@@ -63,64 +75,27 @@ class Frames:
             max_frames=self.video_max_frames,
             min_pixels=self.video_min_pixels,
             max_pixels=self.video_max_pixels,
-            total_pixels=self.video_total_pixels or 0,
+            total_pixels=self.video_total_pixels or 0,  # None = 0: one key
             factor=factor,
-        )  # None = 0: one key
+        )
 
 
 @dataclass
 class Media(Frames):
-    """Frames, images and where frames come from: the settings data.prepare reads (train.py, evaluate.py)."""
+    """Frames, images and where frames come from: the settings data.prepare reads (train.py's and evaluate.py's
+    Config are ones)."""
 
-    image_min_pixels: int = 3136
+    image_min_pixels: int = field(default=3136, metadata=ANSWERS)
     """min pixels per image"""
-    image_max_pixels: int = 1003520
+    image_max_pixels: int = field(default=1003520, metadata=ANSWERS)
     """max pixels per image"""
-    video_source: Literal["prefer_cache", "cache_only", "decode_only"] = "prefer_cache"
+    video_source: VideoSource = field(default="prefer_cache", metadata=MAY_CHANGE_ON_RESUME)
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
-    cache_dir: str = ".cache/frames"
+    cache_dir: str = field(default=".cache/frames", metadata=MAY_CHANGE_ON_RESUME)
     """frame cache folder ('' = no cache)"""
 
 
-@dataclass
-class Training(Media):
-    """What a training run reads: its model, its data files and their frame budgets (train.py's Config is one; the
-    CLI's --config reads these from a training YAML)."""
-
-    model: str = ".cache/models/tiny-qwen2_5_vl"
-    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
-    trust_remote_code: bool = False
-    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
-    train_data: str = ".cache/data/color/train.jsonl"
-    """training samples (JSONL or JSON array; schema in data.py)"""
-    val_data: str = ".cache/data/color/val.jsonl"
-    """held-out samples for greedy accuracy ('' to skip evaluation)"""
-    val_video_fps: float = 0.0
-    """validation frame budget: fps (0 = the training value); likewise the val_* fields below"""
-    val_video_max_frames: int = 0
-    """validation: max frames per video (0 = video_max_frames)"""
-    val_video_max_pixels: int = 0
-    """validation: max pixels per frame (0 = video_max_pixels)"""
-    val_video_total_pixels: int = 0
-    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
-    val_image_max_pixels: int = 0
-    """validation: max pixels per image (0 = image_max_pixels)"""
-
-    def val_config(self):
-        """The frame budget of the held-out prompts: each val_* field that is set replaces its training field."""
-        names = (
-            "video_fps",
-            "video_max_frames",
-            "video_max_pixels",
-            "video_total_pixels",
-            "image_max_pixels",
-        )
-        return replace(
-            self, **{k: getattr(self, f"val_{k}") for k in names if getattr(self, f"val_{k}")}
-        )
-
-
-class VideoError(ValueError):
+class VideoError(UserError):
     """A video that cannot be decoded; the message names the file and the cause."""
 
 
@@ -131,9 +106,8 @@ def vision_factor(processor) -> int:
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from qwen_vl_utils.vision_process import (
-        smart_resize as ref,
-    )  # the reference math, not a copy of it
+    # the reference math, not a copy of it
+    from qwen_vl_utils.vision_process import smart_resize as ref
 
     return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
@@ -146,9 +120,8 @@ def sample_indices(
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
 
-    n = smart_nframes(
-        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
-    )
+    budget = {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}
+    n = smart_nframes(budget, total_frames, video_fps)
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 
@@ -196,7 +169,8 @@ def decode_video(
                 f"{max_decode_pixels}"
             )
         vr = decord.VideoReader(path, num_threads=1)
-        total, vfps = len(vr), float(vr.get_avg_fps())
+        total = len(vr)
+        vfps = float(vr.get_avg_fps())
         if end is not None:
             total = min(total, math.ceil(end * vfps))
         if total < 2 or vfps <= 0:
@@ -208,11 +182,8 @@ def decode_video(
         frames = []
         for i in idx:  # resizing a frame is independent of the others: the same pixels as one batch
             frame = vr.get_batch([i]).asnumpy()
-            frames.append(
-                resize(
-                    frame, *smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)
-                )
-            )
+            h, w = smart_resize(frame.shape[1], frame.shape[2], factor, min_pixels, cap)
+            frames.append(resize(frame, h, w))
         frames = np.concatenate(frames)  # frames whose size changes mid-video fail here
     except VideoError:
         raise
@@ -253,12 +224,9 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
 
 def checksum(file: str, frames: np.ndarray, video: str) -> str:
     """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
-    return str(
-        zlib.crc32(
-            frames.tobytes(),
-            zlib.crc32(video.encode(), zlib.crc32(os.path.basename(file).encode())),
-        )
-    )
+    crc = zlib.crc32(os.path.basename(file).encode())
+    crc = zlib.crc32(video.encode(), crc)
+    return str(zlib.crc32(frames.tobytes(), crc))
 
 
 def read_entry(file: str) -> tuple[np.ndarray, dict]:
@@ -268,10 +236,10 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 
     try:
         with safe_open(file, "np") as f:
-            meta, frames = f.metadata() or {}, f.get_tensor("frames")
-    except (
-        Exception
-    ) as e:  # safetensors raises its own SafetensorError / OSError / ValueError variants
+            meta = f.metadata() or {}
+            frames = f.get_tensor("frames")
+    # safetensors raises its own SafetensorError / OSError / ValueError variants
+    except Exception as e:
         raise ValueError(f"{file}: unreadable cache entry ({type(e).__name__}: {e})") from e
     if "video" not in meta or meta.get("crc32") != checksum(file, frames, meta["video"]):
         raise ValueError(f"{file}: cache entry fails its checksum")
@@ -284,8 +252,10 @@ def check_entry(
     """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
     try:
-        total, vfps = meta["total_num_frames"], meta["fps"]
-        h, w = meta["height"], meta["width"]
+        total = meta["total_num_frames"]
+        vfps = meta["fps"]
+        h = meta["height"]
+        w = meta["width"]
         idx = sample_indices(
             total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
         )
@@ -334,7 +304,7 @@ def load_video(
     frames: Frames,
     factor: int = 28,
     cache_dir: str | None = None,
-    mode: str = "prefer_cache",
+    mode: VideoSource = "prefer_cache",
     stats: dict | None = None,
     end: float | None = None,
 ) -> tuple[np.ndarray, dict]:
@@ -343,12 +313,12 @@ def load_video(
     entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
     stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds). end: decode_video's
     cut, in seconds (part of the entry's key)."""
-    if mode not in MODES:
-        raise ValueError(f"video_source/mode must be one of {MODES}, got {mode!r}")
-    stats = stats if stats is not None else {}
-    if not os.path.isfile(
-        path
-    ):  # also refuses a FIFO or a device, which would block decoding for ever
+    if choice_error(VideoSource, mode):
+        raise UserError(f"video_source/mode: {choice_error(VideoSource, mode)}")
+    if stats is None:
+        stats = {}
+    # also refuses a FIFO or a device, which would block decoding for ever
+    if not os.path.isfile(path):
         raise VideoError(f"{path}: video file not found (or not a regular file)")
     settings = frames.settings(factor)
     if end is not None:  # a clip and its whole video are different entries
@@ -361,9 +331,8 @@ def load_video(
         return out
     file = entry_path(cache_dir, path, settings)
     with contextlib.ExitStack() as stack:
-        if (
-            mode == "prefer_cache"
-        ):  # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+        # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+        if mode == "prefer_cache":
             os.makedirs(os.path.dirname(file), exist_ok=True)
             fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
         if os.path.exists(file):
@@ -379,9 +348,8 @@ def load_video(
                     ) from e
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
         stats["cache_miss"] = stats.get("cache_miss", 0) + 1
-        if (
-            mode == "cache_only"
-        ):  # never decodes, never writes (not even a lock): a read-only shared cache works
+        # never decodes, never writes (not even a lock): a read-only shared cache works
+        if mode == "cache_only":
             raise VideoError(
                 f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)"
             )
@@ -410,15 +378,10 @@ def load_image(
                     f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}"
                 )
             arr = np.asarray(im.convert("RGB"))
-        h, w = smart_resize(
-            arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels
-        )  # refuses a ratio over 200
-    except (
-        OSError,
-        UnidentifiedImageError,
-        Image.DecompressionBombError,
-        ValueError,
-    ) as e:  # bomb: 2x PIL's cap
+        # refuses a ratio over 200
+        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
+    # a bomb: 2x PIL's cap
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e
     return resize(arr[None], h, w)[0]
 
@@ -455,15 +418,17 @@ def videos_of(path: str) -> list[str]:
     fields are data.py's to check. A file that is not a list of such samples is an error naming it."""
     try:
         with open(path, "rb") as f:
-            rows = (
-                json.load(f)
-                if path.endswith(".json")
-                else [json.loads(line) for line in f if line.strip()]
-            )
+            if path.endswith(".json"):
+                rows = json.load(f)
+            else:
+                rows = [json.loads(line) for line in f if line.strip()]
         root = os.path.dirname(os.path.abspath(path))
-        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
+        videos = []
+        for s in rows:
+            videos += [os.path.abspath(os.path.join(root, v)) for v in s.get("videos", [])]
+        return videos
     except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(
+        raise UserError(
             f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})"
         ) from e
 
@@ -475,9 +440,13 @@ def preprocess(c: Config) -> dict:
 
     from tqdm import tqdm
 
-    videos = list(dict.fromkeys(v for f in c.data for v in videos_of(f)))
+    videos = []
+    for path in c.data:
+        videos += videos_of(path)
+    videos = list(dict.fromkeys(videos))  # each distinct video once, in order
     t = time.time()
-    total, failed = Counter(), []
+    total = Counter()
+    failed = []
     with ProcessPoolExecutor(c.workers) as ex:
         jobs = {ex.submit(preprocess_one, v, c): v for v in videos}
         for job in tqdm(as_completed(jobs), total=len(jobs), desc="videos", unit="video"):
@@ -499,40 +468,54 @@ def preprocess(c: Config) -> dict:
 
 
 def load_config(argv: list[str]) -> Config:
-    """The CLI: `--config train.yaml ...` (read as train.py reads it) sets the defaults from training's settings (the
-    held-out file only when its frame budget is training's: the val_* fields); the other flags override them."""
+    """The CLI: `--config train.yaml ...` (read as train.py reads it) sets the defaults from training's settings
+    (training_defaults); the other flags override them."""
     import tyro
 
     paths, argv = config_files(argv)
     default = Config()
     if paths:
-        t = Training()
-        for path in paths:
-            t = yaml_overlay(t, path, strict=False)  # the training YAML's other keys are not ours
-        val = [t.val_data] if t.val_data and t.val_config() == t else []
-        for path in [t.train_data, *val]:  # before the processor loads
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"{path}: no such file (train_data or val_data of {' '.join(paths)})"
-                )
-        check_hub(t.model)
+        default = training_defaults(paths)
+    # --data a --data b
+    return tyro.cli(Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,))
+
+
+def training_defaults(paths: list[str]) -> Config:
+    """What training YAMLs (each file over the ones before) say of the frames: their frame settings and cache_dir,
+    train_data, val_data (only when the held-out frame budget is training's: no val_* key says otherwise) and the
+    factor of their model. Their other keys are train.py's (train.Config declares them all)."""
+    import yaml
+
+    media = Media()
+    run = {}
+    for path in paths:
+        media = yaml_overlay(media, path, strict=False)  # the frame settings, typed
+        with open(path) as f:
+            run.update(yaml.safe_load(f) or {})
+    held_out = {k: v for k, v in run.items() if k.startswith("val_") and k != "val_data" and v}
+    own_budget = any(getattr(media, k[4:], None) != v for k, v in held_out.items())
+    files = []
+    if run.get("train_data"):
+        files.append(run["train_data"])
+    if run.get("val_data") and not own_budget:
+        files.append(run["val_data"])
+    for path in files:  # before the processor loads
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise UserError(f"{path}: no such file (train_data or val_data of {' '.join(paths)})")
+    factor = Config.factor
+    if run.get("model"):
+        check_hub(run["model"])
         from transformers import AutoProcessor
 
-        factor = vision_factor(
-            AutoProcessor.from_pretrained(t.model, trust_remote_code=t.trust_remote_code)
-        )
-        frames = {f.name: getattr(t, f.name) for f in fields(Frames)}
-        default = Config(
-            config=tuple(paths), data=[t.train_data, *val], out=t.cache_dir, factor=factor, **frames
-        )
-    return tyro.cli(
-        Config, default=default, args=argv, config=(tyro.conf.UseAppendAction,)
-    )  # --data a --data b
+        trust = run.get("trust_remote_code") is True
+        factor = vision_factor(AutoProcessor.from_pretrained(run["model"], trust_remote_code=trust))
+    frames = {f.name: getattr(media, f.name) for f in fields(Frames)}
+    return Config(config=tuple(paths), data=files, out=media.cache_dir, factor=factor, **frames)
 
 
 def main(c: Config):
     if not c.data:
-        raise ValueError("no data files: give --data FILE (repeatable) or --config train.yaml")
+        raise UserError("no data files: give --data FILE (repeatable) or --config train.yaml")
     summary = preprocess(c)
     print(" | ".join(f"{k} {v}" for k, v in summary.items()))
     if summary["failed"]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from common import barrier, base_model, write_text
+from common import UserError, barrier, base_model, write_text
 
 # the weight stream's extra memory: one bucket of gathered shards, plus one full tensor being reassembled (LoRA: and
 # the base tensors of one adapted layer, waiting for its adapters)
@@ -37,23 +37,19 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(
-            tmp, ignore_errors=True
-        )  # left by a crash during an earlier attempt at this step
+        # left by a crash during an earlier attempt at this step
+        shutil.rmtree(tmp, ignore_errors=True)
     barrier()
     dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
-    rng = {"cpu": torch.get_rng_state()} | (
-        {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-    )
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, os.path.join(tmp, f"rng_{rank}.safetensors"))
     barrier()  # every rank's files are written
     if rank == 0:
         write_text(os.path.join(tmp, "meta.json"), json.dumps(meta))
-        for part in (
-            processor,
-            model.config,
-            model.generation_config,
-        ):  # what export_hf.py and a new run read
+        # what export_hf.py and a new run read
+        for part in (processor, model.config, model.generation_config):
             part.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a resumed run that reached this step again
         os.rename(tmp, final)
@@ -73,9 +69,8 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
 def save_checkpoint(model, processor, path: str, rank: int):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
     merged in (scripts/export_hf.py writes the adapter alone)."""
-    sd = {
-        name: t.cpu() for name, t in hf_weights(model) if rank == 0
-    }  # a collective: every rank gathers, rank 0 keeps
+    # a collective: every rank gathers, rank 0 keeps
+    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}
     if rank == 0:
         base_model(model).save_pretrained(path, state_dict=sd)
         processor.save_pretrained(path)
@@ -87,9 +82,10 @@ def find(out_dir: str, resume: str) -> str:
     latest = os.path.join(out_dir, "ckpt", "latest")
     if resume != "auto":
         return resume
-    return (
-        os.path.join(out_dir, "ckpt", open(latest).read().strip()) if os.path.exists(latest) else ""
-    )
+    if not os.path.exists(latest):
+        return ""
+    with open(latest) as f:
+        return os.path.join(out_dir, "ckpt", f.read().strip())
 
 
 def load(path: str, model, opt) -> dict:
@@ -100,7 +96,7 @@ def load(path: str, model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not os.path.exists(os.path.join(path, "meta.json")):
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no meta.json)")
+        raise UserError(f"{path}: not a complete checkpoint (no meta.json)")
     state = model_optim_state(model, opt)
     dcp.load(state, checkpoint_id=path)
     # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
@@ -127,7 +123,8 @@ def load(path: str, model, opt) -> dict:
 def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
     """(name, full tensor) for every entry of a (FSDP2) state dict, in order. DTensors are gathered in buckets of one
     dtype and about bucket_bytes, one collective per bucket: every rank must consume the whole iterator."""
-    bucket, size = [], 0
+    bucket = []
+    size = 0  # its bytes
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
         if bucket and (
@@ -136,7 +133,8 @@ def full_tensors(state: dict, bucket_bytes: int = SYNC_BUCKET_BYTES):
             or size + nbytes > bucket_bytes
         ):
             yield from gather_bucket(bucket)
-            bucket, size = [], 0
+            bucket = []
+            size = 0
         if isinstance(t, DTensor):
             bucket.append((name, t))
             size += nbytes
@@ -180,23 +178,22 @@ def hf_weights(model):
     merged, W + scaling * B A: peft's order per adapted layer X is `X.base_layer.weight` (and `.bias`), `X.lora_A...`,
     `X.lora_B...`, so the base tensors wait for their lora_B, then go out as `X.weight` (merged) and `X.bias`."""
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
-    held, lora_a = [], None  # the adapted layer's base tensors and its A, until its B arrives
+    held = []  # the adapted layer's base tensors, until its B arrives
+    lora_a = None  # and its A
     for name, t in full_tensors(model.state_dict()):
-        layer, _, adapter = name.partition(".lora_")
+        layer = name.partition(".lora_")[0]
+        adapter = name.partition(".lora_")[2]
         if adapter.startswith("A."):
             lora_a = t
         elif adapter.startswith("B."):
-            weight_name, w = held[0] if held else (None, None)
-            if (
-                weight_name != f"{layer}.base_layer.weight"
-            ):  # never merged into another layer, never dropped
+            # never merged into another layer, never dropped
+            if not held or held[0][0] != f"{layer}.base_layer.weight":
                 raise ValueError(
                     f"weight sync: {name} does not follow its base weight (peft's state-dict order?)"
                 )
-            held[0] = (
-                weight_name,
-                w + lora[layer].scaling["default"] * (t.to(w.dtype) @ lora_a.to(w.dtype)),
-            )
+            weight_name, w = held[0]
+            delta = t.to(w.dtype) @ lora_a.to(w.dtype)
+            held[0] = (weight_name, w + lora[layer].scaling["default"] * delta)
             for held_name, tensor in held:
                 yield base_name(held_name), tensor
             held = []

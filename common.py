@@ -5,6 +5,7 @@ import datetime
 import faulthandler
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -22,6 +23,18 @@ import torch
 import torch.distributed as dist
 
 
+# Errors: the user's (one line) and ours (a traceback)
+
+
+class UserError(ValueError):
+    """Bad input the user can fix (a setting, a data file, a path): common.cli prints its message as one line. Our
+    own checks raise it (data.DataError, cache.VideoError are ones); any other exception is a bug: a traceback."""
+
+
+# OSErrors about one path that is missing or unreadable: the user's input, the message names the file
+FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
 # Collectives: every rank calls them at the same point of the loop
 
 
@@ -29,9 +42,8 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """A few numbers reduced over all ranks, in float64, on the device the backend needs (nccl: GPU, gloo: CPU)."""
     if not dist.is_initialized():
         return x
-    t = torch.tensor(
-        x, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu"
-    )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(x, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -59,7 +71,8 @@ def init_dist(timeout_s: float = 1800.0, offload: bool = False):
     """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
@@ -130,16 +143,15 @@ def check_hub(model: str):
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
     except OSError as e:
-        raise OSError(
+        raise UserError(
             f"{model}: no network ({url.hostname}: {e}): set HF_HUB_OFFLINE=1 or give a local path"
         ) from e
 
 
 # Configs: a flat dataclass, YAML files over its defaults, flags over them
 
-FLOAT = re.compile(
-    r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I
-)  # YAML 1.1 floats need a dot: 1e-6 is a str, made float
+# YAML 1.1 floats need a dot: 1e-6 is a str, made float
+FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.I)
 
 
 # Library lines, harmless in our runs, that quiet() drops (--debug keeps them): logger -> texts, why above each group
@@ -183,9 +195,8 @@ def quiet():
     """At an entry script's start, before vLLM loads (the env var reaches its child processes); not with --debug."""
     if "--debug" in sys.argv:
         return
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "WARNING"
-    )  # its ~40 INFO lines per process at start-up
+    # vLLM's ~40 INFO lines per process at start-up
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # transformers' bars (loading and saving weights; the hub's downloads too): an env var, read when it is imported
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name, texts in NOISE.items():
@@ -204,16 +215,33 @@ def quiet():
     )
 
 
-def cli(main, load_config):
-    """`main(load_config(argv))`: a ValueError or OSError (settings, data, paths, network) prints one line, exit 2."""
+def cli(main, load_config, error_log: bool = False):
+    """`main(load_config(argv))`. A UserError or a missing/unreadable file prints one line `error: ...`, exit 2 (with
+    --debug: its traceback); any other exception keeps its traceback, and with error_log (train.py) is also written
+    to the run's out_dir/error.log (rank N > 0: error.rankN.log): a crash at hour five is read there, not rerun."""
     quiet()
+    cfg = None
     try:
-        return main(load_config([arg for arg in sys.argv[1:] if arg != "--debug"]))
-    except (ValueError, OSError) as e:
+        cfg = load_config([arg for arg in sys.argv[1:] if arg != "--debug"])
+        return main(cfg)
+    except (UserError, *FILE_ERRORS) as e:
         if "--debug" in sys.argv:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception:
+        if error_log and cfg is not None:
+            write_error_log(cfg.out_dir, traceback.format_exc())
+        raise
+
+
+def write_error_log(out_dir: str, text: str):
+    """The traceback that ended a run, in its folder: error.log (rank N > 0 of torchrun: error.rankN.log)."""
+    rank = int(os.environ.get("RANK", "0"))
+    name = "error.log"
+    if rank:
+        name = f"error.rank{rank}.log"
+    write_text(os.path.join(out_dir, name), text)
 
 
 def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -231,7 +259,9 @@ def load_config(cls, argv=None):
     them; its `config` field records the files applied."""
     import tyro
 
-    paths, rest = config_files(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        argv = sys.argv[1:]
+    paths, rest = config_files(list(argv))
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)
@@ -246,25 +276,69 @@ def yaml_overlay(base, path: str, strict: bool = True):
     with open(path) as f:
         values = yaml.safe_load(f) or {}
     if not isinstance(values, dict):
-        raise ValueError(
+        raise UserError(
             f"{path}: expected a mapping of settings (key: value lines), got a {type(values).__name__}"
         )
     types = {f.name: f.type for f in fields(base) if f.name != "config"}
     for key, value in values.items():
         if key not in types:
             if strict:
-                raise ValueError(f"{path}: unknown key {key!r}")
+                raise UserError(f"{path}: unknown key {key!r}")
             continue
-        choices = typing.get_args(types[key]) if typing.get_origin(types[key]) is Literal else ()
-        if types[key] is float and (
-            type(value) is int or type(value) is str and FLOAT.fullmatch(value)
-        ):
+        kind = types[key]
+        if kind is float and type(value) is int:
             value = float(value)
-        if value not in choices and type(value) is not types[key]:  # type(): a bool is no int here
-            expect = " | ".join(map(repr, choices)) or types[key].__name__
-            raise ValueError(f"{path}: {key}: {value!r} is not {expect}")
+        if kind is float and type(value) is str and FLOAT.fullmatch(value):
+            value = float(value)
+        if typing.get_origin(kind) is Literal:
+            problem = choice_error(kind, value)
+        elif type(value) is not kind:  # type(): a bool is no int here
+            problem = f"{value!r} is not {kind.__name__}"
+        else:
+            problem = ""
+        if problem:
+            raise UserError(f"{path}: {key}: {problem}")
         base = replace(base, **{key: value})
     return base
+
+
+# Field facts, beside their field: `x: int = field(default=8, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)`
+
+POSITIVE = {"bound": "> 0"}
+"""check_config: the value must be > 0"""
+NOT_NEGATIVE = {"bound": ">= 0"}
+"""check_config: the value must be >= 0"""
+MAY_CHANGE_ON_RESUME = {"resume": "may change"}
+"""a resumed run may set it otherwise than its checkpoint (length, logging, cadence, saving, timeouts, cache)"""
+ANSWERS = {"answers": True}
+"""it changes what a model is shown or answers: evaluate.py refuses a resume log written under another value"""
+
+
+def choice_error(kind, value) -> str:
+    """'' when `value` is one of Literal `kind`'s choices, else what was expected: the one check of choices, for a
+    YAML file (yaml_overlay), a config built in code (field_errors) and load_video's mode; flags: tyro, by the type."""
+    choices = typing.get_args(kind)
+    if value in choices:
+        return ""
+    return f"{value!r} is not {' | '.join(map(repr, choices))}"
+
+
+def field_errors(cfg) -> list[str]:
+    """What dataclass `cfg`'s own field facts refuse: a choice not among its Literal's, a float not finite (nan and
+    inf pass < and >), a value outside its metadata's bound; one line per field."""
+    bad = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        bound = f.metadata.get("bound")
+        if typing.get_origin(f.type) is Literal and choice_error(f.type, value):
+            bad.append(f"{f.name}: {choice_error(f.type, value)}")
+        elif type(value) is float and not math.isfinite(value):
+            bad.append(f"{f.name} must be finite, got {value}")
+        elif bound == "> 0" and value <= 0:
+            bad.append(f"{f.name} must be > 0, got {value}")
+        elif bound == ">= 0" and value < 0:
+            bad.append(f"{f.name} must be >= 0, got {value}")
+    return bad
 
 
 # Files written whole

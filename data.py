@@ -20,7 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cache
 import rewards
-from common import gather
+from cache import Media
+from common import UserError, gather
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {
@@ -33,8 +34,8 @@ FIELDS = {
     "options": list,  # "A. red", ... for multiple choice
     "video_end": float,  # seconds: the videos are cut there (OVO-Bench: the question's moment; optional)
     "offline_output": str,  # a curated trajectory for mixed offline-online training (optional)
-    "id": str,
-}  # optional; defaults to "<file>:<line>"
+    "id": str,  # optional; defaults to "<file>:<line>"
+}
 REQUIRED = ("problem", "answer", "problem_type")
 # Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
 # tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
@@ -60,7 +61,7 @@ MAX_PROMPT_CHARS = (
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A sample that breaks the schema; the message names file, line, sample id and field."""
 
 
@@ -68,9 +69,8 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
-    sid = (
-        str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()
-    )  # printable despite a lone surrogate
+    # printable despite a lone surrogate
+    sid = str(s.get("id", where)).encode("utf-8", "backslashreplace").decode()
     who = f"{where}: sample {sid}"
     for k in REQUIRED:
         if k not in s:
@@ -94,10 +94,9 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     for k in ("videos", "images"):
         if k in s:
             s[k] = [os.path.join(root, p) for p in s[k]]  # an absolute p stays p
+    # ground truth is checked now, not discovered broken at reward time
     try:
-        rewards.validate_answer(
-            s
-        )  # ground truth is checked now, not discovered broken at reward time
+        rewards.validate_answer(s)
     except ValueError as e:
         raise DataError(f"{who}: field 'answer': {e}") from e
     return s
@@ -107,10 +106,10 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
     refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
-    texts = [(k, v) for k, v in sample.items() if isinstance(v, str)]
-    texts += [
-        (k, x) for k, v in sample.items() if isinstance(v, list) for x in v if isinstance(x, str)
-    ]
+    texts = []
+    for k, v in sample.items():
+        items = v if isinstance(v, list) else [v]
+        texts += [(k, x) for x in items if isinstance(x, str)]
     for k, text in texts:
         bad = refused.search(text)
         if bad:
@@ -125,10 +124,8 @@ def parse_json(raw: bytes, where: str):
     integer over 4300 digits are a DataError naming `where` (so skip_invalid can skip the line)."""
     try:
         return json.loads(raw.decode("utf-8"))
-    except (
-        ValueError,
-        RecursionError,
-    ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as e:
         raise DataError(f"{where}: unparseable JSON ({type(e).__name__}: {str(e)[:200]})") from e
 
 
@@ -141,19 +138,17 @@ def load_samples(
     """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
     appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped).
     special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it loaded)."""
-    with open(
-        path, "rb"
-    ) as f:  # bytes: a line that is not UTF-8 is an error on that line, not on the file
+    # bytes: a line that is not UTF-8 is an error on that line, not on the file
+    with open(path, "rb") as f:
         raw = f.read()
     if path.endswith(".json"):
         items = parse_json(raw, path)
         if not isinstance(items, list):
             raise DataError(f"{path}: expected a JSON array of samples, got {type(items).__name__}")
-        rows = [(f"{path}:{i + 1}", r) for i, r in enumerate(items)]  # item number, 1-based
+        rows = [(f"{path}:{n}", item) for n, item in enumerate(items, start=1)]
     else:
-        rows = [
-            (f"{path}:{i + 1}", line) for i, line in enumerate(raw.split(b"\n")) if line.strip()
-        ]
+        lines = enumerate(raw.split(b"\n"), start=1)
+        rows = [(f"{path}:{n}", line) for n, line in lines if line.strip()]
     out = []
     for where, row in rows:
         try:
@@ -188,9 +183,8 @@ TEMPLATES = {
     "default": "{{ problem }}\n{{ instruction }}",
 }
 _jinja = ImmutableSandboxedEnvironment(autoescape=False, keep_trailing_newline=False)
-compiled = lru_cache(maxsize=16)(
-    _jinja.from_string
-)  # render_all renders one template on every sample
+# render_all renders one template on every sample
+compiled = lru_cache(maxsize=16)(_jinja.from_string)
 
 
 def render_prompt(
@@ -204,7 +198,8 @@ def render_prompt(
     ptype = rewards.canonical_type(sample["problem_type"])
     src = template or TEMPLATES.get(ptype, TEMPLATES["default"])
     context = {**sample, "problem_type": ptype, "instruction": INSTRUCTIONS[response_format]}
-    parts, size = [], 0
+    parts = []
+    size = 0
     for part in compiled(src).generate(context):
         size += len(part)
         if size > MAX_PROMPT_CHARS:
@@ -229,25 +224,25 @@ def render_all(
     names the template (`where`) and sample k, or with `skipped` a skip report."""
     import multiprocessing
 
-    def render_in_child(
-        todo: list,
-    ):  # sends (text, None) or (None, error) a sample, in a capped address space
-        inherited = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(
-            resource.RLIMIT_AS, (inherited + TEMPLATE_MEMORY, inherited + TEMPLATE_MEMORY)
-        )
+    def render_in_child(todo: list):
+        """Sends (text, None) or (None, error) a sample, in a capped address space."""
+        with open("/proc/self/statm") as f:
+            inherited = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        cap = inherited + TEMPLATE_MEMORY
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         for sample in todo:
             try:
                 send.send((render_prompt(sample, template, response_format), None))
             except Exception as e:  # noqa: BLE001  MemoryError, SecurityError, undefined names...: all go to the parent
                 send.send((None, f"{type(e).__name__}: {str(e)[:300]}"))
 
-    out, child, children = [], None, []
+    out = []
+    child = None  # the process rendering now
+    children = []  # every one started
     try:
         for k, sample in enumerate(samples):
-            if (
-                child is None
-            ):  # the first sample, or the first after a failed one (its child is killed)
+            # the first sample, or the first after a failed one (its child is killed)
+            if child is None:
                 recv, send = multiprocessing.Pipe(duplex=False)
                 child = multiprocessing.get_context("fork").Process(
                     target=render_in_child, args=(samples[k:],)
@@ -255,14 +250,13 @@ def render_all(
                 child.start()
                 children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
+            text = None
+            error = f"rendering took over {seconds} s"
             try:
-                text, error = (
-                    recv.recv()
-                    if recv.poll(seconds)
-                    else (None, f"rendering took over {seconds} s")
-                )
+                if recv.poll(seconds):
+                    text, error = recv.recv()
             except EOFError:
-                text, error = None, "the rendering process died"
+                error = "the rendering process died"
             if error is None:
                 out.append(dict(sample, prompt_text=text))
                 continue
@@ -289,10 +283,8 @@ def chat_messages(sample: dict, text: str) -> list[dict]:
         if part in ("<video>", "<image>") and unclaimed[kind]:
             unclaimed[kind] -= 1
             content.append({"type": kind})
-        elif part not in ("<video>", "<image>") and (
-            part.strip() or part == text
-        ):  # a text without markers: whole
-            content.append({"type": "text", "text": part})
+        elif part not in ("<video>", "<image>") and (part.strip() or part == text):
+            content.append({"type": "text", "text": part})  # a text without markers: whole
     media = [{"type": kind} for kind, n in unclaimed.items() for _ in range(n)]
     return [{"role": "user", "content": media + content}]
 
@@ -304,9 +296,8 @@ class Prompt:
     sample: dict  # the validated sample (id, answer, problem_type, options, ...)
     text: str  # chat-templated prompt, vision placeholders NOT expanded (for vLLM)
     prompt_ids: list[int]  # processor-expanded token ids (what the trainer feeds)
-    mm: dict = field(
-        default_factory=dict
-    )  # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
+    # pixel_values(_videos) (SP: a run), *_grid_thw, second_per_grid_ts
+    mm: dict = field(default_factory=dict)
     videos: list = field(default_factory=list)  # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)  # [uint8 HWC] for vLLM
 
@@ -314,33 +305,35 @@ class Prompt:
 def prepare(
     sample: dict,
     processor,
-    cfg,
+    media: Media,
     stats: dict | None = None,
     template: str | None = None,
     response_format: str = "answer",
+    max_prompt_len: int = 0,
 ) -> Prompt:
-    """Load media (cache or decode, by cfg's cache.Media settings), render the chat prompt, run the processor once.
-    A placeholder/feature mismatch or a prompt over cfg.max_prompt_len (never truncated) is a DataError."""
-    factor, sid = cache.vision_factor(processor), sample["id"]
+    """Load media (cache or decode, by the `media` settings), render the chat prompt, run the processor once. A
+    placeholder/feature mismatch or a prompt over max_prompt_len (0 = no limit; never truncated) is a DataError."""
+    factor = cache.vision_factor(processor)
+    sid = sample["id"]
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = [
-        cache.load_video(
-            p, cfg, factor, cfg.cache_dir, cfg.video_source, stats, sample.get("video_end")
+    videos = []
+    for path in sample.get("videos", []):
+        end = sample.get("video_end")
+        videos.append(
+            cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
         )
-        for p in sample.get("videos", [])
-    ]
-    images = [
-        cache.load_image(
-            p,
-            min_pixels=cfg.image_min_pixels,
-            max_pixels=cfg.image_max_pixels,
+    images = []
+    for path in sample.get("images", []):
+        image = cache.load_image(
+            path,
+            min_pixels=media.image_min_pixels,
+            max_pixels=media.image_max_pixels,
             factor=factor,
-            max_decode_pixels=cfg.max_decode_pixels,
+            max_decode_pixels=media.max_decode_pixels,
         )
-        for p in sample.get("images", [])
-    ]
+        images.append(image)
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,
@@ -354,9 +347,9 @@ def prepare(
         images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None,
     )
     check_placeholders(ids, mm, processor, sid)
-    if len(ids) > cfg.max_prompt_len:
+    if max_prompt_len and len(ids) > max_prompt_len:
         raise DataError(
-            f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={cfg.max_prompt_len} "
+            f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={max_prompt_len} "
             "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)"
         )
     return Prompt(sample, text, ids, mm, videos, images)
@@ -459,71 +452,82 @@ class Stream:
     cursor: int = 0
 
     def take(self) -> int:
-        g = torch.Generator().manual_seed(
-            self.seed * 1_000_003 + self.epoch
-        )  # each epoch's order from the seed
+        # each epoch's order from the seed
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         index = torch.randperm(self.n, generator=g)[self.cursor].item()
         self.cursor += 1
         if self.cursor == self.n:
-            self.epoch, self.cursor = self.epoch + 1, 0
+            self.epoch += 1
+            self.cursor = 0
         return index
 
 
-def try_prep(prep, s: dict, cfg):
+def try_prep(prep, s: dict, skip_invalid: bool):
     """(Prompt, None), or with skip_invalid (None, a skip report); without it a DataError naming the sample. Any
     exception (a processor's bare StopIteration...) is the sample's: a bug failing all hits max_consecutive_invalid"""
     try:
         return prep(s), None
     except Exception as e:
         error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
-        if not cfg.skip_invalid:
+        if not skip_invalid:
             raise error from e
-        return None, {
-            "where": s["id"],
-            "media": s.get("videos", []) + s.get("images", []),
-            "error": str(error),
-        }
+        media = s.get("videos", []) + s.get("images", [])
+        return None, {"where": s["id"], "media": media, "error": str(error)}
 
 
-def prep_all(prep, samples: list, cfg) -> tuple[list, list]:
+def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
-    out = [try_prep(prep, s, cfg) for s in samples]
-    return [p for p, _ in out if p], [report for _, report in out if report]
+    prompts = []
+    reports = []
+    for s in samples:
+        prompt, report = try_prep(prep, s, skip_invalid)
+        if prompt:
+            prompts.append(prompt)
+        if report:
+            reports.append(report)
+    return prompts, reports
 
 
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)
 
 
-def prep_share(prep, samples: list, cfg, layout) -> tuple[list, list]:
+def prep_share(prep, samples: list, skip_invalid: bool, layout) -> tuple[list, list]:
     """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
     group alone, and every rank's skip reports."""
-    prompts, skips = prep_all(prep, layout.share(samples, layout.tp)[0], cfg)
+    share = layout.share(samples, layout.tp)[0]
+    prompts, skips = prep_all(prep, share, skip_invalid)
     reports = [report for part in gather(skips)[:: layout.tp] for report in part]
     # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF
     # engine's generate is collective. It pads with the first valid sample, marked PAD: never scored
+    if prompts:
+        return prompts, reports
     invalid = {report["where"] for report in reports}
     pad = [{**s, "pad": PAD} for s in samples if s["id"] not in invalid][:1]
-    return prompts or prep_all(prep, pad, cfg)[0], reports
+    return prep_all(prep, pad, skip_invalid)[0], reports
 
 
-def next_valid(stream: Stream, samples: list, prep, cfg, layout) -> tuple[list, list]:
-    """The next prompts_per_step samples' prompts (prepared by the TP group that generates them, else None) and skip
-    reports. A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots
-    and keeps the same stream position. Over max_consecutive_invalid failures in a row are a DataError."""
-    batch = [samples[stream.take()] for _ in range(cfg.prompts_per_step)]
-    prompts, skips = [None] * len(batch), []
-    todo, run = list(range(len(batch))), 0  # the slots still to fill; invalid samples in a row
+def next_valid(
+    stream: Stream, samples: list, prep, layout, count: int, skip_invalid: bool, max_invalid: int
+) -> tuple[list, list]:
+    """The next `count` samples' prompts (prepared by the TP group that generates them, else None) and skip reports.
+    A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots and keeps
+    the same stream position. Over max_invalid (max_consecutive_invalid) failures in a row are a DataError."""
+    batch = [samples[stream.take()] for _ in range(count)]
+    prompts = [None] * len(batch)
+    skips = []
+    todo = list(range(len(batch)))  # the slots still to fill
+    run = 0  # invalid samples in a row
     while todo:
         reports = {}
         for i in filter(layout.prepares, todo):
-            prompts[i], reports[i] = try_prep(prep, batch[i], cfg)
+            prompts[i], reports[i] = try_prep(prep, batch[i], skip_invalid)
         bad = {i: report for part in gather(reports) for i, report in part.items() if report}
         for i in todo:  # todo is in stream order
             run = run + 1 if i in bad else 0
-            if run > cfg.max_consecutive_invalid:
+            if run > max_invalid:
                 raise DataError(
-                    f"{run} invalid samples in a row (max_consecutive_invalid={cfg.max_consecutive_invalid}"
-                    f"): does the data set hold a valid sample? The last: {bad[i]['error']}"
+                    f"{run} invalid samples in a row (max_consecutive_invalid={max_invalid}): does the "
+                    f"data set hold a valid sample? The last: {bad[i]['error']}"
                 )
         todo = sorted(bad)
         for i in todo:

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache as cached, partial
 from typing import Literal
 
@@ -34,10 +34,12 @@ import cache
 import common
 import data
 import rewards
-from common import gather, write_jsonl, write_text
+from common import ANSWERS, UserError, gather, write_jsonl, write_text
 from data import DataError
 
 
+# The settings of an evaluation; Media (cache.py) declares the frame and image ones. ANSWERS beside a field (the
+# frame settings' too): it changes the answers, so a resume log written under another value is refused.
 @dataclass
 class Config(cache.Media):
     config: tuple[str, ...] = ()
@@ -52,19 +54,19 @@ class Config(cache.Media):
     """videos: {video_dir}/{name}/<the path the record names>"""
     out_dir: str = ""
     """results.json, results.md and {name}/samples.jsonl (the resume log); '' = runs/eval/<model name>-<path hash>"""
-    engine: Literal["async", "sync", "hf"] = "async"
+    engine: Literal["async", "sync", "hf"] = field(default="async", metadata=ANSWERS)
     """async (vLLM AsyncLLM pipeline) | sync (colocated vLLM LLM, batch by batch) | hf (transformers generate)"""
     max_samples: int = 0
     """per benchmark, the first N samples (0 = all)"""
-    max_tokens: int = 64
+    max_tokens: int = field(default=64, metadata=ANSWERS)
     """response budget (EasyVideoR1 uses 2048 with thinking)"""
-    temperature: float = 0.0
+    temperature: float = field(default=0.0, metadata=ANSWERS)
     """0 = greedy (deterministic)"""
-    seed: int = 0
+    seed: int = field(default=0, metadata=ANSWERS)
     """sampling seed, and the seed of the random-option fallback"""
-    answer_extraction: Literal["tags", "official"] = "tags"
+    answer_extraction: Literal["tags", "official"] = field(default="tags", metadata=ANSWERS)
     """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
-    random_fallback: bool = False
+    random_fallback: bool = field(default=False, metadata=ANSWERS)
     """where the official scorer guesses (benchmarks.yaml `guess`), an unreadable answer gets a seeded random option"""
     allow_failures: bool = False
     """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
@@ -74,11 +76,13 @@ class Config(cache.Media):
     """threads reading frames and building prompts"""
     batch_size: int = 16
     """sync/hf engines: prompts per generate call"""
-    max_model_len: int = 0
+    max_model_len: int = field(default=0, metadata=ANSWERS)
     """vLLM context length; 0 = 16384 (64 frames x 262,144 px, text and response) or the model's positions if fewer"""
-    max_prompt_len: int = 0
+    max_prompt_len: int = field(default=0, metadata=ANSWERS)
     """longer prompts are an error for that sample (never truncated); 0 = max_model_len - max_tokens"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
+        default="auto", metadata=ANSWERS
+    )
     """vLLM dtype (auto = the checkpoint's, bf16 for Qwen-VL)"""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel GPUs per engine"""
@@ -86,37 +90,14 @@ class Config(cache.Media):
     """vLLM data parallel engines (async engine): tensor_parallel_size x data_parallel_size = the node's GPUs"""
     gpu_memory_utilization: float = 0.9
     """share of each GPU's memory vLLM may take"""
-    judge_model: str = ""
+    judge_model: str = field(default="", metadata=ANSWERS)
     """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
-    video_max_frames: int = 64
+    video_max_frames: int = field(default=64, metadata=ANSWERS)
     """at most this many frames per video (evaluation's default; training's is 32)"""
-    video_max_pixels: int = 262144
+    video_max_pixels: int = field(default=262144, metadata=ANSWERS)
     """max pixels per frame (evaluation's default; training's is 100352)"""
-
-
-# settings that change a benchmark's answers: a resume log written under others is refused
-ANSWER_SETTINGS = (
-    "engine",
-    "max_tokens",
-    "temperature",
-    "seed",
-    "answer_extraction",
-    "random_fallback",
-    "max_model_len",
-    "max_prompt_len",
-    "dtype",
-    "judge_model",
-    "video_fps",
-    "video_min_frames",
-    "video_max_frames",
-    "video_min_pixels",
-    "video_max_pixels",
-    "video_total_pixels",
-    "image_min_pixels",
-    "image_max_pixels",
-)
 
 
 FORMATS = (
@@ -181,7 +162,7 @@ def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
         ):
             problem = "a type or derive rule takes field, map and (optionally) default"
         if problem:
-            raise ValueError(f"{path}: benchmark {name!r}: {problem}")
+            raise UserError(f"{path}: benchmark {name!r}: {problem}")
     return {
         name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
         for name, ad in table.items()
@@ -191,7 +172,7 @@ def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
 def adapter(bench: str) -> dict:
     """One benchmark's definition from BENCHMARKS."""
     if bench not in load_adapters():
-        raise ValueError(f"unknown benchmark {bench!r}; known: {', '.join(load_adapters())}")
+        raise UserError(f"unknown benchmark {bench!r}; known: {', '.join(load_adapters())}")
     return load_adapters()[bench]
 
 
@@ -905,7 +886,10 @@ def make_loader(processor, cfg, bench: str):
         ):  # a fast tokenizer shared across threads can fail with "Already borrowed"
             local.proc, local.stats = copy.deepcopy(processor), {}
             all_stats.append(local.stats)
-        return data.prepare(s, local.proc, cfg, local.stats, template=adapter(bench).get("prompt"))
+        template = adapter(bench).get("prompt")
+        return data.prepare(
+            s, local.proc, cfg, local.stats, template, max_prompt_len=cfg.max_prompt_len
+        )
 
     return load, all_stats
 
@@ -1144,7 +1128,7 @@ def resolve(cfg: Config) -> Config:
             "/ --video-max-pixels / --video-total-pixels"
         )
         if not capped:
-            raise ValueError(msg)
+            raise UserError(msg)
         print(
             f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
             file=sys.stderr,
@@ -1173,7 +1157,7 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     run = {
         "model": os.path.realpath(cfg.model),
         "benchmark": bench,
-        **{k: getattr(cfg, k) for k in ANSWER_SETTINGS},
+        **{f.name: getattr(cfg, f.name) for f in fields(cfg) if "answers" in f.metadata},
     }
     done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     old = {}

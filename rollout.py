@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import hf_weights
+from common import UserError
 from data import Prompt, grids, vllm_input
 import sp
 
@@ -109,7 +110,7 @@ def start_errors(max_model_len: int):
         knob = f"VLLM_CPU_KVCACHE_SPACE (GiB, {CPU_KV_CACHE_BYTES // 2**30} by default)"
         if current_platform.is_cuda():
             knob = "--gpu-memory-utilization"
-        raise ValueError(
+        raise UserError(
             f"vLLM did not start: {text[:400]} -> raise {knob} or lower --max-model-len "
             f"({max_model_len})"
         ) from None

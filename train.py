@@ -11,7 +11,6 @@ global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math f
 docs/algorithms.md gives every formula and each deliberate deviation.
 """
 
-import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -20,33 +19,67 @@ import json
 import math
 import os
 import time
-import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-import cache
 import ckpt
 import common
 import data
 import evaluate
 import rewards
 import sp
+from cache import Media
 from ckpt import save_checkpoint
-from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
+from common import (
+    MAY_CHANGE_ON_RESUME,
+    NOT_NEGATIVE,
+    POSITIVE,
+    UserError,
+    all_reduce,
+    any_rank,
+    barrier,
+    catch_stop_signals,
+    gather,
+    init_dist,
+    print0,
+)
 from rollout import HFEngine, Rollout, VLLMEngine, eos_token_ids, request_seed, vision_token_ids
 
 
+# Every setting of a run. Media (cache.py, shared with evaluate.py) declares the frame and image settings:
+# video_fps, video_min/max_frames, video_min/max/total_pixels, max_decode_pixels, image_min/max_pixels,
+# video_source, cache_dir. Facts beside a field (common.py): POSITIVE / NOT_NEGATIVE (check_config),
+# MAY_CHANGE_ON_RESUME (check_files). (No docstring: tyro would print it atop --help.)
 @dataclass
-class Config(cache.Training):
-    config: tuple[str, ...] = ()
+class Config(Media):
+    config: tuple[str, ...] = field(default=(), metadata=MAY_CHANGE_ON_RESUME)
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
-    dry_run: bool = False
+    dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
-    # --- model, data files, frame budgets (train and held-out): cache.Training's fields; the run's:
-    out_dir: str = "runs/tiny"
+    # --- model and data (`cache.py --config` reads these from the same YAML)
+    model: str = ".cache/models/tiny-qwen2_5_vl"
+    """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
+    trust_remote_code: bool = False
+    """let transformers/vLLM run code shipped with the checkpoint (off: only trusted, built-in models)"""
+    train_data: str = ".cache/data/color/train.jsonl"
+    """training samples (JSONL or JSON array; schema in data.py)"""
+    val_data: str = ".cache/data/color/val.jsonl"
+    """held-out samples for greedy accuracy ('' to skip evaluation)"""
+    val_video_fps: float = 0.0
+    """held-out frame budget (Config.media): fps (0 = the training value); likewise the val_* fields below"""
+    val_video_max_frames: int = 0
+    """validation: max frames per video (0 = video_max_frames)"""
+    val_video_max_pixels: int = 0
+    """validation: max pixels per frame (0 = video_max_pixels)"""
+    val_video_total_pixels: int = 0
+    """validation: pixel budget over a video's frames (0 = video_total_pixels)"""
+    val_image_max_pixels: int = 0
+    """validation: max pixels per image (0 = image_max_pixels)"""
+    # --- the run
+    out_dir: str = field(default="runs/tiny", metadata=MAY_CHANGE_ON_RESUME)
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
@@ -54,35 +87,35 @@ class Config(cache.Training):
     """skip_invalid: more invalid samples in a row fail the run (the data may hold none valid)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
-    max_prompt_len: int = 4096
+    max_prompt_len: int = field(default=4096, metadata=POSITIVE)
     """prompts longer than this (in tokens, vision included) are an error, never truncated"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
-    rollout_tp: int = 1
+    rollout_tp: int = field(default=1, metadata=POSITIVE)
     """vLLM tensor parallel size: 1 = an engine per rank, world size = one engine over all ranks"""
-    group_size: int = 8
+    group_size: int = field(default=8, metadata=POSITIVE)
     """completions per prompt (n)"""
-    prompts_per_step: int = 8
+    prompts_per_step: int = field(default=8, metadata=POSITIVE)
     """prompts per optimizer step over all ranks (divisible by world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
-    max_response_len: int = 64
+    max_response_len: int = field(default=64, metadata=POSITIVE)
     """max new tokens per completion"""
     max_model_len: int = 4096
     """vLLM context length"""
-    gpu_memory_utilization: float = 0.4
+    gpu_memory_utilization: float = field(default=0.4, metadata=POSITIVE)
     """vLLM's share of GPU memory (colocated with training)"""
     vllm_sleep: bool = True
     """sleep vLLM during the train phase where the platform supports it (CUDA)"""
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
-    mix_threshold: float = 0.0
+    mix_threshold: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """swap only if the group's online accuracy is below this (0 = always); logged as offline/*"""
     # --- reward
-    w_acc: float = 0.9
+    w_acc: float = field(default=0.9, metadata=NOT_NEGATIVE)
     """weight of the accuracy reward"""
-    w_fmt: float = 0.1
+    w_fmt: float = field(default=0.1, metadata=NOT_NEGATIVE)
     """weight of the format reward"""
     response_format: Literal["answer", "think_answer"] = "answer"
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
@@ -91,13 +124,13 @@ class Config(cache.Training):
         "grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"
     ] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
-    adv_eps: float = 1e-6
+    adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
     """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight)"""
-    clip_low: float = 0.2
+    clip_low: float = field(default=0.2, metadata=NOT_NEGATIVE)
     """clip: ratio >= 1 - clip_low"""
-    clip_high: float = 0.2
+    clip_high: float = field(default=0.2, metadata=NOT_NEGATIVE)
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
@@ -105,17 +138,17 @@ class Config(cache.Training):
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
-    kl_coef: float = 0.0
+    kl_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
     kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
     """kl_coef * KL(old || ref) off the return, not a KL loss (reinforce++, remax: per token)"""
-    entropy_coef: float = 0.0
+    entropy_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     tis: Literal["", "token", "sequence"] = ""
     """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
-    tis_cap: float = 2.0
+    tis_cap: float = field(default=2.0, metadata=POSITIVE)
     """upper bound of that importance weight"""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
@@ -123,18 +156,18 @@ class Config(cache.Training):
     """DAPO: drop groups whose dyn_filter_metric is the same for all rollouts, sample more"""
     dyn_filter_metric: Literal["accuracy", "reward"] = "accuracy"
     """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
-    max_gen_rounds: int = 4
+    max_gen_rounds: int = field(default=4, metadata=POSITIVE)
     """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
-    overlong_buffer: float = 0.0
+    overlong_buffer: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last overlong_buffer x max_response_len
     tokens (a fraction, so a recipe fits any response length; DAPO: 4096 of 20480 = 0.2; 0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata=POSITIVE)
     """passes over each rollout batch"""
-    mini_batches: int = 1
+    mini_batches: int = field(default=1, metadata=POSITIVE)
     """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
-    micro_batch_size: int = 16
+    micro_batch_size: int = field(default=16, metadata=POSITIVE)
     """sequences per forward/backward on each rank"""
     # --- memory
     freeze_vision: bool = False
@@ -147,49 +180,49 @@ class Config(cache.Training):
     """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
-    sp_size: int = 1
+    sp_size: int = field(default=1, metadata=POSITIVE)
     """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of them"""
     # --- optimizer
-    lr: float = 1e-6
+    lr: float = field(default=1e-6, metadata=POSITIVE)
     """peak learning rate"""
     min_lr_ratio: float = 0.1
     """cosine decays to lr * min_lr_ratio at max_steps"""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=NOT_NEGATIVE)
     """linear warmup steps"""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """max global grad norm"""
-    max_steps: int = 100
+    max_steps: int = field(default=100, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
     """optimizer steps"""
     seed: int = 0
     """seed for data order, sampling and init"""
     # --- log, eval, save
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """greedy held-out accuracy every N steps (0 = only before and after training)"""
-    eval_max_samples: int = 256
+    eval_max_samples: int = field(default=256, metadata=NOT_NEGATIVE)
     """cap on held-out samples per evaluation"""
-    save: bool = True
+    save: bool = field(default=True, metadata=MAY_CHANGE_ON_RESUME)
     """save an HF-format checkpoint (loads in vLLM and transformers) at the end"""
-    wandb_project: str = ""
+    wandb_project: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
     """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
-    log_every: int = 1
+    log_every: int = field(default=1, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """write sampled completions to out_dir/samples.jsonl (and wandb) every N steps (0 = never)"""
-    log_samples: int = 4
+    log_samples: int = field(default=4, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
-    save_every: int = 0
+    save_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = on SIGTERM/SIGINT only)"""
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """checkpoints kept, older ones are deleted (0 = keep all)"""
-    resume: str = ""
+    resume: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
     """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
-    allow_config_change: bool = False
-    """resume with settings other than the checkpoint's (else refused, naming them), but for RESUME_MAY_CHANGE: the
-    run's length, logging, evaluation cadence, saving, timeouts"""
-    dist_timeout: float = 1800.0
+    allow_config_change: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    """resume with settings other than the checkpoint's (else refused, naming them), but for MAY_CHANGE_ON_RESUME
+    ones: the run's length, logging, evaluation cadence, saving, timeouts"""
+    dist_timeout: float = field(default=1800.0, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
-    stop_grace_s: float = 300.0
+    stop_grace_s: float = field(default=300.0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """after a SIGTERM/SIGINT, seconds a step may take to reach its boundary and checkpoint; a step
     stuck longer is abandoned: where is printed, exit 1, the last checkpoint kept (0 = no limit)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
@@ -205,6 +238,14 @@ class Config(cache.Training):
     """regex (full match) over module names getting adapters: the text model's attention and MLP;
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
+    def media(self, held_out: bool = False) -> Media:
+        """The media settings data.prepare reads; held_out: a val_<name> field that is set replaces <name>."""
+        media = {f.name: getattr(self, f.name) for f in fields(Media)}
+        for name in media:
+            if held_out and getattr(self, f"val_{name}", 0):
+                media[name] = getattr(self, f"val_{name}")
+        return Media(**media)
+
 
 def load_config(argv=None) -> Config:
     """common.load_config for Config: configs/tiny_cpu.yaml has a run's settings, others recipes."""
@@ -212,190 +253,94 @@ def load_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config, world: int = 1):
-    """Every setting and combination that cannot work fails here, all of them in one error, before anything loads."""
-    choices = {
-        f.name: typing.get_args(f.type)
-        for f in dataclasses.fields(cfg)
-        if typing.get_origin(f.type) is Literal
-    }
-    bad = [
-        f"{k} is {getattr(cfg, k)!r}, not one of {v}"
-        for k, v in choices.items()
-        if getattr(cfg, k) not in v
-    ]
-    positive = (
-        "group_size",
-        "prompts_per_step",
-        "max_response_len",
-        "max_prompt_len",
-        "micro_batch_size",
-        "lr",
-        "ppo_epochs",
-        "mini_batches",
-        "max_steps",
-        "max_gen_rounds",
-        "rollout_tp",
-        "video_min_frames",
-        "log_samples",
-        "video_fps",
-        "tis_cap",
-        "gpu_memory_utilization",
-        "dist_timeout",
-        "sp_size",
-    )
-    not_negative = (
-        "kl_coef",
-        "entropy_coef",
-        "w_acc",
-        "w_fmt",
-        "weight_decay",
-        "warmup_steps",
-        "overlong_buffer",
-        "eval_every",
-        "eval_max_samples",
-        "save_every",
-        "keep_last",
-        "clip_low",
-        "clip_high",
-        "mix_threshold",
-        "log_every",
-        "video_total_pixels",
-        "adv_eps",
-        "stop_grace_s",
-    )
-    floats = {k: v for k, v in vars(cfg).items() if type(v) is float}  # nan and inf pass < and >
-    bad += [f"{k} must be finite, got {v}" for k, v in floats.items() if not math.isfinite(v)]
-    bad += [f"{k} must be > 0, got {getattr(cfg, k)}" for k in positive if getattr(cfg, k) <= 0]
-    bad += [f"{k} must be >= 0, got {getattr(cfg, k)}" for k in not_negative if getattr(cfg, k) < 0]
+    """Every setting and combination that cannot work fails here, all of them in one error, before anything loads:
+    first what each field's own facts refuse (common.field_errors: choices, finite, bounds), then combinations."""
+    bad = common.field_errors(cfg)
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
-    bad += [
-        message
-        for fails, message in [
-            (
-                dp and cfg.prompts_per_step % dp,
-                f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0",
-            ),
-            (world % cfg.rollout_tp, f"world size {world} % rollout_tp {cfg.rollout_tp} != 0"),
-            (
-                cfg.sp_size > 0 and world % cfg.sp_size,
-                f"world size {world} % sp_size {cfg.sp_size} != 0",
-            ),
-            (
-                cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size),
-                "sp_size > 1 needs rollout_tp 1 or sp_size",
-            ),
-            (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
-            (
-                cfg.mini_batches > per_rank,
-                f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step",
-            ),
-            (
-                cfg.clip_ratio_c and cfg.clip_ratio_c <= 1,
-                f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)",
-            ),
-            (not 0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]"),
-            (
-                cfg.gpu_memory_utilization > 1,
-                f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1",
-            ),
-            (
-                cfg.mix_threshold > 1,
-                f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)",
-            ),
-            (cfg.mix_threshold and not cfg.mix_offline, "mix_threshold needs mix_offline"),
-            (
-                cfg.overlong_buffer > 1,
-                f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)",
-            ),
-            (
-                cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len,
-                "max_prompt_len > max_model_len",
-            ),
-            (cfg.video_min_frames > cfg.video_max_frames, "video_min_frames > video_max_frames"),
-            (cfg.video_min_pixels > cfg.video_max_pixels, "video_min_pixels > video_max_pixels"),
-            (cfg.image_min_pixels > cfg.image_max_pixels, "image_min_pixels > image_max_pixels"),
-            (
-                cfg.video_source == "cache_only" and not cfg.cache_dir,
-                "video_source cache_only needs a cache_dir",
-            ),
-            (
-                cfg.kl_in_reward and not cfg.kl_coef,
-                "kl_in_reward needs kl_coef > 0 (0 loads no reference model)",
-            ),
-            (
-                cfg.kl_in_reward and cfg.adv_estimator == "gdpo",
-                "kl_in_reward: gdpo's reward components carry no KL",
-            ),
-            (
-                cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume),
-                f"resume {cfg.resume!r}: no such folder",
-            ),
-            (
-                cfg.temperature < 1e-5,
-                f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
-                "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)",
-            ),
-            (cfg.lora_rank < 0, f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)"),
-            (not 0 <= cfg.lora_dropout < 1, f"lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
-            (
-                cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()),
-                "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun",
-            ),
-            (
-                0 < cfg.max_tokens_per_micro_batch < cfg.max_prompt_len + cfg.max_response_len,
-                f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + max_response_len "
-                f"{cfg.max_prompt_len + cfg.max_response_len}: the longest row fits in none",
-            ),
-        ]
-        if fails
-    ]
+    if dp and cfg.prompts_per_step % dp:
+        bad.append(f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0")
+    if world % cfg.rollout_tp:
+        bad.append(f"world size {world} % rollout_tp {cfg.rollout_tp} != 0")
+    if cfg.sp_size > 0 and world % cfg.sp_size:
+        bad.append(f"world size {world} % sp_size {cfg.sp_size} != 0")
+    if cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size):
+        bad.append("sp_size > 1 needs rollout_tp 1 or sp_size")
+    if cfg.rollout == "hf" and cfg.rollout_tp > 1:
+        bad.append("rollout_tp > 1 needs rollout vllm")
+    if cfg.mini_batches > per_rank:
+        bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
+    if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
+        bad.append(f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        bad.append(f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]")
+    if cfg.gpu_memory_utilization > 1:
+        bad.append(f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1")
+    if cfg.mix_threshold > 1:
+        bad.append(f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)")
+    if cfg.mix_threshold and not cfg.mix_offline:
+        bad.append("mix_threshold needs mix_offline")
+    if cfg.overlong_buffer > 1:
+        bad.append(f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)")
+    if cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len:
+        bad.append("max_prompt_len > max_model_len")
+    if cfg.video_min_frames > cfg.video_max_frames:
+        bad.append("video_min_frames > video_max_frames")
+    if cfg.video_min_pixels > cfg.video_max_pixels:
+        bad.append("video_min_pixels > video_max_pixels")
+    if cfg.image_min_pixels > cfg.image_max_pixels:
+        bad.append("image_min_pixels > image_max_pixels")
+    if cfg.video_source == "cache_only" and not cfg.cache_dir:
+        bad.append("video_source cache_only needs a cache_dir")
+    if cfg.kl_in_reward and not cfg.kl_coef:
+        bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
+    if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
+        bad.append("kl_in_reward: gdpo's reward components carry no KL")
+    if cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume):
+        bad.append(f"resume {cfg.resume!r}: no such folder")
+    if cfg.temperature < 1e-5:
+        bad.append(
+            f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+            "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"
+        )
+    if cfg.lora_rank < 0:
+        bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    if not 0 <= cfg.lora_dropout < 1:
+        bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
+    if cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()):
+        bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
+    longest_row = cfg.max_prompt_len + cfg.max_response_len
+    if 0 < cfg.max_tokens_per_micro_batch < longest_row:
+        bad.append(
+            f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
+            f"max_response_len {longest_row}: the longest row fits in none"
+        )
     if bad:
-        raise ValueError("invalid config:\n  " + "\n  ".join(bad))
-
-
-RESUME_MAY_CHANGE = {
-    "config",
-    "dry_run",
-    "out_dir",
-    "resume",
-    "allow_config_change",
-    "max_steps",
-    "eval_every",
-    "save",
-    "wandb_project",
-    "log_every",
-    "log_samples",
-    "save_every",
-    "keep_last",
-    "dist_timeout",
-    "stop_grace_s",
-    "cache_dir",
-    "video_source",
-}
+        raise UserError("invalid config:\n  " + "\n  ".join(bad))
 
 
 def check_files(cfg: Config, ckpt_path: str):
-    """Before anything loads: the data files exist, a fresh run never writes into another run's checkpoints."""
+    """Before anything loads: the data files exist, a fresh run never writes into another run's checkpoints, a resume
+    keeps the checkpoint's settings but those MAY_CHANGE_ON_RESUME (or with allow_config_change)."""
     for name in ("train_data", "val_data", "prompt_template"):
-        if getattr(cfg, name) and not os.path.isfile(getattr(cfg, name)):
-            raise FileNotFoundError(f"{name} {getattr(cfg, name)}: no such file")
+        path = getattr(cfg, name)
+        if path and not os.path.isfile(path):
+            raise UserError(f"{name} {path}: no such file")
     if not ckpt_path:
         if os.path.exists(os.path.join(cfg.out_dir, "ckpt", "latest")):
-            raise ValueError(
+            raise UserError(
                 f"{cfg.out_dir} holds another run's checkpoints: continue it with --resume auto, or "
                 "give another --out-dir"
             )
         return
     with open(os.path.join(ckpt_path, "meta.json")) as f:
         saved = json.load(f)["config"]
-    changed = [
-        f"{k} {v!r} -> {getattr(cfg, k)!r}"
-        for k, v in saved.items()
-        if k in cfg.__dataclass_fields__ and k not in RESUME_MAY_CHANGE and getattr(cfg, k) != v
-    ]
+    changed = []
+    for f in fields(cfg):
+        if f.name in saved and "resume" not in f.metadata and getattr(cfg, f.name) != saved[f.name]:
+            changed.append(f"{f.name} {saved[f.name]!r} -> {getattr(cfg, f.name)!r}")
     if changed and not cfg.allow_config_change:
-        raise ValueError(
+        raise UserError(
             f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
             "or pass --allow-config-change"
         )
@@ -408,31 +353,32 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
-    print(f"data: {', '.join(f'{len(v)} {k}' for k, v in samples.items())}, {len(skipped)} skipped")
-    for (split, rows), split_cfg in zip(samples.items(), (cfg, cfg.val_config())):
-        if rows:
-            longest = max(
-                rows,
-                key=lambda s: (
-                    len(s.get("videos", []) + s.get("images", [])),
-                    len(
-                        processor.tokenizer(
-                            data.render_prompt(s, template, cfg.response_format)
-                        ).input_ids
-                    ),
-                ),
-            )
-            prompt = data.prepare(
-                longest,
-                processor,
-                split_cfg,
-                template=template,
-                response_format=cfg.response_format,
-            )
-            print(
-                f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, max_prompt_len "
-                f"{cfg.max_prompt_len})"
-            )
+    counts = ", ".join(f"{len(rows)} {split}" for split, rows in samples.items())
+    print(f"data: {counts}, {len(skipped)} skipped")
+
+    def size(s: dict) -> tuple[int, int]:
+        """Media items, then text tokens: the sample whose prompt is likely the longest has the most."""
+        text = data.render_prompt(s, template, cfg.response_format)
+        return len(s.get("videos", []) + s.get("images", [])), len(
+            processor.tokenizer(text).input_ids
+        )
+
+    for split, rows in samples.items():
+        if not rows:
+            continue
+        longest = max(rows, key=size)
+        prompt = data.prepare(
+            longest,
+            processor,
+            cfg.media(held_out=split == "val"),
+            template=template,
+            response_format=cfg.response_format,
+            max_prompt_len=cfg.max_prompt_len,
+        )
+        print(
+            f"{split}: longest prompt {len(prompt.prompt_ids)} tokens (sample {longest['id']}, "
+            f"max_prompt_len {cfg.max_prompt_len})"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -950,7 +896,15 @@ def sample_batch(
     kept, dropped = [], []  # with spread (all without dynamic sampling); without: the refill
     skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
-        prompts, new_skips = data.next_valid(stream, samples, prep, cfg, layout)
+        prompts, new_skips = data.next_valid(
+            stream,
+            samples,
+            prep,
+            layout,
+            cfg.prompts_per_step,
+            cfg.skip_invalid,
+            cfg.max_consecutive_invalid,
+        )
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
         share, start, k = layout.share(prompts, layout.tp)
@@ -1241,10 +1195,13 @@ def main(cfg: Config):
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     fmt = dict(template=template, response_format=cfg.response_format)
-    prep = functools.partial(data.prepare, processor=processor, cfg=cfg, stats=stats, **fmt)
-    val_prep = functools.partial(prep, cfg=cfg.val_config())  # the held-out frame budget
+    fmt["max_prompt_len"] = cfg.max_prompt_len
+    prep = functools.partial(
+        data.prepare, processor=processor, media=cfg.media(), stats=stats, **fmt
+    )
+    val_prep = functools.partial(prep, media=cfg.media(held_out=True))  # the held-out frame budget
     val_prompts, skips = data.prep_share(
-        val_prep, samples["val"], cfg, layout
+        val_prep, samples["val"], cfg.skip_invalid, layout
     )  # its TP group's share
     n_val = len(samples["val"]) - len(skips)  # on every rank
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
@@ -1609,4 +1566,4 @@ def load_model(cfg: Config, device):
 
 
 if __name__ == "__main__":
-    common.cli(main, load_config)
+    common.cli(main, load_config, error_log=True)

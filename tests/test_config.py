@@ -51,7 +51,7 @@ def test_typo_in_every_choice_field_is_rejected(tmp_path, capsys):
         assert "invalid choice" in capsys.readouterr().err.lower()
         with pytest.raises(ValueError, match=f"x.yaml: {name}: '{typo}' is not "):
             load_config(["--config", write(tmp_path, f"{name}: {typo}\n")])
-        with pytest.raises(ValueError, match=f"{name} is '{typo}', not one of"):
+        with pytest.raises(ValueError, match=f"{name}: '{typo}' is not "):
             check_config(Config(**{name: typo}))
     assert (
         load_config(["--tis", "sequence", "--tis-mode", "mask", "--rollout", "hf"]).tis
@@ -416,3 +416,38 @@ def test_wandb_follows_wandb_mode(tmp_path, monkeypatch, mode):
         assert table["columns"] == list(shown[0]) and table["data"][0][2] == "<answer>B</answer>"
         assert json.loads(table["data"][0][4]) == shown[0]["reward"]
     assert start_logs(cfg, {}, [], rank=1).id is None  # other ranks never start a run
+
+
+def test_media_settings_and_the_held_out_budget():
+    """Config.media: the cache.Media data.prepare reads (not the whole Config); held_out: each val_* field that is set
+    replaces its training field, the unset ones (0) keep training's."""
+    import cache
+
+    cfg = Config(
+        video_max_frames=8, val_video_max_frames=4, val_image_max_pixels=5000, cache_dir="c"
+    )
+    train_media = cfg.media()
+    held_out = cfg.media(held_out=True)
+    assert type(train_media) is cache.Media and type(held_out) is cache.Media
+    assert (train_media.video_max_frames, train_media.image_max_pixels) == (8, 1003520)
+    assert (held_out.video_max_frames, held_out.image_max_pixels) == (4, 5000)
+    assert held_out.video_fps == cfg.video_fps and held_out.cache_dir == "c"
+
+
+def test_field_facts_sit_beside_their_fields():
+    """The bounds, the resume rule and the choices are read from the fields themselves (no name lists): a bound on a
+    field of cache.Media (video_fps) is checked like one of train.Config's; a field MAY_CHANGE_ON_RESUME is the
+    resume rule's."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert (
+        fields["video_fps"].metadata["bound"] == "> 0" and "resume" in fields["max_steps"].metadata
+    )
+    assert "resume" not in fields["lr"].metadata and "resume" in fields["cache_dir"].metadata
+    with pytest.raises(ValueError) as e:
+        check_config(Config(video_fps=0.0, keep_last=-1, lr=float("nan"), tis="seq"))
+    assert str(e.value).splitlines()[1:] == [
+        "  video_fps must be > 0, got 0.0",
+        "  tis: 'seq' is not '' | 'token' | 'sequence'",
+        "  lr must be finite, got nan",
+        "  keep_last must be >= 0, got -1",
+    ], str(e.value)

@@ -111,7 +111,7 @@ def test_prepare_video_and_image_and_placeholder_check(tiny_model, synth):
             p.prompt_ids[:-3] + [video_pad] * 3 + p.prompt_ids[-3:], p.mm, proc, vid["id"]
         )
     with pytest.raises(data.DataError, match="max_prompt_len"):
-        data.prepare(vid, proc, tiny_config(max_prompt_len=10))
+        data.prepare(vid, proc, cfg, max_prompt_len=10)
 
 
 def test_json_array_items_are_numbered_like_lines(tmp_path):
@@ -302,7 +302,6 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
     from types import SimpleNamespace
 
     samples = [{"id": f"s{i}"} for i in range(5)]
-    cfg = SimpleNamespace(skip_invalid=False)
     prepared = []
 
     def prep(s):
@@ -313,12 +312,12 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
     mine = {}
     for rank in range(4):
         layout = sp.Layout(None, 0, 1, rank, 4, tp=2, rank=rank, world=4)
-        mine[rank] = [p.sample["id"] for p in data.prep_share(prep, samples, cfg, layout)[0]]
+        mine[rank] = [p.sample["id"] for p in data.prep_share(prep, samples, False, layout)[0]]
     assert mine[0] == mine[1] and mine[2] == mine[3]  # a TP group shares its engine's prompts
     assert sorted(mine[0] + mine[2]) == [s["id"] for s in samples]  # each sample in one group
     assert len(prepared) == 2 * len(samples)  # by its group's 2 ranks, not by all 4
     one = sp.Layout(None, 0, 1, 1, 2, tp=1, rank=1, world=2)
-    [pad] = data.prep_share(prep, samples[:1], cfg, one)[0]  # rank 1 of 2, one sample: a pad
+    [pad] = data.prep_share(prep, samples[:1], False, one)[0]  # rank 1 of 2, one sample: a pad
     assert pad.sample["pad"] is data.PAD and pad.sample["id"] == "s0" and "pad" not in samples[0]
 
     def picky(s):  # s1 and s3, rank 1's share of 2 ranks, are invalid
@@ -326,10 +325,9 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
             raise ValueError("broken")
         return prep(s)
 
-    cfg.skip_invalid = True
     for rank in range(2):
         layout = sp.Layout(None, 0, 1, rank, 2, tp=1, rank=rank, world=2)
-        prompts, skips = data.prep_share(picky, samples, cfg, layout)
+        prompts, skips = data.prep_share(picky, samples, True, layout)
         assert (
             sorted(r["where"] for r in skips) == [[], ["s1", "s3"]][rank]
         )  # one process: gather is its own

@@ -154,8 +154,8 @@ def test_media_errors_name_sample_and_file(tmp_path, tiny_model, synth):
     for kind, (key, path, says) in broken_media(tmp_path).items():
         s = {**good, "id": f"s-{kind}", "videos": [], "images": [], key: [path]}
         with pytest.raises(data.DataError, match=f"sample s-{kind}: .*{says}"):
-            data.try_prep(prep, s, cfg)
-        p, report = data.try_prep(prep, s, tiny_config(skip_invalid=True))
+            data.try_prep(prep, s, skip_invalid=False)
+        p, report = data.try_prep(prep, s, skip_invalid=True)
         assert (
             p is None
             and report["where"] == f"s-{kind}"
@@ -173,16 +173,16 @@ def test_any_preparation_failure_names_the_sample(tiny_model, synth):
     proc = AutoProcessor.from_pretrained(tiny_model)
     good = data.load_samples(os.path.join(synth, "train.jsonl"))[0]
     prep = functools.partial(
-        data.prepare, processor=proc, cfg=tiny_config(), template=FAILING_TEMPLATE
+        data.prepare, processor=proc, media=tiny_config(), template=FAILING_TEMPLATE
     )
     assert (
-        data.try_prep(prep, good, tiny_config())[0].sample["id"] == good["id"]
+        data.try_prep(prep, good, skip_invalid=False)[0].sample["id"] == good["id"]
     )  # the template works on the others
     for marker, exception in TEMPLATE_FAILS.items():
         s = {**good, "id": f"s-{marker}", "problem": good["problem"] + marker}
         with pytest.raises(data.DataError, match=f"^sample s-{marker}: {exception}"):
-            data.try_prep(prep, s, tiny_config())
-        p, report = data.try_prep(prep, s, tiny_config(skip_invalid=True))
+            data.try_prep(prep, s, skip_invalid=False)
+        p, report = data.try_prep(prep, s, skip_invalid=True)
         assert p is None and report["where"] == f"s-{marker}" and exception in report["error"]
 
 
@@ -204,10 +204,10 @@ def test_max_decode_pixels_reaches_the_loaders(tiny_model, synth):
         ):
             data.try_prep(
                 functools.partial(
-                    data.prepare, processor=proc, cfg=tiny_config(max_decode_pixels=3135)
+                    data.prepare, processor=proc, media=tiny_config(max_decode_pixels=3135)
                 ),
                 s,
-                tiny_config(),
+                skip_invalid=False,
             )
         assert data.prepare(s, proc, tiny_config(max_decode_pixels=3136)).sample["id"] == s["id"]
 
