@@ -36,7 +36,15 @@ import rewards
 import sp
 from ckpt import save_checkpoint
 from common import all_reduce, any_rank, barrier, catch_stop_signals, gather, init_dist, print0
-from rollout import HFEngine, Rollout, VLLMEngine, eos_token_ids, request_seed, vision_token_ids
+from rollout import (
+    HFEngine,
+    Rollout,
+    VLLMEngine,
+    engine_errors,
+    eos_token_ids,
+    request_seed,
+    vision_token_ids,
+)
 
 
 @dataclass
@@ -282,8 +290,9 @@ def check_config(cfg: Config, world: int = 1):
                 f"world size {world} % sp_size {cfg.sp_size} != 0",
             ),
             (
-                cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size),
-                "sp_size > 1 needs rollout_tp 1 or sp_size",
+                cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp,
+                f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0 (a TP group generates "
+                "inside one SP group)",
             ),
             (cfg.rollout == "hf" and cfg.rollout_tp > 1, "rollout_tp > 1 needs rollout vllm"),
             (
@@ -350,6 +359,8 @@ def check_config(cfg: Config, world: int = 1):
         ]
         if fails
     ]
+    if cfg.rollout == "vllm" and cfg.rollout_tp > 0 and cfg.max_model_len > 0:
+        bad += engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len)  # vLLM's own checks
     if bad:
         raise ValueError("invalid config:\n  " + "\n  ".join(bad))
 

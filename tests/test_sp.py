@@ -410,18 +410,21 @@ def test_sp_size_not_dividing_the_heads(request, synth, launch):
 
 
 def test_config_errors(tiny_model):
-    """The world must be a multiple of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before
-    any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
+    """The world must be a multiple of sp_size; a vLLM TP group must lie inside an SP group (sp_size % rollout_tp).
+    All before any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
     train.check_config(
         tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4
     )  # dp 2 x sp 2: fine
     train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
     with pytest.raises(ValueError, match=r"world size 3 % sp_size 2"):
         train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=3), world=3)
-    with pytest.raises(ValueError, match="rollout_tp 1 or sp_size"):
+    with pytest.raises(ValueError, match=r"sp_size 2 % rollout_tp 4 != 0"):
         train.check_config(
             tiny_config(model=tiny_model, sp_size=2, rollout_tp=4, prompts_per_step=4), world=4
         )
+    train.check_config(  # a TP group inside each SP group
+        tiny_config(model=tiny_model, sp_size=4, rollout_tp=2, prompts_per_step=4), world=4
+    )
     with pytest.raises(ValueError, match="sp_size must be > 0"):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
