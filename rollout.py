@@ -92,8 +92,9 @@ def vision_token_ids(tokenizer) -> list[int]:
 
 
 # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a shared machine); a 1 GiB
-# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides). Both engines, the trainer's and evaluate.py's
-CPU_KV_CACHE_BYTES = 2**30
+# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides; CPU_KV_CACHE_MIB, MiB: scripts/rehearse.py's 8 ranks).
+# Both engines, the trainer's and evaluate.py's
+CPU_KV_CACHE_BYTES = int(os.environ.get("CPU_KV_CACHE_MIB", "1024")) * 2**20
 
 
 # the published config.json values of the hub models (and the planner's measurements)
@@ -160,7 +161,8 @@ def start_errors(max_model_len: int):
 
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
-    tp=1: one engine per rank, on its own prompts; tp=world: one engine over all ranks, which pass the same prompts."""
+    tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp consecutive ranks (all ranks, or one per
+    part of an SP group), which pass the same prompts."""
 
     def __init__(
         self,
