@@ -653,6 +653,13 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     )
     held_out = memory_plan.plan(dataclasses.replace(cfg, eval_max_samples=512), *args)
     assert held_out.verdict.startswith("DOES NOT FIT in host memory")
+    # host RAM per rank: each rank of a TP group prepares its engine's prompts (8 / 2 engines), 1,176 uint8 values a
+    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's), the held-out prompts (8 / 2) for the run
+    frames = patches * 1176
+    host = list(memory_plan.plan(cfg, *args).host.values())
+    assert host[:4] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8, 4 * frames * 5]
+    decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
+    assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
     assert memory_plan.plan(dataclasses.replace(cfg, rollout_tp=3), *args).verdict.startswith(
         "CANNOT RUN: rollout_tp 3 must divide the 8 GPUs"
     )
