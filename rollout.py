@@ -13,7 +13,9 @@ tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measur
 import contextlib
 import gc
 import hashlib
+import json
 import os
+import tempfile
 from dataclasses import dataclass
 from unittest import mock
 
@@ -91,8 +93,50 @@ def vision_token_ids(tokenizer) -> list[int]:
 
 
 # CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a shared machine); a 1 GiB
-# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides). Both engines, the trainer's and evaluate.py's
-CPU_KV_CACHE_BYTES = 2**30
+# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides; CPU_KV_CACHE_MIB, MiB: scripts/rehearse.py's 8 ranks).
+# Both engines, the trainer's and evaluate.py's
+CPU_KV_CACHE_BYTES = int(os.environ.get("CPU_KV_CACHE_MIB", "1024")) * 2**20
+
+
+# the published config.json values of the hub models (and the planner's measurements)
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/memory.json")
+
+
+def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
+    """What vLLM refuses at engine start, found without weights or a network: its own ModelConfig and ParallelConfig
+    checks on the model's config.json (a local folder's; a hub model's published values in configs/memory.json; any
+    other is checked when its engine starts): query heads vs tensor_parallel_size, max_model_len vs the model's
+    positions (VLLM_ALLOW_LONG_MAX_MODEL_LEN as this process has it), and the split of the KV heads that its QKV layer
+    makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
+    from vllm.config import ModelConfig, ParallelConfig
+
+    with open(PUBLISHED) as f:
+        spec = json.load(f)["published"].get(model)
+    local = os.path.isfile(os.path.join(model, "config.json"))
+    if not local and spec is None:
+        return []
+    with tempfile.TemporaryDirectory() as folder:
+        if not local:
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(spec, f)
+        try:
+            config = ModelConfig(
+                model=model if local else folder,
+                max_model_len=max_model_len,
+                skip_tokenizer_init=True,
+            )
+            config.verify_with_parallel_config(ParallelConfig(tensor_parallel_size=tp))
+        except ValueError as e:  # pydantic's ValidationError is one
+            text = " ".join(str(e).split()).split("Value error, ")[-1].split(" [type=")[0]
+            first_two = ". ".join(text.split(". ")[:2])
+            return [f"vLLM refuses {model} with rollout_tp {tp}: {first_two.rstrip('.')}"]
+    kv = config.get_total_num_kv_heads()
+    if kv % tp and tp % kv:
+        return [
+            f"vLLM refuses {model} with rollout_tp {tp}: its {kv} KV heads do not split over "
+            f"{tp} ranks (QKVParallelLinear: one of them must divide the other)"
+        ]
+    return []
 
 
 @contextlib.contextmanager
@@ -118,7 +162,8 @@ def start_errors(max_model_len: int):
 
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
-    tp=1: one engine per rank, on its own prompts; tp=world: one engine over all ranks, which pass the same prompts."""
+    tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp consecutive ranks (all ranks, or one per
+    part of an SP group), which pass the same prompts."""
 
     def __init__(
         self,

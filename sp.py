@@ -30,7 +30,8 @@ MEDIA = (
 @dataclass
 class Layout:
     """This rank's place in the dp x sp world and in its rollout engine's TP group: all the rank arithmetic. SP and
-    TP groups are sp_size and tp consecutive ranks; rank r trains on the rows r::world of a step's prompts."""
+    TP groups are sp_size and tp consecutive ranks (tp divides sp_size, or sp_size is 1). A step's prompts are dealt
+    so that every SP group gets its equal part in one round (part): the rows its ranks train together."""
 
     group: object  # the SP group's process group (None with sp_size 1)
     sp_rank: int
@@ -42,12 +43,18 @@ class Layout:
     world: int = 1  # dp_size * sp_size
     host: object = None  # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
 
+    def part(self, items: list, rank: int) -> list:
+        """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g (prompts_per_step / dp_size
+        of a step's), dealt in turn over the group's ranks. sp_size 1: items[rank::world]."""
+        group = items[rank // self.sp_size :: self.dp_size]
+        return group[rank % self.sp_size :: self.sp_size]
+
     def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
         """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
         ranks (size tp: what its engine generates), and where the rank's own part lies in it: (list, start, length)."""
         rank = self.rank if rank is None else rank
         first = rank - rank % size
-        parts = [items[q :: self.world] for q in range(first, first + size)]
+        parts = [self.part(items, q) for q in range(first, first + size)]
         return (
             [x for part in parts for x in part],
             sum(map(len, parts[: rank - first])),
@@ -56,7 +63,8 @@ class Layout:
 
     def prepares(self, i: int) -> bool:
         """Whether this rank prepares item i of a step's prompts: the TP group that generates it (group_rollouts)."""
-        return i % self.world // self.tp == self.rank // self.tp
+        owner = i % self.dp_size * self.sp_size + i // self.dp_size % self.sp_size  # part's inverse
+        return owner // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same rows)."""

@@ -46,7 +46,15 @@ from common import (
     init_dist,
     print0,
 )
-from rollout import HFEngine, Rollout, VLLMEngine, eos_token_ids, request_seed, vision_token_ids
+from rollout import (
+    HFEngine,
+    Rollout,
+    VLLMEngine,
+    engine_errors,
+    eos_token_ids,
+    request_seed,
+    vision_token_ids,
+)
 
 
 # Every setting of a run. Media (cache.py, shared with evaluate.py) declares the frame and image settings:
@@ -93,7 +101,7 @@ class Config(Media):
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
     rollout_tp: int = field(default=1, metadata=POSITIVE)
-    """vLLM tensor parallel size: 1 = an engine per rank, world size = one engine over all ranks"""
+    """vLLM tensor parallel size: ranks per engine (1 = an engine per rank); with sp_size > 1 it divides sp_size"""
     group_size: int = field(default=8, metadata=POSITIVE)
     """completions per prompt (n)"""
     prompts_per_step: int = field(default=8, metadata=POSITIVE)
@@ -264,8 +272,9 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"world size {world} % rollout_tp {cfg.rollout_tp} != 0")
     if cfg.sp_size > 0 and world % cfg.sp_size:
         bad.append(f"world size {world} % sp_size {cfg.sp_size} != 0")
-    if cfg.sp_size > 1 and cfg.rollout_tp not in (1, cfg.sp_size):
-        bad.append("sp_size > 1 needs rollout_tp 1 or sp_size")
+    if cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp:
+        # a TP group generates inside one SP group
+        bad.append(f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0")
     if cfg.rollout == "hf" and cfg.rollout_tp > 1:
         bad.append("rollout_tp > 1 needs rollout vllm")
     if cfg.mini_batches > per_rank:
@@ -315,6 +324,8 @@ def check_config(cfg: Config, world: int = 1):
             f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
             f"max_response_len {longest_row}: the longest row fits in none"
         )
+    if cfg.rollout == "vllm" and cfg.rollout_tp > 0 and cfg.max_model_len > 0:
+        bad += engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len)  # vLLM's own checks
     if bad:
         raise UserError("invalid config:\n  " + "\n  ".join(bad))
 

@@ -7,6 +7,8 @@ sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same
 tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
 The "wide" variant (tiny-<arch>-wide): hidden 384, 6 query / 2 KV heads (sequence parallelism over 3 ranks repeats
 KV heads, over 4 pads zero heads) and Qwen2.5-VL windows of one merged token (several windows per frame).
+The "heads<Q>-<KV>" variants: a published model's query / KV heads at width 64 (hidden 64 x Q), 2 layers, for
+scripts/rehearse.py (Qwen2.5-VL and Qwen3-VL: Qwen2-VL's tower names its output width otherwise).
 """
 
 import json
@@ -97,6 +99,20 @@ VARIANTS = {
     "wide": (
         dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2),
         dict(out_hidden_size=384, window_size=28),
+    ),
+    # a published model's query / KV head counts at head width 64 (scripts/rehearse.py: vLLM's tensor-parallel rules
+    # and Ulysses' padding as on the real model): Qwen2.5-VL-7B / Qwen2-VL-7B, Qwen2.5-VL-3B, Qwen3-VL-8B
+    "heads28-4": (
+        dict(hidden_size=1792, num_attention_heads=28, num_key_value_heads=4),
+        dict(out_hidden_size=1792),
+    ),
+    "heads16-2": (
+        dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2),
+        dict(out_hidden_size=1024),
+    ),
+    "heads32-8": (
+        dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8),
+        dict(out_hidden_size=2048),
     ),
 }
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
@@ -200,7 +216,7 @@ def build(
     out: str,
     seed: int = 0,
     force: bool = False,
-    variant: Literal["", "wide"] = "",
+    variant: Literal["", "wide", "heads28-4", "heads16-2", "heads32-8"] = "",
 ) -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a

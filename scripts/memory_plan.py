@@ -111,6 +111,10 @@ class Plan:
     generation: float
     train: float
     verdict: str
+    host: dict[
+        str, float
+    ]  # host RAM per rank in a step (host_plan); the load's, alone, is "loading"
+    host_rank: float  # the larger of the two, per rank
 
 
 def lora_params(spec: dict, rank: int) -> int:
@@ -131,6 +135,36 @@ def lora_params(spec: dict, rank: int) -> int:
     )
 
 
+def host_plan(
+    cfg, spec: dict, meas: dict, gpus: int, patches: int, sp: int = 1
+) -> dict[str, float]:
+    """Host RAM per rank in a step: the prompts this rank prepares (each rank of a TP group prepares all of its
+    engine's: Layout.prepares), as uint8 frames and fp32 pixels (the trainer's, and vLLM's processor's copy of the
+    frames it is given), the SP runs of its group's prompts, the held-out prompts (prepared once, held for the run),
+    the offloaded states (pinned); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    vision = spec["vision_config"]
+    voxel = 3 * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2  # values per patch
+    frames = patches * voxel  # uint8 bytes of a prompt's frames
+    engines = gpus // cfg.rollout_tp  # TP groups, each with its share of the step's prompts
+    mine = -(-cfg.prompts_per_step // engines)
+    val = -(-cfg.eval_max_samples * bool(cfg.val_data) // engines)
+    total = meas["params"]["total"]
+    return {
+        f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
+        f"pixels ({mine} prompts, fp32: the trainer's and vLLM's)": 2 * mine * frames * 4,
+        "SP runs (1/sp_size of its SP group's prompts' pixels)": cfg.prompts_per_step
+        * frames
+        * 4
+        / gpus
+        * (sp > 1),
+        f"held-out prompts ({val} of eval_max_samples {cfg.eval_max_samples}, for the run)": val
+        * frames
+        * 5,
+        "offload (pinned fp32 weights, gradients, AdamW)": 16 * total / gpus * cfg.offload,
+        "loading (the fp32 model on the host, alone, at the start)": 4 * total,
+    }
+
+
 def plan(
     cfg,
     spec: dict,
@@ -141,10 +175,13 @@ def plan(
     prompt: int,
     patches: int,
     sp: int = 1,
+    host_mem: float = 1024 * GIB,
+    refused: tuple[str, ...] = (),
 ):
     """Bytes per GPU of train.py with `cfg`, sp_size `sp` (cuda: bf16, vLLM; else fp32 on CPU), `prompt`-token prompts:
     README "Memory"'s terms; sp > 1 (Ulysses): 1/sp of the tokens, frames and features, query heads padded to a
-    multiple of sp (zero heads: their attention costs as much as a real head's)."""
+    multiple of sp (zero heads: their attention costs as much as a real head's). Host RAM per node (host_plan, gpus
+    ranks up to 8 a node) against `host_mem`; `refused`: what vLLM's config checks refuse (rollout.engine_errors)."""
     total, block, root = (
         meas["params"]["total"],
         meas["params"]["largest_layer"],
@@ -269,8 +306,15 @@ def plan(
     )
     over = train > 0.9 * gpu_mem  # 10% for the CUDA context, NCCL and fragmentation
     larger = [s for s in range(sp + 1, gpus + 1) if gpus % s == 0]
+    host = host_plan(cfg, spec, meas, gpus, patches, sp)
+    loading = host["loading (the fp32 model on the host, alone, at the start)"]
+    host_rank = max(sum(host.values()) - loading, loading)
+    node = host_rank * min(gpus, 8)
     knobs = (  # the first that applies, the knob to turn
+        (refused, f"CANNOT RUN: {refused[0] if refused else ''}"),
         (gpus % sp, f"CANNOT RUN: sp_size {sp} must divide the {gpus} GPUs"),
+        (gpus % tp, f"CANNOT RUN: rollout_tp {tp} must divide the {gpus} GPUs"),
+        (sp > 1 and sp % tp, f"CANNOT RUN: sp_size {sp} % rollout_tp {tp} != 0"),
         (
             prompt > cfg.max_prompt_len,
             f"CANNOT RUN: max_prompt_len {cfg.max_prompt_len} < {prompt}-token prompts",
@@ -288,9 +332,14 @@ def plan(
         (over and larger, "DOES NOT FIT: sp_size " + " or ".join(map(str, larger))),
         (over and not cfg.freeze_vision, "DOES NOT FIT: freeze_vision: true"),
         (over, f"DOES NOT FIT: video_max_frames / video_max_pixels (one row is {row} tokens)"),
+        (
+            node > host_mem,
+            f"DOES NOT FIT in host memory ({node / GIB:.0f} GiB per node of {host_mem / GIB:.0f}): "
+            "eval_max_samples, prompts_per_step or rollout_tp",
+        ),
     )
     verdict = next((knob for bad, knob in knobs if bad), "FITS")
-    return Plan(held, transient, vllm_parts, need, generation, train, verdict)
+    return Plan(held, transient, vllm_parts, need, generation, train, verdict, host, host_rank)
 
 
 @dataclasses.dataclass
@@ -302,6 +351,8 @@ class Config:
     --nproc_per_node=N train.py`)"""
     gpu_mem_gib: float = 80.0
     """memory per GPU"""
+    host_memory_gib: float = 1024.0
+    """host RAM per node of 8 GPUs (a typical 8 x 80 GB node has 1-2 TiB)"""
     frames: int = 0
     """video_max_frames instead of the config's (0 = the config's)"""
     tokens: int = 0
@@ -310,9 +361,19 @@ class Config:
     """print the README's table instead: frames per video x sp_size 1/2/4/8, one video per micro-batch"""
 
 
+def legal_tp(spec: dict, sp: int) -> int:
+    """The largest rollout_tp that an SP group of `sp` ranks can hold and vLLM takes: it divides sp, the query heads,
+    and the KV heads divide it or it divides them (rollout.engine_errors)."""
+    text = spec["text_config"]
+    heads = text["num_attention_heads"]
+    kv = text["num_key_value_heads"]
+    fits = [t for t in range(1, sp + 1) if sp % t == 0 and heads % t == 0]
+    return max(t for t in fits if kv % t == 0 or t % kv == 0)
+
+
 def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     """Markdown rows, frames x sp_size: verdict, train-phase GiB per GPU (the config's prompt and model lengths;
-    rollout_tp = sp_size, as train.py takes it)."""
+    rollout_tp the largest that vLLM takes in the SP group, legal_tp)."""
     lines = [
         "| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |",
         "|---" * 6 + "|",
@@ -324,7 +385,9 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
         prompt, patches = longest_prompt(one, *SOURCE_HW)
         plans = [
             plan(
-                dataclasses.replace(one, rollout_tp=sp if sp > 1 else cfg.rollout_tp),
+                dataclasses.replace(
+                    one, rollout_tp=legal_tp(spec, sp) if sp > 1 else cfg.rollout_tp
+                ),
                 spec,
                 meas,
                 c.gpus,
@@ -333,9 +396,10 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
                 prompt,
                 patches,
                 sp,
+                c.host_memory_gib * GIB,
             )
             for sp in (1, 2, 4, 8)
-        ]  # tp: 1 or sp_size
+        ]
         cells = [f"{p.verdict.split(':')[0].lower()} ({p.train / GIB:.0f} GiB)" for p in plans]
         lines.append(f"| {frames} | {prompt:,} | " + " | ".join(cells) + " |")
     return lines
@@ -355,6 +419,7 @@ def launch_ranks(paths: tuple[str, ...]) -> int:
 def main(c: Config) -> Plan | list[str]:
     """Prints the config's plan (or the table) and returns it. A model measured only in float32 (the tiny CPU one)
     gets a CPU plan: fp32, per rank, vLLM not counted."""
+    import rollout
     import train
 
     cfg = train.load_config(["--config", *c.config])  # checked as train.py checks it
@@ -378,16 +443,33 @@ def main(c: Config) -> Plan | list[str]:
         print("\n".join(lines))
         return lines
     prompt, patches = longest_prompt(cfg, *SOURCE_HW)
-    p = plan(cfg, spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp)
+    refused = ()
+    if (
+        cfg.rollout == "vllm"
+    ):  # vLLM's own checks, without weights (VLLM_ALLOW_LONG_MAX_MODEL_LEN as set here)
+        refused = tuple(rollout.engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len))
+    host_mem = c.host_memory_gib * GIB
+    p = plan(
+        cfg, spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp, host_mem, refused
+    )
     print(
         f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
         f"(720p): {prompt} prompt tokens, {patches} patches"
     )
     parts = {**p.held, **{f"+ the largest: {k}": v for k, v in p.transient.items()}}
     parts.update({f"vLLM: {k}": v for k, v in p.vllm.items()} if cuda else {})
+    parts.update({f"host: {k}": v for k, v in p.host.items()})
     for label, value in parts.items():
         print(f"  {label:<62} {value / GIB:7.2f} GiB")
+    ranks = min(gpus, 8)
+    print(
+        f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "
+        f"({ranks} ranks) of {c.host_memory_gib:.0f}"
+    )
     if not cuda:
+        if p.verdict.startswith("CANNOT RUN"):
+            print(p.verdict)
+            return p
         print(
             f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)"
         )

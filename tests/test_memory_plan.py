@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import memory_plan
+import rollout
 import train
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/memory.py's worker measures the peaks
@@ -587,15 +588,18 @@ def test_every_run_config_gets_an_answer(name, cli_runs):
         assert last == "FITS" or last.startswith(("DOES NOT FIT: ", "CANNOT RUN: ")), last
 
 
-def test_the_long_video_recipes_fit():
+def test_the_long_video_recipes_fit(monkeypatch):
     """configs/qwen2_5_vl_7b_long.yaml over the 7B config: 3,600 frames of 252 x 448 = 1,800 pairs x 144 tokens, plus
     the question; FITS on 8 x 80 GB at sp_size 8 (heads padded), not at 2. The 3B one-hour recipe (Long-RL's: 60
     tokens per frame, sp 8, 5 rollouts, the tower trained, KL 0.01): 1,800 x 120 tokens, FITS. In both, one video's
     encode is most of what vLLM needs; the 7B's tower is trained: freeze_vision's one-call encode of the step's
-    prompts (a whole video's patches per rank) peaks higher, on the states alone."""
+    prompts (a whole video's patches per rank) peaks higher, on the states alone. Host RAM per node is planned and
+    under host_memory_gib; vLLM's own config accepts both (with VLLM_ALLOW_LONG_MAX_MODEL_LEN, as their launch line)."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     for configs, tokens, sp in ((LONG, 144, 8), (LONG_3B, 120, 8)):
         p = memory_plan.main(memory_plan.Config(config=configs))
         assert p.verdict == "FITS" and p.train < 0.9 * 80 * GIB and p.generation < 0.9 * 80 * GIB
+        assert 0 < p.host_rank * 8 < 1024 * GIB
         assert line(p, "parameters") > 0 and p.vllm_need > 0
         cfg = train.load_config(["--config", *configs])
         assert cfg.sp_size == sp and cfg.video_max_frames == 3600
@@ -607,7 +611,7 @@ def test_the_long_video_recipes_fit():
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
     prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
     assert memory_plan.plan(
-        cfg, spec, meas, 8, 80 * GIB, True, prompt, patches, 2
+        dataclasses.replace(cfg, rollout_tp=2), spec, meas, 8, 80 * GIB, True, prompt, patches, 2
     ).verdict.startswith("DOES NOT FIT")
     # freeze_vision encodes the 1/8 of all 8 prompts' frames of a rank in one no-grad call: a whole video's patches
     frozen = memory_plan.plan(
@@ -629,6 +633,46 @@ def test_the_long_video_recipes_fit():
     assert (
         frozen.train == states + 8 * 129_600 * 46_530 > trained.train
     )  # before the passes: no activations held
+
+
+def test_what_vllm_refuses_cannot_run(monkeypatch):
+    """The hour recipes as they were (rollout_tp 8 for the 7B's 28 query heads; the 7B base config's 512 held-out
+    hour-long prompts): vLLM's own config check refuses the first, found before anything loads (check_config and the
+    planner); the second is over the node's host RAM. max_model_len over the model's positions is refused unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM does; sp_size must be a multiple of rollout_tp."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    cfg = train.load_config(["--config", *LONG])
+    spec, meas = memory_plan.stored(cfg.model, "bfloat16")
+    prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
+    eight = rollout.engine_errors(cfg.model, 8, cfg.max_model_len)
+    assert eight and "(28) must be divisible by tensor parallel size (8)" in eight[0]
+    args = (spec, meas, 8, 80 * GIB, True, prompt, patches, 8, 1024 * GIB)
+    tp8 = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=8), *args, tuple(eight))
+    assert tp8.verdict.startswith(
+        "CANNOT RUN: vLLM refuses Qwen/Qwen2.5-VL-7B-Instruct with rollout_tp 8"
+    )
+    held_out = memory_plan.plan(dataclasses.replace(cfg, eval_max_samples=512), *args)
+    assert held_out.verdict.startswith("DOES NOT FIT in host memory")
+    # host RAM per rank: each rank of a TP group prepares its engine's prompts (8 / 2 engines), 1,176 uint8 values a
+    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's), the held-out prompts (8 / 2) for the run
+    frames = patches * 1176
+    host = list(memory_plan.plan(cfg, *args).host.values())
+    assert host[:4] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8, 4 * frames * 5]
+    decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
+    assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
+    assert memory_plan.plan(dataclasses.replace(cfg, rollout_tp=3), *args).verdict.startswith(
+        "CANNOT RUN: rollout_tp 3 must divide the 8 GPUs"
+    )
+    with pytest.raises(ValueError, match="must be divisible by tensor parallel size"):
+        train.check_config(dataclasses.replace(cfg, rollout_tp=8), world=8)
+    assert rollout.engine_errors(cfg.model, 4, cfg.max_model_len) == []
+    (kv,) = rollout.engine_errors(
+        cfg.model, 7, 4096
+    )  # 28 query heads split over 7, its 4 KV heads do not
+    assert "its 4 KV heads do not split over 7 ranks" in kv
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    (long,) = rollout.engine_errors(cfg.model, 4, cfg.max_model_len)
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in long and "(262144)" in long
 
 
 def test_the_table_command_runs(cli_runs):

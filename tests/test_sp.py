@@ -410,18 +410,21 @@ def test_sp_size_not_dividing_the_heads(request, synth, launch):
 
 
 def test_config_errors(tiny_model):
-    """The world must be a multiple of sp_size; vLLM TP groups other than 1 or the SP group are refused. All before
-    any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
+    """The world must be a multiple of sp_size; a vLLM TP group must lie inside an SP group (sp_size % rollout_tp).
+    All before any model loads. sp_size need not divide the heads (2 here): Ulysses pads them."""
     train.check_config(
         tiny_config(model=tiny_model, sp_size=2, prompts_per_step=4), world=4
     )  # dp 2 x sp 2: fine
     train.check_config(tiny_config(model=tiny_model, sp_size=4, prompts_per_step=4), world=4)
     with pytest.raises(ValueError, match=r"world size 3 % sp_size 2"):
         train.check_config(tiny_config(model=tiny_model, sp_size=2, prompts_per_step=3), world=3)
-    with pytest.raises(ValueError, match="rollout_tp 1 or sp_size"):
+    with pytest.raises(ValueError, match=r"sp_size 2 % rollout_tp 4 != 0"):
         train.check_config(
             tiny_config(model=tiny_model, sp_size=2, rollout_tp=4, prompts_per_step=4), world=4
         )
+    train.check_config(  # a TP group inside each SP group
+        tiny_config(model=tiny_model, sp_size=4, rollout_tp=2, prompts_per_step=4), world=4
+    )
     with pytest.raises(ValueError, match="sp_size must be > 0"):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
@@ -520,8 +523,9 @@ if __name__ == "__main__":
     "world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)]
 )
 def test_layout_shares(world, sp_size, tp):
-    """Layout's rank arithmetic over a whole world: rank r's own part is items[r::world] inside its TP group's list,
-    which is the same on the group's ranks; an item is prepared by the TP group (consecutive ranks) that generates it;
+    """Layout's rank arithmetic over a whole world: SP group g's ranks hold items[g::dp_size] between them (its
+    equal part in one round), rank r's own part lies inside its TP group's list, which is the same on the group's
+    ranks; the parts partition the items; an item is prepared by the TP group (consecutive ranks) that generates it;
     dedup keeps one rank per SP group."""
     import sp
 
@@ -530,12 +534,19 @@ def test_layout_shares(world, sp_size, tp):
     layouts = [
         sp.Layout(None, r % sp_size, sp_size, r // sp_size, dp, tp, r, world) for r in range(world)
     ]
+    own = [x.part(items, r) for r, x in enumerate(layouts)]
+    assert sorted(i for part in own for i in part) == items
+    for g in range(dp):
+        group_parts = own[g * sp_size : (g + 1) * sp_size]
+        assert sorted(i for part in group_parts for i in part) == items[g::dp]
+    if sp_size == 1:
+        assert own == [items[r::world] for r in range(world)]
     for r, x in enumerate(layouts):
         share, start, k = x.share(items, tp)
-        assert share[start : start + k] == items[r::world]
+        assert share[start : start + k] == own[r]
         assert share == layouts[r - r % tp].share(items, tp)[0]
         assert sorted(share) == sorted(
-            i for q in range(r - r % tp, r - r % tp + tp) for i in items[q::world]
+            i for q in range(r - r % tp, r - r % tp + tp) for i in own[q]
         )
         assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
     for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)

@@ -1,0 +1,67 @@
+"""scripts/rehearse.py: a recipe's parallel layout for 2 steps on CPU (torchrun, gloo, vLLM) on a tiny checkpoint with
+the real model's query and KV heads; a recipe that cannot start fails before anything launches, with vLLM's error."""
+
+import json
+import os
+
+import pytest
+from conftest import ROOT
+
+import rehearse
+import train
+
+SEVEN_B_LONG = [
+    os.path.join(ROOT, "configs", n) for n in ("qwen2_5_vl_7b.yaml", "qwen2_5_vl_7b_long.yaml")
+]
+THREE_B_LONG = [
+    os.path.join(ROOT, "configs", n) for n in ("qwen2_5_vl_3b.yaml", "qwen2_5_vl_3b_long.yaml")
+]
+
+
+def test_the_rehearsal_keeps_the_layout_and_scales_the_lengths():
+    """The recipe's layout and batch as they are; frames and lengths scaled down, one row per micro-batch kept."""
+    c = rehearse.Config(config=tuple(SEVEN_B_LONG), out="runs/x")
+    recipe = train.load_config(["--config", *SEVEN_B_LONG])
+    args = rehearse.train_args(c, recipe, "tiny", "data")
+    cfg = train.load_config(args)
+    assert (cfg.sp_size, cfg.rollout_tp, cfg.group_size, cfg.prompts_per_step) == (8, 4, 8, 8)
+    assert (
+        cfg.max_tokens_per_micro_batch == cfg.max_prompt_len + cfg.max_response_len
+    )  # one row, as the recipe
+    assert cfg.video_max_frames == 16 and cfg.max_model_len <= 4096 and cfg.model == "tiny"
+    assert not cfg.save and not cfg.offload and not cfg.wandb_project and cfg.cache_dir == ""
+
+
+def test_a_recipe_vllm_refuses_fails_before_the_launch(tmp_path, monkeypatch):
+    """The 7B hour recipe as it was (rollout_tp 8, 28 query heads): vLLM's own error, before any rank starts; without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN its max_model_len over the model's 128,000 positions is refused too."""
+    layer = tmp_path / "tp8.yaml"
+    layer.write_text("rollout_tp: 8\n")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    c = rehearse.Config(config=(*SEVEN_B_LONG, str(layer)), out=str(tmp_path / "run"))
+    with pytest.raises(
+        ValueError, match=r"heads \(28\) must be divisible by tensor parallel size \(8\)"
+    ):
+        rehearse.main(c)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        rehearse.main(rehearse.Config(config=tuple(SEVEN_B_LONG), out=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_four_rank_rehearsal(tmp_path, monkeypatch):
+    """The 3B hour recipe's layout at 4 ranks (sp_size 4, rollout_tp 2: two vLLM engines of 16 / 2 heads, each inside
+    the SP group; KL reference, the tower trained, one row per micro-batch): 2 steps, one generation round each."""
+    layer = tmp_path / "four.yaml"
+    layer.write_text("sp_size: 4\nrollout_tp: 2\n")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    out = tmp_path / "run"
+    assert (
+        rehearse.main(rehearse.Config(config=(*THREE_B_LONG, str(layer)), ranks=4, out=str(out)))
+        == 0
+    )
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "dyn/rounds" in r]
+    assert [r["dyn/rounds"] for r in steps] == [1, 1]
+    assert all(r["mismatch/max"] < 1e-4 for r in steps)
