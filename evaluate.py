@@ -119,13 +119,8 @@ ANSWER_SETTINGS = (
 )
 
 
-FORMATS = (
-    ".jsonl",
-    ".json",
-    ".parquet",
-    ".csv",
-    ".txt",
-)  # annotation files, in the order they are looked for
+# annotation files, in the order they are looked for
+FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 BENCHMARKS = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml"
 )
@@ -161,31 +156,40 @@ FIELDS = (
 )
 
 
+# the fields a benchmark that does not name them reads
+DEFAULT_FIELDS = {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]]}
+
+
+def adapter_problem(ad) -> str:
+    """What is wrong with one benchmark's definition, '' when nothing."""
+    if not isinstance(ad, dict):
+        return f"expected a mapping of fields, got {type(ad).__name__}"
+    unknown = sorted(set(ad) - set(FIELDS))
+    if unknown:
+        return f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
+    if isinstance(ad.get("read"), str) and ad["read"] not in READERS:
+        known = ", ".join(READERS)
+        return f"unknown reader {ad['read']!r}; known: {known} or a list of [pattern, pick] rules"
+    for rule in (ad.get("type"), *ad.get("derive", {}).values()):
+        if isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {
+            "field",
+            "map",
+            "default",
+        }:
+            return "a type or derive rule takes field, map and (optionally) default"
+    return ""
+
+
 @cached
 def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
     """Every benchmark's definition, default field names filled in; a ValueError names the file, benchmark and fault."""
     with open(path, encoding="utf-8") as f:
         table = yaml.safe_load(f)
     for name, ad in table.items():
-        problem = ""
-        if not isinstance(ad, dict):
-            problem = f"expected a mapping of fields, got {type(ad).__name__}"
-        elif unknown := sorted(set(ad) - set(FIELDS)):
-            problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
-        elif isinstance(ad.get("read"), str) and ad["read"] not in READERS:
-            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, pick] rules"
-        elif any(
-            isinstance(rule, dict)
-            and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
-            for rule in (ad.get("type"), *ad.get("derive", {}).values())
-        ):
-            problem = "a type or derive rule takes field, map and (optionally) default"
+        problem = adapter_problem(ad)
         if problem:
             raise ValueError(f"{path}: benchmark {name!r}: {problem}")
-    return {
-        name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
-        for name, ad in table.items()
-    }
+    return {name: {**DEFAULT_FIELDS, **ad} for name, ad in table.items()}
 
 
 def adapter(bench: str) -> dict:
@@ -198,7 +202,10 @@ def adapter(bench: str) -> dict:
 def first(r: dict, fields):
     """The value of a field, or of the first field of a list that the record has (layouts or tasks differ)."""
     names = fields if isinstance(fields, list) else [fields]
-    return r[next((k for k in names if k in r), " or ".join(names))]
+    for k in names:
+        if k in r:
+            return r[k]
+    raise KeyError(" or ".join(names))
 
 
 def lookup(r: dict, rule: dict):
@@ -229,25 +236,28 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
         if f.endswith(".csv"):  # NExT-QA: the header names the fields; where = the line
             rows = csv.DictReader(fh)
             return [(str(rows.line_num), r) for r in rows]
-        if not f.endswith(
-            ".json"
-        ):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
-            if f.endswith(".txt") and not ad.get("line"):
+        if f.endswith(".json"):
+            return walk(json.load(fh), ad.get("nest", ()), "")
+        # one record a line: .jsonl, or .txt read by the benchmark's line pattern
+        pattern = None
+        if f.endswith(".txt"):
+            pattern = ad.get("line")
+            if not pattern:
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
-            pattern = ad.get("line") if f.endswith(".txt") else None
-            return [
-                (str(i + 1), line_record(line, pattern))
-                for i, line in enumerate(fh)
-                if line.strip()
-            ]
-        return walk(json.load(fh), ad.get("nest", ()), "")
+        records = []
+        for i, line in enumerate(fh):
+            if line.strip():
+                records.append((str(i + 1), line_record(line, pattern)))
+        return records
 
 
 def line_record(line: str, pattern: str | None):
     """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
     if pattern:
         m = re.fullmatch(pattern, line.strip())
-        return m.groupdict() if m else DataError(f"line does not match {pattern!r}")
+        if not m:
+            return DataError(f"line does not match {pattern!r}")
+        return m.groupdict()
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
@@ -259,36 +269,35 @@ def walk(node, names, where: str) -> list[tuple[str, object]]:
     {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record number or key path."""
     if isinstance(node, list):
         return [(f"{where}{i + 1}", r) for i, r in enumerate(node)]
-    if not isinstance(node, dict) or not names:
-        if where and isinstance(node, dict):
-            return [(where.rstrip("/"), node)]
-        hint = (
-            " (a nested release: the benchmark's `nest` names its keys)"
-            if isinstance(node, dict)
-            else ""
+    if not isinstance(node, dict):
+        raise DataError(f"expected a JSON array of records, got {type(node).__name__}")
+    if not names and where:  # the end of a key path: a record
+        return [(where.rstrip("/"), node)]
+    if not names:
+        raise DataError(
+            "expected a JSON array of records, got dict "
+            "(a nested release: the benchmark's `nest` names its keys)"
         )
-        raise DataError(f"expected a JSON array of records, got {type(node).__name__}{hint}")
-    return [
-        (w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
-        for k, v in node.items()
-        for w, r in walk(v, names[1:], f"{where}{k}/")
-    ]
+    out = []
+    for k, v in node.items():
+        for w, r in walk(v, names[1:], f"{where}{k}/"):
+            if isinstance(r, dict):
+                r = {**r, names[0]: k}
+            out.append((w, r))
+    return out
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
     """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
     opts = ad["opts"]
-    if isinstance(
-        opts, list
-    ):  # one option a field (a field holding a list: all of them), absent fields skipped
+    if isinstance(opts, list):
+        # one option a field (a field holding a list: all of them), absent fields skipped
         if not any(k in r for k in opts):
             raise KeyError(opts[0])
-        raw = [
-            x
-            for k in opts
-            for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
-            if x not in (None, "", "N/A")
-        ]
+        raw = []
+        for k in opts:
+            values = r[k] if isinstance(r.get(k), list) else [r.get(k)]
+            raw += [x for x in values if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
     else:
@@ -307,9 +316,8 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
     """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
-    if (
-        ad.get("index") and options
-    ):  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
+    # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
+    if ad.get("index") and options:
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
             raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
         return chr(65 + int(ans))
@@ -318,8 +326,47 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
     texts = [o[3:] for o in options]
     if str(ans) in texts:  # the text of the right candidate (MVBench)
         return chr(65 + texts.index(str(ans)))
-    m = _OPTION.match(str(ans)) if options else None
-    return option_letter(m) if m else str(ans)  # "C. blue", "Caption B: ...", "(B)"
+    m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
+    if options and m:
+        return option_letter(m)
+    return str(ans)
+
+
+# a derive template's field: "{video_id}.mp4" ("{{" is a literal brace)
+_TEMPLATE_FIELD = re.compile(r"(?<!{){(\w+)}")
+
+
+def with_derived(r: dict, ad: dict) -> dict:
+    """The record with the benchmark's `extract` and `derive` fields added, where it has what they need (a
+    benchmark may have several layouts: a field the layout needs is reported missing later)."""
+    r = dict(r)
+    for field, pattern in ad.get("extract", {}).items():
+        if field not in r:
+            continue
+        m = re.search(pattern, str(r[field]))
+        if not m:
+            raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
+        r = {**m.groupdict(), **r}  # a field the record has keeps its value
+    for field, rule in ad.get("derive", {}).items():
+        if isinstance(rule, str) and set(_TEMPLATE_FIELD.findall(rule)) <= set(r):
+            r[field] = rule.format(**r)
+        elif isinstance(rule, dict) and rule["field"] in r:
+            r[field] = lookup(r, rule)
+    return r
+
+
+def kept_fields(r: dict, ad: dict) -> dict:
+    """The record's breakdown fields (`keys`) and group field, where it has them: the rows carry them."""
+    return {k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}
+
+
+def video_end(r: dict, ad: dict) -> float:
+    """The video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)."""
+    end = r[ad["end"]]
+    seconds = isinstance(end, (int, float)) and not isinstance(end, bool) and 0 <= end < math.inf
+    if not seconds:
+        raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
+    return float(math.ceil(end))
 
 
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
@@ -329,23 +376,9 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
             raise r
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
-        r = dict(r)
-        for field, pattern in ad.get("extract", {}).items():
-            if (
-                field not in r
-            ):  # one layout of several: a field the layout needs is reported missing below
-                continue
-            if not (m := re.search(pattern, str(r[field]))):
-                raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
-            r = {**m.groupdict(), **r}  # a field the record has keeps its value
-        for field, rule in ad.get("derive", {}).items():
-            if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
-                r[field] = rule.format(
-                    **r
-                )  # set when the record has its fields (one layout of several)
-            elif isinstance(rule, dict) and rule["field"] in r:
-                r[field] = lookup(r, rule)
-        question, ans = first(r, ad["q"]), first(r, ad["ans"])
+        r = with_derived(r, ad)
+        question = first(r, ad["q"])
+        ans = first(r, ad["ans"])
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
         if ans is None or str(ans).strip() in ("", "NA", "None"):
@@ -353,7 +386,9 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         pt = ad.get("type", "multiple choice")
         if isinstance(pt, dict):
             pt = lookup(r, pt)
-        options = option_list(r, ad, question) if pt == "multiple choice" else []
+        options = []
+        if pt == "multiple choice":
+            options = option_list(r, ad, question)
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
             sid = str(r[ad["id"]])
@@ -364,19 +399,10 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
             "problem_type": pt,
             "options": options,
             "videos": [os.path.join(video_root, ad["video"].format(**r))],
-            **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r},
+            **kept_fields(r, ad),
         }
-        if ad.get(
-            "end"
-        ):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
-            end = r[ad["end"]]
-            if (
-                not isinstance(end, (int, float))
-                or isinstance(end, bool)
-                or not 0 <= end < math.inf
-            ):
-                raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
-            s["video_end"] = float(math.ceil(end))
+        if ad.get("end"):
+            s["video_end"] = video_end(r, ad)
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
     except KeyError as e:
@@ -389,12 +415,14 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
 def find_annotations(name: str, cfg: Config) -> list[str]:
     """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
     paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
-    path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
-    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
-    if not (files := [f for f in files if f.endswith(FORMATS)]):
+    folder = os.path.join(cfg.data_dir, name)
+    files = [p for p in paths if os.path.isfile(p)][:1]
+    if not files and os.path.isdir(folder):
+        files = [f for f in sorted(glob.glob(os.path.join(folder, "*"))) if f.endswith(FORMATS)]
+    if not files:
         raise FileNotFoundError(
             f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
-            f"folder {path} (docs/benchmarks.md: what to download, the layout)"
+            f"folder {folder} (docs/benchmarks.md: what to download, the layout)"
         )
     return files
 
@@ -409,19 +437,21 @@ def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
         ValueError,
     ) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
         return [(f, DataError(f"{type(e).__name__}: {e}"))]
-    nested, out = (
-        ad.get("nested", "").rstrip("?"),
-        [],
+    nested = ad.get("nested", "").rstrip("?")
+    optional = ad.get("nested", "").endswith(
+        "?"
     )  # "field?": records without it are questions themselves
+    stem = os.path.basename(f).split(".")[0]
+    out = []
     for at, r in rows:
-        r = dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r
-        if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
+        if isinstance(r, dict):
+            r = dict(r, _file=stem)
+        plain = not nested or not isinstance(r, dict) or (optional and nested not in r)
+        if plain:
             out.append((f"{f}:{at}", r))
         elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
-            out += [
-                (f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j})
-                for j, qa in enumerate(r[nested])
-            ]
+            for j, qa in enumerate(r[nested]):
+                out.append((f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j}))
         else:
             out.append(
                 (f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects"))
@@ -429,22 +459,28 @@ def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
     return out
 
 
+def own_annotations(name: str, cfg: Config) -> str:
+    """Our schema's file (the README's --data-dir .cache/data/color holds val.jsonl)."""
+    paths = [
+        os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")
+    ]
+    for p in paths:
+        if os.path.exists(p):
+            return p
+    raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
+
+
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
     """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
     Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
-    ad, out, errors = adapter(name), [], [] if bad is None else bad
-    if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [
-            os.path.join(cfg.data_dir, p)
-            for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")
-        ]
-        if not (path := next((p for p in paths if os.path.exists(p)), None)):
-            raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-        files, rows, out = (
-            [path],
-            [],
-            [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))],
-        )
+    ad = adapter(name)
+    errors = [] if bad is None else bad
+    out = []
+    rows = []
+    if ad.get("own"):
+        path = own_annotations(name, cfg)
+        files = [path]
+        out = [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
@@ -459,20 +495,16 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         else:
             out.append(dict(s, where=where))
     if not out:
-        first = (
-            [e["error"] for e in errors]
-            + [f"{x['where']}: no ground truth" for x in skipped]
-            + ["no records"]
-        )
+        reasons = [e["error"] for e in errors] + [f"{x['where']}: no ground truth" for x in skipped]
+        reasons.append("no records")
         raise DataError(
-            f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
-            f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
-            "the preparation step)"
+            f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, "
+            f"{len(skipped)} without ground truth; first: {reasons[0]}; docs/benchmarks.md: what to "
+            "download, the layout, the preparation step)"
         )
+    # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
     repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
-    for s in (
-        out
-    ):  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
+    for s in out:
         if s["id"] in repeated:
             s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
             print(
@@ -480,10 +512,8 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
                 file=sys.stderr,
                 flush=True,
             )
-    if errors and bad is None:
-        raise DataError(
-            f"{name}: {len(errors)} bad records, first: {errors[0]['error']}"
-        )  # the error names where
+    if errors and bad is None:  # the error names where
+        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")
     return out[: cfg.max_samples or None]
 
 
