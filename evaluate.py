@@ -530,8 +530,10 @@ def gt_letter(s: dict) -> str:
 
 def read_pattern(text: str, s: dict, rules: tuple):
     """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters."""
+    letters = letters_of(s)
     for pattern, pick in rules:
-        if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
+        hits = re.findall(pattern.replace("{L}", letters), text)
+        if hits:
             return hits[pick], float(hits[pick] == gt_letter(s))
     return None, 0.0
 
@@ -541,7 +543,8 @@ def read_vsi(text: str, s: dict):
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
-    if (value := rewards.as_float(token)) is None:
+    value = rewards.as_float(token)
+    if value is None:
         return None, 0.0
     return token, rewards.mra(value, float(rewards.ground_truth(s)))
 
@@ -549,10 +552,11 @@ def read_vsi(text: str, s: dict):
 def read_mvbench(text: str, s: dict):
     """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the prompt."""
     text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
-    first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
-    if not any(c in first for c in "abcdefg"):
+    word = text.lower().split(" ")[0]
+    gt = f"({gt_letter(s).lower()})"
+    if not any(c in word for c in "abcdefg"):
         return None, 0.0
-    return first, float(first.replace(".", "") in gt or gt in first)
+    return word, float(word.replace(".", "") in gt or gt in word)
 
 
 def read_ovo(text: str, s: dict):
@@ -619,22 +623,29 @@ MMMU_KEYS = (
 def mmmu_open(text: str, gt: str):
     """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals.
     The text is lower-cased before it is split, so only line breaks split it (as officially)."""
-    sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
+    sentences = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower())
+    key = []
     for i, sub in enumerate(sentences):
+        words = MMMU_KEYS
+        if i == len(sentences) - 1:  # "=" in the last line only
+            words = MMMU_KEYS + ("=",)
         shortest = None
-        for w in MMMU_KEYS + ("=",) * (i == len(sentences) - 1):  # "=" in the last line only
-            if w in sub and (not shortest or len(sub.split(w)[-1].strip()) < len(shortest)):
-                shortest = sub.split(w)[-1].strip()
+        for w in words:
+            tail = sub.split(w)[-1].strip()
+            if w in sub and (not shortest or len(tail) < len(shortest)):
+                shortest = tail
         if shortest and shortest not in (":", ",", ".", "!", "?", ";", "'"):
             key.append(shortest)
-    key = key or [text.strip().strip(".").lower()]
+    if not key:
+        key = [text.strip().strip(".").lower()]
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
     golds = mmmu_norm(gt)
-    ok = any(
-        g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str)
-    )  # a gold text in it
-    ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
+    pred_texts = [p for p in preds if isinstance(p, str)]
+    gold_texts = [g for g in golds if isinstance(g, str)]
+    # a gold text in a predicted one, or an equal number
+    ok = any(g in p for p in pred_texts for g in gold_texts)
+    ok = ok or any(p in golds for p in preds if not isinstance(p, str))
     return (text or None), float(ok)
 
 
@@ -642,25 +653,26 @@ def read_choice(text: str, s: dict, stages: tuple, pick=max):
     """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option letters,
     each placed where its form (or the stage's position form) is last written, the latest (pick max) or the earliest
     (min) of them; else (over 5 words) the options whose text is written, alike; else None. Ties: the first found."""
-    table, found = rewards.option_table(s["options"]), []
+    table = rewards.option_table(s["options"])
     for c in ",.!?;:'":
         text = text.strip(c)
     padded = f" {text} "
+    found = []  # (where the letter is placed, letter)
     for forms, position in stages:
-        found = [
-            (padded.rfind((position or f).format(lt)), lt)
-            for f in forms
-            for lt, _ in table
-            if f.format(lt) in padded
-        ]
+        for f in forms:
+            for lt, _ in table:
+                if f.format(lt) in padded:
+                    found.append((padded.rfind((position or f).format(lt)), lt))
         if found:
             break
     if not found and len(padded.split()) > 5:  # the option's text, case-insensitive
         low = padded.lower()
-        found = [
-            (low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low
-        ]
-    got = pick(found, key=operator.itemgetter(0))[1] if found else None
+        for lt, body in table:
+            if body and body.lower() in low:
+                found.append((low.rfind(body.lower()), lt))
+    got = None
+    if found:
+        got = pick(found, key=operator.itemgetter(0))[1]
     return got, float(got == gt_letter(s))
 
 
@@ -668,8 +680,10 @@ def read_videommmu(text: str, s: dict):
     """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "), else the text;
     several: the last written; never a guess. Open: mmmu_open. (One stage for "B." and "B:" placed at "B." is these
     two stages: a "B:"-only candidate is never found there.)"""
+    if s["problem_type"] != "multiple choice" and not text:
+        return None, 0.0
     if s["problem_type"] != "multiple choice":
-        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
+        return mmmu_open(text, rewards.ground_truth(s))
     return read_choice(
         text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} "))
     )
@@ -677,9 +691,8 @@ def read_videommmu(text: str, s: dict):
 
 def read_tempcompass(text: str, s: dict):
     """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning: read_reward."""
-    if (
-        s["problem_type"] == "open-ended"
-    ):  # captioning: the judge (or, without one, the rule-based fallback)
+    # captioning: the judge (or, without one, the rule-based fallback)
+    if s["problem_type"] == "open-ended":
         return read_reward(text, s)
     if s["problem_type"] == "boolean":
         got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
@@ -688,23 +701,31 @@ def read_tempcompass(text: str, s: dict):
     answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
     if s.get("format") != "caption_matching":  # the answer line, "C", "C." or "C)" all start so
         return read_pattern(text, s, [(r"^([A-D])(?:[.)]|$)", 0)])
-    got = next((o for o in lines if o == text), None)
-    for sent in [o.split(": ")[1] for o in lines]:
-        got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
-    for label in [o.split(": ")[0] for o in lines]:
-        got = label if label in (text, text.replace(".", "")) else got
-    return got, float(
-        got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1])
-    )
+    # caption matching: the whole line, else a caption's sentence, else its label; the last match wins
+    sentences = [line.split(": ")[1] for line in lines]
+    labels = [line.split(": ")[0] for line in lines]
+    got = None
+    if text in lines:
+        got = text
+    for sentence in sentences:
+        if sentence == text or (") " in text and sentence == text.split(") ")[1]):
+            got = sentence
+    for label in labels:
+        if label in (text, text.replace(".", "")):
+            got = label
+    if got is None:
+        return None, 0.0
+    return got, float(got in (answer, answer.split(":")[0], answer.split(": ")[1]))
 
 
 def read_holmes(text: str, s: dict):
     """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else present at all."""
-    choice, letters = rewards.last_answer(text, text), "ABCDEF"
-    got = next(
-        (c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None
-    )
-    got = got or next((c for c in letters if c in choice), None)
+    choice = rewards.last_answer(text, text)
+    marked = [c for c in "ABCDEF" if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice]
+    written = [c for c in "ABCDEF" if c in choice]
+    got = None
+    if written:
+        got = (marked or written)[0]
     return got, float(got == gt_letter(s))
 
 
@@ -730,34 +751,42 @@ _SPAN = re.compile(
 
 
 def clock_seconds(m: re.Match) -> str:
-    h, mi, sec = ([0] + [int(x) for x in m.group(1, 2, 3) if x is not None])[-3:]
-    return f"{h * 3600 + mi * 60 + sec}.{m.group(4) or 0}"
+    """A clock time "m:ss" or "h:mm:ss" (and a fraction) as seconds."""
+    seconds = 0
+    for x in m.group(1, 2, 3):
+        if x is not None:
+            seconds = 60 * seconds + int(x)
+    return f"{seconds}.{m.group(4) or 0}"
 
 
 def read_span(text: str, s: dict):
     """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds; IoU."""
     obj = rewards.parse_json(text)
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
-    if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
-        text = json.dumps({"time": sorted(float(x) for x in m.groups())})
+    span = _SPAN.search(_CLOCK.sub(clock_seconds, text))
+    if not ours and span:
+        text = json.dumps({"time": sorted(float(x) for x in span.groups())})
     return read_reward(text, s)
 
 
-def read_reward(
-    text: str, s: dict
-):  # our schema, and types without an official reader: the training reward's rule
+def read_reward(text: str, s: dict):
+    """Our schema, and types without an official reader: the training reward's rule."""
     v = rewards.accuracy(text, s)
-    return (text if v is not None else None), v
+    if v is None:
+        return None, None
+    return text, v
 
 
 def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
     """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
-    text = rewards.answer_text(response) if extraction == "tags" else response
-    if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
-        text = text[k + len(ad["after"]) :].lstrip(" :*")
-    for p in ad.get(
-        "prefixes", ()
-    ):  # the benchmark's own answer prefixes, dropped wherever they stand
+    text = response
+    if extraction == "tags":
+        text = rewards.answer_text(response)
+    after = ad.get("after")
+    if after and after in text:
+        text = text[text.rfind(after) + len(after) :].lstrip(" :*")
+    # the benchmark's own answer prefixes, dropped wherever they stand
+    for p in ad.get("prefixes", ()):
         text = text.replace(p, "")
     return text
 
@@ -767,13 +796,17 @@ def score(
 ) -> tuple[str | None, float | None]:
     """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
     text = answer_of(response, ad, extraction)
-    t, read = rewards.canonical_type(s["problem_type"]), ad["read"]
-    rule = READERS[read] if isinstance(read, str) else partial(read_pattern, rules=read)
-    if t != "multiple choice" and not isinstance(read, str):
-        rule = read_reward
-    if t == "temporal grounding":
-        rule = read_span
+    t = rewards.canonical_type(s["problem_type"])
+    read = ad["read"]
     if ad.get("own"):
+        rule = read_reward
+    elif t == "temporal grounding":
+        rule = read_span
+    elif isinstance(read, str):
+        rule = READERS[read]
+    elif t == "multiple choice":
+        rule = partial(read_pattern, rules=read)
+    else:
         rule = read_reward
     try:
         parsed, v = rule(text, s)
@@ -782,7 +815,9 @@ def score(
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
         parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
         return parsed, float(parsed == gt_letter(s))
-    return parsed, (v if parsed is not None else None)
+    if parsed is None:
+        return None, None
+    return parsed, v
 
 
 def record(
