@@ -831,17 +831,19 @@ def record(
 ) -> dict:
     """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
     dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
-    ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
-    parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
-    # what the official rule drops, judged on the raw response: one our pre-step empties (an unfinished <think>) counts
-    raw = (
-        (parsed, v)
-        if extraction == "official" or error
-        else score(response, s, ad, None, "official")
-    )
-    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(
-        ad.get("drop")
-    )
+    ad = adapter(bench)
+    pt = rewards.canonical_type(s["problem_type"])
+    parsed = None
+    v = None
+    if not error:
+        parsed, v = score(response, s, ad, guess_seed, extraction)
+    dropped = False
+    if ad.get("drop") == "empty":
+        dropped = not response.strip()
+    if ad.get("drop") == "unreadable" and v is None and not error:
+        # judged on the raw response too: an answer our pre-step empties (an unfinished <think>) but
+        # the official reader reads is not dropped
+        dropped = extraction == "official" or score(response, s, ad, None, "official")[1] is None
     row = {
         "doc_id": s["id"],
         "input": prompt,
@@ -850,10 +852,10 @@ def record(
         "filtered_resps": [parsed],
         "score": float(v or 0.0),
         "parse_fail": v is None and not error,
-        "dropped": bool(drop) and not error,
+        "dropped": dropped and not error,
         "error": error,
         "problem_type": pt,
-        **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s},
+        **kept_fields(s, ad),
     }
     if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
         row["judge"] = "none"  # judge_rows rescores it
@@ -875,78 +877,103 @@ def macro(rows: list[dict], keys: tuple) -> float:
     return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
-# Video-MME-v2: a group's kind -> (denominator, the scores of 1-3 right, (run, index): a run of that length also
-# takes the answer at index, a branch of the logic structure); 4 right score 100
-V2_STEPS = {
-    "relevance": (16, (1, 4, 9), None),
-    "[1,2,3,4]": (16, (1, 4, 9), None),
-    "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)),
-    "[[1,2],3,4]": (10, (1, 2, 5), (0, 1)),
+@dataclass(frozen=True)
+class GroupRule:
+    """How Video-MME-v2 scores a group (one video's questions) by its count right (relevance) or its run right from
+    the first question (logic)."""
+
+    den: int
+    """the denominator"""
+    steps: tuple[int, int, int]
+    """the scores of 1, 2 and 3 right (4 right score 100)"""
+    branch: tuple[int, int] | None = None
+    """(run, index): a run of that length also takes the answer at index (a branch of the logic structure)"""
+
+
+# a group's kind: "relevance" or its logic structure
+V2_RULES = {
+    "relevance": GroupRule(16, (1, 4, 9)),
+    "[1,2,3,4]": GroupRule(16, (1, 4, 9)),
+    "[1,[2,3],4]": GroupRule(12, (1, 4, 7), branch=(1, 2)),
+    "[[1,2],3,4]": GroupRule(10, (1, 2, 5), branch=(0, 1)),
 }
 
 
+def group_score(g: list[dict]) -> float:
+    """Video-MME-v2's cal_relevance (the count right) or cal_logic (the run right from the first) of one group;
+    unreadable: -1, truthy, as officially (docs/benchmarks.md)."""
+    v = [-1 if r["parse_fail"] else r["score"] for r in g]
+    logic = g[-1].get("group_type") == "logic"
+    kind = "relevance"
+    if logic:
+        kind = re.sub(r"\s", "", str(g[-1].get("group_structure")))
+    rule = V2_RULES[kind]
+    if logic:
+        run = 0
+        while run < len(v) and v[run]:
+            run += 1
+    else:
+        run = int(sum(v))
+    if rule.branch and run == rule.branch[0] and v[rule.branch[1]]:
+        run += 1
+    if run == 4:
+        return 100.0
+    if 1 <= run <= 3:
+        return 100 * rule.steps[run - 1] / rule.den
+    return 0.0
+
+
 def group_scores(rows: list[dict], key: str) -> dict:
-    """Video-MME-v2's cal_relevance (the count right) and cal_logic (the run right from the first) per group, one
-    video_id's questions; unreadable: -1, truthy, as officially (docs/benchmarks.md). Means: all, per type, level."""
-    groups, out = {}, {}
+    """Video-MME-v2's group scores (groups by `key`, one video_id's questions), means: all, per type, per level."""
+    groups = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
+    out = {}
     for g in groups.values():
-        v, logic = (
-            [-1 if r["parse_fail"] else r["score"] for r in g],
-            g[-1].get("group_type") == "logic",
-        )
-        den, steps, branch = V2_STEPS[
-            re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"
-        ]
-        run = next((i for i, x in enumerate(v) if not x), len(v)) if logic else int(sum(v))
-        run += bool(branch and run == branch[0] and v[branch[1]])
-        exp = {
-            1: 100 * steps[0] / den,
-            2: 100 * steps[1] / den,
-            3: 100 * steps[2] / den,
-            4: 100.0,
-        }.get(run, 0.0)
-        for k in (
-            "group_score",
-            f"group_score/{g[-1].get('group_type')}",
-            f"group_score/level_{g[-1].get('level')}",
-        ):
-            out.setdefault(k, []).append(exp)
+        value = group_score(g)
+        out.setdefault("group_score", []).append(value)
+        out.setdefault(f"group_score/{g[-1].get('group_type')}", []).append(value)
+        out.setdefault(f"group_score/level_{g[-1].get('level')}", []).append(value)
     return {k: sum(x) / len(x) for k, x in out.items()}
+
+
+def values_of(r: dict, k: str) -> list:
+    """A row's values of a breakdown key: a list field's items, else the one value."""
+    if isinstance(r.get(k), list):
+        return r[k]
+    return [r.get(k)]
 
 
 def aggregate(rows: list[dict], bench: str) -> dict:
     """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated and that
     its rule does not drop (Video-MME-v2's groups count every row)."""
-    ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
-    macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
-    sc = [r["score"] for r in rows]
+    ad = adapter(bench)
+    macro_keys = ad.get("macro", ())
+    done = [r for r in rows if not r["error"]]  # evaluated: n
+    kept = [r for r in done if not r.get("dropped")]  # in the accuracy: n - dropped
+    sc = [r["score"] for r in kept]
     m = {
         "n": len(done),
         "accuracy": mean(sc),
         "parse_fail": sum(r["parse_fail"] for r in done),
-        "failed": n_all - len(done),
-        "dropped": len(done) - len(rows),
-    }  # n evaluated, n - dropped in the accuracy
-    if macro_keys and rows:
-        m["overall"] = macro(rows, macro_keys)
+        "failed": len(rows) - len(done),
+        "dropped": len(done) - len(kept),
+    }
+    if macro_keys and kept:
+        m["overall"] = macro(kept, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
-        m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
+        for t in (0.3, 0.5, 0.7):
+            m[f"R@{t}"] = mean(x >= t for x in sc)
+        m["mIoU"] = mean(sc)
     if ad.get("group") and done and all(ad["group"] in r for r in done):
         m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
         sub = tuple(
             x for x in macro_keys if x != k
         )  # each value's own macro over the other macro keys
-        values = {
-            v
-            for r in rows
-            for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
-            if v is not None
-        }
+        values = {v for r in kept for v in values_of(r, k) if v is not None}
         for v in sorted(values, key=str):
-            part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
+            part = [r for r in kept if v in values_of(r, k)]
             m[f"{k}/{v}"] = macro(part, sub)
     return m
 
@@ -962,13 +989,14 @@ def failure(s: dict, e: BaseException) -> str:
 
 def make_loader(processor, cfg, bench: str):
     """load(sample) -> data.Prompt, safe to call from several threads (one processor copy per thread)."""
-    local, all_stats = threading.local(), []
+    local = threading.local()
+    all_stats = []
 
     def load(s):
-        if not hasattr(
-            local, "proc"
-        ):  # a fast tokenizer shared across threads can fail with "Already borrowed"
-            local.proc, local.stats = copy.deepcopy(processor), {}
+        # a fast tokenizer shared across threads can fail with "Already borrowed"
+        if not hasattr(local, "proc"):
+            local.proc = copy.deepcopy(processor)
+            local.stats = {}
             all_stats.append(local.stats)
         return data.prepare(s, local.proc, cfg, local.stats, template=adapter(bench).get("prompt"))
 
@@ -990,9 +1018,11 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
         skip_special_tokens=True,
         allowed_token_ids=allowed,
     )
-    loop, spans = asyncio.get_running_loop(), []
+    loop = asyncio.get_running_loop()
+    spans = []  # (start, end) of each request in the engine
     sem = asyncio.Semaphore(cfg.max_in_flight)
-    pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
+    pool = ThreadPoolExecutor(cfg.loader_threads)
+    start = time.perf_counter()
 
     async def one(s):
         async with sem:
@@ -1005,18 +1035,29 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                     ):
                         pass
                 finally:
-                    spans.append((t0, time.perf_counter()))  # the request's time in the engine
+                    spans.append((t0, time.perf_counter()))
             except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
-                return write(s, "", "", failure(s, e))
+                write(s, "", "", failure(s, e))
+                return
         write(s, p.text, out.outputs[0].text)
 
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
     wall = max(time.perf_counter() - start, 1e-9)
-    busy, reach = 0.0, start
-    for t0, t1 in sorted(spans):  # busy: the length of the union of the spans
-        busy, reach = busy + max(0.0, t1 - max(t0, reach)), max(reach, t1)
-    return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
+    return {
+        "engine_busy": union_length(spans) / wall,
+        "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall,
+    }
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) spans: the time the engine had a request."""
+    total = 0.0
+    reach = -math.inf  # the end of the union so far
+    for t0, t1 in sorted(spans):
+        total += max(0.0, t1 - max(t0, reach))
+        reach = max(reach, t1)
+    return total
 
 
 def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
@@ -1047,20 +1088,14 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
             seed=cfg.seed,
             trust_remote_code=cfg.trust_remote_code,
         )
-        msgs = [
-            [
-                {
-                    "role": "user",
-                    "content": prompt.format(
-                        answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
-                    ),
-                }
-            ]
-            for r in todo
-        ]
-        for r, o in zip(
-            todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
-        ):
+        msgs = []
+        for r in todo:
+            content = prompt.format(
+                answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
+            )
+            msgs.append([{"role": "user", "content": content}])
+        outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
+        for r, o in zip(todo, outs):
             v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
             r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
     if not any("judge" in r for r in rows):
@@ -1097,14 +1132,7 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import (
-        CPU_KV_CACHE_BYTES,
-        HFEngine,
-        VLLMEngine,
-        device_normalize_ok,
-        eos_token_ids,
-        start_errors,
-    )
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1127,61 +1155,57 @@ def make_engine(cfg: Config, tokenizer):
             trust_remote_code=cfg.trust_remote_code,
         )
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(
-        model=cfg.model,
+    settings = vllm_settings(
+        cfg.model,
+        tp=cfg.tensor_parallel_size,
+        seed=cfg.seed,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
-        seed=cfg.seed,
-        enable_chunked_prefill=True,
-        enforce_eager=not current_platform.is_cuda(),
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        data_parallel_size=cfg.data_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        limit_mm_per_prompt={"image": 1, "video": 1},
-        kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
+        max_images=1,
+        max_videos=1,
         trust_remote_code=cfg.trust_remote_code,
-        use_tqdm_on_load=False,
-        mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code),
+    )
+    args = AsyncEngineArgs(
+        **settings, enable_chunked_prefill=True, data_parallel_size=cfg.data_parallel_size
     )
     with start_errors(cfg.max_model_len):
         return AsyncLLM.from_engine_args(args)
 
 
+# the fields of a resume log's row that aggregate() reads, and their types
+LOG_FIELDS = {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}
+
+
 def read_log(path: str) -> tuple[dict, int]:
     """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
     parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
-    done, torn, need = (
-        {},
-        0,
-        {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str},
-    )
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    torn += 1
-                    continue
-                bad = [
-                    k
-                    for k, t in need.items()
-                    if not isinstance(r, dict) or not isinstance(r.get(k), t)
-                ]
-                if bad:
+    done = {}
+    torn = 0
+    if not os.path.exists(path):
+        return done, torn
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            for k, kind in LOG_FIELDS.items():
+                if not isinstance(r, dict) or not isinstance(r.get(k), kind):
                     raise DataError(
-                        f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)"
+                        f"{path}:{n}: resume row without a valid field {k!r} (delete it to redo it)"
                     )
-                done[r["doc_id"]] = r
+            done[r["doc_id"]] = r
     return done, torn
 
 
 def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
-    model, positions = os.path.realpath(cfg.model), 16384
+    model = os.path.realpath(cfg.model)
+    positions = 16384
     if os.path.exists(os.path.join(cfg.model, "config.json")):
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
@@ -1222,18 +1246,12 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    missing = [
-        s
-        for s in samples
-        if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))
-    ]
-    bad += [
-        {
-            "where": s["where"],
-            "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}",
-        }
-        for s in missing
-    ]
+    missing = []
+    for s in samples:
+        media = s.get("videos", []) + s.get("images", [])
+        if not all(os.path.exists(p) for p in media):
+            missing.append(s)
+            bad.append({"where": s["where"], "error": f"sample {s['id']}: missing media {media}"})
     folder = os.path.join(cfg.out_dir, bench)
     run = {
         "model": os.path.realpath(cfg.model),
@@ -1270,9 +1288,8 @@ def shut_down(timeout: float | None = None):
 async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
     """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine given is kept."""
     cfg = resolve(cfg)
-    jobs = {
-        b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")
-    }  # every check before the engine
+    # every check before the engine starts
+    jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
     if processor is None:
         from transformers import AutoProcessor
 
@@ -1280,7 +1297,8 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         processor = AutoProcessor.from_pretrained(
             cfg.model, trust_remote_code=cfg.trust_remote_code
         )
-    own, results = engine is None, {}
+    own = engine is None
+    results = {}
     if own:
         engine = make_engine(cfg, processor.tokenizer)
     try:
@@ -1298,8 +1316,10 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
             engine.close()
         elif own:
-            engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
-            engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
+            # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter exit, where
+            # __del__'s second shutdown would find vLLM's globals gone: a traceback
+            engine.shutdown()
+            engine.shutdown = shut_down
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
 
@@ -1311,29 +1331,28 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
     write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
     todo = [s for s in samples if s["id"] not in done]
-    before, start = len(done), time.perf_counter()
+    before = len(done)
+    start = time.perf_counter()
     last = [start]  # when progress was last printed
+    guess_seed = None
+    if cfg.random_fallback:
+        guess_seed = cfg.seed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
 
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(
-                s,
-                bench,
-                prompt,
-                response,
-                error,
-                cfg.seed if cfg.random_fallback else None,
-                cfg.answer_extraction,
-            )
+            r = record(s, bench, prompt, response, error, guess_seed, cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
-            n, now = len(done) - before, time.perf_counter()  # each row is a new doc_id
+            n = len(done) - before  # each row is a new doc_id
+            now = time.perf_counter()
             if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
-                rate, last[0] = n / (now - start), now
+                last[0] = now
+                rate = n / (now - start)
+                eta = (len(todo) - n) / rate
                 print(
-                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
+                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -1407,7 +1426,8 @@ def main(cfg: Config) -> int:
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
         print(
-            f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
+            f"{failures} samples could not be evaluated "
+            "(listed under failed_samples in results.json, not scored)",
             file=sys.stderr,
             flush=True,
         )
@@ -1416,7 +1436,6 @@ def main(cfg: Config) -> int:
 
 if __name__ == "__main__":
     sys.exit(common.cli(main, partial(common.load_config, Config)))
-elif (
-    __name__ == "__mp_main__"
-):  # vLLM's engine and worker processes (spawned) run this file first: quiet there too
+elif __name__ == "__mp_main__":
+    # vLLM's engine and worker processes (spawned) run this file first: quiet there too
     common.quiet()
