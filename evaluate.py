@@ -1,10 +1,12 @@
-"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's asynchronous engine.
+"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's
+asynchronous engine.
 
-    python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
-    python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
+    python evaluate.py --model DIR --benchmarks videomme,mvbench --data-dir ANN --video-dir VID
+    python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema
 
-Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure accounting: README.md
-"Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
+Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure
+accounting: README.md "Evaluation"; each benchmark's reading and aggregation rule:
+docs/benchmarks.md.
 """
 
 import asyncio
@@ -182,7 +184,8 @@ def adapter_problem(ad) -> str:
 
 @cached
 def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
-    """Every benchmark's definition, default field names filled in; a ValueError names the file, benchmark and fault."""
+    """Every benchmark's definition, default field names filled in; a ValueError names the file,
+    benchmark and fault."""
     with open(path, encoding="utf-8") as f:
         table = yaml.safe_load(f)
     for name, ad in table.items():
@@ -200,7 +203,8 @@ def adapter(bench: str) -> dict:
 
 
 def first(r: dict, fields):
-    """The value of a field, or of the first field of a list that the record has (layouts or tasks differ)."""
+    """The value of a field, or of the first field of a list that the record has (layouts or tasks
+    differ)."""
     names = fields if isinstance(fields, list) else [fields]
     for k in names:
         if k in r:
@@ -209,13 +213,14 @@ def first(r: dict, fields):
 
 
 def lookup(r: dict, rule: dict):
-    """A type or derived field by rule {field, map, default}: map[str(r[field])], else default, else r[field]."""
+    """A type or derived field by rule {field, map, default}: map[str(r[field])], else default, else
+    r[field]."""
     value = r.get(rule["field"])
     return rule["map"].get(str(value), rule.get("default", value))
 
 
-# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
-# "Option 1: x" (1-based)
+# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's
+# "Caption A: x", "Sentence A: x", "Option 1: x" (1-based)
 _OPTION = re.compile(
     r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S
 )
@@ -227,7 +232,8 @@ def option_letter(m: re.Match) -> str:
 
 
 def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
-    """(where in f, record) for each record of one annotation file; a record that does not parse is a DataError."""
+    """(where in f, record) for each record of one annotation file; a record that does not parse is
+    a DataError."""
     if f.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -252,7 +258,8 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
 
 
 def line_record(line: str, pattern: str | None):
-    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
+    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a
+    DataError."""
     if pattern:
         m = re.fullmatch(pattern, line.strip())
         if not m:
@@ -265,8 +272,9 @@ def line_record(line: str, pattern: str | None):
 
 
 def walk(node, names, where: str) -> list[tuple[str, object]]:
-    """A JSON array of records, or a release nested in dicts whose keys become the fields `names` (TempCompass's
-    {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record number or key path."""
+    """A JSON array of records, or a release nested in dicts whose keys become the fields `names`
+    (TempCompass's {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record
+    number or key path."""
     if isinstance(node, list):
         return [(f"{where}{i + 1}", r) for i, r in enumerate(node)]
     if not isinstance(node, dict):
@@ -288,7 +296,8 @@ def walk(node, names, where: str) -> list[tuple[str, object]]:
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
-    """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
+    """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null)
+    the question."""
     opts = ad["opts"]
     if isinstance(opts, list):
         # one option a field (a field holding a list: all of them), absent fields skipped
@@ -315,7 +324,8 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
-    """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
+    """The ground truth as the data.py sample holds it: an option's letter for letter choices, else
+    the text."""
     # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
     if ad.get("index") and options:
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
@@ -337,8 +347,9 @@ _TEMPLATE_FIELD = re.compile(r"(?<!{){(\w+)}")
 
 
 def with_derived(r: dict, ad: dict) -> dict:
-    """The record with the benchmark's `extract` and `derive` fields added, where it has what they need (a
-    benchmark may have several layouts: a field the layout needs is reported missing later)."""
+    """The record with the benchmark's `extract` and `derive` fields added, where it has what they
+    need (a benchmark may have several layouts: a field the layout needs is reported missing
+    later)."""
     r = dict(r)
     for field, pattern in ad.get("extract", {}).items():
         if field not in r:
@@ -356,7 +367,8 @@ def with_derived(r: dict, ad: dict) -> dict:
 
 
 def kept_fields(r: dict, ad: dict) -> dict:
-    """The record's breakdown fields (`keys`) and group field, where it has them: the rows carry them."""
+    """The record's breakdown fields (`keys`) and group field, where it has them: the rows carry
+    them."""
     return {k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}
 
 
@@ -370,7 +382,8 @@ def video_end(r: dict, ad: dict) -> float:
 
 
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
-    """A released record -> a validated data.py sample (None: no ground truth); DataError names where and the field."""
+    """A released record -> a validated data.py sample (None: no ground truth); DataError names
+    where and the field."""
     try:
         if isinstance(r, DataError):  # a record that did not parse
             raise r
@@ -413,7 +426,8 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
 
 
 def find_annotations(name: str, cfg: Config) -> list[str]:
-    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
+    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder
+    {data_dir}/{name}."""
     paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
     folder = os.path.join(cfg.data_dir, name)
     files = [p for p in paths if os.path.isfile(p)][:1]
@@ -428,19 +442,17 @@ def find_annotations(name: str, cfg: Config) -> list[str]:
 
 
 def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
-    """(file:N, question record, or the DataError that stands for it) of one annotation file; a video's nested
-    questions (LVBench's qa) are one record each, the video's fields with each question's."""
+    """(file:N, question record, or the DataError that stands for it) of one annotation file; a
+    video's nested questions (LVBench's qa) are one record each, the video's fields with each
+    question's."""
     try:
         rows = parse_file(f, ad)
-    except (
-        OSError,
-        ValueError,
-    ) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+    # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+    except (OSError, ValueError) as e:
         return [(f, DataError(f"{type(e).__name__}: {e}"))]
     nested = ad.get("nested", "").rstrip("?")
-    optional = ad.get("nested", "").endswith(
-        "?"
-    )  # "field?": records without it are questions themselves
+    # "field?": records without the field are questions themselves
+    optional = ad.get("nested", "").endswith("?")
     stem = os.path.basename(f).split(".")[0]
     out = []
     for at, r in rows:
@@ -471,8 +483,9 @@ def own_annotations(name: str, cfg: Config) -> str:
 
 
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
-    Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
+    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error}
+    (None: raise). Ids that several records share get their record's place appended (a warning on
+    stderr); then --max-samples cuts."""
     ad = adapter(name)
     errors = [] if bad is None else bad
     out = []
@@ -499,8 +512,8 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         reasons.append("no records")
         raise DataError(
             f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, "
-            f"{len(skipped)} without ground truth; first: {reasons[0]}; docs/benchmarks.md: what to "
-            "download, the layout, the preparation step)"
+            f"{len(skipped)} without ground truth; first: {reasons[0]}; docs/benchmarks.md: "
+            "what to download, the layout, the preparation step)"
         )
     # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
     repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
@@ -517,9 +530,10 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     return out[: cfg.max_samples or None]
 
 
-# ---------------------------------------------------------------------------------------------------
-# official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
-# Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
+# --------------------------------------------------------------------------------------------------
+# official answer readers: (answer text, sample) -> (what was read or None when nothing could be,
+# score in [0, 1]). Every pattern is linear (bounded, possessive or atomic quantifiers, none nested)
+# on text cut to rewards.MAX_LEN.
 def letters_of(s: dict) -> str:
     return "".join(lt for lt, _ in rewards.option_table(s["options"]))
 
@@ -529,7 +543,8 @@ def gt_letter(s: dict) -> str:
 
 
 def read_pattern(text: str, s: dict, rules: tuple):
-    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters."""
+    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option
+    letters."""
     letters = letters_of(s)
     for pattern, pick in rules:
         hits = re.findall(pattern.replace("{L}", letters), text)
@@ -539,7 +554,8 @@ def read_pattern(text: str, s: dict, rules: tuple):
 
 
 def read_vsi(text: str, s: dict):
-    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by float() and MRA."""
+    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by
+    float() and MRA."""
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
@@ -550,7 +566,8 @@ def read_vsi(text: str, s: dict):
 
 
 def read_mvbench(text: str, s: dict):
-    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the prompt."""
+    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the
+    prompt."""
     text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
     word = text.lower().split(" ")[0]
     gt = f"({gt_letter(s).lower()})"
@@ -560,7 +577,8 @@ def read_mvbench(text: str, s: dict):
 
 
 def read_ovo(text: str, s: dict):
-    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or "Yes"/"No" in."""
+    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or
+    "Yes"/"No" in."""
     gt = rewards.ground_truth(s)
     if s["problem_type"] == "counting":
         digits = "".join(re.findall(r"\d+", text))
@@ -571,7 +589,8 @@ def read_ovo(text: str, s: dict):
     return text or None, float(gt_letter(s) in text)
 
 
-# MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs (linear time)
+# MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs
+# (linear time)
 _MMMU_NUMBERS = (
     r"-?\b\d{1,3}(?:,\d{3}){1,12}\b",
     r"-?\d{1,40}(?:\.\d{1,40})?[eE][+-]?\d{1,4}",
@@ -580,7 +599,8 @@ _MMMU_NUMBERS = (
 
 
 def mmmu_norm(x: str) -> list:
-    """MMMU normalize_str: a number -> [its value rounded to 2 decimals]; a one-letter string gets spaces."""
+    """MMMU normalize_str: a number -> [its value rounded to 2 decimals]; a one-letter string gets
+    spaces."""
     x = x.strip()
     try:
         return [round(float(x.replace(",", "")), 2)]
@@ -589,7 +609,8 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
-# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds the answer
+# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds
+# the answer
 MMMU_KEYS = (
     "could be ",
     "so ",
@@ -621,8 +642,9 @@ MMMU_KEYS = (
 
 
 def mmmu_open(text: str, gt: str):
-    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals.
-    The text is lower-cased before it is split, so only line breaks split it (as officially)."""
+    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare
+    rounded to 2 decimals. The text is lower-cased before it is split, so only line breaks split it
+    (as officially)."""
     sentences = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower())
     key = []
     for i, sub in enumerate(sentences):
@@ -631,8 +653,10 @@ def mmmu_open(text: str, gt: str):
             words = MMMU_KEYS + ("=",)
         shortest = None
         for w in words:
+            if w not in sub:
+                continue
             tail = sub.split(w)[-1].strip()
-            if w in sub and (not shortest or len(tail) < len(shortest)):
+            if not shortest or len(tail) < len(shortest):
                 shortest = tail
         if shortest and shortest not in (":", ",", ".", "!", "?", ";", "'"):
             key.append(shortest)
@@ -650,9 +674,10 @@ def mmmu_open(text: str, gt: str):
 
 
 def read_choice(text: str, s: dict, stages: tuple, pick=max):
-    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option letters,
-    each placed where its form (or the stage's position form) is last written, the latest (pick max) or the earliest
-    (min) of them; else (over 5 words) the options whose text is written, alike; else None. Ties: the first found."""
+    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...)
+    find option letters, each placed where its form (or the stage's position form) is last written,
+    the latest (pick max) or the earliest (min) of them; else (over 5 words) the options whose text
+    is written, alike; else None. Ties: the first found."""
     table = rewards.option_table(s["options"])
     for c in ",.!?;:'":
         text = text.strip(c)
@@ -677,9 +702,9 @@ def read_choice(text: str, s: dict, stages: tuple, pick=max):
 
 
 def read_videommmu(text: str, s: dict):
-    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "), else the text;
-    several: the last written; never a guess. Open: mmmu_open. (One stage for "B." and "B:" placed at "B." is these
-    two stages: a "B:"-only candidate is never found there.)"""
+    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "),
+    else the text; several: the last written; never a guess. Open: mmmu_open. (One stage for "B."
+    and "B:" placed at "B." is these two stages: a "B:"-only candidate is never found there.)"""
     if s["problem_type"] != "multiple choice" and not text:
         return None, 0.0
     if s["problem_type"] != "multiple choice":
@@ -690,7 +715,8 @@ def read_videommmu(text: str, s: dict):
 
 
 def read_tempcompass(text: str, s: dict):
-    """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning: read_reward."""
+    """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning:
+    read_reward."""
     # captioning: the judge (or, without one, the rule-based fallback)
     if s["problem_type"] == "open-ended":
         return read_reward(text, s)
@@ -701,7 +727,8 @@ def read_tempcompass(text: str, s: dict):
     answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
     if s.get("format") != "caption_matching":  # the answer line, "C", "C." or "C)" all start so
         return read_pattern(text, s, [(r"^([A-D])(?:[.)]|$)", 0)])
-    # caption matching: the whole line, else a caption's sentence, else its label; the last match wins
+    # caption matching: the whole line, else a caption's sentence, else its label; the last match
+    # wins
     sentences = [line.split(": ")[1] for line in lines]
     labels = [line.split(": ")[0] for line in lines]
     got = None
@@ -719,7 +746,8 @@ def read_tempcompass(text: str, s: dict):
 
 
 def read_holmes(text: str, s: dict):
-    """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else present at all."""
+    """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else
+    present at all."""
     choice = rewards.last_answer(text, text)
     marked = [c for c in "ABCDEF" if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice]
     written = [c for c in "ABCDEF" if c in choice]
@@ -729,8 +757,8 @@ def read_holmes(text: str, s: dict):
     return got, float(got == gt_letter(s))
 
 
-# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
-# they read every problem type of their benchmark
+# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for
+# read_pattern); they read every problem type of their benchmark
 READERS = {
     "vsi": read_vsi,
     "mvbench": read_mvbench,
@@ -738,8 +766,8 @@ READERS = {
     "videommmu": read_videommmu,
     "tempcompass": read_tempcompass,
     "holmes": read_holmes,
-    # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
-    # written of them; else an option's text; else (with --random-fallback) a random option
+    # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the
+    # first written of them; else an option's text; else (with --random-fallback) a random option
     "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min),
 }
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
@@ -760,7 +788,8 @@ def clock_seconds(m: re.Match) -> str:
 
 
 def read_span(text: str, s: dict):
-    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds; IoU."""
+    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds;
+    IoU."""
     obj = rewards.parse_json(text)
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
     span = _SPAN.search(_CLOCK.sub(clock_seconds, text))
@@ -778,7 +807,8 @@ def read_reward(text: str, s: dict):
 
 
 def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
-    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
+    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the
+    raw response."""
     text = response
     if extraction == "tags":
         text = rewards.answer_text(response)
@@ -794,7 +824,8 @@ def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
 def score(
     response: str, s: dict, ad: dict, guess_seed: int | None = None, extraction: str = "tags"
 ) -> tuple[str | None, float | None]:
-    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
+    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official
+    random guess."""
     text = answer_of(response, ad, extraction)
     t = rewards.canonical_type(s["problem_type"])
     read = ad["read"]
@@ -810,7 +841,8 @@ def score(
         rule = read_reward
     try:
         parsed, v = rule(text, s)
-    except Exception:  # noqa: BLE001 - a reader never costs the run: the answer counts as unreadable
+    # a reader never costs the run: the answer counts as unreadable
+    except Exception:  # noqa: BLE001
         parsed, v = None, None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
         parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
@@ -829,8 +861,9 @@ def record(
     guess_seed: int | None = None,
     extraction: str = "tags",
 ) -> dict:
-    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
-    dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
+    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score;
+    error: not scored. dropped: left out of the accuracy's denominator by the benchmark's `drop`
+    rule (unreadable or empty answers)."""
     ad = adapter(bench)
     pt = rewards.canonical_type(s["problem_type"])
     parsed = None
@@ -868,7 +901,8 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI and OVO overall."""
+    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI
+    and OVO overall."""
     if not keys:
         return mean(r["score"] for r in rows)
     groups = {}
@@ -879,15 +913,16 @@ def macro(rows: list[dict], keys: tuple) -> float:
 
 @dataclass(frozen=True)
 class GroupRule:
-    """How Video-MME-v2 scores a group (one video's questions) by its count right (relevance) or its run right from
-    the first question (logic)."""
+    """How Video-MME-v2 scores a group (one video's questions) by its count right (relevance) or its
+    run right from the first question (logic)."""
 
     den: int
     """the denominator"""
     steps: tuple[int, int, int]
     """the scores of 1, 2 and 3 right (4 right score 100)"""
     branch: tuple[int, int] | None = None
-    """(run, index): a run of that length also takes the answer at index (a branch of the logic structure)"""
+    """(run, index): a run of that length also takes the answer at index (a branch of the logic
+    structure)"""
 
 
 # a group's kind: "relevance" or its logic structure
@@ -900,8 +935,8 @@ V2_RULES = {
 
 
 def group_score(g: list[dict]) -> float:
-    """Video-MME-v2's cal_relevance (the count right) or cal_logic (the run right from the first) of one group;
-    unreadable: -1, truthy, as officially (docs/benchmarks.md)."""
+    """Video-MME-v2's cal_relevance (the count right) or cal_logic (the run right from the first) of
+    one group; unreadable: -1, truthy, as officially (docs/benchmarks.md)."""
     v = [-1 if r["parse_fail"] else r["score"] for r in g]
     logic = g[-1].get("group_type") == "logic"
     kind = "relevance"
@@ -924,7 +959,8 @@ def group_score(g: list[dict]) -> float:
 
 
 def group_scores(rows: list[dict], key: str) -> dict:
-    """Video-MME-v2's group scores (groups by `key`, one video_id's questions), means: all, per type, per level."""
+    """Video-MME-v2's group scores (groups by `key`, one video_id's questions), means: all, per
+    type, per level."""
     groups = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
@@ -945,8 +981,8 @@ def values_of(r: dict, k: str) -> list:
 
 
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated and that
-    its rule does not drop (Video-MME-v2's groups count every row)."""
+    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be
+    evaluated and that its rule does not drop (Video-MME-v2's groups count every row)."""
     ad = adapter(bench)
     macro_keys = ad.get("macro", ())
     done = [r for r in rows if not r["error"]]  # evaluated: n
@@ -968,9 +1004,8 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     if ad.get("group") and done and all(ad["group"] in r for r in done):
         m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
-        sub = tuple(
-            x for x in macro_keys if x != k
-        )  # each value's own macro over the other macro keys
+        # each value's own macro over the other macro keys
+        sub = tuple(x for x in macro_keys if x != k)
         values = {v for r in kept for v in values_of(r, k) if v is not None}
         for v in sorted(values, key=str):
             part = [r for r in kept if v in values_of(r, k)]
@@ -978,17 +1013,19 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     return m
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the pipeline
 def failure(s: dict, e: BaseException) -> str:
-    """Why a sample could not be evaluated: its file:line and id, the exception and the line that raised it."""
+    """Why a sample could not be evaluated: its file:line and id, the exception and the line that
+    raised it."""
     at = traceback.extract_tb(e.__traceback__)[-1:]
     where = f" at {os.path.basename(at[0].filename)}:{at[0].lineno}" if at else ""
     return f"{s.get('where', '?')} sample {s['id']}: {type(e).__name__}: {e}{where}"
 
 
 def make_loader(processor, cfg, bench: str):
-    """load(sample) -> data.Prompt, safe to call from several threads (one processor copy per thread)."""
+    """load(sample) -> data.Prompt, safe to call from several threads (one processor copy per
+    thread)."""
     local = threading.local()
     all_stats = []
 
@@ -1004,7 +1041,8 @@ def make_loader(processor, cfg, bench: str):
 
 
 async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, tokenizer) -> dict:
-    """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy share and load."""
+    """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy
+    share and load."""
     from vllm import SamplingParams
 
     from rollout import vision_token_ids
@@ -1036,7 +1074,8 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                         pass
                 finally:
                     spans.append((t0, time.perf_counter()))
-            except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
+            # any sample-level failure is reported, the run goes on
+            except Exception as e:  # noqa: BLE001
                 write(s, "", "", failure(s, e))
                 return
         write(s, p.text, out.outputs[0].text)
@@ -1061,7 +1100,8 @@ def union_length(spans: list[tuple[float, float]]) -> float:
 
 
 def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
-    """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or HFEngine)."""
+    """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or
+    HFEngine)."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
         for s in samples[i : i + cfg.batch_size]:
@@ -1076,7 +1116,8 @@ def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
 
 
 def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
-    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who judged."""
+    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who
+    judged."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if todo and cfg.judge_model:
         from vllm import LLM, SamplingParams
@@ -1180,8 +1221,9 @@ LOG_FIELDS = {"doc_id": str, "score": (int, float), "parse_fail": bool, "error":
 
 
 def read_log(path: str) -> tuple[dict, int]:
-    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
-    parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
+    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write)
+    dropped. A row that parses but lacks a field aggregate() reads (an edited or foreign log) is a
+    DataError naming file:line and field."""
     done = {}
     torn = 0
     if not os.path.exists(path):
@@ -1203,16 +1245,16 @@ def read_log(path: str) -> tuple[dict, int]:
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
+    """Fill the defaults that depend on other settings; refuse settings that cannot fit, before
+    anything loads."""
     model = os.path.realpath(cfg.model)
     positions = 16384
     if os.path.exists(os.path.join(cfg.model, "config.json")):
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
-    capped = (
-        not cfg.max_model_len and positions < 16384
-    )  # the model's own limit, not the user's choice
+    # the model's own limit, not the user's choice
+    capped = not cfg.max_model_len and positions < 16384
     max_model_len = cfg.max_model_len or min(16384, positions)
     out_dir = os.path.join(
         "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
@@ -1223,19 +1265,22 @@ def resolve(cfg: Config) -> Config:
         max_model_len=max_model_len,
         max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens,
     )
-    # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
+    # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2
+    # gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
     tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
     if tokens + 256 > cfg.max_prompt_len:
         msg = (
-            f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
-            f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
-            "/ --video-max-pixels / --video-total-pixels"
+            f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x "
+            f"{cfg.video_max_pixels} pixels) but max_prompt_len is {cfg.max_prompt_len}: raise "
+            "--max-model-len or lower --video-max-frames / --video-max-pixels / "
+            "--video-total-pixels"
         )
         if not capped:
             raise ValueError(msg)
         print(
-            f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
+            f"warning: {msg} (the model has {positions} positions; "
+            "longer videos fail one by one, reported)",
             file=sys.stderr,
             flush=True,
         )
@@ -1243,7 +1288,8 @@ def resolve(cfg: Config) -> Config:
 
 
 def prepare_benchmark(bench: str, cfg: Config) -> dict:
-    """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
+    """Load, check and resume one benchmark before any engine starts: samples, failures, rows
+    already done."""
     skipped, bad = [], []
     samples = load_benchmark(bench, cfg, skipped, bad)
     missing = []
@@ -1267,7 +1313,8 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
         raise DataError(
             f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
-            f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it"
+            f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or "
+            "delete it"
         )
     return dict(
         samples=[s for s in samples if s not in missing],
@@ -1286,7 +1333,8 @@ def shut_down(timeout: float | None = None):
 
 
 async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
-    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine given is kept."""
+    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine
+    given is kept."""
     cfg = resolve(cfg)
     # every check before the engine starts
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
@@ -1305,7 +1353,8 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         for bench, job in jobs.items():
             try:
                 results[bench] = await run_benchmark(bench, job, cfg, engine, processor)
-            except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
+            # a broken benchmark does not cost the others their results
+            except Exception as e:  # noqa: BLE001
                 results[bench] = {
                     "error": f"{type(e).__name__}: {e}",
                     "unevaluable": len(job["samples"]),
@@ -1316,8 +1365,8 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
             engine.close()
         elif own:
-            # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter exit, where
-            # __del__'s second shutdown would find vLLM's globals gone: a traceback
+            # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
+            # exit, where __del__'s second shutdown would find vLLM's globals gone: a traceback
             engine.shutdown()
             engine.shutdown = shut_down
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
@@ -1325,7 +1374,8 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
 
 
 async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -> dict:
-    """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
+    """Generate what the resume log lacks, each row scored and appended as it finishes; judge;
+    aggregate."""
     samples, done = job["samples"], job["done"]
     path = os.path.join(job["folder"], "samples.jsonl")
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
@@ -1393,15 +1443,17 @@ def number(v) -> str:
 
 
 def write_results(results: dict, cfg: Config):
-    """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
+    """results.json (settings and every benchmark's result) and results.md (the table), both
+    rewritten whole."""
     write_text(
         os.path.join(cfg.out_dir, "results.json"),
         json.dumps({"settings": asdict(cfg), "benchmarks": results}, indent=1),
     )
     lines = [
-        f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
-        f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
-        f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}",
+        f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, "
+        f"max_tokens {cfg.max_tokens}, fps {cfg.video_fps}, "
+        f"frames {cfg.video_min_frames}-{cfg.video_max_frames}, "
+        f"max_pixels {cfg.video_max_pixels}, random_fallback {cfg.random_fallback}",
         "",
         "| benchmark | metric | value |",
         "|---|---|---|",
@@ -1419,10 +1471,10 @@ def write_results(results: dict, cfg: Config):
 
 
 def main(cfg: Config) -> int:
-    """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    results = asyncio.run(
-        evaluate(cfg)
-    )  # bad settings or inputs: common.cli prints the one-line error
+    """Run, then exit 1 when any sample or benchmark could not be evaluated (unless
+    allow_failures)."""
+    # bad settings or inputs: common.cli prints the one-line error
+    results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
         print(

@@ -1,11 +1,13 @@
-"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]` (None: unparseable), in
-one dict, ACCURACY, scoring what a benchmark grader would score. Adding a task is one function and one entry.
+"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]` (None:
+unparseable), in one dict, ACCURACY, scoring what a benchmark grader would score. Adding a task is
+one function and one entry.
 
-    overall, components = compute_reward(completion, sample)     # overall = w_acc * acc + w_fmt * fmt
+    overall, components = compute_reward(completion, sample)   # w_acc * acc + w_fmt * fmt
 
-docs/rewards.md states every rule: answer extraction (extract_answer), the reading and score of each problem type,
-hedges (wrong answers, not parse failures), ground-truth validation and the math time limit. Unparseable answers
-score 0 and are counted in components["parse_fail"]. Never raises; always in [0, 1]; linear time on the input.
+docs/rewards.md states every rule: answer extraction (extract_answer), the reading and score of each
+problem type, hedges (wrong answers, not parse failures), ground-truth validation and the math time
+limit. Unparseable answers score 0 and are counted in components["parse_fail"]. Never raises; always
+in [0, 1]; linear time on the input.
 """
 
 import ast
@@ -26,13 +28,15 @@ import numpy as np
 # VSI-Bench's margins as its code computes them, in floats
 MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * |gt|, relative at every scale
-MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
+# completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
+MAX_LEN = 20000
 MATH_TIMEOUT = 1.0  # seconds of math-verify per call (see time_limit)
 # with no tag, phrase or </think>, a text of at most this many words is the answer itself
 BARE_WORDS = 8
 # open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
 SHORT_ANSWER = 5
-CODE_TOKENS = 2000  # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
+# code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
+CODE_TOKENS = 2000
 
 ALIASES = {
     "multiple_choice": "multiple choice",
@@ -65,7 +69,7 @@ ALIASES = {
     "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
-# ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input ------------------
+# ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
 _TAG = re.compile(r"<\s{0,9}(/?)\s{0,9}(answer|think)\s{0,9}>", re.I)
 _PHRASE = re.compile(
     r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I
@@ -73,7 +77,8 @@ _PHRASE = re.compile(
 
 
 def canon_tags(text: str) -> str:
-    """`< Answer >`, `</THINK >` -> `<answer>`, `</think>`: every later step matches the tags exactly."""
+    """`< Answer >`, `</THINK >` -> `<answer>`, `</think>`: every later step matches the tags
+    exactly."""
     return _TAG.sub(lambda m: f"<{m[1]}{m[2].lower()}>", text)
 
 
@@ -83,8 +88,8 @@ def blank(text: str) -> bool:
 
 
 def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> str:
-    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and all from an unclosed
-    start on: the text of an unfinished <think> is reasoning, not an answer."""
+    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and all
+    from an unclosed start on: the text of an unfinished <think> is reasoning, not an answer."""
     out = []
     i = 0  # the end of the last block
     j = text.find(start)
@@ -99,7 +104,8 @@ def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> st
 
 
 def last_answer(text: str, default: str | None = None) -> str | None:
-    """Content of the last closed <answer>...</answer> (for nested tags, the innermost one), stripped; else default."""
+    """Content of the last closed <answer>...</answer> (for nested tags, the innermost one),
+    stripped; else default."""
     k = text.rfind("</answer>")
     if k < 0:
         return default
@@ -110,13 +116,15 @@ def last_answer(text: str, default: str | None = None) -> str | None:
 
 
 def answer_text(text: str) -> str:
-    """The last <answer>'s content, else the whole text, without <think> blocks: where evaluate.py's readers start."""
+    """The last <answer>'s content, else the whole text, without <think> blocks: where evaluate.py's
+    readers start."""
     body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
     return last_answer(body, body.strip())
 
 
 def boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or empty."""
+    """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or
+    empty."""
     i = text.rfind("\\boxed{")
     if i < 0:
         return None
@@ -141,7 +149,8 @@ def extract_answer(text: str) -> str | None:
         hits = _PHRASE.findall(body)
         if hits:
             ans = hits[-1].strip().rstrip(".")
-    # reasoning, then the answer as it is: a stray </think> (the <think> was in the prompt) ends the reasoning
+    # reasoning, then the answer as it is: a stray </think> (the <think> was in the prompt) ends the
+    # reasoning
     if ans is None and "</think>" in text:
         ans = body.rpartition("</think>")[2]
     bare = len(body.split()) <= BARE_WORDS and len(body) <= 20 * BARE_WORDS
@@ -160,12 +169,13 @@ def ground_truth(sample: dict) -> str:
 
 
 def canonical_type(problem_type: str) -> str:
-    """A problem type lower-cased, spaces collapsed, an alias (ALIASES) as the name ACCURACY knows."""
+    """A problem type lower-cased, spaces collapsed, an alias (ALIASES) as the name ACCURACY
+    knows."""
     t = " ".join(str(problem_type).strip().lower().split())
     return ALIASES.get(t, t)
 
 
-# ---- parsers (None on failure, never raise) -------------------------------------------------------------------------
+# ---- parsers (None on failure, never raise) ------------------------------------------------------
 WORDS = {
     w: i
     for i, w in enumerate(
@@ -184,14 +194,15 @@ _DASHES = str.maketrans(
 # 1 \times 10^3 -> 1e3
 _TIMES = re.compile(r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]{1,30})\}\{([^{}]{1,30})\}")  # \frac{1}{2} -> 1/2
-# a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators; a fraction;
-# a percent sign, a k suffix or a scale word
+# a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators;
+# a fraction; a percent sign, a k suffix or a scale word
 _NUM = re.compile(
     r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
     r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?"
 )
 _UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seventeen" before "seven"
-# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
+# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one
+# thousand two hundred"
 _WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
 # "3 or 4", "3, 4", "3-4", "between 3 and 4"
 _HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")
@@ -206,7 +217,8 @@ def number_text(s: str) -> str:
 
 
 def number_spans(s: str) -> list[tuple[int, int, float]]:
-    """(start, end, value) in number_text(s) of every finite number, in order ("50%", "2.5k": docs/rewards.md)."""
+    """(start, end, value) in number_text(s) of every finite number, in order ("50%", "2.5k":
+    docs/rewards.md)."""
     s = number_text(s)
     out = []
     for m in _NUM.finditer(s):
@@ -234,7 +246,8 @@ def number_spans(s: str) -> list[tuple[int, int, float]]:
 
 
 def committed_number(s: str) -> float | None:
-    """The first number; NaN (equal to nothing) for a hedge ("3 or 4", "3-4", "between 3 and 4"); None if none."""
+    """The first number; NaN (equal to nothing) for a hedge ("3 or 4", "3-4", "between 3 and 4");
+    None if none."""
     s = number_text(s)
     spans = number_spans(s)
     for (_, end, v1), (start, _, v2) in zip(spans, spans[1:]):
@@ -245,8 +258,8 @@ def committed_number(s: str) -> float | None:
 
 
 def parse_json(s: str):
-    """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself writes its final
-    answer last); None if none. One scan over brackets and quotes: linear time."""
+    """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself
+    writes its final answer last); None if none. One scan over brackets and quotes: linear time."""
     spans = []
     depth = 0
     start = 0  # the outermost open bracket
@@ -269,10 +282,8 @@ def parse_json(s: str):
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
-        except (
-            ValueError,
-            RecursionError,
-        ):  # JSONDecodeError is a ValueError; deep nesting recurses
+        # JSONDecodeError is a ValueError; deep nesting recurses
+        except (ValueError, RecursionError):
             pass
     return None
 
@@ -317,7 +328,8 @@ def as_box(b) -> list[float] | None:
 
 
 def text_numbers(ans: str, n: int) -> list[float] | None:
-    """The first n numbers of a text that is no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"."""
+    """The first n numbers of a text that is no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3,
+    4)"."""
     if parse_json(ans) is not None:
         return None
     spans = number_spans(ans)
@@ -344,7 +356,7 @@ def as_boxes(x) -> dict | None:
     return {frame_key(k): as_box(v) for k, v in b.items()}
 
 
-# ---- scorers: shared with evaluate.py -------------------------------------------------------------------------------
+# ---- scorers: shared with evaluate.py ------------------------------------------------------------
 def iou_1d(a, b) -> float:
     """Intersection over union of two spans [start, end]; two equal empty spans match."""
     inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
@@ -353,8 +365,8 @@ def iou_1d(a, b) -> float:
 
 
 def iou_box(a, b) -> float:
-    """Intersection over union of two boxes as as_box returns them (x1 <= x2, y1 <= y2); two equal empty boxes
-    match, as in iou_1d."""
+    """Intersection over union of two boxes as as_box returns them (x1 <= x2, y1 <= y2); two equal
+    empty boxes match, as in iou_1d."""
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
@@ -364,19 +376,22 @@ def iou_box(a, b) -> float:
 
 
 def mra(pred: float, gt: float) -> float:
-    """Mean relative accuracy (VSI-Bench): the share of margins m in MRA_MARGINS with |pred - gt| / |gt| <= m."""
+    """Mean relative accuracy (VSI-Bench): the share of margins m in MRA_MARGINS with |pred - gt| /
+    |gt| <= m."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
     return sum(rel <= m for m in MRA_MARGINS) / len(MRA_MARGINS)
 
 
 def squad_norm(s: str) -> str:
-    """SQuAD's normalize_answer: lower case, punctuation removed, articles (a, an, the) removed, spaces collapsed."""
+    """SQuAD's normalize_answer: lower case, punctuation removed, articles (a, an, the) removed,
+    spaces collapsed."""
     s = "".join(c for c in s.lower() if c not in string.punctuation)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
 
 def token_f1(pred: str, ref: str) -> float:
-    """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact match)."""
+    """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact
+    match)."""
     p, r = squad_norm(pred).split(), squad_norm(ref).split()
     if not p or not r:
         return float(p == r)
@@ -386,7 +401,8 @@ def token_f1(pred: str, ref: str) -> float:
 
 @lru_cache(maxsize=1)
 def rouge_scorer():
-    """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that imports us)."""
+    """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that
+    imports us)."""
     from rouge_score.rouge_scorer import RougeScorer
 
     return RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
@@ -399,7 +415,8 @@ def rouge(pred: str, ref: str) -> float:
 
 
 def wer(pred: str, ref: str) -> float:
-    """Word error rate: the word-level edit distance over the reference's length (first 2000 words)."""
+    """Word error rate: the word-level edit distance over the reference's length (first 2000
+    words)."""
     p = pred.lower().split()[:2000]
     r = ref.lower().split()[:2000]
     if p == r or not r:  # equal: a ground truth validated against itself skips the table
@@ -413,9 +430,11 @@ def wer(pred: str, ref: str) -> float:
     return prev[-1] / len(r)
 
 
-# ---- accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable ------------
+# ---- accuracy rewards -------------------------------------------------------------------------
+# (answer extracted from the completion, sample) -> float, or None when unparseable
 _LEAD = re.compile(
-    r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
+    r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?"
+    r"(?:answer|option|choice)\b"
     r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?",
     re.I,
 )
@@ -425,7 +444,8 @@ _WORD_NEXT = re.compile(r"[ \t]{1,3}(?!(?:and|or)\b)[a-z]")  # "A dog", "I think
 
 
 def option_table(options: list[str]) -> list[tuple[str, str]]:
-    """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its position's."""
+    """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its
+    position's."""
     table = []
     for i, o in enumerate(options or []):
         m = re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S)
@@ -444,7 +464,8 @@ def known_letter(letter: str, letters: set) -> str | None:
 
 
 def choice_letter(ans: str, options: list[str]) -> str | None:
-    """The option letter an answer names (the order of reading: docs/rewards.md); a hedge joined ("A+B"); else None."""
+    """The option letter an answer names (the order of reading: docs/rewards.md); a hedge joined
+    ("A+B"); else None."""
     table = option_table(options)
     letters = {lt for lt, _ in table} or set(string.ascii_uppercase)
     s = _MARKUP.sub(" ", ans)
@@ -479,7 +500,8 @@ def acc_choice(ans, s):
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
-    """|pred - gt| <= rtol * |gt| (exact when gt is 0), or mra(pred, gt) with mean_relative; a hedge (NaN) is 0."""
+    """|pred - gt| <= rtol * |gt| (exact when gt is 0), or mra(pred, gt) with mean_relative; a hedge
+    (NaN) is 0."""
     p = committed_number(ans)
     g = committed_number(ground_truth(s))
     if p is None:
@@ -490,8 +512,9 @@ def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
 
 
 def polarity(ans: str) -> float | None:
-    """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to nothing) for a hedge
-    ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None when there is none."""
+    """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to
+    nothing) for a hedge ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None
+    when there is none."""
     words = re.findall(r"\w+", ans.lower())
     i = next((k for k, w in enumerate(words) if w in POLAR), None)
     if i is None:
@@ -536,8 +559,9 @@ _ARM_LOCK = threading.Lock()
 
 
 class time_limit:
-    """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50 ms until the block
-    ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc off (why: docs/rewards.md)."""
+    """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50
+    ms until the block ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc
+    off (why: docs/rewards.md)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -547,8 +571,9 @@ class time_limit:
         self.armed = not self.main  # the main thread arms once its handler is in place
 
     def alarm(self, signum, frame):
-        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there
-        it would skip __exit__ and leave the timer raising MathTimeout anywhere; seen under heavy load)."""
+        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__
+        before it disarms (there it would skip __exit__ and leave the timer raising MathTimeout
+        anywhere; seen under heavy load)."""
         if self.armed and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
             raise MathTimeout
 
@@ -580,9 +605,8 @@ class time_limit:
             signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
         else:
             with _ARM_LOCK:
-                _ASYNC_RAISE(
-                    ctypes.c_ulong(self.tid), None
-                )  # drop one injected but not yet delivered
+                # drop one injected but not yet delivered
+                _ASYNC_RAISE(ctypes.c_ulong(self.tid), None)
             self.done.set()
         if self.gc_on:
             gc.enable()
@@ -598,8 +622,8 @@ def _math_warm() -> bool:
 
 @lru_cache(maxsize=4096)
 def _math_gold(gt: str):
-    """The parsed ground truth; [] where math-verify reads only text (no answer but that very text would equal
-    it)."""
+    """The parsed ground truth; [] where math-verify reads only text (no answer but that very text
+    would equal it)."""
     from math_verify import parse
 
     gold = parse(f"${gt}$", parsing_timeout=None)
@@ -609,8 +633,8 @@ def _math_gold(gt: str):
 
 
 def acc_math(ans, s):
-    """math-verify's equivalence; its own timeouts (whole-second, main-thread alarms) are off: time_limit bounds
-    both the parse and the compare."""
+    """math-verify's equivalence; its own timeouts (whole-second, main-thread alarms) are off:
+    time_limit bounds both the parse and the compare."""
     from math_verify import parse, verify
 
     _math_warm()
@@ -619,12 +643,14 @@ def acc_math(ans, s):
             gold = _math_gold(ground_truth(s))
             pred = parse(f"${ans[:2000]}$", parsing_timeout=None)
             return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
-    except (Exception, MathTimeout):  # noqa: BLE001  math-verify raises a zoo of sympy errors: all mean "not equal"
+    # math-verify raises a zoo of sympy errors: all mean "not equal"
+    except (Exception, MathTimeout):  # noqa: BLE001
         return 0.0
 
 
 def acc_temporal(ans, s):
-    """IoU of the predicted span (JSON, else "from 12.3 to 25.7 seconds") with the ground truth's."""
+    """IoU of the predicted span (JSON, else "from 12.3 to 25.7 seconds") with the ground
+    truth's."""
     p = as_span(parse_json(ans)) or as_span(text_numbers(ans, 2))
     if p is None:
         return None
@@ -632,8 +658,8 @@ def acc_temporal(ans, s):
 
 
 def acc_spatial(ans, s):
-    """IoU of the predicted box (JSON, a bare list, else "(1, 2, 3, 4)") with the ground truth's, which must be
-    {"boxes": ...}."""
+    """IoU of the predicted box (JSON, a bare list, else "(1, 2, 3, 4)") with the ground truth's,
+    which must be {"boxes": ...}."""
     p = as_box(parse_json(ans)) or as_box(text_numbers(ans, 4))
     if p is None:
         return None
@@ -688,7 +714,8 @@ BINDS = {
 
 
 def markup_tokens(text: str) -> list[str]:
-    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments (docs/rewards.md)."""
+    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments
+    (docs/rewards.md)."""
     text = strip_blocks(text, "<!--", "-->")
     tokens = []
     i = 0  # the end of the last tag
@@ -709,7 +736,8 @@ def markup_tokens(text: str) -> list[str]:
 
 
 def python_tokens(code: str) -> list[str] | None:
-    """Tokens of ast.unparse(code), bound names (assigned, defined, arguments) renamed v0, v1, ...; None if no parse."""
+    """Tokens of ast.unparse(code), bound names (assigned, defined, arguments) renamed v0, v1, ...;
+    None if no parse."""
     try:
         tree = ast.parse(code)
         names = {}
@@ -732,7 +760,8 @@ def unfenced(code: str) -> str:
 
 
 def acc_code(ans, s, markup: bool = False):
-    """difflib ratio of python_tokens (markup_tokens: markup, or a reference opening "<"); 0 if one is empty."""
+    """difflib ratio of python_tokens (markup_tokens: markup, or a reference opening "<"); 0 if one
+    is empty."""
     code = unfenced(ans)
     ref = unfenced(ground_truth(s))
     tokens = python_tokens
@@ -771,7 +800,9 @@ GT_FORMS = {  # what a ground truth must be, for validate_answer's message
     "boolean": "yes/no/true/false",
     "temporal grounding": '{"time": [start, end]} with start <= end',
     "spatial grounding": '{"boxes": [x1, y1, x2, y2]} with x1 <= x2, y1 <= y2',
-    "spatial-temporal grounding": '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e',
+    "spatial-temporal grounding": (
+        '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e'
+    ),
     "tracking": '{"boxes": {"<frame>": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2',
     "code": "Python that parses, or markup",
     "math": "an expression math-verify parses",
@@ -784,13 +815,15 @@ FORMATS = {
 
 
 def format_reward(completion: str, template: str = "answer") -> float:
-    """1 if the whole completion is exactly the template (one answer block) and the answer holds something visible."""
+    """1 if the whole completion is exactly the template (one answer block) and the answer holds
+    something visible."""
     c = (completion or "")[:MAX_LEN]
     ok = FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1
     return float(ok and not blank(c[c.find("<answer>") + 8 : c.find("</answer>")]))
 
 
-# what a malformed *prediction* the parser let through (or a malformed ground truth) raises in a rule
+# what a malformed *prediction* the parser let through (or a malformed ground truth) raises in a
+# rule
 MALFORMED = (
     ValueError,
     TypeError,
@@ -803,7 +836,8 @@ MALFORMED = (
 
 
 def accuracy(answer: str, sample: dict) -> float | None:
-    """ACCURACY of the sample's problem type (unknown types: open-ended); None when the answer is unparseable."""
+    """ACCURACY of the sample's problem type (unknown types: open-ended); None when the answer is
+    unparseable."""
     try:
         rule = ACCURACY.get(canonical_type(sample.get("problem_type", "")), acc_open)
         return rule(answer, sample)
@@ -818,7 +852,8 @@ def compute_reward(
     w_fmt: float = 0.1,
     format_template: str = "answer",
 ) -> tuple[float, dict]:
-    """(overall, {"overall", "accuracy", "format", "parse_fail"}); a parse failure scores accuracy 0."""
+    """(overall, {"overall", "accuracy", "format", "parse_fail"}); a parse failure scores accuracy
+    0."""
     ans = extract_answer(completion)
     acc = None
     if ans is not None:
@@ -837,7 +872,8 @@ def compute_reward(
 
 
 def validate_answer(sample: dict) -> None:
-    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer, scores 1."""
+    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer,
+    scores 1."""
     t = canonical_type(sample.get("problem_type", ""))
     gt = ground_truth(sample)
     sid = sample.get("id", "?")
