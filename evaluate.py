@@ -1256,9 +1256,8 @@ def resolve(cfg: Config) -> Config:
     # the model's own limit, not the user's choice
     capped = not cfg.max_model_len and positions < 16384
     max_model_len = cfg.max_model_len or min(16384, positions)
-    out_dir = os.path.join(
-        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
-    )
+    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
+    out_dir = os.path.join("runs", "eval", f"{os.path.basename(model)}-{digest}")
     cfg = replace(
         cfg,
         out_dir=cfg.out_dir or out_dir,

@@ -116,8 +116,8 @@ def vllm_settings(
     trust_remote_code: bool,
 ) -> dict:
     """The engine arguments that the trainer's vLLM (VLLMEngine) and evaluate.py's AsyncLLM share:
-    eager off CUDA (CUDA graphs only pay on a GPU), the CPU's KV cache fixed (CPU_KV_CACHE_BYTES),
-    pixels normalized on the device only where vLLM normalizes videos as transformers does
+    eager (no CUDA graphs) except on CUDA, the CPU's KV cache fixed (CPU_KV_CACHE_BYTES), pixels
+    normalized on the device only where vLLM normalizes videos as transformers does
     (device_normalize_ok)."""
     from vllm.platforms import current_platform
 
