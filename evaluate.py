@@ -1286,10 +1286,33 @@ def resolve(cfg: Config) -> Config:
     return cfg
 
 
-def prepare_benchmark(bench: str, cfg: Config) -> dict:
+@dataclass
+class Job:
+    """One benchmark, loaded and checked, before any engine starts."""
+
+    samples: list[dict]
+    """the samples to evaluate (those whose media exist)"""
+    missing: list[dict]
+    """the samples whose media are missing (listed in bad)"""
+    skipped: list[dict]
+    """{where, error} of each record without ground truth"""
+    bad: list[dict]
+    """{where, error} of each record that could not be read, and of each sample in missing"""
+    run: dict
+    """the settings that change its answers, as run.json holds them"""
+    done: dict
+    """the rows of the resume log by doc_id"""
+    torn: int
+    """torn lines (a crash mid-write) dropped from the resume log"""
+    folder: str
+    """out_dir/<benchmark>: samples.jsonl (the resume log) and run.json"""
+
+
+def prepare_benchmark(bench: str, cfg: Config) -> Job:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows
     already done."""
-    skipped, bad = [], []
+    skipped = []
+    bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
     missing = []
     for s in samples:
@@ -1315,7 +1338,7 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
             f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or "
             "delete it"
         )
-    return dict(
+    return Job(
         samples=[s for s in samples if s not in missing],
         missing=missing,
         skipped=skipped,
@@ -1356,7 +1379,7 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
             except Exception as e:  # noqa: BLE001
                 results[bench] = {
                     "error": f"{type(e).__name__}: {e}",
-                    "unevaluable": len(job["samples"]),
+                    "unevaluable": len(job.samples),
                 }
                 print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
             write_results(results, cfg)
@@ -1372,13 +1395,14 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
     return results
 
 
-async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -> dict:
+async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) -> dict:
     """Generate what the resume log lacks, each row scored and appended as it finishes; judge;
     aggregate."""
-    samples, done = job["samples"], job["done"]
-    path = os.path.join(job["folder"], "samples.jsonl")
+    samples = job.samples
+    done = job.done
+    path = os.path.join(job.folder, "samples.jsonl")
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
-    write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
+    write_text(os.path.join(job.folder, "run.json"), json.dumps(job.run, indent=1))
     todo = [s for s in samples if s["id"] not in done]
     before = len(done)
     start = time.perf_counter()
@@ -1415,14 +1439,14 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge = judge_rows(rows, cfg, adapter(bench).get("judge"))
     write_jsonl(path, rows)
-    failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
+    failed = job.bad + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
     res = {
         "metrics": aggregate(rows, bench),
         "unevaluable": len(failed),
         "failed_samples": failed,
-        "no_ground_truth": len(job["skipped"]),
+        "no_ground_truth": len(job.skipped),
         "resumed": len(samples) - len(todo),
-        "torn_lines": job["torn"],
+        "torn_lines": job.torn,
         "seconds": round(time.perf_counter() - start, 3),
         "samples": path,
         "judge": judge,

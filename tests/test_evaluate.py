@@ -641,7 +641,7 @@ def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     job = E.prepare_benchmark(
         "livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path)))
     )
-    assert len(job["samples"]) + len(job["missing"]) == 3
+    assert len(job.samples) + len(job.missing) == 3
 
 
 def test_grounding_without_boxes_is_scored_on_time():
@@ -866,9 +866,7 @@ def test_checked_before_the_engine(tmp_path):
         E.resolve(E.Config(data_dir=FIXTURES, video_dir=str(tmp_path), out_dir=str(tmp_path))),
     )
     assert (
-        len(job["missing"]) == 3
-        and len(job["samples"]) == 0
-        and "missing media" in job["bad"][0]["error"]
+        len(job.missing) == 3 and len(job.samples) == 0 and "missing media" in job.bad[0]["error"]
     )
 
 
