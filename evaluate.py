@@ -173,11 +173,9 @@ def adapter_problem(ad) -> str:
         known = ", ".join(READERS)
         return f"unknown reader {ad['read']!r}; known: {known} or a list of [pattern, pick] rules"
     for rule in (ad.get("type"), *ad.get("derive", {}).values()):
-        if isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {
-            "field",
-            "map",
-            "default",
-        }:
+        if not isinstance(rule, dict):
+            continue
+        if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
             return "a type or derive rule takes field, map and (optionally) default"
     return ""
 

@@ -176,17 +176,13 @@ def canonical_type(problem_type: str) -> str:
 
 
 # ---- parsers (None on failure, never raise) ------------------------------------------------------
-WORDS = {
-    w: i
-    for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
-        "fourteen fifteen sixteen seventeen eighteen nineteen".split()
-    )
-}
-WORDS |= {
-    w: 10 * i
-    for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)
-}
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen"
+).split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+WORDS = {w: i for i, w in enumerate(_ONES)}  # number words: their values
+WORDS |= {w: 10 * i for i, w in enumerate(_TENS, 2)}
 SCALES = {"%": 0.01, "k": 1e3, "hundred": 1e2, "thousand": 1e3, "million": 1e6, "billion": 1e9}
 _DASHES = str.maketrans(
     dict.fromkeys("\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63\uff0d", "-")
