@@ -349,18 +349,18 @@ def with_derived(r: dict, ad: dict) -> dict:
     need (a benchmark may have several layouts: a field the layout needs is reported missing
     later)."""
     r = dict(r)
-    for field, pattern in ad.get("extract", {}).items():
-        if field not in r:
+    for name, pattern in ad.get("extract", {}).items():
+        if name not in r:
             continue
-        m = re.search(pattern, str(r[field]))
+        m = re.search(pattern, str(r[name]))
         if not m:
-            raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
+            raise DataError(f"field {name!r} ({r[name]!r}) does not match {pattern!r}")
         r = {**m.groupdict(), **r}  # a field the record has keeps its value
-    for field, rule in ad.get("derive", {}).items():
+    for name, rule in ad.get("derive", {}).items():
         if isinstance(rule, str) and set(_TEMPLATE_FIELD.findall(rule)) <= set(r):
-            r[field] = rule.format(**r)
+            r[name] = rule.format(**r)
         elif isinstance(rule, dict) and rule["field"] in r:
-            r[field] = lookup(r, rule)
+            r[name] = lookup(r, rule)
     return r
 
 
