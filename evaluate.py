@@ -1,10 +1,12 @@
-"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's asynchronous engine.
+"""evaluate.py: video benchmarks, each read and aggregated by its official rule, on vLLM's
+asynchronous engine.
 
-    python evaluate.py --model DIR --benchmarks videomme,mvbench,vsibench --data-dir ANN --video-dir VID
-    python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema (val.jsonl)
+    python evaluate.py --model DIR --benchmarks videomme,mvbench --data-dir ANN --video-dir VID
+    python evaluate.py --model DIR --benchmarks nvr1 --data-dir .cache/data/color   # our own schema
 
-Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure accounting: README.md
-"Evaluation"; each benchmark's reading and aggregation rule: docs/benchmarks.md.
+Benchmarks are data (configs/benchmarks/benchmarks.yaml); the pipeline, resume and failure
+accounting: README.md "Evaluation"; each benchmark's reading and aggregation rule:
+docs/benchmarks.md.
 """
 
 import asyncio
@@ -100,13 +102,8 @@ class Config(cache.Media):
     """max pixels per frame (evaluation's default; training's is 100352)"""
 
 
-FORMATS = (
-    ".jsonl",
-    ".json",
-    ".parquet",
-    ".csv",
-    ".txt",
-)  # annotation files, in the order they are looked for
+# annotation files, in the order they are looked for
+FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 BENCHMARKS = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "configs", "benchmarks", "benchmarks.yaml"
 )
@@ -142,31 +139,39 @@ FIELDS = (
 )
 
 
+# the fields a benchmark that does not name them reads
+DEFAULT_FIELDS = {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]]}
+
+
+def adapter_problem(ad) -> str:
+    """What is wrong with one benchmark's definition, '' when nothing."""
+    if not isinstance(ad, dict):
+        return f"expected a mapping of fields, got {type(ad).__name__}"
+    unknown = sorted(set(ad) - set(FIELDS))
+    if unknown:
+        return f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
+    if isinstance(ad.get("read"), str) and ad["read"] not in READERS:
+        known = ", ".join(READERS)
+        return f"unknown reader {ad['read']!r}; known: {known} or a list of [pattern, pick] rules"
+    for rule in (ad.get("type"), *ad.get("derive", {}).values()):
+        if not isinstance(rule, dict):
+            continue
+        if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
+            return "a type or derive rule takes field, map and (optionally) default"
+    return ""
+
+
 @cached
 def load_adapters(path: str = BENCHMARKS) -> dict[str, dict]:
-    """Every benchmark's definition, default field names filled in; a ValueError names the file, benchmark and fault."""
+    """Every benchmark's definition, default field names filled in; a ValueError names the file,
+    benchmark and fault."""
     with open(path, encoding="utf-8") as f:
         table = yaml.safe_load(f)
     for name, ad in table.items():
-        problem = ""
-        if not isinstance(ad, dict):
-            problem = f"expected a mapping of fields, got {type(ad).__name__}"
-        elif unknown := sorted(set(ad) - set(FIELDS)):
-            problem = f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
-        elif isinstance(ad.get("read"), str) and ad["read"] not in READERS:
-            problem = f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, pick] rules"
-        elif any(
-            isinstance(rule, dict)
-            and not {"field", "map"} <= set(rule) <= {"field", "map", "default"}
-            for rule in (ad.get("type"), *ad.get("derive", {}).values())
-        ):
-            problem = "a type or derive rule takes field, map and (optionally) default"
+        problem = adapter_problem(ad)
         if problem:
             raise UserError(f"{path}: benchmark {name!r}: {problem}")
-    return {
-        name: {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]], **ad}
-        for name, ad in table.items()
-    }
+    return {name: {**DEFAULT_FIELDS, **ad} for name, ad in table.items()}
 
 
 def adapter(bench: str) -> dict:
@@ -177,19 +182,24 @@ def adapter(bench: str) -> dict:
 
 
 def first(r: dict, fields):
-    """The value of a field, or of the first field of a list that the record has (layouts or tasks differ)."""
+    """The value of a field, or of the first field of a list that the record has (layouts or tasks
+    differ)."""
     names = fields if isinstance(fields, list) else [fields]
-    return r[next((k for k in names if k in r), " or ".join(names))]
+    for k in names:
+        if k in r:
+            return r[k]
+    raise KeyError(" or ".join(names))
 
 
 def lookup(r: dict, rule: dict):
-    """A type or derived field by rule {field, map, default}: map[str(r[field])], else default, else r[field]."""
+    """A type or derived field by rule {field, map, default}: map[str(r[field])], else default, else
+    r[field]."""
     value = r.get(rule["field"])
     return rule["map"].get(str(value), rule.get("default", value))
 
 
-# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's "Caption A: x", "Sentence A: x",
-# "Option 1: x" (1-based)
+# an option line: "A. x", "(A) x", "A) x", "A: x", and TempCompass caption matching's
+# "Caption A: x", "Sentence A: x", "Option 1: x" (1-based)
 _OPTION = re.compile(
     r"\s*(?:(?:Caption|Sentence|Option)\s+([A-Z1-9])|\(?([A-Z])\)?)[.):]\s?(.*)", re.S
 )
@@ -201,7 +211,8 @@ def option_letter(m: re.Match) -> str:
 
 
 def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
-    """(where in f, record) for each record of one annotation file; a record that does not parse is a DataError."""
+    """(where in f, record) for each record of one annotation file; a record that does not parse is
+    a DataError."""
     if f.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -210,25 +221,29 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
         if f.endswith(".csv"):  # NExT-QA: the header names the fields; where = the line
             rows = csv.DictReader(fh)
             return [(str(rows.line_num), r) for r in rows]
-        if not f.endswith(
-            ".json"
-        ):  # one record a line: .jsonl, or .txt read by the benchmark's line pattern
-            if f.endswith(".txt") and not ad.get("line"):
+        if f.endswith(".json"):
+            return walk(json.load(fh), ad.get("nest", ()), "")
+        # one record a line: .jsonl, or .txt read by the benchmark's line pattern
+        pattern = None
+        if f.endswith(".txt"):
+            pattern = ad.get("line")
+            if not pattern:
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
-            pattern = ad.get("line") if f.endswith(".txt") else None
-            return [
-                (str(i + 1), line_record(line, pattern))
-                for i, line in enumerate(fh)
-                if line.strip()
-            ]
-        return walk(json.load(fh), ad.get("nest", ()), "")
+        records = []
+        for i, line in enumerate(fh):
+            if line.strip():
+                records.append((str(i + 1), line_record(line, pattern)))
+        return records
 
 
 def line_record(line: str, pattern: str | None):
-    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a DataError."""
+    """A .txt line by the benchmark's `line` pattern, a .jsonl line as JSON; what does not parse: a
+    DataError."""
     if pattern:
         m = re.fullmatch(pattern, line.strip())
-        return m.groupdict() if m else DataError(f"line does not match {pattern!r}")
+        if not m:
+            return DataError(f"line does not match {pattern!r}")
+        return m.groupdict()
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
@@ -236,40 +251,41 @@ def line_record(line: str, pattern: str | None):
 
 
 def walk(node, names, where: str) -> list[tuple[str, object]]:
-    """A JSON array of records, or a release nested in dicts whose keys become the fields `names` (TempCompass's
-    {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record number or key path."""
+    """A JSON array of records, or a release nested in dicts whose keys become the fields `names`
+    (TempCompass's {video_id: {dim: [...]}}, Video-MMMU's {track: {index: {...}}}); where = record
+    number or key path."""
     if isinstance(node, list):
         return [(f"{where}{i + 1}", r) for i, r in enumerate(node)]
-    if not isinstance(node, dict) or not names:
-        if where and isinstance(node, dict):
-            return [(where.rstrip("/"), node)]
-        hint = (
-            " (a nested release: the benchmark's `nest` names its keys)"
-            if isinstance(node, dict)
-            else ""
+    if not isinstance(node, dict):
+        raise DataError(f"expected a JSON array of records, got {type(node).__name__}")
+    if not names and where:  # the end of a key path: a record
+        return [(where.rstrip("/"), node)]
+    if not names:
+        raise DataError(
+            "expected a JSON array of records, got dict "
+            "(a nested release: the benchmark's `nest` names its keys)"
         )
-        raise DataError(f"expected a JSON array of records, got {type(node).__name__}{hint}")
-    return [
-        (w, dict(r, **{names[0]: k}) if isinstance(r, dict) else r)
-        for k, v in node.items()
-        for w, r in walk(v, names[1:], f"{where}{k}/")
-    ]
+    out = []
+    for k, v in node.items():
+        for w, r in walk(v, names[1:], f"{where}{k}/"):
+            if isinstance(r, dict):
+                r = {**r, names[0]: k}
+            out.append((w, r))
+    return out
 
 
 def option_list(r: dict, ad: dict, question: str) -> list[str]:
-    """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null) the question."""
+    """The options as "A. text": from a list, {letter: text}, lines, several fields, or (opts null)
+    the question."""
     opts = ad["opts"]
-    if isinstance(
-        opts, list
-    ):  # one option a field (a field holding a list: all of them), absent fields skipped
+    if isinstance(opts, list):
+        # one option a field (a field holding a list: all of them), absent fields skipped
         if not any(k in r for k in opts):
             raise KeyError(opts[0])
-        raw = [
-            x
-            for k in opts
-            for x in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
-            if x not in (None, "", "N/A")
-        ]
+        raw = []
+        for k in opts:
+            values = r[k] if isinstance(r.get(k), list) else [r.get(k)]
+            raw += [x for x in values if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
     else:
@@ -287,10 +303,10 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
 
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
-    """The ground truth as the data.py sample holds it: an option's letter for letter choices, else the text."""
-    if (
-        ad.get("index") and options
-    ):  # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
+    """The ground truth as the data.py sample holds it: an option's letter for letter choices, else
+    the text."""
+    # an option index (EgoSchema "1", LongVideoBench 2); OVO-Bench's counts: as is
+    if ad.get("index") and options:
         if isinstance(ans, bool) or not str(ans).strip().isdigit() or int(ans) >= len(options):
             raise DataError(f"answer {ans!r} is not an option index 0..{len(options) - 1}")
         return chr(65 + int(ans))
@@ -299,34 +315,62 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
     texts = [o[3:] for o in options]
     if str(ans) in texts:  # the text of the right candidate (MVBench)
         return chr(65 + texts.index(str(ans)))
-    m = _OPTION.match(str(ans)) if options else None
-    return option_letter(m) if m else str(ans)  # "C. blue", "Caption B: ...", "(B)"
+    m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
+    if options and m:
+        return option_letter(m)
+    return str(ans)
+
+
+# a derive template's field: "{video_id}.mp4" ("{{" is a literal brace)
+_TEMPLATE_FIELD = re.compile(r"(?<!{){(\w+)}")
+
+
+def with_derived(r: dict, ad: dict) -> dict:
+    """The record with the benchmark's `extract` and `derive` fields added, where it has what they
+    need (a benchmark may have several layouts: a field the layout needs is reported missing
+    later)."""
+    r = dict(r)
+    for name, pattern in ad.get("extract", {}).items():
+        if name not in r:
+            continue
+        m = re.search(pattern, str(r[name]))
+        if not m:
+            raise DataError(f"field {name!r} ({r[name]!r}) does not match {pattern!r}")
+        r = {**m.groupdict(), **r}  # a field the record has keeps its value
+    for name, rule in ad.get("derive", {}).items():
+        if isinstance(rule, str) and set(_TEMPLATE_FIELD.findall(rule)) <= set(r):
+            r[name] = rule.format(**r)
+        elif isinstance(rule, dict) and rule["field"] in r:
+            r[name] = lookup(r, rule)
+    return r
+
+
+def kept_fields(r: dict, ad: dict) -> dict:
+    """The record's breakdown fields (`keys`) and group field, where it has them: the rows carry
+    them."""
+    return {k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r}
+
+
+def video_end(r: dict, ad: dict) -> float:
+    """The video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)."""
+    end = r[ad["end"]]
+    seconds = isinstance(end, (int, float)) and not isinstance(end, bool) and 0 <= end < math.inf
+    if not seconds:
+        raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
+    return float(math.ceil(end))
 
 
 def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
-    """A released record -> a validated data.py sample (None: no ground truth); DataError names where and the field."""
+    """A released record -> a validated data.py sample (None: no ground truth); DataError names
+    where and the field."""
     try:
         if isinstance(r, DataError):  # a record that did not parse
             raise r
         if not isinstance(r, dict):
             raise DataError(f"expected a JSON object, got {type(r).__name__}")
-        r = dict(r)
-        for field, pattern in ad.get("extract", {}).items():
-            if (
-                field not in r
-            ):  # one layout of several: a field the layout needs is reported missing below
-                continue
-            if not (m := re.search(pattern, str(r[field]))):
-                raise DataError(f"field {field!r} ({r[field]!r}) does not match {pattern!r}")
-            r = {**m.groupdict(), **r}  # a field the record has keeps its value
-        for field, rule in ad.get("derive", {}).items():
-            if isinstance(rule, str) and set(re.findall(r"(?<!{){(\w+)}", rule)) <= set(r):
-                r[field] = rule.format(
-                    **r
-                )  # set when the record has its fields (one layout of several)
-            elif isinstance(rule, dict) and rule["field"] in r:
-                r[field] = lookup(r, rule)
-        question, ans = first(r, ad["q"]), first(r, ad["ans"])
+        r = with_derived(r, ad)
+        question = first(r, ad["q"])
+        ans = first(r, ad["ans"])
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
         if ans is None or str(ans).strip() in ("", "NA", "None"):
@@ -334,7 +378,9 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         pt = ad.get("type", "multiple choice")
         if isinstance(pt, dict):
             pt = lookup(r, pt)
-        options = option_list(r, ad, question) if pt == "multiple choice" else []
+        options = []
+        if pt == "multiple choice":
+            options = option_list(r, ad, question)
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
             sid = str(r[ad["id"]])
@@ -345,19 +391,10 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
             "problem_type": pt,
             "options": options,
             "videos": [os.path.join(video_root, ad["video"].format(**r))],
-            **{k: r[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in r},
+            **kept_fields(r, ad),
         }
-        if ad.get(
-            "end"
-        ):  # the video up to the question's moment, rounded up (OVO-Bench's chunk_videos.py)
-            end = r[ad["end"]]
-            if (
-                not isinstance(end, (int, float))
-                or isinstance(end, bool)
-                or not 0 <= end < math.inf
-            ):
-                raise DataError(f"field {ad['end']!r} must be a time in seconds, got {end!r}")
-            s["video_end"] = float(math.ceil(end))
+        if ad.get("end"):
+            s["video_end"] = video_end(r, ad)
     except DataError as e:
         raise DataError(f"{where}: {e}") from e
     except KeyError as e:
@@ -368,41 +405,44 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
 
 
 def find_annotations(name: str, cfg: Config) -> list[str]:
-    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder {data_dir}/{name}."""
+    """The benchmark's annotation files: {data_dir}/{name}.<format> or the files of the folder
+    {data_dir}/{name}."""
     paths = [os.path.join(cfg.data_dir, name + e) for e in FORMATS]
-    path = next((p for p in paths if os.path.isfile(p)), os.path.join(cfg.data_dir, name))
-    files = sorted(glob.glob(os.path.join(path, "*"))) if os.path.isdir(path) else [path]
-    if not (files := [f for f in files if f.endswith(FORMATS)]):
+    folder = os.path.join(cfg.data_dir, name)
+    files = [p for p in paths if os.path.isfile(p)][:1]
+    if not files and os.path.isdir(folder):
+        files = [f for f in sorted(glob.glob(os.path.join(folder, "*"))) if f.endswith(FORMATS)]
+    if not files:
         raise FileNotFoundError(
             f"{name}: no annotation file ({', '.join(FORMATS)}) at {' or '.join(paths)} or in the "
-            f"folder {path} (docs/benchmarks.md: what to download, the layout)"
+            f"folder {folder} (docs/benchmarks.md: what to download, the layout)"
         )
     return files
 
 
 def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
-    """(file:N, question record, or the DataError that stands for it) of one annotation file; a video's nested
-    questions (LVBench's qa) are one record each, the video's fields with each question's."""
+    """(file:N, question record, or the DataError that stands for it) of one annotation file; a
+    video's nested questions (LVBench's qa) are one record each, the video's fields with each
+    question's."""
     try:
         rows = parse_file(f, ad)
-    except (
-        OSError,
-        ValueError,
-    ) as e:  # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+    # JSONDecodeError and DataError are ValueErrors; a broken parquet too
+    except (OSError, ValueError) as e:
         return [(f, DataError(f"{type(e).__name__}: {e}"))]
-    nested, out = (
-        ad.get("nested", "").rstrip("?"),
-        [],
-    )  # "field?": records without it are questions themselves
+    nested = ad.get("nested", "").rstrip("?")
+    # "field?": records without the field are questions themselves
+    optional = ad.get("nested", "").endswith("?")
+    stem = os.path.basename(f).split(".")[0]
+    out = []
     for at, r in rows:
-        r = dict(r, _file=os.path.basename(f).split(".")[0]) if isinstance(r, dict) else r
-        if not (nested and isinstance(r, dict)) or ad["nested"].endswith("?") and nested not in r:
+        if isinstance(r, dict):
+            r = dict(r, _file=stem)
+        plain = not nested or not isinstance(r, dict) or (optional and nested not in r)
+        if plain:
             out.append((f"{f}:{at}", r))
         elif isinstance(r.get(nested), list) and all(isinstance(qa, dict) for qa in r[nested]):
-            out += [
-                (f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j})
-                for j, qa in enumerate(r[nested])
-            ]
+            for j, qa in enumerate(r[nested]):
+                out.append((f"{f}:{at}.{nested}[{j}]", {**r, **qa, nested: j}))
         else:
             out.append(
                 (f"{f}:{at}", DataError(f"field {nested!r} must be a list of question objects"))
@@ -410,22 +450,29 @@ def questions_of(f: str, ad: dict) -> list[tuple[str, object]]:
     return out
 
 
+def own_annotations(name: str, cfg: Config) -> str:
+    """Our schema's file (the README's --data-dir .cache/data/color holds val.jsonl)."""
+    paths = [
+        os.path.join(cfg.data_dir, p) for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")
+    ]
+    for p in paths:
+        if os.path.exists(p):
+            return p
+    raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
+
+
 def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = None) -> list[dict]:
-    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error} (None: raise).
-    Ids that several records share get their record's place appended (listed in bad); then --max-samples cuts."""
-    ad, out, errors = adapter(name), [], [] if bad is None else bad
-    if ad.get("own"):  # our schema: the README's --data-dir .cache/data/color holds val.jsonl
-        paths = [
-            os.path.join(cfg.data_dir, p)
-            for p in (f"{name}/val.jsonl", "val.jsonl", f"{name}.jsonl")
-        ]
-        if not (path := next((p for p in paths if os.path.exists(p)), None)):
-            raise FileNotFoundError(f"{name}: no annotations at {' or '.join(paths)}")
-        files, rows, out = (
-            [path],
-            [],
-            [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))],
-        )
+    """One benchmark's samples; no ground truth: skipped, a broken record: bad as {where, error}
+    (None: raise). Ids that several records share get their record's place appended (a warning on
+    stderr); then --max-samples cuts."""
+    ad = adapter(name)
+    errors = [] if bad is None else bad
+    out = []
+    rows = []
+    if ad.get("own"):
+        path = own_annotations(name, cfg)
+        files = [path]
+        out = [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
@@ -440,20 +487,16 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
         else:
             out.append(dict(s, where=where))
     if not out:
-        first = (
-            [e["error"] for e in errors]
-            + [f"{x['where']}: no ground truth" for x in skipped]
-            + ["no records"]
-        )
+        reasons = [e["error"] for e in errors] + [f"{x['where']}: no ground truth" for x in skipped]
+        reasons.append("no records")
         raise DataError(
-            f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, {len(skipped)} "
-            f"without ground truth; first: {first[0]}; docs/benchmarks.md: what to download, the layout, "
-            "the preparation step)"
+            f"{name}: 0 samples loaded from {', '.join(files)} ({len(errors)} bad records, "
+            f"{len(skipped)} without ground truth; first: {reasons[0]}; docs/benchmarks.md: "
+            "what to download, the layout, the preparation step)"
         )
+    # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
     repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
-    for s in (
-        out
-    ):  # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
+    for s in out:
         if s["id"] in repeated:
             s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
             print(
@@ -461,16 +504,15 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
                 file=sys.stderr,
                 flush=True,
             )
-    if errors and bad is None:
-        raise DataError(
-            f"{name}: {len(errors)} bad records, first: {errors[0]['error']}"
-        )  # the error names where
+    if errors and bad is None:  # the error names where
+        raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")
     return out[: cfg.max_samples or None]
 
 
-# ---------------------------------------------------------------------------------------------------
-# official answer readers: (answer text, sample) -> (what was read or None when nothing could be, score in [0, 1]).
-# Every pattern is linear (bounded, possessive or atomic quantifiers, none nested) on text cut to rewards.MAX_LEN.
+# --------------------------------------------------------------------------------------------------
+# official answer readers: (answer text, sample) -> (what was read or None when nothing could be,
+# score in [0, 1]). Every pattern is linear (bounded, possessive or atomic quantifiers, none nested)
+# on text cut to rewards.MAX_LEN.
 def letters_of(s: dict) -> str:
     return "".join(lt for lt, _ in rewards.option_table(s["options"]))
 
@@ -480,34 +522,42 @@ def gt_letter(s: dict) -> str:
 
 
 def read_pattern(text: str, s: dict, rules: tuple):
-    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option letters."""
+    """The letter the first of rules (pattern, pick: 0 first hit, -1 last) finds, {L} the option
+    letters."""
+    letters = letters_of(s)
     for pattern, pick in rules:
-        if hits := re.findall(pattern.replace("{L}", letters_of(s)), text):
+        hits = re.findall(pattern.replace("{L}", letters), text)
+        if hits:
             return hits[pick], float(hits[pick] == gt_letter(s))
     return None, 0.0
 
 
 def read_vsi(text: str, s: dict):
-    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by float() and MRA."""
+    """VSI-Bench: the first token, trailing '.' stripped; letters exact (any case), numbers by
+    float() and MRA."""
     token = text.split(" ")[0].rstrip(".").strip()
     if s["problem_type"] == "multiple choice":
         return token or None, float(token.lower() == gt_letter(s).lower())
-    if (value := rewards.as_float(token)) is None:
+    value = rewards.as_float(token)
+    if value is None:
         return None, 0.0
     return token, rewards.mra(value, float(rewards.ground_truth(s)))
 
 
 def read_mvbench(text: str, s: dict):
-    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the prompt."""
+    """MVBench check_ans on the first word of the first line, after the "Best option:" primer of the
+    prompt."""
     text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
-    first, gt = text.lower().split(" ")[0], f"({gt_letter(s).lower()})"
-    if not any(c in first for c in "abcdefg"):
+    word = text.lower().split(" ")[0]
+    gt = f"({gt_letter(s).lower()})"
+    if not any(c in word for c in "abcdefg"):
         return None, 0.0
-    return first, float(first.replace(".", "") in gt or gt in first)
+    return word, float(word.replace(".", "") in gt or gt in word)
 
 
 def read_ovo(text: str, s: dict):
-    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or "Yes"/"No" in."""
+    """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or
+    "Yes"/"No" in."""
     gt = rewards.ground_truth(s)
     if s["problem_type"] == "counting":
         digits = "".join(re.findall(r"\d+", text))
@@ -518,7 +568,8 @@ def read_ovo(text: str, s: dict):
     return text or None, float(gt_letter(s) in text)
 
 
-# MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs (linear time)
+# MMMU (Video-MMMU's official scorer): numbers with commas, scientific, plain; bounded digit runs
+# (linear time)
 _MMMU_NUMBERS = (
     r"-?\b\d{1,3}(?:,\d{3}){1,12}\b",
     r"-?\d{1,40}(?:\.\d{1,40})?[eE][+-]?\d{1,4}",
@@ -527,7 +578,8 @@ _MMMU_NUMBERS = (
 
 
 def mmmu_norm(x: str) -> list:
-    """MMMU normalize_str: a number -> [its value rounded to 2 decimals]; a one-letter string gets spaces."""
+    """MMMU normalize_str: a number -> [its value rounded to 2 decimals]; a one-letter string gets
+    spaces."""
     x = x.strip()
     try:
         return [round(float(x.replace(",", "")), 2)]
@@ -536,7 +588,8 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
-# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds the answer
+# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds
+# the answer
 MMMU_KEYS = (
     "could be ",
     "so ",
@@ -568,69 +621,83 @@ MMMU_KEYS = (
 
 
 def mmmu_open(text: str, gt: str):
-    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare rounded to 2 decimals.
-    The text is lower-cased before it is split, so only line breaks split it (as officially)."""
-    sentences, key = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower()), []
+    """Video-MMMU parse_open_response + eval_open: key texts and their numbers; numbers compare
+    rounded to 2 decimals. The text is lower-cased before it is split, so only line breaks split it
+    (as officially)."""
+    sentences = re.split(r"\.\s(?=[A-Z])|\n", text.strip().strip(".").lower())
+    key = []
     for i, sub in enumerate(sentences):
+        words = MMMU_KEYS
+        if i == len(sentences) - 1:  # "=" in the last line only
+            words = MMMU_KEYS + ("=",)
         shortest = None
-        for w in MMMU_KEYS + ("=",) * (i == len(sentences) - 1):  # "=" in the last line only
-            if w in sub and (not shortest or len(sub.split(w)[-1].strip()) < len(shortest)):
-                shortest = sub.split(w)[-1].strip()
+        for w in words:
+            if w not in sub:
+                continue
+            tail = sub.split(w)[-1].strip()
+            if not shortest or len(tail) < len(shortest):
+                shortest = tail
         if shortest and shortest not in (":", ",", ".", "!", "?", ";", "'"):
             key.append(shortest)
-    key = key or [text.strip().strip(".").lower()]
+    if not key:
+        key = [text.strip().strip(".").lower()]
     numbers = [n for k in key for pattern in _MMMU_NUMBERS for n in re.findall(pattern, k)]
     preds = {p for x in key + numbers for p in mmmu_norm(x)}
     golds = mmmu_norm(gt)
-    ok = any(
-        g in p for p in preds if isinstance(p, str) for g in golds if isinstance(g, str)
-    )  # a gold text in it
-    ok = ok or any(p in golds for p in preds if not isinstance(p, str))  # or an equal number
+    pred_texts = [p for p in preds if isinstance(p, str)]
+    gold_texts = [g for g in golds if isinstance(g, str)]
+    # a gold text in a predicted one, or an equal number
+    ok = any(g in p for p in pred_texts for g in gold_texts)
+    ok = ok or any(p in golds for p in preds if not isinstance(p, str))
     return (text or None), float(ok)
 
 
 def read_choice(text: str, s: dict, stages: tuple, pick=max):
-    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...) find option letters,
-    each placed where its form (or the stage's position form) is last written, the latest (pick max) or the earliest
-    (min) of them; else (over 5 words) the options whose text is written, alike; else None. Ties: the first found."""
-    table, found = rewards.option_table(s["options"]), []
+    """MMMU-style multiple choice: the first stage (forms, position) whose forms ("(B)", "B ", ...)
+    find option letters, each placed where its form (or the stage's position form) is last written,
+    the latest (pick max) or the earliest (min) of them; else (over 5 words) the options whose text
+    is written, alike; else None. Ties: the first found."""
+    table = rewards.option_table(s["options"])
     for c in ",.!?;:'":
         text = text.strip(c)
     padded = f" {text} "
+    found = []  # (where the letter is placed, letter)
     for forms, position in stages:
-        found = [
-            (padded.rfind((position or f).format(lt)), lt)
-            for f in forms
-            for lt, _ in table
-            if f.format(lt) in padded
-        ]
+        for f in forms:
+            for lt, _ in table:
+                if f.format(lt) in padded:
+                    found.append((padded.rfind((position or f).format(lt)), lt))
         if found:
             break
     if not found and len(padded.split()) > 5:  # the option's text, case-insensitive
         low = padded.lower()
-        found = [
-            (low.rfind(body.lower()), lt) for lt, body in table if body and body.lower() in low
-        ]
-    got = pick(found, key=operator.itemgetter(0))[1] if found else None
+        for lt, body in table:
+            if body and body.lower() in low:
+                found.append((low.rfind(body.lower()), lt))
+    got = None
+    if found:
+        got = pick(found, key=operator.itemgetter(0))[1]
     return got, float(got == gt_letter(s))
 
 
 def read_videommmu(text: str, s: dict):
-    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "), else the text;
-    several: the last written; never a guess. Open: mmmu_open. (One stage for "B." and "B:" placed at "B." is these
-    two stages: a "B:"-only candidate is never found there.)"""
+    """Video-MMMU (its lmms-eval task): "B.", else "B:", else "(B)", else "B " (placed at " B "),
+    else the text; several: the last written; never a guess. Open: mmmu_open. (One stage for "B."
+    and "B:" placed at "B." is these two stages: a "B:"-only candidate is never found there.)"""
+    if s["problem_type"] != "multiple choice" and not text:
+        return None, 0.0
     if s["problem_type"] != "multiple choice":
-        return mmmu_open(text, rewards.ground_truth(s)) if text else (None, 0.0)
+        return mmmu_open(text, rewards.ground_truth(s))
     return read_choice(
         text, s, ((("{}.",), None), (("{}:",), None), (("({})",), None), (("{} ",), " {} "))
     )
 
 
 def read_tempcompass(text: str, s: dict):
-    """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning: read_reward."""
-    if (
-        s["problem_type"] == "open-ended"
-    ):  # captioning: the judge (or, without one, the rule-based fallback)
+    """TempCompass's eval_*.py rules per task format (docs/benchmarks.md); captioning:
+    read_reward."""
+    # captioning: the judge (or, without one, the rule-based fallback)
+    if s["problem_type"] == "open-ended":
         return read_reward(text, s)
     if s["problem_type"] == "boolean":
         got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
@@ -639,28 +706,38 @@ def read_tempcompass(text: str, s: dict):
     answer = lines[ord(gt_letter(s)) - 65]  # the answer's own line, as the release writes it
     if s.get("format") != "caption_matching":  # the answer line, "C", "C." or "C)" all start so
         return read_pattern(text, s, [(r"^([A-D])(?:[.)]|$)", 0)])
-    got = next((o for o in lines if o == text), None)
-    for sent in [o.split(": ")[1] for o in lines]:
-        got = sent if sent == text or (") " in text and sent == text.split(") ")[1]) else got
-    for label in [o.split(": ")[0] for o in lines]:
-        got = label if label in (text, text.replace(".", "")) else got
-    return got, float(
-        got is not None and got in (answer, answer.split(":")[0], answer.split(": ")[1])
-    )
+    # caption matching: the whole line, else a caption's sentence, else its label; the last match
+    # wins
+    sentences = [line.split(": ")[1] for line in lines]
+    labels = [line.split(": ")[0] for line in lines]
+    got = None
+    if text in lines:
+        got = text
+    for sentence in sentences:
+        if sentence == text or (") " in text and sentence == text.split(") ")[1]):
+            got = sentence
+    for label in labels:
+        if label in (text, text.replace(".", "")):
+            got = label
+    if got is None:
+        return None, 0.0
+    return got, float(got in (answer, answer.split(":")[0], answer.split(": ")[1]))
 
 
 def read_holmes(text: str, s: dict):
-    """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else present at all."""
-    choice, letters = rewards.last_answer(text, text), "ABCDEF"
-    got = next(
-        (c for c in letters if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice), None
-    )
-    got = got or next((c for c in letters if c in choice), None)
+    """Video-Holmes evaluate.py: the first of A-F in letter order written "X ", "X:" or "[X", else
+    present at all."""
+    choice = rewards.last_answer(text, text)
+    marked = [c for c in "ABCDEF" if f"{c} " in choice or f"{c}:" in choice or f"[{c}" in choice]
+    written = [c for c in "ABCDEF" if c in choice]
+    got = None
+    if written:
+        got = (marked or written)[0]
     return got, float(got == gt_letter(s))
 
 
-# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for read_pattern);
-# they read every problem type of their benchmark
+# the official readers that take more than a pattern (the others: a benchmark's `read` rules, for
+# read_pattern); they read every problem type of their benchmark
 READERS = {
     "vsi": read_vsi,
     "mvbench": read_mvbench,
@@ -668,8 +745,8 @@ READERS = {
     "videommmu": read_videommmu,
     "tempcompass": read_tempcompass,
     "holmes": read_holmes,
-    # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the first
-    # written of them; else an option's text; else (with --random-fallback) a random option
+    # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the
+    # first written of them; else an option's text; else (with --random-fallback) a random option
     "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min),
 }
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
@@ -681,34 +758,44 @@ _SPAN = re.compile(
 
 
 def clock_seconds(m: re.Match) -> str:
-    h, mi, sec = ([0] + [int(x) for x in m.group(1, 2, 3) if x is not None])[-3:]
-    return f"{h * 3600 + mi * 60 + sec}.{m.group(4) or 0}"
+    """A clock time "m:ss" or "h:mm:ss" (and a fraction) as seconds."""
+    seconds = 0
+    for x in m.group(1, 2, 3):
+        if x is not None:
+            seconds = 60 * seconds + int(x)
+    return f"{seconds}.{m.group(4) or 0}"
 
 
 def read_span(text: str, s: dict):
-    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds; IoU."""
+    """Our JSON {"time": [s, e]}, else the first "a - b" / "a to b" span, clock times as seconds;
+    IoU."""
     obj = rewards.parse_json(text)
     ours = isinstance(obj, dict) and rewards.as_span(obj.get("time")) is not None
-    if not ours and (m := _SPAN.search(_CLOCK.sub(clock_seconds, text))):
-        text = json.dumps({"time": sorted(float(x) for x in m.groups())})
+    span = _SPAN.search(_CLOCK.sub(clock_seconds, text))
+    if not ours and span:
+        text = json.dumps({"time": sorted(float(x) for x in span.groups())})
     return read_reward(text, s)
 
 
-def read_reward(
-    text: str, s: dict
-):  # our schema, and types without an official reader: the training reward's rule
+def read_reward(text: str, s: dict):
+    """Our schema, and types without an official reader: the training reward's rule."""
     v = rewards.accuracy(text, s)
-    return (text if v is not None else None), v
+    if v is None:
+        return None, None
+    return text, v
 
 
 def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
-    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the raw response."""
-    text = rewards.answer_text(response) if extraction == "tags" else response
-    if ad.get("after") and (k := text.rfind(ad["after"])) >= 0:
-        text = text[k + len(ad["after"]) :].lstrip(" :*")
-    for p in ad.get(
-        "prefixes", ()
-    ):  # the benchmark's own answer prefixes, dropped wherever they stand
+    """What the benchmark's reader gets: tags, our <answer>/<think> pre-step first; official, the
+    raw response."""
+    text = response
+    if extraction == "tags":
+        text = rewards.answer_text(response)
+    after = ad.get("after")
+    if after and after in text:
+        text = text[text.rfind(after) + len(after) :].lstrip(" :*")
+    # the benchmark's own answer prefixes, dropped wherever they stand
+    for p in ad.get("prefixes", ()):
         text = text.replace(p, "")
     return text
 
@@ -716,24 +803,32 @@ def answer_of(response: str, ad: dict, extraction: str = "tags") -> str:
 def score(
     response: str, s: dict, ad: dict, guess_seed: int | None = None, extraction: str = "tags"
 ) -> tuple[str | None, float | None]:
-    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official random guess."""
+    """(what was read, score in [0, 1]); score None: nothing could be read. guess_seed: the official
+    random guess."""
     text = answer_of(response, ad, extraction)
-    t, read = rewards.canonical_type(s["problem_type"]), ad["read"]
-    rule = READERS[read] if isinstance(read, str) else partial(read_pattern, rules=read)
-    if t != "multiple choice" and not isinstance(read, str):
-        rule = read_reward
-    if t == "temporal grounding":
-        rule = read_span
+    t = rewards.canonical_type(s["problem_type"])
+    read = ad["read"]
     if ad.get("own"):
+        rule = read_reward
+    elif t == "temporal grounding":
+        rule = read_span
+    elif isinstance(read, str):
+        rule = READERS[read]
+    elif t == "multiple choice":
+        rule = partial(read_pattern, rules=read)
+    else:
         rule = read_reward
     try:
         parsed, v = rule(text, s)
-    except Exception:  # noqa: BLE001 - a reader never costs the run: the answer counts as unreadable
+    # a reader never costs the run: the answer counts as unreadable
+    except Exception:  # noqa: BLE001
         parsed, v = None, None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
         parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
         return parsed, float(parsed == gt_letter(s))
-    return parsed, (v if parsed is not None else None)
+    if parsed is None:
+        return None, None
+    return parsed, v
 
 
 def record(
@@ -745,19 +840,22 @@ def record(
     guess_seed: int | None = None,
     extraction: str = "tags",
 ) -> dict:
-    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score; error: not scored.
-    dropped: left out of the accuracy's denominator by the benchmark's `drop` rule (unreadable or empty answers)."""
-    ad, pt = adapter(bench), rewards.canonical_type(s["problem_type"])
-    parsed, v = (None, None) if error else score(response, s, ad, guess_seed, extraction)
-    # what the official rule drops, judged on the raw response: one our pre-step empties (an unfinished <think>) counts
-    raw = (
-        (parsed, v)
-        if extraction == "official" or error
-        else score(response, s, ad, None, "official")
-    )
-    drop = {"unreadable": v is None and raw[1] is None, "empty": not response.strip()}.get(
-        ad.get("drop")
-    )
+    """One per-sample row, lmms-eval fields (doc_id, input, target, resps, filtered_resps), score;
+    error: not scored. dropped: left out of the accuracy's denominator by the benchmark's `drop`
+    rule (unreadable or empty answers)."""
+    ad = adapter(bench)
+    pt = rewards.canonical_type(s["problem_type"])
+    parsed = None
+    v = None
+    if not error:
+        parsed, v = score(response, s, ad, guess_seed, extraction)
+    dropped = False
+    if ad.get("drop") == "empty":
+        dropped = not response.strip()
+    if ad.get("drop") == "unreadable" and v is None and not error:
+        # judged on the raw response too: an answer our pre-step empties (an unfinished <think>) but
+        # the official reader reads is not dropped
+        dropped = extraction == "official" or score(response, s, ad, None, "official")[1] is None
     row = {
         "doc_id": s["id"],
         "input": prompt,
@@ -766,10 +864,10 @@ def record(
         "filtered_resps": [parsed],
         "score": float(v or 0.0),
         "parse_fail": v is None and not error,
-        "dropped": bool(drop) and not error,
+        "dropped": dropped and not error,
         "error": error,
         "problem_type": pt,
-        **{k: s[k] for k in (*ad.get("keys", ()), ad.get("group")) if k in s},
+        **kept_fields(s, ad),
     }
     if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
         row["judge"] = "none"  # judge_rows rescores it
@@ -782,7 +880,8 @@ def mean(xs) -> float:
 
 
 def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI and OVO overall."""
+    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI
+    and OVO overall."""
     if not keys:
         return mean(r["score"] for r in rows)
     groups = {}
@@ -791,100 +890,129 @@ def macro(rows: list[dict], keys: tuple) -> float:
     return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
 
 
-# Video-MME-v2: a group's kind -> (denominator, the scores of 1-3 right, (run, index): a run of that length also
-# takes the answer at index, a branch of the logic structure); 4 right score 100
-V2_STEPS = {
-    "relevance": (16, (1, 4, 9), None),
-    "[1,2,3,4]": (16, (1, 4, 9), None),
-    "[1,[2,3],4]": (12, (1, 4, 7), (1, 2)),
-    "[[1,2],3,4]": (10, (1, 2, 5), (0, 1)),
+@dataclass(frozen=True)
+class GroupRule:
+    """How Video-MME-v2 scores a group (one video's questions) by its count right (relevance) or its
+    run right from the first question (logic)."""
+
+    den: int
+    """the denominator"""
+    steps: tuple[int, int, int]
+    """the scores of 1, 2 and 3 right (4 right score 100)"""
+    branch: tuple[int, int] | None = None
+    """(run, index): a run of that length also takes the answer at index (a branch of the logic
+    structure)"""
+
+
+# a group's kind: "relevance" or its logic structure
+V2_RULES = {
+    "relevance": GroupRule(16, (1, 4, 9)),
+    "[1,2,3,4]": GroupRule(16, (1, 4, 9)),
+    "[1,[2,3],4]": GroupRule(12, (1, 4, 7), branch=(1, 2)),
+    "[[1,2],3,4]": GroupRule(10, (1, 2, 5), branch=(0, 1)),
 }
 
 
+def group_score(g: list[dict]) -> float:
+    """Video-MME-v2's cal_relevance (the count right) or cal_logic (the run right from the first) of
+    one group; unreadable: -1, truthy, as officially (docs/benchmarks.md)."""
+    v = [-1 if r["parse_fail"] else r["score"] for r in g]
+    logic = g[-1].get("group_type") == "logic"
+    kind = "relevance"
+    if logic:
+        kind = re.sub(r"\s", "", str(g[-1].get("group_structure")))
+    rule = V2_RULES[kind]
+    if logic:
+        run = 0
+        while run < len(v) and v[run]:
+            run += 1
+    else:
+        run = int(sum(v))
+    if rule.branch and run == rule.branch[0] and v[rule.branch[1]]:
+        run += 1
+    if run == 4:
+        return 100.0
+    if 1 <= run <= 3:
+        return 100 * rule.steps[run - 1] / rule.den
+    return 0.0
+
+
 def group_scores(rows: list[dict], key: str) -> dict:
-    """Video-MME-v2's cal_relevance (the count right) and cal_logic (the run right from the first) per group, one
-    video_id's questions; unreadable: -1, truthy, as officially (docs/benchmarks.md). Means: all, per type, level."""
-    groups, out = {}, {}
+    """Video-MME-v2's group scores (groups by `key`, one video_id's questions), means: all, per
+    type, per level."""
+    groups = {}
     for r in rows:
         groups.setdefault(r[key], []).append(r)
+    out = {}
     for g in groups.values():
-        v, logic = (
-            [-1 if r["parse_fail"] else r["score"] for r in g],
-            g[-1].get("group_type") == "logic",
-        )
-        den, steps, branch = V2_STEPS[
-            re.sub(r"\s", "", str(g[-1].get("group_structure"))) if logic else "relevance"
-        ]
-        run = next((i for i, x in enumerate(v) if not x), len(v)) if logic else int(sum(v))
-        run += bool(branch and run == branch[0] and v[branch[1]])
-        exp = {
-            1: 100 * steps[0] / den,
-            2: 100 * steps[1] / den,
-            3: 100 * steps[2] / den,
-            4: 100.0,
-        }.get(run, 0.0)
-        for k in (
-            "group_score",
-            f"group_score/{g[-1].get('group_type')}",
-            f"group_score/level_{g[-1].get('level')}",
-        ):
-            out.setdefault(k, []).append(exp)
+        value = group_score(g)
+        out.setdefault("group_score", []).append(value)
+        out.setdefault(f"group_score/{g[-1].get('group_type')}", []).append(value)
+        out.setdefault(f"group_score/level_{g[-1].get('level')}", []).append(value)
     return {k: sum(x) / len(x) for k, x in out.items()}
 
 
+def values_of(r: dict, k: str) -> list:
+    """A row's values of a breakdown key: a list field's items, else the one value."""
+    if isinstance(r.get(k), list):
+        return r[k]
+    return [r.get(k)]
+
+
 def aggregate(rows: list[dict], bench: str) -> dict:
-    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be evaluated and that
-    its rule does not drop (Video-MME-v2's groups count every row)."""
-    ad, n_all, done = adapter(bench), len(rows), [r for r in rows if not r["error"]]
-    macro_keys, rows = ad.get("macro", ()), [r for r in done if not r.get("dropped")]
-    sc = [r["score"] for r in rows]
+    """One benchmark's official aggregate and breakdowns in percent, over the rows that could be
+    evaluated and that its rule does not drop (Video-MME-v2's groups count every row)."""
+    ad = adapter(bench)
+    macro_keys = ad.get("macro", ())
+    done = [r for r in rows if not r["error"]]  # evaluated: n
+    kept = [r for r in done if not r.get("dropped")]  # in the accuracy: n - dropped
+    sc = [r["score"] for r in kept]
     m = {
         "n": len(done),
         "accuracy": mean(sc),
         "parse_fail": sum(r["parse_fail"] for r in done),
-        "failed": n_all - len(done),
-        "dropped": len(done) - len(rows),
-    }  # n evaluated, n - dropped in the accuracy
-    if macro_keys and rows:
-        m["overall"] = macro(rows, macro_keys)
+        "failed": len(rows) - len(done),
+        "dropped": len(done) - len(kept),
+    }
+    if macro_keys and kept:
+        m["overall"] = macro(kept, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
-        m.update({f"R@{t}": mean(x >= t for x in sc) for t in (0.3, 0.5, 0.7)}, mIoU=mean(sc))
+        for t in (0.3, 0.5, 0.7):
+            m[f"R@{t}"] = mean(x >= t for x in sc)
+        m["mIoU"] = mean(sc)
     if ad.get("group") and done and all(ad["group"] in r for r in done):
         m.update(group_scores(done, ad["group"]))
     for k in ad.get("keys", ()):
-        sub = tuple(
-            x for x in macro_keys if x != k
-        )  # each value's own macro over the other macro keys
-        values = {
-            v
-            for r in rows
-            for v in (r[k] if isinstance(r.get(k), list) else [r.get(k)])
-            if v is not None
-        }
+        # each value's own macro over the other macro keys
+        sub = tuple(x for x in macro_keys if x != k)
+        values = {v for r in kept for v in values_of(r, k) if v is not None}
         for v in sorted(values, key=str):
-            part = [r for r in rows if v == r.get(k) or isinstance(r.get(k), list) and v in r[k]]
+            part = [r for r in kept if v in values_of(r, k)]
             m[f"{k}/{v}"] = macro(part, sub)
     return m
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the pipeline
 def failure(s: dict, e: BaseException) -> str:
-    """Why a sample could not be evaluated: its file:line and id, the exception and the line that raised it."""
+    """Why a sample could not be evaluated: its file:line and id, the exception and the line that
+    raised it."""
     at = traceback.extract_tb(e.__traceback__)[-1:]
     where = f" at {os.path.basename(at[0].filename)}:{at[0].lineno}" if at else ""
     return f"{s.get('where', '?')} sample {s['id']}: {type(e).__name__}: {e}{where}"
 
 
 def make_loader(processor, cfg, bench: str):
-    """load(sample) -> data.Prompt, safe to call from several threads (one processor copy per thread)."""
-    local, all_stats = threading.local(), []
+    """load(sample) -> data.Prompt, safe to call from several threads (one processor copy per
+    thread)."""
+    local = threading.local()
+    all_stats = []
 
     def load(s):
-        if not hasattr(
-            local, "proc"
-        ):  # a fast tokenizer shared across threads can fail with "Already borrowed"
-            local.proc, local.stats = copy.deepcopy(processor), {}
+        # a fast tokenizer shared across threads can fail with "Already borrowed"
+        if not hasattr(local, "proc"):
+            local.proc = copy.deepcopy(processor)
+            local.stats = {}
             all_stats.append(local.stats)
         template = adapter(bench).get("prompt")
         return data.prepare(
@@ -895,7 +1023,8 @@ def make_loader(processor, cfg, bench: str):
 
 
 async def run_async(engine, samples: list, load, cfg: Config, bench: str, write, tokenizer) -> dict:
-    """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy share and load."""
+    """AsyncLLM: loader threads -> engine -> scorer, max_in_flight samples alive; the engine's busy
+    share and load."""
     from vllm import SamplingParams
 
     from rollout import vision_token_ids
@@ -909,9 +1038,11 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
         skip_special_tokens=True,
         allowed_token_ids=allowed,
     )
-    loop, spans = asyncio.get_running_loop(), []
+    loop = asyncio.get_running_loop()
+    spans = []  # (start, end) of each request in the engine
     sem = asyncio.Semaphore(cfg.max_in_flight)
-    pool, start = ThreadPoolExecutor(cfg.loader_threads), time.perf_counter()
+    pool = ThreadPoolExecutor(cfg.loader_threads)
+    start = time.perf_counter()
 
     async def one(s):
         async with sem:
@@ -924,22 +1055,35 @@ async def run_async(engine, samples: list, load, cfg: Config, bench: str, write,
                     ):
                         pass
                 finally:
-                    spans.append((t0, time.perf_counter()))  # the request's time in the engine
-            except Exception as e:  # noqa: BLE001 - any sample-level failure is reported, the run goes on
-                return write(s, "", "", failure(s, e))
+                    spans.append((t0, time.perf_counter()))
+            # any sample-level failure is reported, the run goes on
+            except Exception as e:  # noqa: BLE001
+                write(s, "", "", failure(s, e))
+                return
         write(s, p.text, out.outputs[0].text)
 
     await asyncio.gather(*(one(s) for s in samples))
     pool.shutdown()
     wall = max(time.perf_counter() - start, 1e-9)
-    busy, reach = 0.0, start
-    for t0, t1 in sorted(spans):  # busy: the length of the union of the spans
-        busy, reach = busy + max(0.0, t1 - max(t0, reach)), max(reach, t1)
-    return {"engine_busy": busy / wall, "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall}
+    return {
+        "engine_busy": union_length(spans) / wall,
+        "mean_in_flight": sum(t1 - t0 for t0, t1 in spans) / wall,
+    }
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) spans: the time the engine had a request."""
+    total = 0.0
+    reach = -math.inf  # the end of the union so far
+    for t0, t1 in sorted(spans):
+        total += max(0.0, t1 - max(t0, reach))
+        reach = max(reach, t1)
+    return total
 
 
 def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
-    """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or HFEngine)."""
+    """The plain loop: load a batch (decode or cache), generate, wait, repeat (rollout.VLLMEngine or
+    HFEngine)."""
     for i in range(0, len(samples), cfg.batch_size):
         ok = []
         for s in samples[i : i + cfg.batch_size]:
@@ -954,7 +1098,8 @@ def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
 
 
 def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
-    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who judged."""
+    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who
+    judged."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if todo and cfg.judge_model:
         from vllm import LLM, SamplingParams
@@ -966,20 +1111,14 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
             seed=cfg.seed,
             trust_remote_code=cfg.trust_remote_code,
         )
-        msgs = [
-            [
-                {
-                    "role": "user",
-                    "content": prompt.format(
-                        answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
-                    ),
-                }
-            ]
-            for r in todo
-        ]
-        for r, o in zip(
-            todo, llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
-        ):
+        msgs = []
+        for r in todo:
+            content = prompt.format(
+                answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
+            )
+            msgs.append([{"role": "user", "content": content}])
+        outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
+        for r, o in zip(todo, outs):
             v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
             r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
     if not any("judge" in r for r in rows):
@@ -1016,14 +1155,7 @@ def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import (
-        CPU_KV_CACHE_BYTES,
-        HFEngine,
-        VLLMEngine,
-        device_normalize_ok,
-        eos_token_ids,
-        start_errors,
-    )
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1046,113 +1178,130 @@ def make_engine(cfg: Config, tokenizer):
             trust_remote_code=cfg.trust_remote_code,
         )
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(
-        model=cfg.model,
+    settings = vllm_settings(
+        cfg.model,
+        tp=cfg.tensor_parallel_size,
+        seed=cfg.seed,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
-        seed=cfg.seed,
-        enable_chunked_prefill=True,
-        enforce_eager=not current_platform.is_cuda(),
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        data_parallel_size=cfg.data_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        limit_mm_per_prompt={"image": 1, "video": 1},
-        kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
+        max_images=1,
+        max_videos=1,
         trust_remote_code=cfg.trust_remote_code,
-        use_tqdm_on_load=False,
-        mm_device_do_normalize=device_normalize_ok(cfg.model, cfg.trust_remote_code),
+    )
+    args = AsyncEngineArgs(
+        **settings, enable_chunked_prefill=True, data_parallel_size=cfg.data_parallel_size
     )
     with start_errors(cfg.max_model_len):
         return AsyncLLM.from_engine_args(args)
 
 
+# the fields of a resume log's row that aggregate() reads, and their types
+LOG_FIELDS = {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str}
+
+
 def read_log(path: str) -> tuple[dict, int]:
-    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write) dropped. A row that
-    parses but lacks a field aggregate() reads (an edited or foreign log) is a DataError naming file:line and field."""
-    done, torn, need = (
-        {},
-        0,
-        {"doc_id": str, "score": (int, float), "parse_fail": bool, "error": str},
-    )
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    torn += 1
-                    continue
-                bad = [
-                    k
-                    for k, t in need.items()
-                    if not isinstance(r, dict) or not isinstance(r.get(k), t)
-                ]
-                if bad:
+    """Finished rows of an earlier run by doc_id, and the number of torn lines (a crash mid-write)
+    dropped. A row that parses but lacks a field aggregate() reads (an edited or foreign log) is a
+    DataError naming file:line and field."""
+    done = {}
+    torn = 0
+    if not os.path.exists(path):
+        return done, torn
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                torn += 1
+                continue
+            for k, kind in LOG_FIELDS.items():
+                if not isinstance(r, dict) or not isinstance(r.get(k), kind):
                     raise DataError(
-                        f"{path}:{n}: resume row without a valid field {bad[0]!r} (delete it to redo it)"
+                        f"{path}:{n}: resume row without a valid field {k!r} (delete it to redo it)"
                     )
-                done[r["doc_id"]] = r
+            done[r["doc_id"]] = r
     return done, torn
 
 
 def resolve(cfg: Config) -> Config:
-    """Fill the defaults that depend on other settings; refuse settings that cannot fit, before anything loads."""
-    model, positions = os.path.realpath(cfg.model), 16384
+    """Fill the defaults that depend on other settings; refuse settings that cannot fit, before
+    anything loads."""
+    model = os.path.realpath(cfg.model)
+    positions = 16384
     if os.path.exists(os.path.join(cfg.model, "config.json")):
         with open(os.path.join(cfg.model, "config.json")) as f:
             hf = json.load(f)
         positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
-    capped = (
-        not cfg.max_model_len and positions < 16384
-    )  # the model's own limit, not the user's choice
+    # the model's own limit, not the user's choice
+    capped = not cfg.max_model_len and positions < 16384
     max_model_len = cfg.max_model_len or min(16384, positions)
-    out_dir = os.path.join(
-        "runs", "eval", f"{os.path.basename(model)}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
-    )
+    digest = hashlib.sha1(model.encode()).hexdigest()[:8]
+    out_dir = os.path.join("runs", "eval", f"{os.path.basename(model)}-{digest}")
     cfg = replace(
         cfg,
         out_dir=cfg.out_dir or out_dir,
         max_model_len=max_model_len,
         max_prompt_len=cfg.max_prompt_len or max_model_len - cfg.max_tokens,
     )
-    # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2 gives fewer)
+    # vision tokens of the largest video: frame pairs x pixels / 28^2 (Qwen2/2.5-VL; Qwen3-VL's 32^2
+    # gives fewer)
     frames = cfg.video_max_frames * cfg.video_max_pixels
     tokens = min(frames, cfg.video_total_pixels or frames) // (2 * 28 * 28)
     if tokens + 256 > cfg.max_prompt_len:
         msg = (
-            f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x {cfg.video_max_pixels} "
-            f"pixels) but max_prompt_len is {cfg.max_prompt_len}: raise --max-model-len or lower --video-max-frames "
-            "/ --video-max-pixels / --video-total-pixels"
+            f"a video can take {tokens} vision tokens ({cfg.video_max_frames} frames x "
+            f"{cfg.video_max_pixels} pixels) but max_prompt_len is {cfg.max_prompt_len}: raise "
+            "--max-model-len or lower --video-max-frames / --video-max-pixels / "
+            "--video-total-pixels"
         )
         if not capped:
             raise UserError(msg)
         print(
-            f"warning: {msg} (the model has {positions} positions; longer videos fail one by one, reported)",
+            f"warning: {msg} (the model has {positions} positions; "
+            "longer videos fail one by one, reported)",
             file=sys.stderr,
             flush=True,
         )
     return cfg
 
 
-def prepare_benchmark(bench: str, cfg: Config) -> dict:
-    """Load, check and resume one benchmark before any engine starts: samples, failures, rows already done."""
-    skipped, bad = [], []
+@dataclass
+class Job:
+    """One benchmark, loaded and checked, before any engine starts."""
+
+    samples: list[dict]
+    """the samples to evaluate (those whose media exist)"""
+    missing: list[dict]
+    """the samples whose media are missing (listed in bad)"""
+    skipped: list[dict]
+    """{where, error} of each record without ground truth"""
+    bad: list[dict]
+    """{where, error} of each record that could not be read, and of each sample in missing"""
+    run: dict
+    """the settings that change its answers, as run.json holds them"""
+    done: dict
+    """the rows of the resume log by doc_id"""
+    torn: int
+    """torn lines (a crash mid-write) dropped from the resume log"""
+    folder: str
+    """out_dir/<benchmark>: samples.jsonl (the resume log) and run.json"""
+
+
+def prepare_benchmark(bench: str, cfg: Config) -> Job:
+    """Load, check and resume one benchmark before any engine starts: samples, failures, rows
+    already done."""
+    skipped = []
+    bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    missing = [
-        s
-        for s in samples
-        if not all(map(os.path.exists, s.get("videos", []) + s.get("images", [])))
-    ]
-    bad += [
-        {
-            "where": s["where"],
-            "error": f"sample {s['id']}: missing media {s['videos'] + s.get('images', [])}",
-        }
-        for s in missing
-    ]
+    missing = []
+    for s in samples:
+        media = s.get("videos", []) + s.get("images", [])
+        if not all(os.path.exists(p) for p in media):
+            missing.append(s)
+            bad.append({"where": s["where"], "error": f"sample {s['id']}: missing media {media}"})
     folder = os.path.join(cfg.out_dir, bench)
     run = {
         "model": os.path.realpath(cfg.model),
@@ -1168,9 +1317,10 @@ def prepare_benchmark(bench: str, cfg: Config) -> dict:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
         raise DataError(
             f"{folder}/samples.jsonl holds answers of another run (differs in {', '.join(diff)}: "
-            f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or delete it"
+            f"{ {k: old.get(k) for k in diff} }); refusing to resume: pick another --out-dir or "
+            "delete it"
         )
-    return dict(
+    return Job(
         samples=[s for s in samples if s not in missing],
         missing=missing,
         skipped=skipped,
@@ -1187,11 +1337,11 @@ def shut_down(timeout: float | None = None):
 
 
 async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
-    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine given is kept."""
+    """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine
+    given is kept."""
     cfg = resolve(cfg)
-    jobs = {
-        b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")
-    }  # every check before the engine
+    # every check before the engine starts
+    jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
     if processor is None:
         from transformers import AutoProcessor
 
@@ -1199,17 +1349,19 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         processor = AutoProcessor.from_pretrained(
             cfg.model, trust_remote_code=cfg.trust_remote_code
         )
-    own, results = engine is None, {}
+    own = engine is None
+    results = {}
     if own:
         engine = make_engine(cfg, processor.tokenizer)
     try:
         for bench, job in jobs.items():
             try:
                 results[bench] = await run_benchmark(bench, job, cfg, engine, processor)
-            except Exception as e:  # noqa: BLE001 - a broken benchmark does not cost the others their results
+            # a broken benchmark does not cost the others their results
+            except Exception as e:  # noqa: BLE001
                 results[bench] = {
                     "error": f"{type(e).__name__}: {e}",
-                    "unevaluable": len(job["samples"]),
+                    "unevaluable": len(job.samples),
                 }
                 print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
             write_results(results, cfg)
@@ -1217,42 +1369,45 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
         if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
             engine.close()
         elif own:
-            engine.shutdown()  # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
-            engine.shutdown = shut_down  # exit, where __del__'s second shutdown finds vLLM's globals gone: a traceback
+            # AsyncLLM's engine core, now. vLLM keeps a frame that holds the engine to interpreter
+            # exit, where __del__'s second shutdown would find vLLM's globals gone: a traceback
+            engine.shutdown()
+            engine.shutdown = shut_down
     print(f"results: {os.path.join(cfg.out_dir, 'results.json')}", flush=True)
     return results
 
 
-async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -> dict:
-    """Generate what the resume log lacks, each row scored and appended as it finishes; judge; aggregate."""
-    samples, done = job["samples"], job["done"]
-    path = os.path.join(job["folder"], "samples.jsonl")
+async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) -> dict:
+    """Generate what the resume log lacks, each row scored and appended as it finishes; judge;
+    aggregate."""
+    samples = job.samples
+    done = job.done
+    path = os.path.join(job.folder, "samples.jsonl")
     write_jsonl(path, list(done.values()))  # drop torn lines before appending
-    write_text(os.path.join(job["folder"], "run.json"), json.dumps(job["run"], indent=1))
+    write_text(os.path.join(job.folder, "run.json"), json.dumps(job.run, indent=1))
     todo = [s for s in samples if s["id"] not in done]
-    before, start = len(done), time.perf_counter()
+    before = len(done)
+    start = time.perf_counter()
     last = [start]  # when progress was last printed
+    guess_seed = None
+    if cfg.random_fallback:
+        guess_seed = cfg.seed
     load, load_stats = make_loader(processor, cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
 
         def write(s: dict, prompt: str, response: str, error: str = ""):
-            r = record(
-                s,
-                bench,
-                prompt,
-                response,
-                error,
-                cfg.seed if cfg.random_fallback else None,
-                cfg.answer_extraction,
-            )
+            r = record(s, bench, prompt, response, error, guess_seed, cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
-            n, now = len(done) - before, time.perf_counter()  # each row is a new doc_id
+            n = len(done) - before  # each row is a new doc_id
+            now = time.perf_counter()
             if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
-                rate, last[0] = n / (now - start), now
+                last[0] = now
+                rate = n / (now - start)
+                eta = (len(todo) - n) / rate
                 print(
-                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {(len(todo) - n) / rate:.0f} s",
+                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -1266,14 +1421,14 @@ async def run_benchmark(bench: str, job: dict, cfg: Config, engine, processor) -
     rows = [done[s["id"]] for s in samples]  # sample order, one row per doc_id
     judge = judge_rows(rows, cfg, adapter(bench).get("judge"))
     write_jsonl(path, rows)
-    failed = job["bad"] + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
+    failed = job.bad + [{"where": r["doc_id"], "error": r["error"]} for r in rows if r["error"]]
     res = {
         "metrics": aggregate(rows, bench),
         "unevaluable": len(failed),
         "failed_samples": failed,
-        "no_ground_truth": len(job["skipped"]),
+        "no_ground_truth": len(job.skipped),
         "resumed": len(samples) - len(todo),
-        "torn_lines": job["torn"],
+        "torn_lines": job.torn,
         "seconds": round(time.perf_counter() - start, 3),
         "samples": path,
         "judge": judge,
@@ -1293,15 +1448,17 @@ def number(v) -> str:
 
 
 def write_results(results: dict, cfg: Config):
-    """results.json (settings and every benchmark's result) and results.md (the table), both rewritten whole."""
+    """results.json (settings and every benchmark's result) and results.md (the table), both
+    rewritten whole."""
     write_text(
         os.path.join(cfg.out_dir, "results.json"),
         json.dumps({"settings": asdict(cfg), "benchmarks": results}, indent=1),
     )
     lines = [
-        f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, max_tokens {cfg.max_tokens}, "
-        f"fps {cfg.video_fps}, frames {cfg.video_min_frames}-{cfg.video_max_frames}, max_pixels "
-        f"{cfg.video_max_pixels}, random_fallback {cfg.random_fallback}",
+        f"model `{cfg.model}`, engine {cfg.engine}, temperature {cfg.temperature}, "
+        f"max_tokens {cfg.max_tokens}, fps {cfg.video_fps}, "
+        f"frames {cfg.video_min_frames}-{cfg.video_max_frames}, "
+        f"max_pixels {cfg.video_max_pixels}, random_fallback {cfg.random_fallback}",
         "",
         "| benchmark | metric | value |",
         "|---|---|---|",
@@ -1319,14 +1476,15 @@ def write_results(results: dict, cfg: Config):
 
 
 def main(cfg: Config) -> int:
-    """Run, then exit 1 when any sample or benchmark could not be evaluated (unless allow_failures)."""
-    results = asyncio.run(
-        evaluate(cfg)
-    )  # bad settings or inputs: common.cli prints the one-line error
+    """Run, then exit 1 when any sample or benchmark could not be evaluated (unless
+    allow_failures)."""
+    # bad settings or inputs: common.cli prints the one-line error
+    results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
         print(
-            f"{failures} samples could not be evaluated (listed under failed_samples in results.json, not scored)",
+            f"{failures} samples could not be evaluated "
+            "(listed under failed_samples in results.json, not scored)",
             file=sys.stderr,
             flush=True,
         )
@@ -1335,7 +1493,6 @@ def main(cfg: Config) -> int:
 
 if __name__ == "__main__":
     sys.exit(common.cli(main, partial(common.load_config, Config)))
-elif (
-    __name__ == "__mp_main__"
-):  # vLLM's engine and worker processes (spawned) run this file first: quiet there too
+elif __name__ == "__mp_main__":
+    # vLLM's engine and worker processes (spawned) run this file first: quiet there too
     common.quiet()

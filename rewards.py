@@ -1,11 +1,13 @@
-"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]` (None: unparseable), in
-one dict, ACCURACY, scoring what a benchmark grader would score. Adding a task is one function and one entry.
+"""rewards.py: one accuracy function per problem type, `(answer, sample) -> float in [0, 1]` (None:
+unparseable), in one dict, ACCURACY, scoring what a benchmark grader would score. Adding a task is
+one function and one entry.
 
-    overall, components = compute_reward(completion, sample)     # overall = w_acc * acc + w_fmt * fmt
+    overall, components = compute_reward(completion, sample)   # w_acc * acc + w_fmt * fmt
 
-docs/rewards.md states every rule: answer extraction (extract_answer), the reading and score of each problem type,
-hedges (wrong answers, not parse failures), ground-truth validation and the math time limit. Unparseable answers
-score 0 and are counted in components["parse_fail"]. Never raises; always in [0, 1]; linear time on the input.
+docs/rewards.md states every rule: answer extraction (extract_answer), the reading and score of each
+problem type, hedges (wrong answers, not parse failures), ground-truth validation and the math time
+limit. Unparseable answers score 0 and are counted in components["parse_fail"]. Never raises; always
+in [0, 1]; linear time on the input.
 """
 
 import ast
@@ -23,19 +25,18 @@ from functools import lru_cache, partial
 
 import numpy as np
 
-MRA_MARGINS = (
-    1 - np.linspace(0.5, 0.95, 10)
-).tolist()  # VSI-Bench's margins as its code computes them, in floats
+# VSI-Bench's margins as its code computes them, in floats
+MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()
 NUM_RTOL = 1e-2  # numerical: |pred - gt| <= NUM_RTOL * |gt|, relative at every scale
-MAX_LEN = 20000  # completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
+# completions are cut to their last MAX_LEN characters before any regex runs (bounded time)
+MAX_LEN = 20000
 MATH_TIMEOUT = 1.0  # seconds of math-verify per call (see time_limit)
-BARE_WORDS = (
-    8  # with no tag, phrase or </think>, a text of at most this many words is the answer itself
-)
-SHORT_ANSWER = (
-    5  # open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
-)
-CODE_TOKENS = 2000  # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
+# with no tag, phrase or </think>, a text of at most this many words is the answer itself
+BARE_WORDS = 8
+# open-ended ground truths of at most this many (ASCII) words are scored SQuAD-style
+SHORT_ANSWER = 5
+# code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
+CODE_TOKENS = 2000
 
 ALIASES = {
     "multiple_choice": "multiple choice",
@@ -68,7 +69,7 @@ ALIASES = {
     "spatial_temporal_grounding": "spatial-temporal grounding",
 }
 
-# ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input ------------------
+# ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
 _TAG = re.compile(r"<\s{0,9}(/?)\s{0,9}(answer|think)\s{0,9}>", re.I)
 _PHRASE = re.compile(
     r"(?:final answer|answer is|答案是|答案为)(?: is)?[\s:：*]{0,6}([^\n]{1,1000})", re.I
@@ -76,55 +77,66 @@ _PHRASE = re.compile(
 
 
 def canon_tags(text: str) -> str:
-    """`< Answer >`, `</THINK >` -> `<answer>`, `</think>`: every later step matches the tags exactly."""
+    """`< Answer >`, `</THINK >` -> `<answer>`, `</think>`: every later step matches the tags
+    exactly."""
     return _TAG.sub(lambda m: f"<{m[1]}{m[2].lower()}>", text)
 
 
-def blank(
-    text: str,
-) -> bool:  # nothing visible: only spaces, zero-width characters (format chars), NULs
+def blank(text: str) -> bool:
+    """Nothing visible: only spaces, zero-width characters (format chars), NULs."""
     return not any(c.isprintable() and not c.isspace() for c in text)
 
 
 def strip_blocks(text: str, start: str = "<think>", end: str = "</think>") -> str:
-    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and all from an unclosed
-    start on: the text of an unfinished <think> is reasoning, not an answer."""
-    out, i = [], 0
-    while (j := text.find(start, i)) >= 0:
+    """Remove every closed start...end block (leftmost first, like a lazy regex, but linear) and all
+    from an unclosed start on: the text of an unfinished <think> is reasoning, not an answer."""
+    out = []
+    i = 0  # the end of the last block
+    j = text.find(start)
+    while j >= 0:
         out.append(text[i:j])
         k = text.find(end, j + len(start))
         if k < 0:
             return "".join(out)
         i = k + len(end)
+        j = text.find(start, i)
     return "".join(out) + text[i:]
 
 
 def last_answer(text: str, default: str | None = None) -> str | None:
-    """Content of the last closed <answer>...</answer> (for nested tags, the innermost one), stripped; else default."""
+    """Content of the last closed <answer>...</answer> (for nested tags, the innermost one),
+    stripped; else default."""
     k = text.rfind("</answer>")
-    j = text.rfind("<answer>", 0, k) if k >= 0 else -1
-    return default if j < 0 else text[j + 8 : text.find("</answer>", j)].strip()
+    if k < 0:
+        return default
+    j = text.rfind("<answer>", 0, k)
+    if j < 0:
+        return default
+    return text[j + 8 : text.find("</answer>", j)].strip()
 
 
 def answer_text(text: str) -> str:
-    """The last <answer>'s content, else the whole text, without <think> blocks: where evaluate.py's readers start."""
+    """The last <answer>'s content, else the whole text, without <think> blocks: where evaluate.py's
+    readers start."""
     body = strip_blocks(canon_tags((text or "")[-MAX_LEN:]))
     return last_answer(body, body.strip())
 
 
 def boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or empty."""
+    """Content of the last \\boxed{...}, braces balanced, \\text{} unwrapped; None if unclosed or
+    empty."""
     i = text.rfind("\\boxed{")
     if i < 0:
         return None
     depth = 1
     for j in range(i + 7, min(len(text), i + 1007)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if text[j] == "{":
+            depth += 1
+        if text[j] == "}":
+            depth -= 1
         if depth == 0:
-            return (
-                re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7 : j].strip(), flags=re.S).strip()
-                or None
-            )
+            content = re.sub(r"^\\text\{(.*)\}$", r"\1", text[i + 7 : j].strip(), flags=re.S)
+            return content.strip() or None
     return None
 
 
@@ -133,97 +145,105 @@ def extract_answer(text: str) -> str | None:
     text = canon_tags((text or "")[-MAX_LEN:])
     body = strip_blocks(text)
     ans = last_answer(body, boxed(body))
-    if ans is None and (hits := _PHRASE.findall(body)):
-        ans = hits[-1].strip().rstrip(".")
-    if ans is None and "</think>" in text:  # reasoning, then the answer as it is
-        ans = body.rpartition("</think>")[
-            2
-        ]  # a stray </think> (the <think> was in the prompt) ends the reasoning
+    if ans is None:
+        hits = _PHRASE.findall(body)
+        if hits:
+            ans = hits[-1].strip().rstrip(".")
+    # reasoning, then the answer as it is: a stray </think> (the <think> was in the prompt) ends the
+    # reasoning
+    if ans is None and "</think>" in text:
+        ans = body.rpartition("</think>")[2]
     bare = len(body.split()) <= BARE_WORDS and len(body) <= 20 * BARE_WORDS
-    if (
-        ans is None and bare and "answer>" not in body and "\\boxed" not in body
-    ):  # a broken tag or box is not bare
+    # a broken tag or box is not bare
+    if ans is None and bare and "answer>" not in body and "\\boxed" not in body:
         ans = body
-    return None if ans is None or blank(ans) else ans.strip()
+    if ans is None or blank(ans):
+        return None
+    return ans.strip()
 
 
 def ground_truth(sample: dict) -> str:
+    """The sample's answer, the content of its <answer> tags where it has them."""
     text = canon_tags(str(sample.get("answer", "")))
     return last_answer(text, text.strip())
 
 
 def canonical_type(problem_type: str) -> str:
+    """A problem type lower-cased, spaces collapsed, an alias (ALIASES) as the name ACCURACY
+    knows."""
     t = " ".join(str(problem_type).strip().lower().split())
     return ALIASES.get(t, t)
 
 
-# ---- parsers (None on failure, never raise) -------------------------------------------------------------------------
-WORDS = {
-    w: i
-    for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
-        "fourteen fifteen sixteen seventeen eighteen nineteen".split()
-    )
-}
-WORDS |= {
-    w: 10 * i
-    for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), 2)
-}
+# ---- parsers (None on failure, never raise) ------------------------------------------------------
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen"
+).split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+WORDS = {w: i for i, w in enumerate(_ONES)}  # number words: their values
+WORDS |= {w: 10 * i for i, w in enumerate(_TENS, 2)}
 SCALES = {"%": 0.01, "k": 1e3, "hundred": 1e2, "thousand": 1e3, "million": 1e6, "billion": 1e9}
 _DASHES = str.maketrans(
     dict.fromkeys("\u2212\u2010\u2011\u2012\u2013\u2014\u2015\ufe63\uff0d", "-")
 )
-_TIMES = re.compile(
-    r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?"
-)  # 1 \times 10^3 -> 1e3
+# 1 \times 10^3 -> 1e3
+_TIMES = re.compile(r"\s{0,2}(?:\\times|×|\\cdot|\*)\s{0,2}10\s{0,2}\^\s{0,2}\{?([-+]?\d+)\}?")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]{1,30})\}\{([^{}]{1,30})\}")  # \frac{1}{2} -> 1/2
-# a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators; a fraction;
-# a percent sign, a k suffix or a scale word
+# a sign only where it is not a hyphen ("12.3s-25.7s", "999-1001" are ranges); thousands separators;
+# a fraction; a percent sign, a k suffix or a scale word
 _NUM = re.compile(
     r"((?<![0-9a-z.])[-+])?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(e[-+]?\d+)?"
     r"(?:\s{0,2}/\s{0,2}(\d+(?:\.\d+)?))?(\s{0,2}%|k\b|\s{1,2}(?:thousand|million|billion)\b)?"
 )
 _UNITS = "|".join(sorted(WORDS, key=len, reverse=True))  # longest first: "seventeen" before "seven"
-# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one thousand two hundred"
+# a run of number words opens with a unit ("3 thousand" is read by _NUM): "twenty-one", "one
+# thousand two hundred"
 _WORD_RUN = re.compile(rf"\b(?:{_UNITS})\b(?:[ -](?:{_UNITS}|hundred|thousand|million|billion)\b)*")
-_HEDGE_GAP = re.compile(
-    r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?"
-)  # "3 or 4", "3, 4", "3-4", "between 3 and 4"
+# "3 or 4", "3, 4", "3-4", "between 3 and 4"
+_HEDGE_GAP = re.compile(r"[\s,/~-]{0,5}(?:(?:or|and|to)[\s,/~-]{1,5})?")
 _JSON_CHAR = re.compile(r'[{}\[\]"]')
 _JSON_STR_END = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"?', re.S)  # a string past its opening quote
 POLAR = {"yes": 1, "true": 1, "no": 0, "false": 0}
 
 
-def number_text(
-    s: str,
-) -> str:  # lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)
+def number_text(s: str) -> str:
+    """Lower-cased, dashes made "-", LaTeX products and fractions rewritten (idempotent)."""
     return _FRAC.sub(r"\1/\2", _TIMES.sub(r"e\1", s.lower().translate(_DASHES)))
 
 
 def number_spans(s: str) -> list[tuple[int, int, float]]:
-    """(start, end, value) in number_text(s) of every finite number, in order ("50%", "2.5k": docs/rewards.md)."""
+    """(start, end, value) in number_text(s) of every finite number, in order ("50%", "2.5k":
+    docs/rewards.md)."""
     s = number_text(s)
     out = []
     for m in _NUM.finditer(s):
         value = float((m[1] or "") + m[2].replace(",", "") + (m[3] or ""))
-        if m[4]:
-            value = value / float(m[4]) if float(m[4]) else math.nan
-        out.append((m.start(), m.end(), value * SCALES.get((m[5] or "").strip(), 1)))
+        denominator = float(m[4] or 1)  # a fraction: "3/4"
+        if denominator:
+            value /= denominator
+        else:
+            value = math.nan  # "3/0" is no number
+        scale = SCALES.get((m[5] or "").strip(), 1)
+        out.append((m.start(), m.end(), value * scale))
     for m in _WORD_RUN.finditer(s):  # "one thousand two hundred": total 1000, then current 2 -> 200
-        total, current = 0, 0
+        total = 0
+        current = 0
         for w in m[0].replace("-", " ").split():
             if w in WORDS:
                 current += WORDS[w]
             elif w == "hundred":
                 current = max(current, 1) * 100
             else:
-                total, current = total + max(current, 1) * SCALES[w], 0
+                total += max(current, 1) * SCALES[w]
+                current = 0
         out.append((m.start(), m.end(), float(total + current)))
     return sorted(x for x in out if math.isfinite(x[2]))
 
 
 def committed_number(s: str) -> float | None:
-    """The first number; NaN (equal to nothing) for a hedge ("3 or 4", "3-4", "between 3 and 4"); None if none."""
+    """The first number; NaN (equal to nothing) for a hedge ("3 or 4", "3-4", "between 3 and 4");
+    None if none."""
     s = number_text(s)
     spans = number_spans(s)
     for (_, end, v1), (start, _, v2) in zip(spans, spans[1:]):
@@ -234,15 +254,17 @@ def committed_number(s: str) -> float | None:
 
 
 def parse_json(s: str):
-    """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself writes its final
-    answer last); None if none. One scan over brackets and quotes: linear time."""
-    spans, depth = [], 0
-    start = i = 0  # the outermost open bracket; the scan position
-    while m := _JSON_CHAR.search(s, i):
-        c, i = m[0], m.end()
-        if (
-            c == '"' and depth > 0
-        ):  # a string, skipped whole; quotes in prose, outside any bracket, open no string
+    """The LAST complete top-level {...} or [...] in s that json.loads (a model correcting itself
+    writes its final answer last); None if none. One scan over brackets and quotes: linear time."""
+    spans = []
+    depth = 0
+    start = 0  # the outermost open bracket
+    m = _JSON_CHAR.search(s)
+    while m:
+        c = m[0]
+        i = m.end()  # the scan position
+        # a string, skipped whole; quotes in prose, outside any bracket, open no string
+        if c == '"' and depth > 0:
             i = _JSON_STR_END.match(s, i).end()
         elif c in "{[":
             if depth == 0:
@@ -252,93 +274,120 @@ def parse_json(s: str):
             depth -= 1
             if depth == 0:
                 spans.append((start, i))
+        m = _JSON_CHAR.search(s, i)
     for a, b in reversed(spans):
         try:
             return json.loads(s[a:b])
-        except (
-            ValueError,
-            RecursionError,
-        ):  # JSONDecodeError is a ValueError; deep nesting recurses
+        # JSONDecodeError is a ValueError; deep nesting recurses
+        except (ValueError, RecursionError):
             pass
     return None
 
 
-def as_float(
-    v,
-) -> (
-    float | None
-):  # a JSON number or a string holding one ("12.3"); not a bool, NaN, inf or 10**400
+def as_float(v) -> float | None:
+    """A JSON number or a string holding one ("12.3"); not a bool, NaN, inf or 10**400."""
     if isinstance(v, str):
         try:
             v = float(v)
         except ValueError:
             return None
     ok = type(v) is float and math.isfinite(v) or type(v) is int and abs(v) < 1e300
-    return float(v) if ok else None
+    if not ok:
+        return None
+    return float(v)
 
 
-def as_span(x) -> list[float] | None:  # x["time"] or x as [start, end] with start <= end, else None
-    t = x.get("time") if isinstance(x, dict) else x
-    t = [as_float(v) for v in t] if isinstance(t, (list, tuple)) and len(t) == 2 else [None]
-    return t if None not in t and t[0] <= t[1] else None
+def as_span(x) -> list[float] | None:
+    """x["time"] or x as [start, end] with start <= end, else None."""
+    if isinstance(x, dict):
+        x = x.get("time")
+    if not isinstance(x, (list, tuple)) or len(x) != 2:
+        return None
+    t = [as_float(v) for v in x]
+    if None in t or t[0] > t[1]:
+        return None
+    return t
 
 
-def as_box(
-    b,
-) -> (
-    list[float] | None
-):  # b["boxes"] or b as [x1, y1, x2, y2], x1 <= x2, y1 <= y2 ([x, y, w, h] fails)
-    b = b.get("boxes") if isinstance(b, dict) else b
-    b = b[0] if isinstance(b, list) and len(b) == 1 else b  # [[x1, y1, x2, y2]]: a list of one box
-    b = [as_float(v) for v in b] if isinstance(b, (list, tuple)) and len(b) == 4 else [None]
-    return b if None not in b and b[0] <= b[2] and b[1] <= b[3] else None
+def as_box(b) -> list[float] | None:
+    """b["boxes"] or b as [x1, y1, x2, y2], x1 <= x2, y1 <= y2 ([x, y, w, h] fails), else None."""
+    if isinstance(b, dict):
+        b = b.get("boxes")
+    if isinstance(b, list) and len(b) == 1:  # [[x1, y1, x2, y2]]: a list of one box
+        b = b[0]
+    if not isinstance(b, (list, tuple)) or len(b) != 4:
+        return None
+    b = [as_float(v) for v in b]
+    if None in b or b[0] > b[2] or b[1] > b[3]:
+        return None
+    return b
 
 
-def text_numbers(
-    ans: str, n: int
-) -> list[float] | None:  # no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3, 4)"
-    spans = number_spans(ans) if parse_json(ans) is None else []
-    return [v for _, _, v in spans[:n]] if len(spans) >= n else None
+def text_numbers(ans: str, n: int) -> list[float] | None:
+    """The first n numbers of a text that is no JSON: "from 12.3 to 25.7 seconds", "(1, 2, 3,
+    4)"."""
+    if parse_json(ans) is not None:
+        return None
+    spans = number_spans(ans)
+    if len(spans) < n:
+        return None
+    return [v for _, _, v in spans[:n]]
+
+
+def frame_key(k: str) -> str:
+    """A frame as a number where it is one ("1" is "1.0"), else as written."""
+    value = as_float(k)
+    if value is None:
+        return k
+    return repr(value)
 
 
 def as_boxes(x) -> dict | None:
-    """{frame as a number ("1" is "1.0"): box, or None when malformed}; None without a non-empty dict of boxes."""
-    b = x.get("boxes") if isinstance(x, dict) else None
+    """{frame_key: box, or None when malformed}; None without a non-empty dict of boxes."""
+    if not isinstance(x, dict):
+        return None
+    b = x.get("boxes")
     if not isinstance(b, dict) or not b:
         return None
-    return {k if as_float(k) is None else repr(as_float(k)): as_box(v) for k, v in b.items()}
+    return {frame_key(k): as_box(v) for k, v in b.items()}
 
 
-# ---- scorers: shared with evaluate.py -------------------------------------------------------------------------------
+# ---- scorers: shared with evaluate.py ------------------------------------------------------------
 def iou_1d(a, b) -> float:
+    """Intersection over union of two spans [start, end]; two equal empty spans match."""
     inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
     union = max(a[1], b[1]) - min(a[0], b[0])
     return inter / union if union > 0 else float(a == b)
 
 
-def iou_box(a, b) -> float:  # boxes as as_box returns them: x1 <= x2, y1 <= y2
+def iou_box(a, b) -> float:
+    """Intersection over union of two boxes as as_box returns them (x1 <= x2, y1 <= y2); two equal
+    empty boxes match, as in iou_1d."""
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - ix * iy
-    return (
-        ix * iy / union if union > 0 else float(a == b)
-    )  # two equal empty boxes match, as in iou_1d
+    if union <= 0:
+        return float(a == b)
+    return ix * iy / union
 
 
 def mra(pred: float, gt: float) -> float:
-    """Mean relative accuracy (VSI-Bench): the share of margins m in MRA_MARGINS with |pred - gt| / |gt| <= m."""
+    """Mean relative accuracy (VSI-Bench): the share of margins m in MRA_MARGINS with |pred - gt| /
+    |gt| <= m."""
     rel = abs(pred - gt) / max(abs(gt), 1e-9)
     return sum(rel <= m for m in MRA_MARGINS) / len(MRA_MARGINS)
 
 
 def squad_norm(s: str) -> str:
-    """SQuAD's normalize_answer: lower case, punctuation removed, articles (a, an, the) removed, spaces collapsed."""
+    """SQuAD's normalize_answer: lower case, punctuation removed, articles (a, an, the) removed,
+    spaces collapsed."""
     s = "".join(c for c in s.lower() if c not in string.punctuation)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
 
 
 def token_f1(pred: str, ref: str) -> float:
-    """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact match)."""
+    """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact
+    match)."""
     p, r = squad_norm(pred).split(), squad_norm(ref).split()
     if not p or not r:
         return float(p == r)
@@ -348,20 +397,24 @@ def token_f1(pred: str, ref: str) -> float:
 
 @lru_cache(maxsize=1)
 def rouge_scorer():
-    """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that imports us)."""
+    """rouge-score's scorer, built at first use: its import loads nltk (0.7 s in every process that
+    imports us)."""
     from rouge_score.rouge_scorer import RougeScorer
 
     return RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
 
 
-def rouge(
-    pred: str, ref: str
-) -> float:  # mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)
-    return sum(x.fmeasure for x in rouge_scorer().score(ref[:MAX_LEN], pred[:MAX_LEN]).values()) / 3
+def rouge(pred: str, ref: str) -> float:
+    """Mean ROUGE-1/2/L F1 by rouge-score (ASCII words, Porter-stemmed)."""
+    scores = rouge_scorer().score(ref[:MAX_LEN], pred[:MAX_LEN])
+    return sum(x.fmeasure for x in scores.values()) / 3
 
 
 def wer(pred: str, ref: str) -> float:
-    p, r = pred.lower().split()[:2000], ref.lower().split()[:2000]
+    """Word error rate: the word-level edit distance over the reference's length (first 2000
+    words)."""
+    p = pred.lower().split()[:2000]
+    r = ref.lower().split()[:2000]
     if p == r or not r:  # equal: a ground truth validated against itself skips the table
         return float(p != r)
     prev = list(range(len(r) + 1))
@@ -373,9 +426,11 @@ def wer(pred: str, ref: str) -> float:
     return prev[-1] / len(r)
 
 
-# ---- accuracy rewards: (answer extracted from the completion, sample) -> float, or None when unparseable ------------
+# ---- accuracy rewards -------------------------------------------------------------------------
+# (answer extracted from the completion, sample) -> float, or None when unparseable
 _LEAD = re.compile(
-    r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?(?:answer|option|choice)\b"
+    r"\s{0,3}(?:(?:the\s{1,3})?(?:final\s{1,3}|correct\s{1,3}|best\s{1,3})?"
+    r"(?:answer|option|choice)\b"
     r"(?:\s{1,3}is)?|答案(?:是|为)?)\s{0,3}[:：]?",
     re.I,
 )
@@ -385,29 +440,45 @@ _WORD_NEXT = re.compile(r"[ \t]{1,3}(?!(?:and|or)\b)[a-z]")  # "A dog", "I think
 
 
 def option_table(options: list[str]) -> list[tuple[str, str]]:
-    """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its position's."""
-    ms = [(re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S), o) for o in options or []]
-    return [
-        (m.group(1).upper(), m.group(2)) if m else (chr(65 + i % 26), o)
-        for i, (m, o) in enumerate(ms)
-    ]
+    """[(letter, text)] from "A. red" / "A) red" / "(A) red"; an option without a letter gets its
+    position's."""
+    table = []
+    for i, o in enumerate(options or []):
+        m = re.match(r"\s*\(?([A-Za-z])[.):]\s*(.*)", o, re.S)
+        if m:
+            table.append((m.group(1).upper(), m.group(2)))
+        else:
+            table.append((chr(65 + i % 26), o))
+    return table
+
+
+def known_letter(letter: str, letters: set) -> str | None:
+    """The letter upper-cased where it is one of the options', else None."""
+    if letter.upper() in letters:
+        return letter.upper()
+    return None
 
 
 def choice_letter(ans: str, options: list[str]) -> str | None:
-    """The option letter an answer names (the order of reading: docs/rewards.md); a hedge joined ("A+B"); else None."""
+    """The option letter an answer names (the order of reading: docs/rewards.md); a hedge joined
+    ("A+B"); else None."""
     table = option_table(options)
     letters = {lt for lt, _ in table} or set(string.ascii_uppercase)
     s = _MARKUP.sub(" ", ans)
-    s = s[_LEAD.match(s).end() :].strip() if _LEAD.match(s) else s.strip()
-    if bare := re.fullmatch(r"\(?([A-Za-z])\)?[.):]?", s):
-        return bare[1].upper() if bare[1].upper() in letters else None
+    lead_in = _LEAD.match(s)  # "the answer is", "答案是"
+    if lead_in:
+        s = s[lead_in.end() :]
+    s = s.strip()
+    bare = re.fullmatch(r"\(?([A-Za-z])\)?[.):]?", s)  # "B", "(B)", "B."
+    if bare:
+        return known_letter(bare[1], letters)
     text = squad_norm(s)
     for lt, body in table:
         if text and text == squad_norm(body):
             return lt
-    if lead := re.match(r"\(([A-Za-z])\)|([A-Za-z])[.):]", s):
-        got = (lead[1] or lead[2]).upper()
-        return got if got in letters else None
+    lead = re.match(r"\(([A-Za-z])\)|([A-Za-z])[.):]", s)  # "(B) red", "B. red"
+    if lead:
+        return known_letter(lead[1] or lead[2], letters)
     found = set()
     for m in _LETTER.finditer(s):
         if not (m[2] in ("A", "I") and _WORD_NEXT.match(s, m.end())):
@@ -419,31 +490,35 @@ def acc_choice(ans, s):
     got = choice_letter(ans, s.get("options") or [])
     if got is None:
         return None
-    return float(
-        len(got) == 1 and got == choice_letter(ground_truth(s), s.get("options") or [])
-    )  # "A+B": a hedge
+    if len(got) > 1:  # "A+B": a hedge
+        return 0.0
+    return float(got == choice_letter(ground_truth(s), s.get("options") or []))
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):
-    """|pred - gt| <= rtol * |gt| (exact when gt is 0), or mra(pred, gt) with mean_relative; a hedge (NaN) is 0."""
-    p, g = committed_number(ans), committed_number(ground_truth(s))
+    """|pred - gt| <= rtol * |gt| (exact when gt is 0), or mra(pred, gt) with mean_relative; a hedge
+    (NaN) is 0."""
+    p = committed_number(ans)
+    g = committed_number(ground_truth(s))
     if p is None:
         return None
-    return (
-        mra(p, g) if mean_relative else float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))
-    )  # 1.01 vs 1: on the edge
+    if mean_relative:
+        return mra(p, g)
+    return float(abs(p - g) <= rtol * abs(g) * (1 + 1e-9))  # 1.01 vs 1: on the edge
 
 
 def polarity(ans: str) -> float | None:
-    """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to nothing) for a hedge
-    ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None when there is none."""
+    """1 for yes/true, 0 for no/false: the first such word, flipped after "not"; NaN (equal to
+    nothing) for a hedge ("Yes and no", "yes/no"; "Yes, but no other person does." is yes); None
+    when there is none."""
     words = re.findall(r"\w+", ans.lower())
     i = next((k for k, w in enumerate(words) if w in POLAR), None)
     if i is None:
         return None
+    # the next word within 3 that is no filler: "yes and no", "yes or maybe no"
     rest = [
         w for w in words[i + 1 : i + 4] if w not in ("and", "or", "maybe", "perhaps", "possibly")
-    ][:1]
+    ]
     if rest and rest[0] in POLAR and POLAR[rest[0]] != POLAR[words[i]]:
         return math.nan
     return POLAR[words[i]] ^ (i > 0 and words[i - 1] == "not")
@@ -451,58 +526,59 @@ def polarity(ans: str) -> float | None:
 
 def acc_boolean(ans, s):
     p = polarity(ans)
-    return None if p is None else float(p == polarity(ground_truth(s)))
+    if p is None:
+        return None
+    return float(p == polarity(ground_truth(s)))
 
 
 def acc_open(ans, s):
     gt = ground_truth(s)
-    if (
-        len(re.findall(r"[a-z0-9]+", gt.lower())) <= SHORT_ANSWER
-    ):  # as few words as rouge-score would see
+    if len(re.findall(r"[a-z0-9]+", gt.lower())) <= SHORT_ANSWER:  # as rouge-score counts words
         return token_f1(ans, gt)
     return rouge(ans, gt)
 
 
 def acc_ocr(ans, s):
     gt = ground_truth(s)
-    if len(ans.split()) >= 2 * len(
-        gt.split()
-    ):  # WER >= (n_pred - n_ref) / n_ref >= 1: skip the O(n * m) table
+    # WER >= (n_pred - n_ref) / n_ref >= 1: skip the O(n * m) table
+    if len(ans.split()) >= 2 * len(gt.split()):
         return 0.0
     return max(0.0, 1.0 - wer(ans, gt))
 
 
-class MathTimeout(
-    BaseException
-):  # a BaseException: math-verify's own `except Exception` can't swallow it
-    pass
+class MathTimeout(BaseException):
+    """A BaseException: math-verify's own `except Exception` can't swallow it."""
 
 
-_ASYNC_RAISE, _ARM_LOCK = ctypes.pythonapi.PyThreadState_SetAsyncExc, threading.Lock()
+_ASYNC_RAISE = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_ARM_LOCK = threading.Lock()
 
 
 class time_limit:
-    """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50 ms until the block
-    ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc off (why: docs/rewards.md)."""
+    """`with time_limit(seconds):` raises MathTimeout in this thread after `seconds`, then every 50
+    ms until the block ends: a SIGALRM timer in the main thread, a watchdog thread elsewhere, the gc
+    off (why: docs/rewards.md)."""
 
     def __init__(self, seconds: float):
-        self.seconds, self.done = seconds, threading.Event()
+        self.seconds = seconds
+        self.done = threading.Event()
         self.tid = threading.get_ident()
         self.main = threading.current_thread() is threading.main_thread()
         self.armed = not self.main  # the main thread arms once its handler is in place
 
     def alarm(self, signum, frame):
-        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__ before it disarms (there
-        it would skip __exit__ and leave the timer raising MathTimeout anywhere; seen under heavy load)."""
+        """SIGALRM's handler. A late alarm is a no-op: after the work, or on entering __exit__
+        before it disarms (there it would skip __exit__ and leave the timer raising MathTimeout
+        anywhere; seen under heavy load)."""
         if self.armed and getattr(frame, "f_code", None) is not time_limit.__exit__.__code__:
             raise MathTimeout
 
-    def watchdog(self):  # runs in its own thread
+    def watchdog(self):
+        """Raises MathTimeout in the worker thread, from its own thread."""
         wait = self.seconds
         while not self.done.wait(wait) and self.armed:
-            with (
-                _ARM_LOCK
-            ):  # injects only while armed: __exit__ disarms, then clears under the same lock
+            # injects only while armed: __exit__ disarms, then clears under the same lock
+            with _ARM_LOCK:
                 if self.armed:
                     _ASYNC_RAISE(ctypes.c_ulong(self.tid), ctypes.py_object(MathTimeout))
             wait = 0.05
@@ -518,90 +594,97 @@ class time_limit:
             threading.Thread(target=self.watchdog, daemon=True).start()
 
     def __exit__(self, *exc):
-        self.armed = (
-            False  # first: a plain store, where no signal handler runs and no async exception lands
-        )
+        # first: a plain store, where no signal handler runs and no async exception lands
+        self.armed = False
         if self.main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, signal.SIG_DFL if self.old is None else self.old)
         else:
             with _ARM_LOCK:
-                _ASYNC_RAISE(
-                    ctypes.c_ulong(self.tid), None
-                )  # drop one injected but not yet delivered
+                # drop one injected but not yet delivered
+                _ASYNC_RAISE(ctypes.c_ulong(self.tid), None)
             self.done.set()
         if self.gc_on:
             gc.enable()
 
 
 @lru_cache(maxsize=1)
-def _math_warm() -> (
-    bool
-):  # sympy's first symbolic compare imports lazily for ~0.3 s: not on the clock
+def _math_warm() -> bool:
+    """sympy's first symbolic compare imports lazily for ~0.3 s: done once, not on the clock."""
     from math_verify import parse, verify
 
     return verify(parse("$2x$"), parse("$x + x$"))
 
 
 @lru_cache(maxsize=4096)
-def _math_gold(
-    gt: str,
-):  # [] where math-verify reads only text: no answer but that very text would equal it
+def _math_gold(gt: str):
+    """The parsed ground truth; [] where math-verify reads only text (no answer but that very text
+    would equal it)."""
     from math_verify import parse
 
     gold = parse(f"${gt}$", parsing_timeout=None)
-    return gold if any(not isinstance(x, str) for x in gold) else []
+    if any(not isinstance(x, str) for x in gold):
+        return gold
+    return []
 
 
-def acc_math(
-    ans, s
-):  # math-verify's timeouts (whole-second, main-thread alarms) are off: time_limit bounds both
+def acc_math(ans, s):
+    """math-verify's equivalence; its own timeouts (whole-second, main-thread alarms) are off:
+    time_limit bounds both the parse and the compare."""
     from math_verify import parse, verify
 
     _math_warm()
     try:
         with time_limit(MATH_TIMEOUT):
-            gold, pred = _math_gold(ground_truth(s)), parse(f"${ans[:2000]}$", parsing_timeout=None)
+            gold = _math_gold(ground_truth(s))
+            pred = parse(f"${ans[:2000]}$", parsing_timeout=None)
             return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
-    except (Exception, MathTimeout):  # noqa: BLE001  math-verify raises a zoo of sympy errors: all mean "not equal"
+    # math-verify raises a zoo of sympy errors: all mean "not equal"
+    except (Exception, MathTimeout):  # noqa: BLE001
         return 0.0
 
 
 def acc_temporal(ans, s):
-    p = as_span(parse_json(ans)) or as_span(
-        text_numbers(ans, 2)
-    )  # JSON, else "from 12.3 to 25.7 seconds"
-    return None if p is None else iou_1d(p, as_span(parse_json(ground_truth(s))))
+    """IoU of the predicted span (JSON, else "from 12.3 to 25.7 seconds") with the ground
+    truth's."""
+    p = as_span(parse_json(ans)) or as_span(text_numbers(ans, 2))
+    if p is None:
+        return None
+    return iou_1d(p, as_span(parse_json(ground_truth(s))))
 
 
-def acc_spatial(ans, s):  # the ground truth must be {"boxes": ...}
-    p = as_box(parse_json(ans)) or as_box(
-        text_numbers(ans, 4)
-    )  # JSON, a bare list, else "(1, 2, 3, 4)"
-    return None if p is None else iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
+def acc_spatial(ans, s):
+    """IoU of the predicted box (JSON, a bare list, else "(1, 2, 3, 4)") with the ground truth's,
+    which must be {"boxes": ...}."""
+    p = as_box(parse_json(ans)) or as_box(text_numbers(ans, 4))
+    if p is None:
+        return None
+    return iou_box(p, as_box(parse_json(ground_truth(s))["boxes"]))
 
 
-def mean_box_iou(
-    pred: dict, gt: dict, frames
-) -> float:  # a missing or malformed predicted box counts 0
+def mean_box_iou(pred: dict, gt: dict, frames) -> float:
+    """Mean box IoU over frames; a missing or malformed predicted box counts 0."""
     return sum(iou_box(pred[k], gt[k]) for k in frames if pred.get(k)) / max(len(frames), 1)
 
 
 def acc_st(ans, s):
-    x, g = parse_json(ans), parse_json(ground_truth(s))
-    span, boxes = as_span(x), as_boxes(x)
+    """Half time IoU, half mean box IoU (EasyVideoR1's spatial-temporal grounding)."""
+    x = parse_json(ans)
+    g = parse_json(ground_truth(s))
+    span = as_span(x)
+    boxes = as_boxes(x)
     if span is None and boxes is None:
         return None
-    time_iou = 0.0 if span is None else iou_1d(span, as_span(g))
-    if (
-        isinstance(g, dict) and g.get("boxes") == {}
-    ):  # 71 of STVG's 2,000: time IoU alone, as EasyVideoR1 scores it
+    time_iou = 0.0
+    if span is not None:
+        time_iou = iou_1d(span, as_span(g))
+    # 71 of STVG's 2,000 have no boxes: time IoU alone, as EasyVideoR1 scores them
+    if isinstance(g, dict) and g.get("boxes") == {}:
         return time_iou
     if boxes is None:
         return 0.5 * time_iou
-    gt = as_boxes(
-        g
-    )  # over the frames both have (EasyVideoR1, STVG): frames off the predicted span cost time IoU
+    # over the frames both have (EasyVideoR1, STVG): frames off the predicted span cost time IoU
+    gt = as_boxes(g)
     return 0.5 * time_iou + 0.5 * mean_box_iou(boxes, gt, boxes.keys() & gt.keys())
 
 
@@ -627,13 +710,15 @@ BINDS = {
 
 
 def markup_tokens(text: str) -> list[str]:
-    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments (docs/rewards.md)."""
+    """HTML/SVG as tokens: tags (lower-cased), their attributes sorted, words; no comments
+    (docs/rewards.md)."""
     text = strip_blocks(text, "<!--", "-->")
-    tokens, i = [], 0
+    tokens = []
+    i = 0  # the end of the last tag
     for m in _MARKUP_TAG.finditer(text):
-        tag, attrs = (
-            m[2].lower(),
-            sorted((k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3])),
+        tag = m[2].lower()
+        attrs = sorted(
+            (k.lower(), " ".join(v.strip("\"'").split())) for k, v in _ATTR.findall(m[3])
         )
         tokens += text[i : m.start()].split()
         if m[1]:
@@ -647,7 +732,8 @@ def markup_tokens(text: str) -> list[str]:
 
 
 def python_tokens(code: str) -> list[str] | None:
-    """Tokens of ast.unparse(code), bound names (assigned, defined, arguments) renamed v0, v1, ...; None if no parse."""
+    """Tokens of ast.unparse(code), bound names (assigned, defined, arguments) renamed v0, v1, ...;
+    None if no parse."""
     try:
         tree = ast.parse(code)
         names = {}
@@ -656,23 +742,33 @@ def python_tokens(code: str) -> list[str] | None:
             if field and (field != "id" or isinstance(node.ctx, ast.Store)):
                 names.setdefault(getattr(node, field), f"v{len(names)}")
         for node in ast.walk(tree):
-            if (field := BINDS.get(type(node))) and getattr(node, field) in names:
+            field = BINDS.get(type(node))
+            if field and getattr(node, field) in names:
                 setattr(node, field, names[getattr(node, field)])
         return re.findall(r"\w+|[^\w\s]", ast.unparse(tree))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
 
+def unfenced(code: str) -> str:
+    """The code without its Markdown fence (```python ... ```)."""
+    return re.sub(r"^```\w*\n?|```$", "", code.strip()).strip()
+
+
 def acc_code(ans, s, markup: bool = False):
-    """difflib ratio of python_tokens (markup_tokens: markup, or a reference opening "<"); 0 if one is empty."""
-    code, ref = (re.sub(r"^```\w*\n?|```$", "", x.strip()).strip() for x in (ans, ground_truth(s)))
-    tokens = markup_tokens if markup or ref.startswith("<") else python_tokens
-    pred, gold = tokens(code), tokens(ref)
+    """difflib ratio of python_tokens (markup_tokens: markup, or a reference opening "<"); 0 if one
+    is empty."""
+    code = unfenced(ans)
+    ref = unfenced(ground_truth(s))
+    tokens = python_tokens
+    if markup or ref.startswith("<"):
+        tokens = markup_tokens
+    pred = tokens(code)
+    gold = tokens(ref)
     if not pred or not gold:
         return 0.0
-    return difflib.SequenceMatcher(
-        None, pred[:CODE_TOKENS], gold[:CODE_TOKENS], autojunk=False
-    ).ratio()
+    matcher = difflib.SequenceMatcher(None, pred[:CODE_TOKENS], gold[:CODE_TOKENS], autojunk=False)
+    return matcher.ratio()
 
 
 ACCURACY = {
@@ -700,7 +796,9 @@ GT_FORMS = {  # what a ground truth must be, for validate_answer's message
     "boolean": "yes/no/true/false",
     "temporal grounding": '{"time": [start, end]} with start <= end',
     "spatial grounding": '{"boxes": [x1, y1, x2, y2]} with x1 <= x2, y1 <= y2',
-    "spatial-temporal grounding": '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e',
+    "spatial-temporal grounding": (
+        '{"time": [s, e], "boxes": {"<sec>": [x1, y1, x2, y2]}} with s <= e'
+    ),
     "tracking": '{"boxes": {"<frame>": [x1, y1, x2, y2]}} with x1 <= x2, y1 <= y2',
     "code": "Python that parses, or markup",
     "math": "an expression math-verify parses",
@@ -713,28 +811,34 @@ FORMATS = {
 
 
 def format_reward(completion: str, template: str = "answer") -> float:
-    """1 if the whole completion is exactly the template (one answer block) and the answer holds something visible."""
+    """1 if the whole completion is exactly the template (one answer block) and the answer holds
+    something visible."""
     c = (completion or "")[:MAX_LEN]
     ok = FORMATS[template].fullmatch(c) is not None and c.count("<answer>") == 1
     return float(ok and not blank(c[c.find("<answer>") + 8 : c.find("</answer>")]))
 
 
+# what a malformed *prediction* the parser let through (or a malformed ground truth) raises in a
+# rule
+MALFORMED = (
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    ZeroDivisionError,
+    RecursionError,
+    OverflowError,
+)
+
+
 def accuracy(answer: str, sample: dict) -> float | None:
-    """ACCURACY of the sample's problem type (unknown types: open-ended); None when the answer is unparseable."""
+    """ACCURACY of the sample's problem type (unknown types: open-ended); None when the answer is
+    unparseable."""
     try:
-        return ACCURACY.get(canonical_type(sample.get("problem_type", "")), acc_open)(
-            answer, sample
-        )
-    except (
-        ValueError,
-        TypeError,
-        KeyError,
-        IndexError,
-        ZeroDivisionError,
-        RecursionError,
-        OverflowError,
-    ):
-        return None  # a malformed *prediction* the parser let through (or a malformed ground truth)
+        rule = ACCURACY.get(canonical_type(sample.get("problem_type", "")), acc_open)
+        return rule(answer, sample)
+    except MALFORMED:
+        return None
 
 
 def compute_reward(
@@ -744,11 +848,16 @@ def compute_reward(
     w_fmt: float = 0.1,
     format_template: str = "answer",
 ) -> tuple[float, dict]:
-    """(overall, {"overall", "accuracy", "format", "parse_fail"}); a parse failure scores accuracy 0."""
+    """(overall, {"overall", "accuracy", "format", "parse_fail"}); a parse failure scores accuracy
+    0."""
     ans = extract_answer(completion)
-    acc = None if ans is None else accuracy(ans, sample)
+    acc = None
+    if ans is not None:
+        acc = accuracy(ans, sample)
     fmt = format_reward(completion, format_template)
-    acc_v = min(1.0, max(0.0, float(acc))) if acc is not None and math.isfinite(acc) else 0.0
+    acc_v = 0.0  # unparseable, or NaN
+    if acc is not None and math.isfinite(acc):
+        acc_v = min(1.0, max(0.0, float(acc)))
     overall = w_acc * acc_v + w_fmt * fmt
     return overall, {
         "overall": overall,
@@ -759,13 +868,15 @@ def compute_reward(
 
 
 def validate_answer(sample: dict) -> None:
-    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer, scores 1."""
-    t, gt = canonical_type(sample.get("problem_type", "")), ground_truth(sample)
+    """Raise ValueError (naming the sample) unless the ground truth, given back as the answer,
+    scores 1."""
+    t = canonical_type(sample.get("problem_type", ""))
+    gt = ground_truth(sample)
     sid = sample.get("id", "?")
     if t not in ACCURACY:
         raise ValueError(
-            f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} (known: {sorted(ACCURACY)}"
-            " and aliases)"
+            f"sample {sid}: unknown problem_type {sample.get('problem_type')!r} "
+            f"(known: {sorted(ACCURACY)} and aliases)"
         )
     if not gt or accuracy(gt, sample) != 1.0:
         what = GT_FORMS.get(t, f"a non-empty {t} answer")

@@ -1,13 +1,15 @@
-"""rollout.py: sample n completions per prompt, colocated in the training processes. Two engines (VLLMEngine,
-HFEngine) with one interface, so the training loop never knows which one it has:
+"""rollout.py: sample n completions per prompt, colocated in the training processes. Two engines
+(VLLMEngine, HFEngine) with one interface, so the training loop never knows which one it has:
 
-    engine.generate(prompts, n, temperature, max_tokens, seed) -> list[Rollout]   (n per prompt, grouped)
-    engine.sync(model)     push the trainer's weights (FSDP2 shards gathered in dtype buckets, full HF-named tensors)
+    engine.generate(prompts, n, temperature, max_tokens, seed) -> list[Rollout]  (n per prompt)
+    engine.sync(model)     push the trainer's weights (FSDP2 shards gathered in dtype buckets, full
+                           HF-named tensors)
     engine.sleep() / engine.wake()   free / restore the engine's GPU memory around the train phase
 
-Both sample with the vision pad tokens masked out (a random model samples them, and a response holding them cannot be
-fed back through the model) and report log-probs of that *processed* distribution, softmax(logits / T) with those
-tokens at -inf, as the trainer computes it: `logp_rollout - logp_trainer` measures only numerical mismatch.
+Both sample with the vision pad tokens masked out (a random model samples them, and a response
+holding them cannot be fed back through the model) and report log-probs of that *processed*
+distribution, softmax(logits / T) with those tokens at -inf, as the trainer computes it:
+`logp_rollout - logp_trainer` measures only numerical mismatch.
 """
 
 import contextlib
@@ -49,8 +51,9 @@ class Rollout:
 
 
 def request_seed(*parts) -> int:
-    """A sampling seed from its parts, e.g. (cfg.seed, step, round), then (call seed, rank, prompt index): what a
-    request samples does not depend on what ran before it, so a resumed run samples what the uninterrupted run did."""
+    """A sampling seed from its parts, e.g. (cfg.seed, step, round), then (call seed, rank, prompt
+    index): what a request samples does not depend on what ran before it, so a resumed run samples
+    what the uninterrupted run did."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
 
@@ -62,39 +65,44 @@ def failed(prompts: list, e: Exception) -> RuntimeError:
 
 
 def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool:
-    """Whether vLLM may normalize pixels on the device (mm_device_do_normalize): vLLM 0.32 normalizes videos with the
-    image processor's mean/std, transformers with the video processor's; where they differ, vLLM must normalize on
-    the CPU (docs/qwen3-vl-video-logprobs.md). Drop this when test_upstream_vllm_video_normalization fails."""
+    """Whether vLLM may normalize pixels on the device (mm_device_do_normalize): vLLM 0.32
+    normalizes videos with the image processor's mean/std, transformers with the video processor's;
+    where they differ, vLLM must normalize on the CPU (docs/qwen3-vl-video-logprobs.md). Drop this
+    when test_upstream_vllm_video_normalization fails."""
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    image, video = getattr(proc, "image_processor", None), getattr(proc, "video_processor", None)
-    keys = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    image = getattr(proc, "image_processor", None)
+    video = getattr(proc, "video_processor", None)
     if image is None or video is None:
         return True
-    # None (unset) becomes NaN, which never compares equal: an unknown setting keeps the safe CPU path
-    return all(
-        np.array_equal(
-            np.asarray(getattr(image, k, None), float), np.asarray(getattr(video, k, None), float)
-        )
-        for k in keys
-    )
+    for k in ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std"):
+        # None (unset) becomes NaN, which never compares equal: an unknown setting keeps the safe
+        # CPU path
+        ours = np.asarray(getattr(image, k, None), float)
+        theirs = np.asarray(getattr(video, k, None), float)
+        if not np.array_equal(ours, theirs):
+            return False
+    return True
 
 
 def eos_token_ids(model) -> list[int]:
     """The ids that end a response (generation_config holds one or a list)."""
     eos = model.generation_config.eos_token_id
-    return eos if isinstance(eos, list) else [eos]
+    if isinstance(eos, list):
+        return eos
+    return [eos]
 
 
 def vision_token_ids(tokenizer) -> list[int]:
+    """The ids of VISION_TOKENS that the tokenizer knows: never sampled by either engine."""
     ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
-# CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a shared machine); a 1 GiB
-# KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides; CPU_KV_CACHE_MIB, MiB: scripts/rehearse.py's 8 ranks).
-# Both engines, the trainer's and evaluate.py's
+# CPU: vLLM reserves gpu_memory_utilization of all RAM, refused where that much is not free (a
+# shared machine); a 1 GiB KV cache instead (VLLM_CPU_KVCACHE_SPACE, GiB, overrides; CPU_KV_CACHE_MIB,
+# MiB: scripts/rehearse.py's 8 ranks). Both engines, the trainer's and evaluate.py's
 CPU_KV_CACHE_BYTES = int(os.environ.get("CPU_KV_CACHE_MIB", "1024")) * 2**20
 
 
@@ -139,10 +147,48 @@ def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     return []
 
 
+def vllm_settings(
+    model_dir: str,
+    *,
+    tp: int,
+    seed: int,
+    dtype: str,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    max_images: int,
+    max_videos: int,
+    trust_remote_code: bool,
+) -> dict:
+    """The engine arguments that the trainer's vLLM (VLLMEngine) and evaluate.py's AsyncLLM share:
+    eager (no CUDA graphs) except on CUDA, the CPU's KV cache fixed (CPU_KV_CACHE_BYTES), pixels
+    normalized on the device only where vLLM normalizes videos as transformers does
+    (device_normalize_ok)."""
+    from vllm.platforms import current_platform
+
+    kv_cache_bytes = CPU_KV_CACHE_BYTES
+    if current_platform.is_cuda():
+        kv_cache_bytes = None  # sized by gpu_memory_utilization
+    return dict(
+        model=model_dir,
+        tensor_parallel_size=tp,
+        seed=seed,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=not current_platform.is_cuda(),
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        trust_remote_code=trust_remote_code,
+        use_tqdm_on_load=False,
+        limit_mm_per_prompt={"image": max_images, "video": max_videos},
+        mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
+    )
+
+
 @contextlib.contextmanager
 def start_errors(max_model_len: int):
     """vLLM's start-up failures about memory as one line that names our knobs: its own message names
-    gpu_memory_utilization, which on CPU does not size the KV cache (VLLM_CPU_KVCACHE_SPACE does, 1 GiB here)."""
+    gpu_memory_utilization, which on CPU does not size the KV cache (VLLM_CPU_KVCACHE_SPACE does, 1
+    GiB here)."""
     try:
         yield
     except (ValueError, RuntimeError) as e:
@@ -161,9 +207,9 @@ def start_errors(max_model_len: int):
 
 
 class VLLMEngine:
-    """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only engine hangs).
-    tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp consecutive ranks (all ranks, or one per
-    part of an SP group), which pass the same prompts."""
+    """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only
+    engine hangs). tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp
+    consecutive ranks (all ranks, or one per part of an SP group), which pass the same prompts."""
 
     def __init__(
         self,
@@ -179,52 +225,55 @@ class VLLMEngine:
         max_videos: int = 1,
         trust_remote_code: bool = False,
     ):
-        os.environ.setdefault(
-            "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
-        )  # in-process: we must reach the model
+        # in-process: we must reach the model
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.tp, self.rank = tp, dist.get_rank() if dist.is_initialized() else 0
+        self.tp = tp
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.external = dist.is_initialized()  # the process group is the trainer's, not vLLM's
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
         self.can_sleep = sleep and current_platform.is_sleep_mode_available()
-        kw = dict(distributed_executor_backend="external_launcher") if self.external else {}
-        # Chunked prefill splits a prompt over two engine steps and rewinds the request's generator for the token it
-        # discards; a CPU torch.Generator cannot rewind ("CPU Generator does not use offset"). Off on CPU: a prompt
-        # that does not fit a step's token budget waits for the next step, whole.
+        backend = None  # vLLM's own
+        if self.external:
+            backend = "external_launcher"
+        # Chunked prefill splits a prompt over two engine steps and rewinds the request's generator
+        # for the token it discards; a CPU torch.Generator cannot rewind ("CPU Generator does not
+        # use offset"). Off on CPU: a prompt that does not fit a step's token budget waits for the
+        # next step, whole.
         chunk = not current_platform.is_cpu()
-        # vLLM's start-up collects the whole heap 5 times (~1.7 CPU s here) and freezes it at the end: freeze it now
+        # vLLM's start-up collects the whole heap 5 times (~1.7 CPU s here) and freezes it at the
+        # end: freeze it now
         gc.freeze()
         with start_errors(max_model_len):
-            self.llm = LLM(
-                model=model_dir,
-                tensor_parallel_size=tp,
-                seed=seed + self.rank // tp,
+            settings = vllm_settings(
+                model_dir,
+                tp=tp,
+                seed=seed + self.rank // tp,  # one stream per TP group
                 dtype=dtype,
                 max_model_len=max_model_len,
-                enforce_eager=not current_platform.is_cuda(),
                 gpu_memory_utilization=gpu_memory_utilization,
+                max_images=max_images,
+                max_videos=max_videos,
+                trust_remote_code=trust_remote_code,
+            )
+            self.llm = LLM(
+                **settings,
                 enable_sleep_mode=self.can_sleep,
-                kv_cache_memory_bytes=None if current_platform.is_cuda() else CPU_KV_CACHE_BYTES,
                 enable_chunked_prefill=chunk,
                 max_num_batched_tokens=None if chunk else max(max_model_len, 4096),
                 logprobs_mode="processed_logprobs",
-                trust_remote_code=trust_remote_code,
-                use_tqdm_on_load=False,
-                limit_mm_per_prompt={"image": max_images, "video": max_videos},
-                mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
-                # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per block
-                # (vLLM splits the weights where a model cannot); one video stays on one rank
+                # tp > 1: each rank encodes whole videos with the whole tower, no all-reduce per
+                # block (vLLM splits the weights where a model cannot); one video stays on one rank
                 mm_encoder_tp_mode="data" if tp > 1 else "weights",
-                **kw,
+                distributed_executor_backend=backend,
             )
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
-        self.asleep = (
-            set()
-        )  # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
+        # what sleep() released and no wake() has restored yet: "weights", "kv_cache"
+        self.asleep = set()
 
     def generate(
         self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int
@@ -259,22 +308,21 @@ class VLLMEngine:
                 )
             for c in out.outputs:
                 ids = list(c.token_ids)
-                logp = [d[t].logprob for t, d in zip(ids, c.logprobs)] if temperature > 0 else None
-                rollouts.append(
-                    Rollout(
-                        p, ids, logp, c.text, "length" if c.finish_reason == "length" else "stop"
-                    )
-                )
+                logp = None  # greedy: no log-probs
+                if temperature > 0:
+                    logp = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+                finish = "length" if c.finish_reason == "length" else "stop"
+                rollouts.append(Rollout(p, ids, logp, c.text, finish))
         return rollouts
 
     @torch.no_grad()
     def sync(self, model):
-        """Stream the trainer's full HF-named tensors (hf_weights) into vLLM with vLLM 0.32's `reload_weights` worker
-        RPC (in place on CPU and GPU; model.load_weights fails on CPU; the in-process executor consumes the stream
-        lazily, a bucket at a time), then drop every cache derived from the old weights."""
-        self.wake(
-            tags=["weights"]
-        )  # only those: they are overwritten before the KV cache is needed
+        """Stream the trainer's full HF-named tensors (hf_weights) into vLLM with vLLM 0.32's
+        `reload_weights` worker RPC (in place on CPU and GPU; model.load_weights fails on CPU; the
+        in-process executor consumes the stream lazily, a bucket at a time), then drop every cache
+        derived from the old weights."""
+        # the weights only: they are overwritten before the KV cache is needed
+        self.wake(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
@@ -282,15 +330,21 @@ class VLLMEngine:
         self.llm.reset_mm_cache()
 
     def close(self):
-        """Shut vLLM down now (at exit __del__ prints a traceback), but not the trainer's default group, which vLLM's
-        shutdown destroys: made again on torchrun's store, a next run's groups meet stale keys (its engine hangs)."""
+        """Shut vLLM down now (at exit __del__ prints a traceback), but not the trainer's default
+        group, which vLLM's shutdown destroys: made again on torchrun's store, a next run's groups
+        meet stale keys (its engine hangs)."""
         from vllm.distributed import parallel_state
 
-        keep = mock.patch.object(parallel_state, "destroy_distributed_environment", lambda: None)
-        with keep if self.external else contextlib.nullcontext():
+        keep = contextlib.nullcontext()
+        if self.external:
+            keep = mock.patch.object(
+                parallel_state, "destroy_distributed_environment", lambda: None
+            )
+        with keep:
             self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self):
+        """Free the GPU memory of the weights and the KV cache for the train phase (CUDA only)."""
         if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)  # level 1: weights to CPU RAM, KV cache dropped
             self.asleep = {"weights", "kv_cache"}
@@ -303,18 +357,33 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
 
+def response_length(row: list[int], eos_ids: list[int]) -> int:
+    """The tokens of a generated row up to its first EOS, included (generate pads the rows that
+    stopped)."""
+    for i, t in enumerate(row):
+        if t in eos_ids:
+            return i + 1
+    return len(row)
+
+
 class HFEngine:
-    """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself, all of a call's rows
-    in one batch (synced_gpus keeps the ranks in lockstep); for machines without vLLM, and a reference in tests."""
+    """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself,
+    all of a call's rows in one batch (synced_gpus keeps the ranks in lockstep); for machines
+    without vLLM, and a reference in tests."""
 
     def __init__(self, model, tokenizer, eos_ids: list[int], dummies: dict | None = None):
-        # dummies (data.dummy_prompts, multi-rank FSDP only): as in the trainer, a modality the prompts lack runs its
-        # dummy through the vision tower, so all ranks run the tower the same number of times
-        self.model, self.tokenizer = model, tokenizer
-        self.eos_ids, self.dummies = eos_ids, dummies
+        # dummies (data.dummy_prompts, multi-rank FSDP only): as in the trainer, a modality the
+        # prompts lack runs its dummy through the vision tower, so all ranks run the tower the same
+        # number of times
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.dummies = dummies
         self.banned = vision_token_ids(tokenizer)
 
     def config(self, temperature: float, max_tokens: int):
+        """transformers' generation settings: as vLLM samples (no top-p/top-k), greedy at
+        temperature 0."""
         from transformers import GenerationConfig
 
         return GenerationConfig(
@@ -335,9 +404,10 @@ class HFEngine:
         self, prompts: list[Prompt], n: int, temperature: float, max_tokens: int, seed: int
     ) -> list[Rollout]:
         if hasattr(self.model, "unshard"):
-            # generate() runs the vision encoder outside the root module's forward, so FSDP2's root hook
-            # never gathers the root-held parameters (patch embedding, merger): gather them by hand. The
-            # root must be initialized first, or a child block claims to be the root (torch 2.14 private API)
+            # generate() runs the vision encoder outside the root module's forward, so FSDP2's root
+            # hook never gathers the root-held parameters (patch embedding, merger): gather them by
+            # hand. The root must be initialized first, or a child block claims to be the root
+            # (torch 2.14 private API)
             self.model._get_fsdp_state()._lazy_init()
             self.model.unshard()
         try:
@@ -349,13 +419,13 @@ class HFEngine:
                 self.model.reshard()
 
     def _generate(self, prompts, n, temperature, max_tokens, seed) -> list[Rollout]:
-        """All prompts x n rows in ONE left-padded generate call; one seed per (call, rank): rows of a
-        batch share the global RNG stream, so what a row samples depends on the batch, not on earlier calls."""
+        """All prompts x n rows in ONE left-padded generate call; one seed per (call, rank): rows of
+        a batch share the global RNG stream, so what a row samples depends on the batch, not on
+        earlier calls."""
         device = next(self.model.parameters()).device
         rank = dist.get_rank() if dist.is_initialized() else 0
-        synced = (
-            dist.is_initialized() and dist.get_world_size() > 1
-        )  # FSDP: every rank must run every step
+        # FSDP: every rank must run every step
+        synced = dist.is_initialized() and dist.get_world_size() > 1
         torch.manual_seed(request_seed(seed, rank))
         rows = [p for p in prompts for _ in range(n)]
         P = max(len(r.prompt_ids) for r in rows)
@@ -367,16 +437,13 @@ class HFEngine:
         attn = torch.tensor(
             [[0] * k + [1] * len(r.prompt_ids) for k, r in zip(pad, rows)], device=device
         )
-        # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not once per row: generate
-        # gets the features laid out per row for the prefill, and the trainer's M-RoPE positions (sp.mrope_positions),
-        # which it continues from the last one + 1 per new token (vLLM: from the largest + 1, the same position)
-        vision = sp.shard_features(
-            self.model,
-            sp.encode_vision(self.model, rows, device, dummies=self.dummies),
-            ids,
-            rows,
-            sp.Shard(None, ids.shape[1], 0, ids.shape[1]),
-        )
+        # the vision tower runs once per distinct prompt (a group's n rows share one Prompt), not
+        # once per row: generate gets the features laid out per row for the prefill, and the
+        # trainer's M-RoPE positions (sp.mrope_positions), which it continues from the last one + 1
+        # per new token (vLLM: from the largest + 1, the same position)
+        features = sp.encode_vision(self.model, rows, device, dummies=self.dummies)
+        whole = sp.Shard(None, ids.shape[1], 0, ids.shape[1])  # one rank holds the whole sequence
+        vision = sp.shard_features(self.model, features, ids, rows, whole)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=attn,
@@ -390,19 +457,19 @@ class HFEngine:
         for t, logits in enumerate(out.logits):  # R steps of (B, V): no stacked (B, R, V) copy
             logits = logits.float()
             logits[:, self.banned] = float("-inf")
-            logp[:, t] = (
-                torch.log_softmax(logits / (temperature or 1.0), -1)
-                .gather(-1, seq[:, t : t + 1])[:, 0]
-                .cpu()
-            )
+            logprobs = torch.log_softmax(logits / (temperature or 1.0), -1)  # (B, V)
+            logp[:, t] = logprobs.gather(-1, seq[:, t : t + 1])[:, 0].cpu()
         rollouts = []
         for p, row, lp in zip(rows, seq.tolist(), logp.tolist()):
-            k = next(
-                (i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row)
-            )  # keep EOS, drop padding
-            finish = "stop" if k < len(row) or (row and row[-1] in self.eos_ids) else "length"
+            k = response_length(row, self.eos_ids)
+            finish = "length"
+            if k and row[k - 1] in self.eos_ids:
+                finish = "stop"
             text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
-            rollouts.append(Rollout(p, row[:k], lp[:k] if temperature > 0 else None, text, finish))
+            logp_row = None  # greedy: no log-probs
+            if temperature > 0:
+                logp_row = lp[:k]
+            rollouts.append(Rollout(p, row[:k], logp_row, text, finish))
         return rollouts
 
     def sync(self, *args, **kwargs):

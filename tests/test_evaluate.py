@@ -216,12 +216,10 @@ def test_official_letter_forms(bench):
     s = dict(MC, ovo_task="EPM") if bench == "ovobench" else MC
     got = [(r, E.score(r, s, E.adapter(bench))[1]) for r, _ in FORMS[bench]]
     assert got == [(r, None if v is None else float(v)) for r, v in FORMS[bench]]
-    assert (
-        E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0
-    )  # our format first
-    assert (
-        E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0
-    )  # the tag decides
+    # our format first
+    assert E.score("<think>A?</think><answer>B</answer>", s, E.adapter(bench))[1] == 1.0
+    # the tag decides
+    assert E.score("<think>B?</think><answer>C</answer>", s, E.adapter(bench))[1] == 0.0
 
 
 def test_official_number_span_and_yes_no_rules():
@@ -259,17 +257,17 @@ def test_official_number_span_and_yes_no_rules():
         0.5,
         None,
     ]
+    # bounded time at the length cap
     for bad in (
         "1" * 20000,
         "1 " * 10000,
         "1." * 10000,
         ":1" * 10000,
-    ):  # bounded time at the length cap
+    ):
         t = time.perf_counter()
         E.score(bad, ch, E.adapter("charades_sta"))
-        assert (
-            time.perf_counter() - t < 0.5
-        )  # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
+        # the span regex (~3 ms here): 11-14 s on a 20,000-digit run before
+        assert time.perf_counter() - t < 0.5
         t = time.perf_counter()
         E.score(bad, mmmu, E.adapter("videommmu"))
         assert time.perf_counter() - t < 0.5  # MMMU's number patterns, length-bounded: linear
@@ -299,23 +297,23 @@ def test_empty_answers_and_random_fallback():
     assert picks == set("ABCD") and E.score("", MC, ad, guess_seed=0) == E.score(
         "", MC, ad, guess_seed=0
     )
+    # Video-MME never guesses
     assert E.score("", MC, E.adapter("videomme"), guess_seed=0) == (
         None,
         None,
-    )  # Video-MME never guesses
+    )
     rows = [
         E.record(MC, "videomme", "p", r) for r in ("B", "I cannot tell.", "C")
     ]  # unreadable: not "answered"
     m = E.aggregate(rows, "videomme")
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 1)
-    cut = E.record(
-        MC, "videomme", "p", "<think>The answer is A, or"
-    )  # unfinished: our step reads nothing, the
+    # unfinished: our step reads nothing, the official rule reads A: counted
+    cut = E.record(MC, "videomme", "p", "<think>The answer is A, or")
     assert (cut["score"], cut["parse_fail"], cut["dropped"]) == (
         0.0,
         True,
         False,
-    )  # official rule reads A: counted
+    )
 
 
 HOLMES = dict(MC, options=[f"{c}. reason {c}" for c in "ABCDEF"], answer="E")
@@ -344,10 +342,11 @@ def tempcompass_samples() -> dict:
 def test_tempcompass_official_rules():
     tc, ad = tempcompass_samples(), E.adapter("tempcompass")
     mc, yn = tc["tc0/attribute_change/1"], tc["tc1/speed/1"]  # answer "C. blue"; "no"
+    # "Option 2: ..."; "Caption B: ..."
     option, caption = (
         tc["tc4/direction/1"],
         tc["tc3/attribute_change/1"],
-    )  # "Option 2: ..."; "Caption B: ..."
+    )
     table = [  # eval_multi-choice.py: the answer line, a bare letter, "C." or "C)" first; else (no judge) unreadable
         (mc, "C", 1),
         (mc, "C. blue", 1),
@@ -400,9 +399,8 @@ def test_videommmu_open_answers_and_empty_left_out():
     assert not E.record(MC, "videommmu", "p", "<think>B or")[
         "dropped"
     ]  # cut off while thinking: wrong, counted
-    m = E.aggregate(
-        rows, "videommmu"
-    )  # the empty answer leaves the denominator, the unreadable one stays (wrong)
+    # the empty answer leaves the denominator, the unreadable one stays (wrong)
+    m = E.aggregate(rows, "videommmu")
     assert (m["accuracy"], m["n"], m["dropped"], m["parse_fail"]) == (50, 3, 1, 2)
     assert E.score("", MC, ad, guess_seed=0) == (None, None)  # never a guess
 
@@ -458,17 +456,17 @@ def test_adapter(name, videos):
     for s in samples:
         text = data.render_prompt(s, E.adapter(name).get("prompt"))
         assert s["problem"].split("\n")[0] in text
-        assert all(
-            o.split(" ", 1)[-1] in text for o in s["options"]
-        )  # every option's text reaches the prompt
+        # every option's text reaches the prompt
+        assert all(o.split(" ", 1)[-1] in text for o in s["options"])
         parsed, v = E.score(right(s, ad), s, ad)
         assert v == 1.0 and parsed is not None, (s["id"], right(s, ad), parsed)
         if s["problem_type"] == "multiple choice":
             wrong = next(lt for lt in E.letters_of(s) if lt != E.gt_letter(s))
+            # TempCompass caption matching cannot read a bare letter
             assert E.score(wrong, s, ad)[1] in (
                 0.0,
                 None,
-            )  # TempCompass caption matching cannot read a bare letter
+            )
         row = E.record(s, name, "prompt", "I cannot tell.")
         assert (
             row["score"] == 0.0
@@ -504,26 +502,23 @@ def test_released_record_shapes():
         ("B", "B. The screen is yellow.", "direction"),
     ]
     assert E.score("Caption B: The screen stays green.", cm[0], E.adapter("tempcompass"))[1] == 1.0
-    vm = E.load_benchmark(
-        "videomme", cfg, []
-    )  # the Hugging Face parquet: its videoID wins over its url's id
+    # the Hugging Face parquet: its videoID wins over its url's id
+    vm = E.load_benchmark("videomme", cfg, [])
     assert [s["videos"][0] for s in vm] == [f"/v/videomme/vid{i}.mp4" for i in range(3)]
     mm = {s["id"]: s for s in E.load_benchmark("videommmu", cfg, [])}  # {track: {index: record}}
     assert [(i, s["track"], s["discipline"], s["problem_type"]) for i, s in sorted(mm.items())] == [
         ("validation_Art_1", "Perception", "Art", "multiple choice"),
         ("validation_Math_3", "Adaptation", "Math", "open-ended"),
     ]
-    nq = E.load_benchmark(
-        "nextqa", cfg, []
-    )  # val.csv: where = the csv line; a quoted comma stays in its option
+    # val.csv: where = the csv line; a quoted comma stays in its option
+    nq = E.load_benchmark("nextqa", cfg, [])
     assert [(s["id"], s["answer"], s["options"][0], s["where"][-5:]) for s in nq] == [
         ("4010069381_1", "C", "A. to catch", "csv:2"),
         ("4010069381_2", "A", "A. running, fast", "csv:3"),
     ]
     assert nq[0]["videos"][0] == "/v/nextqa/4010069381.mp4"
-    ch = E.load_benchmark(
-        "charades_sta", cfg, []
-    )  # charades_sta_test.txt: "vid start end##caption"
+    # charades_sta_test.txt: "vid start end##caption"
+    ch = E.load_benchmark("charades_sta", cfg, [])
     assert [(s["answer"], s["videos"][0]) for s in ch] == [
         ('{"time": [0.0, 1.2]}', "/v/charades_sta/AO8RW.mp4"),
         ('{"time": [0.5, 2.0]}', "/v/charades_sta/3MSZA.mp4"),
@@ -534,9 +529,8 @@ def test_released_record_shapes():
         ("B", "plotQA", "/v/mlvu/1_plotQA/ml1.mp4"),
         ("C", "count", "/v/mlvu/4_count/ml2.mp4"),
     ]
-    mv = E.load_benchmark(
-        "mmvu", cfg, []
-    )  # validation.json: video is the hub URL, open-ended choices are ""
+    # validation.json: video is the hub URL, open-ended choices are ""
+    mv = E.load_benchmark("mmvu", cfg, [])
     assert [(s["subject"], s["problem_type"], s["options"][:1]) for s in mv] == [
         ("Chemistry", "multiple choice", ["A. red"]),
         ("Chemistry", "open-ended", []),
@@ -584,9 +578,8 @@ def test_unreadable_folders_and_fields_are_named(tmp_path):
         r"in the folder .*mlvu",
     ):
         E.load_benchmark("mlvu", cfg, [])
-    (tmp_path / "mlvu" / "1_plotQA.json").write_text(
-        json.dumps({"v": {"q": [1]}})
-    )  # nested, but mlvu reads lists
+    # nested, but mlvu reads lists
+    (tmp_path / "mlvu" / "1_plotQA.json").write_text(json.dumps({"v": {"q": [1]}}))
     with pytest.raises(
         DataError,
         match=r"mlvu: 0 samples .*1_plotQA.json: DataError: expected a JSON array of "
@@ -610,9 +603,8 @@ def test_unreadable_folders_and_fields_are_named(tmp_path):
     bad = []
     assert len(E.load_benchmark("charades_sta", cfg, [], bad)) == 1
     assert bad[0]["where"].endswith("charades_sta.txt:2") and "does not match" in bad[0]["error"]
-    (
-        tmp_path / "egoschema"
-    ).mkdir()  # the release's questions.json, not joined with its answers: loud, not n = 0
+    # the release's questions.json, not joined with its answers: loud, not n = 0
+    (tmp_path / "egoschema").mkdir()
     (tmp_path / "egoschema" / "questions.json").write_text(
         json.dumps([{"q_uid": "e0", "question": "q?"}])
     )
@@ -626,9 +618,8 @@ def test_unreadable_folders_and_fields_are_named(tmp_path):
 
 def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v", max_samples=1)
-    (first,) = E.load_benchmark(
-        "livesports3k_qa", cfg, []
-    )  # the repeat is the file's 3rd record: seen all the same
+    # the repeat is the file's 3rd record: seen all the same
+    (first,) = E.load_benchmark("livesports3k_qa", cfg, [])
     assert first["id"] == "0@livesports3k_qa.json:1"
     assert (
         "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1"
@@ -651,13 +642,12 @@ def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     job = E.prepare_benchmark(
         "livesports3k_qa", E.resolve(replace(cfg, max_samples=0, out_dir=str(tmp_path)))
     )
-    assert len(job["samples"]) + len(job["missing"]) == 3
+    assert len(job.samples) + len(job.missing) == 3
 
 
 def test_grounding_without_boxes_is_scored_on_time():
-    st = E.load_benchmark(
-        "stvg", E.Config(data_dir=FIXTURES, video_dir="/v"), []
-    )  # gt [0.5, 1.5], "boxes": {}
+    # gt [0.5, 1.5], "boxes": {}
+    st = E.load_benchmark("stvg", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
     empty = st[1]
     assert E.score('<answer>{"time": [0.5, 1.0]}</answer>', empty, E.adapter("stvg"))[
         1
@@ -706,9 +696,8 @@ def test_videomme_v2_group_scores(group_type, structure, marks, want):
 
 def test_official_aggregates():
     cfg = E.Config(data_dir=FIXTURES, video_dir="/v")
-    vsi = E.load_benchmark(
-        "vsibench", cfg, []
-    )  # counting gt 4; rel_direction easy (A), hard (B); appearance
+    # counting gt 4; rel_direction easy (A), hard (B); appearance
+    vsi = E.load_benchmark("vsibench", cfg, [])
     rows = [E.record(s, "vsibench", "p", r) for s, r in zip(vsi, ["4.48", "A", "A", "B"])]
     m = E.aggregate(rows, "vsibench")
     cats = {r["question_type"]: r["score"] for r in rows}
@@ -725,17 +714,16 @@ def test_official_aggregates():
             {"score": 0, "ovo_category": "forward", "ovo_task": "REC"},
         )
     ]
-    m = E.aggregate(
-        ovo, "ovobench_evr1"
-    )  # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
+    # backward = mean(EPM 50, HLD 100) = 75, not the pooled 66.7
+    m = E.aggregate(ovo, "ovobench_evr1")
+    # overall: of the categories
     assert (m["ovo_category/backward"], m["overall"], m["accuracy"]) == (
         75,
         37.5,
         50,
-    )  # overall: of the categories
-    v2 = E.load_benchmark(
-        "videomme_v2", cfg, []
-    )  # two videos of 4 questions: 3 of 4 right, then 1 of 4
+    )
+    # two videos of 4 questions: 3 of 4 right, then 1 of 4
+    v2 = E.load_benchmark("videomme_v2", cfg, [])
     answers = [s["answer"] if i in (0, 1, 2, 4) else "H" for i, s in enumerate(v2)]
     m = E.aggregate(
         [E.record(s, "videomme_v2", "p", a) for s, a in zip(v2, answers)], "videomme_v2"
@@ -802,9 +790,8 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
         and "JSON object" in bad[2]["error"]
         and "not JSON" in bad[4]["error"]
     )
-    (tmp_path / "lvbench.jsonl").write_text(
-        json.dumps({"key": "v"}) + "\n"
-    )  # a record without qa: no sample at all
+    # a record without qa: no sample at all
+    (tmp_path / "lvbench.jsonl").write_text(json.dumps({"key": "v"}) + "\n")
     with pytest.raises(
         DataError,
         match=r"lvbench: 0 samples loaded from .*lvbench.jsonl \(1 bad records, 0 without "
@@ -814,9 +801,8 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
     with pytest.raises(
         DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: .*field 'answer'"
     ):
-        E.load_benchmark(
-            "videomme", E.Config(data_dir=str(tmp_path)), []
-        )  # without a bad list: raised
+        # without a bad list: raised
+        E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path)), [])
 
 
 def test_benchmark_table_is_checked(tmp_path):
@@ -839,9 +825,8 @@ def test_benchmark_table_is_checked(tmp_path):
         match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map",
     ):
         E.load_adapters(str(path))
-    path.write_text(
-        "mine:\n  opts: null\n  video: '{v}.mp4'\n"
-    )  # the defaults fill in, an explicit null stays
+    # the defaults fill in, an explicit null stays
+    path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")
     assert E.load_adapters(str(path)) == {
         "mine": {
             "q": "question",
@@ -869,33 +854,28 @@ def test_checked_before_the_engine(tmp_path):
                 E.Config(benchmarks="mvbench", data_dir=str(tmp_path), out_dir=str(tmp_path))
             )
         )
-    with pytest.raises(
-        ValueError, match="10699 vision tokens"
-    ):  # 64 frames x 262,144 px do not fit in 4,096
+    # 64 frames x 262,144 px do not fit in 4,096
+    with pytest.raises(ValueError, match="10699 vision tokens"):
         asyncio.run(
             E.evaluate(E.Config(max_model_len=4096, data_dir=FIXTURES, out_dir=str(tmp_path)))
         )
     assert time.perf_counter() - t < 5
-    assert (
-        E.resolve(E.Config(model=str(tmp_path))).max_prompt_len == 16384 - 64
-    )  # the defaults fit each other
+    # the defaults fit each other
+    assert E.resolve(E.Config(model=str(tmp_path))).max_prompt_len == 16384 - 64
     job = E.prepare_benchmark(
         "videomme",
         E.resolve(E.Config(data_dir=FIXTURES, video_dir=str(tmp_path), out_dir=str(tmp_path))),
     )
     assert (
-        len(job["missing"]) == 3
-        and len(job["samples"]) == 0
-        and "missing media" in job["bad"][0]["error"]
+        len(job.missing) == 3 and len(job.samples) == 0 and "missing media" in job.bad[0]["error"]
     )
 
 
 # ---------------------------------------------------------------------------------------------------
 # the real pipeline on the tiny checkpoint
 def run_cfg(tiny_model, videos, synth, out, **kw):
-    ann = (
-        out.parent / "ann"
-    )  # the fixtures plus our own schema (the synthetic val set) as benchmark "nvr1"
+    # the fixtures plus our own schema (the synthetic val set) as benchmark "nvr1"
+    ann = out.parent / "ann"
     if not ann.exists():
         ann.mkdir()
         for f in os.listdir(FIXTURES) + ["nvr1"]:
@@ -985,9 +965,8 @@ async def async_run_and_resume(cfg, run, videos, synth, tmp_path) -> dict:
     res2 = await run(replace(cfg, benchmarks="nvr1"))
     assert (res2["nvr1"]["resumed"], res2["nvr1"]["torn_lines"]) == (2, 1)
     assert read(log) == a and res2["nvr1"]["metrics"] == res["nvr1"]["metrics"]
-    with pytest.raises(
-        DataError, match="differs in .*max_tokens"
-    ):  # other settings: refused, not resumed
+    # other settings: refused, not resumed
+    with pytest.raises(DataError, match="differs in .*max_tokens"):
         await run(replace(cfg, benchmarks="nvr1", max_tokens=5))
     return res
 
@@ -1009,13 +988,11 @@ def test_two_models_default_folder_and_exit_code(tiny_model, synth, tmp_path, mo
     )
     first = asyncio.run(E.evaluate(base))["nvr1"]
     second = asyncio.run(E.evaluate(replace(base, model=str(other))))["nvr1"]
-    assert (
-        first["samples"] != second["samples"] and second["resumed"] == 0
-    )  # its own answers, in its own folder
+    # its own answers, in its own folder
+    assert first["samples"] != second["samples"] and second["resumed"] == 0
     assert read(second["samples"])[0]["doc_id"] == read(first["samples"])[0]["doc_id"]
-    with pytest.raises(
-        DataError, match="differs in model"
-    ):  # another model's folder, named explicitly: refused
+    # another model's folder, named explicitly: refused
+    with pytest.raises(DataError, match="differs in model"):
         asyncio.run(
             E.evaluate(
                 replace(
@@ -1072,17 +1049,15 @@ def readme_eval(tmp_path_factory):
 def test_readme_command_as_written(tmp_path_factory):
     tmp_path, out = lane_result("readme_eval", tmp_path_factory)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (
-        "Traceback" not in out.stderr and "nvr1: 3/3" in out.stderr
-    )  # progress, and no exit traceback
+    # progress, and no exit traceback
+    assert "Traceback" not in out.stderr and "nvr1: 3/3" in out.stderr
     # quiet (issue 29: 116 lines, vLLM's engine processes' among them): our warning, progress, scores, results path
     lines = quiet_lines(out.stdout, out.stderr)
     assert len(lines) <= 6 and not [x for x in lines if LIBRARY_NOISE.search(x)], (
         out.stdout + out.stderr
     )
-    assert any(
-        x.startswith("warning: a video can take") for x in lines
-    )  # our own warnings still print
+    # our own warnings still print
+    assert any(x.startswith("warning: a video can take") for x in lines)
     folder = next((tmp_path / "runs" / "eval").iterdir())
     res = json.loads((folder / "results.json").read_text())["benchmarks"]["nvr1"]
     assert res["metrics"]["n"] == 3 and res["unevaluable"] == 0
@@ -1116,13 +1091,11 @@ def test_ovobench_release_records_clips_and_scores(tmp_path):
     answers = ["B", "C", "N", "No, not yet", "Yes.", "Y", "0", "1 time, maybe 2"]
     rows = [E.record(s, "ovobench", "p", a, extraction="official") for s, a in zip(ovo, answers)]
     assert [r["score"] for r in rows] == [1, 1, 1, 0, 1, 0, 1, 0]
-    m = E.aggregate(
-        rows, "ovobench"
-    )  # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
+    # tasks EPM 100, OCR 100, CRR 50, SSR 50, REC 50 (a probe counts one)
+    m = E.aggregate(rows, "ovobench")
     assert (m["task/CRR"], m["category/forward"], m["category/realtime"]) == (50, 50, 100)
-    assert (
-        m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5
-    )  # "Total Avg."; micro
+    # "Total Avg."; micro
+    assert m["overall"] == pytest.approx((100 + 100 + 50) / 3) and m["accuracy"] == 62.5
     bad_records = [  # no realtime; a probe without it; probes not a list; a realtime that is not a number
         {
             "id": 7,
@@ -1171,14 +1144,14 @@ def test_official_prompts_verbatim():
         "question is: Why did the man leave?. The options are: A: reason A, B: reason B, C: reason C, D: reason D, "
         "E: reason E, F: reason F. Your answer:"
     )
+    # MMVU's DO_PROMPT
     assert got["mmvu"] == (
         "\nQuestion: What is the background color of the video?\nA: red\nB: green\nC: blue\n"
         "D: yellow\nE: white\n\nDo not generate any intermediate reasoning process. Answer directly "
         "with the option letter from the given choices.\n"
-    )  # MMVU's DO_PROMPT
-    ovo = E.load_benchmark(
-        "ovobench", cfg, []
-    )  # constant.py's templates, filled as utils/OVOBench.py build_prompt
+    )
+    # constant.py's templates, filled as utils/OVOBench.py build_prompt
+    ovo = E.load_benchmark("ovobench", cfg, [])
     end = "Do not include any additional text or explanation in your response.\n"
     assert data.render_prompt(ovo[0], E.adapter("ovobench")["prompt"]) == (
         "\nQuestion: What color was the screen before?\nOptions:\nA. red; B. green; C. blue; D. yellow;\n\nRespond "

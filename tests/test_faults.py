@@ -828,10 +828,10 @@ def test_resume_rows_are_checked_at_read(tmp_path, tiny_model, synth):
     job = evaluate.prepare_benchmark("nvr1", evaluate.resolve(evaluate.Config(**flags)))
     (tmp_path / "nvr1").mkdir()
     (tmp_path / "nvr1" / "run.json").write_text(
-        json.dumps(job["run"])
+        json.dumps(job.run)
     )  # the same run: resumed, not refused
     rows = [
-        {"doc_id": s["id"], "score": 1.0, "parse_fail": False, "error": ""} for s in job["samples"]
+        {"doc_id": s["id"], "score": 1.0, "parse_fail": False, "error": ""} for s in job.samples
     ]
     log = tmp_path / "nvr1" / "samples.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in rows[:1] + [{**rows[1], "score": None}]))

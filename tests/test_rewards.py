@@ -127,9 +127,8 @@ def test_answer_text(text, want):
 
 # ---------------------------------------------------------------------------------------------------
 # table-driven cases per problem type: (type, completion's answer, ground truth or None, accuracy; None = parse failure)
-ROUGE_EX = (
-    (5 / 6) + 0.6 + (5 / 6)
-) / 3  # "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
+# "the cat sat on the mat" vs "the cat is on the mat": R1 5/6, R2 3/5, RL 5/6
+ROUGE_EX = ((5 / 6) + 0.6 + (5 / 6)) / 3
 BOMB = (
     "<!DOCTYPE s [<!ENTITY a0 'xxxxxxxxxx'>"
     + "".join(f"<!ENTITY a{i} '{f'&a{i - 1};' * 10}'>" for i in range(1, 10))
@@ -230,12 +229,13 @@ CASES = [
     ("regression", "100", None, 1.0),
     ("regression", "90", None, 0.9),
     ("regression", "110", None, 0.9),
+    # an error exactly on the 10% threshold passes t = 0.90 (the issue's case)
     (
         "regression",
         "11",
         "10",
         0.9,
-    ),  # an error exactly on the 10% threshold passes t = 0.90 (the issue's case)
+    ),
     ("regression", "95", None, 1.0),
     ("regression", "70", None, 0.5),
     ("regression", "80", None, 0.6),
@@ -293,12 +293,13 @@ CASES = [
     ("math", "\\sqrt{2}", "2^{1/2}", 1.0),
     ("math", "x + x", "2x", 1.0),
     ("math", "50\\%", None, 1.0),
+    # ~0.8 s of sympy on an idle machine (see test_accuracy_table)
     (
         "math",
         "\\sin^2 x + \\cos^2 x",
         "1",
         1.0,
-    ),  # ~0.8 s of sympy on an idle machine (see test_accuracy_table)
+    ),
     # temporal grounding: JSON (numbers as strings too; the last complete object), else a span in text
     ("temporal grounding", '{"time": [2, 6]}', None, 1.0),
     ("temporal grounding", '{"time": [4, 10]}', None, 0.25),  # inter 2 / union 8
@@ -308,12 +309,13 @@ CASES = [
     ("temporal grounding", "from 4 to 10 seconds", None, 0.25),
     ("temporal grounding", "4s - 10s", None, 0.25),
     ("temporal grounding", "from 2 to 6", None, 1.0),
+    # the last complete one
     (
         "temporal grounding",
         'No, {"time": [7, 9]}. Corrected: {"time": [2, 6]}',
         None,
         1.0,
-    ),  # the last complete one
+    ),
     ("temporal grounding", '{"time": [2, 6]} {"time": [7,', None, 1.0),
     ("temporal grounding", '{"time": [7, 9]}', None, 0.0),
     ("temporal grounding", '{"time": [3, 3]}', None, 0.0),
@@ -331,24 +333,27 @@ CASES = [
     ("spatial grounding", '{"boxes": ["5", "5", "15", "15"]}', None, 1 / 7),
     ("spatial grounding", '{"boxes": [20, 20, 30, 30]}', None, 0.0),
     ("spatial grounding", '{"boxes": [1, 2, 3]}', None, None),
+    # x2 < x1 (an [x, y, w, h] box, say)
     (
         "spatial grounding",
         '{"boxes": [10, 10, 0, 0]}',
         None,
         None,
-    ),  # x2 < x1 (an [x, y, w, h] box, say)
+    ),
+    # gt not in {"boxes": ..}: a data error
     (
         "spatial grounding",
         "[0, 0, 0, 10]",
         "[0, 0, 0, 10]",
         None,
-    ),  # gt not in {"boxes": ..}: a data error
+    ),
+    # equal empty boxes match
     (
         "spatial grounding",
         '{"boxes": [3, 3, 3, 3]}',
         '{"boxes": [3, 3, 3, 3]}',
         1.0,
-    ),  # equal empty boxes match
+    ),
     # spatial-temporal grounding: 0.5 * time IoU + 0.5 * mean box IoU over common seconds, partial credit throughout
     (ST, GT[ST], None, 1.0),
     # 0.5 * time IoU 2/4 + 0.5 * mean box IoU over common seconds (1 + 50/150) / 2
@@ -358,30 +363,34 @@ CASES = [
     (ST, '{"time": [2, 6], "boxes": {"1": [0, 0, 5, 10]}}', None, 0.5 * 1 / 3 + 0.5 * 0.5),
     (ST, '{"time": [0, 4]}', None, 0.5),
     (ST, '{"time": [0, 2], "boxes": {}}', None, 0.25),  # no boxes: 0.5 * tIoU
+    # a list names no seconds: no boxes
     (
         ST,
         '{"time": [0, 4], "boxes": [[0, 0, 10, 10]]}',
         None,
         0.5,
-    ),  # a list names no seconds: no boxes
+    ),
+    # swapped: IoU 0
     (
         ST,
         '{"time": [0, 4], "boxes": {"0": [0, 0, 10, 10], "1": [10, 10, 0, 0]}}',
         None,
         0.75,
-    ),  # swapped: IoU 0
+    ),
+    # malformed: IoU 0
     (
         ST,
         '{"time": [0, 4], "boxes": {"0": [0, 0, 10, 10], "1": [0, 1]}}',
         None,
         0.75,
-    ),  # malformed: IoU 0
+    ),
+    # bad span: tIoU 0
     (
         ST,
         '{"time": [4, 0], "boxes": {"0": [0, 0, 10, 10], "1": [0, 0, 10, 10]}}',
         None,
         0.5,
-    ),  # bad span: tIoU 0
+    ),
     (ST, '{"boxes": {"0": [0, 0, 10, 10]}}', None, 0.5),
     (ST, '{"when": [0, 4]}', None, None),
     # tracking: mean IoU over the ground truth's 3 frames, a missing or malformed box counting 0
@@ -396,12 +405,13 @@ CASES = [
     ),
     ("tracking", '{"boxes": {"5": [0, 0, 10, 10]}}', None, 0.0),  # no common frame
     ("tracking", '{"boxes": {"0": [0, 0, 10, 10], "1": [1, 2, 3]}}', None, 1 / 3),
+    # one perfect frame of three is not a full score
     (
         "tracking",
         '{"boxes": {"1": [0, 0, 10, 10]}}',
         None,
         1 / 3,
-    ),  # one perfect frame of three is not a full score
+    ),
     (
         "tracking",
         '{"boxes": {"0": [0, 0, 10, 10], "1": [10, 10, 0, 0], "2": [0, 0, 10, 10]}}',
@@ -416,12 +426,13 @@ CASES = [
     ("code", f"```python\n{PY_REF}\n```", PY_REF, 1.0),
     ("code", "def f(x):\n    return x + 2", PY_REF, 0.9),  # 9 of 10 tokens: 2 * 9 / 20
     ("code", "print(2)", "print(1)", 0.75),  # print ( 2 ) vs print ( 1 ): 2 * 3 / 8
+    # a free name is not renamed: builtins keep their meaning
     (
         "code",
         "print(len)",
         "print(x)",
         0.75,
-    ),  # a free name is not renamed: builtins keep their meaning
+    ),
     ("code", "pass", PY_REF, 0.0),
     ("code", "42", PY_REF, 0.0),
     ("code", "hello", PY_REF, 0.0),
@@ -430,27 +441,30 @@ CASES = [
     ("code", "print('unclosed", None, 0.0),
     ("svg-code", SVG_REF, SVG_REF, 1.0),
     ("svg-code", '<svg  width="10"><!-- c --><rect x="1"></rect></svg>', SVG_REF, 1.0),
+    # attribute order
     (
         "svg-code",
         '<svg><rect y="2" x="1"/></svg>',
         '<svg><rect x="1" y="2"/></svg>',
         1.0,
-    ),  # attribute order
+    ),
+    # <svg width=10 ... </svg: 2 * 3 / 12
     (
         "svg-code",
         '<svg width="10"><circle r="1"/></svg>',
         SVG_REF,
         0.5,
-    ),  # <svg width=10 ... </svg: 2 * 3 / 12
+    ),
     ("svg-code", "hello", SVG_REF, 0.0),
     ("svg-code", "N/A", SVG_REF, 0.0),
     ("svg-code", BOMB, SVG_REF, 0.0),  # entities are never expanded
+    # nor fetched
     (
         "svg-code",
         '<!DOCTYPE s [<!ENTITY x SYSTEM "file:///etc/passwd">]><s>&x;</s>',
         SVG_REF,
         0.0,
-    ),  # nor fetched
+    ),
     ("html-code", HTML_REF, HTML_REF, 1.0),
     ("html-code", "<P>Hello   <B>world</B></P><!-- x -->", HTML_REF, 1.0),
     ("html-code", "<p>Hello world</p>", HTML_REF, 0.8),  # 4 tokens in order of 6 and 4: 2 * 4 / 10
@@ -485,9 +499,8 @@ def test_rouge_and_wer_by_hand():
 
 def test_mra_exact_values():  # VSI-Bench: (|pred - gt| / gt <= 1 - np.linspace(0.5, 0.95, 10)).mean()
     assert [rewards.mra(p, 100) for p in (100, 90, 70, 95, 50)] == [1.0, 0.9, 0.5, 1.0, 0.1]
-    assert (
-        rewards.mra(11, 10) == 0.9 and rewards.mra(80, 100) == 0.6
-    )  # 0.1 passes 1 - 0.9; 0.2 fails 1 - 0.8 in floats
+    # 0.1 passes 1 - 0.9; 0.2 fails 1 - 0.8 in floats
+    assert rewards.mra(11, 10) == 0.9 and rewards.mra(80, 100) == 0.6
 
 
 def test_math_boxed_without_answer_tags():
@@ -501,14 +514,12 @@ SLOW_MATH = [
 ]  # math-verify alone: 8 s, 9 s, 1.2 s of CPU (load 17)
 
 
-@pytest.mark.parametrize(
-    "slow", SLOW_MATH + ["2^{2^{2^{2^{2^{99}}}}}"]
-)  # the power tower: a C-level big-int loop
+# the power tower: a C-level big-int loop
+@pytest.mark.parametrize("slow", SLOW_MATH + ["2^{2^{2^{2^{2^{99}}}}}"])
 def test_math_time_limit_cleans_up(warm, slow):
     before = signal.getsignal(signal.SIGALRM)
-    t0 = (
-        time.thread_time()
-    )  # CPU time (see PATHOLOGICAL below): the limit is wall-clock, so load only lowers it
+    # CPU time (see PATHOLOGICAL below): the limit is wall-clock, so load only lowers it
+    t0 = time.thread_time()
     assert score("math", f"<answer>{slow}</answer>")["accuracy"] == 0.0
     assert time.thread_time() - t0 < rewards.MATH_TIMEOUT + 0.4
     assert (
@@ -560,10 +571,11 @@ MALFORMED = {
     "spaces": ("   \n ", True),
     "1MB": ("x" * 1_000_000, True),
     "blank": ("<answer>\u200b\x00 </answer>", True),
+    # cut at MAX_LEN: the tag never closes
     "1MB in tags": (
         "<answer>" + "7" * 1_000_000 + "</answer>",
         True,
-    ),  # cut at MAX_LEN: the tag never closes
+    ),
     "unicode": ("<answer>ＢＢ 😀 ñ \u202e\u0000</answer>", None),
     "unclosed": ("<answer>B", True),
     "unclosed think": ("<think>B", True),
@@ -645,9 +657,8 @@ def test_malformed_json_is_a_parse_failure(ptype, name):
 def test_aliases(alias, want):
     assert canonical_type(alias) == want
     s = sample(want, problem_type=alias)
-    assert (
-        compute_reward(f"<answer>{s['answer']}</answer>", s)[1]["accuracy"] == 1.0
-    )  # routed to the right scorer
+    # routed to the right scorer
+    assert compute_reward(f"<answer>{s['answer']}</answer>", s)[1]["accuracy"] == 1.0
 
 
 def test_unknown_type_scored_open_ended():
@@ -790,9 +801,8 @@ def test_validate_answer_more_good_ones():
         ("tracking", '{"boxes": {"0": [0, 0, 1, 1]}}'),
     ]:
         validate_answer(sample(ptype, answer=gt))
-    validate_answer(
-        {"id": "x", "problem_type": "multiple choice", "answer": "F"}
-    )  # no options: any letter
+    # no options: any letter
+    validate_answer({"id": "x", "problem_type": "multiple choice", "answer": "F"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -808,9 +818,8 @@ TOKENS = list("<>/answerthik{}[]()\\boxed0123456789.,:-\"% \n") + [
     "\\boxed{",
     "answer is ",
 ]
-TAGGY = st.lists(st.sampled_from(TOKENS), max_size=60).map(
-    "".join
-)  # strings the parsers have to look at twice
+# strings the parsers have to look at twice
+TAGGY = st.lists(st.sampled_from(TOKENS), max_size=60).map("".join)
 
 
 def check(text, ptype):
@@ -935,9 +944,8 @@ PATHOLOGICAL = {
 
 @pytest.fixture(scope="module")
 def warm():
-    compute_reward(
-        "<answer>1</answer>", sample("math")
-    )  # import math-verify and sympy once, outside the timing
+    # import math-verify and sympy once, outside the timing
+    compute_reward("<answer>1</answer>", sample("math"))
 
 
 @pytest.mark.parametrize("name", sorted(PATHOLOGICAL))

@@ -93,9 +93,8 @@ def test_hf_engine_matches_vllm_greedy(setup):
     eos = model.generation_config.eos_token_id
     hf = HFEngine(model, proc.tokenizer, eos if isinstance(eos, list) else [eos])
     a = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)
-    b = hf.generate(
-        prompts, n=1, temperature=0.0, max_tokens=10, seed=0
-    )  # one batch: left padding changes nothing
+    # one batch: left padding changes nothing
+    b = hf.generate(prompts, n=1, temperature=0.0, max_tokens=10, seed=0)
     assert [r.response_ids for r in a] == [r.response_ids for r in b]
 
 
@@ -123,9 +122,8 @@ def test_eight_prompts_by_eight_images(setup, synth):
     samples = [s for s in data.load_samples(f"{synth}/train.jsonl") if s.get("images")][:8]
     prompts = [data.prepare(s, proc, tiny_config()) for s in samples]
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    assert (
-        len(prompts) == 8 and 64 * len(prompts[0].prompt_ids) > budget
-    )  # the step spans several engine steps
+    # the step spans several engine steps
+    assert len(prompts) == 8 and 64 * len(prompts[0].prompt_ids) > budget
     a = engine.generate(prompts, n=8, temperature=1.0, max_tokens=4, seed=3)
     assert len(a) == 64 and all(len(r.logp) == len(r.response_ids) > 0 for r in a)
     assert len({tuple(r.response_ids) for r in a}) > 8  # 64 draws, not one repeated per prompt
@@ -332,10 +330,9 @@ def worker(model_dir: str, data_path: str):
     tok = proc.tokenizer
     model = train.load_model(cfg, device)
     torch.manual_seed(rank)
-    with (
-        torch.no_grad()
-    ):  # "trained" weights, not the checkpoint vLLM loaded; 0.01: noise of 0.05 sharpens the
-        # policy so much that the two engines' fp32 kernels disagree by 0.06 (kernel noise grows with the logits)
+    # "trained" weights, not the checkpoint vLLM loaded; 0.01: noise of 0.05 sharpens the policy so
+    # much that the two engines' fp32 kernels disagree by 0.06 (kernel noise grows with the logits)
+    with torch.no_grad():
         for p in model.parameters():
             p.to_local().add_(0.01 * torch.randn_like(p.to_local()))
     state = {
