@@ -173,20 +173,21 @@ def clock(device) -> float:
 
 
 def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
-    """train.main's train phase on one micro-batch, timed: a no-grad log-prob pass (off-policy's old log-probs), then
-    train.update with advantages +-1 by row."""
+    """train.main's train phase, timed: a no-grad log-prob pass over the first micro-batch (what an off-policy
+    update adds), then train.train_phase with rewards +-1 by row (group_size 1: advantages about +-1)."""
     t0 = clock(t.device)
-    minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    first = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)[0][0]
     with torch.no_grad():
-        train.token_logp(
-            t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout
-        )
+        train.token_logp(t.model, first, cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+    del first
     t1 = clock(t.device)
-    for b in minibatches[0]:
-        b["adv"] = (torch.arange(len(b["mask"]), device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(
-            b["mask"]
-        )
-    train.update(t, minibatches, cfg, step=1, ids=[r.prompt.sample["id"] for r in rollouts])
+    rows = dict(
+        reward=[i % 2 * 2.0 - 1 for i in range(len(rollouts))],
+        length=[len(r.response_ids) for r in rollouts],
+        baseline=[0.0] * len(rollouts),
+    )
+    ids = [r.prompt.sample["id"] for r in rollouts]
+    train.train_phase(t, rollouts, rows, 0, replace(cfg, group_size=1), tok, step=1, ids=ids)
     return dict(logp_s=t1 - t0, update_s=clock(t.device) - t1)
 
 
@@ -231,7 +232,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     [[b]] = train.micro_batches(
         rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies
     )
-    b["adv"] = torch.zeros_like(b["mask"])
+    b.adv = torch.zeros_like(b.mask)
     with torch.no_grad():
         m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
     return {
@@ -308,9 +309,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             )
             row.update(predicted=p.train, plan={**p.held, **p.transient})
         try:
-            t = train.build_trainer(
-                scfg, processor, sp.make_layout(1), 0, 1, device
-            )  # load_model and AdamW
+            t = train.build_trainer(scfg, processor, sp.make_layout(1), device)  # model, AdamW
             train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
