@@ -497,6 +497,35 @@ def test_micro_batch_invariance_tensors(loss_type, agg):
     )
 
 
+# ----------------------------------------------------------------------------------------------- held-out accuracy
+def test_eval_row_scores_as_the_nvr1_benchmark():
+    """train.eval_row (the held-out accuracy, from rewards) scores every response as evaluate.py's own-schema
+    benchmark (nvr1) does: the same score, parse failure, answer read, target and id."""
+    import data
+    import evaluate
+    from conftest import synth_dir
+    from train import eval_row
+
+    samples = data.load_samples(os.path.join(synth_dir(), "val.jsonl"))
+    assert len({s["problem_type"] for s in samples}) == 3
+    for s in samples:
+        gt = s["answer"] if isinstance(s["answer"], str) else json.dumps(s["answer"])
+        responses = [
+            f"<answer>{gt}</answer>",
+            f"<think>so</think><answer>{gt}</answer>",
+            "<answer>C</answer>",
+            "<answer>3</answer>",
+            '<answer>{"time": [0.5, 1.5]}</answer>',
+            "no answer here",
+            "",
+        ]
+        for response in responses:
+            mine = eval_row(s, "prompt", response)
+            theirs = evaluate.record(s, "nvr1", "prompt", response)
+            assert {k: theirs[k] for k in mine} == mine, (s["id"], response)
+        assert eval_row(s, "prompt", responses[0])["score"] == 1.0
+
+
 # ----------------------------------------------------------------------------------------------- real model
 def model_batch(model_dir, data_dir):
     """Processor, 8 rollouts (2 video prompts x 4 random responses, one empty) and advantages: deterministic."""
