@@ -1252,7 +1252,8 @@ def held_out_accuracy(engine, prompts: list, cfg: Config, layout: sp.Layout, ste
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     if not rows:
         return float("nan")
-    return 100 * sum(r["score"] for r in rows) / len(rows) / 100  # evaluate.py's percent, as before
+    # in percent and back, as evaluate.aggregate computed it: the same float in metrics.jsonl
+    return 100 * sum(r["score"] for r in rows) / len(rows) / 100
 
 
 def logp_pass(
