@@ -1221,12 +1221,15 @@ def eval_row(sample: dict, prompt: str, response: str) -> dict:
     accuracy rule on the response's answer text (rewards.answer_text); unreadable scores 0."""
     answer = rewards.answer_text(response)
     value = rewards.accuracy(answer, sample)
+    read = None  # what was read: None when unreadable
+    if value is not None:
+        read = answer
     return {
         "doc_id": sample["id"],
         "input": prompt,
         "target": rewards.ground_truth(sample),
         "resps": [response],
-        "filtered_resps": [answer if value is not None else None],
+        "filtered_resps": [read],
         "score": float(value or 0.0),
         "parse_fail": value is None,
         "problem_type": sample["problem_type"],
@@ -1467,7 +1470,9 @@ def main(cfg: Config):
 
     processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     tok = processor.tokenizer
-    template = open(cfg.prompt_template).read() if cfg.prompt_template else None
+    template = None
+    if cfg.prompt_template:
+        template = open(cfg.prompt_template).read()
     skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
@@ -1497,9 +1502,8 @@ def main(cfg: Config):
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
     logger = start_logs(cfg, state, skipped, layout.rank)
     if first_step > cfg.max_steps:
-        print0(
-            f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train"
-        )
+        at = f"{ckpt_path} is at step {state['step']}"
+        print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
     signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
@@ -1553,9 +1557,8 @@ def main(cfg: Config):
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            run = dict(
-                wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped
-            )
+            run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
+            run["skipped"] = skipped
             save_step(cfg, step, t, processor, stream, run)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
