@@ -29,11 +29,9 @@ import sp  # noqa: E402
 import train  # noqa: E402
 from rollout import HFEngine, Rollout, eos_token_ids, vision_token_ids  # noqa: E402
 
-GIB, TOLERANCE, DEADLINE_S = (
-    2**30,
-    0.15,
-    420,
-)  # no model starts that would end later, by the last one's time
+GIB = 2**30
+TOLERANCE = 0.15
+DEADLINE_S = 420  # no model starts that would end later, by the last one's time
 RECIPES = {
     "Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
     "Qwen/Qwen3-VL-8B-Instruct": "configs/qwen3_vl_8b.yaml",
@@ -194,17 +192,18 @@ def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
 def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     """Model FLOPs of the update, 3 x its forward (no recompute): 2 per weight and token (patch, merged token, logit
     position), plus attention: causal over each row, the tower's within a frame pair or a window."""
-    text, vision, tower = model.config.text_config, model.config.vision_config, model.model.visual
-    t, h, w = prompt.mm["video_grid_thw"][0].tolist()
-    tokens, patches, layers = (
-        len(prompt.prompt_ids) + response,
-        t * h * w,
-        model.model.language_model.layers,
-    )
-    dec, blk, embed, rest = (
-        sum(p.numel() for m in ms for p in m.parameters())
-        for ms in (layers, tower.blocks, [tower.patch_embed], [tower])
-    )
+    text = model.config.text_config
+    vision = model.config.vision_config
+    tower = model.model.visual
+    tokens = len(prompt.prompt_ids) + response
+    grid = prompt.mm["video_grid_thw"][0].tolist()  # t, h, w
+    frame = grid[1] * grid[2]  # patches of a frame pair
+    patches = grid[0] * frame
+    layers = model.model.language_model.layers
+    dec = sum(p.numel() for p in layers.parameters())
+    blk = sum(p.numel() for p in tower.blocks.parameters())
+    embed = sum(p.numel() for p in tower.patch_embed.parameters())
+    rest = sum(p.numel() for p in tower.parameters())
     dense = (
         rows * tokens * dec
         + patches * (blk + embed)
@@ -219,7 +218,7 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
         getattr(vision, "window_size", 0) // vision.patch_size
     ) ** 2  # Qwen2.5-VL's other blocks
     attention = rows * tokens**2 * heads * len(layers) + sum(
-        2 * patches * (h * w if i in full else window) * vision.hidden_size
+        2 * patches * (frame if i in full else window) * vision.hidden_size
         for i in range(vision.depth)
     )
     return 6 * (dense + attention)
@@ -260,11 +259,9 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     )
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
-    tok, banned, R = (
-        processor.tokenizer,
-        vision_token_ids(processor.tokenizer),
-        cfg.max_response_len,
-    )
+    tok = processor.tokenizer
+    banned = vision_token_ids(tok)
+    R = cfg.max_response_len
     prompt = video_prompt(cfg, processor)
     tokens, patches = memory_plan.longest_prompt(replace(cfg, model=tiny), *memory_plan.SOURCE_HW)
     assert (tokens, patches) == (
@@ -420,11 +417,9 @@ def main(c: Config) -> list[str]:
         report["peak_tflops"] = c.peak_tflops or next(
             (t for k, t in PEAK_TFLOPS if k in report["device"]), 0
         )
-    start, last, folder = (
-        time.time(),
-        0.0,
-        tempfile.mkdtemp(prefix="gpu_check-"),
-    )  # the checkpoint at hand
+    start = time.time()
+    last = 0.0  # the last model's time
+    folder = tempfile.mkdtemp(prefix="gpu_check-")  # the checkpoint at hand
     try:
         for name in models:
             if time.time() - start + last > DEADLINE_S:
