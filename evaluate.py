@@ -36,7 +36,7 @@ import cache
 import common
 import data
 import rewards
-from common import ANSWERS, UserError, gather, write_jsonl, write_text
+from common import ANSWERS, UserError, write_jsonl, write_text
 from data import DataError
 
 
@@ -1124,33 +1124,6 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
     if not any("judge" in r for r in rows):
         return "not needed"
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
-
-
-def accuracy(engine, prompts: list, cfg: Config, layout, step: int = 0) -> float:
-    """Greedy held-out accuracy over all ranks (an sp.Layout), each given its TP group's prompts (data.prep_share);
-    scored here; rows in out_dir/eval/step_N.jsonl."""
-    # every rank generates as many prompts as the largest share: the HF engine's generate is collective
-    longest = max(gather(len(prompts)))
-    outs = engine.generate(
-        prompts + prompts[:1] * (longest - len(prompts)),
-        n=1,
-        temperature=0.0,
-        max_tokens=cfg.max_response_len,
-        seed=cfg.seed,
-    )[: len(prompts)]
-    mine = []
-    if (
-        layout.rank % layout.tp == 0
-    ):  # a TP group's ranks generate the same rows: its first records them
-        mine = [
-            record(r.prompt.sample, "nvr1", r.prompt.text, r.text)
-            for r in outs
-            if r.prompt.sample.get("pad") is not data.PAD
-        ]
-    rows = [x for part in gather(mine) for x in part]
-    if layout.rank == 0:
-        write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    return aggregate(rows, "nvr1")["accuracy"] / 100 if rows else float("nan")
 
 
 def make_engine(cfg: Config, tokenizer):

@@ -473,14 +473,14 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     return pos.to(ids.device)
 
 
-def model_inputs(model, batch: dict, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
-    """The model's inputs for this rank's positions of a micro-batch (train.collate's), and which they are: sp_size 1
+def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
+    """The model's inputs for this rank's positions of a micro-batch (a train.MicroBatch), and which they are: sp_size 1
     the whole sequence; else this rank's shard of it padded to a multiple of sp_size: its token ids, the M-RoPE
     positions of the whole sequence there, the features its placeholders hold, and Ulysses' mask (Shard) to attend
     over all of it. No padding, no mask: a 1-row micro-batch is the kernel's causal mode on every path. The positions
     are always ours (mrope_positions), never the model's: those the sampler uses."""
-    ids, mask, prompts = batch["input_ids"], batch["attention_mask"], batch["prompts"]
-    S, pos = ids.shape[1], mrope_positions(ids, mask, batch["grids"], model.config)  # (3, B, S)
+    ids, mask, prompts = batch.input_ids, batch.attention_mask, batch.prompts
+    S, pos = ids.shape[1], mrope_positions(ids, mask, batch.grids, model.config)  # (3, B, S)
     if layout is None or layout.sp_size == 1:
         shard = Shard(layout, S, 0, S)
         return dict(

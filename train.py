@@ -28,11 +28,9 @@ import torch.distributed as dist
 import ckpt
 import common
 import data
-import evaluate
 import rewards
 import sp
 from cache import Media
-from ckpt import save_checkpoint
 from common import (
     MAY_CHANGE_ON_RESUME,
     NOT_NEGATIVE,
@@ -415,15 +413,18 @@ def advantages(
     reward: torch.Tensor,
     group_size: int,
     estimator: str = "grpo",
+    response_len: int = 1,
     lengths=None,
     baseline=None,
     components=None,
     kl_to_go=None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Advantages (B,), float64, of rewards (B,) in groups of group_size rows (docs/algorithms.md).
-    lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go (B, R), KL in
-    the reward: reinforce++ and remax return (B, R) from each token's return; others lose its KL."""
+    """Advantages (B, response_len), float64, of rewards (B,) in groups of group_size rows
+    (docs/algorithms.md): one shape for every estimator, a sequence's value at each of its tokens.
+    lengths: whitening weights, baseline: remax, components: gdpo, all (B,). kl_to_go
+    (B, response_len), KL in the reward: reinforce++ and remax take each token's return; the
+    others the sequence's (its first token's)."""
     reward = reward.double()
     if kl_to_go is not None and estimator in ("reinforce++", "remax"):
         mask = (torch.arange(kl_to_go.shape[1])[None] < lengths[:, None]).double()  # (B, R)
@@ -433,8 +434,25 @@ def advantages(
         return whiten(returns, mask) * mask
     if kl_to_go is not None:
         reward = reward - kl_to_go[:, 0]  # the sequence's KL
-    r = reward.view(-1, group_size)  # (G, n)
-    centered, std = r, torch.ones_like(r)  # a group of 1
+    per_sequence = sequence_advantages(
+        reward, group_size, estimator, lengths, baseline, components, eps
+    )  # (B,)
+    return per_sequence[:, None].expand(-1, response_len)
+
+
+def sequence_advantages(
+    reward: torch.Tensor,
+    group_size: int,
+    estimator: str,
+    lengths=None,
+    baseline=None,
+    components=None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One advantage per sequence (B,), float64: what `advantages` spreads over the tokens."""
+    r = reward.double().view(-1, group_size)  # (G, n)
+    centered = r  # a group of 1
+    std = torch.ones_like(r)
     if group_size > 1:
         std = r.std(-1, keepdim=True)  # (G, 1)
         same = (r == r[:, :1]).all(-1, keepdim=True)  # (G, 1)
@@ -446,13 +464,13 @@ def advantages(
     if estimator == "rloo":  # r_i - mean of others = n / (n - 1) * (r_i - mean); a group of 1: r_i
         return (centered * group_size / max(1, group_size - 1)).view(-1)
     if estimator == "reinforce++":
-        return whiten(reward, lengths)
+        return whiten(reward.double(), lengths)
     if estimator == "reinforce++-baseline":
         return whiten(centered.view(-1), lengths)
     if estimator == "remax":
-        return reward - baseline.double()
+        return reward.double() - baseline.double()
     if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), batch-whitened
-        summed = sum(advantages(c, group_size, "grpo", eps=eps) for c in components)
+        summed = sum(sequence_advantages(c, group_size, "grpo", eps=eps) for c in components)
         return whiten(summed, lengths)
     raise ValueError(f"adv_estimator: unknown {estimator!r}")
 
@@ -595,101 +613,145 @@ class ChunkedLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, targets = ctx.saved_tensors
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight)
+        hidden = ctx.saved_tensors[0]  # (N, D)
+        weight = ctx.saved_tensors[1]  # (V, D)
+        targets = ctx.saved_tensors[2]  # (N,)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
         for i in range(0, len(targets), ctx.chunk):
-            h, y = hidden[i : i + ctx.chunk], targets[i : i + ctx.chunk]
+            rows = slice(i, i + ctx.chunk)
+            h = hidden[rows]  # (n, D)
+            y = targets[rows]  # (n,)
             z = torch.nn.functional.linear(h, weight).float() / ctx.temperature  # (n, V)
             z[:, ctx.banned] = -1e9
             p = torch.softmax(z, -1)
-            gl, ge = (
-                grad_logp[i : i + ctx.chunk, None],
-                grad_entropy[i : i + ctx.chunk, None],
-            )  # (n, 1)
+            gl = grad_logp[rows, None]  # (n, 1)
+            ge = grad_entropy[rows, None]  # (n, 1)
             # d logp / dz = onehot(y) - p;  d entropy / dz = -p (z - sum_v p z)
             dz = -p * (gl + ge * (z - (p * z).sum(-1, keepdim=True)))
             dz.scatter_add_(1, y[:, None], gl)
             dz[:, ctx.banned] = 0.0
             dz = (dz / ctx.temperature).to(weight.dtype)
-            grad_hidden[i : i + ctx.chunk] = dz @ weight
+            grad_hidden[rows] = dz @ weight
             grad_weight.addmm_(dz.T, h)
         return grad_hidden, grad_weight, None, None, None, None
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch (collate): b rows, P prompt positions (left-padded), R response positions
+    (right-padded). logp_pass sets old_logp, ref_logp and vision; train_phase sets adv."""
+
+    input_ids: torch.Tensor  # (b, P + R) prompt and response tokens
+    attention_mask: torch.Tensor  # (b, P + R)
+    response_ids: torch.Tensor  # (b, R) the response part of input_ids
+    mask: torch.Tensor  # (b, R) 1 on response tokens
+    rollout_logp: torch.Tensor  # (b, R) the sampler's; NaN: none (offline trajectory)
+    prompts: list  # the rows' data.Prompt (media); a group's rows share one
+    grids: dict  # the rows' M-RoPE inputs (data.grids)
+    dummies: dict | None  # data.dummy_prompts (FSDP, several ranks): a modality no row has
+    index: list[int]  # the rows' places in the step's rollouts on this rank
+    old_logp: torch.Tensor | None = None  # (b, R) no grad; None: on-policy, old = sg[logp]
+    ref_logp: torch.Tensor | None = None  # (b, R) the reference's (kl_coef > 0)
+    adv: torch.Tensor | None = None  # (b, R)
+    vision: sp.Vision | None = None  # encode_vision's features, when encoded once per step
+
+
+@dataclass
+class Counts:
+    """What a step's log-prob passes did, counted where it happens (token_logp)."""
+
+    encodes: int = 0  # media items through the vision tower (vision/encodes)
+
+
 def token_logp(
-    model, batch: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None
+    model,
+    batch: MicroBatch,
+    temperature: float,
+    banned: list[int],
+    chunk: int = 0,
+    layout=None,
+    counts: Counts | None = None,
 ):
-    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R). Media are encoded once
-    per distinct item (counted in batch["encodes"]) unless batch["vision"] holds them; `chunk` positions are projected
-    at a time (0 = all). sp_size > 1 (layout): each SP rank computes its share (sp.py) and returns the whole."""
-    rows, R = batch["mask"].shape
-    vision = batch["vision"]
+    """Log-prob and entropy of each response token at the sampling temperature: (b, R), (b, R).
+    Media are encoded once per distinct item (added to counts.encodes) unless batch.vision holds
+    them; `chunk` positions are projected at a time (0 = all). sp_size > 1 (layout): each SP rank
+    computes its share (sp.py) and returns the whole."""
+    rows, R = batch.mask.shape
+    vision = batch.vision
     if vision is None:
-        vision = sp.encode_vision(
-            model, batch["prompts"], batch["input_ids"].device, layout, batch["dummies"]
-        )
-        batch["encodes"] += vision.encodes
+        device = batch.input_ids.device
+        vision = sp.encode_vision(model, batch.prompts, device, layout, batch.dummies)
+        if counts is not None:
+            counts.encodes += vision.encodes
     inputs, shard = sp.model_inputs(model, batch, vision, layout)
-    # logits_to_keep=1: the model's own projection covers one position, ours below the responses; no KV cache
+    # logits_to_keep=1: the model's own projection covers one position, ours below the responses
     out = model(**inputs, logits_to_keep=1, use_cache=False, output_hidden_states=True)
-    a, b = shard.response_span(
-        R
-    )  # this rank's response tokens; token 0 is predicted at position length - R - 1
+    # this rank's response tokens [a, b); token 0 is predicted at position length - R - 1
+    a, b = shard.response_span(R)
     first = shard.length - R - 1 - shard.start + a
     hidden = out.hidden_states[-1][:, first : first + b - a].flatten(0, 1)  # (b r, D)
-    weight = (
-        model.get_output_embeddings().weight
-    )  # FSDP2 keeps the root's parameters unsharded until backward
-    targets = batch["response_ids"][:, a:b].flatten()  # (b r,)
-    logp, entropy = ChunkedLogp.apply(
-        hidden, weight, targets, temperature, banned, chunk or max(1, len(targets))
-    )
+    # FSDP2 keeps the root's parameters unsharded until backward
+    weight = model.get_output_embeddings().weight
+    targets = batch.response_ids[:, a:b].flatten()  # (b r,)
+    chunk = chunk or max(1, len(targets))
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk)
     return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
 
 
-def collate(rollouts: list[Rollout], pad_id: int, device, dummies: dict | None = None) -> dict:
-    """One micro-batch: left-padded prompts, right-padded responses, the rows' prompts (media) and M-RoPE grids; main
-    fills in old/ref log-probs and advantages. dummies (data.dummy_prompts, FSDP2 on several ranks): the inputs
-    token_logp's encode_vision runs through the tower for a modality no row has, weight 0 (never a decoder row)."""
+def collate(
+    rollouts: list[Rollout],
+    pad_id: int,
+    device,
+    dummies: dict | None = None,
+    index: list[int] | None = None,
+) -> MicroBatch:
+    """One micro-batch: left-padded prompts, right-padded responses, the rows' prompts (media) and
+    M-RoPE grids. dummies (data.dummy_prompts, FSDP2 on several ranks): the inputs token_logp's
+    encode_vision runs through the tower for a modality no row has, weight 0 (never a decoder
+    row). index: the rows' places in the step's rollouts (default 0..b-1)."""
     P = max(len(r.prompt.prompt_ids) for r in rollouts)
     R = max(max(len(r.response_ids) for r in rollouts), 1)
     B = len(rollouts)
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     mask = torch.zeros((B, R))
-    rollout_logp = torch.full(
-        (B, R), float("nan")
-    )  # NaN: no sampler log-probs (offline trajectory)
+    rollout_logp = torch.full((B, R), float("nan"))  # NaN: no sampler log-probs (offline)
     for i, r in enumerate(rollouts):
-        p, y = r.prompt.prompt_ids, r.response_ids
+        p = r.prompt.prompt_ids
+        y = r.response_ids
         input_ids[i, P - len(p) : P] = torch.tensor(p)
         input_ids[i, P : P + len(y)] = torch.tensor(y, dtype=torch.long)
         attn[i, P - len(p) : P + len(y)] = 1
         mask[i, : len(y)] = 1
         if r.logp:
             rollout_logp[i, : len(y)] = torch.tensor(r.logp)
+    if index is None:
+        index = list(range(B))
     prompts = [r.prompt for r in rollouts]
-    grids = data.grids(prompts, device)  # per row: M-RoPE
     input_ids = input_ids.to(device)
-    return dict(
+    return MicroBatch(
         input_ids=input_ids,
         attention_mask=attn.to(device),
-        prompts=prompts,
-        grids=grids,
-        dummies=dummies,
         response_ids=input_ids[:, P:],
         mask=mask.to(device),
-        rollout_logp=rollout_logp.to(device),  # (b, R)
-        old_logp=None,
-        ref_logp=None,
-        adv=None,  # (b, R) each, set by main; old_logp None: on-policy
-        vision=None,
-        encodes=0,
-    )  # vision: encode_vision's features if computed once per step
+        rollout_logp=rollout_logp.to(device),
+        prompts=prompts,
+        grids=data.grids(prompts, device),
+        dummies=dummies,
+        index=index,
+    )
 
 
 def reference_logp(
-    model, ref, b: dict, temperature: float, banned: list[int], chunk: int = 0, layout=None
+    model,
+    ref,
+    b: MicroBatch,
+    temperature: float,
+    banned: list[int],
+    chunk: int = 0,
+    layout=None,
+    counts: Counts | None = None,
 ) -> torch.Tensor:
     """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
     adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
@@ -697,14 +759,16 @@ def reference_logp(
     from peft.helpers import rescale_adapter_scale
 
     if ref is not None:
-        return token_logp(ref, b, temperature, banned, chunk, layout)[0]
+        return token_logp(ref, b, temperature, banned, chunk, layout, counts)[0]
     with rescale_adapter_scale(model, 0.0):
-        return token_logp(model, b, temperature, banned, chunk, layout)[0]
+        return token_logp(model, b, temperature, banned, chunk, layout, counts)[0]
 
 
-def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
-    """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": the rows.
-    All ranks run as many (FSDP): a rank the token budget packed into fewer halves its largest."""
+def micro_batches(
+    rollouts: list[Rollout], cfg: Config, tok, device, dummies
+) -> list[list[MicroBatch]]:
+    """The rollout batch as mini-batches of collated micro-batches (split_batch). All ranks run as
+    many (FSDP): a rank the token budget packed into fewer halves its largest."""
     plan = split_batch(
         rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     )
@@ -715,30 +779,35 @@ def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) ->
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at : at + 1] = [big[: len(big) // 2], big[len(big) // 2 :]]
-        minibatches.append(
-            [
-                dict(
-                    collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies),
-                    index=rows,
-                )
-                for rows in mini
-            ]
-        )
+        batches = []
+        for rows in mini:
+            chosen = [rollouts[j] for j in rows]
+            batches.append(collate(chosen, tok.pad_token_id, device, dummies, index=rows))
+        minibatches.append(batches)
     return minibatches
 
 
 def micro_loss(
-    model, b: dict, cfg: Config, banned: list[int], n_tok: float, n_seq: float, layout=None
+    model,
+    b: MicroBatch,
+    cfg: Config,
+    banned: list[int],
+    n_tok: float,
+    n_seq: float,
+    layout=None,
+    counts: Counts | None = None,
 ):
     """This micro-batch's share of its mini-batch loss (summed over micro-batches and ranks: the
-    mini-batch loss) and its metric sums. b["old_logp"] None: on-policy, old = sg[logp]."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout)  # (b, R)
-    mask = b["mask"]
-    old = logp.detach() if b["old_logp"] is None else b["old_logp"]
+    mini-batch loss) and its metric sums. b.old_logp None: on-policy, old = sg[logp]."""
+    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout, counts)
+    mask = b.mask  # (b, R)
+    old = b.old_logp
+    if old is None:
+        old = logp.detach()
     pg, clipped = policy_loss(
         logp,
         old,
-        b["adv"],
+        b.adv,
         mask,
         loss_type=cfg.loss_type,
         clip_low=cfg.clip_low,
@@ -747,12 +816,10 @@ def micro_loss(
     )
     w = torch.ones_like(mask)  # the TIS weight, 1 when off
     if cfg.tis:
-        w = is_weight(
-            old, b["rollout_logp"], mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode
-        )
+        w = is_weight(old, b.rollout_logp, mask, level=cfg.tis, cap=cfg.tis_cap, mode=cfg.tis_mode)
     kl = torch.zeros_like(mask)
-    if b["ref_logp"] is not None and not cfg.kl_in_reward:
-        kl = kl_penalty(logp, b["ref_logp"], cfg.kl_type)
+    if b.ref_logp is not None and not cfg.kl_in_reward:
+        kl = kl_penalty(logp, b.ref_logp, cfg.kl_type)
     bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
     norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
     loss = (
@@ -761,8 +828,8 @@ def micro_loss(
         + cfg.kl_coef * agg_loss(kl, mask, **norm)
     )
     with torch.no_grad():
-        has = ~b["rollout_logp"].isnan() & (mask > 0)  # health: sampler vs trainer log-probs
-        d = torch.where(has, (old - b["rollout_logp"]).abs(), 0.0)
+        has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
+        d = torch.where(has, (old - b.rollout_logp).abs(), 0.0)
         metrics = {
             "loss": loss.item(),
             "clipfrac": (clipped * mask).sum().item(),
@@ -773,56 +840,52 @@ def micro_loss(
             "mismatch_max": d.max().item(),
         }
         if cfg.tis:
-            raw = is_weight(old, b["rollout_logp"], mask, level=cfg.tis, cap=float("inf"))
+            raw = is_weight(old, b.rollout_logp, mask, level=cfg.tis, cap=float("inf"))
             metrics["tis_weight"] = w.sum().item()
             metrics["tis_clipped"] = ((w != raw) & has).sum().item()
     return loss, metrics
 
 
-def global_counts(batches: list[dict]) -> tuple[float, float]:
+def global_counts(batches: list[MicroBatch]) -> tuple[float, float]:
     """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    return tuple(
-        all_reduce(
-            [
-                sum(b["mask"].sum().item() for b in batches),
-                sum((b["mask"].sum(-1) > 0).sum().item() for b in batches),
-            ]
-        )
-    )
+    tokens = sum(b.mask.sum().item() for b in batches)
+    sequences = sum((b.mask.sum(-1) > 0).sum().item() for b in batches)
+    return tuple(all_reduce([tokens, sequences]))
 
 
-def kl_reward_to_go(minibatches: list[list[dict]], cfg: Config, layout: sp.Layout) -> torch.Tensor:
+def kl_reward_to_go(
+    minibatches: list[list[MicroBatch]], cfg: Config, layout: sp.Layout
+) -> torch.Tensor:
     """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), every
     data-parallel rank's rows in global_rows' order: (B_all, max_response_len)."""
     rows = []
     for b in itertools.chain(*minibatches):
-        kl = kl_penalty(b["old_logp"], b["ref_logp"], cfg.kl_type) * b["mask"]  # (b, R)
-        rows.append(
-            torch.nn.functional.pad(reward_to_go(kl), (0, cfg.max_response_len - kl.shape[1])).cpu()
-        )
+        kl = kl_penalty(b.old_logp, b.ref_logp, cfg.kl_type) * b.mask  # (b, R)
+        padding = (0, cfg.max_response_len - kl.shape[1])
+        rows.append(torch.nn.functional.pad(reward_to_go(kl), padding).cpu())
     return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
     """Advantages (B_all, max_response_len) of the global batch (global_rows: whitening needs every
     rank's rows). GDPO's reward components: accuracy, format (+ overlong)."""
-    keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
-    components = [
-        torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys
-    ]
-    full = {k: torch.tensor(rows[k], dtype=torch.float64) for k in ("reward", "length", "baseline")}
+    components = None
+    if cfg.adv_estimator == "gdpo":
+        keys = ["accuracy", "format"] + (["overlong"] if cfg.overlong_buffer else [])
+        components = [
+            torch.tensor([c[k] for c in rows["components"]], dtype=torch.float64) for k in keys
+        ]
     adv = advantages(
-        reward=full["reward"],
+        reward=torch.tensor(rows["reward"], dtype=torch.float64),
         group_size=cfg.group_size,
         estimator=cfg.adv_estimator,
-        lengths=full["length"],
-        baseline=full["baseline"],
+        response_len=cfg.max_response_len,
+        lengths=torch.tensor(rows["length"], dtype=torch.float64),
+        baseline=torch.tensor(rows["baseline"], dtype=torch.float64),
         components=components,
         kl_to_go=kl_to_go,
         eps=cfg.adv_eps,
     )
-    if adv.dim() == 1:  # one value per sequence: the same at every token
-        adv = adv[:, None].expand(-1, cfg.max_response_len)
     return adv.float()
 
 
@@ -832,7 +895,8 @@ def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
 
 @dataclass
 class Group:
-    """A prompt's completions, their reward components (score: "overall" the reward), ReMax's baseline (or 0)."""
+    """A prompt's completions, their reward components (score: "overall" the reward), ReMax's
+    baseline (or 0)."""
 
     rollouts: list[Rollout]
     components: list[dict]
@@ -903,8 +967,10 @@ def sample_batch(
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
     share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
     groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
-    n, need = cfg.group_size, cfg.prompts_per_step // layout.dp_size
-    kept, dropped = [], []  # with spread (all without dynamic sampling); without: the refill
+    n = cfg.group_size
+    need = cfg.prompts_per_step // layout.dp_size
+    kept = []  # groups with spread (all of them without dynamic sampling)
+    dropped = []  # groups without: the refill
     skips = []
     for gen_round in range(max(1, cfg.max_gen_rounds)):
         prompts, new_skips = data.next_valid(
@@ -918,23 +984,24 @@ def sample_batch(
         )
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        share, start, k = layout.share(prompts, layout.tp)
-        rollouts = engine.generate(share, n, cfg.temperature, cfg.max_response_len, seed=seed)[
-            start * n :
-        ][: k * n]
+        tp_share = layout.share(prompts, layout.tp)  # (the TP group's prompts, our start, count)
+        start = tp_share[1]
+        k = tp_share[2]
+        generated = engine.generate(
+            tp_share[0], n, cfg.temperature, cfg.max_response_len, seed=seed
+        )
+        rollouts = generated[start * n :][: k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
-            greedy = engine.generate(share, 1, 0.0, cfg.max_response_len, seed=seed)[start:][:k]
-            baselines = [score(r, cfg)["overall"] for r in greedy]
-        if (
-            layout.sp_size > 1
-        ):  # each rank keeps its run of the pixel rows, from the rank that prepared them
+            greedy = engine.generate(tp_share[0], 1, 0.0, cfg.max_response_len, seed=seed)
+            baselines = [score(r, cfg)["overall"] for r in greedy[start:][:k]]
+        # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
+        if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
-            group = swap_offline(
-                scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline), cfg, tok, eos_id
-            )
+            scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)
+            group = swap_offline(scored, cfg, tok, eos_id)
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -970,7 +1037,59 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# main and its parts: setup, the no-grad log-prob pass, the update, logging, the end of the run
+# main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
+
+
+def load_model(cfg: Config, device):
+    """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
+    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
+    from torch.distributed._composable import checkpoint as checkpoint_module
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+    from transformers import AutoModelForImageTextToText
+
+    cuda = device.type == "cuda"
+    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    model = AutoModelForImageTextToText.from_pretrained(
+        cfg.model,
+        dtype=torch.float32,
+        attn_implementation=attn,
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
+    visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
+    visual.requires_grad_(not cfg.freeze_vision)
+    blocks = list(model.model.language_model.layers) + list(visual.blocks)
+    if cfg.gradient_checkpointing:
+        for block in blocks:
+            checkpoint_module(block)
+    if cfg.sp_size > 1:
+        sp.use_ulysses(model)
+    if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=cfg.lora_targets,
+        )
+        model = get_peft_model(model, lora)
+    # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
+    # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
+    if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
+        mp = MixedPrecisionPolicy()
+        if cuda:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
+        for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
+            fully_shard(module, mp_policy=mp, offload_policy=offload)
+        # the vision tower (own unit) runs before the root's forward: the root is set up first
+        model._get_fsdp_state()._lazy_init()
+    return model
 
 
 @dataclass
@@ -981,38 +1100,32 @@ class Trainer:
     ref: torch.nn.Module | None  # frozen reference (kl_coef > 0); LoRA: None, adapters scaled to 0
     opt: torch.optim.Optimizer  # AdamW over the trainable parameters (LoRA: the adapters only)
     banned: list[int]  # vision token ids: never sampled, masked in every log-prob
-    layout: sp.Layout
+    layout: sp.Layout  # this rank's place: rank, world, its SP and TP groups
     dummies: dict | None  # FSDP (world > 1): a dummy row per modality a micro-batch lacks
-    rank: int
-    world: int
     device: torch.device
 
 
-def build_trainer(
-    cfg: Config, processor, layout: sp.Layout, rank: int, world: int, device
-) -> Trainer:
+def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     model = load_model(cfg, device)
-    ref = (
-        load_model(cfg, device).eval().requires_grad_(False)
-        if cfg.kl_coef > 0 and not cfg.lora_rank
-        else None
-    )
+    ref = None
+    if cfg.kl_coef > 0 and not cfg.lora_rank:
+        ref = load_model(cfg, device).eval().requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    dummies = data.dummy_prompts(processor) if world > 1 else None  # FSDP: same modules everywhere
-    return Trainer(
-        model, ref, opt, vision_token_ids(processor.tokenizer), layout, dummies, rank, world, device
-    )
+    dummies = None
+    if layout.world > 1:  # FSDP: the same modules run on every rank
+        dummies = data.dummy_prompts(processor)
+    banned = vision_token_ids(processor.tokenizer)
+    return Trainer(model, ref, opt, banned, layout, dummies, device)
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
         return HFEngine(t.model, tok, eos_ids, t.dummies)
-    media = [
-        (len(s.get("images", [])), len(s.get("videos", [])))
-        for s in samples["train"] + samples["val"]
-    ]
+    every = samples["train"] + samples["val"]
+    images = [len(s.get("images", [])) for s in every]
+    videos = [len(s.get("videos", [])) for s in every]
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
     engine = VLLMEngine(
         cfg.model,
@@ -1024,8 +1137,8 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
         sleep=cfg.vllm_sleep,
         seed=cfg.seed,
         trust_remote_code=cfg.trust_remote_code,
-        max_images=max([i for i, _ in media] + [1]),
-        max_videos=max([v for _, v in media] + [1]),
+        max_images=max(images + [1]),
+        max_videos=max(videos + [1]),
     )
     engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
     return engine
@@ -1034,86 +1147,201 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
-    specials = data.SPECIAL_TOKENS + tuple(
-        t.content for t in tok.added_tokens_decoder.values() if t.special
-    )
+    added = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+    specials = data.SPECIAL_TOKENS + tuple(added)
     load = functools.partial(
         data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials
     )
-    samples = {
-        "train": load(cfg.train_data),
-        "val": load(cfg.val_data)[: cfg.eval_max_samples] if cfg.val_data else [],
-    }
-    if template:  # every prompt rendered once, now, bounded in time and memory (render_prompt reuses the text)
-        samples = {
-            split: data.render_all(
-                template,
-                rows,
-                cfg.response_format,
-                skipped if cfg.skip_invalid else None,
-                where=cfg.prompt_template,
+    samples = {"train": load(cfg.train_data), "val": []}
+    if cfg.val_data:
+        samples["val"] = load(cfg.val_data)[: cfg.eval_max_samples]
+    # every prompt rendered once, now, bounded in time and memory (render_prompt reuses the text)
+    if template:
+        report = skipped if cfg.skip_invalid else None
+        for split, rows in samples.items():
+            samples[split] = data.render_all(
+                template, rows, cfg.response_format, report, where=cfg.prompt_template
             )
-            for split, rows in samples.items()
-        }
     if not samples["train"]:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     return samples
 
 
+def preparers(cfg: Config, processor, template: str | None, stats: dict):
+    """data.prepare for training prompts and for held-out ones (their own frame budget); both
+    count cache hits and decodes into `stats`."""
+    prep = functools.partial(
+        data.prepare,
+        processor=processor,
+        media=cfg.media(),
+        stats=stats,
+        template=template,
+        response_format=cfg.response_format,
+        max_prompt_len=cfg.max_prompt_len,
+    )
+    return prep, functools.partial(prep, media=cfg.media(held_out=True))
+
+
+def eval_row(sample: dict, prompt: str, response: str) -> dict:
+    """One held-out row of out_dir/eval/step_N.jsonl (lmms-eval's fields): the training reward's
+    accuracy rule on the response's answer text (rewards.answer_text); unreadable scores 0."""
+    answer = rewards.answer_text(response)
+    value = rewards.accuracy(answer, sample)
+    read = None  # what was read: None when unreadable
+    if value is not None:
+        read = answer
+    return {
+        "doc_id": sample["id"],
+        "input": prompt,
+        "target": rewards.ground_truth(sample),
+        "resps": [response],
+        "filtered_resps": [read],
+        "score": float(value or 0.0),
+        "parse_fail": value is None,
+        "problem_type": sample["problem_type"],
+    }
+
+
+def held_out_accuracy(engine, prompts: list, cfg: Config, layout: sp.Layout, step: int = 0):
+    """Greedy held-out accuracy over all ranks, each given its TP group's prompts
+    (data.prep_share); the rows in out_dir/eval/step_N.jsonl. NaN without a row."""
+    # every rank generates as many prompts as the largest share: HF generate is collective
+    longest = max(gather(len(prompts)))
+    padded = prompts + prompts[:1] * (longest - len(prompts))
+    outs = engine.generate(
+        padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
+    )
+    mine = []
+    if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records
+        for r in outs[: len(prompts)]:
+            if r.prompt.sample.get("pad") is not data.PAD:
+                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+    rows = [x for part in gather(mine) for x in part]
+    if layout.rank == 0:
+        common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
+    if not rows:
+        return float("nan")
+    # in percent and back, as evaluate.aggregate computed it: the same float in metrics.jsonl
+    return 100 * sum(r["score"] for r in rows) / len(rows) / 100
+
+
 def logp_pass(
-    t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config
-) -> int:
-    """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the reward), the
-    reference's with kl_coef; freeze_vision: every prompt's features once, for all passes. Returns the encodes."""
+    t: Trainer,
+    minibatches: list[list[MicroBatch]],
+    rollouts: list[Rollout],
+    cfg: Config,
+    counts: Counts,
+):
+    """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the
+    reward), the reference's with kl_coef, into each micro-batch; freeze_vision: every prompt's
+    features once, for all passes."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
-    frozen, encodes = None, 0
-    logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+    logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout, counts)
+    frozen = None
     with torch.no_grad():
         if cfg.freeze_vision:
-            frozen = sp.encode_vision(
-                t.model, [r.prompt for r in rollouts], t.device, t.layout, t.dummies
-            )
-            encodes = frozen.encodes
+            prompts = [r.prompt for r in rollouts]
+            frozen = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
+            counts.encodes += frozen.encodes
         for b in itertools.chain(*minibatches):
-            b["vision"] = frozen
+            b.vision = frozen
             if need_old:
-                b["old_logp"] = token_logp(t.model, b, *logp_args)[0]
+                b.old_logp = token_logp(t.model, b, *logp_args)[0]
             if cfg.kl_coef > 0:
-                b["ref_logp"] = reference_logp(t.model, t.ref, b, *logp_args)
-    return encodes
+                b.ref_logp = reference_logp(t.model, t.ref, b, *logp_args)
 
 
-def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, ids: list) -> dict:
+def add_metrics(total: dict, metrics: dict):
+    """Sums a micro-batch's metrics into total (mismatch_max: the maximum)."""
+    for k, v in metrics.items():
+        if k == "mismatch_max":
+            total[k] = max(total.get(k, 0.0), v)
+        else:
+            total[k] = total.get(k, 0.0) + v
+
+
+def update(
+    t: Trainer,
+    minibatches: list[list[MicroBatch]],
+    cfg: Config,
+    step: int,
+    ids: list,
+    counts: Counts | None = None,
+) -> dict:
     """ppo_epochs x mini_batches optimizer steps: backward over the micro-batches, grad clip, a stop
     on every rank before the step when a loss or grad norm is not finite (naming the samples, ids).
     Returns the first epoch's metric sums over this rank's micro-batches and the mean grad_norm."""
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
-    m, gnorms = {}, []
+    m = {}
+    gnorms = []
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
             n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
             for b in mini:
-                loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
-                (loss * t.world).backward()  # FSDP averages gradients over ranks: x world sums them
+                loss, metrics = micro_loss(
+                    t.model, b, cfg, t.banned, n_tok, n_seq, t.layout, counts
+                )
+                # FSDP averages gradients over ranks: x world sums them
+                (loss * t.layout.world).backward()
                 loss_sum += metrics["loss"]
-                if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
-                    for k, v in metrics.items():
-                        m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
+                if epoch == 0:  # the first pass's metrics
+                    add_metrics(m, metrics)
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
                 raise FloatingPointError(
-                    f"step {step}: the loss ({loss_sum} on rank {t.rank}) or the grad norm "
+                    f"step {step}: the loss ({loss_sum} on rank {t.layout.rank}) or the grad norm "
                     f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update"
                 )
             t.opt.step()
             t.opt.zero_grad(set_to_none=True)
     t.model.eval()
     m["loss"] /= len(minibatches)
-    return m | {"grad_norm": mean(gnorms)}
+    return m | {"grad_norm": mean_or_zero(gnorms)}
+
+
+@dataclass
+class Phase:
+    """What train_phase did: the update's metrics and the advantages it trained on."""
+
+    metrics: dict  # update's sums, kl (KL in the reward: the old-vs-ref KL too), vision_encodes
+    adv_all: torch.Tensor  # (B_all, max_response_len) every rank's rows (global_rows' order)
+    adv: torch.Tensor  # (B, max_response_len) this rank's rows, on its device
+
+
+def train_phase(
+    t: Trainer,
+    rollouts: list[Rollout],
+    rows: dict,
+    start: int,
+    cfg: Config,
+    tok,
+    step: int,
+    ids: list,
+) -> Phase:
+    """A step after generation: micro-batches, the no-grad old/ref log-prob pass, KL in the reward,
+    advantages of the global batch (rows: global_rows', this rank's from `start`), the optimizer
+    steps. The step's micro-batches and features end with it."""
+    counts = Counts()
+    minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    logp_pass(t, minibatches, rollouts, cfg, counts)
+    kl_to_go = None
+    kl = 0.0
+    if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
+        kl_to_go = kl_reward_to_go(minibatches, cfg, t.layout)  # (B_all, R)
+        kl = kl_to_go[start : start + len(rollouts), 0].sum().item()  # this rank's rows
+        kl_to_go = cfg.kl_coef * kl_to_go
+    adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
+    adv = adv_all[start : start + len(rollouts)].to(t.device)  # this rank's rows
+    for b in itertools.chain(*minibatches):
+        b.adv = adv[b.index, : b.mask.shape[1]]
+    m = update(t, minibatches, cfg, step, ids, counts)
+    m["kl"] = kl + m["kl"]
+    m["vision_encodes"] = counts.encodes
+    return Phase(m, adv_all, adv)
 
 
 def log_step(
@@ -1131,14 +1359,31 @@ def log_step(
         common.write_jsonl(os.path.join(cfg.out_dir, "skipped.jsonl"), skipped)
     eta = datetime.timedelta(seconds=round(per_step * (cfg.max_steps - step)))
     shown = [f"{k} {v:.4g}" for k, v in row.items() if k in LOG_KEYS]
-    print0(
-        " | ".join([f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"])
-    )
+    line = [f"step {step}/{cfg.max_steps}", *shown, f"{per_step:.3g} s/step | ETA {eta}"]
+    print0(" | ".join(line))
     shared = [x for p in layout.dedup(parts) for x in p["samples"]]  # an SP group's once
     write_samples(shared[: cfg.log_samples], cfg, logger, step)
     with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     logger.log(row, step=step)
+
+
+def save_step(cfg: Config, step: int, t: Trainer, processor, stream: data.Stream, meta: dict):
+    """A checkpoint of the step: model, optimizer, processor and meta (the run's state) with the
+    data stream's position."""
+    position = {"epoch": stream.epoch, "cursor": stream.cursor}
+    meta = dict(step=step, data=position, config=asdict(cfg)) | meta
+    ckpt.save(
+        cfg.out_dir,
+        step,
+        t.model,
+        t.opt,
+        processor,
+        meta=meta,
+        keep_last=cfg.keep_last,
+        rank=t.layout.rank,
+    )
+    print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
 
 
 def finish(
@@ -1153,27 +1398,24 @@ def finish(
 ):
     """The run's end: curve and summary.json (trained: this process trained), final checkpoint."""
     catch_stop_signals(catch=False)  # the end of the run: no step to finish
-    if t.rank == 0 and trained:
+    if t.layout.rank == 0 and trained:
         rows = common.curve_rows(os.path.join(cfg.out_dir, "metrics.jsonl"), acc_before)
         curves = [
             ("reward/mean", "-", "train reward"),
             ("reward/accuracy", "-", "train accuracy"),
             ("eval/accuracy", "o-", "held-out accuracy (greedy)"),
         ]
-        lines = [
-            (
-                [r["step"] for r in rows if key in r],
-                [r[key] for r in rows if key in r],
-                style,
-                label,
-            )
-            for key, style, label in curves
-        ]
+        lines = []
+        for key, style, label in curves:
+            steps = [r["step"] for r in rows if key in r]
+            values = [r[key] for r in rows if key in r]
+            lines.append((steps, values, style, label))
         common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         summary = {"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
     if cfg.save:
-        save_checkpoint(t.model, processor, os.path.join(cfg.out_dir, "final"), t.rank)
+        final = os.path.join(cfg.out_dir, "final")
+        ckpt.save_checkpoint(t.model, processor, final, t.layout.rank)
     print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     logger.finish()
     engine.close()  # now: a next run in this process (a notebook) builds its own engine
@@ -1182,7 +1424,7 @@ def finish(
 
 
 def main(cfg: Config):
-    rank, world, device = init_dist(cfg.dist_timeout, cfg.offload)
+    world, device = init_dist(cfg.dist_timeout, cfg.offload)[1:]  # (rank, world, device)
     check_config(cfg, world)
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     check_files(cfg, ckpt_path)
@@ -1194,166 +1436,101 @@ def main(cfg: Config):
 
     processor = AutoProcessor.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     tok = processor.tokenizer
-    template = open(cfg.prompt_template).read() if cfg.prompt_template else None
+    template = None
+    if cfg.prompt_template:
+        template = open(cfg.prompt_template).read()
     skipped: list = []  # every skip report of the run, written to out_dir/skipped.jsonl
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
-    t = build_trainer(cfg, processor, layout, rank, world, device)
+    t = build_trainer(cfg, processor, layout, device)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
+    first_step = state.get("step", 0) + 1
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
-    fmt = dict(template=template, response_format=cfg.response_format)
-    fmt["max_prompt_len"] = cfg.max_prompt_len
-    prep = functools.partial(
-        data.prepare, processor=processor, media=cfg.media(), stats=stats, **fmt
-    )
-    val_prep = functools.partial(prep, media=cfg.media(held_out=True))  # the held-out frame budget
-    val_prompts, skips = data.prep_share(
-        val_prep, samples["val"], cfg.skip_invalid, layout
-    )  # its TP group's share
+    prep, val_prep = preparers(cfg, processor, template, stats)
+    val_prompts, skips = data.prep_share(val_prep, samples["val"], cfg.skip_invalid, layout)
     n_val = len(samples["val"]) - len(skips)  # on every rank
     skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
+    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif n_val:
-        acc_before = evaluate.accuracy(engine, val_prompts, cfg, layout)
+        acc_before = held_out_accuracy(engine, val_prompts, cfg, layout)
     print0(
         f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
         f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}"
     )
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
-    logger = start_logs(cfg, state, skipped, rank)
-    acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
-    if state.get("step", 0) >= cfg.max_steps:
-        print0(
-            f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to train"
-        )
+    logger = start_logs(cfg, state, skipped, layout.rank)
+    if first_step > cfg.max_steps:
+        at = f"{ckpt_path} is at step {state['step']}"
+        print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
     signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
-    for step in range(state.get("step", 0) + 1, cfg.max_steps + 1):
+    for step in range(first_step, cfg.max_steps + 1):
         where.update(step=step, ids="not drawn yet")
         t0 = time.time()
-        stats_before, n_skipped = dict(stats), len(skipped)
+        stats_before = dict(stats)
+        n_skipped = len(skipped)
         # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(
-            engine,
-            stream,
-            samples["train"],
-            prep,
-            cfg,
-            step=step,
-            tok=tok,
-            eos_id=eos_ids[0],
-            layout=layout,
+            engine, stream, samples["train"], prep, cfg, step, tok, eos_ids[0], layout
         )  # scored as generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
-        ids = where["ids"] = rows["id"][:: cfg.group_size]
-        # ---------------------------------------------------- old / ref log-probs (no grad, once)
+        ids = rows["id"][:: cfg.group_size]
+        where["ids"] = ids
+        # ---------------------- old / ref log-probs (no grad, once), advantages, optimizer steps
         t1 = time.time()
-        minibatches = micro_batches(rollouts, cfg, tok, device, t.dummies)
-        encodes = logp_pass(t, minibatches, rollouts, cfg)
-        kl_to_go, kl = None, 0.0
-        if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
-            kl_to_go = kl_reward_to_go(minibatches, cfg, layout)  # (B_all, R)
-            kl = kl_to_go[start : start + len(rollouts), 0].sum().item()  # this rank's rows
-            kl_to_go = cfg.kl_coef * kl_to_go
-        # ---------------------------------------------------- advantage
-        adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
-        adv = adv_all[start : start + len(rollouts)].to(device)  # this rank's rows
-        for b in itertools.chain(*minibatches):
-            b["adv"] = adv[b["index"], : b["mask"].shape[1]]
-        # ---------------------------------------------------- loss and step
-        m = update(t, minibatches, cfg, step, ids)
-        encodes += sum(b["encodes"] for b in itertools.chain(*minibatches))  # no freeze: per pass
-        m.update(
-            kl=kl + m["kl"],
-            vision_encodes=encodes,
-            dyn_rounds=batch.rounds,
-            dyn_dropped=batch.dropped,
-            dyn_refilled=batch.refilled,
+        phase = train_phase(t, rollouts, rows, start, cfg, tok, step, ids)
+        m = phase.metrics | dict(
+            dyn_rounds=batch.rounds, dyn_dropped=batch.dropped, dyn_refilled=batch.refilled
         )
         # ---------------------------------------------------- sync
         t2 = time.time()
         engine.sync(t.model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ---------------------------------------------------- log
-        parts = gather(
-            {
-                "m": m,
-                "stats": {k: stats[k] - stats_before[k] for k in stats},
-                "samples": sample_rows(batch.groups, adv, step, cfg),
-            }
-        )
-        evaluated = n_val and (
-            step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0
-        )
+        stats_step = {k: stats[k] - stats_before[k] for k in stats}
+        shown = sample_rows(batch.groups, phase.adv, step, cfg)
+        parts = gather({"m": m, "stats": stats_step, "samples": shown})
+        periodic = cfg.eval_every and step % cfg.eval_every == 0
+        evaluated = n_val and (step == cfg.max_steps or periodic)
         if evaluated:  # the result of the run, once the last step has run
-            acc_after = evaluate.accuracy(engine, val_prompts, cfg, layout, step=step)
-        if rank == 0:
+            acc_after = held_out_accuracy(engine, val_prompts, cfg, layout, step=step)
+        if layout.rank == 0:
             row = step_metrics(
-                rows,
-                adv_all,
-                parts,
-                step,
-                cfg,
-                gnorm=m["grad_norm"],
-                lr=lr_at(step - 1, cfg),
-                times=times,
-                layout=layout,
+                rows, phase.adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout
             )
-            row.update(
-                {
-                    "data/skipped": len(skipped),
-                    "data/skipped_step": len(skipped) - n_skipped,
-                    "data/ids": ids,
-                }
-            )
+            row["data/skipped"] = len(skipped)
+            row["data/skipped_step"] = len(skipped) - n_skipped
+            row["data/ids"] = ids
             if evaluated:
                 row["eval/accuracy"] = acc_after
-            per_step = (time.time() - t_start) / (step - state.get("step", 0))
+            per_step = (time.time() - t_start) / (step - first_step + 1)
             log_step(row, parts, cfg, layout, logger, skipped, per_step)
-        # the step's prompts (pixels), micro-batches and features must not live through the next rollout
-        del batch, rollouts, minibatches, adv
+        # the step's prompts (pixels) and advantages must not live through the next rollout
+        del batch, rollouts, phase
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            meta = dict(
-                step=step,
-                data={"epoch": stream.epoch, "cursor": stream.cursor},
-                config=asdict(cfg),
-                wandb_id=logger.id,
-                acc_before=acc_before,
-                acc_after=acc_after,
-                skipped=skipped,
-            )
-            ckpt.save(
-                cfg.out_dir,
-                step,
-                t.model,
-                t.opt,
-                processor,
-                meta=meta,
-                keep_last=cfg.keep_last,
-                rank=rank,
-            )
-            print0(
-                f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}"
-            )
+            run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
+            run["skipped"] = skipped
+            save_step(cfg, step, t, processor, stream, run)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             engine.close()
             return acc_before, float("nan")
-    trained = state.get("step", 0) < cfg.max_steps  # this process trained a step
+    trained = first_step <= cfg.max_steps  # this process trained a step
     return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
 
 
@@ -1457,7 +1634,8 @@ LOG_KEYS = (
 )
 
 
-def mean(xs: list) -> float:
+def mean_or_zero(xs: list) -> float:
+    """The mean of xs, 0 for none."""
     return sum(xs) / max(1, len(xs))
 
 
@@ -1467,113 +1645,62 @@ def step_metrics(
     parts: list[dict],
     step: int,
     cfg: Config,
-    gnorm: float,
     lr: float,
     times: dict,
     layout: sp.Layout,
 ) -> dict:
     """Global metrics: exact means over every row (global_rows, adv (B_all, R)) and every rank's
     sums (parts), an SP group's once, but each rank's own work (encodes, cache counters)."""
-    msum = {k: sum(p["m"][k] for p in layout.dedup(parts)) for k in parts[0]["m"]}
-    rew, comp = rows["reward"], rows["components"]
-    types, n_tok = rows["type"], sum(rows["length"])
+    shared = layout.dedup(parts)
+    msum = {k: sum(p["m"][k] for p in shared) for k in parts[0]["m"]}
+    rew = rows["reward"]
+    comp = rows["components"]
+    types = rows["type"]
+    n_tok = sum(rows["length"])
     off = [f == "offline" for f in rows["finish"]]
     row = {
         "step": step,
-        "reward/mean": mean(rew),
+        "reward/mean": mean_or_zero(rew),
         "lr": lr,
-        "grad_norm": gnorm,
+        "grad_norm": parts[0]["m"]["grad_norm"],  # the same on every rank
         "loss": msum["loss"],
         "clipfrac": msum["clipfrac"] / n_tok,
         "entropy": msum["entropy"] / n_tok,
         "kl": msum["kl"] / n_tok,
         "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
         "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
-        "len/mean": mean(rows["length"]),
-        "len/truncated": mean([f == "length" for f in rows["finish"]]),
+        "len/mean": mean_or_zero(rows["length"]),
+        "len/truncated": mean_or_zero([f == "length" for f in rows["finish"]]),
         "tokens/s": n_tok / times["step"],
         "vision/encodes": sum(p["m"]["vision_encodes"] for p in parts),
         "dyn/rounds": parts[0]["m"]["dyn_rounds"],
         "dyn/dropped": msum["dyn_dropped"],
         "dyn/refilled": msum["dyn_refilled"],
     }
-    for key in [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]:
-        row[f"reward/{key}"] = mean([c[key] for c in comp])
+    present = [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]
+    for key in present:
+        row[f"reward/{key}"] = mean_or_zero([c[key] for c in comp])
         for t in sorted(set(types)):
-            row[f"reward/{key}/{t}"] = mean([c[key] for c, ty in zip(comp, types) if ty == t])
+            of_type = [c[key] for c, ty in zip(comp, types) if ty == t]
+            row[f"reward/{key}/{t}"] = mean_or_zero(of_type)
     groups = [rew[i : i + cfg.group_size] for i in range(0, len(rew), cfg.group_size)]
-    row["zero_std_groups"] = mean([float(max(x) == min(x)) for x in groups])
+    row["zero_std_groups"] = mean_or_zero([float(max(x) == min(x)) for x in groups])
     if cfg.tis:
-        row.update(
-            {"tis/weight": msum["tis_weight"] / n_tok, "tis/clipped": msum["tis_clipped"] / n_tok}
-        )
+        row["tis/weight"] = msum["tis_weight"] / n_tok
+        row["tis/clipped"] = msum["tis_clipped"] / n_tok
     if cfg.adv_estimator == "remax":
-        row["reward/greedy"] = mean(rows["baseline"])
+        row["reward/greedy"] = mean_or_zero(rows["baseline"])
     if any(off):
-        row["offline/share"] = mean(off)
-        row["offline/reward"] = mean([r for r, o in zip(rew, off) if o])
-        row["offline/adv"] = mean([a for a, o in zip(adv[:, 0].tolist(), off) if o])
-        row["online/reward"] = mean([r for r, o in zip(rew, off) if not o])
-    row.update({f"cache/{k}": sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]})
-    row.update({f"time/{k}": v for k, v in times.items()})
+        first_adv = adv[:, 0].tolist()
+        row["offline/share"] = mean_or_zero(off)
+        row["offline/reward"] = mean_or_zero([r for r, o in zip(rew, off) if o])
+        row["offline/adv"] = mean_or_zero([a for a, o in zip(first_adv, off) if o])
+        row["online/reward"] = mean_or_zero([r for r, o in zip(rew, off) if not o])
+    for k in parts[0]["stats"]:
+        row[f"cache/{k}"] = sum(p["stats"][k] for p in parts)
+    for k, v in times.items():
+        row[f"time/{k}"] = v
     return row
-
-
-# --------------------------------------------------------------------------------------------------
-# Setup helpers
-
-
-def load_model(cfg: Config, device):
-    """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
-    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
-    from torch.distributed._composable import checkpoint as checkpoint_module
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-    from transformers import AutoModelForImageTextToText
-
-    cuda = device.type == "cuda"
-    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    model = AutoModelForImageTextToText.from_pretrained(
-        cfg.model,
-        dtype=torch.float32,
-        attn_implementation=attn,
-        trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
-    visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
-    visual.requires_grad_(not cfg.freeze_vision)
-    blocks = list(model.model.language_model.layers) + list(visual.blocks)
-    if cfg.gradient_checkpointing:
-        for block in blocks:
-            checkpoint_module(block)
-    if cfg.sp_size > 1:
-        sp.use_ulysses(model)
-    if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cfg.lora_rank,
-                lora_alpha=cfg.lora_alpha,
-                lora_dropout=cfg.lora_dropout,
-                target_modules=cfg.lora_targets,
-            ),
-        )
-    # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
-    # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
-    if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
-        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        mp = MixedPrecisionPolicy(**bf16) if cuda else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
-        for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
-            fully_shard(module, mp_policy=mp, offload_policy=offload)
-        # the vision tower (own unit) runs before the root's forward: the root is set up first
-        model._get_fsdp_state()._lazy_init()
-    return model
 
 
 if __name__ == "__main__":

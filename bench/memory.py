@@ -4,10 +4,10 @@
 
 The tiny Qwen2.5-VL, `prompts` synthetic clips, group_size rollouts of response_len random tokens each. A fresh
 process per setting (`--worker`) loads the model (and with kl_coef the reference) and runs train.main's step after
-generation `steps` times (train_phase: train.logp_pass and train.update): the last one's peak memory (peak_bytes),
-time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before issue 13 as a
-setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes every row's video
-(the tower trained) as train.py did then. bench/long_video.py runs this worker too.
+generation `steps` times (train.train_phase: the log-prob pass, advantages, train.update): the last one's peak memory
+(peak_bytes), time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before
+issue 13 as a setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes
+every row's video (the tower trained) as train.py did then. bench/long_video.py runs this worker too.
 """
 
 import copy
@@ -94,13 +94,14 @@ def train_config(c: Config, **switches):
 
 
 def train_phase(train, t, rollouts: list, cfg, tok):
-    """train.main's step after generation on this process's CPU (t: a train.Trainer; one epoch, one mini-batch: no old
-    log-prob pass; advantages +-1): train.logp_pass (frozen features, the reference pass), then train.update."""
-    minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
-    train.logp_pass(t, minibatches, rollouts, cfg)
-    for b in minibatches[0]:
-        b["adv"] = (torch.tensor(b["index"]) % 2 * 2.0 - 1)[:, None].expand_as(b["mask"])
-    train.update(t, minibatches, cfg, step=1, ids=[])
+    """train.train_phase, train.main's step after generation, on this process's CPU (t: a train.Trainer; rewards
+    alternating 1, 0 by row): the log-prob pass (frozen features, the reference's), advantages, train.update."""
+    rows = dict(
+        reward=[float(i % 2) for i in range(len(rollouts))],
+        length=[len(r.response_ids) for r in rollouts],
+        baseline=[0.0] * len(rollouts),
+    )
+    train.train_phase(t, rollouts, rows, 0, cfg, tok, step=1, ids=[])
 
 
 def status_kib(key: str) -> int:
@@ -131,12 +132,10 @@ def worker(c: Config) -> dict:
     from rollout import Rollout
     from transformers import AutoProcessor
 
-    rank, world, _ = train.init_dist()
+    rank, world = train.init_dist()[:2]
     cfg = train_config(c, **SETTINGS[c.worker], sp_size=c.sp_size)
     processor = AutoProcessor.from_pretrained(cfg.model)
-    t = train.build_trainer(
-        cfg, processor, sp.make_layout(c.sp_size), rank, world, torch.device("cpu")
-    )
+    t = train.build_trainer(cfg, processor, sp.make_layout(c.sp_size), torch.device("cpu"))
     t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
     samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
     prompts = [data.prepare(s, processor, cfg) for s in samples]

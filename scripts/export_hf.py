@@ -41,6 +41,7 @@ def export(
         GenerationConfig,
     )
 
+    from ckpt import save_checkpoint
     import train
 
     if os.path.isfile(ckpt):  # the `latest` pointer file
@@ -65,7 +66,7 @@ def export(
         model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors (peft)
         processor.save_pretrained(out)
     else:
-        train.save_checkpoint(model, processor, out, rank=0)
+        save_checkpoint(model, processor, out, rank=0)
     return out
 
 

@@ -29,11 +29,9 @@ import sp  # noqa: E402
 import train  # noqa: E402
 from rollout import HFEngine, Rollout, eos_token_ids, vision_token_ids  # noqa: E402
 
-GIB, TOLERANCE, DEADLINE_S = (
-    2**30,
-    0.15,
-    420,
-)  # no model starts that would end later, by the last one's time
+GIB = 2**30
+TOLERANCE = 0.15
+DEADLINE_S = 420  # no model starts that would end later, by the last one's time
 RECIPES = {
     "Qwen/Qwen2.5-VL-7B-Instruct": "configs/qwen2_5_vl_7b.yaml",
     "Qwen/Qwen3-VL-8B-Instruct": "configs/qwen3_vl_8b.yaml",
@@ -173,37 +171,39 @@ def clock(device) -> float:
 
 
 def train_step(t: train.Trainer, rollouts: list, cfg, tok) -> dict:
-    """train.main's train phase on one micro-batch, timed: a no-grad log-prob pass (off-policy's old log-probs), then
-    train.update with advantages +-1 by row."""
+    """train.main's train phase, timed: a no-grad log-prob pass over the first micro-batch (what an off-policy
+    update adds), then train.train_phase with rewards +-1 by row (group_size 1: advantages about +-1)."""
     t0 = clock(t.device)
-    minibatches = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    first = train.micro_batches(rollouts, cfg, tok, t.device, t.dummies)[0][0]
     with torch.no_grad():
-        train.token_logp(
-            t.model, minibatches[0][0], cfg.temperature, t.banned, cfg.logp_chunk, t.layout
-        )
+        train.token_logp(t.model, first, cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
+    del first
     t1 = clock(t.device)
-    for b in minibatches[0]:
-        b["adv"] = (torch.arange(len(b["mask"]), device=t.device) % 2 * 2.0 - 1)[:, None].expand_as(
-            b["mask"]
-        )
-    train.update(t, minibatches, cfg, step=1, ids=[r.prompt.sample["id"] for r in rollouts])
+    rows = dict(
+        reward=[i % 2 * 2.0 - 1 for i in range(len(rollouts))],
+        length=[len(r.response_ids) for r in rollouts],
+        baseline=[0.0] * len(rollouts),
+    )
+    ids = [r.prompt.sample["id"] for r in rollouts]
+    train.train_phase(t, rollouts, rows, 0, replace(cfg, group_size=1), tok, step=1, ids=ids)
     return dict(logp_s=t1 - t0, update_s=clock(t.device) - t1)
 
 
 def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     """Model FLOPs of the update, 3 x its forward (no recompute): 2 per weight and token (patch, merged token, logit
     position), plus attention: causal over each row, the tower's within a frame pair or a window."""
-    text, vision, tower = model.config.text_config, model.config.vision_config, model.model.visual
-    t, h, w = prompt.mm["video_grid_thw"][0].tolist()
-    tokens, patches, layers = (
-        len(prompt.prompt_ids) + response,
-        t * h * w,
-        model.model.language_model.layers,
-    )
-    dec, blk, embed, rest = (
-        sum(p.numel() for m in ms for p in m.parameters())
-        for ms in (layers, tower.blocks, [tower.patch_embed], [tower])
-    )
+    text = model.config.text_config
+    vision = model.config.vision_config
+    tower = model.model.visual
+    tokens = len(prompt.prompt_ids) + response
+    grid = prompt.mm["video_grid_thw"][0].tolist()  # t, h, w
+    frame = grid[1] * grid[2]  # patches of a frame pair
+    patches = grid[0] * frame
+    layers = model.model.language_model.layers
+    dec = sum(p.numel() for p in layers.parameters())
+    blk = sum(p.numel() for p in tower.blocks.parameters())
+    embed = sum(p.numel() for p in tower.patch_embed.parameters())
+    rest = sum(p.numel() for p in tower.parameters())
     dense = (
         rows * tokens * dec
         + patches * (blk + embed)
@@ -218,7 +218,7 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
         getattr(vision, "window_size", 0) // vision.patch_size
     ) ** 2  # Qwen2.5-VL's other blocks
     attention = rows * tokens**2 * heads * len(layers) + sum(
-        2 * patches * (h * w if i in full else window) * vision.hidden_size
+        2 * patches * (frame if i in full else window) * vision.hidden_size
         for i in range(vision.depth)
     )
     return 6 * (dense + attention)
@@ -231,7 +231,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     [[b]] = train.micro_batches(
         rollouts, replace(cfg, micro_batch_size=2), tok, t.device, t.dummies
     )
-    b["adv"] = torch.zeros_like(b["mask"])
+    b.adv = torch.zeros_like(b.mask)
     with torch.no_grad():
         m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
     return {
@@ -259,11 +259,9 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     )
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
-    tok, banned, R = (
-        processor.tokenizer,
-        vision_token_ids(processor.tokenizer),
-        cfg.max_response_len,
-    )
+    tok = processor.tokenizer
+    banned = vision_token_ids(tok)
+    R = cfg.max_response_len
     prompt = video_prompt(cfg, processor)
     tokens, patches = memory_plan.longest_prompt(replace(cfg, model=tiny), *memory_plan.SOURCE_HW)
     assert (tokens, patches) == (
@@ -308,9 +306,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             )
             row.update(predicted=p.train, plan={**p.held, **p.transient})
         try:
-            t = train.build_trainer(
-                scfg, processor, sp.make_layout(1), 0, 1, device
-            )  # load_model and AdamW
+            t = train.build_trainer(scfg, processor, sp.make_layout(1), device)  # model, AdamW
             train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -421,11 +417,9 @@ def main(c: Config) -> list[str]:
         report["peak_tflops"] = c.peak_tflops or next(
             (t for k, t in PEAK_TFLOPS if k in report["device"]), 0
         )
-    start, last, folder = (
-        time.time(),
-        0.0,
-        tempfile.mkdtemp(prefix="gpu_check-"),
-    )  # the checkpoint at hand
+    start = time.time()
+    last = 0.0  # the last model's time
+    folder = tempfile.mkdtemp(prefix="gpu_check-")  # the checkpoint at hand
     try:
         for name in models:
             if time.time() - start + last > DEADLINE_S:

@@ -53,7 +53,7 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
     )
     logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
     loss = (
-        -(logp * b["mask"]).sum() / n * world
+        -(logp * b.mask).sum() / n * world
     )  # n response tokens in all; FSDP averages grads over ranks
     loss.backward()
     grads = {

@@ -67,28 +67,28 @@ approx = pytest.approx
 
 # ----------------------------------------------------------------------------------------------- advantages
 def test_grpo_group_stats_all_equal_and_singleton():
-    a = advantages(t([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4, "grpo")
+    a = advantages(t([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), 4, "grpo")[:, 0]
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
     assert a.tolist() == approx(
         [x * 0.5 / (s + 1e-6) for x in (1, -1, -1, 1)] + [0.0] * 4, abs=1e-6
     )  # all-equal: 0
-    assert advantages(t([3.0, -1.0]), 1, "grpo").tolist() == approx(
+    assert advantages(t([3.0, -1.0]), 1, "grpo")[:, 0].tolist() == approx(
         [3 / (1 + 1e-6), -1 / (1 + 1e-6)]
     )  # mean 0, std 1
 
 
 def test_drgrpo_rloo_remax():
     r = t([1.0, 0.0, 0.0, 1.0])
-    assert advantages(r, 4, "drgrpo").tolist() == approx([0.5, -0.5, -0.5, 0.5])
-    assert advantages(r, 4, "rloo").tolist() == approx(
+    assert advantages(r, 4, "drgrpo")[:, 0].tolist() == approx([0.5, -0.5, -0.5, 0.5])
+    assert advantages(r, 4, "rloo")[:, 0].tolist() == approx(
         [2 / 3, -2 / 3, -2 / 3, 2 / 3]
     )  # r_i - mean of the others
-    assert advantages(t([2.0, 5.0]), 1, "rloo").tolist() == [
+    assert advantages(t([2.0, 5.0]), 1, "rloo")[:, 0].tolist() == [
         2.0,
         5.0,
     ]  # verl's loop version: no baseline
-    assert advantages(t([2.0, 5.0]), 1, "drgrpo").tolist() == [2.0, 5.0]
-    assert advantages(r, 4, "remax", baseline=t([1.0, 1.0, 0.0, 0.0])).tolist() == [
+    assert advantages(t([2.0, 5.0]), 1, "drgrpo")[:, 0].tolist() == [2.0, 5.0]
+    assert advantages(r, 4, "remax", baseline=t([1.0, 1.0, 0.0, 0.0]))[:, 0].tolist() == [
         0.0,
         -1.0,
         0.0,
@@ -112,18 +112,18 @@ def test_whitening_estimators():
         [1.5, -0.5], abs=1e-6
     )  # by hand: mean 1/4, std 1/2
     r, lens = t([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 0.0, 0.0]), [4, 2, 7, 1, 3, 3, 5, 6]
-    assert advantages(r, 4, "reinforce++", lengths=t(lens)).tolist() == approx(
+    assert advantages(r, 4, "reinforce++", lengths=t(lens))[:, 0].tolist() == approx(
         masked_whiten_verl(r, lens).tolist(), abs=1e-5
     )
     centered = t([0.5, -0.5, -0.5, 0.5, 2.0, 0.0, -1.0, -1.0])  # group means 0.5 and 1
-    assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens)).tolist() == approx(
+    assert advantages(r, 4, "reinforce++-baseline", lengths=t(lens))[:, 0].tolist() == approx(
         masked_whiten_verl(centered, lens).tolist(), abs=1e-5
     )
 
 
 def test_gdpo_normalizes_components_separately():
     acc, fmt = t([1.0, 1.0, 0.0, 0.0]), t([1.0, 0.0, 0.0, 0.0])
-    a = advantages(acc + fmt, 4, "gdpo", lengths=t([2, 2, 2, 2]), components=[acc, fmt])
+    a = advantages(acc + fmt, 4, "gdpo", lengths=t([2, 2, 2, 2]), components=[acc, fmt])[:, 0]
     ga, gf = (
         math.sqrt(3) / 2,
         1.5,
@@ -131,7 +131,7 @@ def test_gdpo_normalizes_components_separately():
     s = [ga + gf, ga - gf / 3, -ga - gf / 3, -ga - gf / 3]  # sums to 0
     std = math.sqrt(2 * sum(x * x for x in s) / 7)  # over 8 tokens, unbiased: sum 2 x^2 / (8 - 1)
     assert a.tolist() == approx([x / std for x in s], abs=1e-5)
-    grpo = advantages(acc + fmt, 4, "grpo")
+    grpo = advantages(acc + fmt, 4, "grpo")[:, 0]
     assert not torch.allclose(
         a, grpo, atol=1e-3
     )  # the decoupled normalization is a different estimator
@@ -144,23 +144,45 @@ def test_kl_in_reward_is_reward_to_go():
     to_go = reward_to_go(kl)
     assert to_go.tolist() == [approx([0.6, 0.5, 0.3]), approx([0.9, 0.5, 0.0])]
     reward, lengths = t([1.0, 0.0]), t([3, 2])
-    remax = advantages(reward, 1, "remax", lengths=lengths, baseline=t([0.5, 0.5]), kl_to_go=to_go)
+    remax = advantages(
+        reward, 1, "remax", response_len=3, lengths=lengths, baseline=t([0.5, 0.5]), kl_to_go=to_go
+    )
     assert remax.tolist() == [
         approx([-0.1, 0.0, 0.2]),
         approx([-1.4, -1.0, 0.0]),
     ]  # 1 - 0.6 - 0.5, ...
     # returns [0.4, 0.5, 0.7], [-0.9, -0.5] over 5 tokens: mean 0.04, unbiased variance 1.952 / 4
     std = math.sqrt(1.952 / 4 + 1e-8)
-    rpp = advantages(reward, 1, "reinforce++", lengths=lengths, kl_to_go=to_go)
+    rpp = advantages(reward, 1, "reinforce++", response_len=3, lengths=lengths, kl_to_go=to_go)
     assert rpp.tolist() == [
         approx([0.36 / std, 0.46 / std, 0.66 / std]),
         approx([-0.94 / std, -0.54 / std, 0.0]),
     ]
     # GRPO: rewards 1 - 0.6 and 0 - 0.9 in one group of 2: +-0.65 / std(0.4, -0.9)
     a = 0.65 / (math.sqrt(2 * 0.65**2) + 1e-6)
-    assert advantages(reward, 2, "grpo", lengths=lengths, kl_to_go=to_go).tolist() == approx(
-        [a, -a]
+    grpo = advantages(reward, 2, "grpo", response_len=3, lengths=lengths, kl_to_go=to_go)
+    assert grpo.tolist() == [
+        approx([a] * 3),
+        approx([-a] * 3),
+    ]  # the sequence's value at each token
+
+
+ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_advantages_have_one_shape(estimator):
+    """Every estimator, KL in the reward or not, returns (B, response_len): per-sequence estimators
+    their sequence's value at each token."""
+    reward = t([1.0, 0.0, 0.5, 0.25])
+    kw = dict(
+        lengths=t([3, 2, 1, 3]), baseline=t([0.5] * 4), components=[reward, t([1.0, 0, 0, 1])]
     )
+    plain = advantages(reward, 2, estimator, response_len=3, **kw)
+    with_kl = advantages(reward, 2, estimator, response_len=3, kl_to_go=torch.zeros(4, 3), **kw)
+    assert plain.shape == with_kl.shape == (4, 3)
+    assert plain.dtype == with_kl.dtype == torch.float64
+    assert (plain == plain[:, :1]).all() and plain.abs().sum() > 0
 
 
 @pytest.mark.parametrize("n", [3, 4, 7, 8])
@@ -174,7 +196,7 @@ def test_constant_group_advantage_is_exactly_zero(n):
             "drgrpo",
             "rloo",
         ):  # (batch whitening then shifts every group: not 0)
-            a = advantages(reward, n, estimator)
+            a = advantages(reward, n, estimator)[:, 0]
             assert a.dtype == torch.float64
             assert a[:n].tolist() == [0.0] * n, (estimator, v)
             assert a[n] > 0 > a[n + 1]
@@ -475,6 +497,35 @@ def test_micro_batch_invariance_tensors(loss_type, agg):
     )
 
 
+# ----------------------------------------------------------------------------------------------- held-out accuracy
+def test_eval_row_scores_as_the_nvr1_benchmark():
+    """train.eval_row (the held-out accuracy, from rewards) scores every response as evaluate.py's own-schema
+    benchmark (nvr1) does: the same score, parse failure, answer read, target and id."""
+    import data
+    import evaluate
+    from conftest import synth_dir
+    from train import eval_row
+
+    samples = data.load_samples(os.path.join(synth_dir(), "val.jsonl"))
+    assert len({s["problem_type"] for s in samples}) == 3
+    for s in samples:
+        gt = s["answer"] if isinstance(s["answer"], str) else json.dumps(s["answer"])
+        responses = [
+            f"<answer>{gt}</answer>",
+            f"<think>so</think><answer>{gt}</answer>",
+            "<answer>C</answer>",
+            "<answer>3</answer>",
+            '<answer>{"time": [0.5, 1.5]}</answer>',
+            "no answer here",
+            "",
+        ]
+        for response in responses:
+            mine = eval_row(s, "prompt", response)
+            theirs = evaluate.record(s, "nvr1", "prompt", response)
+            assert {k: theirs[k] for k in mine} == mine, (s["id"], response)
+        assert eval_row(s, "prompt", responses[0])["score"] == 1.0
+
+
 # ----------------------------------------------------------------------------------------------- real model
 def model_batch(model_dir, data_dir):
     """Processor, 8 rollouts (2 video prompts x 4 random responses, one empty) and advantages: deterministic."""
@@ -523,11 +574,12 @@ def split_grads(
     n_tok, n_seq = global_counts(batches)
     total = torch.zeros(1, dtype=torch.float64)
     for mb, b in zip(plan, batches):
-        rl = b["rollout_logp"].nan_to_num()
-        b["old_logp"] = rl + 0.3 * torch.sin(
+        rl = b.rollout_logp.nan_to_num()
+        b.old_logp = rl + 0.3 * torch.sin(
             13 * rl
         )  # a trainer/sampler mismatch, elementwise: split-independent
-        b["ref_logp"], b["adv"] = b["old_logp"] - 0.2, adv[mb]
+        b.ref_logp = b.old_logp - 0.2
+        b.adv = adv[mb]
         loss, _ = micro_loss(model, b, cfg, banned, n_tok, n_seq)
         (loss * world).backward()
         total += loss.item()

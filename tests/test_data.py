@@ -297,7 +297,7 @@ def test_rendered_prompt_size_is_bounded_per_sample():
 
 def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
     """data.prep_share: each held-out sample is prepared by one TP group only (its engine generates it), not by every
-    rank; a group with no sample prepares the first one as a pad, which evaluate.accuracy never scores."""
+    rank; a group with no sample prepares the first one as a pad, which train.held_out_accuracy never scores."""
     import sp
     from types import SimpleNamespace
 

@@ -175,7 +175,7 @@ def test_offload_keeps_shards_and_optimizer_on_cpu(tiny_model, monkeypatch):
         rows = [Rollout(data.Prompt({}, "", list(range(10, 30))), [40, 41, 42], None, "")]
         b = train.collate(rows, tok.pad_token_id, device)
         logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok), chunk=2)
-        (-(logp * b["mask"]).sum()).backward()
+        (-(logp * b.mask).sum()).backward()
         assert p.grad.to_local().device.type == "cpu" and torch.isfinite(p.grad.full_tensor()).all()
         opt.step()
         assert opt.state[p]["exp_avg"].to_local().device.type == "cpu"

@@ -136,13 +136,14 @@ def test_dummies_touch_every_parameter_and_change_nothing(arch):
     for dummies in (None, data.dummy_prompts(proc)):
         model.zero_grad(set_to_none=True)
         b = train.collate(rows, tok.pad_token_id, "cpu", dummies)
-        assert b["input_ids"].shape[0] == b["mask"].shape[0] == 1
+        assert b.input_ids.shape[0] == b.mask.shape[0] == 1
         # one row, no padding: no mask at all (the kernel's causal mode, no (B, 1, S, S) tensor)
-        inputs, _ = sp.model_inputs(model, b, sp.encode_vision(model, b["prompts"], "cpu"), None)
+        inputs, _ = sp.model_inputs(model, b, sp.encode_vision(model, b.prompts, "cpu"), None)
         assert inputs["attention_mask"] is None
-        logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok))
-        assert b["encodes"] == (0 if dummies is None else 2)
-        (-(logp * b["mask"]).sum()).backward()
+        counts = train.Counts()
+        logp, _ = train.token_logp(model, b, 1.0, vision_token_ids(tok), counts=counts)
+        assert counts.encodes == (0 if dummies is None else 2)
+        (-(logp * b.mask).sum()).backward()
         grads.append({n: q.grad for n, q in model.named_parameters()})
     assert any(g is None for g in grads[0].values())  # text alone leaves the vision tower out
     for n, g in grads[1].items():

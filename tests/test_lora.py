@@ -68,8 +68,8 @@ def test_reference_is_the_base_model_with_adapters_disabled(tiny_model, batch):
         ref = train.reference_logp(model, None, b, 1.0, banned)
         policy = train.token_logp(model, b, 1.0, banned)[0]
     # adapters scaled to 0: the base model up to fp32 round-off (4.8e-7 here; B A x * 0 is added, other kernels)
-    assert ((ref - want).abs() * b["mask"]).max() < 1e-5
-    assert ((policy - want).abs() * b["mask"]).max() > 1e-3  # and on: B != 0 changes the policy
+    assert ((ref - want).abs() * b.mask).max() < 1e-5
+    assert ((policy - want).abs() * b.mask).max() > 1e-3  # and on: B != 0 changes the policy
 
 
 def test_optimizer_state_is_proportional_to_adapter_size(tiny_model, batch):
@@ -141,8 +141,8 @@ def test_reference_and_merge_on_the_other_families(arch, synth):
         want = train.token_logp(base, b, 1.0, banned)[0]
         ref = train.reference_logp(model, None, b, 1.0, banned)
         policy = train.token_logp(model, b, 1.0, banned)[0]
-    assert ((ref - want).abs() * b["mask"]).max() < 1e-5 and (
-        (policy - want).abs() * b["mask"]
+    assert ((ref - want).abs() * b.mask).max() < 1e-5 and (
+        (policy - want).abs() * b.mask
     ).max() > 1e-3
     merged, before = dict(hf_weights(model)), base.state_dict()
     after = model.merge_and_unload().state_dict()

@@ -43,17 +43,17 @@ def setup(request, synth):
 
 def positions(model, b) -> torch.Tensor:
     """The M-RoPE positions the trainer uses (vLLM's; transformers 5.19's differ after 3+ frame pairs): (3, B, S)."""
-    return sp.mrope_positions(b["input_ids"], b["attention_mask"], b["grids"], model.config)
+    return sp.mrope_positions(b.input_ids, b.attention_mask, b.grids, model.config)
 
 
 def per_row_logp(model, b, rows, banned):
     """Today's path, from the model's own forward: every row carries its media, full (B, R, V) logits."""
     mm = concat_media([r.prompt for r in rows])
-    R = b["mask"].shape[1]
+    R = b.mask.shape[1]
     logits = (
         model(
-            input_ids=b["input_ids"],
-            attention_mask=b["attention_mask"],
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
             logits_to_keep=R + 1,
             position_ids=positions(model, b),
             **mm,
@@ -62,7 +62,7 @@ def per_row_logp(model, b, rows, banned):
         .float()
     )
     logits[..., banned] = -1e9
-    return torch.log_softmax(logits, -1).gather(-1, b["response_ids"].unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits, -1).gather(-1, b.response_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def loss_and_grads(model, logp, mask):
@@ -78,11 +78,12 @@ def test_vision_once_per_prompt_matches_per_row_forward(setup):
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
     b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     ref = per_row_logp(model, b, rows, banned)
-    ref_grads = loss_and_grads(model, ref, b["mask"])
-    logp, ent = train.token_logp(model, b, 1.0, banned, chunk=4)
-    assert b["encodes"] == 4  # 1 video + 1 image + (1 image + 1 video); 7 rows would be 8 items
-    torch.testing.assert_close(logp * b["mask"], ref * b["mask"], rtol=0, atol=1e-5)
-    grads = loss_and_grads(model, logp, b["mask"])
+    ref_grads = loss_and_grads(model, ref, b.mask)
+    counts = train.Counts()
+    logp, ent = train.token_logp(model, b, 1.0, banned, chunk=4, counts=counts)
+    assert counts.encodes == 4  # 1 video + 1 image + (1 image + 1 video); 7 rows would be 8 items
+    torch.testing.assert_close(logp * b.mask, ref * b.mask, rtol=0, atol=1e-5)
+    grads = loss_and_grads(model, logp, b.mask)
     assert grads.keys() == ref_grads.keys()
     assert any(
         k.startswith("model.visual.blocks") and ref_grads[k].abs().sum() > 0 for k in ref_grads
@@ -100,12 +101,12 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     model, processor, rows = setup
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
     b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
-    R = b["mask"].shape[1]
-    mm = concat_media(b["prompts"])
+    R = b.mask.shape[1]
+    mm = concat_media(b.prompts)
     logits = (
         model(
-            input_ids=b["input_ids"],
-            attention_mask=b["attention_mask"],
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
             logits_to_keep=R + 1,
             position_ids=positions(model, b),
             **mm,
@@ -116,17 +117,17 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
     keep[banned] = False
     logq = torch.log_softmax(logits[..., keep], -1)  # over the allowed tokens
     place = keep.long().cumsum(0) - 1  # a token's index in logq
-    ref_logp = logq.gather(-1, place[b["response_ids"]].unsqueeze(-1)).squeeze(-1)
+    ref_logp = logq.gather(-1, place[b.response_ids].unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logq.exp() * logq).sum(-1)
     out = []
     for logp, ent in ((ref_logp, ref_ent), train.token_logp(model, b, 0.7, banned, chunk=3)):
         model.zero_grad(set_to_none=True)
-        weights = torch.linspace(0.5, 1.5, b["mask"].numel()).view_as(b["mask"]) * b["mask"]
+        weights = torch.linspace(0.5, 1.5, b.mask.numel()).view_as(b.mask) * b.mask
         ((logp * weights).sum() + 0.3 * (ent * weights.flip(-1)).sum()).backward()
         out.append(
             (
-                logp.detach() * b["mask"],
-                ent.detach() * b["mask"],
+                logp.detach() * b.mask,
+                ent.detach() * b.mask,
                 {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             )
         )
@@ -140,8 +141,8 @@ def test_chunked_logp_and_entropy_match_full_logits(setup):
         )
     one = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     logp_one, ent_one = train.token_logp(model, one, 0.7, banned, chunk=0)  # all positions at once
-    torch.testing.assert_close(logp_one * b["mask"], logp3, rtol=0, atol=1e-6)
-    torch.testing.assert_close(ent_one * b["mask"], ent3, rtol=0, atol=1e-6)
+    torch.testing.assert_close(logp_one * b.mask, logp3, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent_one * b.mask, ent3, rtol=0, atol=1e-6)
 
 
 def test_activation_checkpointing_same_gradients_recomputes(setup):
@@ -161,7 +162,7 @@ def test_activation_checkpointing_same_gradients_recomputes(setup):
         b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
         logp, _ = train.token_logp(m, b, 1.0, banned)
         n_forward = len(calls)
-        grads = loss_and_grads(m, logp, b["mask"])
+        grads = loss_and_grads(m, logp, b.mask)
         out.append((logp.detach(), grads, n_forward, len(calls)))
     (logp0, g0, fwd0, total0), (logp1, g1, fwd1, total1) = out
     # layer 0 once, vision block 0 once for the images and once for the videos; all again in backward

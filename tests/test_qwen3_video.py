@@ -83,8 +83,8 @@ def logp_gap(engine, model, proc, prompts) -> tuple[float, float]:
     b = collate(rollouts, proc.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logp, _ = token_logp(model, b, 1.0, vision_token_ids(proc.tokenizer))
-    d = (logp - b["rollout_logp"].nan_to_num()).abs() * b["mask"]
-    return d.max().item(), (d.sum() / b["mask"].sum()).item()
+    d = (logp - b.rollout_logp.nan_to_num()).abs() * b.mask
+    return d.max().item(), (d.sum() / b.mask.sum()).item()
 
 
 def clip_image_checkpoint(src: str, dst: str) -> str:

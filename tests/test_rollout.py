@@ -65,7 +65,7 @@ def trainer_logp_diff(model, rollouts, tokenizer) -> float:
     ref = torch.zeros_like(logp)
     for i, r in enumerate(rollouts):
         ref[i, : len(r.logp)] = torch.tensor(r.logp)
-    return ((logp - ref).abs() * b["mask"]).max().item()
+    return ((logp - ref).abs() * b.mask).max().item()
 
 
 def test_logp_agree_with_trainer(setup):
@@ -82,10 +82,10 @@ def test_logp_agree_with_trainer(setup):
     ref = torch.zeros_like(logp)
     for i, r in enumerate(rollouts):
         ref[i, : len(r.logp)] = torch.tensor(r.logp)
-    diff = ((logp - ref).abs() * b["mask"]).max().item()
+    diff = ((logp - ref).abs() * b.mask).max().item()
     print(f"max |logp_vllm - logp_trainer| = {diff:.2e}")
     assert diff < LOGP_TOL
-    assert (ent * b["mask"]).sum() > 0
+    assert (ent * b.mask).sum() > 0
 
 
 def test_hf_engine_matches_vllm_greedy(setup):
@@ -353,7 +353,7 @@ def worker(model_dir: str, data_path: str):
         ref = torch.zeros_like(logp)
         for i, r in enumerate(rollouts):
             ref[i, : len(r.logp)] = torch.tensor(r.logp)
-        return ((logp - ref).abs() * b["mask"]).max().item()
+        return ((logp - ref).abs() * b.mask).max().item()
 
     before = logp_diff()
     engine.sync(model)

@@ -141,11 +141,11 @@ def run(
         index = batch[dp_rank::dp_size]
         b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
         with torch.no_grad():
-            logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
-        b["encodes"] = 0
-        b["adv"] = (
+            counts = train.Counts()
+            logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout, counts)
+        b.adv = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
-        ).expand_as(b["mask"])
+        ).expand_as(b.mask)
         n_tok, n_seq = (
             n / sp_size for n in train.global_counts([b])
         )  # as train.main: each row once
@@ -153,11 +153,11 @@ def run(
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
         out.update(
             {
-                f"logp{k}": logp * b["mask"],
-                f"ent{k}": ent * b["mask"],
+                f"logp{k}": logp * b.mask,
+                f"ent{k}": ent * b.mask,
                 f"index{k}": torch.tensor(index),
-                f"encodes{k}": torch.tensor(b["encodes"]),
-                f"length{k}": torch.tensor(b["input_ids"].shape[1]),
+                f"encodes{k}": torch.tensor(counts.encodes),
+                f"length{k}": torch.tensor(b.input_ids.shape[1]),
                 f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64),
             }
         )
