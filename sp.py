@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import base_model
+from common import any_rank, base_model
 
 MEDIA = (
     ("image", "pixel_values", "image_grid_thw"),
@@ -172,7 +172,6 @@ def encode_vision(
     a modality encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every
     rank must run it as often, in the same order)."""
     distinct = list({id(p): p for p in prompts}.values())
-    merge2 = model.config.vision_config.spatial_merge_size**2
     r = layout.sp_rank if layout else 0
     n = layout.sp_size if layout else 1
     out = Vision({}, 0)
@@ -180,9 +179,9 @@ def encode_vision(
         mine = [p for p in distinct if pixels in p.mm]
         if not mine and not dummies:
             continue
-        split = [runs(p.mm[grid], n) for p in mine]  # per prompt: its Runs
         grid_thw = []  # this rank's pieces: its run's temporal patches of each item, in order
-        for p, run in zip(mine, split):
+        for p in mine:
+            run = runs(p.mm[grid], n)
             for i, patches in itertools.groupby(run.units[run.cuts[r] : run.cuts[r + 1]]):
                 grid_thw.append([len(list(patches)), *p.mm[grid][i, 1:].tolist()])
         x = [run_rows(p, pixels, grid, r, n) for p in mine]
@@ -193,27 +192,146 @@ def encode_vision(
         grid_thw = torch.tensor(grid_thw, device=device)
         enc = encode(torch.cat(x).to(device), grid_thw, return_dict=True)
         out.encodes += len(grid_thw)
-        # rank j holds the features of each prompt's run j (a feature: merge2 pixel rows), in
-        # prompt order; each prompt's runs' first features:
-        firsts = [[run.rows[c] // merge2 for c in run.cuts] for run in split]
-        starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
-        held = []
-        for j in range(n):
-            held.append([i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])])
-        bounds = list(itertools.accumulate(map(len, held), initial=0))
-        order = torch.tensor([i for h in held for i in h], dtype=torch.long)
-        # a dummy's: none kept, an empty slice in the graph as real features (FSDP2: the same
-        # backward order), grad 0
         local = torch.cat([torch.cat(level) for level in levels(enc)], -1)
-        out.kinds[kind] = Features(
-            local=local[: bounds[r + 1] - bounds[r]],
-            bounds=bounds,
-            where=torch.argsort(order).to(device),
-            spans={id(p): s for p, s in zip(mine, starts)},
-            dims=[level[0].shape[-1] for level in levels(enc)],
-            output=type(enc),
-        )
+        dims = [level[0].shape[-1] for level in levels(enc)]
+        out.kinds[kind] = features(model, mine, grid, local, dims, type(enc), layout)
     return out
+
+
+def run_features(model, p, grid: str, n: int) -> list[int]:
+    """Prompt p's features of one modality: where each of its n runs starts (and the end)."""
+    merge2 = model.config.vision_config.spatial_merge_size**2
+    run = runs(p.mm[grid], n)
+    return [run.rows[c] // merge2 for c in run.cuts]  # a feature: merge2 pixel rows
+
+
+def features(
+    model, mine: list, grid: str, local: torch.Tensor, dims: list, output: type, layout
+) -> Features:
+    """The Features of the prompts `mine` (those with this modality), this rank's run of each
+    one's features one after another in `local` (a dummy's: none kept, an empty slice in the graph
+    as real features, grad 0: FSDP2's same backward order)."""
+    r = layout.sp_rank if layout else 0
+    n = layout.sp_size if layout else 1
+    firsts = [run_features(model, p, grid, n) for p in mine]
+    starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
+    # rank j holds the features of each prompt's run j, in prompt order
+    held = []
+    for j in range(n):
+        held.append([i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])])
+    bounds = list(itertools.accumulate(map(len, held), initial=0))
+    order = torch.tensor([i for h in held for i in h], dtype=torch.long)
+    return Features(
+        local=local[: bounds[r + 1] - bounds[r]],
+        bounds=bounds,
+        where=torch.argsort(order).to(local.device),
+        spans={id(p): s for p, s in zip(mine, starts)},
+        dims=dims,
+        output=output,
+    )
+
+
+@dataclass
+class Tower:
+    """encode_once's result: the features with the tower's graph, and the same features as leaves
+    that the micro-batches read and collect the gradient in."""
+
+    encoded: Vision
+    leaves: Vision
+
+
+def encode_once(
+    model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None
+) -> Tower:
+    """A mini-batch's prompts through the trained tower once, with gradient: the micro-batches
+    read the leaves (their backward sums the features' gradient there), backward_once takes the sum
+    through the tower once, instead of one encode per micro-batch a prompt's rows fall in."""
+    encoded = encode_vision(model, prompts, device, layout, dummies)
+    kinds = {}
+    for kind, f in encoded.kinds.items():
+        leaf = f.local.detach().requires_grad_(f.local.requires_grad)
+        kinds[kind] = replace(f, local=leaf)
+    return Tower(encoded, Vision(kinds, encoded.encodes))
+
+
+def backward_once(tower: Tower):
+    """The features' gradient, summed over the micro-batches that read tower.leaves, through the
+    tower once (every rank: FSDP2 runs the tower's backward on all ranks alike)."""
+    outputs = []
+    grads = []
+    for kind, f in tower.encoded.kinds.items():
+        leaf = tower.leaves.kinds[kind].local
+        if not f.local.requires_grad:
+            continue
+        outputs.append(f.local)
+        grads.append(torch.zeros_like(f.local) if leaf.grad is None else leaf.grad)
+        leaf.grad = None
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+
+
+def tower_trains(model) -> bool:
+    """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: adapters in it)."""
+    return any(p.requires_grad for p in base_model(model).model.visual.parameters())
+
+
+class FeatureCache:
+    """A frozen tower's features per sample (the reference's: they never change), this rank's run
+    of each prompt's, in host memory for the run: the tower runs on a sample the first time this
+    rank sees it. FSDP2: when any rank has a sample to encode, every rank runs the tower (a rank
+    with none: its dummies, else its prompts again)."""
+
+    def __init__(self):
+        self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
+        self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class
+
+    def key(self, p, kind: str, grid: str) -> tuple:
+        return (p.sample["id"], kind, str(p.mm[grid].tolist()))
+
+    def vision(
+        self, model, prompts: list, device, layout: Layout | None = None, dummies=None
+    ) -> Vision:
+        """encode_vision's result for `prompts`, the tower run on the samples not kept yet."""
+        distinct = list({id(p): p for p in prompts}.values())
+        missing = []
+        for p in distinct:
+            keys = [self.key(p, kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
+            if any(k not in self.pieces for k in keys):
+                missing.append(p)
+        encodes = 0
+        if any_rank(bool(missing)):
+            if not missing and not dummies:  # the tower runs on every rank
+                missing = distinct
+            fresh = encode_vision(model, missing, device, layout, dummies)
+            encodes = fresh.encodes
+            self.keep(model, fresh, missing, layout)
+        out = Vision({}, encodes)
+        for kind, pixels, grid in MEDIA:
+            mine = [p for p in distinct if pixels in p.mm]
+            if not mine and not dummies:
+                continue
+            empty = self.empty[kind]
+            parts = [self.pieces[self.key(p, kind, grid)] for p in mine]
+            local = torch.cat(parts + [empty.local]).to(device)
+            out.kinds[kind] = features(model, mine, grid, local, empty.dims, empty.output, layout)
+        return out
+
+    def keep(self, model, fresh: Vision, prompts: list, layout: Layout | None):
+        """fresh's features, per prompt of `prompts` (what encode_vision encoded), to the host."""
+        r = layout.sp_rank if layout else 0
+        n = layout.sp_size if layout else 1
+        for kind, pixels, grid in MEDIA:
+            if kind not in fresh.kinds:
+                continue
+            f = fresh.kinds[kind]
+            self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
+            mine = [p for p in prompts if pixels in p.mm]
+            counts = []
+            for p in mine:
+                firsts = run_features(model, p, grid, n)
+                counts.append(firsts[r + 1] - firsts[r])
+            for p, local in zip(mine, f.local.split(counts)):
+                self.pieces[self.key(p, kind, grid)] = local.detach().to("cpu", copy=True)
 
 
 @dataclass

@@ -745,6 +745,17 @@ def reference_logp(
         return token_logp(model, b, temperature, banned, chunk, layout)[0]
 
 
+def reference_vision(t, prompts: list) -> sp.Vision:
+    """The reference tower's features of `prompts`, kept per sample (t.ref_features): the frozen
+    copy's, or with LoRA (ref None) the policy's, adapters scaled to 0."""
+    from peft.helpers import rescale_adapter_scale
+
+    if t.ref is not None:
+        return t.ref_features.vision(t.ref, prompts, t.device, t.layout, t.dummies)
+    with rescale_adapter_scale(t.model, 0.0):
+        return t.ref_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+
+
 def micro_batches(rollouts: list[Rollout], cfg: Config, tok, device, dummies) -> list[list[dict]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch); "index": the rows.
     All ranks run as many (FSDP): a rank the token budget packed into fewer halves its largest."""
@@ -1021,6 +1032,8 @@ class Trainer:
     rank: int
     world: int
     device: torch.device
+    # the reference tower's features per sample (it is frozen: they never change)
+    ref_features: sp.FeatureCache = dataclasses.field(default_factory=sp.FeatureCache)
 
 
 def build_trainer(
@@ -1099,22 +1112,28 @@ def logp_pass(
     t: Trainer, minibatches: list[list[dict]], rollouts: list[Rollout], cfg: Config
 ) -> int:
     """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the reward), the
-    reference's with kl_coef; freeze_vision: every prompt's features once, for all passes. Returns the encodes."""
+    reference's with kl_coef. Every prompt's features once for all of them (a frozen tower: for all passes);
+    the reference's kept per sample (reference_vision; a frozen tower: the policy's). Returns the encodes."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
-    frozen, encodes = None, 0
+    trains = sp.tower_trains(t.model)
+    prompts = [r.prompt for r in rollouts]
+    policy = None
+    encodes = 0
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
     with torch.no_grad():
-        if cfg.freeze_vision:
-            frozen = sp.encode_vision(
-                t.model, [r.prompt for r in rollouts], t.device, t.layout, t.dummies
-            )
-            encodes = frozen.encodes
+        if need_old or not trains:
+            policy = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
+            encodes = policy.encodes
+        ref = policy
+        if cfg.kl_coef > 0 and trains:
+            ref = reference_vision(t, prompts)
+            encodes += ref.encodes
         for b in itertools.chain(*minibatches):
-            b["vision"] = frozen
+            b["vision"] = policy
             if need_old:
                 b["old_logp"] = token_logp(t.model, b, *logp_args)[0]
             if cfg.kl_coef > 0:
-                b["ref_logp"] = reference_logp(t.model, t.ref, b, *logp_args)
+                b["ref_logp"] = reference_logp(t.model, t.ref, b | {"vision": ref}, *logp_args)
     return encodes
 
 
@@ -1125,18 +1144,27 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
     for group_param in t.opt.param_groups:
         group_param["lr"] = lr_at(step - 1, cfg)
     m, gnorms = {}, []
+    trains = sp.tower_trains(t.model)  # else the features of logp_pass serve every pass
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
             n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
+            if trains:  # once per mini-batch: the feature gradient summed over its micro-batches
+                prompts = [p for b in mini for p in b["prompts"]]
+                tower = sp.encode_once(t.model, prompts, t.device, t.layout, t.dummies)
+                mini[0]["encodes"] += tower.leaves.encodes
             for b in mini:
+                if trains:
+                    b["vision"] = tower.leaves
                 loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
                 (loss * t.world).backward()  # FSDP averages gradients over ranks: x world sums them
                 loss_sum += metrics["loss"]
                 if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
                     for k, v in metrics.items():
                         m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
+            if trains:
+                sp.backward_once(tower)
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
@@ -1577,9 +1605,10 @@ def load_model(cfg: Config, device):
     ).to(device)
     visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
     visual.requires_grad_(not cfg.freeze_vision)
-    blocks = list(model.model.language_model.layers) + list(visual.blocks)
-    if cfg.gradient_checkpointing:
-        for block in blocks:
+    layers = list(model.model.language_model.layers)
+    blocks = layers + list(visual.blocks)
+    if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
+        for block in layers if cfg.freeze_vision else blocks:
             checkpoint_module(block)
     if cfg.sp_size > 1:
         sp.use_ulysses(model)

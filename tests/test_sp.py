@@ -99,11 +99,15 @@ def run(
     checkpointing: bool = False,
     device: str = "cpu",
     kernel: str = "",
+    once: bool = False,
 ) -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
-    kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn)."""
+    kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn).
+    once (train.update's path): the tower once over all batches' rows with gradient (sp.encode_once), its feature
+    gradient summed over the batches and taken through it once (sp.backward_once); the no-grad log-probs from
+    features kept per sample (sp.FeatureCache, the reference's path); encodes{k}: the cache's encodes."""
     import sp
     from transformers import AutoProcessor
 
@@ -137,12 +141,22 @@ def run(
         pixels: torch.cat([p.mm[pixels] for p in prompts if pixels in p.mm])
         for _, pixels, _ in sp.MEDIA
     }
+    if once:
+        mine = [rows[i] for batch in BATCHES for i in batch[dp_rank::dp_size]]
+        tower = sp.encode_once(model, [r.prompt for r in mine], device, layout, dummies)
+        kept = sp.FeatureCache()
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
         b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
         with torch.no_grad():
+            if once:
+                b["vision"] = kept.vision(model, b["prompts"], device, layout, dummies)
+                b["encodes"] = b["vision"].encodes
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout)
+        encodes = b["encodes"]
         b["encodes"] = 0
+        if once:
+            b["vision"] = tower.leaves
         b["adv"] = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
         ).expand_as(b["mask"])
@@ -156,11 +170,13 @@ def run(
                 f"logp{k}": logp * b["mask"],
                 f"ent{k}": ent * b["mask"],
                 f"index{k}": torch.tensor(index),
-                f"encodes{k}": torch.tensor(b["encodes"]),
+                f"encodes{k}": torch.tensor(encodes if once else b["encodes"]),
                 f"length{k}": torch.tensor(b["input_ids"].shape[1]),
                 f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64),
             }
         )
+    if once:
+        sp.backward_once(tower)
     for n, p in model.named_parameters():  # full_tensor is a collective: every rank calls it
         out["grad." + n] = (
             p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -213,7 +229,7 @@ def worker(out_dir: str, data_path: str, sp_size: str, mode: str, *archs: str):
                 f"plain.{k}": v.cpu() for k, v in plain.items()
             }
         else:
-            result = run(arch, data_path, int(sp_size), layout, mode == "ckpt")
+            result = run(arch, data_path, int(sp_size), layout, mode == "ckpt", once=True)
         save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
     torch.distributed.barrier()
 
@@ -354,7 +370,8 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
         assert (
             ref["encodes0"] == 4 and ref["encodes1"] == 2
         )  # one process: 2 images + 2 videos; 1 + 1
-        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 2], [4, 2]]
+        # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
+        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
 
 
 @pytest.mark.slow
