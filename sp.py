@@ -270,6 +270,73 @@ def backward_once(tower: Tower):
         torch.autograd.backward(outputs, grads)
 
 
+class Towers:
+    """A mini-batch's trained-tower encodes: each prompt through the tower once, with gradient,
+    its micro-batches reading leaves that sum the features' gradient, taken through the tower once
+    when the prompt's last micro-batch is done. FSDP2 needs every rank to run the tower as often,
+    in the same order: with one data-parallel group (SP ranks hold the same rows) each prompt is
+    encoded at its first micro-batch and its graph freed after its last (the activations of the
+    prompts in flight); else the whole mini-batch's prompts at the first micro-batch, backward
+    after the last (every prompt's activations held for the mini-batch)."""
+
+    def __init__(self, model, mini: list[list], device, layout: Layout | None, dummies):
+        self.model = model
+        self.device = device
+        self.layout = layout
+        self.dummies = dummies
+        self.mini = mini  # each micro-batch's prompts
+        self.last = {}  # id(prompt) -> its last micro-batch
+        for i, prompts in enumerate(mini):
+            for p in prompts:
+                self.last[id(p)] = i
+        self.aligned = layout is None or layout.dp_size == 1
+        self.open = []  # (Tower, its prompts): not yet taken through the tower
+        self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
+        self.encodes = 0
+
+    def vision(self, i: int) -> Vision:
+        """Micro-batch i's features (leaves), its new prompts encoded first."""
+        prompts = list({id(p): p for p in self.mini[i]}.values())
+        new = [p for p in prompts if id(p) not in self.leaves]
+        if not self.aligned and i == 0:
+            new = list({id(p): p for ps in self.mini for p in ps}.values())
+        if new:
+            tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
+            self.encodes += tower.leaves.encodes
+            self.open.append((tower, new))
+            for p in new:
+                self.leaves[id(p)] = tower.leaves
+        out = Vision({}, 0)
+        for kind, pixels, grid in MEDIA:
+            mine = [p for p in prompts if pixels in p.mm]
+            have = [v.kinds[kind] for v in self.leaves.values() if kind in v.kinds]
+            if not have or not mine and not self.dummies:
+                continue
+            parts = [self.piece(p, kind, grid) for p in mine]
+            local = torch.cat(parts + [have[0].local[:0]])
+            out.kinds[kind] = features(
+                self.model, mine, grid, local, have[0].dims, have[0].output, self.layout
+            )
+        return out
+
+    def piece(self, p, kind: str, grid: str) -> torch.Tensor:
+        """This rank's run of prompt p's features of one modality: a view of its leaf."""
+        f = self.leaves[id(p)].kinds[kind]
+        n = self.layout.sp_size if self.layout else 1
+        r = self.layout.sp_rank if self.layout else 0
+        start = f.spans[id(p)]  # its first feature among the ranks' runs; this rank's:
+        firsts = run_features(self.model, p, grid, n)
+        at = int((f.where[start + firsts[r] :][:1] - f.bounds[r]).sum())
+        return f.local[at : at + firsts[r + 1] - firsts[r]]
+
+    def backward(self, i: int):
+        """After micro-batch i: the towers whose prompts are all done, through the tower."""
+        done = [(t, ps) for t, ps in self.open if all(self.last[id(p)] <= i for p in ps)]
+        for tower, _ in done:
+            backward_once(tower)
+        self.open = [(t, ps) for t, ps in self.open if any(self.last[id(p)] > i for p in ps)]
+
+
 def tower_trains(model) -> bool:
     """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: adapters in it)."""
     return any(p.requires_grad for p in base_model(model).model.visual.parameters())

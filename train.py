@@ -1150,21 +1150,19 @@ def update(t: Trainer, minibatches: list[list[dict]], cfg: Config, step: int, id
         for mini in minibatches:
             n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
-            if trains:  # once per mini-batch: the feature gradient summed over its micro-batches
-                prompts = [p for b in mini for p in b["prompts"]]
-                tower = sp.encode_once(t.model, prompts, t.device, t.layout, t.dummies)
-                mini[0]["encodes"] += tower.leaves.encodes
-            for b in mini:
+            # a trained tower: each prompt once, its feature gradient summed over its micro-batches
+            towers = sp.Towers(t.model, [b["prompts"] for b in mini], t.device, t.layout, t.dummies)
+            for i, b in enumerate(mini):
                 if trains:
-                    b["vision"] = tower.leaves
+                    b["vision"] = towers.vision(i)
                 loss, metrics = micro_loss(t.model, b, cfg, t.banned, n_tok, n_seq, layout=t.layout)
                 (loss * t.world).backward()  # FSDP averages gradients over ranks: x world sums them
+                towers.backward(i)
                 loss_sum += metrics["loss"]
                 if epoch == 0:  # the first pass's metrics, summed (mismatch_max: the maximum)
                     for k, v in metrics.items():
                         m[k] = max(m.get(k, 0.0), v) if k == "mismatch_max" else m.get(k, 0.0) + v
-            if trains:
-                sp.backward_once(tower)
+            mini[0]["encodes"] += towers.encodes
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step

@@ -105,9 +105,10 @@ def run(
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
     kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn).
-    once (train.update's path): the tower once over all batches' rows with gradient (sp.encode_once), its feature
-    gradient summed over the batches and taken through it once (sp.backward_once); the no-grad log-probs from
-    features kept per sample (sp.FeatureCache, the reference's path); encodes{k}: the cache's encodes."""
+    once (train.update's path): the batches as one mini-batch's micro-batches, each prompt through the tower once
+    with gradient (sp.Towers: dp 1 at its first batch, else all at the first), its feature gradient summed over
+    its batches and taken through the tower once; the no-grad log-probs from features kept per sample
+    (sp.FeatureCache, the reference's path); encodes{k}: the cache's encodes."""
     import sp
     from transformers import AutoProcessor
 
@@ -142,8 +143,8 @@ def run(
         for _, pixels, _ in sp.MEDIA
     }
     if once:
-        mine = [rows[i] for batch in BATCHES for i in batch[dp_rank::dp_size]]
-        tower = sp.encode_once(model, [r.prompt for r in mine], device, layout, dummies)
+        mini = [[rows[i].prompt for i in batch[dp_rank::dp_size]] for batch in BATCHES]
+        towers = sp.Towers(model, mini, device, layout, dummies)
         kept = sp.FeatureCache()
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
@@ -156,7 +157,7 @@ def run(
         encodes = b["encodes"]
         b["encodes"] = 0
         if once:
-            b["vision"] = tower.leaves
+            b["vision"] = towers.vision(k)
         b["adv"] = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
         ).expand_as(b["mask"])
@@ -165,6 +166,8 @@ def run(
         )  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
+        if once:
+            towers.backward(k)
         out.update(
             {
                 f"logp{k}": logp * b["mask"],
@@ -175,8 +178,6 @@ def run(
                 f"loss{k}": torch.tensor(metrics["loss"], dtype=torch.float64),
             }
         )
-    if once:
-        sp.backward_once(tower)
     for n, p in model.named_parameters():  # full_tensor is a collective: every rank calls it
         out["grad." + n] = (
             p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
