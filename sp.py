@@ -344,13 +344,16 @@ def tower_trains(model) -> bool:
 
 class FeatureCache:
     """A frozen tower's features per sample (the reference's: they never change), this rank's run
-    of each prompt's, in host memory for the run: the tower runs on a sample the first time this
-    rank sees it. FSDP2: when any rank has a sample to encode, every rank runs the tower (a rank
-    with none: its dummies, else its prompts again)."""
+    of each prompt's, in host memory, at most max_bytes (the oldest dropped first, encoded again
+    when seen again): the tower runs on a sample the first time this rank sees it. FSDP2: when any
+    rank has a sample to encode, every rank runs the tower (a rank with none: its dummies, else its
+    prompts again)."""
 
-    def __init__(self):
+    def __init__(self, max_bytes: int = 8 * 2**30):
+        self.max_bytes = max_bytes
         self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
         self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class
+        self.bytes = 0
 
     def key(self, p, kind: str, grid: str) -> tuple:
         return (p.sample["id"], kind, str(p.mm[grid].tolist()))
@@ -381,6 +384,7 @@ class FeatureCache:
             parts = [self.pieces[self.key(p, kind, grid)] for p in mine]
             local = torch.cat(parts + [empty.local]).to(device)
             out.kinds[kind] = features(model, mine, grid, local, empty.dims, empty.output, layout)
+        self.trim()
         return out
 
     def keep(self, model, fresh: Vision, prompts: list, layout: Layout | None):
@@ -398,7 +402,17 @@ class FeatureCache:
                 firsts = run_features(model, p, grid, n)
                 counts.append(firsts[r + 1] - firsts[r])
             for p, local in zip(mine, f.local.split(counts)):
-                self.pieces[self.key(p, kind, grid)] = local.detach().to("cpu", copy=True)
+                key = self.key(p, kind, grid)
+                if key in self.pieces:  # encoded again (FSDP2): newest now
+                    self.bytes -= self.pieces.pop(key).nbytes
+                self.pieces[key] = local.detach().to("cpu", copy=True)
+                self.bytes += local.nbytes
+
+    def trim(self):
+        """Drops the oldest samples' features over max_bytes (after a step's use: not the step's)."""
+        while self.bytes > self.max_bytes and self.pieces:
+            oldest = next(iter(self.pieces))
+            self.bytes -= self.pieces.pop(oldest).nbytes
 
 
 @dataclass

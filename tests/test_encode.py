@@ -146,6 +146,12 @@ def test_encode_once_matches_per_micro_batch(arch, synth):
     assert ref_towers == []
     for b, first in zip([b for mini in again for b in mini], [b for m in minibatches for b in m]):
         torch.testing.assert_close(b["ref_logp"], first["ref_logp"], rtol=0, atol=0)
+    # a cache of 0 bytes keeps a step's features for that step alone: the tower runs again
+    t.ref_features.max_bytes = 0
+    train.logp_pass(t, step_batches(t, cfg, tok, rows), rows, cfg)  # kept from before, then dropped
+    assert ref_towers == [] and t.ref_features.pieces == {} and t.ref_features.bytes == 0
+    train.logp_pass(t, step_batches(t, cfg, tok, rows), rows, cfg)
+    assert len(ref_towers) == 2 and t.ref_features.pieces == {}
 
 
 def test_frozen_tower_once_and_never_recomputed(synth):
