@@ -338,7 +338,7 @@ class Towers:
 
 
 def tower_trains(model) -> bool:
-    """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: adapters in it)."""
+    """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: its adapters)."""
     return any(p.requires_grad for p in base_model(model).model.visual.parameters())
 
 
@@ -409,7 +409,7 @@ class FeatureCache:
                 self.bytes += local.nbytes
 
     def trim(self):
-        """Drops the oldest samples' features over max_bytes (after a step's use: not the step's)."""
+        """Drops the oldest samples' features over max_bytes (after the step's use of them)."""
         while self.bytes > self.max_bytes and self.pieces:
             oldest = next(iter(self.pieces))
             self.bytes -= self.pieces.pop(oldest).nbytes

@@ -1,27 +1,34 @@
-"""Long videos (issues 14, 27): per-rank peak memory and step time of the train phase, sp1 against sp2 at 3,600 frames,
-and MR-SP against the trainer before vision-once; --plan-check: a real train.py run's train phase against the planner.
+"""Long videos (issues 14, 27, 40): per-rank peak memory and step time of the train phase, sp1
+against sp2 at 3,600 frames, and MR-SP against the trainer before vision-once; the vision encodes
+per prompt and step; --plan-check: a real train.py run's train phase against the planner.
 
     .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
-    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 bench/long_video.py \
-        --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
+    .venv/bin/python bench/long_video.py --encodes        # the encode count alone
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 \
+        bench/long_video.py --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
-memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame pair: 28,9xx-token
-prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the update). Rows, and what each ratio holds:
-- sp1, sp2: 3,600 frames, one clip, memory.py's "all on" (features once, checkpointing, one row per micro-batch), on 1
-  and 2 ranks; group_size 2 (a row per micro-batch: the peak does not grow with it). `per-rank memory sp1/sp2`.
-- each row encoded, vision-once dp 2, MR-SP sp 2: SPEED_FRAMES, 2 clips on 2 ranks, group_size 8, no checkpointing.
-  "each row encoded" is the trainer before vision-once (today's code, every row's video encoded in every pass, the
-  tower trained); "vision-once dp 2" encodes each clip once per step on its own rank (freeze_vision, data-parallel);
-  "MR-SP sp 2" is the same with sp_size 2. `long video step speedup` = each row encoded / MR-SP, the product of
-  encoding once (each row encoded / vision-once) and `of which sequence parallel` (vision-once / MR-SP).
-  At 3,600 frames "each row encoded" holds 8 rows' vision activations per rank (~10 GB), more than this machine lends.
-- the encode count (also alone: `bench/long_video.py --encodes`, a few minutes): 2 clips of COUNT_FRAMES frames in one
-  process, the hour recipes' micro-batching (one row per micro-batch, group_size rows per prompt), 2 mini-batches,
-  kl_coef, gradient_checkpointing, 2 train phases on the same samples; the trained tower and freeze_vision. The last
-  line counts the trainer's passes over a prompt in step 1 (the reference's first sight of the samples included);
-  vLLM's own encode for generation comes on top.
-Memory: the resident-set rise over the step, less the file-backed pages it faulted in (memory.peak_bytes), the
-largest rank's. Details: docs/speed.md.
+memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame
+pair: 28,9xx-token prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the
+update). Rows, and what each ratio holds:
+- sp1, sp2: 3,600 frames, one clip, memory.py's "all on" (features once, checkpointing, one row
+  per micro-batch), on 1 and 2 ranks; group_size 2 (a row per micro-batch: the peak does not grow
+  with it). `per-rank memory sp1/sp2`.
+- each row encoded, vision-once dp 2, MR-SP sp 2: SPEED_FRAMES, 2 clips on 2 ranks, group_size 8,
+  no checkpointing. "each row encoded" is the trainer before vision-once (today's code, every
+  row's video encoded in every pass, the tower trained); "vision-once dp 2" encodes each clip once
+  per step on its own rank (freeze_vision, data-parallel); "MR-SP sp 2" is the same with sp_size
+  2. `long video step speedup` = each row encoded / MR-SP, the product of encoding once (each row
+  encoded / vision-once) and `of which sequence parallel` (vision-once / MR-SP). At 3,600 frames
+  "each row encoded" holds 8 rows' vision activations per rank (~10 GB), more than this machine
+  lends.
+- the encode count: 2 clips of COUNT_FRAMES frames in one process, the hour recipes'
+  micro-batching (one row per micro-batch, group_size rows per prompt), 2 mini-batches, kl_coef,
+  gradient_checkpointing, 2 train phases on the same samples; the trained tower and
+  freeze_vision. The last line counts the trainer's passes over a prompt in step 1 (the
+  reference's first sight of the samples included); vLLM's own encode for generation comes on
+  top.
+Memory: the resident-set rise over the step, less the file-backed pages it faulted in
+(memory.peak_bytes), the largest rank's. Details: docs/speed.md.
 """
 
 import functools
@@ -41,10 +48,11 @@ COUNT_FRAMES = 32  # the encode count's clips (the count does not depend on the 
 
 
 def run_phases(paths: list[str]):
-    """train.main on the configs `paths` (under torchrun) with each step's train phase (from train.micro_batches to the
-    weight sync: log-prob passes, advantages, update) measured as memory.peak_bytes does; each rank prints its peaks,
-    rank 0 its largest after step 1 against the planner's CPU prediction for the run's own prompts (less the weights
-    and AdamW states, resident before the phase)."""
+    """train.main on the configs `paths` (under torchrun) with each step's train phase (from
+    train.micro_batches to the weight sync: log-prob passes, advantages, update) measured as
+    memory.peak_bytes does; each rank prints its peaks, rank 0 its largest after step 1 against the
+    planner's CPU prediction for the run's own prompts (less the weights and AdamW states, resident
+    before the phase)."""
     import ctypes
 
     import data
