@@ -273,11 +273,12 @@ def backward_once(tower: Tower):
 class Towers:
     """A mini-batch's trained-tower encodes: each prompt through the tower once, with gradient,
     its micro-batches reading leaves that sum the features' gradient, taken through the tower once
-    when the prompt's last micro-batch is done. FSDP2 needs every rank to run the tower as often,
-    in the same order: with one data-parallel group (SP ranks hold the same rows) each prompt is
-    encoded at its first micro-batch and its graph freed after its last (the activations of the
-    prompts in flight); else the whole mini-batch's prompts at the first micro-batch, backward
-    after the last (every prompt's activations held for the mini-batch)."""
+    when the prompt's last micro-batch is done (the tower activations of the prompts in flight).
+    FSDP2 needs every rank to run the tower as often, in the same order: so with one data-parallel
+    group (its SP ranks hold the same rows, micro-batch for micro-batch); with several, each
+    micro-batch encodes its own prompts and takes them back after its backward (a group over k
+    micro-batches: k encodes, as before; the tower held unsharded over the mini-batch would lift
+    this)."""
 
     def __init__(self, model, mini: list[list], device, layout: Layout | None, dummies):
         self.model = model
@@ -298,8 +299,6 @@ class Towers:
         """Micro-batch i's features (leaves), its new prompts encoded first."""
         prompts = list({id(p): p for p in self.mini[i]}.values())
         new = [p for p in prompts if id(p) not in self.leaves]
-        if not self.aligned and i == 0:
-            new = list({id(p): p for ps in self.mini for p in ps}.values())
         if new:
             tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
             self.encodes += tower.leaves.encodes
@@ -330,7 +329,12 @@ class Towers:
         return f.local[at : at + firsts[r + 1] - firsts[r]]
 
     def backward(self, i: int):
-        """After micro-batch i: the towers whose prompts are all done, through the tower."""
+        """After micro-batch i: the towers whose prompts are all done, through the tower (several
+        data-parallel groups: this micro-batch's)."""
+        if not self.aligned:
+            for p in self.mini[i]:
+                self.last[id(p)] = i
+                self.leaves.pop(id(p), None)
         done = [(t, ps) for t, ps in self.open if all(self.last[id(p)] <= i for p in ps)]
         for tower, _ in done:
             backward_once(tower)

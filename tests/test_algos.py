@@ -630,9 +630,9 @@ def test_two_step_smoke(torchrun_job, name):
     if cfg["freeze_vision"]:
         assert [r["vision/encodes"] for r in rows] == [2 * 3] * 2  # once per step
     elif not cfg["max_tokens_per_micro_batch"]:
-        # the trained tower once per mini-batch (its prompts' videos + the dummy image); the
-        # policy's no-grad encode for old log-probs and the reference's (new samples each step)
-        update = cfg["ppo_epochs"] * (2 + cfg["mini_batches"])
+        # dp 2: the trained tower once per micro-batch of 4 = one group (its video + the dummy
+        # image); the policy's no-grad encode for old log-probs and the reference's (new samples)
+        update = cfg["ppo_epochs"] * 2 * 2
         before = 3 * (need_old + (cfg["kl_coef"] > 0))
         assert [r["vision/encodes"] for r in rows] == [2 * (update + before)] * 2
     if name in (
