@@ -494,7 +494,7 @@ PAD = object()  # a held-out sample's "pad" field: prepared only so that its ran
 def prep_share(prep, samples: list, skip_invalid: bool, layout) -> tuple[list, list]:
     """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
     group alone, and every rank's skip reports."""
-    share = layout.share(samples, layout.tp)[0]
+    share = layout.share(samples, layout.tp).items
     prompts, skips = prep_all(prep, share, skip_invalid)
     reports = [report for part in gather(skips)[:: layout.tp] for report in part]
     # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF

@@ -1,12 +1,17 @@
-"""sp.py: sequence parallelism for long videos (Ulysses). The world is dp x sp: an SP group of sp_size consecutive
-ranks trains the same rows, each rank holding 1/sp_size of every sequence's positions.
+"""sp.py: sequence parallelism for long videos (Ulysses). The world is dp x sp: an SP group of
+sp_size consecutive ranks trains the same rows, each rank holding 1/sp_size of every sequence's
+positions.
 
-    vision     each rank holds and encodes its run of each prompt's temporal patches (the towers attend within one)
-    embed      each rank embeds only its shard of the sequence (model_inputs): the M-RoPE positions of the whole,
-               the features its positions hold, sent by the ranks that encoded them (one all-to-all)
-    attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel, all-to-all back;
-               heads that do not split over sp_size are padded with zero heads (dropped after)
-    log-probs  each rank projects the response positions it holds; summed over the group, each rank's loss is whole
+    vision     each rank holds and encodes its run of each prompt's temporal patches (the towers
+               attend within one)
+    embed      each rank embeds only its shard of the sequence (model_inputs): the M-RoPE positions
+               of the whole, the features its positions hold, sent by the ranks that encoded them
+               (one all-to-all)
+    attention  "ulysses_<kernel>": all-to-all from position to head shards, the model's kernel,
+               all-to-all back; heads that do not split over sp_size are padded with zero heads
+               (dropped after)
+    log-probs  each rank projects the response positions it holds; summed over the group, each
+               rank's loss is whole
 """
 
 import functools
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import base_model
+from common import any_rank, base_model
 
 MEDIA = (
     ("image", "pixel_values", "image_grid_thw"),
@@ -28,10 +33,23 @@ MEDIA = (
 
 
 @dataclass
+class Share:
+    """What a group of consecutive ranks works on (Layout.share), and this rank's own part of it."""
+
+    items: list  # the same on the group's ranks
+    start: int  # where this rank's part begins in items
+    count: int  # its length
+
+    def own(self) -> list:
+        return self.items[self.start : self.start + self.count]
+
+
+@dataclass
 class Layout:
-    """This rank's place in the dp x sp world and in its rollout engine's TP group: all the rank arithmetic. SP and
-    TP groups are sp_size and tp consecutive ranks (tp divides sp_size, or sp_size is 1). A step's prompts are dealt
-    so that every SP group gets its equal part in one round (part): the rows its ranks train together."""
+    """This rank's place in the dp x sp world and in its rollout engine's TP group: all the rank
+    arithmetic. SP and TP groups are sp_size and tp consecutive ranks (tp divides sp_size, or
+    sp_size is 1). A step's prompts are dealt so that every SP group gets its equal part in one
+    round (part): the rows its ranks train together."""
 
     group: object  # the SP group's process group (None with sp_size 1)
     sp_rank: int
@@ -41,55 +59,70 @@ class Layout:
     tp: int = 1  # the rollout engine's tensor-parallel size
     rank: int = 0  # dp_rank * sp_size + sp_rank
     world: int = 1  # dp_size * sp_size
-    host: object = None  # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
+    # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
+    host: object = None
 
     def part(self, items: list, rank: int) -> list:
-        """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g (prompts_per_step / dp_size
-        of a step's), dealt in turn over the group's ranks. sp_size 1: items[rank::world]."""
+        """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g
+        (prompts_per_step / dp_size of a step's), dealt in turn over the group's ranks. sp_size 1:
+        items[rank::world]."""
         group = items[rank // self.sp_size :: self.dp_size]
         return group[rank % self.sp_size :: self.sp_size]
 
-    def share(self, items: list, size: int, rank: int | None = None) -> tuple[list, int, int]:
-        """The list the group of `size` consecutive ranks around `rank` (default: this one) works on, the same on its
-        ranks (size tp: what its engine generates), and where the rank's own part lies in it: (list, start, length)."""
-        rank = self.rank if rank is None else rank
+    def share(self, items: list, size: int, rank: int | None = None) -> "Share":
+        """The list the group of `size` consecutive ranks around `rank` (default: this one) works
+        on, the same on its ranks (size tp: what its engine generates), and where the rank's own
+        part lies in it."""
+        if rank is None:
+            rank = self.rank
         first = rank - rank % size
         parts = [self.part(items, q) for q in range(first, first + size)]
-        return (
-            [x for part in parts for x in part],
-            sum(map(len, parts[: rank - first])),
-            len(parts[rank - first]),
-        )
+        flat = [x for part in parts for x in part]
+        start = sum(len(part) for part in parts[: rank - first])
+        return Share(flat, start, len(parts[rank - first]))
 
     def prepares(self, i: int) -> bool:
-        """Whether this rank prepares item i of a step's prompts: the TP group that generates it (group_rollouts)."""
+        """Whether this rank prepares item i of a step's prompts: the TP group that generates it
+        (group_rollouts)."""
         owner = i % self.dp_size * self.sp_size + i // self.dp_size % self.sp_size  # part's inverse
         return owner // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:
-        """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same rows)."""
+        """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same
+        rows)."""
         return parts[:: self.sp_size]
 
 
 def make_layout(sp_size: int, tp: int = 1) -> Layout:
     """Creates the SP process groups: new_group is collective, so every rank creates every group."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    groups = hosts = [None] * (world // sp_size)
+    rank = 0
+    world = 1
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+    groups = [None] * (world // sp_size)
+    hosts = [None] * (world // sp_size)
     if sp_size > 1:
         spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
-        groups, hosts = (
-            [dist.new_group(ranks, backend=backend) for ranks in spans]
-            for backend in (None, "gloo")
-        )
-    dp_rank, dp_size = rank // sp_size, world // sp_size
+        groups = [dist.new_group(ranks) for ranks in spans]
+        hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
+    dp_rank = rank // sp_size
     return Layout(
-        groups[dp_rank], rank % sp_size, sp_size, dp_rank, dp_size, tp, rank, world, hosts[dp_rank]
+        group=groups[dp_rank],
+        sp_rank=rank % sp_size,
+        sp_size=sp_size,
+        dp_rank=dp_rank,
+        dp_size=world // sp_size,
+        tp=tp,
+        rank=rank,
+        world=world,
+        host=hosts[dp_rank],
     )
 
 
 class AllReduce(torch.autograd.Function):
-    """The sum over the SP group of tensors zero outside each rank's part; each rank computes the same loss from the
-    sum, so the gradient passes as it is."""
+    """The sum over the SP group of tensors zero outside each rank's part; each rank computes the
+    same loss from the sum, so the gradient passes as it is."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -103,37 +136,40 @@ class AllReduce(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, group, send: list[int], recv: list[int]) -> torch.Tensor:
-    """x's rows, send[j] of them to rank j in order -> the recv[j] rows from each rank j, in rank order."""
+    """x's rows, send[j] of them to rank j in order -> the recv[j] rows from each rank j, in rank
+    order."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all with its own gradient (whatever the torch build registers): the same exchange, reversed."""
+    """all_to_all with its own gradient (whatever the torch build registers): the same exchange,
+    reversed."""
 
     @staticmethod
     def forward(ctx, x, group, send: list[int], recv: list[int]):
-        ctx.args = group, recv, send
+        ctx.group = group
+        ctx.send = send
+        ctx.recv = recv
         return all_to_all(x, group, send, recv)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_to_all(grad, *ctx.args), None, None, None
+        return all_to_all(grad, ctx.group, ctx.recv, ctx.send), None, None, None
 
 
 @dataclass
 class Features:
-    """One modality's encoder output for a set of prompts as this rank holds it (SP: the features of its own run of
-    temporal patches), the model's levels (Qwen3-VL: + deepstack) side by side along the last dimension."""
+    """One modality's encoder output for a set of prompts as this rank holds it (SP: the features
+    of its own run of temporal patches), the model's levels (Qwen3-VL: + deepstack) side by side
+    along the last dimension."""
 
     local: torch.Tensor  # (bounds[r + 1] - bounds[r], sum(dims))
-    bounds: list[
-        int
-    ]  # rank j holds the features [bounds[j], bounds[j + 1]) of the ranks' runs one after another
-    where: (
-        torch.Tensor
-    )  # (features,) each feature of the prompts' media in order: its index in the ranks' runs
+    # rank j holds the features [bounds[j], bounds[j + 1]) of the ranks' runs one after another
+    bounds: list[int]
+    # (features,) each feature of the prompts' media in order: its index in the ranks' runs
+    where: torch.Tensor
     spans: dict  # id(prompt) -> the index of its first feature
     dims: list[int]  # each level's width
     output: type  # the encoder output's class, which the model takes back (mm_encoder_outputs)
@@ -141,8 +177,8 @@ class Features:
 
 @dataclass
 class Vision:
-    """encode_vision's result: the features of each modality encoded (a dummy's: none kept), and how many pieces this
-    rank encoded."""
+    """encode_vision's result: the features of each modality encoded (a dummy's: none kept), and
+    how many pieces this rank encoded."""
 
     kinds: dict
     encodes: int
@@ -151,124 +187,326 @@ class Vision:
 def encode_vision(
     model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None
 ) -> Vision:
-    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share one Prompt). SP:
-    each rank encodes its run of each prompt's temporal patches (runs) and keeps their features. dummies
-    (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of a modality encodes its dummy, weight 0
-    (FSDP2 all-gathers the tower each time it runs: every rank must run it as often, in the same order)."""
+    """The vision tower, once per modality, over the distinct prompts' media (a group's rows share
+    one Prompt). SP: each rank encodes its run of each prompt's temporal patches (runs) and keeps
+    their features. dummies (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of
+    a modality encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every
+    rank must run it as often, in the same order)."""
     distinct = list({id(p): p for p in prompts}.values())
-    merge2 = model.config.vision_config.spatial_merge_size**2
-    r, n = (layout.sp_rank, layout.sp_size) if layout else (0, 1)
+    r = layout.sp_rank if layout else 0
+    n = layout.sp_size if layout else 1
     out = Vision({}, 0)
     for kind, pixels, grid in MEDIA:
         mine = [p for p in distinct if pixels in p.mm]
         if not mine and not dummies:
             continue
-        split = [runs(p.mm[grid], n) for p in mine]  # per prompt: (units, rows, cuts)
-        grid_thw = [
-            [len(list(g)), *p.mm[grid][i, 1:].tolist()]
-            for p, (units, _, cut) in zip(mine, split)
-            for i, g in itertools.groupby(units[cut[r] : cut[r + 1]])
-        ]  # this rank's pieces
+        grid_thw = []  # this rank's pieces: its run's temporal patches of each item, in order
+        for p in mine:
+            run = runs(p.mm[grid], n)
+            for i, patches in itertools.groupby(run.units[run.cuts[r] : run.cuts[r + 1]]):
+                grid_thw.append([len(list(patches)), *p.mm[grid][i, 1:].tolist()])
         x = [run_rows(p, pixels, grid, r, n) for p in mine]
-        if (
-            not grid_thw
-        ):  # none of the prompts has this modality, or this rank's runs are empty: the dummy
-            x, grid_thw = [dummies[kind].mm[pixels]], dummies[kind].mm[grid].tolist()
+        if not grid_thw:  # no prompt has this modality, or this rank's runs are empty: the dummy
+            x = [dummies[kind].mm[pixels]]
+            grid_thw = dummies[kind].mm[grid].tolist()
         encode = getattr(model, f"get_{kind}_features")  # the model's own (Qwen3-VL: + deepstack)
-        enc = encode(
-            torch.cat(x).to(device), torch.tensor(grid_thw, device=device), return_dict=True
-        )
+        grid_thw = torch.tensor(grid_thw, device=device)
+        enc = encode(torch.cat(x).to(device), grid_thw, return_dict=True)
         out.encodes += len(grid_thw)
-        # rank j holds the features of each prompt's run j (a feature: merge2 pixel rows), in prompt order
-        firsts = [
-            [rows[c] // merge2 for c in cut] for _, rows, cut in split
-        ]  # each prompt's runs' first features
-        starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
-        held = [
-            [i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])]
-            for j in range(n)
-        ]
-        bounds = list(itertools.accumulate(map(len, held), initial=0))
-        where = torch.argsort(torch.tensor([i for h in held for i in h], dtype=torch.long)).to(
-            device
-        )
-        # a dummy's: none kept, an empty slice in the graph as real features (FSDP2: the same backward order), grad 0
-        local = torch.cat([torch.cat(level) for level in levels(enc)], -1)[
-            : bounds[r + 1] - bounds[r]
-        ]
-        out.kinds[kind] = Features(
-            local,
-            bounds,
-            where,
-            {id(p): s for p, s in zip(mine, starts)},
-            [level[0].shape[-1] for level in levels(enc)],
-            type(enc),
-        )
+        local = torch.cat([torch.cat(level) for level in levels(enc)], -1)
+        dims = [level[0].shape[-1] for level in levels(enc)]
+        out.kinds[kind] = features(model, mine, grid, local, dims, type(enc), layout)
     return out
 
 
-def runs(grid: torch.Tensor, n: int) -> tuple[list[int], list[int], list[int]]:
-    """One prompt's media of one modality, grid (items, 3) t, h, w, in n runs of temporal patches (SP rank j's: run j):
-    each patch's item, each patch's first pixel row and each run's first patch (each list: and the end)."""
-    units = [i for i, t in enumerate(grid[:, 0].tolist()) for _ in range(t)]
-    rows = list(itertools.accumulate([int(grid[i, 1:].prod()) for i in units], initial=0))
-    return units, rows, [len(units) * j // n for j in range(n + 1)]
+def run_features(model, p, grid: str, n: int) -> list[int]:
+    """Prompt p's features of one modality: where each of its n runs starts (and the end)."""
+    merge2 = model.config.vision_config.spatial_merge_size**2
+    run = runs(p.mm[grid], n)
+    return [run.rows[c] // merge2 for c in run.cuts]  # a feature: merge2 pixel rows
 
 
-def run_rows(p, pixels: str, grid: str, j: int, n: int) -> torch.Tensor:
-    """Prompt p's pixel rows of run j of n (a view): p holds all of them, or (group_rollouts') that run's alone."""
-    _, rows, cut = runs(p.mm[grid], n)
-    return (
-        p.mm[pixels]
-        if len(p.mm[pixels]) < rows[-1]
-        else p.mm[pixels][rows[cut[j]] : rows[cut[j + 1]]]
+def features(
+    model, mine: list, grid: str, local: torch.Tensor, dims: list, output: type, layout
+) -> Features:
+    """The Features of the prompts `mine` (those with this modality), this rank's run of each
+    one's features one after another in `local` (a dummy's: none kept, an empty slice in the graph
+    as real features, grad 0: FSDP2's same backward order)."""
+    r = layout.sp_rank if layout else 0
+    n = layout.sp_size if layout else 1
+    firsts = [run_features(model, p, grid, n) for p in mine]
+    starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
+    # rank j holds the features of each prompt's run j, in prompt order
+    held = []
+    for j in range(n):
+        held.append([i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])])
+    bounds = list(itertools.accumulate(map(len, held), initial=0))
+    order = torch.tensor([i for h in held for i in h], dtype=torch.long)
+    return Features(
+        local=local[: bounds[r + 1] - bounds[r]],
+        bounds=bounds,
+        where=torch.argsort(order).to(local.device),
+        spans={id(p): s for p, s in zip(mine, starts)},
+        dims=dims,
+        output=output,
     )
 
 
+@dataclass
+class Tower:
+    """encode_once's result: the features with the tower's graph, and the same features as leaves
+    that the micro-batches read and collect the gradient in."""
+
+    encoded: Vision
+    leaves: Vision
+
+
+def encode_once(
+    model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None
+) -> Tower:
+    """A mini-batch's prompts through the trained tower once, with gradient: the micro-batches
+    read the leaves (their backward sums the features' gradient there), backward_once takes the sum
+    through the tower once, instead of one encode per micro-batch a prompt's rows fall in."""
+    encoded = encode_vision(model, prompts, device, layout, dummies)
+    kinds = {}
+    for kind, f in encoded.kinds.items():
+        leaf = f.local.detach().requires_grad_(f.local.requires_grad)
+        kinds[kind] = replace(f, local=leaf)
+    return Tower(encoded, Vision(kinds, encoded.encodes))
+
+
+def backward_once(tower: Tower):
+    """The features' gradient, summed over the micro-batches that read tower.leaves, through the
+    tower once (every rank: FSDP2 runs the tower's backward on all ranks alike)."""
+    outputs = []
+    grads = []
+    for kind, f in tower.encoded.kinds.items():
+        leaf = tower.leaves.kinds[kind].local
+        if not f.local.requires_grad:
+            continue
+        outputs.append(f.local)
+        grads.append(torch.zeros_like(f.local) if leaf.grad is None else leaf.grad)
+        leaf.grad = None
+    if outputs:
+        torch.autograd.backward(outputs, grads)
+
+
+class Towers:
+    """A mini-batch's trained-tower encodes: each prompt through the tower once, with gradient,
+    its micro-batches reading leaves that sum the features' gradient, taken through the tower once
+    when the prompt's last micro-batch is done (the tower activations of the prompts in flight).
+    FSDP2 needs every rank to run the tower as often, in the same order: so with one data-parallel
+    group (its SP ranks hold the same rows, micro-batch for micro-batch); with several, each
+    micro-batch encodes its own prompts and takes them back after its backward (a group over k
+    micro-batches: k encodes, as before; the tower held unsharded over the mini-batch would lift
+    this)."""
+
+    def __init__(self, model, mini: list[list], device, layout: Layout | None, dummies):
+        self.model = model
+        self.device = device
+        self.layout = layout
+        self.dummies = dummies
+        self.mini = mini  # each micro-batch's prompts
+        self.last = {}  # id(prompt) -> its last micro-batch
+        for i, prompts in enumerate(mini):
+            for p in prompts:
+                self.last[id(p)] = i
+        self.aligned = layout is None or layout.dp_size == 1
+        self.open = []  # (Tower, its prompts): not yet taken through the tower
+        self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
+        self.encodes = 0
+
+    def vision(self, i: int) -> Vision:
+        """Micro-batch i's features (leaves), its new prompts encoded first."""
+        prompts = list({id(p): p for p in self.mini[i]}.values())
+        new = [p for p in prompts if id(p) not in self.leaves]
+        if new:
+            tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
+            self.encodes += tower.leaves.encodes
+            self.open.append((tower, new))
+            for p in new:
+                self.leaves[id(p)] = tower.leaves
+        out = Vision({}, 0)
+        for kind, pixels, grid in MEDIA:
+            mine = [p for p in prompts if pixels in p.mm]
+            have = [v.kinds[kind] for v in self.leaves.values() if kind in v.kinds]
+            if not have or not mine and not self.dummies:
+                continue
+            parts = [self.piece(p, kind, grid) for p in mine]
+            local = torch.cat(parts + [have[0].local[:0]])
+            out.kinds[kind] = features(
+                self.model, mine, grid, local, have[0].dims, have[0].output, self.layout
+            )
+        return out
+
+    def piece(self, p, kind: str, grid: str) -> torch.Tensor:
+        """This rank's run of prompt p's features of one modality: a view of its leaf."""
+        f = self.leaves[id(p)].kinds[kind]
+        n = self.layout.sp_size if self.layout else 1
+        r = self.layout.sp_rank if self.layout else 0
+        start = f.spans[id(p)]  # its first feature among the ranks' runs; this rank's:
+        firsts = run_features(self.model, p, grid, n)
+        at = int((f.where[start + firsts[r] :][:1] - f.bounds[r]).sum())
+        return f.local[at : at + firsts[r + 1] - firsts[r]]
+
+    def backward(self, i: int):
+        """After micro-batch i: the towers whose prompts are all done, through the tower (several
+        data-parallel groups: this micro-batch's)."""
+        if not self.aligned:
+            for p in self.mini[i]:
+                self.last[id(p)] = i
+                self.leaves.pop(id(p), None)
+        done = [(t, ps) for t, ps in self.open if all(self.last[id(p)] <= i for p in ps)]
+        for tower, _ in done:
+            backward_once(tower)
+        self.open = [(t, ps) for t, ps in self.open if any(self.last[id(p)] > i for p in ps)]
+
+
+def tower_trains(model) -> bool:
+    """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: its adapters)."""
+    return any(p.requires_grad for p in base_model(model).model.visual.parameters())
+
+
+class FeatureCache:
+    """A frozen tower's features per sample (the reference's: they never change), this rank's run
+    of each prompt's, in host memory, at most max_bytes (the oldest dropped first, encoded again
+    when seen again): the tower runs on a sample the first time this rank sees it. FSDP2: when any
+    rank has a sample to encode, every rank runs the tower (a rank with none: its dummies, else its
+    prompts again)."""
+
+    def __init__(self, max_bytes: int = 8 * 2**30):
+        self.max_bytes = max_bytes
+        self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
+        self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class
+        self.bytes = 0
+
+    def key(self, p, kind: str, grid: str) -> tuple:
+        return (p.sample["id"], kind, str(p.mm[grid].tolist()))
+
+    def vision(
+        self, model, prompts: list, device, layout: Layout | None = None, dummies=None
+    ) -> Vision:
+        """encode_vision's result for `prompts`, the tower run on the samples not kept yet."""
+        distinct = list({id(p): p for p in prompts}.values())
+        missing = []
+        for p in distinct:
+            keys = [self.key(p, kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
+            if any(k not in self.pieces for k in keys):
+                missing.append(p)
+        encodes = 0
+        if any_rank(bool(missing)):
+            if not missing and not dummies:  # the tower runs on every rank
+                missing = distinct
+            fresh = encode_vision(model, missing, device, layout, dummies)
+            encodes = fresh.encodes
+            self.keep(model, fresh, missing, layout)
+        out = Vision({}, encodes)
+        for kind, pixels, grid in MEDIA:
+            mine = [p for p in distinct if pixels in p.mm]
+            if not mine and not dummies:
+                continue
+            empty = self.empty[kind]
+            parts = [self.pieces[self.key(p, kind, grid)] for p in mine]
+            local = torch.cat(parts + [empty.local]).to(device)
+            out.kinds[kind] = features(model, mine, grid, local, empty.dims, empty.output, layout)
+        self.trim()
+        return out
+
+    def keep(self, model, fresh: Vision, prompts: list, layout: Layout | None):
+        """fresh's features, per prompt of `prompts` (what encode_vision encoded), to the host."""
+        r = layout.sp_rank if layout else 0
+        n = layout.sp_size if layout else 1
+        for kind, pixels, grid in MEDIA:
+            if kind not in fresh.kinds:
+                continue
+            f = fresh.kinds[kind]
+            self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
+            mine = [p for p in prompts if pixels in p.mm]
+            counts = []
+            for p in mine:
+                firsts = run_features(model, p, grid, n)
+                counts.append(firsts[r + 1] - firsts[r])
+            for p, local in zip(mine, f.local.split(counts)):
+                key = self.key(p, kind, grid)
+                if key in self.pieces:  # encoded again (FSDP2): newest now
+                    self.bytes -= self.pieces.pop(key).nbytes
+                self.pieces[key] = local.detach().to("cpu", copy=True)
+                self.bytes += local.nbytes
+
+    def trim(self):
+        """Drops the oldest samples' features over max_bytes (after the step's use of them)."""
+        while self.bytes > self.max_bytes and self.pieces:
+            oldest = next(iter(self.pieces))
+            self.bytes -= self.pieces.pop(oldest).nbytes
+
+
+@dataclass
+class Runs:
+    """One prompt's media of one modality in n runs of temporal patches (SP rank j's: run j)."""
+
+    units: list[int]  # each temporal patch's item
+    rows: list[int]  # each patch's first pixel row, and the end
+    cuts: list[int]  # each run's first patch, and the end
+
+
+def runs(grid: torch.Tensor, n: int) -> Runs:
+    """The n runs of one prompt's media of one modality, grid (items, 3) t, h, w."""
+    units = [i for i, t in enumerate(grid[:, 0].tolist()) for _ in range(t)]
+    sizes = [int(grid[i, 1:].prod()) for i in units]
+    rows = list(itertools.accumulate(sizes, initial=0))
+    return Runs(units, rows, [len(units) * j // n for j in range(n + 1)])
+
+
+def run_rows(p, pixels: str, grid: str, j: int, n: int) -> torch.Tensor:
+    """Prompt p's pixel rows of run j of n (a view): p holds all of them, or (group_rollouts')
+    that run's alone."""
+    run = runs(p.mm[grid], n)
+    if len(p.mm[pixels]) < run.rows[-1]:
+        return p.mm[pixels]
+    return p.mm[pixels][run.rows[run.cuts[j]] : run.rows[run.cuts[j + 1]]]
+
+
 def levels(enc) -> list:
-    """The encoder output's feature levels, each a tuple of per-item tensors: the merged features (+ deepstack)."""
+    """The encoder output's feature levels, each a tuple of per-item tensors: the merged features
+    (+ deepstack)."""
     return [enc.pooler_output] + list(getattr(enc, "deepstack_features", None) or [])
 
 
 def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shard) -> dict:
-    """The model's mm_encoder_outputs for the positions [shard.start, shard.stop) of ids (B, S'), the rows of
-    `prompts`: each modality's features of the placeholders there in row-major order (masked_scatter's). SP: each
-    rank gets the features its positions need from the ranks that encoded them (one all-to-all, differentiable)."""
-    n, size = (shard.layout.sp_size if shard.layout else 1), shard.stop - shard.start
+    """The model's mm_encoder_outputs for the positions [shard.start, shard.stop) of ids (B, S'),
+    the rows of `prompts`: each modality's features of the placeholders there in row-major order
+    (masked_scatter's). SP: each rank gets the features its positions need from the ranks that
+    encoded them (one all-to-all, differentiable)."""
+    n = shard.layout.sp_size if shard.layout else 1
+    size = shard.stop - shard.start
     out = {}
     for kind, f in vision.kinds.items():
-        before = F.pad(
-            (ids == getattr(model.config, f"{kind}_token_id")).long().cumsum(-1), (1, 0)
-        ).tolist()
-        firsts = [
-            f.spans.get(id(p), 0) for p in prompts
-        ]  # a row without this modality has no placeholder
+        placeholders = ids == getattr(model.config, f"{kind}_token_id")
+        before = F.pad(placeholders.long().cumsum(-1), (1, 0)).tolist()
+        # each row's first feature (a row without this modality has no placeholder)
+        firsts = [f.spans.get(id(p), 0) for p in prompts]
 
-        def needed(
-            start: int,
-        ) -> torch.Tensor:  # the features of the placeholders in [start, start + size)
+        def needed(start: int) -> torch.Tensor:
+            """The features of the placeholders in [start, start + size)."""
             spans = [range(s + c[start], s + c[start + size]) for s, c in zip(firsts, before)]
-            return torch.tensor(
-                [i for span in spans for i in span], dtype=torch.long, device=f.local.device
-            )
+            index = [i for span in spans for i in span]
+            return torch.tensor(index, dtype=torch.long, device=f.local.device)
 
         if n == 1:
             x = f.local[needed(shard.start)]
         else:
-            r, need = shard.layout.sp_rank, [f.where[needed(j * size)] for j in range(n)]
-            lo, hi = f.bounds[r], f.bounds[r + 1]
+            r = shard.layout.sp_rank
+            need = [f.where[needed(j * size)] for j in range(n)]
+            lo = f.bounds[r]
+            hi = f.bounds[r + 1]
             send = [
                 f.local[x[(x >= lo) & (x < hi)] - lo] for x in need
             ]  # what rank j needs of mine
-            owner = torch.searchsorted(
-                torch.tensor(f.bounds[1:n], device=f.local.device), need[r], right=True
-            )
-            x = AllToAll.apply(
-                torch.cat(send),
-                shard.layout.group,
-                [len(s) for s in send],
-                torch.bincount(owner, minlength=n).tolist(),
-            )  # by owner, each in need[r]'s order
+            cuts = torch.tensor(f.bounds[1:n], device=f.local.device)
+            owner = torch.searchsorted(cuts, need[r], right=True)
+            recv = torch.bincount(owner, minlength=n).tolist()
+            # by owner, each in need[r]'s order
+            x = AllToAll.apply(torch.cat(send), shard.layout.group, [len(s) for s in send], recv)
             x = x[torch.argsort(torch.argsort(owner, stable=True))]
         parts = [(part,) for part in x.split(f.dims, -1)]
         fields = {"pooler_output": parts[0]}
@@ -278,56 +516,57 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
     return out
 
 
+def bare(p):
+    """Prompt p without frames and with empty pixel rows (of their width): what group_rollouts
+    passes around."""
+    if p is None:
+        return None
+    mm = {k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()}
+    return replace(p, mm=mm, videos=[], images=[])
+
+
 def group_rollouts(
     rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout
 ) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank order), n per prompt of
-    `prompts` (Layout.share's; None where this rank did not prepare one: rollout_tp 1, data.next_valid), each holding
-    this rank's run of pixel rows (runs) alone, no frames: from the first rank that prepared it, in host memory."""
-    r, size, first = layout.sp_rank, layout.sp_size, layout.rank - layout.sp_rank
-    bare = [
-        p
-        and replace(
-            p,
-            mm={k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()},
-            videos=[],
-            images=[],
-        )
-        for p in prompts
-    ]
+    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
+    order), n per prompt of `prompts` (Layout.share's; None where this rank did not prepare one:
+    rollout_tp 1, data.next_valid), each holding this rank's run of pixel rows (runs) alone, no
+    frames: from the first rank that prepared it, in host memory."""
+    r = layout.sp_rank
+    size = layout.sp_size
+    first = layout.rank - layout.sp_rank
+    mine = ([replace(x, prompt=None) for x in rollouts], baselines, [bare(p) for p in prompts])
     parts = [None] * size
-    dist.all_gather_object(
-        parts, ([replace(x, prompt=None) for x in rollouts], baselines, bare), group=layout.host
-    )
-    works, group = [], []
+    dist.all_gather_object(parts, mine, group=layout.host)
+    works = []
+    group = []
     for k, p in enumerate(prompts):
         src = next(q for q in range(size) if parts[q][2][k] is not None)
         group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
         mm = group[k].mm
         for m, (_, pixels, grid) in enumerate(MEDIA):
-            if pixels in mm and p is None:  # this rank's run, from src
-                _, rows, cut = runs(mm[grid], size)
-                mm[pixels] = mm[pixels].new_empty(
-                    rows[cut[r + 1]] - rows[cut[r]], mm[pixels].shape[1]
-                )
-                works.append(dist.irecv(mm[pixels], first + src, layout.host, tag=2 * k + m))
-            elif (
-                pixels in mm
-            ):  # a copy of this rank's run (the whole is freed); src sends the others theirs
-                mm[pixels] = run_rows(p, pixels, grid, r, size).clone()
-                works += [
-                    dist.isend(
-                        run_rows(p, pixels, grid, j, size), first + j, layout.host, tag=2 * k + m
-                    )
-                    for j in range(size)
-                    if src == r and parts[j][2][k] is None
-                ]
+            if pixels not in mm:
+                continue
+            tag = 2 * k + m
+            if p is None:  # this rank's run, from src
+                run = runs(mm[grid], size)
+                length = run.rows[run.cuts[r + 1]] - run.rows[run.cuts[r]]
+                mm[pixels] = mm[pixels].new_empty(length, mm[pixels].shape[1])
+                works.append(dist.irecv(mm[pixels], first + src, layout.host, tag=tag))
+                continue
+            # a copy of this rank's run (the whole is freed); src sends the others theirs
+            mm[pixels] = run_rows(p, pixels, grid, r, size).clone()
+            if src != r:
+                continue
+            for j in range(size):
+                if parts[j][2][k] is None:
+                    rows = run_rows(p, pixels, grid, j, size)
+                    works.append(dist.isend(rows, first + j, layout.host, tag=tag))
     for work in works:
         work.wait()
     done = [x for part, _, _ in parts for x in part]
-    return [replace(x, prompt=group[i // n]) for i, x in enumerate(done)], [
-        b for _, part, _ in parts for b in part
-    ]
+    grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
+    return grouped, [b for _, part, _ in parts for b in part]
 
 
 def language_model(model):
@@ -335,74 +574,82 @@ def language_model(model):
 
 
 def use_ulysses(model):
-    """Registers "ulysses_<kernel>" (attention and its mask function) and sets it on the language model: outside an
-    SP forward it is the kernel itself, so generation and single-sequence forwards are unchanged."""
+    """Registers "ulysses_<kernel>" (attention and its mask function) and sets it on the language
+    model: outside an SP forward it is the kernel itself, so generation and single-sequence
+    forwards are unchanged."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     config = language_model(model).config
     kernel = config._attn_implementation.removeprefix("ulysses_")
-    AttentionInterface.register(
-        f"ulysses_{kernel}", functools.partial(ulysses_attention, kernel=kernel)
-    )
+    attention = functools.partial(ulysses_attention, kernel=kernel)
+    AttentionInterface.register(f"ulysses_{kernel}", attention)
     AttentionMaskInterface.register(f"ulysses_{kernel}", ALL_MASK_ATTENTION_FUNCTIONS[kernel])
     config._attn_implementation = f"ulysses_{kernel}"
 
 
+def heads_to_ranks(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(B, h, s, d) -> (B, h/n, S, d): head chunk j to rank j, back as rank j's positions."""
+    chunks = x.unflatten(1, (n, -1)).transpose(0, 1)  # (n, B, h/n, s, d)
+    y = AllToAll.apply(chunks, group, [1] * n, [1] * n)
+    return y.permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
 def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp_shard=None, **kw):
-    """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions return. Each rank
-    attends with H/n heads over all S: KV heads are repeated up to a multiple of n (GQA with Hkv < n, as verl); H not a
-    multiple of n: every query head gets its own KV head and zero heads pad H (their output, zero, is dropped).
-    sp_shard (a Shard, through the model's **kwargs): None outside an SP forward, then it is the kernel itself."""
+    """q (B, H, S/n, d), k/v (B, Hkv, S/n, d) -> (B, S/n, H, d), the layout attention functions
+    return. Each rank attends with H/n heads over all S: KV heads are repeated up to a multiple of
+    n (GQA with Hkv < n, as verl); H not a multiple of n: every query head gets its own KV head and
+    zero heads pad H (their output, zero, is dropped). sp_shard (a Shard, through the model's
+    **kwargs): None outside an SP forward, then it is the kernel itself."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     inner = ALL_ATTENTION_FUNCTIONS[kernel]
     if sp_shard is None:
         return inner(module, query, key, value, attention_mask, **kw)
-    group, n = sp_shard.layout.group, sp_shard.layout.sp_size
-    H, s, pad = query.shape[1], query.shape[2], -query.shape[1] % n
+    group = sp_shard.layout.group
+    n = sp_shard.layout.sp_size
+    H = query.shape[1]
+    s = query.shape[2]
+    pad = -H % n
     rep = H // key.shape[1] if pad else n // math.gcd(key.shape[1], n)
-    query, key, value = (
-        F.pad(x, (0, 0, 0, 0, 0, pad))
-        for x in (query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1))
-    )
-    # (B, h, s, d) -> (n, B, h/n, s, d): head chunk j to rank j; back as rank j's positions -> (B, h/n, S, d)
-    q, k, v = (
-        AllToAll.apply(x.unflatten(1, (n, -1)).transpose(0, 1), group, [1] * n, [1] * n)
-        .permute(1, 2, 0, 3, 4)
-        .flatten(2, 3)
-        for x in (query, key, value)
-    )
-    # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by num_key_value_groups)
+    padding = (0, 0, 0, 0, 0, pad)
+    q = heads_to_ranks(F.pad(query, padding), group, n)
+    k = heads_to_ranks(F.pad(key.repeat_interleave(rep, 1), padding), group, n)
+    v = heads_to_ranks(F.pad(value.repeat_interleave(rep, 1), padding), group, n)
+    # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by
+    # num_key_value_groups)
     heads = types.SimpleNamespace(
         config=types.SimpleNamespace(_attn_implementation=kernel),
         is_causal=True,
         layer_idx=module.layer_idx,
-        num_key_value_groups=query.shape[1] // key.shape[1],
+        num_key_value_groups=q.shape[1] // k.shape[1],
         training=module.training,
     )
     out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)  # (B, S, H'/n, d)
-    # (B, S, H'/n, d) -> (n, B, s, H'/n, d): positions of rank j to rank j; back as rank j's heads -> (B, s, H', d)
-    back = AllToAll.apply(out.unflatten(1, (n, s)).transpose(0, 1), group, [1] * n, [1] * n)
-    return back.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :H], None
+    # (B, S, H'/n, d) -> (n, B, s, H'/n, d): positions of rank j to rank j; back as rank j's heads
+    chunks = out.unflatten(1, (n, s)).transpose(0, 1)
+    back = AllToAll.apply(chunks, group, [1] * n, [1] * n)
+    return back.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :H], None  # (B, s, H, d)
 
 
 def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:
-    """The padding mask (B, S) as the kernel takes it: sdpa a causal (B, 1, S, S) bool mask where padding queries see
-    themselves (a row with no key is NaN, and NaN * 0 gradient is NaN); flash-attn the 2-D mask (it unpads)."""
+    """The padding mask (B, S) as the kernel takes it: sdpa a causal (B, 1, S, S) bool mask where
+    padding queries see themselves (a row with no key is NaN, and NaN * 0 gradient is NaN);
+    flash-attn the 2-D mask (it unpads)."""
     if kernel != "sdpa":
         return mask
-    pos = torch.arange(mask.shape[1], device=mask.device)  # key <= query, key a token or the query
-    return (
-        (pos[None, :] <= pos[:, None]) & (mask.bool()[:, None, :] | (pos[None, :] == pos[:, None]))
-    )[:, None]
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    causal = pos[None, :] <= pos[:, None]  # key <= query
+    visible = mask.bool()[:, None, :] | (pos[None, :] == pos[:, None])  # a token, or the query
+    return (causal & visible)[:, None]
 
 
 @dataclass
 class Shard:
-    """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of them), and the kernel's
-    mask for the whole sequence padded to a multiple of sp_size (sdpa (B, 1, S, S) bool, flash-attn (B, S)); None
-    without padding: the kernel's causal mode, no O(S^2) mask (no token sees the tail padding)."""
+    """This rank's positions [start, stop) of a sequence of `length` tokens (sp_size 1: all of
+    them), and the kernel's mask for the whole sequence padded to a multiple of sp_size (sdpa
+    (B, 1, S, S) bool, flash-attn (B, S)); None without padding: the kernel's causal mode, no
+    O(S^2) mask (no token sees the tail padding)."""
 
     layout: Layout | None
     length: int
@@ -411,7 +658,8 @@ class Shard:
     mask: torch.Tensor | None = None
 
     def response_span(self, R: int) -> tuple[int, int]:
-        """The response tokens [a, b) of the last R predicted in this shard (token j at position length - R - 1 + j)"""
+        """The response tokens [a, b) of the last R predicted in this shard (token j at position
+        length - R - 1 + j)"""
         first = self.length - R - 1
         a = min(max(self.start, first), self.length - 1) - first
         return a, max(min(self.stop, self.length - 1) - first, a)
@@ -424,83 +672,92 @@ class Shard:
         return AllReduce.apply(F.pad(x, (a, R - b)), self.layout.group)
 
 
+@dataclass
+class GridStep:
+    """One time step of a media item in merged patches, and its M-RoPE time units per step."""
+
+    h: int
+    w: int
+    scale: float
+
+
 def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) -> torch.Tensor:
-    """M-RoPE positions (3, B, S) of rows ids (B, S), padded either side (mask; padding at 0), by the rule the Qwen-VL
-    models were trained with and vLLM samples with: text counts up on all three axes (time, row, column); a run of
-    placeholders (an image, a video's frame pairs; Qwen3-VL: a frame pair between timestamps) adds its grid index to
-    the next position, time scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL), and the text after it
-    resumes at its LARGEST position + 1 (transformers 5.19 at max(rows, columns), ignoring time: LOG.md session 5)."""
-    merge, tps = (
-        config.vision_config.spatial_merge_size,
-        getattr(config.vision_config, "tokens_per_second", 1),
-    )
+    """M-RoPE positions (3, B, S) of rows ids (B, S), padded either side (mask; padding at 0), by
+    the rule the Qwen-VL models were trained with and vLLM samples with: text counts up on all
+    three axes (time, row, column); a run of placeholders (an image, a video's frame pairs;
+    Qwen3-VL: a frame pair between timestamps) adds its grid index to the next position, time
+    scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL), and the text after it resumes at
+    its LARGEST position + 1 (transformers 5.19 at max(rows, columns), ignoring time: LOG.md
+    session 5)."""
+    merge = config.vision_config.spatial_merge_size
+    tps = getattr(config.vision_config, "tokens_per_second", 1)
     none = torch.zeros(0, 3, dtype=torch.long)
+    images = grids.get("image_grid_thw", none).tolist()
     videos = grids.get("video_grid_thw", none).tolist()
     seconds = grids.get("second_per_grid_ts", torch.ones(len(videos))).tolist()
     # each placeholder token's frame pairs in order: (rows, columns, time scale)
-    pairs = {
-        config.image_token_id: [
-            (h // merge, w // merge, 1)
-            for t, h, w in grids.get("image_grid_thw", none).tolist()
-            for _ in range(t)
-        ],
-        config.video_token_id: [
-            (h // merge, w // merge, s * tps)
-            for (t, h, w), s in zip(videos, seconds)
-            for _ in range(t)
-        ],
-    }
-    mask, pos = mask.bool().cpu(), torch.zeros(3, *ids.shape, dtype=torch.long)
+    pairs = {config.image_token_id: [], config.video_token_id: []}
+    for t, h, w in images:
+        pairs[config.image_token_id] += [GridStep(h // merge, w // merge, 1)] * t
+    for (t, h, w), sec in zip(videos, seconds):
+        pairs[config.video_token_id] += [GridStep(h // merge, w // merge, sec * tps)] * t
+    mask = mask.bool().cpu()
+    pos = torch.zeros(3, *ids.shape, dtype=torch.long)
     for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
-        runs, start = [], 0
-        for token, run in itertools.groupby(
-            itertools.compress(row, keep), lambda x: x if x in pairs else None
-        ):
+        parts = []
+        start = 0
+        tokens = itertools.compress(row, keep)
+        for token, run in itertools.groupby(tokens, lambda x: x if x in pairs else None):
             n = len(list(run))
             if token is None:  # text
-                runs.append(torch.arange(n).expand(3, n) + start)  # (3, n)
+                parts.append(torch.arange(n).expand(3, n) + start)  # (3, n)
             else:
-                h, w, scale = pairs[token][0]
-                time = (
-                    torch.arange(n // (h * w), dtype=torch.float64) * scale
-                ).long()  # floored as vLLM does
-                runs.append(
-                    torch.cartesian_prod(time, torch.arange(h), torch.arange(w)).T + start
-                )  # (3, t h w)
+                item = pairs[token][0]
+                # floored as vLLM does
+                steps = n // (item.h * item.w)
+                time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
+                grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
+                parts.append(grid.T + start)  # (3, t h w)
                 del pairs[token][: len(time)]
-            start = int(runs[-1].max()) + 1
-        pos[:, b, mask[b]] = torch.cat(runs, 1)
+            start = int(parts[-1].max()) + 1
+        pos[:, b, mask[b]] = torch.cat(parts, 1)
     return pos.to(ids.device)
 
 
 def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
-    """The model's inputs for this rank's positions of a micro-batch (a train.MicroBatch), and which they are: sp_size 1
-    the whole sequence; else this rank's shard of it padded to a multiple of sp_size: its token ids, the M-RoPE
-    positions of the whole sequence there, the features its placeholders hold, and Ulysses' mask (Shard) to attend
-    over all of it. No padding, no mask: a 1-row micro-batch is the kernel's causal mode on every path. The positions
-    are always ours (mrope_positions), never the model's: those the sampler uses."""
-    ids, mask, prompts = batch.input_ids, batch.attention_mask, batch.prompts
-    S, pos = ids.shape[1], mrope_positions(ids, mask, batch.grids, model.config)  # (3, B, S)
+    """The model's inputs for this rank's positions of a micro-batch (a train.MicroBatch), and which
+    they are: sp_size 1 the whole sequence; else this rank's shard of it padded to a multiple of
+    sp_size: its token ids, the M-RoPE positions of the whole sequence there, the features its
+    placeholders hold, and Ulysses' mask (Shard) to attend over all of it. No padding, no mask: a
+    1-row micro-batch is the kernel's causal mode on every path. The positions are always ours
+    (mrope_positions), never the model's: those the sampler uses."""
+    ids = batch.input_ids
+    mask = batch.attention_mask
+    prompts = batch.prompts
+    S = ids.shape[1]
+    pos = mrope_positions(ids, mask, batch.grids, model.config)  # (3, B, S)
     if layout is None or layout.sp_size == 1:
         shard = Shard(layout, S, 0, S)
-        return dict(
+        inputs = dict(
             input_ids=ids,
             attention_mask=None if mask.all() else mask,
             position_ids=pos,
             mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
-        ), shard
-    size, lm = -(-S // layout.sp_size), language_model(model)
+        )
+        return inputs, shard
+    size = -(-S // layout.sp_size)
+    tail = size * layout.sp_size - S
     shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
     if not mask.all():
-        shard.mask = kernel_mask(
-            F.pad(mask, (0, size * layout.sp_size - S)),
-            lm.config._attn_implementation.removeprefix("ulysses_"),
-        )
-    ids, keep = F.pad(ids, (0, size * layout.sp_size - S)), slice(shard.start, shard.stop)
-    return dict(
+        kernel = language_model(model).config._attn_implementation.removeprefix("ulysses_")
+        shard.mask = kernel_mask(F.pad(mask, (0, tail)), kernel)
+    ids = F.pad(ids, (0, tail))
+    keep = slice(shard.start, shard.stop)
+    inputs = dict(
         input_ids=ids[:, keep],
-        position_ids=F.pad(pos, (0, size * layout.sp_size - S))[..., keep],
+        position_ids=F.pad(pos, (0, tail))[..., keep],
         attention_mask=None,
         sp_shard=shard,
         mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
-    ), shard
+    )
+    return inputs, shard

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -764,6 +764,17 @@ def reference_logp(
         return token_logp(model, b, temperature, banned, chunk, layout, counts)[0]
 
 
+def reference_vision(t, prompts: list) -> sp.Vision:
+    """The reference tower's features of `prompts`, kept per sample (t.ref_features): the frozen
+    copy's, or with LoRA (ref None) the policy's, adapters scaled to 0."""
+    from peft.helpers import rescale_adapter_scale
+
+    if t.ref is not None:
+        return t.ref_features.vision(t.ref, prompts, t.device, t.layout, t.dummies)
+    with rescale_adapter_scale(t.model, 0.0):
+        return t.ref_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+
+
 def micro_batches(
     rollouts: list[Rollout], cfg: Config, tok, device, dummies
 ) -> list[list[MicroBatch]]:
@@ -984,20 +995,19 @@ def sample_batch(
         )
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
-        tp_share = layout.share(prompts, layout.tp)  # (the TP group's prompts, our start, count)
-        start = tp_share[1]
-        k = tp_share[2]
+        tp_share = layout.share(prompts, layout.tp)  # the TP group's prompts, and ours in them
+        k = tp_share.count
         generated = engine.generate(
-            tp_share[0], n, cfg.temperature, cfg.max_response_len, seed=seed
+            tp_share.items, n, cfg.temperature, cfg.max_response_len, seed=seed
         )
-        rollouts = generated[start * n :][: k * n]
+        rollouts = generated[tp_share.start * n :][: k * n]
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
-            greedy = engine.generate(tp_share[0], 1, 0.0, cfg.max_response_len, seed=seed)
-            baselines = [score(r, cfg)["overall"] for r in greedy[start:][:k]]
+            greedy = engine.generate(tp_share.items, 1, 0.0, cfg.max_response_len, seed=seed)
+            baselines = [score(r, cfg)["overall"] for r in greedy[tp_share.start :][:k]]
         # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
         if layout.sp_size > 1:
-            group_prompts = layout.share(prompts, layout.sp_size)[0]
+            group_prompts = layout.share(prompts, layout.sp_size).items
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         for i, baseline in enumerate(baselines):
             scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)
@@ -1062,9 +1072,10 @@ def load_model(cfg: Config, device):
     ).to(device)
     visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
     visual.requires_grad_(not cfg.freeze_vision)
-    blocks = list(model.model.language_model.layers) + list(visual.blocks)
-    if cfg.gradient_checkpointing:
-        for block in blocks:
+    layers = list(model.model.language_model.layers)
+    blocks = layers + list(visual.blocks)
+    if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
+        for block in layers if cfg.freeze_vision else blocks:
             checkpoint_module(block)
     if cfg.sp_size > 1:
         sp.use_ulysses(model)
@@ -1103,6 +1114,8 @@ class Trainer:
     layout: sp.Layout  # this rank's place: rank, world, its SP and TP groups
     dummies: dict | None  # FSDP (world > 1): a dummy row per modality a micro-batch lacks
     device: torch.device
+    # the reference tower's features per sample (it is frozen: they never change)
+    ref_features: sp.FeatureCache = field(default_factory=sp.FeatureCache)
 
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
@@ -1233,22 +1246,29 @@ def logp_pass(
     counts: Counts,
 ):
     """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the
-    reward), the reference's with kl_coef, into each micro-batch; freeze_vision: every prompt's
-    features once, for all passes."""
+    reward), the reference's with kl_coef, into each micro-batch. Every prompt's features once for
+    all of them (a frozen tower: for all passes); the reference's kept per sample
+    (reference_vision; a frozen tower: the policy's)."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
+    trains = sp.tower_trains(t.model)
+    prompts = [r.prompt for r in rollouts]
+    policy = None
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout, counts)
-    frozen = None
     with torch.no_grad():
-        if cfg.freeze_vision:
-            prompts = [r.prompt for r in rollouts]
-            frozen = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
-            counts.encodes += frozen.encodes
+        if need_old or not trains:
+            policy = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
+            counts.encodes += policy.encodes
+        ref = policy
+        if cfg.kl_coef > 0 and trains:
+            ref = reference_vision(t, prompts)
+            counts.encodes += ref.encodes
         for b in itertools.chain(*minibatches):
-            b.vision = frozen
+            b.vision = policy
             if need_old:
                 b.old_logp = token_logp(t.model, b, *logp_args)[0]
             if cfg.kl_coef > 0:
-                b.ref_logp = reference_logp(t.model, t.ref, b, *logp_args)
+                with_ref = replace(b, vision=ref)
+                b.ref_logp = reference_logp(t.model, t.ref, with_ref, *logp_args)
 
 
 def add_metrics(total: dict, metrics: dict):
@@ -1275,20 +1295,28 @@ def update(
         group_param["lr"] = lr_at(step - 1, cfg)
     m = {}
     gnorms = []
+    trains = sp.tower_trains(t.model)  # else the features of logp_pass serve every pass
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
             n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
-            for b in mini:
+            # a trained tower: each prompt once, its feature gradient summed over its micro-batches
+            towers = sp.Towers(t.model, [b.prompts for b in mini], t.device, t.layout, t.dummies)
+            for i, b in enumerate(mini):
+                if trains:
+                    b.vision = towers.vision(i)
                 loss, metrics = micro_loss(
                     t.model, b, cfg, t.banned, n_tok, n_seq, t.layout, counts
                 )
                 # FSDP averages gradients over ranks: x world sums them
                 (loss * t.layout.world).backward()
+                towers.backward(i)
                 loss_sum += metrics["loss"]
                 if epoch == 0:  # the first pass's metrics
                     add_metrics(m, metrics)
+            if counts is not None:
+                counts.encodes += towers.encodes
             gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
             gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
             if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step

@@ -1,24 +1,38 @@
-"""Long videos (issues 14, 27): per-rank peak memory and step time of the train phase, sp1 against sp2 at 3,600 frames,
-and MR-SP against the trainer before vision-once; --plan-check: a real train.py run's train phase against the planner.
+"""Long videos (issues 14, 27, 40): per-rank peak memory and step time of the train phase, sp1
+against sp2 at 3,600 frames, and MR-SP against the trainer before vision-once; the vision encodes
+per prompt and step; --plan-check: a real train.py run's train phase against the planner.
 
     .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
-    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 bench/long_video.py \
-        --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
+    .venv/bin/python bench/long_video.py --encodes        # the encode count alone
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 \
+        bench/long_video.py --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
-memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame pair: 28,9xx-token
-prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the update). Rows, and what each ratio holds:
-- sp1, sp2: 3,600 frames, one clip, memory.py's "all on" (features once, checkpointing, one row per micro-batch), on 1
-  and 2 ranks; group_size 2 (a row per micro-batch: the peak does not grow with it). `per-rank memory sp1/sp2`.
-- each row encoded, vision-once dp 2, MR-SP sp 2: SPEED_FRAMES, 2 clips on 2 ranks, group_size 8, no checkpointing.
-  "each row encoded" is the trainer before vision-once (today's code, every row's video encoded in every pass, the
-  tower trained); "vision-once dp 2" encodes each clip once per step on its own rank (freeze_vision, data-parallel);
-  "MR-SP sp 2" is the same with sp_size 2. `long video step speedup` = each row encoded / MR-SP, the product of
-  encoding once (each row encoded / vision-once) and `of which sequence parallel` (vision-once / MR-SP).
-  At 3,600 frames "each row encoded" holds 8 rows' vision activations per rank (~10 GB), more than this machine lends.
-Memory: the resident-set rise over the step, less the file-backed pages it faulted in (memory.peak_bytes), the
-largest rank's. Details: docs/speed.md.
+memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame
+pair: 28,9xx-token prompts at 3,600 frames), kl_coef 0.01 (a step is the reference pass and the
+update). Rows, and what each ratio holds:
+- sp1, sp2: 3,600 frames, one clip, memory.py's "all on" (features once, checkpointing, one row
+  per micro-batch), on 1 and 2 ranks; group_size 2 (a row per micro-batch: the peak does not grow
+  with it). `per-rank memory sp1/sp2`.
+- each row encoded, vision-once dp 2, MR-SP sp 2: SPEED_FRAMES, 2 clips on 2 ranks, group_size 8,
+  no checkpointing. "each row encoded" is the trainer before vision-once (today's code, every
+  row's video encoded in every pass, the tower trained); "vision-once dp 2" encodes each clip once
+  per step on its own rank (freeze_vision, data-parallel); "MR-SP sp 2" is the same with sp_size
+  2. `long video step speedup` = each row encoded / MR-SP, the product of encoding once (each row
+  encoded / vision-once) and `of which sequence parallel` (vision-once / MR-SP). At 3,600 frames
+  "each row encoded" holds 8 rows' vision activations per rank (~10 GB), more than this machine
+  lends.
+- the encode count: 2 clips of COUNT_FRAMES frames in one process, the hour recipes'
+  micro-batching (one row per micro-batch, group_size rows per prompt), 2 mini-batches, kl_coef,
+  gradient_checkpointing, 2 train phases on the same samples; the trained tower and
+  freeze_vision. The last line counts the trainer's passes over a prompt in step 1 (the
+  reference's first sight of the samples included); vLLM's own encode for generation comes on
+  top.
+Memory: the resident-set rise over the step, less the file-backed pages it faulted in
+(memory.peak_bytes), the largest rank's. Details: docs/speed.md.
 """
 
+import functools
+import itertools
 import json
 import os
 import sys
@@ -26,16 +40,19 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory  # noqa: E402  (puts the repository first on sys.path)
+import torch  # noqa: E402
 
 TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
 SPEED_FRAMES = 512  # the speed rows' clips
+COUNT_FRAMES = 32  # the encode count's clips (the count does not depend on the length)
 
 
 def run_phases(paths: list[str]):
-    """train.main on the configs `paths` (under torchrun) with each step's train phase (from train.micro_batches to the
-    weight sync: log-prob passes, advantages, update) measured as memory.peak_bytes does; each rank prints its peaks,
-    rank 0 its largest after step 1 against the planner's CPU prediction for the run's own prompts (less the weights
-    and AdamW states, resident before the phase)."""
+    """train.main on the configs `paths` (under torchrun) with each step's train phase (from
+    train.micro_batches to the weight sync: log-prob passes, advantages, update) measured as
+    memory.peak_bytes does; each rank prints its peaks, rank 0 its largest after step 1 against the
+    planner's CPU prediction for the run's own prompts (less the weights and AdamW states, resident
+    before the phase)."""
     import ctypes
 
     import data
@@ -100,6 +117,76 @@ def run_phases(paths: list[str]):
         )
 
 
+def encode_counts(c: memory.Config, **switches) -> list[dict]:
+    """Vision encodes per prompt in each of 2 train phases (train.logp_pass, train.update) of the
+    hour recipes' micro-batching in one process: one row per micro-batch, group_size rows per
+    prompt, 2 mini-batches, kl_coef, gradient_checkpointing; the same samples both steps (the
+    reference's features kept from step 1). Per step: {"policy": the policy tower's passes over a
+    prompt, "reference": the reference's, "recomputed": the tower passes checkpointing recomputes
+    in backward (block calls / depth less tower calls)}."""
+    import data
+    import sp
+    import train
+    from rollout import Rollout
+    from transformers import AutoProcessor
+
+    c = replace(c, frames=COUNT_FRAMES, prompts=2)
+    memory.prepare(c)
+    settings = dict(micro_batch_size=1, mini_batches=2, gradient_checkpointing=True, **switches)
+    cfg = replace(memory.train_config(c), **settings)
+    processor = AutoProcessor.from_pretrained(cfg.model)
+    t = train.build_trainer(cfg, processor, sp.make_layout(1), torch.device("cpu"))
+    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
+    prompts = [data.prepare(s, processor, cfg) for s in samples[: c.prompts]]
+    g = torch.Generator().manual_seed(0)
+    rollouts = []
+    for p in prompts:
+        for _ in range(c.group_size):
+            ids = torch.randint(20, 400, (c.response_len,), generator=g).tolist()
+            rollouts.append(Rollout(p, ids, None, "", "length"))
+    videos = {"policy": [], "reference": []}  # videos per tower call
+    blocks = []
+    towers = {"policy": t.model.model.visual}
+    if t.ref is not None:
+        towers["reference"] = t.ref.model.visual
+    for name, tower in towers.items():
+        tower.register_forward_pre_hook(
+            functools.partial(count_videos, videos[name]), with_kwargs=True
+        )
+        for block in tower.blocks:
+            block.register_forward_pre_hook(functools.partial(count_call, blocks))
+    depth = len(t.model.model.visual.blocks)
+    counts = []
+    for _ in range(2):
+        for v in videos.values():
+            v.clear()
+        blocks.clear()
+        minibatches = train.micro_batches(rollouts, cfg, processor.tokenizer, t.device, None)
+        train.logp_pass(t, minibatches, rollouts, cfg, train.Counts())
+        for b in itertools.chain(*minibatches):  # advantages +-1 by row
+            adv = torch.tensor(b.index) % 2 * 2.0 - 1
+            b.adv = adv[:, None].expand_as(b.mask)
+        train.update(t, minibatches, cfg, step=1, ids=[])
+        calls = sum(len(v) for v in videos.values())
+        counts.append(
+            {
+                "policy": sum(videos["policy"]) / len(prompts),
+                "reference": sum(videos["reference"]) / len(prompts),
+                "recomputed": len(blocks) / depth - calls,
+            }
+        )
+    return counts
+
+
+def count_videos(out: list, module, args, kw):
+    """A tower's pre-hook: the videos of this call (HF passes grid_thw, a row per video)."""
+    out.append(len(kw["grid_thw"]))
+
+
+def count_call(out: list, module, args):
+    out.append(1)
+
+
 def main(c: memory.Config):
     print(
         f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
@@ -144,11 +231,33 @@ def main(c: memory.Config):
     print(
         f"of which sequence parallel: {rows['vision-once dp 2']['time'] / rows['MR-SP sp 2']['time']:.2f}x"
     )
+    print_encodes(c)
+
+
+def print_encodes(c: memory.Config):
+    """The encode count's lines: each step's passes over a prompt, and the goal's line (step 1, the
+    samples new: the reference's first sight included). vLLM's own encode for generation comes on
+    top of these."""
+    trained = encode_counts(c)
+    frozen = encode_counts(c, freeze_vision=True)
+    for name, counts in (("trained tower", trained), ("freeze_vision", frozen)):
+        steps = [
+            f"step {k + 1}: policy {s['policy']:g}, reference {s['reference']:g}, "
+            f"tower passes recomputed in backward (checkpointing) {s['recomputed']:g}"
+            for k, s in enumerate(counts)
+        ]
+        print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): " + "; ".join(steps))
+    n = trained[0]["policy"] + trained[0]["reference"]
+    m = frozen[0]["policy"] + frozen[0]["reference"]
+    print(f"vision encodes per prompt and step: {n:g} (trained tower), {m:g} (frozen)")
 
 
 if __name__ == "__main__":
     if "--plan-check" in sys.argv:
         run_phases(sys.argv[sys.argv.index("--plan-check") + 1 :])
+    elif "--encodes" in sys.argv:  # the encode count alone (a minute)
+        sys.argv.remove("--encodes")
+        print_encodes(memory.Config(size=112, group_size=8, kl_coef=0.01))
     else:
         import tyro
 

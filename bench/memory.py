@@ -137,6 +137,8 @@ def worker(c: Config) -> dict:
     processor = AutoProcessor.from_pretrained(cfg.model)
     t = train.build_trainer(cfg, processor, sp.make_layout(c.sp_size), torch.device("cpu"))
     t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
+    if c.worker == PER_ROW:  # the trainer before: the reference's features encoded in every step
+        t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
     samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
     prompts = [data.prepare(s, processor, cfg) for s in samples]
     g = torch.Generator().manual_seed(0)

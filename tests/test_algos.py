@@ -677,18 +677,16 @@ def test_two_step_smoke(torchrun_job, name):
     if name == "remax":
         assert "reward/greedy" in rows[0]
     cfg = json.load(open(torchrun_job / name / "summary.json"))["config"]
-    passes = (
-        1
-        + (cfg["kl_coef"] > 0)
-        + (cfg["ppo_epochs"] > 1 or cfg["mini_batches"] > 1 or cfg["kl_in_reward"])
-    )
+    need_old = cfg["ppo_epochs"] > 1 or cfg["mini_batches"] > 1 or cfg["kl_in_reward"]
     # per rank: 2 prompts (1 video each) + the dummy of the modality they lack (an image: FSDP2's tower alignment)
     if cfg["freeze_vision"]:
         assert [r["vision/encodes"] for r in rows] == [2 * 3] * 2  # once per step
-    elif not cfg[
-        "max_tokens_per_micro_batch"
-    ]:  # micro-batches of 4 = one group: its video + the dummy image
-        assert [r["vision/encodes"] for r in rows] == [2 * 4 * passes] * 2
+    elif not cfg["max_tokens_per_micro_batch"]:
+        # dp 2: the trained tower once per micro-batch of 4 = one group (its video + the dummy
+        # image); the policy's no-grad encode for old log-probs and the reference's (new samples)
+        update = cfg["ppo_epochs"] * 2 * 2
+        before = 3 * (need_old + (cfg["kl_coef"] > 0))
+        assert [r["vision/encodes"] for r in rows] == [2 * (update + before)] * 2
     if name in (
         "grpo",
         "reinforce_pp_baseline",

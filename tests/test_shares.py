@@ -35,11 +35,12 @@ def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
     parts = [ranks[0].part(items, r) for r in range(world)]
     assert sorted(x for part in parts for x in part) == items
     for layout in ranks:
-        group = layout.share(items, sp_size)[0]
+        group = layout.share(items, sp_size).items
         assert len(group) == prompts // layout.dp_size
-        assert group == ranks[layout.rank - layout.sp_rank].share(items, sp_size)[0]
-        share, start, k = layout.share(items, tp)
-        assert share[start : start + k] == parts[layout.rank]
+        assert group == ranks[layout.rank - layout.sp_rank].share(items, sp_size).items
+        tp_share = layout.share(items, tp)
+        share = tp_share.items
+        assert tp_share.own() == parts[layout.rank]
         assert set(share) <= set(group) or sp_size == 1
         assert [i for i in items if layout.prepares(i)] == sorted(share)
 

@@ -99,11 +99,16 @@ def run(
     checkpointing: bool = False,
     device: str = "cpu",
     kernel: str = "",
+    once: bool = False,
 ) -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
     the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
-    kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn)."""
+    kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn).
+    once (train.update's path): the batches as one mini-batch's micro-batches, each prompt through the tower once
+    with gradient (sp.Towers: dp 1 at its first batch, else all at the first), its feature gradient summed over
+    its batches and taken through the tower once; the no-grad log-probs from features kept per sample
+    (sp.FeatureCache, the reference's path); encodes{k}: the cache's encodes."""
     import sp
     from transformers import AutoProcessor
 
@@ -137,12 +142,21 @@ def run(
         pixels: torch.cat([p.mm[pixels] for p in prompts if pixels in p.mm])
         for _, pixels, _ in sp.MEDIA
     }
+    if once:
+        mini = [[rows[i].prompt for i in batch[dp_rank::dp_size]] for batch in BATCHES]
+        towers = sp.Towers(model, mini, device, layout, dummies)
+        kept = sp.FeatureCache()
     for k, batch in enumerate(BATCHES):
         index = batch[dp_rank::dp_size]
         b = train.collate([rows[i] for i in index], tok.pad_token_id, device, dummies)
         with torch.no_grad():
             counts = train.Counts()
+            if once:
+                b.vision = kept.vision(model, b.prompts, device, layout, dummies)
+                counts.encodes = b.vision.encodes
             logp, ent = train.token_logp(model, b, TEMPERATURE, banned, CHUNK, layout, counts)
+        if once:
+            b.vision = towers.vision(k)
         b.adv = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
         ).expand_as(b.mask)
@@ -151,6 +165,8 @@ def run(
         )  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
+        if once:
+            towers.backward(k)
         out.update(
             {
                 f"logp{k}": logp * b.mask,
@@ -213,7 +229,7 @@ def worker(out_dir: str, data_path: str, sp_size: str, mode: str, *archs: str):
                 f"plain.{k}": v.cpu() for k, v in plain.items()
             }
         else:
-            result = run(arch, data_path, int(sp_size), layout, mode == "ckpt")
+            result = run(arch, data_path, int(sp_size), layout, mode == "ckpt", once=True)
         save_file(result, os.path.join(out_dir, f"{arch}.rank{rank}.safetensors"))
     torch.distributed.barrier()
 
@@ -354,7 +370,8 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
         assert (
             ref["encodes0"] == 4 and ref["encodes1"] == 2
         )  # one process: 2 images + 2 videos; 1 + 1
-        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 2], [4, 2]]
+        # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
+        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
 
 
 @pytest.mark.slow
@@ -542,15 +559,16 @@ def test_layout_shares(world, sp_size, tp):
     if sp_size == 1:
         assert own == [items[r::world] for r in range(world)]
     for r, x in enumerate(layouts):
-        share, start, k = x.share(items, tp)
-        assert share[start : start + k] == own[r]
-        assert share == layouts[r - r % tp].share(items, tp)[0]
+        tp_share = x.share(items, tp)
+        share = tp_share.items
+        assert tp_share.own() == own[r]
+        assert share == layouts[r - r % tp].share(items, tp).items
         assert sorted(share) == sorted(
             i for q in range(r - r % tp, r - r % tp + tp) for i in own[q]
         )
-        assert x.share(items, tp, rank=0)[0] == layouts[0].share(items, tp)[0]
+        assert x.share(items, tp, rank=0).items == layouts[0].share(items, tp).items
     for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
-        assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp)[0]]
+        assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp).items]
         assert preparers == list(range(preparers[0], preparers[0] + tp))
     assert layouts[0].dedup(list(range(world))) == list(range(0, world, sp_size))
