@@ -122,7 +122,8 @@ def fake_checkpoint(out, cfg) -> str:
 def test_out_dir_rules(tmp_path, color_data):
     """A fresh run into a folder holding another run's checkpoints is refused (it kept the old ckpt/, and a later
     `--resume auto` resumed the wrong run); a resume with other settings than the checkpoint's is refused naming them
-    (`--lr 0.5 --group-size 4` was accepted silently), but for RESUME_MAY_CHANGE or with --allow-config-change."""
+    (`--lr 0.5 --group-size 4` was accepted silently), but for the MAY_CHANGE_ON_RESUME fields or
+    with --allow-config-change."""
     out = tmp_path / "run"
     args = [
         "--config",
