@@ -1202,22 +1202,33 @@ def eval_row(sample: dict, prompt: str, response: str) -> dict:
     }
 
 
-def held_out_accuracy(engine, prompts: list, cfg: Config, layout: sp.Layout, step: int = 0):
-    """Greedy held-out accuracy over all ranks, each given its TP group's prompts
-    (data.prep_share); the rows in out_dir/eval/step_N.jsonl. NaN without a row."""
-    # every rank generates as many prompts as the largest share: HF generate is collective
-    longest = max(gather(len(prompts)))
-    padded = prompts + prompts[:1] * (longest - len(prompts))
-    outs = engine.generate(
-        padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
-    )
+def held_out_accuracy(
+    engine, samples: list, prep, cfg: Config, layout: sp.Layout, skipped: list, step: int = 0
+) -> float:
+    """Greedy held-out accuracy over all ranks, each TP group generating its share of the samples a
+    training round's worth at a time (data.held_out_rounds: one round's pixels held); the rows in
+    out_dir/eval/step_N.jsonl, skip reports not yet in `skipped` appended to it. NaN without a row."""
+    size = -(-cfg.prompts_per_step // (layout.world // layout.tp))  # a TP group's training round
     mine = []
-    if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records
-        for r in outs[: len(prompts)]:
-            if r.prompt.sample.get("pad") is not data.PAD:
-                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+    skips = []
+    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, layout, size, skips):
+        # every rank generates as many prompts as the largest share: HF generate is collective
+        longest = max(gather(len(prompts)))
+        if not longest:
+            continue
+        padded = prompts + prompts[:1] * (longest - len(prompts))
+        outs = engine.generate(
+            padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
+        )
+        if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first's
+            for r in outs[: len(prompts)]:
+                if r.prompt.sample.get("pad") is not data.PAD:
+                    mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+    reported = {report["where"] for report in skipped}
+    for part in gather(skips)[:: layout.tp]:  # counted once a run: a TP group's first rank's
+        skipped += [report for report in part if report["where"] not in reported]
     rows = [x for part in gather(mine) for x in part]
-    if layout.rank == 0:
+    if layout.rank == 0 and rows:
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     if not rows:
         return float("nan")
@@ -1451,15 +1462,16 @@ def main(cfg: Config):
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     prep, val_prep = preparers(cfg, processor, template, stats)
-    val_prompts, skips = data.prep_share(val_prep, samples["val"], cfg.skip_invalid, layout)
-    n_val = len(samples["val"]) - len(skips)  # on every rank
-    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
+    skipped = state.get("skipped", skipped)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
-    elif n_val:
-        acc_before = held_out_accuracy(engine, val_prompts, cfg, layout)
+    elif samples["val"]:
+        acc_before = held_out_accuracy(engine, samples["val"], val_prep, cfg, layout, skipped)
+    val_ids = {s["id"] for s in samples["val"]}
+    invalid = {report["where"] for report in skipped} & val_ids
+    n_val = len(samples["val"]) - len(invalid)  # those that prepare, on every rank
     print0(
         f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
         f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}"
@@ -1506,7 +1518,9 @@ def main(cfg: Config):
         periodic = cfg.eval_every and step % cfg.eval_every == 0
         evaluated = n_val and (step == cfg.max_steps or periodic)
         if evaluated:  # the result of the run, once the last step has run
-            acc_after = held_out_accuracy(engine, val_prompts, cfg, layout, step=step)
+            acc_after = held_out_accuracy(
+                engine, samples["val"], val_prep, cfg, layout, skipped, step=step
+            )
         if layout.rank == 0:
             row = step_metrics(
                 rows, phase.adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout
