@@ -1515,6 +1515,9 @@ def main(cfg: Config):
         stats_step = {k: stats[k] - stats_before[k] for k in stats}
         shown = sample_rows(batch.groups, phase.adv, step, cfg)
         parts = gather({"m": m, "stats": stats_step, "samples": shown})
+        adv_all = phase.adv_all
+        # the step's prompts (pixels) must not live through the evaluation or the next rollout
+        del batch, rollouts, phase
         periodic = cfg.eval_every and step % cfg.eval_every == 0
         evaluated = n_val and (step == cfg.max_steps or periodic)
         if evaluated:  # the result of the run, once the last step has run
@@ -1522,9 +1525,7 @@ def main(cfg: Config):
                 engine, samples["val"], val_prep, cfg, layout, skipped, step=step
             )
         if layout.rank == 0:
-            row = step_metrics(
-                rows, phase.adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout
-            )
+            row = step_metrics(rows, adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout)
             row["data/skipped"] = len(skipped)
             row["data/skipped_step"] = len(skipped) - n_skipped
             row["data/ids"] = ids
@@ -1532,8 +1533,6 @@ def main(cfg: Config):
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - first_step + 1)
             log_step(row, parts, cfg, layout, logger, skipped, per_step)
-        # the step's prompts (pixels) and advantages must not live through the next rollout
-        del batch, rollouts, phase
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
