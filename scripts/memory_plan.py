@@ -140,14 +140,15 @@ def host_plan(
 ) -> dict[str, float]:
     """Host RAM per rank in a step: the prompts this rank prepares (each rank of a TP group prepares all of its
     engine's: Layout.prepares), as uint8 frames and fp32 pixels (the trainer's, and vLLM's processor's copy of the
-    frames it is given), the SP runs of its group's prompts, the held-out prompts (prepared once, held for the run),
-    the offloaded states (pinned); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    frames it is given), the SP runs of its group's prompts, the held-out prompts (as many as a training round, held
+    while they are evaluated), the offloaded states (pinned); and, alone at the start, the fp32 model from_pretrained
+    builds on the host."""
     vision = spec["vision_config"]
     voxel = 3 * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2  # values per patch
     frames = patches * voxel  # uint8 bytes of a prompt's frames
     engines = gpus // cfg.rollout_tp  # TP groups, each with its share of the step's prompts
     mine = -(-cfg.prompts_per_step // engines)
-    val = -(-cfg.eval_max_samples * bool(cfg.val_data) // engines)
+    val = min(mine, -(-cfg.eval_max_samples * bool(cfg.val_data) // engines))  # one round's
     total = meas["params"]["total"]
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
@@ -157,9 +158,7 @@ def host_plan(
         * 4
         / gpus
         * (sp > 1),
-        f"held-out prompts ({val} of eval_max_samples {cfg.eval_max_samples}, for the run)": val
-        * frames
-        * 5,
+        f"held-out prompts ({val} at a time: train.held_out_accuracy's round)": val * frames * 5,
         "offload (pinned fp32 weights, gradients, AdamW)": 16 * total / gpus * cfg.offload,
         "loading (the fp32 model on the host, alone, at the start)": 4 * total,
     }
