@@ -659,13 +659,25 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     big = memory_plan.plan(dataclasses.replace(cfg, prompts_per_step=64), *args)
     assert big.verdict.startswith("DOES NOT FIT in host memory")
     # host RAM per rank: each rank of a TP group prepares its engine's prompts (8 / 2 engines), 1,176 uint8 values a
-    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's), a round of held-out prompts (min(8 / 2, 4))
+    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's); between steps (not with the step's), a round
+    # of held-out prompts (min(8 / 2, 4)), held as a step's prompts are
     frames = patches * 1176
-    host = list(memory_plan.plan(cfg, *args).host.values())
-    assert host[:4] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8, 4 * frames * 5]
-    assert list(big.host.values())[3] == 4 * frames * 5  # min(32 a round, 8 held-out / 2 engines)
+    fits = memory_plan.plan(cfg, *args)
+    host = list(fits.host.values())
+    assert (
+        host[:3] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8]
+        and host[4] == 4 * frames * 9
+    )
+    assert (
+        fits.host_rank == sum(host[:3]) > host[4]
+    )  # the step's, not the step's and the held-out round's
+    assert list(big.host.values())[4] == 4 * frames * 9  # min(32 a round, 8 held-out / 2 engines)
     decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
     assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
+    # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them to ranks 0 and 1, one engine prepares both
+    two = dataclasses.replace(cfg, prompts_per_step=2, sp_size=4, rollout_tp=2)
+    uneven = memory_plan.plan(two, spec, meas, 4, 80 * GIB, True, prompt, patches, 4, 1024 * GIB)
+    assert list(uneven.host.values())[0] == 2 * frames
     assert memory_plan.plan(dataclasses.replace(cfg, rollout_tp=3), *args).verdict.startswith(
         "CANNOT RUN: rollout_tp 3 must divide the 8 GPUs"
     )
