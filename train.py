@@ -19,7 +19,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -999,6 +999,9 @@ def sample_batch(
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
+        else:  # the frames were the engine's alone: not held through the train phase
+            bare = {id(p): replace(p, videos=[], images=[]) for p in tp_share[0]}
+            rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
         for i, baseline in enumerate(baselines):
             scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)
             group = swap_offline(scored, cfg, tok, eos_id)
