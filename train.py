@@ -1000,7 +1000,7 @@ def sample_batch(
             group_prompts = layout.share(prompts, layout.sp_size)[0]
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         else:  # the frames were the engine's alone: not held through the train phase
-            bare = {id(p): replace(p, videos=[], images=[]) for p in tp_share[0]}
+            bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
             rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
         for i, baseline in enumerate(baselines):
             scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)

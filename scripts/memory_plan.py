@@ -148,11 +148,13 @@ def host_plan(
     vision = spec["vision_config"]
     voxel = 3 * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2  # values per patch
     frames = patches * voxel  # uint8 bytes of a prompt's frames
-    # rank 0's TP group prepares the most prompts (Layout deals the remainder to the first ranks): its share
+    # rank 0's TP group (ranks 0 to tp - 1) prepares the most prompts: Layout deals the remainder to the first ranks
     tp = cfg.rollout_tp
     layout = Layout(None, 0, sp, 0, max(1, gpus // sp), tp=tp, rank=0, world=gpus)
-    mine = len(layout.share(range(cfg.prompts_per_step), tp)[0])
-    held_out = len(layout.share(range(cfg.eval_max_samples * bool(cfg.val_data)), tp)[0])
+    mine = sum(len(layout.part(range(cfg.prompts_per_step), q)) for q in range(tp))
+    held_out = sum(
+        len(layout.part(range(cfg.eval_max_samples * bool(cfg.val_data)), q)) for q in range(tp)
+    )
     val = min(-(-cfg.prompts_per_step // max(1, gpus // tp)), held_out)  # held_out_accuracy's round
     total = meas["params"]["total"]
     return {
