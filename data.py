@@ -491,19 +491,29 @@ def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)
 
 
-def prep_share(prep, samples: list, skip_invalid: bool, layout) -> tuple[list, list]:
-    """Held-out prompts: this rank's TP group's share (Layout.share, what its engine generates), prepared by that
-    group alone, and every rank's skip reports."""
+def held_out_rounds(prep, samples: list, skip_invalid: bool, layout, size: int, skips: list):
+    """Held-out prompts, `size` at a time: this rank's TP group's share (Layout.share, what its engine generates),
+    prepared by that group alone, one round's prompts held at a time; skip reports appended to `skips`. Every rank
+    yields as many rounds (the HF engine's generate is collective): a group left without a prompt in a round (a
+    shorter share, or the round's samples invalid) gets the first sample that prepares, marked PAD: never scored."""
     share = layout.share(samples, layout.tp).items
-    prompts, skips = prep_all(prep, share, skip_invalid)
-    reports = [report for part in gather(skips)[:: layout.tp] for report in part]
-    # a group left without a prompt (fewer samples than groups, or its share invalid) still generates: the HF
-    # engine's generate is collective. It pads with the first valid sample, marked PAD: never scored
-    if prompts:
-        return prompts, reports
-    invalid = {report["where"] for report in reports}
-    pad = [{**s, "pad": PAD} for s in samples if s["id"] not in invalid][:1]
-    return prep_all(prep, pad, skip_invalid)[0], reports
+    rounds = max(gather(-(-len(share) // size)))
+    pad = []  # prepared once, when first needed
+    for first in range(0, rounds * size, size):
+        prompts, reports = prep_all(prep, share[first : first + size], skip_invalid)
+        skips += reports
+        if not prompts and not pad:
+            pad = first_valid([{**s, "pad": PAD} for s in samples], prep, skip_invalid)
+        yield prompts or pad
+
+
+def first_valid(samples: list, prep, skip_invalid: bool) -> list:
+    """[the prompt of the first sample that prepares], or [] when none does."""
+    for s in samples:
+        prompt = try_prep(prep, s, skip_invalid)[0]
+        if prompt:
+            return [prompt]
+    return []
 
 
 def next_valid(

@@ -1009,6 +1009,9 @@ def sample_batch(
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size).items
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
+        else:  # the frames were the engine's alone: not held through the train phase
+            bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
+            rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
         for i, baseline in enumerate(baselines):
             scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)
             group = swap_offline(scored, cfg, tok, eos_id)
@@ -1215,22 +1218,33 @@ def eval_row(sample: dict, prompt: str, response: str) -> dict:
     }
 
 
-def held_out_accuracy(engine, prompts: list, cfg: Config, layout: sp.Layout, step: int = 0):
-    """Greedy held-out accuracy over all ranks, each given its TP group's prompts
-    (data.prep_share); the rows in out_dir/eval/step_N.jsonl. NaN without a row."""
-    # every rank generates as many prompts as the largest share: HF generate is collective
-    longest = max(gather(len(prompts)))
-    padded = prompts + prompts[:1] * (longest - len(prompts))
-    outs = engine.generate(
-        padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
-    )
+def held_out_accuracy(
+    engine, samples: list, prep, cfg: Config, layout: sp.Layout, skipped: list, step: int = 0
+) -> float:
+    """Greedy held-out accuracy over all ranks, each TP group generating its share of the samples a
+    training round's worth at a time (data.held_out_rounds: one round's pixels held); the rows in
+    out_dir/eval/step_N.jsonl, skip reports not yet in `skipped` appended to it. NaN without a row."""
+    size = -(-cfg.prompts_per_step // (layout.world // layout.tp))  # a TP group's training round
     mine = []
-    if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first records
-        for r in outs[: len(prompts)]:
-            if r.prompt.sample.get("pad") is not data.PAD:
-                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+    skips = []
+    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, layout, size, skips):
+        # every rank generates as many prompts as the largest share: HF generate is collective
+        longest = max(gather(len(prompts)))
+        if not longest:
+            continue
+        padded = prompts + prompts[:1] * (longest - len(prompts))
+        outs = engine.generate(
+            padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
+        )
+        if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first's
+            for r in outs[: len(prompts)]:
+                if r.prompt.sample.get("pad") is not data.PAD:
+                    mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+    reported = {report["where"] for report in skipped}
+    for part in gather(skips)[:: layout.tp]:  # counted once a run: a TP group's first rank's
+        skipped += [report for report in part if report["where"] not in reported]
     rows = [x for part in gather(mine) for x in part]
-    if layout.rank == 0:
+    if layout.rank == 0 and rows:
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
     if not rows:
         return float("nan")
@@ -1479,15 +1493,16 @@ def main(cfg: Config):
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
     prep, val_prep = preparers(cfg, processor, template, stats)
-    val_prompts, skips = data.prep_share(val_prep, samples["val"], cfg.skip_invalid, layout)
-    n_val = len(samples["val"]) - len(skips)  # on every rank
-    skipped = state.get("skipped", skipped + skips)  # resumed: the saved report has load/val skips
+    skipped = state.get("skipped", skipped)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
     if state:
         print0(f"resumed from {ckpt_path} (step {state['step']})")
-    elif n_val:
-        acc_before = held_out_accuracy(engine, val_prompts, cfg, layout)
+    elif samples["val"]:
+        acc_before = held_out_accuracy(engine, samples["val"], val_prep, cfg, layout, skipped)
+    val_ids = {s["id"] for s in samples["val"]}
+    invalid = {report["where"] for report in skipped} & val_ids
+    n_val = len(samples["val"]) - len(invalid)  # those that prepare, on every rank
     print0(
         f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
         f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}"
@@ -1531,14 +1546,17 @@ def main(cfg: Config):
         stats_step = {k: stats[k] - stats_before[k] for k in stats}
         shown = sample_rows(batch.groups, phase.adv, step, cfg)
         parts = gather({"m": m, "stats": stats_step, "samples": shown})
+        adv_all = phase.adv_all
+        # the step's prompts (pixels) must not live through the evaluation or the next rollout
+        del batch, rollouts, phase
         periodic = cfg.eval_every and step % cfg.eval_every == 0
         evaluated = n_val and (step == cfg.max_steps or periodic)
         if evaluated:  # the result of the run, once the last step has run
-            acc_after = held_out_accuracy(engine, val_prompts, cfg, layout, step=step)
-        if layout.rank == 0:
-            row = step_metrics(
-                rows, phase.adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout
+            acc_after = held_out_accuracy(
+                engine, samples["val"], val_prep, cfg, layout, skipped, step=step
             )
+        if layout.rank == 0:
+            row = step_metrics(rows, adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout)
             row["data/skipped"] = len(skipped)
             row["data/skipped_step"] = len(skipped) - n_skipped
             row["data/ids"] = ids
@@ -1546,8 +1564,6 @@ def main(cfg: Config):
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - first_step + 1)
             log_step(row, parts, cfg, layout, logger, skipped, per_step)
-        # the step's prompts (pixels) and advantages must not live through the next rollout
-        del batch, rollouts, phase
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):

@@ -114,7 +114,7 @@ class Plan:
     host: dict[
         str, float
     ]  # host RAM per rank in a step (host_plan); the load's, alone, is "loading"
-    host_rank: float  # the larger of the two, per rank
+    host_rank: float  # the largest: a step's, a held-out round's (with offload), the load's
 
 
 def lora_params(spec: dict, rank: int) -> int:
@@ -140,14 +140,22 @@ def host_plan(
 ) -> dict[str, float]:
     """Host RAM per rank in a step: the prompts this rank prepares (each rank of a TP group prepares all of its
     engine's: Layout.prepares), as uint8 frames and fp32 pixels (the trainer's, and vLLM's processor's copy of the
-    frames it is given), the SP runs of its group's prompts, the held-out prompts (prepared once, held for the run),
-    the offloaded states (pinned); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    frames it is given), the SP runs of its group's prompts, the offloaded states (pinned); between steps, a round of
+    held-out prompts (train.held_out_accuracy: as many as a training round, as uint8 frames and fp32 pixels twice, the
+    step's prompts freed); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    from sp import Layout
+
     vision = spec["vision_config"]
     voxel = 3 * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2  # values per patch
     frames = patches * voxel  # uint8 bytes of a prompt's frames
-    engines = gpus // cfg.rollout_tp  # TP groups, each with its share of the step's prompts
-    mine = -(-cfg.prompts_per_step // engines)
-    val = -(-cfg.eval_max_samples * bool(cfg.val_data) // engines)
+    # rank 0's TP group (ranks 0 to tp - 1) prepares the most prompts: Layout deals the remainder to the first ranks
+    tp = cfg.rollout_tp
+    layout = Layout(None, 0, sp, 0, max(1, gpus // sp), tp=tp, rank=0, world=gpus)
+    mine = sum(len(layout.part(range(cfg.prompts_per_step), q)) for q in range(tp))
+    held_out = sum(
+        len(layout.part(range(cfg.eval_max_samples * bool(cfg.val_data)), q)) for q in range(tp)
+    )
+    val = min(-(-cfg.prompts_per_step // max(1, gpus // tp)), held_out)  # held_out_accuracy's round
     total = meas["params"]["total"]
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
@@ -157,10 +165,10 @@ def host_plan(
         * 4
         / gpus
         * (sp > 1),
-        f"held-out prompts ({val} of eval_max_samples {cfg.eval_max_samples}, for the run)": val
-        * frames
-        * 5,
         "offload (pinned fp32 weights, gradients, AdamW)": 16 * total / gpus * cfg.offload,
+        f"held-out prompts ({val} a round, between steps: frames and pixels as above)": val
+        * frames
+        * 9,
         "loading (the fp32 model on the host, alone, at the start)": 4 * total,
     }
 
@@ -308,7 +316,10 @@ def plan(
     larger = [s for s in range(sp + 1, gpus + 1) if gpus % s == 0]
     host = host_plan(cfg, spec, meas, gpus, patches, sp)
     loading = host["loading (the fp32 model on the host, alone, at the start)"]
-    host_rank = max(sum(host.values()) - loading, loading)
+    offload = host["offload (pinned fp32 weights, gradients, AdamW)"]
+    held_out = next(v for k, v in host.items() if k.startswith("held-out"))  # between steps
+    step = sum(host.values()) - loading - held_out
+    host_rank = max(step, held_out + offload, loading)
     node = host_rank * min(gpus, 8)
     knobs = (  # the first that applies, the knob to turn
         (refused, f"CANNOT RUN: {refused[0] if refused else ''}"),

@@ -296,8 +296,9 @@ def test_rendered_prompt_size_is_bounded_per_sample():
 
 
 def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
-    """data.prep_share: each held-out sample is prepared by one TP group only (its engine generates it), not by every
-    rank; a group with no sample prepares the first one as a pad, which train.held_out_accuracy never scores."""
+    """data.held_out_rounds: each held-out sample is prepared by one TP group only (its engine generates it), not by
+    every rank, `size` at a time (one round held, not the set); every rank yields as many rounds; a group with no
+    sample in a round prepares the first valid one as a pad, which train.held_out_accuracy never scores."""
     import sp
     from types import SimpleNamespace
 
@@ -308,17 +309,28 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
         prepared.append(s["id"])
         return SimpleNamespace(sample=s)
 
+    def rounds(prep, samples, skip_invalid, layout, size, skips):
+        out = data.held_out_rounds(prep, samples, skip_invalid, layout, size, skips)
+        return [[(p.sample["id"], p.sample.get("pad") is data.PAD) for p in r] for r in out]
+
     # 4 ranks, engines of 2 ranks (rollout tp 2): ranks 0 and 1 share one engine, ranks 2 and 3 another
     mine = {}
     for rank in range(4):
         layout = sp.Layout(None, 0, 1, rank, 4, tp=2, rank=rank, world=4)
-        mine[rank] = [p.sample["id"] for p in data.prep_share(prep, samples, False, layout)[0]]
+        mine[rank] = [i for r in rounds(prep, samples, False, layout, 8, []) for i, _ in r]
     assert mine[0] == mine[1] and mine[2] == mine[3]  # a TP group shares its engine's prompts
     assert sorted(mine[0] + mine[2]) == [s["id"] for s in samples]  # each sample in one group
     assert len(prepared) == 2 * len(samples)  # by its group's 2 ranks, not by all 4
-    one = sp.Layout(None, 0, 1, 1, 2, tp=1, rank=1, world=2)
-    [pad] = data.prep_share(prep, samples[:1], False, one)[0]  # rank 1 of 2, one sample: a pad
-    assert pad.sample["pad"] is data.PAD and pad.sample["id"] == "s0" and "pad" not in samples[0]
+    # one round held at a time: a round's prompts are prepared when the round is reached
+    one_rank = sp.Layout(None, 0, 1, 0, 1, tp=1, rank=0, world=1)
+    prepared.clear()
+    lazy = data.held_out_rounds(prep, samples, False, one_rank, 2, [])
+    assert [p.sample["id"] for p in next(lazy)] == ["s0", "s1"] and prepared == ["s0", "s1"]
+    assert rounds(prep, samples, False, one_rank, 2, []) == [
+        [("s0", False), ("s1", False)],
+        [("s2", False), ("s3", False)],
+        [("s4", False)],
+    ]
 
     def picky(s):  # s1 and s3, rank 1's share of 2 ranks, are invalid
         if s["id"] in ("s1", "s3"):
@@ -327,11 +339,15 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
 
     for rank in range(2):
         layout = sp.Layout(None, 0, 1, rank, 2, tp=1, rank=rank, world=2)
-        prompts, skips = data.prep_share(picky, samples, True, layout)
+        skips = []
+        ids = rounds(picky, samples, True, layout, 2, skips)
         assert (
             sorted(r["where"] for r in skips) == [[], ["s1", "s3"]][rank]
         )  # one process: gather is its own
-        ids = [(p.sample["id"], p.sample.get("pad") is data.PAD) for p in prompts]
         assert (
-            ids == [[("s0", False), ("s2", False), ("s4", False)], [("s0", True)]][rank]
-        )  # rank 1 pads
+            ids
+            == [
+                [[("s0", False), ("s2", False)], [("s4", False)]],
+                [[("s0", True)]],
+            ][rank]
+        )  # rank 1 pads (one process: its own 1 round; in a torchrun, 2 like rank 0)

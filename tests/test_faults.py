@@ -582,7 +582,7 @@ def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
         )
         wait_for(out, p)
         t = time.time()
-        # rank 0 prepares the one held-out sample (data.prep_share: rank 1's share is empty) and waits on the lock
+        # rank 0 prepares the one held-out sample (data.held_out_rounds: rank 1's share is empty) and waits on the lock
         while os.path.realpath(lock) not in [f.path for f in worker(p, 0).open_files()]:
             assert p.poll() is None and time.time() - t < 300
             time.sleep(0.5)

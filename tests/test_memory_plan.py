@@ -638,8 +638,9 @@ def test_the_long_video_recipes_fit(monkeypatch):
 def test_what_vllm_refuses_cannot_run(monkeypatch):
     """The hour recipes as they were (rollout_tp 8 for the 7B's 28 query heads; the 7B base config's 512 held-out
     hour-long prompts): vLLM's own config check refuses the first, found before anything loads (check_config and the
-    planner); the second is over the node's host RAM. max_model_len over the model's positions is refused unless
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM does; sp_size must be a multiple of rollout_tp."""
+    planner); the second, once over the node's host RAM, is now evaluated a round at a time. max_model_len over the
+    model's positions is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM does; sp_size must be a multiple
+    of rollout_tp."""
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     cfg = train.load_config(["--config", *LONG])
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
@@ -651,15 +652,32 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     assert tp8.verdict.startswith(
         "CANNOT RUN: vLLM refuses Qwen/Qwen2.5-VL-7B-Instruct with rollout_tp 8"
     )
+    # the held-out set is evaluated a training round at a time (train.held_out_accuracy), not held for the run: 512
+    # hour-long held-out prompts cost what 8 do; 64 prompts a step (32 a TP group) are over the node's host RAM
     held_out = memory_plan.plan(dataclasses.replace(cfg, eval_max_samples=512), *args)
-    assert held_out.verdict.startswith("DOES NOT FIT in host memory")
+    assert held_out.host_rank == memory_plan.plan(cfg, *args).host_rank
+    big = memory_plan.plan(dataclasses.replace(cfg, prompts_per_step=64), *args)
+    assert big.verdict.startswith("DOES NOT FIT in host memory")
     # host RAM per rank: each rank of a TP group prepares its engine's prompts (8 / 2 engines), 1,176 uint8 values a
-    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's), the held-out prompts (8 / 2) for the run
+    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's); between steps (not with the step's), a round
+    # of held-out prompts (min(8 / 2, 4)), held as a step's prompts are
     frames = patches * 1176
-    host = list(memory_plan.plan(cfg, *args).host.values())
-    assert host[:4] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8, 4 * frames * 5]
+    fits = memory_plan.plan(cfg, *args)
+    host = list(fits.host.values())
+    assert (
+        host[:3] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8]
+        and host[4] == 4 * frames * 9
+    )
+    assert (
+        fits.host_rank == sum(host[:3]) > host[4]
+    )  # the step's, not the step's and the held-out round's
+    assert list(big.host.values())[4] == 4 * frames * 9  # min(32 a round, 8 held-out / 2 engines)
     decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
     assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
+    # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them to ranks 0 and 1, one engine prepares both
+    two = dataclasses.replace(cfg, prompts_per_step=2, sp_size=4, rollout_tp=2)
+    uneven = memory_plan.plan(two, spec, meas, 4, 80 * GIB, True, prompt, patches, 4, 1024 * GIB)
+    assert list(uneven.host.values())[0] == 2 * frames
     assert memory_plan.plan(dataclasses.replace(cfg, rollout_tp=3), *args).verdict.startswith(
         "CANNOT RUN: rollout_tp 3 must divide the 8 GPUs"
     )
