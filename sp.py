@@ -64,10 +64,15 @@ class Layout:
 
     def part(self, items: list, rank: int) -> list:
         """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g
-        (prompts_per_step / dp_size of a step's), dealt in turn over the group's ranks. sp_size 1:
-        items[rank::world]."""
+        (prompts_per_step / dp_size of a step's), dealt in turn over the group's engines (1 <
+        tp < sp_size: each generates its share, none idles), then over an engine's ranks.
+        sp_size 1: items[rank::world]."""
         group = items[rank // self.sp_size :: self.dp_size]
-        return group[rank % self.sp_size :: self.sp_size]
+        local = rank % self.sp_size
+        if 1 < self.tp < self.sp_size:
+            engines = self.sp_size // self.tp
+            return group[local // self.tp :: engines][local % self.tp :: self.tp]
+        return group[local :: self.sp_size]
 
     def share(self, items: list, size: int, rank: int | None = None) -> "Share":
         """The list the group of `size` consecutive ranks around `rank` (default: this one) works
@@ -84,7 +89,12 @@ class Layout:
     def prepares(self, i: int) -> bool:
         """Whether this rank prepares item i of a step's prompts: the TP group that generates it
         (group_rollouts)."""
-        owner = i % self.dp_size * self.sp_size + i // self.dp_size % self.sp_size  # part's inverse
+        group = i % self.dp_size  # part's inverse: the SP group, then the engine in it
+        at = i // self.dp_size  # the item's place in its group's list
+        if 1 < self.tp < self.sp_size:
+            engines = self.sp_size // self.tp
+            return group * engines + at % engines == self.rank // self.tp
+        owner = group * self.sp_size + at % self.sp_size
         return owner // self.tp == self.rank // self.tp
 
     def dedup(self, parts: list) -> list:

@@ -674,10 +674,10 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     assert list(big.host.values())[4] == 4 * frames * 9  # min(32 a round, 8 held-out / 2 engines)
     decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
     assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
-    # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them to ranks 0 and 1, one engine prepares both
+    # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them over the two engines, one each
     two = dataclasses.replace(cfg, prompts_per_step=2, sp_size=4, rollout_tp=2)
-    uneven = memory_plan.plan(two, spec, meas, 4, 80 * GIB, True, prompt, patches, 4, 1024 * GIB)
-    assert list(uneven.host.values())[0] == 2 * frames
+    even = memory_plan.plan(two, spec, meas, 4, 80 * GIB, True, prompt, patches, 4, 1024 * GIB)
+    assert list(even.host.values())[0] == frames
     assert memory_plan.plan(dataclasses.replace(cfg, rollout_tp=3), *args).verdict.startswith(
         "CANNOT RUN: rollout_tp 3 must divide the 8 GPUs"
     )

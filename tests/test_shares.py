@@ -29,7 +29,8 @@ CASES = [
 def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
     """The ranks' parts partition the step's prompts; an SP group's parts (what group_rollouts joins) are exactly
     prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and the rank
-    that prepares a prompt (data.next_valid) is in the TP group that generates it."""
+    that prepares a prompt (data.next_valid) is in the TP group that generates it; the engines of an SP group get
+    even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
     items = list(range(prompts))
     ranks = layouts(world, sp_size, tp)
     parts = [ranks[0].part(items, r) for r in range(world)]
@@ -43,6 +44,13 @@ def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
         assert tp_share.own() == parts[layout.rank]
         assert set(share) <= set(group) or sp_size == 1
         assert [i for i in items if layout.prepares(i)] == sorted(share)
+    # inside an SP group, every engine generates its share: the loads differ by at most one prompt
+    if sp_size > 1:
+        for first in range(0, world, sp_size):
+            loads = [
+                len(ranks[q].share(items, tp).items) for q in range(first, first + sp_size, tp)
+            ]
+            assert max(loads) - min(loads) <= 1
 
 
 def test_sp_size_1_deals_as_before():
