@@ -65,6 +65,7 @@ RUNS = {  # name -> (sp_size, rollout_tp, prompts_per_step) on 4 ranks
     "sp2_p4": (2, 1, 4),
     "sp2_p6": (2, 1, 6),
     "sp4_tp2": (4, 2, 4),
+    "sp4_tp2_p2": (4, 2, 2),  # one prompt for each engine
 }
 
 
@@ -94,7 +95,7 @@ def four_rank_runs(tmp_path_factory, tiny_model, color_data) -> dict:
 def test_four_ranks_one_round_per_step(name, four_rank_runs):
     """4 ranks, sp 2 with 2, 4 and 6 prompts per step (1, 2, 3 per SP group: before, 2 crashed at step 1 and 6 took
     two generation rounds, 12 prompts generated for 6 trained), and sp 4 with rollout_tp 2 (two engines, each inside
-    the SP group): every step is one generation round and trains every prompt it generated."""
+    the SP group; with 2 prompts, one each): every step is one generation round and trains every prompt it generated."""
     import json
 
     folder, log = four_rank_runs[name]
