@@ -178,6 +178,10 @@ class Config(Media):
     # --- memory
     freeze_vision: bool = False
     """no gradient into the vision tower: its features, once per step, serve all passes"""
+    vllm_embeds: bool = False
+    """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
+    sample, kept for logp_pass) and loads no vision tower (Qwen3-VL: loaded, never run); sp_size 1,
+    rollout_tp 1"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
@@ -275,6 +279,12 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0")
     if cfg.rollout == "hf" and cfg.rollout_tp > 1:
         bad.append("rollout_tp > 1 needs rollout vllm")
+    if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
+        bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
+    if cfg.vllm_embeds and (cfg.sp_size > 1 or cfg.rollout_tp > 1):
+        # SP: a rank holds its run of a prompt's features; TP: each rank of a group needs all of its
+        # prompts' features (not gathered yet)
+        bad.append("vllm_embeds needs sp_size 1 and rollout_tp 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
     if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
@@ -1103,6 +1113,18 @@ def load_model(cfg: Config, device):
     return model
 
 
+class StepFeatures(sp.FeatureCache):
+    """vllm_embeds: the features of the prompts vLLM generated from, kept per Prompt object (a
+    held-out and a training sample may share an id) from generation to logp_pass, which empties it:
+    a step's prompts (its dropped groups' too), none dropped for size."""
+
+    def __init__(self):
+        super().__init__(max_bytes=2**62)
+
+    def key(self, p, kind: str, grid: str) -> tuple:
+        return (id(p), kind)
+
+
 @dataclass
 class Trainer:
     """The training side of a run (build_trainer): policy, reference, optimizer, ranks."""
@@ -1116,6 +1138,9 @@ class Trainer:
     device: torch.device
     # the reference tower's features per sample (it is frozen: they never change)
     ref_features: sp.FeatureCache = field(default_factory=sp.FeatureCache)
+    # vllm_embeds: the frozen tower's features that vLLM generated from, until logp_pass reads them
+    step_features: StepFeatures = field(default_factory=StepFeatures)
+    sampled_encodes: int = 0  # frozen_features' tower runs that logp_pass has not counted yet
 
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
@@ -1132,6 +1157,23 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     return Trainer(model, ref, opt, banned, layout, dummies, device)
 
 
+def frozen_features(t: Trainer, prompts: list) -> list[dict]:
+    """vllm_embeds' encoder: each prompt's features (modality -> its items' features, on the host)
+    from the frozen tower, kept in t.step_features for logp_pass; the tower runs on the prompts not
+    kept yet (FSDP2: a collective), counted in the next logp_pass (held-out prompts' too)."""
+    with torch.no_grad():
+        vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+    t.sampled_encodes += vision.encodes
+    out = [{} for _ in prompts]
+    for kind, pixels, grid in sp.MEDIA:
+        for p, kept in zip(prompts, out):
+            if pixels in p.mm:  # sp_size 1: the prompt's features one after another from its span
+                start = vision.kinds[kind].spans[id(p)]
+                count = sp.run_features(t.model, p, grid, 1)[-1]
+                kept[kind] = vision.kinds[kind].local[start : start + count].cpu()
+    return out
+
+
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
@@ -1139,6 +1181,9 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
     every = samples["train"] + samples["val"]
     images = [len(s.get("images", [])) for s in every]
     videos = [len(s.get("videos", [])) for s in every]
+    encoder = None  # vLLM encodes the pixels
+    if cfg.vllm_embeds:
+        encoder = functools.partial(frozen_features, t)
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
     engine = VLLMEngine(
         cfg.model,
@@ -1152,6 +1197,7 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
         trust_remote_code=cfg.trust_remote_code,
         max_images=max(images + [1]),
         max_videos=max(videos + [1]),
+        encoder=encoder,
     )
     engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
     return engine
@@ -1254,8 +1300,14 @@ def logp_pass(
     prompts = [r.prompt for r in rollouts]
     policy = None
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout, counts)
+    counts.encodes += t.sampled_encodes  # vllm_embeds: the step's encodes for generation
+    t.sampled_encodes = 0
     with torch.no_grad():
-        if need_old or not trains:
+        if cfg.vllm_embeds:  # the features vLLM generated from
+            policy = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+            counts.encodes += policy.encodes
+            t.step_features = StepFeatures()
+        elif need_old or not trains:
             policy = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
             counts.encodes += policy.encodes
         ref = policy
