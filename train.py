@@ -1164,13 +1164,13 @@ def frozen_features(t: Trainer, prompts: list) -> list[dict]:
     with torch.no_grad():
         vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
     t.sampled_encodes += vision.encodes
-    out = [{} for _ in prompts]
-    for kind, pixels, grid in sp.MEDIA:
-        for p, kept in zip(prompts, out):
-            if pixels in p.mm:  # sp_size 1: the prompt's features one after another from its span
-                start = vision.kinds[kind].spans[id(p)]
-                count = sp.run_features(t.model, p, grid, 1)[-1]
-                kept[kind] = vision.kinds[kind].local[start : start + count].cpu()
+    out = []
+    for p in prompts:
+        kept = {}  # sp_size 1: the host copy of all of the prompt's features of the modality
+        for kind, pixels, grid in sp.MEDIA:
+            if pixels in p.mm:
+                kept[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
+        out.append(kept)
     return out
 
 
