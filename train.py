@@ -283,7 +283,7 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
     if cfg.vllm_embeds and (cfg.sp_size > 1 or cfg.rollout_tp > 1):
         # SP: a rank holds its run of a prompt's features; TP: each rank of a group needs all of its
-        # prompts' features (not gathered yet)
+        # prompts' features (not gathered: each rank would encode every prompt of its group)
         bad.append("vllm_embeds needs sp_size 1 and rollout_tp 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
