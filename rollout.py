@@ -291,7 +291,8 @@ class VLLMEngine:
                 enable_mm_embeds=embeds,
             )
         # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text)
-        self.timestamps = self.llm.llm_engine.model_config.hf_config.model_type == "qwen3_vl"
+        model_type = self.llm.llm_engine.model_config.hf_config.model_type
+        self.timestamps = model_type.startswith("qwen3_vl")  # and Qwen3-VL-MoE's
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
@@ -417,6 +418,7 @@ class HFEngine:
         self.eos_ids = eos_ids
         self.dummies = dummies
         self.banned = vision_token_ids(tokenizer)
+        self.encoder = None  # the model encodes the pixels (VLLMEngine's: the trainer's features)
 
     def config(self, temperature: float, max_tokens: int):
         """transformers' generation settings: as vLLM samples (no top-p/top-k), greedy at

@@ -990,6 +990,8 @@ def sample_batch(
     groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
     n = cfg.group_size
     need = cfg.prompts_per_step // layout.dp_size
+    if engine.encoder is not None:  # vllm_embeds
+        engine.encoder.new_step()
     kept = []  # groups with spread (all of them without dynamic sampling)
     dropped = []  # groups without: the refill
     skips = []
@@ -1115,11 +1117,8 @@ def load_model(cfg: Config, device):
 
 class StepFeatures(sp.FeatureCache):
     """vllm_embeds: the features of the prompts vLLM generated from, kept per Prompt object (a
-    held-out and a training sample may share an id) from generation to logp_pass, which empties it:
-    a step's prompts (its dropped groups' too), none dropped for size."""
-
-    def __init__(self):
-        super().__init__(max_bytes=2**62)
+    held-out and a training sample may share an id) from generation to logp_pass, which empties it
+    (the oldest dropped over 8 GiB: logp_pass encodes them again)."""
 
     def key(self, p, kind: str, grid: str) -> tuple:
         return (id(p), kind)
@@ -1157,21 +1156,32 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     return Trainer(model, ref, opt, banned, layout, dummies, device)
 
 
-def frozen_features(t: Trainer, prompts: list) -> list[dict]:
-    """vllm_embeds' encoder: each prompt's features (modality -> its items' features, on the host)
-    from the frozen tower, kept in t.step_features for logp_pass; the tower runs on the prompts not
-    kept yet (FSDP2: a collective), counted in the next logp_pass (held-out prompts' too)."""
-    with torch.no_grad():
-        vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
-    t.sampled_encodes += vision.encodes
-    out = []
-    for p in prompts:
-        kept = {}  # sp_size 1: the host copy of all of the prompt's features of the modality
+class FrozenEncoder:
+    """vllm_embeds' encoder (VLLMEngine's): each prompt's features (modality -> its items'
+    features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
+    runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass."""
+
+    def __init__(self, t: Trainer):
+        self.t = t
+
+    def __call__(self, prompts: list) -> list[dict]:
+        t = self.t
+        with torch.no_grad():
+            vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+        t.sampled_encodes += vision.encodes
+        out = [{} for _ in prompts]
         for kind, pixels, grid in sp.MEDIA:
-            if pixels in p.mm:
-                kept[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
-        out.append(kept)
-    return out
+            for p, kept in zip(prompts, out):
+                if pixels in p.mm:  # sp_size 1: the prompt's features one after another
+                    start = vision.kinds[kind].spans[id(p)]
+                    count = sp.run_features(t.model, p, grid, 1)[-1]
+                    kept[kind] = vision.kinds[kind].local[start : start + count].cpu()
+        return out
+
+    def new_step(self):
+        """Drops what the held-out evaluation's generation kept, uncounted (not the step's)."""
+        self.t.step_features = StepFeatures()
+        self.t.sampled_encodes = 0
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
@@ -1183,7 +1193,7 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
     videos = [len(s.get("videos", [])) for s in every]
     encoder = None  # vLLM encodes the pixels
     if cfg.vllm_embeds:
-        encoder = functools.partial(frozen_features, t)
+        encoder = FrozenEncoder(t)
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
     engine = VLLMEngine(
         cfg.model,
