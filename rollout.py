@@ -237,7 +237,7 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         encoder=None,
     ):
-        # encoder (train.frozen_features; prompts -> each one's features, modality -> tensor):
+        # encoder (train.FrozenEncoder; prompts -> each one's features, modality -> tensor):
         # vLLM generates from the trainer's vision features, not pixels; it runs no vision tower,
         # and loads none (every limit_mm_per_prompt 0 with enable_mm_embeds: a missing layer)
         # except where it would drop features (keeps_tower)

@@ -180,8 +180,8 @@ class Config(Media):
     """no gradient into the vision tower: its features, once per step, serve all passes"""
     vllm_embeds: bool = False
     """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
-    sample, kept for logp_pass) and loads no vision tower (Qwen3-VL: loaded, never run); sp_size 1,
-    rollout_tp 1"""
+    prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
+    run); sp_size 1, rollout_tp 1"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
