@@ -1116,12 +1116,13 @@ def load_model(cfg: Config, device):
 
 
 class StepFeatures(sp.FeatureCache):
-    """vllm_embeds: the features of the prompts vLLM generated from, kept per Prompt object (a
-    held-out and a training sample may share an id) from generation to logp_pass, which empties it
-    (the oldest dropped over 8 GiB: logp_pass encodes them again)."""
+    """vllm_embeds: the features of the prompts vLLM generated from, from generation to logp_pass,
+    which empties it (the oldest dropped over 8 GiB: logp_pass encodes them again), kept per Prompt
+    object: a held-out and a training sample may share an id and grid, not their frames. The id of
+    a freed prompt (held-out rounds) can come back only as the same sample's, prepared alike."""
 
     def key(self, p, kind: str, grid: str) -> tuple:
-        return (id(p), kind)
+        return (id(p), *super().key(p, kind, grid))
 
 
 @dataclass
@@ -1139,7 +1140,7 @@ class Trainer:
     ref_features: sp.FeatureCache = field(default_factory=sp.FeatureCache)
     # vllm_embeds: the frozen tower's features that vLLM generated from, until logp_pass reads them
     step_features: StepFeatures = field(default_factory=StepFeatures)
-    sampled_encodes: int = 0  # frozen_features' tower runs that logp_pass has not counted yet
+    sampled_encodes: int = 0  # FrozenEncoder's tower runs that logp_pass has not counted yet
 
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
