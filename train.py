@@ -181,7 +181,7 @@ class Config(Media):
     vllm_embeds: bool = False
     """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
-    run); sp_size 1, rollout_tp 1"""
+    run); sp_size 1 (rollout_tp > 1: a TP group gathers its ranks' features)"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
@@ -281,10 +281,9 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("rollout_tp > 1 needs rollout vllm")
     if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
         bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
-    if cfg.vllm_embeds and (cfg.sp_size > 1 or cfg.rollout_tp > 1):
-        # SP: a rank holds its run of a prompt's features; TP: each rank of a group needs all of its
-        # prompts' features (not gathered: each rank would encode every prompt of its group)
-        bad.append("vllm_embeds needs sp_size 1 and rollout_tp 1 (whole-prompt features per rank)")
+    if cfg.vllm_embeds and cfg.sp_size > 1:
+        # a rank holds its run of each prompt's features, vLLM needs whole prompts' (not gathered)
+        bad.append("vllm_embeds needs sp_size 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
     if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
@@ -1160,12 +1159,32 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
 class FrozenEncoder:
     """vllm_embeds' encoder (VLLMEngine's): each prompt's features (modality -> its items'
     features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
-    runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass."""
+    runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass.
+    rollout_tp > 1: a TP group's ranks pass the same prompts; each encodes its own consecutive part
+    (the rank's own share of a step's prompts: what its logp_pass reads) and the group gathers."""
 
     def __init__(self, t: Trainer):
         self.t = t
+        self.group = None  # the TP group's gloo group (rollout_tp > 1)
+        tp = t.layout.tp
+        for first in range(0, t.layout.world if tp > 1 else 0, tp):  # every rank makes every group
+            group = dist.new_group(list(range(first, first + tp)), backend="gloo")
+            if first == t.layout.rank - t.layout.rank % tp:
+                self.group = group
 
     def __call__(self, prompts: list) -> list[dict]:
+        tp = self.t.layout.tp
+        size = -(-len(prompts) // tp)
+        start = self.t.layout.rank % tp * size
+        mine = self.encode(prompts[start : start + size])
+        if self.group is None:
+            return mine
+        parts = [None] * tp
+        dist.all_gather_object(parts, mine, group=self.group)
+        return [features for part in parts for features in part]
+
+    def encode(self, prompts: list) -> list[dict]:
+        """The features of `prompts`, each one's whole (sp_size 1)."""
         t = self.t
         with torch.no_grad():
             vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
@@ -1173,7 +1192,7 @@ class FrozenEncoder:
         out = [{} for _ in prompts]
         for kind, pixels, grid in sp.MEDIA:
             for p, kept in zip(prompts, out):
-                if pixels in p.mm:  # sp_size 1: the prompt's features one after another
+                if pixels in p.mm:  # the prompt's features one after another
                     start = vision.kinds[kind].spans[id(p)]
                     count = sp.run_features(t.model, p, grid, 1)[-1]
                     kept[kind] = vision.kinds[kind].local[start : start + count].cpu()
