@@ -422,8 +422,13 @@ def hf_metadata(meta: dict) -> dict:
     return {k: meta[k] for k in keys if k in meta}
 
 
-def vllm_input(p: Prompt) -> dict:
-    """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again."""
+def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False) -> dict:
+    """vLLM's request: unexpanded text, the trainer's very frames, metadata saying not to sample frames again.
+    features (modality -> this prompt's encoder output, its items one after another): the features instead of the
+    pixels, with the grids (Qwen2.5-VL: second_per_grid_ts; timestamps, Qwen3-VL: each frame pair's time, which sizes
+    its "<t seconds>" text), for an engine that loads no vision tower (enable_mm_embeds)."""
+    if features is not None:
+        return {"prompt": p.text, "multi_modal_data": embeds_input(p, features, timestamps)}
     media = {
         "video": [
             (frames, {**hf_metadata(meta), "do_sample_frames": False}) for frames, meta in p.videos
@@ -437,6 +442,31 @@ def vllm_input(p: Prompt) -> dict:
         "multi_modal_data": mm,
         "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False},
     }
+
+
+def embeds_input(p: Prompt, features: dict, timestamps: bool) -> dict:
+    """vllm_input's multi_modal_data from features: per modality one dict of all its items (vLLM splits the
+    features by the grids)."""
+    mm = {}
+    for kind, feats in features.items():
+        mm[kind] = {f"{kind}_embeds": feats, f"{kind}_grid_thw": p.mm[f"{kind}_grid_thw"]}
+    if "video" in mm and "second_per_grid_ts" in p.mm:
+        mm["video"]["second_per_grid_ts"] = p.mm["second_per_grid_ts"]
+    if "video" in mm and timestamps:
+        mm["video"]["timestamps"] = [
+            pair_times(meta, t) for (_, meta), t in zip(p.videos, p.mm["video_grid_thw"][:, 0])
+        ]
+    return mm
+
+
+def pair_times(meta: dict, pairs: int) -> list[float]:
+    """Qwen3-VL's time of each of a video's `pairs` temporal patches: the mean of its first and last frame's
+    (vLLM's and transformers' rule; a last patch short of frames repeats the last frame)."""
+    indices = list(meta["frames_indices"])
+    size = -(-len(indices) // pairs)  # frames per temporal patch
+    indices += indices[-1:] * (size * pairs - len(indices))
+    seconds = [i / meta["fps"] for i in indices]
+    return [(seconds[i] + seconds[i + size - 1]) / 2 for i in range(0, len(seconds), size)]
 
 
 # The training stream, and bad samples met during training: reported and replaced, every rank in lockstep

@@ -206,6 +206,17 @@ def start_errors(max_model_len: int):
         ) from None
 
 
+def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
+    """Whether an engine fed features must still load the vision tower: vLLM 0.32 turns Qwen3-VL's
+    deepstack off when the tower is a missing layer (qwen3_vl.py, Qwen3VLForConditionalGeneration
+    __init__: use_deepstack ... `not isinstance(self.visual, StageMissingLayer)`), dropping the
+    deepstack features it is given. Kept, it never runs (features in, no pixels)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return hasattr(config.vision_config, "deepstack_visual_indexes")
+
+
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only
     engine hangs). tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp
@@ -224,13 +235,20 @@ class VLLMEngine:
         max_images: int = 4,
         max_videos: int = 1,
         trust_remote_code: bool = False,
+        encoder=None,
     ):
+        # encoder (train.FrozenEncoder; prompts -> each one's features, modality -> tensor):
+        # vLLM generates from the trainer's vision features, not pixels; it runs no vision tower,
+        # and loads none (every limit_mm_per_prompt 0 with enable_mm_embeds: a missing layer)
+        # except where it would drop features (keeps_tower)
         # in-process: we must reach the model
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.tp = tp
+        self.encoder = encoder
+        embeds = encoder is not None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.external = dist.is_initialized()  # the process group is the trainer's, not vLLM's
         # sleep mode only exists on CUDA; on CPU vLLM refuses the flag outright
@@ -258,6 +276,8 @@ class VLLMEngine:
                 max_videos=max_videos,
                 trust_remote_code=trust_remote_code,
             )
+            if embeds and not keeps_tower(model_dir, trust_remote_code):
+                settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             self.llm = LLM(
                 **settings,
                 enable_sleep_mode=self.can_sleep,
@@ -268,7 +288,11 @@ class VLLMEngine:
                 # block (vLLM splits the weights where a model cannot); one video stays on one rank
                 mm_encoder_tp_mode="data" if tp > 1 else "weights",
                 distributed_executor_backend=backend,
+                enable_mm_embeds=embeds,
             )
+        # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text)
+        model_type = self.llm.llm_engine.model_config.hf_config.model_type
+        self.timestamps = model_type.startswith("qwen3_vl")  # and Qwen3-VL-MoE's
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
@@ -294,8 +318,12 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
+        inputs = [vllm_input(p) for p in prompts]
+        if self.encoder is not None:  # every rank of an FSDP run calls it as often (collective)
+            features = self.encoder(prompts)
+            inputs = [vllm_input(p, f, self.timestamps) for p, f in zip(prompts, features)]
         try:
-            outs = self.llm.generate([vllm_input(p) for p in prompts], sp, use_tqdm=False)
+            outs = self.llm.generate(inputs, sp, use_tqdm=False)
         except Exception as e:  # re-raised with the sample ids, never swallowed
             raise failed(prompts, e) from e
         rollouts = []
@@ -323,7 +351,10 @@ class VLLMEngine:
         derived from the old weights."""
         # the weights only: they are overwritten before the KV cache is needed
         self.wake(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
+        weights = hf_weights(model)
+        if self.encoder is not None:  # the trainer's tower is frozen: vLLM has its weights or none
+            weights = without_tower(weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
@@ -357,6 +388,13 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
 
+def without_tower(weights):
+    """hf_weights' stream without the vision tower's tensors (still gathered: a collective)."""
+    for name, tensor in weights:
+        if ".visual." not in f".{name}":
+            yield name, tensor
+
+
 def response_length(row: list[int], eos_ids: list[int]) -> int:
     """The tokens of a generated row up to its first EOS, included (generate pads the rows that
     stopped)."""
@@ -380,6 +418,7 @@ class HFEngine:
         self.eos_ids = eos_ids
         self.dummies = dummies
         self.banned = vision_token_ids(tokenizer)
+        self.encoder = None  # the model encodes the pixels (VLLMEngine's: the trainer's features)
 
     def config(self, temperature: float, max_tokens: int):
         """transformers' generation settings: as vLLM samples (no top-p/top-k), greedy at

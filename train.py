@@ -178,6 +178,10 @@ class Config(Media):
     # --- memory
     freeze_vision: bool = False
     """no gradient into the vision tower: its features, once per step, serve all passes"""
+    vllm_embeds: bool = False
+    """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
+    prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
+    run); sp_size 1 (rollout_tp > 1: a TP group gathers its ranks' features)"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
@@ -275,6 +279,11 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0")
     if cfg.rollout == "hf" and cfg.rollout_tp > 1:
         bad.append("rollout_tp > 1 needs rollout vllm")
+    if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
+        bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
+    if cfg.vllm_embeds and cfg.sp_size > 1:
+        # a rank holds its run of each prompt's features, vLLM needs whole prompts' (not gathered)
+        bad.append("vllm_embeds needs sp_size 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
     if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
@@ -980,6 +989,8 @@ def sample_batch(
     groups without spread and repeats until all ranks are full or max_gen_rounds, then refills."""
     n = cfg.group_size
     need = cfg.prompts_per_step // layout.dp_size
+    if engine.encoder is not None:  # vllm_embeds
+        engine.encoder.new_step()
     kept = []  # groups with spread (all of them without dynamic sampling)
     dropped = []  # groups without: the refill
     skips = []
@@ -1106,6 +1117,16 @@ def load_model(cfg: Config, device):
     return model
 
 
+class StepFeatures(sp.FeatureCache):
+    """vllm_embeds: the features of the prompts vLLM generated from, from generation to logp_pass,
+    which empties it (the oldest dropped over 8 GiB: logp_pass encodes them again), kept per Prompt
+    object: a held-out and a training sample may share an id and grid, not their frames. The id of
+    a freed prompt (held-out rounds) can come back only as the same sample's, prepared alike."""
+
+    def key(self, p, kind: str, grid: str) -> tuple:
+        return (id(p), *super().key(p, kind, grid))
+
+
 @dataclass
 class Trainer:
     """The training side of a run (build_trainer): policy, reference, optimizer, ranks."""
@@ -1119,6 +1140,9 @@ class Trainer:
     device: torch.device
     # the reference tower's features per sample (it is frozen: they never change)
     ref_features: sp.FeatureCache = field(default_factory=sp.FeatureCache)
+    # vllm_embeds: the frozen tower's features that vLLM generated from, until logp_pass reads them
+    step_features: StepFeatures = field(default_factory=StepFeatures)
+    sampled_encodes: int = 0  # FrozenEncoder's tower runs that logp_pass has not counted yet
 
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
@@ -1135,6 +1159,54 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     return Trainer(model, ref, opt, banned, layout, dummies, device)
 
 
+class FrozenEncoder:
+    """vllm_embeds' encoder (VLLMEngine's): each prompt's features (modality -> its items'
+    features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
+    runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass.
+    rollout_tp > 1: a TP group's ranks pass the same prompts; each encodes its own consecutive part
+    (the rank's own share of a step's prompts: what its logp_pass reads) and the group gathers."""
+
+    def __init__(self, t: Trainer):
+        self.t = t
+        self.group = None  # the TP group's gloo group (rollout_tp > 1)
+        tp = t.layout.tp
+        for first in range(0, t.layout.world if tp > 1 else 0, tp):  # every rank makes every group
+            group = dist.new_group(list(range(first, first + tp)), backend="gloo")
+            if first == t.layout.rank - t.layout.rank % tp:
+                self.group = group
+
+    def __call__(self, prompts: list) -> list[dict]:
+        tp = self.t.layout.tp
+        size = -(-len(prompts) // tp)
+        start = self.t.layout.rank % tp * size
+        mine = self.encode(prompts[start : start + size])
+        if self.group is None:
+            return mine
+        parts = [None] * tp
+        dist.all_gather_object(parts, mine, group=self.group)
+        return [features for part in parts for features in part]
+
+    def encode(self, prompts: list) -> list[dict]:
+        """The features of `prompts`, each one's whole (sp_size 1)."""
+        t = self.t
+        with torch.no_grad():
+            vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+        t.sampled_encodes += vision.encodes
+        out = [{} for _ in prompts]
+        for kind, pixels, grid in sp.MEDIA:
+            for p, kept in zip(prompts, out):
+                if pixels in p.mm:  # the prompt's features one after another
+                    start = vision.kinds[kind].spans[id(p)]
+                    count = sp.run_features(t.model, p, grid, 1)[-1]
+                    kept[kind] = vision.kinds[kind].local[start : start + count].cpu()
+        return out
+
+    def new_step(self):
+        """Drops what the held-out evaluation's generation kept, uncounted (not the step's)."""
+        self.t.step_features = StepFeatures()
+        self.t.sampled_encodes = 0
+
+
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
     if cfg.rollout == "hf":
@@ -1142,6 +1214,9 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
     every = samples["train"] + samples["val"]
     images = [len(s.get("images", [])) for s in every]
     videos = [len(s.get("videos", [])) for s in every]
+    encoder = None  # vLLM encodes the pixels
+    if cfg.vllm_embeds:
+        encoder = FrozenEncoder(t)
     # the trainer's compute dtype: vLLM's "auto" would downcast an fp32 checkpoint to bf16 on CPU
     engine = VLLMEngine(
         cfg.model,
@@ -1155,6 +1230,7 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
         trust_remote_code=cfg.trust_remote_code,
         max_images=max(images + [1]),
         max_videos=max(videos + [1]),
+        encoder=encoder,
     )
     engine.sync(t.model)  # from the first step on, the engine and the trainer hold the same weights
     return engine
@@ -1268,8 +1344,14 @@ def logp_pass(
     prompts = [r.prompt for r in rollouts]
     policy = None
     logp_args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout, counts)
+    counts.encodes += t.sampled_encodes  # vllm_embeds: the step's encodes for generation
+    t.sampled_encodes = 0
     with torch.no_grad():
-        if need_old or not trains:
+        if cfg.vllm_embeds:  # the features vLLM generated from
+            policy = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+            counts.encodes += policy.encodes
+            t.step_features = StepFeatures()
+        elif need_old or not trains:
             policy = sp.encode_vision(t.model, prompts, t.device, t.layout, t.dummies)
             counts.encodes += policy.encodes
         ref = policy
