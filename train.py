@@ -1294,6 +1294,12 @@ def eval_row(sample: dict, prompt: str, response: str) -> dict:
     }
 
 
+def held_out_count(val: list[dict], skipped: list[dict]) -> int:
+    """The held-out samples that prepare (the same on every rank): all but those a skip report names."""
+    invalid = {report["where"] for report in skipped} & {s["id"] for s in val}
+    return len(val) - len(invalid)
+
+
 def held_out_accuracy(
     engine, samples: list, prep, cfg: Config, layout: sp.Layout, skipped: list, step: int = 0
 ) -> float:
@@ -1582,9 +1588,7 @@ def main(cfg: Config):
         print0(f"resumed from {ckpt_path} (step {state['step']})")
     elif samples["val"]:
         acc_before = held_out_accuracy(engine, samples["val"], val_prep, cfg, layout, skipped)
-    val_ids = {s["id"] for s in samples["val"]}
-    invalid = {report["where"] for report in skipped} & val_ids
-    n_val = len(samples["val"]) - len(invalid)  # those that prepare, on every rank
+    n_val = held_out_count(samples["val"], skipped)
     print0(
         f"step 0 | held-out accuracy {acc_before:.3f} | {len(samples['train'])} train, {n_val} val, "
         f"{len(skipped)} skipped | world {world}, sp_size {cfg.sp_size} | rollout {cfg.rollout} tp={cfg.rollout_tp}"
