@@ -1119,12 +1119,12 @@ def load_model(cfg: Config, device):
 
 class StepFeatures(sp.FeatureCache):
     """vllm_embeds: the features of the prompts vLLM generated from, from generation to logp_pass,
-    which empties it (the oldest dropped over 8 GiB: logp_pass encodes them again), kept per Prompt
-    object: a held-out and a training sample may share an id and grid, not their frames. The id of
-    a freed prompt (held-out rounds) can come back only as the same sample's, prepared alike."""
+    which empties it (the oldest dropped over 8 GiB: logp_pass encodes them again), kept per
+    prompt's processor outputs (Prompt.mm: a held-out and a training sample may share an id and
+    grid, not their pixels; the frameless copy sample_batch makes after generation shares them)."""
 
     def key(self, p, kind: str, grid: str) -> tuple:
-        return (id(p), *super().key(p, kind, grid))
+        return (id(p.mm), *super().key(p, kind, grid))
 
 
 @dataclass
