@@ -172,10 +172,11 @@ def test_check_config_refuses_what_embeds_cannot_do():
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,tp", [(1, 1), (2, 2)])
 def test_two_step_train_on_features(tmp_path, ranks, tp):
-    """vLLM on features, 1 process, and 2 FSDP ranks in one TP group (each encodes its own prompts, the group
-    gathers; 2 ranks with an engine each were checked once and left out for the suite's time): 2 steps train, the sampler's log-probs are the trainer's, and each step's media go through the
-    tower once: 4 prompts, one video each (2 ranks: 2 a rank + the image dummy each, FSDP2's alignment); the
-    held-out evaluation's encodes (step 0's) are not a step's."""
+    """vLLM on features, 1 process, and 2 FSDP ranks in one TP group (each encodes its own prompts,
+    the group gathers; 2 ranks with an engine each were checked once and left out for the suite's
+    time): 2 steps train, the sampler's log-probs are the trainer's, and each step's media go through
+    the tower once: 4 prompts, one video each (2 ranks: 2 a rank + the image dummy each, FSDP2's
+    alignment); the held-out evaluation's encodes (step 0's) are not a step's."""
     out = tmp_path / "run"
     embeds = ["--freeze-vision", "--vllm-embeds", "--rollout-tp", str(tp)]
     cmd = train_cmd(tiny_model_dir(), color_data_dir(), out, *embeds)
