@@ -377,6 +377,9 @@ def tower_trains(model) -> bool:
     return any(p.requires_grad for p in base_model(model).model.visual.parameters())
 
 
+FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
+
+
 class FeatureCache:
     """A frozen tower's features per sample (the reference's: they never change), this rank's run
     of each prompt's, in host memory, at most max_bytes (the oldest dropped first, encoded again
@@ -384,7 +387,7 @@ class FeatureCache:
     rank has a sample to encode, every rank runs the tower (a rank with none: its dummies, else its
     prompts again)."""
 
-    def __init__(self, max_bytes: int = 8 * 2**30):
+    def __init__(self, max_bytes: int = FEATURE_CACHE_BYTES):
         self.max_bytes = max_bytes
         self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
         self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class

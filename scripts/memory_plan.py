@@ -143,7 +143,7 @@ def host_plan(
     frames it is given), the SP runs of its group's prompts, the offloaded states (pinned); between steps, a round of
     held-out prompts (train.held_out_accuracy: as many as a training round, as uint8 frames and fp32 pixels twice, the
     step's prompts freed); and, alone at the start, the fp32 model from_pretrained builds on the host."""
-    from sp import Layout
+    from sp import FEATURE_CACHE_BYTES, Layout
 
     vision = spec["vision_config"]
     voxel = 3 * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2  # values per patch
@@ -157,6 +157,8 @@ def host_plan(
     )
     val = min(-(-cfg.prompts_per_step // max(1, gpus // tp)), held_out)  # held_out_accuracy's round
     total = meas["params"]["total"]
+    # the reference tower's features kept per sample (sp.FeatureCache, bf16 on GPU): up to its bound
+    kept_reference = cfg.kl_coef > 0 and not cfg.freeze_vision
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
         f"pixels ({mine} prompts, fp32: the trainer's and vLLM's)": 2 * mine * frames * 4,
@@ -169,6 +171,8 @@ def host_plan(
         f"held-out prompts ({val} a round, between steps: frames and pixels as above)": val
         * frames
         * 9,
+        "reference features (sp.FeatureCache: every sample's, up to its bound)": FEATURE_CACHE_BYTES
+        * kept_reference,
         "loading (the fp32 model on the host, alone, at the start)": 4 * total,
     }
 
@@ -296,10 +300,19 @@ def plan(
     tower = (
         meas["params"]["vision"] * (tp - 1) / tp
     )  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
+    language = total
+    # vllm_embeds: vLLM generates from the trainer's features and builds no tower (Qwen3-VL keeps
+    # it for deepstack, never running it but in its start-up profile: rollout.keeps_tower)
+    no_tower = cfg.vllm_embeds and "deepstack_visual_indexes" not in vision
+    if no_tower:
+        tower = 0
+        language = total - meas["params"]["vision"]
     vllm_parts = {  # holds the whole tower and encodes whole videos (one video is not split over the ranks)
-        f"weights (bf16, / rollout_tp {tp}; the vision tower whole)": 2 * (total / tp + tower),
+        f"weights (bf16, / rollout_tp {tp}; the vision tower whole)": 2 * (language / tp + tower),
         f"KV cache ({kv_tokens} tokens)": kv_tokens * kv_bytes,
-        f"encoding one video ({patches} patches, no grad)": patches * meas["vision"]["encode"],
+        f"encoding one video ({patches} patches, no grad)": patches
+        * meas["vision"]["encode"]
+        * (not no_tower),
     }
     vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
     generation = weights + 2 * states + vllm  # weights, AdamW; gradients are freed after each step

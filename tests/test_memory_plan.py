@@ -776,3 +776,35 @@ def test_plan_predicts_the_tiny_model_peak(setting, worker_peaks):
     # within 20% in isolation (0.92 / 0.82-0.88 / 1.00); one full-suite run measured 0.74 for checkpointing: the
     # peak RSS of a ~100 MB phase moves with the allocator, so the bound that cannot flake in CI is 30%
     assert predicted == pytest.approx(got["peak"], rel=0.3), (p.held, p.transient, got)
+
+
+def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
+    """The reference tower's features kept per sample (sp.FeatureCache) are host memory up to its bound, with
+    kl_coef and a trained tower (none with freeze_vision: the reference's features are the policy's); vllm_embeds
+    builds no tower in vLLM (its weights and its encode gone) for Qwen2.5-VL, while Qwen3-VL keeps its tower."""
+    import sp
+
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    cfg = dataclasses.replace(train.load_config(["--config", *LONG]), kl_coef=0.01)
+    spec, meas = memory_plan.stored(cfg.model, "bfloat16")
+    prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
+    args = (spec, meas, 8, 80 * GIB, True, prompt, patches, 8, 1024 * GIB)
+    key = "reference features (sp.FeatureCache: every sample's, up to its bound)"
+    with_ref = memory_plan.plan(cfg, *args)
+    assert with_ref.host[key] == sp.FEATURE_CACHE_BYTES
+    frozen = memory_plan.plan(dataclasses.replace(cfg, freeze_vision=True), *args)
+    assert frozen.host[key] == 0
+    assert with_ref.host_rank - frozen.host_rank == sp.FEATURE_CACHE_BYTES
+    embeds = memory_plan.plan(dataclasses.replace(cfg, freeze_vision=True, vllm_embeds=True), *args)
+    tp = cfg.rollout_tp
+    tower = meas["params"]["vision"]
+    weights = [v for k, v in frozen.vllm.items() if k.startswith("weights")]
+    weights_embeds = [v for k, v in embeds.vllm.items() if k.startswith("weights")]
+    assert weights[0] - weights_embeds[0] == 2 * (tower / tp + tower * (tp - 1) / tp)
+    encode = [v for k, v in embeds.vllm.items() if k.startswith("encoding")]
+    assert encode == [0] and embeds.vllm_need < frozen.vllm_need
+    qwen3 = dataclasses.replace(cfg, model="Qwen/Qwen3-VL-8B-Instruct", freeze_vision=True)
+    spec3, meas3 = memory_plan.stored(qwen3.model, "bfloat16")
+    args3 = (spec3, meas3, *args[2:])
+    kept = memory_plan.plan(dataclasses.replace(qwen3, vllm_embeds=True), *args3)
+    assert kept.vllm == memory_plan.plan(qwen3, *args3).vllm
