@@ -18,16 +18,33 @@ from common import UserError, barrier, base_model, write_text
 SYNC_BUCKET_BYTES = 256 * 2**20
 
 
-def model_optim_state(model, opt) -> dict:
-    """DCP's view of model + optimizer: DTensor shards under FSDP2, so each rank writes and reads its own part."""
+def model_optim_state(model, opt, critic=None) -> dict:
+    """DCP's view of model + optimizer (+ the critic's, a train.Critic: gae): DTensor shards under FSDP2, so each
+    rank writes and reads its own part."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     # frozen parameters (a LoRA run's base model) are not saved: they are loaded from cfg.model and never change
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(ignore_frozen_params=True))
-    return {"model": msd, "optim": osd}
+    options = StateDictOptions(ignore_frozen_params=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    state = {"model": msd, "optim": osd}
+    if critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(
+            critic.model, critic.opt, options=options
+        )
+    return state
 
 
-def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: int, rank: int):
+def save(
+    out_dir: str,
+    step: int,
+    model,
+    opt,
+    processor,
+    meta: dict,
+    keep_last: int,
+    rank: int,
+    critic=None,
+):
     """Every rank writes its shards and RNG state into step_N.tmp; after a barrier rank 0 adds meta.json, renames
     the folder to step_N, then points `latest` at it: a crash at any moment leaves `latest` complete."""
     import torch.distributed.checkpoint as dcp
@@ -40,7 +57,7 @@ def save(out_dir: str, step: int, model, opt, processor, meta: dict, keep_last: 
         # left by a crash during an earlier attempt at this step
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    dcp.save(model_optim_state(model, opt), checkpoint_id=tmp)
+    dcp.save(model_optim_state(model, opt, critic), checkpoint_id=tmp)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -88,25 +105,31 @@ def find(out_dir: str, resume: str) -> str:
         return os.path.join(out_dir, "ckpt", f.read().strip())
 
 
-def load(path: str, model, opt) -> dict:
-    """Model, optimizer and this rank's RNG restored in place (DCP reshards: the world size may change; a new rank
-    keeps its fresh RNG). Returns meta.json (step, data position, wandb id, ...)."""
+def load(path: str, model, opt, critic=None) -> dict:
+    """Model, optimizer (+ critic's: gae) and this rank's RNG restored in place (DCP reshards: the world size may
+    change; a new rank keeps its fresh RNG). Returns meta.json (step, data position, wandb id, ...)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not os.path.exists(os.path.join(path, "meta.json")):
         raise UserError(f"{path}: not a complete checkpoint (no meta.json)")
-    state = model_optim_state(model, opt)
+    state = model_optim_state(model, opt, critic)
     dcp.load(state, checkpoint_id=path)
     # strict=False: the frozen base is not in `state`; dcp.load above already failed on any missing trainable tensor
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
     set_state_dict(
         model,
         opt,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        options=options,
     )
+    if critic is not None:
+        critic_state = dict(
+            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+        )
+        set_state_dict(critic.model, critic.opt, **critic_state, options=options)
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)

@@ -127,9 +127,10 @@ class Config(Media):
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
     adv_estimator: Literal[
-        "grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"
+        "grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo", "gae"
     ] = "grpo"
-    """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo"""
+    """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo |
+    gae (PPO with a critic)"""
     adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
@@ -150,6 +151,16 @@ class Config(Media):
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
     kl_in_reward: bool = False
     """kl_coef * KL(old || ref) off the return, not a KL loss (reinforce++, remax: per token)"""
+    gamma: float = 1.0
+    """gae: discount of the per-token rewards"""
+    lam: float = 1.0
+    """gae: GAE's lambda (1: Monte-Carlo returns, 0: one-step TD)"""
+    critic_lr: float = field(default=1e-5, metadata=POSITIVE)
+    """gae: the critic's learning rate (AdamW, constant)"""
+    cliprange_value: float = field(default=0.5, metadata=POSITIVE)
+    """gae: the value loss clips new values to the old ones +- this"""
+    critic_warmup: int = field(default=0, metadata=NOT_NEGATIVE)
+    """gae: the first critic_warmup steps train the critic only (no policy step)"""
     entropy_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     tis: Literal["", "token", "sequence"] = ""
@@ -312,6 +323,12 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
         bad.append("kl_in_reward: gdpo's reward components carry no KL")
+    if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        bad.append(f"gamma {cfg.gamma} and lam {cfg.lam} must be in [0, 1]")
+    if cfg.critic_warmup and cfg.adv_estimator != "gae":
+        bad.append("critic_warmup needs adv_estimator gae (a critic)")
+    if cfg.adv_estimator == "gae" and cfg.sp_size > 1:
+        bad.append("adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)")
     if cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume):
         bad.append(f"resume {cfg.resume!r}: no such folder")
     if cfg.temperature < 1e-5:
@@ -535,6 +552,31 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
     raise ValueError(f"kl_type: unknown {kind!r}")
 
 
+def gae_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+    """verl's compute_gae_advantage_return: per-token rewards, the critic's values, mask (B, R) ->
+    advantages (whitened over the batch's tokens, 0 off the mask) and returns (B, R). A masked
+    token passes the next real token's value and advantage through unchanged."""
+    next_value = torch.zeros_like(values[:, 0])  # (B,) V of the next real token
+    last = torch.zeros_like(values[:, 0])  # (B,) its advantage
+    adv = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,) TD error
+        real = mask[:, t] > 0
+        next_value = torch.where(real, values[:, t], next_value)
+        last = torch.where(real, delta + gamma * lam * last, last)
+        adv[:, t] = last
+    return whiten(adv, mask) * mask, adv + values
+
+
+def value_loss(vpred, old_values, returns, clip: float = 0.5):
+    """verl's compute_value_loss per token, before aggregation: 0.5 max((V - G)^2, (clip(V, V_old
+    +- clip) - G)^2) and where the clipped term won, (B, R) each."""
+    clipped = vpred.clamp(old_values - clip, old_values + clip)
+    loss1 = (vpred - returns) ** 2
+    loss2 = (clipped - returns) ** 2
+    return 0.5 * torch.maximum(loss1, loss2), (loss2 > loss1).float()
+
+
 def is_weight(
     old_logp, rollout_logp, mask, level: str = "token", cap: float = 2.0, mode: str = "truncate"
 ):
@@ -664,6 +706,8 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # (b, R) the reference's (kl_coef > 0)
     adv: torch.Tensor | None = None  # (b, R)
     vision: sp.Vision | None = None  # encode_vision's features, when encoded once per step
+    values: torch.Tensor | None = None  # (b, R) gae: the critic's, before its update
+    returns: torch.Tensor | None = None  # (b, R) gae: its targets
 
 
 @dataclass
@@ -687,6 +731,20 @@ def token_logp(
     them; `chunk` positions are projected at a time (0 = all). sp_size > 1 (layout): each SP rank
     computes its share (sp.py) and returns the whole."""
     rows, R = batch.mask.shape
+    hidden, shard = response_hidden(model, batch, layout, counts)
+    a, b = shard.response_span(R)
+    hidden = hidden.flatten(0, 1)  # (b r, D)
+    # FSDP2 keeps the root's parameters unsharded until backward
+    weight = model.get_output_embeddings().weight
+    targets = batch.response_ids[:, a:b].flatten()  # (b r,)
+    chunk = chunk or max(1, len(targets))
+    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk)
+    return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
+
+
+def response_hidden(model, batch: MicroBatch, layout=None, counts: Counts | None = None):
+    """The last layer's hidden states (b, r, D) at the positions that predict this rank's response
+    tokens [a, b) (its sp.Shard's response_span; sp_size 1: all R), and that Shard."""
     vision = batch.vision
     if vision is None:
         device = batch.input_ids.device
@@ -696,16 +754,11 @@ def token_logp(
     inputs, shard = sp.model_inputs(model, batch, vision, layout)
     # logits_to_keep=1: the model's own projection covers one position, ours below the responses
     out = model(**inputs, logits_to_keep=1, use_cache=False, output_hidden_states=True)
-    # this rank's response tokens [a, b); token 0 is predicted at position length - R - 1
+    # token 0 is predicted at position length - R - 1
+    R = batch.mask.shape[1]
     a, b = shard.response_span(R)
     first = shard.length - R - 1 - shard.start + a
-    hidden = out.hidden_states[-1][:, first : first + b - a].flatten(0, 1)  # (b r, D)
-    # FSDP2 keeps the root's parameters unsharded until backward
-    weight = model.get_output_embeddings().weight
-    targets = batch.response_ids[:, a:b].flatten()  # (b r,)
-    chunk = chunk or max(1, len(targets))
-    logp, entropy = ChunkedLogp.apply(hidden, weight, targets, temperature, banned, chunk)
-    return shard.gather(logp.view(rows, b - a), R), shard.gather(entropy.view(rows, b - a), R)
+    return out.hidden_states[-1][:, first : first + b - a], shard
 
 
 def collate(
@@ -873,17 +926,26 @@ def global_counts(batches: list[MicroBatch]) -> tuple[float, float]:
     return tuple(all_reduce([tokens, sequences]))
 
 
-def kl_reward_to_go(
-    minibatches: list[list[MicroBatch]], cfg: Config, layout: sp.Layout
-) -> torch.Tensor:
-    """KL(old || ref) from each response token to the end (verl's apply_kl_penalty, gamma 1), every
-    data-parallel rank's rows in global_rows' order: (B_all, max_response_len)."""
-    rows = []
-    for b in itertools.chain(*minibatches):
-        kl = kl_penalty(b.old_logp, b.ref_logp, cfg.kl_type) * b.mask  # (b, R)
-        padding = (0, cfg.max_response_len - kl.shape[1])
-        rows.append(torch.nn.functional.pad(reward_to_go(kl), padding).cpu())
-    return torch.cat(layout.dedup(gather(torch.cat(rows).double())))
+def global_tokens(per_batch: list[torch.Tensor], cfg: Config, layout: sp.Layout) -> torch.Tensor:
+    """Per-token values of this rank's micro-batches (b, R) each, in order, as every data-parallel
+    rank's rows in global_rows' order, zero-padded: (B_all, max_response_len) float64."""
+    padded = [torch.nn.functional.pad(x, (0, cfg.max_response_len - x.shape[1])) for x in per_batch]
+    return torch.cat(layout.dedup(gather(torch.cat(padded).double().cpu())))
+
+
+def gae_batch(rows: dict, values, kl, cfg: Config):
+    """verl's GAE on the global batch (values, kl: global_tokens'; kl None: no KL in the reward):
+    per-token reward -kl_coef * KL(old || ref), + the outcome reward at the last response token.
+    Returns gae_advantages' advantages and returns, (B_all, max_response_len) each."""
+    lengths = torch.tensor(rows["length"])  # (B,)
+    mask = (torch.arange(values.shape[1])[None] < lengths[:, None]).double()  # (B, R)
+    rewards = torch.zeros_like(values)
+    if kl is not None:
+        rewards = -cfg.kl_coef * kl
+    last = (lengths - 1).clamp(min=0)  # an empty response has no token to reward
+    score = torch.tensor(rows["reward"], dtype=torch.float64) * (lengths > 0)
+    rewards[torch.arange(len(lengths)), last] += score
+    return gae_advantages(rewards, values * mask, mask, cfg.gamma, cfg.lam)
 
 
 def batch_advantages(rows: dict, kl_to_go, cfg: Config) -> torch.Tensor:
@@ -1064,9 +1126,10 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 # main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
 
 
-def load_model(cfg: Config, device):
+def load_model(cfg: Config, device, value_head: bool = False):
     """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
-    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP."""
+    master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP.
+    value_head: the critic's, a trained Linear(D, 1) in the root's unit (LoRA: beside adapters)."""
     from torch.distributed._composable import checkpoint as checkpoint_module
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -1103,6 +1166,12 @@ def load_model(cfg: Config, device):
             target_modules=cfg.lora_targets,
         )
         model = get_peft_model(model, lora)
+    if value_head:  # every rank draws the same weights (fully_shard keeps its shard of them)
+        head = torch.nn.Linear(model.get_output_embeddings().weight.shape[1], 1, device=device)
+        gen = torch.Generator(device).manual_seed(cfg.seed)
+        torch.nn.init.normal_(head.weight, std=0.02, generator=gen)  # transformers' init range
+        torch.nn.init.zeros_(head.bias)
+        model.value_head = head
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
@@ -1115,6 +1184,63 @@ def load_model(cfg: Config, device):
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# The critic (adv_estimator gae): the policy's architecture with a scalar head, its own AdamW
+
+
+@dataclass
+class Critic:
+    """PPO's value model: load_model's copy of cfg.model (FSDP2 like the policy; LoRA: adapters on
+    its own frozen base) with value_head on the last hidden state; the lm_head is unused."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer  # AdamW, critic_lr
+
+
+def build_critic(cfg: Config, device) -> Critic:
+    model = load_model(cfg, device, value_head=True).eval()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    betas = (0.9, 0.99)
+    return Critic(model, torch.optim.AdamW(trainable, lr=cfg.critic_lr, betas=betas))
+
+
+def token_values(model, batch: MicroBatch, layout=None, counts: Counts | None = None):
+    """The critic's value of each response token's state (b, R): value_head on the hidden state
+    that predicts the token, as verl's critic reads values[:, -R - 1 : -1]. The critic's own tower
+    encodes the media (batch.vision holds the policy's)."""
+    hidden, shard = response_hidden(model, replace(batch, vision=None), layout, counts)
+    values = model.value_head(hidden).squeeze(-1).float()  # (b, r)
+    return shard.gather(values, batch.mask.shape[1])
+
+
+def critic_update(
+    c: Critic, minibatches: list[list[MicroBatch]], cfg: Config, layout, step: int, ids: list
+) -> dict:
+    """verl's update_critic: ppo_epochs x mini_batches steps on value_loss, aggregated as the
+    policy's loss (loss_agg). Returns the first epoch's sums (vf_*) and the mean grad norm."""
+    m = {}
+    gnorms = []
+    c.model.train()
+    for epoch in range(cfg.ppo_epochs):
+        for mini in minibatches:
+            n_tok, n_seq = global_counts(mini)
+            loss_sum = 0.0
+            for b in mini:
+                vpred = token_values(c.model, b, layout)  # (b, R)
+                vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
+                loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
+                (loss * layout.world).backward()  # FSDP averages gradients over ranks
+                loss_sum += loss.item()
+                if epoch == 0:
+                    sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
+                    add_metrics(m, {k: (v * b.mask).sum().item() for k, v in sums.items()})
+            gnorms.append(optimizer_step(c.opt, loss_sum, cfg, step, ids, layout.rank))
+            if epoch == 0:
+                add_metrics(m, {"vf_loss": loss_sum / len(minibatches)})
+    c.model.eval()
+    return m | {"vf_grad_norm": mean_or_zero(gnorms)}
 
 
 class StepFeatures(sp.FeatureCache):
@@ -1143,6 +1269,7 @@ class Trainer:
     # vllm_embeds: the frozen tower's features that vLLM generated from, until logp_pass reads them
     step_features: StepFeatures = field(default_factory=StepFeatures)
     sampled_encodes: int = 0  # FrozenEncoder's tower runs that logp_pass has not counted yet
+    critic: Critic | None = None  # adv_estimator gae
 
 
 def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
@@ -1156,7 +1283,10 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     if layout.world > 1:  # FSDP: the same modules run on every rank
         dummies = data.dummy_prompts(processor)
     banned = vision_token_ids(processor.tokenizer)
-    return Trainer(model, ref, opt, banned, layout, dummies, device)
+    t = Trainer(model, ref, opt, banned, layout, dummies, device)
+    if cfg.adv_estimator == "gae":
+        t.critic = build_critic(cfg, device)
+    return t
 
 
 class FrozenEncoder:
@@ -1371,6 +1501,8 @@ def logp_pass(
             if cfg.kl_coef > 0:
                 with_ref = replace(b, vision=ref)
                 b.ref_logp = reference_logp(t.model, t.ref, with_ref, *logp_args)
+            if t.critic is not None:
+                b.values = token_values(t.critic.model, b, t.layout, counts)
 
 
 def add_metrics(total: dict, metrics: dict):
@@ -1419,18 +1551,30 @@ def update(
                     add_metrics(m, metrics)
             if counts is not None:
                 counts.encodes += towers.encodes
-            gnorm = torch.nn.utils.clip_grad_norm_(t.opt.param_groups[0]["params"], cfg.grad_clip)
-            gnorms.append(float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
-            if not math.isfinite(all_reduce([loss_sum + gnorms[-1]])[0]):  # any rank: no step
-                raise FloatingPointError(
-                    f"step {step}: the loss ({loss_sum} on rank {t.layout.rank}) or the grad norm "
-                    f"({gnorms[-1]}) is not finite; samples {ids}: stopped before the update"
-                )
-            t.opt.step()
-            t.opt.zero_grad(set_to_none=True)
+            # gae's critic warm-up: the policy's loss and gradient are measured, not applied
+            apply = step > cfg.critic_warmup
+            gnorms.append(optimizer_step(t.opt, loss_sum, cfg, step, ids, t.layout.rank, apply))
     t.model.eval()
     m["loss"] /= len(minibatches)
     return m | {"grad_norm": mean_or_zero(gnorms)}
+
+
+def optimizer_step(
+    opt, loss_sum: float, cfg: Config, step: int, ids: list, rank: int, apply: bool = True
+) -> float:
+    """Grad clip and (apply) the step, unless the loss or grad norm is not finite on any rank: then
+    every rank stops before it, naming the samples (ids). Returns the grad norm."""
+    gnorm = torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], cfg.grad_clip)
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    if not math.isfinite(all_reduce([loss_sum + gnorm])[0]):
+        raise FloatingPointError(
+            f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
+            f"({gnorm}) is not finite; samples {ids}: stopped before the update"
+        )
+    if apply:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return gnorm
 
 
 @dataclass
@@ -1458,17 +1602,31 @@ def train_phase(
     counts = Counts()
     minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies)
     logp_pass(t, minibatches, rollouts, cfg, counts)
-    kl_to_go = None
+    batches = list(itertools.chain(*minibatches))
+    kl_all = None
     kl = 0.0
     if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
-        kl_to_go = kl_reward_to_go(minibatches, cfg, t.layout)  # (B_all, R)
-        kl = kl_to_go[start : start + len(rollouts), 0].sum().item()  # this rank's rows
-        kl_to_go = cfg.kl_coef * kl_to_go
-    adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
-    adv = adv_all[start : start + len(rollouts)].to(t.device)  # this rank's rows
-    for b in itertools.chain(*minibatches):
+        per_token = [kl_penalty(b.old_logp, b.ref_logp, cfg.kl_type) * b.mask for b in batches]
+        kl_all = global_tokens(per_token, cfg, t.layout)  # (B_all, R)
+        kl = kl_all[start : start + len(rollouts)].sum().item()  # this rank's rows
+    mine = slice(start, start + len(rollouts))  # this rank's rows
+    m = {}
+    if t.critic is not None:  # gae: advantages and returns from the values, the critic's steps
+        values_all = global_tokens([b.values for b in batches], cfg, t.layout)  # (B_all, R)
+        adv_all, returns_all = gae_batch(rows, values_all, kl_all, cfg)
+        returns = returns_all[mine].float().to(t.device)
+        for b in batches:
+            b.returns = returns[b.index, : b.mask.shape[1]]
+        m = critic_update(t.critic, minibatches, cfg, t.layout, step, ids)
+    else:
+        kl_to_go = None
+        if kl_all is not None:
+            kl_to_go = cfg.kl_coef * reward_to_go(kl_all)
+        adv_all = batch_advantages(rows, kl_to_go, cfg)  # (B_all, max_response_len)
+    adv = adv_all[mine].float().to(t.device)
+    for b in batches:
         b.adv = adv[b.index, : b.mask.shape[1]]
-    m = update(t, minibatches, cfg, step, ids, counts)
+    m |= update(t, minibatches, cfg, step, ids, counts)
     m["kl"] = kl + m["kl"]
     m["vision_encodes"] = counts.encodes
     return Phase(m, adv_all, adv)
@@ -1512,6 +1670,7 @@ def save_step(cfg: Config, step: int, t: Trainer, processor, stream: data.Stream
         meta=meta,
         keep_last=cfg.keep_last,
         rank=t.layout.rank,
+        critic=t.critic,
     )
     print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
 
@@ -1574,7 +1733,9 @@ def main(cfg: Config):
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
     t = build_trainer(cfg, processor, layout, device)
-    state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
+    state = {}
+    if ckpt_path:  # before the engine gets the weights
+        state = ckpt.load(ckpt_path, t.model, t.opt, t.critic)
     first_step = state.get("step", 0) + 1
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
@@ -1820,6 +1981,11 @@ def step_metrics(
         row["tis/clipped"] = msum["tis_clipped"] / n_tok
     if cfg.adv_estimator == "remax":
         row["reward/greedy"] = mean_or_zero(rows["baseline"])
+    if cfg.adv_estimator == "gae":
+        row["critic/vf_loss"] = msum["vf_loss"]
+        row["critic/vf_clipfrac"] = msum["vf_clipfrac"] / n_tok
+        row["critic/values"] = msum["vf_values"] / n_tok
+        row["critic/grad_norm"] = parts[0]["m"]["vf_grad_norm"]
     if any(off):
         first_adv = adv[:, 0].tolist()
         row["offline/share"] = mean_or_zero(off)
