@@ -1215,6 +1215,16 @@ def token_values(model, batch: MicroBatch, layout=None, counts: Counts | None = 
     return shard.gather(values, batch.mask.shape[1])
 
 
+def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok: float, n_seq: float, layout=None):
+    """This micro-batch's share of its mini-batch's value loss (as micro_loss's, loss_agg) and
+    its metric sums: clipped tokens, values."""
+    vpred = token_values(model, b, layout)  # (b, R)
+    vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
+    loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
+    sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
+    return loss, {k: (v * b.mask).sum().item() for k, v in sums.items()}
+
+
 def critic_update(
     c: Critic, minibatches: list[list[MicroBatch]], cfg: Config, layout, step: int, ids: list
 ) -> dict:
@@ -1228,14 +1238,11 @@ def critic_update(
             n_tok, n_seq = global_counts(mini)
             loss_sum = 0.0
             for b in mini:
-                vpred = token_values(c.model, b, layout)  # (b, R)
-                vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
-                loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
+                loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
-                    sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
-                    add_metrics(m, {k: (v * b.mask).sum().item() for k, v in sums.items()})
+                    add_metrics(m, sums)
             gnorms.append(optimizer_step(c.opt, loss_sum, cfg, step, ids, layout.rank))
             if epoch == 0:
                 add_metrics(m, {"vf_loss": loss_sum / len(minibatches)})
@@ -1660,6 +1667,7 @@ def save_step(cfg: Config, step: int, t: Trainer, processor, stream: data.Stream
     """A checkpoint of the step: model, optimizer, processor and meta (the run's state) with the
     data stream's position."""
     position = {"epoch": stream.epoch, "cursor": stream.cursor}
+    never_stepped = not t.opt.state  # gae's critic warm-up
     meta = dict(step=step, data=position, config=asdict(cfg)) | meta
     ckpt.save(
         cfg.out_dir,
@@ -1672,6 +1680,8 @@ def save_step(cfg: Config, step: int, t: Trainer, processor, stream: data.Stream
         rank=t.layout.rank,
         critic=t.critic,
     )
+    if never_stepped:  # DCP's get_state_dict made AdamW state with a zero-gradient step: drop it
+        t.opt.state.clear()
     print0(f"step {step}: checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'step_{step:08d}')}")
 
 
@@ -1736,6 +1746,8 @@ def main(cfg: Config):
     state = {}
     if ckpt_path:  # before the engine gets the weights
         state = ckpt.load(ckpt_path, t.model, t.opt, t.critic)
+        if state["step"] <= cfg.critic_warmup:  # the policy never stepped: save_step's state
+            t.opt.state.clear()
     first_step = state.get("step", 0) + 1
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)

@@ -755,7 +755,231 @@ def worker(out, model_dir, data_dir):
                 ]
             )
         )
+    critic_worker(out, model_dir, data_dir)
     dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------- gae (critic)
+def test_gae_advantages_and_returns_by_hand():
+    """verl's compute_gae_advantage_return, worked by hand (gamma 0.9, lam 0.5, 0.45 = gamma lam): a masked token
+    (row 1's last, row 2's middle) keeps the next real token's value and advantage, and its reward is ignored."""
+    from train import gae_advantages
+
+    rewards = t([[0.0, 0.0, 1.0], [0.5, 0.0, 0.0], [0.0, 7.0, 1.0]], dtype=torch.float64)
+    values = t([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0], [0.1, 5.0, 0.3]], dtype=torch.float64)
+    mask = t([[1, 1, 1], [1, 1, 0], [1, 0, 1]], dtype=torch.float64)
+    adv, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    # row 0: deltas 0.7, 0.9 * 0.3 - 0.2 = 0.07, 0.9 * 0.2 - 0.1 = 0.08; row 1: -0.5, 0.5 + 0.45 - 0.4 = 0.55;
+    # row 2: 0.7 (t 2), passed through t 1, 0.9 * 0.3 - 0.1 = 0.17 at t 0
+    raw = [[0.08 + 0.45 * 0.385, 0.07 + 0.45 * 0.7, 0.7], [0.55 - 0.45 * 0.5, -0.5, 0.0]]
+    raw.append([0.17 + 0.45 * 0.7, 0.7, 0.7])
+    assert returns.flatten().tolist() == approx(
+        (t(raw, dtype=torch.float64) + values).flatten().tolist()
+    )
+    real = [a for row, m in zip(raw, mask.tolist()) for a, k in zip(row, m) if k]
+    mean = sum(real) / len(real)
+    std = math.sqrt(
+        sum((a - mean) ** 2 for a in real) / (len(real) - 1) + 1e-8
+    )  # unbiased, verl's + 1e-8
+    want = [[(a - mean) / std * k for a, k in zip(row, m)] for row, m in zip(raw, mask.tolist())]
+    assert adv.flatten().tolist() == approx(t(want).flatten().tolist())
+
+
+def test_gae_batch_places_the_score_and_kl_and_lam_1_is_reward_to_go():
+    """Per-token rewards as verl's apply_kl_penalty + the score at the last response token (an empty response gets
+    none); with gamma = lam = 1 and zero values the returns are the rewards to go."""
+    from train import gae_batch
+
+    rows = {"length": [2, 0, 3], "reward": [1.0, 0.5, -1.0]}
+    kl = t([[0.2, 0.4, 0, 0], [0, 0, 0, 0], [0.1, 0.1, 0.3, 0]], dtype=torch.float64)
+    cfg = Config(adv_estimator="gae", kl_coef=0.1, kl_in_reward=True, max_response_len=4)
+    adv, returns = gae_batch(rows, torch.zeros(3, 4, dtype=torch.float64), kl, cfg)
+    want = [[1 - 0.06, 1 - 0.04, 0, 0], [0, 0, 0, 0], [-1 - 0.05, -1 - 0.04, -1 - 0.03, 0]]
+    assert returns.flatten().tolist() == approx(t(want).flatten().tolist())
+    mask = t([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
+    assert adv.flatten().tolist() == approx((whiten(returns, mask) * mask).flatten().tolist())
+
+
+def test_value_loss_by_hand():
+    """verl's compute_value_loss: 0.5 max((V - G)^2, (clip(V, V_old +- 0.2) - G)^2); a token where the clipped term
+    wins has no gradient; token-mean over the mask."""
+    from train import value_loss
+
+    vpred = t([1.0, 0.0, 2.0], requires_grad=True)
+    loss, clipped = value_loss(vpred, t([0.5, 0.1, 0.0]), t([0.0, 1.0, 3.0]), clip=0.2)
+    # tok 0: clip 0.7, 1.0 vs 0.49; tok 1: inside [-0.1, 0.3], 1 vs 1; tok 2: clip 0.2, 1 vs 2.8^2 = 7.84
+    assert loss.tolist() == approx([0.5, 0.5, 3.92]) and clipped.tolist() == [0.0, 0.0, 1.0]
+    loss.sum().backward()
+    assert vpred.grad.tolist() == approx([1.0, -1.0, 0.0])
+    mask = t([[1.0, 1.0, 0.0]])
+    assert agg_loss(loss[None], mask, "token-mean", 2.0, 1.0, 3).item() == approx(0.5)
+
+
+def test_gae_settings_are_config_errors():
+    for bad, match in [
+        (dict(critic_warmup=2), "critic_warmup needs adv_estimator gae"),
+        (dict(adv_estimator="gae", lam=1.5), "gamma 1.0 and lam 1.5"),
+        (dict(adv_estimator="gae", sp_size=2), "gae needs sp_size 1"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_config(Config(**bad), world=2)
+    check_config(Config(adv_estimator="gae", critic_warmup=2, gamma=0.99, lam=0.95))
+
+
+def critic_grads(model, processor, rollouts, adv, micro_batch_size):
+    """Value loss and full gradients of the critic on `rollouts` (this rank's rows) in micro-batches, as
+    critic_update computes them: returns adv + 0.1 t per token, old values 0.5 G + 0.1 (some tokens clipped)."""
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from train import collate, global_counts, value_micro_loss
+
+    cfg = tiny_config(cliprange_value=0.2, max_response_len=8)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = split_batch(rollouts, 1, micro_batch_size)[0]
+    batches = [
+        collate([rollouts[j] for j in mb], processor.tokenizer.pad_token_id, torch.device("cpu"))
+        for mb in plan
+    ]
+    n_tok, n_seq = global_counts(batches)
+    total = torch.zeros(1, dtype=torch.float64)
+    for mb, b in zip(plan, batches):
+        b.returns = adv[mb][:, None] + 0.1 * torch.arange(b.mask.shape[1])
+        b.values = 0.5 * b.returns + 0.1
+        loss, _ = value_micro_loss(model, b, cfg, n_tok, n_seq)
+        (loss * world).backward()
+        total += loss.item()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    model.zero_grad(set_to_none=True)
+    return total.item(), grads
+
+
+GAE_ARGS = [
+    "--config",
+    "configs/tiny_cpu.yaml",
+    "configs/ppo.yaml",
+    "--max-steps",
+    "2",
+    "--group-size",
+    "4",
+]
+GAE_ARGS += [
+    "--prompts-per-step",
+    "4",
+    "--micro-batch-size",
+    "4",
+    "--rollout",
+    "hf",
+    "--val-data",
+    "",
+]
+GAE_ARGS += ["--save", "--save-every", "1", "--keep-last", "0", "--critic-warmup", "1"]
+
+
+def critic_worker(out, model_dir, data_dir):
+    """In worker (torchrun): the critic's gradients of rank r's rows [4r, 4r + 4) in micro-batches of 2, then a
+    2-step gae run (critic warm-up 1: the policy steps at step 2 only; a checkpoint each step) and the same run
+    resumed from its step 1 in another folder."""
+    from conftest import tiny_config
+    from train import build_critic, init_dist, load_config, main
+
+    rank, world, device = init_dist()
+    critic = build_critic(tiny_config(model=model_dir), device)
+    processor, rollouts, adv, _ = model_batch(model_dir, data_dir)
+    rows = slice(4 * rank, 4 * rank + 4)
+    loss, grads = critic_grads(critic.model, processor, rollouts[rows], adv[rows], 2)
+    if rank == 0:
+        torch.save((torch.tensor(loss), grads), os.path.join(out, "critic_grads.pt"))
+    del critic
+    args = GAE_ARGS + ["--model", model_dir, "--train-data", f"{data_dir}/train.jsonl"]
+    args += ["--cache-dir", os.path.join(out, "frames")]
+    main(load_config(args + ["--out-dir", os.path.join(out, "gae")]))
+    step1 = os.path.join(out, "gae", "ckpt", "step_00000001")
+    main(load_config(args + ["--out-dir", os.path.join(out, "gae_resumed"), "--resume", step1]))
+
+
+@pytest.mark.slow
+def test_critic_gradients_two_ranks_match_one_process(tiny_model, algo_data, torchrun_job):
+    from conftest import tiny_config
+    from train import build_critic
+
+    critic = build_critic(tiny_config(model=tiny_model), torch.device("cpu"))
+    processor, rollouts, adv, _ = model_batch(tiny_model, algo_data)
+    ref = critic_grads(critic.model, processor, rollouts, adv, 8)
+    loss, grads = torch.load(torchrun_job / "critic_grads.pt", weights_only=True)
+    assert_same(ref, (loss.item(), grads))
+    assert (
+        "value_head.weight" in grads
+        and grads["model.language_model.layers.0.mlp.up_proj.weight"].abs().max() > 0
+    )
+
+
+def checkpoint_tensors(folder) -> dict:
+    """A DCP checkpoint's tensors, flattened: "model/...", "optim/state/...", "critic/...", "critic_optim/..."."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = folder.parent / (folder.name + ".pt")
+    dcp_to_torch_save(str(folder), str(saved))
+    flat = {}
+
+    def walk(prefix, x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(x, (list, tuple)):
+            for k, v in enumerate(x):
+                walk(f"{prefix}/{k}", v)
+        else:
+            flat[prefix] = x
+
+    walk("", torch.load(saved, weights_only=False))
+    return flat
+
+
+@pytest.mark.slow
+def test_gae_two_steps_and_resume_bit_exact(torchrun_job, tiny_model):
+    rows = metrics(torchrun_job, "gae")
+    resumed = metrics(torchrun_job, "gae_resumed")
+    assert [r["step"] for r in rows] == [1, 2] and [r["step"] for r in resumed] == [2]
+    for r in rows:
+        assert all(
+            math.isfinite(r[k]) for k in ("critic/vf_loss", "critic/grad_norm", "critic/values")
+        )
+        assert r["critic/grad_norm"] > 0 and r["grad_norm"] > 0
+    assert (
+        rows[0]["kl"] == 0.0 and rows[1]["kl"] == 0.0
+    )  # warm-up: the policy is still the reference
+    for k, v in rows[1].items():
+        if not k.startswith(("time/", "tokens/s", "cache/")):
+            assert resumed[0][k] == v, k
+    ckpt = torchrun_job / "gae" / "ckpt"
+    first, full = (
+        checkpoint_tensors(ckpt / "step_00000001"),
+        checkpoint_tensors(ckpt / "step_00000002"),
+    )
+    again = checkpoint_tensors(torchrun_job / "gae_resumed" / "ckpt" / "step_00000002")
+    assert full.keys() == again.keys() and any(k.startswith("/critic_optim/state") for k in full)
+    for k in full:
+        same = torch.equal(full[k], again[k]) if torch.is_tensor(full[k]) else full[k] == again[k]
+        assert same, k
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    w = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(
+        first[f"/model/{w}"], base[w]
+    )  # step 1 (warm-up) did not move the policy ...
+    assert not torch.equal(first[f"/critic/{w}"], base[w])  # ... but the critic
+    assert not torch.equal(full[f"/model/{w}"], base[w])
+    # the policy's AdamW at step 2: one step (not DCP's zero-gradient initialisation in the warm-up save too)
+    assert [v for k, v in full.items() if k.startswith("/optim/state/") and k.endswith("/step")][
+        0
+    ] == 1
 
 
 if __name__ == "__main__":
