@@ -1172,6 +1172,9 @@ def load_model(cfg: Config, device, value_head: bool = False):
         torch.nn.init.normal_(head.weight, std=0.02, generator=gen)  # transformers' init range
         torch.nn.init.zeros_(head.bias)
         model.value_head = head
+        lm_head = model.get_output_embeddings().weight
+        if lm_head is not model.get_input_embeddings().weight:  # unused, not tied: no AdamW state
+            lm_head.requires_grad_(False)
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
