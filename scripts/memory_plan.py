@@ -255,6 +255,10 @@ def plan(
         "parameters (fp32 shards, + reference)": weights,
         f"gradients (fp32 shards of {trained / 1e6:,.0f}M)": states,
         f"optimizer (AdamW: 2 fp32 shards of {trained / 1e6:,.0f}M)": 2 * states,
+        # gae: the critic's weights (LoRA: its own frozen base) and AdamW; its grads and activations live in its
+        # update, when the policy's are freed, and are as large (one architecture, one micro-batch): no higher peak
+        "critic (gae: parameters + AdamW shards)": (shard + 2 * states)
+        * (cfg.adv_estimator == "gae"),
         # the bf16 copies FSDP2 computes with: on CUDA at any world size (the GPU check, LOG.md 2026-11-26)
         "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block)
         * compute
