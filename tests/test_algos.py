@@ -982,6 +982,33 @@ def test_gae_two_steps_and_resume_bit_exact(torchrun_job, tiny_model):
     ] == 1
 
 
+def test_memory_plan_holds_the_critic():
+    """The critic's weights and AdamW shards: a full critic the policy's sizes (no reference copy), a LoRA critic its
+    own frozen base + the adapters' AdamW; nothing without gae."""
+    import memory_plan
+
+    spec, real = memory_plan.stored("Qwen/Qwen2.5-VL-7B-Instruct", "bfloat16")
+    meas = {
+        "decoder": {"plain": {"layer": 0, "rest": 0}, "ckpt": {"layer": 0, "rest": 0}},
+        "vision": {"plain": {"layer": 0, "rest": 0}, "ckpt": {"layer": 0, "rest": 0}, "encode": 0},
+        "logit_bytes": 0,
+        "params": real["params"],
+    }
+    args = dict(spec=spec, meas=meas, gpus=8, gpu_mem=80 * 2**30, cuda=True, prompt=1000, patches=0)
+    for lora_rank in (0, 64):
+        cfg = Config(model="Qwen/Qwen2.5-VL-7B-Instruct", lora_rank=lora_rank, max_prompt_len=1000)
+        held = memory_plan.plan(dataclasses.replace(cfg, adv_estimator="gae"), **args).held
+        critic = next(v for k, v in held.items() if k.startswith("critic"))
+        optim = next(v for k, v in held.items() if k.startswith("optimizer"))
+        assert (
+            critic == held["parameters (fp32 shards, + reference)"] + optim > 0
+        )  # kl_coef 0: no reference
+        assert (
+            next(v for k, v in memory_plan.plan(cfg, **args).held.items() if k.startswith("critic"))
+            == 0
+        )
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     worker(*sys.argv[1:4])
