@@ -822,8 +822,8 @@ def test_gae_settings_are_config_errors():
         (dict(adv_estimator="gae", sp_size=2), "gae needs sp_size 1"),
     ]:
         with pytest.raises(ValueError, match=match):
-            check_config(Config(**bad), world=2)
-    check_config(Config(adv_estimator="gae", critic_warmup=2, gamma=0.99, lam=0.95))
+            check_config(Config(rollout="hf", **bad), world=2)
+    check_config(Config(rollout="hf", adv_estimator="gae", critic_warmup=2, gamma=0.99, lam=0.95))
 
 
 def critic_grads(model, processor, rollouts, adv, micro_batch_size):
