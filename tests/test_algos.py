@@ -859,26 +859,10 @@ def critic_grads(model, processor, rollouts, adv, micro_batch_size):
     return total.item(), grads
 
 
-GAE_ARGS = [
-    "--config",
-    "configs/tiny_cpu.yaml",
-    "configs/ppo.yaml",
-    "--max-steps",
-    "2",
-    "--group-size",
-    "4",
-]
-GAE_ARGS += [
-    "--prompts-per-step",
-    "4",
-    "--micro-batch-size",
-    "4",
-    "--rollout",
-    "hf",
-    "--val-data",
-    "",
-]
-GAE_ARGS += ["--save", "--save-every", "1", "--keep-last", "0", "--critic-warmup", "1"]
+# a rank's 1 prompt x 2 rollouts a step, HF sampling; critic warm-up 1: the policy steps at step 2 only
+GAE_ARGS = "--config configs/tiny_cpu.yaml configs/ppo.yaml --max-steps 2 --group-size 2 --rollout hf".split()
+GAE_ARGS += "--prompts-per-step 2 --micro-batch-size 2 --save --save-every 1 --keep-last 0".split()
+GAE_ARGS += ["--critic-warmup", "1", "--val-data", ""]
 
 
 def critic_worker(out, model_dir, data_dir):
