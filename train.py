@@ -1218,10 +1218,10 @@ def token_values(model, batch: MicroBatch, layout=None, counts: Counts | None = 
     return shard.gather(values, batch.mask.shape[1])
 
 
-def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok: float, n_seq: float, layout=None):
+def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok, n_seq, layout=None, counts=None):
     """This micro-batch's share of its mini-batch's value loss (as micro_loss's, loss_agg) and
     its metric sums: clipped tokens, values."""
-    vpred = token_values(model, b, layout)  # (b, R)
+    vpred = token_values(model, b, layout, counts)  # (b, R)
     vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
     loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
     sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
@@ -1229,7 +1229,7 @@ def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok: float, n_seq: flo
 
 
 def critic_update(
-    c: Critic, minibatches: list[list[MicroBatch]], cfg: Config, layout, step: int, ids: list
+    c: Critic, minibatches: list, cfg: Config, layout, step: int, ids: list, counts: Counts
 ) -> dict:
     """verl's update_critic: ppo_epochs x mini_batches steps on value_loss, aggregated as the
     policy's loss (loss_agg). Returns the first epoch's sums (vf_*) and the mean grad norm."""
@@ -1241,7 +1241,7 @@ def critic_update(
             n_tok, n_seq = global_counts(mini)
             loss_sum = 0.0
             for b in mini:
-                loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout)
+                loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout, counts)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
@@ -1627,7 +1627,7 @@ def train_phase(
         returns = returns_all[mine].float().to(t.device)
         for b in batches:
             b.returns = returns[b.index, : b.mask.shape[1]]
-        m = critic_update(t.critic, minibatches, cfg, t.layout, step, ids)
+        m = critic_update(t.critic, minibatches, cfg, t.layout, step, ids, counts)
     else:
         kl_to_go = None
         if kl_all is not None:
