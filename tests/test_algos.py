@@ -861,7 +861,9 @@ def critic_grads(model, processor, rollouts, adv, micro_batch_size):
 
 # a rank's 1 prompt x 2 rollouts a step, HF sampling; critic warm-up 1: the policy steps at step 2 only
 GAE_ARGS = "--config configs/tiny_cpu.yaml configs/ppo.yaml --max-steps 2 --group-size 2 --rollout hf".split()
-GAE_ARGS += "--prompts-per-step 2 --micro-batch-size 2 --save --save-every 1 --keep-last 0".split()
+GAE_ARGS += (
+    "--prompts-per-step 2 --micro-batch-size 2 --no-save --save-every 1 --keep-last 0".split()
+)
 GAE_ARGS += ["--critic-warmup", "1", "--val-data", ""]
 
 
