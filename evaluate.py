@@ -476,7 +476,8 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
-    root = os.path.join(cfg.video_dir, name)
+    # relative to the working directory (validate_sample would join a relative one to the annotation file's folder)
+    root = os.path.abspath(os.path.join(cfg.video_dir, name))
     for where, r in rows:
         try:
             s = to_sample(r, ad, where, root)
