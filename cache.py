@@ -7,6 +7,8 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. The CLI (REA
 prints `videos | cache_hit | rebuilt | decode | failed | bytes | seconds` and lists failed videos in OUT/failed.jsonl.
 The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale) and every
 frame setting. Writes are atomic (temp file + os.replace); a per-key lock makes concurrent loaders decode once.
+An entry that cannot be locked or written (a read-only cache, a full disk) is counted
+(cache_unwritable); its frames are used uncached.
 """
 
 import contextlib
@@ -94,8 +96,8 @@ class Media(Frames):
     cache_dir: str = field(default=".cache/frames", metadata=MAY_CHANGE_ON_RESUME)
     """frame cache folder ('' = no cache)"""
     allow_outside_media: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
-    """read media paths that resolve (symlinks followed) outside their data file's folder (evaluate.py: outside
-    video_dir/<benchmark>); off, such a path is an error naming the sample"""
+    """read media paths that resolve (symlinks followed) outside their data file's folder
+    (evaluate.py: video_dir/<benchmark>); off, such a path is an error naming the sample"""
 
 
 class VideoError(UserError):
@@ -369,15 +371,17 @@ def load_video(
         try:
             if locked:  # else unwritable, counted above
                 write_entry(file, *out)
-        # a full disk (safetensors' "No space left on device"), a folder in the entry's place: the frames are kept
+        # a full disk (safetensors' "No space left on device"), a folder in the entry's place: the
+        # frames are kept
         except (OSError, SafetensorError) as e:
             unwritable(file, e, stats)
         return out
 
 
 def unwritable(file: str, e: Exception, stats: dict):
-    """A cache entry that cannot be locked or written: counted in stats["cache_unwritable"], a warning the first time
-    (per stats: per run in training), never an error: the frames are decoded and used all the same."""
+    """An entry that cannot be locked or written: counted in stats["cache_unwritable"], a warning
+    the first time (per stats: per run in training), never an error: the frames are used all the
+    same."""
     stats["cache_unwritable"] = stats.get("cache_unwritable", 0) + 1
     if stats["cache_unwritable"] == 1:
         print(

@@ -138,12 +138,13 @@ def load_samples(
     allow_outside: bool = False,
     check_media: bool = True,
 ) -> list[dict]:
-    """Read a .json (array) or .jsonl file; each sample gets its "where" (file:line). A bad sample raises DataError,
-    or with skip_invalid is appended to `skipped` as {"where", "error"} (counted and logged by the caller, never
-    silently dropped). special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it
-    loaded). A media path that resolves outside the file's folder is a bad sample unless allow_outside; check_media:
-    samples naming a media file that is not there are one error for them all (or, skip_invalid, skipped) now, not
-    when drawn hours later. Ids that several samples share get their place appended (unique_ids)."""
+    """Read a .json (array) or .jsonl file; each sample gets its "where" (file:line). A bad sample
+    raises DataError, or with skip_invalid is appended to `skipped` as {"where", "error"} (counted
+    and logged by the caller, never silently dropped). special_tokens: the strings refused in any
+    text field (the tokenizer's, when the caller has it loaded). A media path resolving outside the
+    file's folder is a bad sample unless allow_outside. check_media: the samples naming a media file
+    that is not there are one error (skip_invalid: skipped) now, not each when drawn, hours later.
+    Ids that several samples share get their place appended (unique_ids)."""
     # bytes: a line that is not UTF-8 is an error on that line, not on the file
     with open(path, "rb") as f:
         raw = f.read()
@@ -180,7 +181,10 @@ def load_samples(
     if missing:
         first = "; ".join(f"{r['where']}: {r['media'][0]}" for r in missing[:3])
         more = ", ..." if len(missing) > 3 else ""
-        summary = f"{path}: {len(missing)} samples name a media file that is missing or not a regular file"
+        summary = (
+            f"{path}: {len(missing)} samples name a media file that is missing or not a regular"
+        )
+        summary += " file"
         if not skip_invalid:
             raise DataError(f"{summary} ({first}{more}): fix the paths, or pass --skip-invalid")
         warn(f"warning: {summary}: skipped ({first}{more})")
@@ -190,28 +194,30 @@ def load_samples(
 
 
 def check_inside(s: dict, root: str, who: str):
-    """A media path that resolves (symlinks followed) outside `root` is a DataError naming `who` and the field: a
-    hostile file must not read /etc/... or ~/.ssh/... as a "video". root: the data file's folder, or the benchmark's
-    video folder."""
+    """A media path that resolves (symlinks followed) outside `root` is a DataError naming `who` and
+    the field: a hostile file must not read /etc/... or ~/.ssh/... as a "video". root: the data
+    file's folder, or the benchmark's video folder."""
     top = os.path.realpath(root)
     for k in ("videos", "images"):
         for p in s.get(k, []):
             real = os.path.realpath(p)
             if os.path.commonpath([top, real]) != top:
                 raise DataError(
-                    f"{who}: field '{k}': {p} resolves to {real}, outside {top} (media are read from "
-                    "the data's own folder; --allow-outside-media allows other paths)"
+                    f"{who}: field '{k}': {p} resolves to {real}, outside {top} (media are read "
+                    "from the data's own folder; --allow-outside-media allows other paths)"
                 )
 
 
 def missing_media(s: dict) -> list[str]:
-    """The sample's media paths that are not regular files (missing, a folder, a FIFO, a device): one stat each."""
+    """The sample's media paths that are not regular files (missing, a folder, a FIFO, a device): a
+    stat each."""
     return [p for p in s.get("videos", []) + s.get("images", []) if not os.path.isfile(p)]
 
 
 def unique_ids(samples: list[dict], name: str) -> list[dict]:
-    """The samples, those whose id others share renamed `id@<file>:<line>` (their "where"; LiveSports-3K repeats ids
-    for different questions; a resume log, skip reports and eval rows key by id), with one warning line."""
+    """The samples, those whose id others share renamed `id@<file>:<line>` (their "where"), with one
+    warning line: LiveSports-3K repeats ids for different questions, and a resume log, skip reports
+    and eval rows key by id."""
     counts = {}
     for s in samples:
         counts[s["id"]] = counts.get(s["id"], 0) + 1

@@ -476,7 +476,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
-    # relative to the working directory (validate_sample would join a relative one to the annotation file's folder)
+    # relative to the working directory (validate_sample joins a relative one to the annotations')
     root = os.path.abspath(os.path.join(cfg.video_dir, name))
     for where, r in rows:
         try:
