@@ -67,7 +67,8 @@ class DataError(UserError):
 
 
 def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
-    """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
+    """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample,
+    with its id, data_type and "where" (file:line)."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
     # printable despite a lone surrogate
@@ -90,7 +91,8 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
         raise DataError(
             f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
         )
-    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]))
+    place = where.encode("utf-8", "backslashreplace").decode()  # file:line, printable
+    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]), where=place)
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -163,7 +165,7 @@ def load_samples(
         try:
             if isinstance(row, bytes):
                 row = parse_json(row, where)
-            s = dict(validate_sample(row, where, special_tokens), where=where)
+            s = validate_sample(row, where, special_tokens)
             if not allow_outside:
                 check_inside(s, root, f"{where}: sample {s['id']}")
         except DataError as e:
