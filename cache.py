@@ -385,8 +385,8 @@ def unwritable(file: str, e: Exception, stats: dict):
     stats["cache_unwritable"] = stats.get("cache_unwritable", 0) + 1
     if stats["cache_unwritable"] == 1:
         print(
-            f"warning: cache: cannot write {file} ({type(e).__name__}: {e}); such frames are used "
-            "uncached (counted: cache_unwritable)",
+            f"warning: cache: cannot lock or write {file} ({type(e).__name__}: {e}): entries it "
+            "lacks are decoded, not stored (counted: cache_unwritable)",
             file=sys.stderr,
         )
 
