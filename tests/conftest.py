@@ -221,9 +221,9 @@ VAL_WITH_MISSING = []  # its one path, written once a session
 
 
 def val_with_missing_file(tmp_path_factory) -> str:
-    """2 held-out samples and one whose video cannot be decoded (a missing one is refused at load): skipped
-    (skip_invalid) and reported once per run. The bad one is second: on 2 ranks it is rank 1's whole share, so rank 1
-    generates a pad (data.held_out_rounds)."""
+    """2 held-out samples and one whose video cannot be decoded (a missing one is refused at load):
+    skipped (skip_invalid) and reported once per run. The bad one is second: on 2 ranks it is rank
+    1's whole share, so rank 1 generates a pad (data.held_out_rounds)."""
     if not VAL_WITH_MISSING:
         color_data = color_data_dir()
         val = tmp_path_factory.mktemp("val") / "val.jsonl"

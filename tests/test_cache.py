@@ -525,7 +525,8 @@ def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
 
 
 def read_only(folder) -> bool:
-    """Makes the tree read-only (folders 0o555, files 0o444); False where that does not stop writes (root)."""
+    """Makes the tree read-only (folders 0o555, files 0o444); False where that does not stop writes
+    (root)."""
     for root, dirs, files in os.walk(folder, topdown=False):
         for f in files:
             os.chmod(os.path.join(root, f), 0o444)
@@ -539,10 +540,11 @@ def read_only(folder) -> bool:
 
 
 def test_unwritable_entries_keep_their_frames(video, tmp_path, monkeypatch, capsys):
-    """Issue 44 item 9: an entry that cannot be locked or written is a miss that returns the decoded frames, counted
-    (cache_unwritable) with one warning; a readable entry is still a hit. A folder in the entry's place (before: a raw
-    IsADirectoryError on rebuild), a full disk (before: safetensors' error, the decode lost), a read-only cache
-    (before: its lock file failed, even on a hit)."""
+    """Issue 44 item 9: an entry that cannot be locked or written is a miss that returns the decoded
+    frames, counted (cache_unwritable) with one warning; a readable entry is still a hit. A folder
+    in the entry's place (before: a raw IsADirectoryError on rebuild), a full disk (before:
+    safetensors' error, the decode lost), a read-only cache (before: its lock file failed, even on a
+    hit)."""
     from safetensors import SafetensorError
     import safetensors.numpy
 

@@ -357,9 +357,10 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
 
 
 def test_missing_media_are_one_error_at_load(tmp_path, capsys):
-    """Issue 44 item 2: samples naming a media file that is not there (missing, or a folder) are one error at load,
-    with the count, the first file:line and path, and the way out; with skip_invalid they are skip reports and one
-    warning line (before: loaded, then each failed when drawn, hours in)."""
+    """Issue 44 item 2: samples naming a media file that is not there (missing, or a folder) are one
+    error at load, with the count, the first file:line and path, and the way out; with skip_invalid
+    they are skip reports and one warning line (before: loaded, then each failed when drawn, hours
+    in)."""
     (tmp_path / "dir.mp4").mkdir()
     rows = [GOOD] + [dict(GOOD, id=f"m{i}", videos=[f"gone{i}.mp4"]) for i in range(3)]
     path = write_jsonl(tmp_path / "d.jsonl", rows + [dict(GOOD, id="d", images=["dir.mp4"])])
@@ -380,8 +381,9 @@ def test_missing_media_are_one_error_at_load(tmp_path, capsys):
 
 @pytest.mark.parametrize("video", ["../../../../../../etc/hostname", "/etc/hostname", "link.mp4"])
 def test_media_outside_the_data_folder_are_refused(tmp_path, video):
-    """Issue 44 item 9: a media path resolving outside the data file's folder (climbing out, absolute, or a symlink
-    pointing out: resolved first) is an error naming file:line and the field, unless allow_outside (before: read)."""
+    """Issue 44 item 9: a media path resolving outside the data file's folder (climbing out,
+    absolute, or a symlink pointing out: resolved first) is an error naming file:line and the field,
+    unless allow_outside (before: read)."""
     (tmp_path / "link.mp4").symlink_to("/etc/hostname")
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, dict(GOOD, id="x", videos=[video])])
     with pytest.raises(data.DataError) as e:
@@ -398,8 +400,9 @@ def test_media_outside_the_data_folder_are_refused(tmp_path, video):
 
 
 def test_duplicate_ids_are_made_unique_in_one_line(tmp_path, capsys):
-    """Issue 44 item 9: training samples sharing an id (before: loaded silently, then skip reports and eval rows
-    keyed by id mixed them up) get their place appended, as evaluation's do, with one warning line."""
+    """Issue 44 item 9: training samples sharing an id (before: loaded silently, then skip reports
+    and eval rows keyed by id mixed them up) get their place appended, as evaluation's do, with one
+    warning line."""
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, dict(GOOD, id="s2"), GOOD, GOOD])
     ids = [s["id"] for s in data.load_samples(path)]
     assert ids == ["s1@d.jsonl:1", "s2", "s1@d.jsonl:3", "s1@d.jsonl:4"]

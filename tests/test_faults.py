@@ -98,7 +98,8 @@ TEMPLATE_FAILS = {"ZERO": "ZeroDivisionError", "TYPE": "TypeError", "PAD": "Stop
 RENDERED_FAILS = {**TEMPLATE_FAILS, "PAD": "contains '<|video_pad|>'"}
 
 
-# media the loader refuses (a stat, a path outside the data's folder): skipped at load, with what the error says
+# media the loader refuses (a stat, a path outside the data's folder): skipped at load; what the
+# error says
 LOAD_TIME = {
     "missing": "not found",
     "missing_image": "not found",
@@ -445,7 +446,8 @@ def run_train(cmd, timeout: float = 600) -> tuple[subprocess.Popen, str]:
 
 
 def all_undecodable(tmp_path, synth) -> str:
-    """The synthetic video samples, each with a video that cannot be decoded (a missing one is refused at load)."""
+    """The synthetic video samples, each with a video that cannot be decoded (a missing one is
+    refused at load)."""
     rows = [json.loads(x) for x in open(os.path.join(synth, "train.jsonl"))]
     path = tmp_path / "undecodable.jsonl"
     videos = [s for s in rows if s.get("videos")]
@@ -522,8 +524,9 @@ def test_no_valid_training_sample_fails_at_startup(failing_runs, synth):
 
 @pytest.mark.slow
 def test_every_sample_invalid_fails_after_max_consecutive_invalid(failing_runs):
-    """--skip-invalid and every video undecodable: the run fails after max_consecutive_invalid failures in a row, with
-    the last error (before: step 1 refilled its slots from the stream for ever)."""
+    """--skip-invalid and every video undecodable: the run fails after max_consecutive_invalid
+    failures in a row, with the last error (before: step 1 refilled its slots from the stream for
+    ever)."""
     p = failing_runs[1]["all invalid"]
     assert p.returncode != 0, p.stdout[-4000:]
     assert "21 invalid samples in a row (max_consecutive_invalid=20)" in p.stdout, p.stdout[-4000:]
@@ -532,8 +535,9 @@ def test_every_sample_invalid_fails_after_max_consecutive_invalid(failing_runs):
 
 @pytest.mark.slow
 def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
-    """A step that never ends (every video undecodable, max_consecutive_invalid out of reach): the first SIGTERM only
-    asks for a checkpoint at the step boundary, the second ends the run (before: both were only recorded)."""
+    """A step that never ends (every video undecodable, max_consecutive_invalid out of reach): the
+    first SIGTERM only asks for a checkpoint at the step boundary, the second ends the run (before:
+    both were only recorded)."""
     from test_resume import wait_for, worker
 
     out = tmp_path / "run"
@@ -725,7 +729,8 @@ def cli(tmp_path_factory, tiny_model, synth) -> tuple:
 
 
 def hostile_data(d, synth) -> dict:
-    """Issue 44's data files (the synthetic samples, media copied into `d`): name -> (rows, flags)."""
+    """Issue 44's data files (the synthetic samples, media copied into `d`): name -> (rows,
+    flags)."""
     for sub in ("videos", "images"):
         shutil.copytree(os.path.join(synth, sub), d / sub, dirs_exist_ok=True)
     rows = [json.loads(line) for line in open(os.path.join(synth, "train.jsonl"))]
@@ -745,9 +750,10 @@ def hostile_data(d, synth) -> dict:
 
 
 def test_missing_media_fail_the_dry_run_in_one_line(cli):
-    """Issue 44 item 2: a data file naming 3 media files that are not there (missing, a folder): `--dry-run` fails
-    with one line naming the count, the first file:line and path and --skip-invalid, before any model loads; with
-    --skip-invalid they are skipped and counted at load (before: exit 0, then each sample failed when drawn)."""
+    """Issue 44 item 2: a data file naming 3 media files that are not there (missing, a folder):
+    `--dry-run` fails with one line naming the count, the first file:line and path and
+    --skip-invalid, before any model loads; with --skip-invalid they are skipped and counted at load
+    (before: exit 0, then each sample failed when drawn)."""
     path, p = cli[0] / "media missing.jsonl", cli[1]["media missing"]
     n = sum(1 for _ in open(path)) - 3
     assert p.returncode == 2 and "Traceback" not in p.stdout, p.stdout[-3000:]
@@ -762,8 +768,8 @@ def test_missing_media_fail_the_dry_run_in_one_line(cli):
 
 
 def test_media_outside_the_data_folder_fail_the_dry_run(cli):
-    """Issue 44 item 9: a training sample whose video climbs out of the data's folder (../../etc/hostname) is an error
-    naming file:line, the sample and the field (before: read)."""
+    """Issue 44 item 9: a training sample whose video climbs out of the data's folder
+    (../../etc/hostname) is an error naming file:line, the sample and the field (before: read)."""
     path, p = cli[0] / "media outside.jsonl", cli[1]["media outside"]
     assert p.returncode == 2, p.stdout[-3000:]
     assert f"error: {path}:2: sample out: field 'videos': " in p.stdout, p.stdout[-3000:]
@@ -771,8 +777,9 @@ def test_media_outside_the_data_folder_fail_the_dry_run(cli):
 
 
 def test_same_ids_are_made_unique_in_one_line(cli):
-    """Issue 44 item 9: three training samples sharing an id load renamed (id@file:line), one warning line (before:
-    loaded silently, then skip reports and eval rows keyed by id mixed them up)."""
+    """Issue 44 item 9: three training samples sharing an id load renamed (id@file:line), one
+    warning line (before: loaded silently, then skip reports and eval rows keyed by id mixed them
+    up)."""
     path, p = cli[0] / "same ids.jsonl", cli[1]["same ids"]
     assert p.returncode == 0, p.stdout[-3000:]
     assert (
@@ -782,10 +789,11 @@ def test_same_ids_are_made_unique_in_one_line(cli):
 
 
 def test_benchmark_media_are_checked_before_the_engine(tmp_path, capsys):
-    """Issue 44 items 2 and 9 in evaluate.py's loading (prepare_benchmark, before any engine): a folder where a video
-    should be is missing media, listed and counted unevaluable with one warning line (before: it passed as
-    present); a video path climbing out of video_dir/<benchmark>, absolute, or a symlink pointing out is a bad record
-    naming file:line and the field (before: read); allow_outside_media lets them through."""
+    """Issue 44 items 2 and 9 in evaluate.py's loading (prepare_benchmark, before any engine): a
+    folder where a video should be is missing media, listed and counted unevaluable with one warning
+    line (before: it passed as present); a video path climbing out of video_dir/<benchmark>,
+    absolute, or a symlink pointing out is a bad record naming file:line and the field (before:
+    read); allow_outside_media lets them through."""
     import evaluate as E
 
     good = {"videoID": "ok", "question": "q?", "options": ["A. a", "B. b"], "answer": "B"}
@@ -833,9 +841,10 @@ def test_template_is_bounded_on_every_sample(cli, synth, skip):
 
 @pytest.mark.slow
 def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
-    """One SIGTERM and a step that never reaches its boundary (every video undecodable, max_consecutive_invalid out of
-    reach): after stop_grace_s the run says where it was stuck and exits 1, no checkpoint written (before: it waited
-    for a second signal, which schedulers do not send before SIGKILL)."""
+    """One SIGTERM and a step that never reaches its boundary (every video undecodable,
+    max_consecutive_invalid out of reach): after stop_grace_s the run says where it was stuck and
+    exits 1, no checkpoint written (before: it waited for a second signal, which schedulers do not
+    send before SIGKILL)."""
     from test_resume import wait_for
 
     out = tmp_path / "run"
