@@ -183,10 +183,8 @@ def load_samples(
     if missing:
         first = "; ".join(f"{r['where']}: {r['media'][0]}" for r in missing[:3])
         more = ", ..." if len(missing) > 3 else ""
-        summary = (
-            f"{path}: {len(missing)} samples name a media file that is missing or not a regular"
-        )
-        summary += " file"
+        what = "samples name a media file that is missing or not a regular file"
+        summary = f"{path}: {len(missing)} {what}"
         if not skip_invalid:
             raise DataError(f"{summary} ({first}{more}): fix the paths, or pass --skip-invalid")
         warn(f"warning: {summary}: skipped ({first}{more})")
