@@ -7,6 +7,8 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. The CLI (REA
 prints `videos | cache_hit | rebuilt | decode | failed | bytes | seconds` and lists failed videos in OUT/failed.jsonl.
 The key hashes FORMAT, the video's absolute path, size and mtime (an edited file is a miss, never stale) and every
 frame setting. Writes are atomic (temp file + os.replace); a per-key lock makes concurrent loaders decode once.
+An entry that cannot be locked or written (a read-only cache, a full disk) is counted
+(cache_unwritable); its frames are used uncached.
 """
 
 import contextlib
@@ -93,6 +95,9 @@ class Media(Frames):
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
     cache_dir: str = field(default=".cache/frames", metadata=MAY_CHANGE_ON_RESUME)
     """frame cache folder ('' = no cache)"""
+    allow_outside_media: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    """read media paths that resolve (symlinks followed) outside their data file's folder
+    (evaluate.py: video_dir/<benchmark>); off, such a path is an error naming the sample"""
 
 
 class VideoError(UserError):
@@ -332,9 +337,16 @@ def load_video(
     file = entry_path(cache_dir, path, settings)
     with contextlib.ExitStack() as stack:
         # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+        locked = False
         if mode == "prefer_cache":
-            os.makedirs(os.path.dirname(file), exist_ok=True)
-            fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
+            try:
+                os.makedirs(os.path.dirname(file), exist_ok=True)
+                fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
+                locked = True
+            except (
+                OSError
+            ) as e:  # a read-only or full cache: its entries are still read, misses decoded
+                unwritable(file, e, stats)
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
@@ -354,8 +366,29 @@ def load_video(
                 f"{path}: no cache entry {file} (mode cache_only; run `python cache.py` first)"
             )
         out = load_video(path, frames, factor, mode="decode_only", stats=stats, end=end)
-        write_entry(file, *out)
+        from safetensors import SafetensorError
+
+        try:
+            if locked:  # else unwritable, counted above
+                write_entry(file, *out)
+        # a full disk (safetensors' "No space left on device"), a folder in the entry's place: the
+        # frames are kept
+        except (OSError, SafetensorError) as e:
+            unwritable(file, e, stats)
         return out
+
+
+def unwritable(file: str, e: Exception, stats: dict):
+    """An entry that cannot be locked or written: counted in stats["cache_unwritable"], a warning
+    the first time (per stats: per run in training), never an error: the frames are used all the
+    same."""
+    stats["cache_unwritable"] = stats.get("cache_unwritable", 0) + 1
+    if stats["cache_unwritable"] == 1:
+        print(
+            f"warning: cache: cannot lock or write {file} ({type(e).__name__}: {e}): entries it "
+            "lacks are decoded, not stored (counted: cache_unwritable)",
+            file=sys.stderr,
+        )
 
 
 def load_image(
@@ -406,6 +439,8 @@ def preprocess_one(path: str, c: Config) -> dict:
     stats = {}
     try:
         load_video(path, c, c.factor, cache_dir=c.out, stats=stats)
+        if stats.get("cache_unwritable"):
+            return stats | {"error": f"{path}: decoded, but its cache entry cannot be written"}
         return stats | {"bytes": os.path.getsize(entry_path(c.out, path, c.settings(c.factor)))}
     except Exception as e:  # noqa: BLE001  listed in failed.jsonl and counted: one bad video never stops the run
         return stats | {

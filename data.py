@@ -11,6 +11,7 @@ import json
 import os
 import re
 import resource
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -66,7 +67,8 @@ class DataError(UserError):
 
 
 def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
-    """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample."""
+    """Check one raw sample, resolve media paths relative to `where`'s folder. Returns the sample,
+    with its id, data_type and "where" (file:line)."""
     if not isinstance(s, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(s).__name__}")
     # printable despite a lone surrogate
@@ -89,7 +91,8 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
         raise DataError(
             f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
         )
-    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]))
+    place = where.encode("utf-8", "backslashreplace").decode()  # file:line, printable
+    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]), where=place)
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -134,10 +137,16 @@ def load_samples(
     skip_invalid: bool = False,
     skipped: list | None = None,
     special_tokens=SPECIAL_TOKENS,
+    allow_outside: bool = False,
+    check_media: bool = True,
 ) -> list[dict]:
-    """Read a .json (array) or .jsonl file. A bad sample raises DataError, or with skip_invalid is
-    appended to `skipped` as {"where", "error"} (counted and logged by the caller, never silently dropped).
-    special_tokens: the strings refused in any text field (the tokenizer's, when the caller has it loaded)."""
+    """Read a .json (array) or .jsonl file; each sample gets its "where" (file:line). A bad sample
+    raises DataError, or with skip_invalid is appended to `skipped` as {"where", "error"} (counted
+    and logged by the caller, never silently dropped). special_tokens: the strings refused in any
+    text field (the tokenizer's, when the caller has it loaded). A media path resolving outside the
+    file's folder is a bad sample unless allow_outside. check_media: the samples naming a media file
+    that is not there are one error (skip_invalid: skipped) now, not each when drawn, hours later.
+    Ids that several samples share get their place appended (unique_ids)."""
     # bytes: a line that is not UTF-8 is an error on that line, not on the file
     with open(path, "rb") as f:
         raw = f.read()
@@ -149,18 +158,89 @@ def load_samples(
     else:
         lines = enumerate(raw.split(b"\n"), start=1)
         rows = [(f"{path}:{n}", line) for n, line in lines if line.strip()]
+    root = os.path.dirname(os.path.abspath(path))
     out = []
+    missing = []  # skip reports of the samples naming a media file that is not there
     for where, row in rows:
         try:
             if isinstance(row, bytes):
                 row = parse_json(row, where)
-            out.append(validate_sample(row, where, special_tokens))
+            s = validate_sample(row, where, special_tokens)
+            if not allow_outside:
+                check_inside(s, root, f"{where}: sample {s['id']}")
         except DataError as e:
             if not skip_invalid:
                 raise
             if skipped is not None:
                 skipped.append({"where": where, "error": str(e)})
+            continue
+        absent = missing_media(s) if check_media else []
+        if absent:
+            error = f"{where}: sample {s['id']}: {absent[0]}: not found (or not a regular file)"
+            missing.append({"where": where, "media": absent, "error": error})
+        else:
+            out.append(s)
+    if missing:
+        first = "; ".join(f"{r['where']}: {r['media'][0]}" for r in missing[:3])
+        more = ", ..." if len(missing) > 3 else ""
+        what = "samples name a media file that is missing or not a regular file"
+        summary = f"{path}: {len(missing)} {what}"
+        if not skip_invalid:
+            raise DataError(f"{summary} ({first}{more}): fix the paths, or pass --skip-invalid")
+        warn(f"warning: {summary}: skipped ({first}{more})")
+        if skipped is not None:
+            skipped += missing
+    return unique_ids(out, path)
+
+
+def check_inside(s: dict, root: str, who: str):
+    """A media path that resolves (symlinks followed) outside `root` is a DataError naming `who` and
+    the field: a hostile file must not read /etc/... or ~/.ssh/... as a "video". root: the data
+    file's folder, or the benchmark's video folder."""
+    top = os.path.realpath(root)
+    for k in ("videos", "images"):
+        for p in s.get(k, []):
+            real = os.path.realpath(p)
+            if os.path.commonpath([top, real]) != top:
+                raise DataError(
+                    f"{who}: field '{k}': {p} resolves to {real}, outside {top} (media are read "
+                    "from the data's own folder; --allow-outside-media allows other paths)"
+                )
+
+
+def missing_media(s: dict) -> list[str]:
+    """The sample's media paths that are not regular files (missing, a folder, a FIFO, a device): a
+    stat each."""
+    return [p for p in s.get("videos", []) + s.get("images", []) if not os.path.isfile(p)]
+
+
+def unique_ids(samples: list[dict], name: str) -> list[dict]:
+    """The samples, those whose id others share renamed `id@<file>:<line>` (their "where"), with one
+    warning line: LiveSports-3K repeats ids for different questions, and a resume log, skip reports
+    and eval rows key by id."""
+    counts = {}
+    for s in samples:
+        counts[s["id"]] = counts.get(s["id"], 0) + 1
+    out = []
+    renamed = []
+    for s in samples:
+        if counts[s["id"]] > 1:
+            s = dict(s, id=f"{s['id']}@{os.path.basename(s['where'])}")
+            renamed.append(f"{s['where']} -> {s['id']}")
+        out.append(s)
+    if renamed:
+        more = ", ..." if len(renamed) > 3 else ""
+        warn(
+            f"warning: {name}: {len(renamed)} samples share their id with another, now unique: "
+            f"{', '.join(renamed[:3])}{more}"
+        )
     return out
+
+
+def warn(text: str):
+    """A warning on stderr, once (rank 0's) under torchrun."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).

@@ -10,7 +10,6 @@ docs/benchmarks.md.
 """
 
 import asyncio
-import collections
 import copy
 import csv
 import glob
@@ -472,13 +471,18 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
     if ad.get("own"):
         path = own_annotations(name, cfg)
         files = [path]
-        out = [dict(s, where=f"{path}:{i + 1}") for i, s in enumerate(data.load_samples(path))]
+        # media are checked with every benchmark's (prepare_benchmark)
+        out = data.load_samples(path, allow_outside=cfg.allow_outside_media, check_media=False)
     else:
         files = find_annotations(name, cfg)
         rows = [x for f in files for x in questions_of(f, ad)]
+    # relative to the working directory (validate_sample joins a relative one to the annotations')
+    root = os.path.abspath(os.path.join(cfg.video_dir, name))
     for where, r in rows:
         try:
-            s = to_sample(r, ad, where, os.path.join(cfg.video_dir, name))
+            s = to_sample(r, ad, where, root)
+            if s and not cfg.allow_outside_media:
+                data.check_inside(s, root, where)
         except DataError as e:
             errors.append({"where": where, "error": str(e)})
             continue
@@ -494,16 +498,7 @@ def load_benchmark(name: str, cfg: Config, skipped: list, bad: list | None = Non
             f"{len(skipped)} without ground truth; first: {reasons[0]}; docs/benchmarks.md: "
             "what to download, the layout, the preparation step)"
         )
-    # LiveSports-3K repeats ids for different questions: each keeps its record's place in its id
-    repeated = {i for i, n in collections.Counter(s["id"] for s in out).items() if n > 1}
-    for s in out:
-        if s["id"] in repeated:
-            s["id"] = f"{s['id']}@{os.path.basename(s['where'])}"
-            print(
-                f"warning: {name}: {s['where']}: its id is not unique, now {s['id']}",
-                file=sys.stderr,
-                flush=True,
-            )
+    out = data.unique_ids(out, name)
     if errors and bad is None:  # the error names where
         raise DataError(f"{name}: {len(errors)} bad records, first: {errors[0]['error']}")
     return out[: cfg.max_samples or None]
@@ -1269,12 +1264,21 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
     skipped = []
     bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
-    missing = []
-    for s in samples:
-        media = s.get("videos", []) + s.get("images", [])
-        if not all(os.path.exists(p) for p in media):
-            missing.append(s)
-            bad.append({"where": s["where"], "error": f"sample {s['id']}: missing media {media}"})
+    absent = {s["id"]: data.missing_media(s) for s in samples}  # a stat a file, before any engine
+    missing = [s for s in samples if absent[s["id"]]]
+    for s in missing:
+        bad.append(
+            {"where": s["where"], "error": f"sample {s['id']}: missing media {absent[s['id']]}"}
+        )
+    if missing:  # one line now, not a surprise in results.json hours later
+        first = "; ".join(f"{s['where']}: {absent[s['id']][0]}" for s in missing[:3])
+        print(
+            f"warning: {bench}: {len(missing)} samples name a media file that is missing or not a "
+            f"regular file ({first}{', ...' if len(missing) > 3 else ''}): not evaluated, counted "
+            "unevaluable (exit 1 unless --allow-failures)",
+            file=sys.stderr,
+            flush=True,
+        )
     folder = os.path.join(cfg.out_dir, bench)
     run = {
         "model": os.path.realpath(cfg.model),

@@ -1382,7 +1382,11 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     added = [t.content for t in tok.added_tokens_decoder.values() if t.special]
     specials = data.SPECIAL_TOKENS + tuple(added)
     load = functools.partial(
-        data.load_samples, skip_invalid=cfg.skip_invalid, skipped=skipped, special_tokens=specials
+        data.load_samples,
+        skip_invalid=cfg.skip_invalid,
+        skipped=skipped,
+        special_tokens=specials,
+        allow_outside=cfg.allow_outside_media,
     )
     samples = {"train": load(cfg.train_data), "val": []}
     if cfg.val_data:
@@ -1755,7 +1759,9 @@ def main(cfg: Config):
     eos_ids = eos_token_ids(t.model)
     engine = start_engine(cfg, t, tok, eos_ids, samples)
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
-    stats = {"cache_hit": 0, "cache_miss": 0, "cache_corrupt": 0, "decode": 0, "decode_s": 0.0}
+    stats = dict(
+        cache_hit=0, cache_miss=0, cache_corrupt=0, cache_unwritable=0, decode=0, decode_s=0.0
+    )
     prep, val_prep = preparers(cfg, processor, template, stats)
     skipped = state.get("skipped", skipped)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))

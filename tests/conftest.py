@@ -6,6 +6,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -220,22 +221,19 @@ VAL_WITH_MISSING = []  # its one path, written once a session
 
 
 def val_with_missing_file(tmp_path_factory) -> str:
-    """2 held-out samples and one whose video is missing: skipped (skip_invalid) and reported once per run. The
-    missing one is second: on 2 ranks it is rank 1's whole share, so rank 1 generates a pad (data.held_out_rounds)."""
+    """2 held-out samples and one whose video cannot be decoded (a missing one is refused at load):
+    skipped (skip_invalid) and reported once per run. The bad one is second: on 2 ranks it is rank
+    1's whole share, so rank 1 generates a pad (data.held_out_rounds)."""
     if not VAL_WITH_MISSING:
         color_data = color_data_dir()
         val = tmp_path_factory.mktemp("val") / "val.jsonl"
         good = [json.loads(line) for line in open(os.path.join(color_data, "val.jsonl"))][:2]
-        good = [
-            {**s, "videos": [os.path.join(color_data, v) for v in s.get("videos", [])]}
-            for s in good
-        ]  # val moves
-        bad = {
-            **good[0],
-            "id": "val-missing-video",
-            "videos": [str(val.parent / "missing.mp4")],
-            "images": [],
-        }
+        for s in good:  # media inside the data's folder, as the loader wants them
+            for v in s["videos"]:
+                shutil.copy(os.path.join(color_data, v), val.parent)
+            s["videos"] = [os.path.basename(v) for v in s["videos"]]
+        (val.parent / "missing.mp4").write_bytes(b"not a video" * 100)
+        bad = {**good[0], "id": "val-missing-video", "videos": ["missing.mp4"], "images": []}
         val.write_text("".join(json.dumps(s) + "\n" for s in [good[0], bad, good[1]]))
         VAL_WITH_MISSING.append(str(val))
     return VAL_WITH_MISSING[0]

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 
 import pytest
@@ -239,6 +240,7 @@ def test_offline_output_with_special_tokens_is_a_data_error(tmp_path, synth):
 
     good = json.loads(open(f"{synth}/train.jsonl").readline())
     path = tmp_path / "train.jsonl"
+    shutil.copytree(f"{synth}/videos", tmp_path / "videos")  # its media where its paths say
     rows = [
         {**good, "id": "ok", "offline_output": "<answer>B</answer>"},
         {**good, "id": "s7", "offline_output": "<answer>B</answer><|image_pad|>"},

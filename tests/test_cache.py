@@ -522,3 +522,74 @@ def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
         cache.VideoError, match=f"{path}: video file not found .*not a regular file"
     ):
         cache.load_video(path, frames_of(SETTINGS), mode="decode_only")
+
+
+def read_only(folder) -> bool:
+    """Makes the tree read-only (folders 0o555, files 0o444); False where that does not stop writes
+    (root)."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o444)
+        os.chmod(root, 0o555)
+    try:
+        open(os.path.join(folder, "probe"), "w").close()
+    except PermissionError:
+        return True
+    os.remove(os.path.join(folder, "probe"))
+    return False
+
+
+def test_unwritable_entries_keep_their_frames(video, tmp_path, monkeypatch, capsys):
+    """Issue 44 item 9: an entry that cannot be locked or written is a miss that returns the decoded
+    frames, counted (cache_unwritable) with one warning; a readable entry is still a hit. A folder
+    in the entry's place (before: a raw IsADirectoryError on rebuild), a full disk (before:
+    safetensors' error, the decode lost), a read-only cache (before: its lock file failed, even on a
+    hit)."""
+    from safetensors import SafetensorError
+    import safetensors.numpy
+
+    def load(d, settings=SETTINGS) -> dict:
+        """load_video's stats; its frames must be the decoded ones."""
+        stats = {}
+        got, _ = cache.load_video(video, frames_of(settings), cache_dir=str(d), stats=stats)
+        assert np.array_equal(
+            got, cache.load_video(video, frames_of(settings), mode="decode_only")[0]
+        )
+        return stats
+
+    folder = tmp_path / "folder"
+    os.makedirs(cache.entry_path(str(folder), video, frames_of(SETTINGS).settings(28)))
+    stats = load(folder)
+    assert (stats["cache_corrupt"], stats["decode"], stats["cache_unwritable"]) == (1, 1, 1)
+    assert "IsADirectoryError" in capsys.readouterr().err
+
+    def full(*args, **kwargs):  # what a full disk raises (measured on a 64 KiB tmpfs)
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    stats = load(tmp_path / "full")
+    assert (stats["decode"], stats["cache_unwritable"]) == (1, 1) and entries(
+        tmp_path / "full"
+    ) == []
+    assert capsys.readouterr().err.count("No space left on device") == 1
+    monkeypatch.undo()
+
+    ro = tmp_path / "ro"
+    load(ro)
+    other = ro  # a miss there: its shard folder cannot be made
+    if not read_only(ro):  # root writes anyway: its lock file a folder, a cache under a file
+        (shard,) = [ro / f for f in os.listdir(ro)]
+        os.chmod(shard, 0o755)
+        for lock in shard.glob("*.lock"):
+            lock.unlink()
+            lock.mkdir()
+        (tmp_path / "file").touch()
+        other = tmp_path / "file" / "c"
+    stats = load(ro)
+    assert (stats["cache_hit"], stats.get("decode", 0), stats["cache_unwritable"]) == (1, 0, 1)
+    stats = load(other, dict(SETTINGS, max_frames=8))
+    assert (stats["decode"], stats["cache_unwritable"]) == (1, 1)
+    for root, dirs, files in os.walk(ro):
+        os.chmod(root, 0o755)  # pytest can delete it

@@ -23,7 +23,9 @@ GOOD = {
 
 
 def write_jsonl(path, rows):
+    """The rows as a JSONL file, and GOOD's video beside it (a stat is all the loader checks)."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    (path.parent / "v.mp4").touch()
     return str(path)
 
 
@@ -179,7 +181,7 @@ def test_prepare_refuses_the_tokenizers_special_tokens(tmp_path, tiny_model, syn
     path = write_jsonl(
         tmp_path / "d.jsonl", [dict(row, id="x", problem=row["problem"] + " <|video_pad|>")]
     )
-    (s,) = data.load_samples(path, special_tokens=())
+    (s,) = data.load_samples(path, special_tokens=(), allow_outside=True)
     with pytest.raises(
         data.DataError, match=r"sample x: field 'problem' contains '<\|video_pad\|>'"
     ):
@@ -197,6 +199,7 @@ def test_undecodable_lines_are_data_errors_naming_the_line(tmp_path):
         json.dumps(dict(GOOD, id="s5")).encode(),
     ]
     path = tmp_path / "d.jsonl"
+    (tmp_path / "v.mp4").touch()
     path.write_bytes(b"\n".join(lines) + b"\n")
     for bad, says in zip(
         lines[1:4],
@@ -351,3 +354,60 @@ def test_held_out_prompts_are_prepared_by_the_group_that_generates_them():
                 [[("s0", True)]],
             ][rank]
         )  # rank 1 pads (one process: its own 1 round; in a torchrun, 2 like rank 0)
+
+
+def test_missing_media_are_one_error_at_load(tmp_path, capsys):
+    """Issue 44 item 2: samples naming a media file that is not there (missing, or a folder) are one
+    error at load, with the count, the first file:line and path, and the way out; with skip_invalid
+    they are skip reports and one warning line (before: loaded, then each failed when drawn, hours
+    in)."""
+    (tmp_path / "dir.mp4").mkdir()
+    rows = [GOOD] + [dict(GOOD, id=f"m{i}", videos=[f"gone{i}.mp4"]) for i in range(3)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows + [dict(GOOD, id="d", images=["dir.mp4"])])
+    with pytest.raises(data.DataError) as e:
+        data.load_samples(path)
+    assert str(e.value) == (
+        f"{path}: 4 samples name a media file that is missing or not a regular file ({path}:2: "
+        f"{tmp_path}/gone0.mp4; {path}:3: {tmp_path}/gone1.mp4; {path}:4: {tmp_path}/gone2.mp4, "
+        "...): fix the paths, or pass --skip-invalid"
+    )
+    skipped = []
+    assert [s["id"] for s in data.load_samples(path, skip_invalid=True, skipped=skipped)] == ["s1"]
+    assert [r["where"] for r in skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
+    assert skipped[3]["media"] == [f"{tmp_path}/dir.mp4"]
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and "4 samples name a media file" in warned[0], warned
+
+
+@pytest.mark.parametrize("video", ["../../../../../../etc/hostname", "/etc/hostname", "link.mp4"])
+def test_media_outside_the_data_folder_are_refused(tmp_path, video):
+    """Issue 44 item 9: a media path resolving outside the data file's folder (climbing out,
+    absolute, or a symlink pointing out: resolved first) is an error naming file:line and the field,
+    unless allow_outside (before: read)."""
+    (tmp_path / "link.mp4").symlink_to("/etc/hostname")
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, dict(GOOD, id="x", videos=[video])])
+    with pytest.raises(data.DataError) as e:
+        data.load_samples(path)
+    assert str(e.value).startswith(f"{path}:2: sample x: field 'videos': {tmp_path}/{video}"[:70])
+    assert "outside" in str(e.value) and "--allow-outside-media" in str(e.value)
+    assert len(data.load_samples(path, allow_outside=True)) == 2
+    # the folder itself through a symlink, and a symlink inside it: in
+    (tmp_path / "in.mp4").symlink_to(tmp_path / "v.mp4")
+    (tmp_path.parent / f"{tmp_path.name}-alias").symlink_to(tmp_path)
+    alias = f"{tmp_path}-alias/d.jsonl"
+    write_jsonl(tmp_path / "d.jsonl", [GOOD, dict(GOOD, id="x", videos=["in.mp4"])])
+    assert [s["id"] for s in data.load_samples(alias)] == ["s1", "x"]
+
+
+def test_duplicate_ids_are_made_unique_in_one_line(tmp_path, capsys):
+    """Issue 44 item 9: training samples sharing an id (before: loaded silently, then skip reports
+    and eval rows keyed by id mixed them up) get their place appended, as evaluation's do, with one
+    warning line."""
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, dict(GOOD, id="s2"), GOOD, GOOD])
+    ids = [s["id"] for s in data.load_samples(path)]
+    assert ids == ["s1@d.jsonl:1", "s2", "s1@d.jsonl:3", "s1@d.jsonl:4"]
+    warned = capsys.readouterr().err.splitlines()
+    assert warned == [
+        f"warning: {path}: 3 samples share their id with another, now unique: {path}:1 -> "
+        f"s1@d.jsonl:1, {path}:3 -> s1@d.jsonl:3, {path}:4 -> s1@d.jsonl:4"
+    ]

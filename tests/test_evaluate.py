@@ -622,7 +622,8 @@ def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     (first,) = E.load_benchmark("livesports3k_qa", cfg, [])
     assert first["id"] == "0@livesports3k_qa.json:1"
     assert (
-        "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1"
+        "2 samples share their id with another, now unique: "
+        f"{FIXTURES}/livesports3k_qa.json:1 -> 0@livesports3k_qa.json:1, "
         in capsys.readouterr().err
     )
     ids = [s["id"] for s in E.load_benchmark("livesports3k_qa", replace(cfg, max_samples=0), [])]

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -97,15 +98,26 @@ TEMPLATE_FAILS = {"ZERO": "ZeroDivisionError", "TYPE": "TypeError", "PAD": "Stop
 RENDERED_FAILS = {**TEMPLATE_FAILS, "PAD": "contains '<|video_pad|>'"}
 
 
+# media the loader refuses (a stat, a path outside the data's folder): skipped at load; what the
+# error says
+LOAD_TIME = {
+    "missing": "not found",
+    "missing_image": "not found",
+    "fifo": "not a regular file",
+    "device": "outside",
+}
+
+
 def fuzz_dataset(tmp_path, synth, per_kind=2, seed=0) -> tuple[str, list, dict]:
     """8 good synthetic samples mixed with per_kind broken ones of every kind, in a random order. Returns (path, good
     ids, expected skips: line number -> (sample id or None for load-time rejects, text its error must contain))."""
     rng = random.Random(seed)
     good = [json.loads(x) for x in open(os.path.join(synth, "train.jsonl"))][:8]
-    for s in good:  # absolute media paths: the fuzz file lives elsewhere
-        for k in ("videos", "images"):
-            if k in s:
-                s[k] = [os.path.join(synth, p) for p in s[k]]
+    for sub in (
+        "videos",
+        "images",
+    ):  # media inside the fuzz file's folder, as the loader wants them
+        shutil.copytree(os.path.join(synth, sub), tmp_path / sub, dirs_exist_ok=True)
     media, lines = broken_media(tmp_path / "broken"), broken_lines(good[0])
     rows = [(json.dumps(s), None) for s in good]
     for i, kind in enumerate((sorted(media) + sorted(lines) + sorted(TEMPLATE_FAILS)) * per_kind):
@@ -116,7 +128,10 @@ def fuzz_dataset(tmp_path, synth, per_kind=2, seed=0) -> tuple[str, list, dict]:
             key, path, says = media[kind]
             s = {k: v for k, v in good[0].items() if k not in ("data_type", "videos")}
             s |= {"id": f"broken-{i}", key: [path]}
-            rows.append((json.dumps(s), (s["id"], says)))
+            if kind in LOAD_TIME:
+                rows.append((json.dumps(s), (None, LOAD_TIME[kind])))
+            else:
+                rows.append((json.dumps(s), (s["id"], says)))
         else:
             rows.append((lines[kind], (None, "")))
     rest = rows[1:]
@@ -430,15 +445,18 @@ def run_train(cmd, timeout: float = 600) -> tuple[subprocess.Popen, str]:
     return p, finish(p, timeout)
 
 
-def all_missing(tmp_path, synth) -> str:
-    """The synthetic video samples, each with a video path that does not exist."""
+def all_undecodable(tmp_path, synth) -> str:
+    """The synthetic video samples, each with a video that cannot be decoded (a missing one is
+    refused at load)."""
     rows = [json.loads(x) for x in open(os.path.join(synth, "train.jsonl"))]
-    path = tmp_path / "missing.jsonl"
+    path = tmp_path / "undecodable.jsonl"
+    videos = [s for s in rows if s.get("videos")]
+    for i in range(len(videos)):
+        (tmp_path / f"undecodable-{i}.mp4").write_bytes(random.Random(i).randbytes(3000))
     path.write_text(
         "".join(
-            json.dumps({**s, "videos": [str(tmp_path / f"missing-{i}.mp4")]}) + "\n"
-            for i, s in enumerate(rows)
-            if s.get("videos")
+            json.dumps({**s, "videos": [str(tmp_path / f"undecodable-{i}.mp4")]}) + "\n"
+            for i, s in enumerate(videos)
         )
     )
     return str(path)
@@ -464,7 +482,7 @@ def failing_runs(tmp_path_factory, tiny_model, synth) -> tuple:
     }
     runs["all invalid"] = train_args(
         tiny_model,
-        all_missing(d, synth),
+        all_undecodable(d, synth),
         d / "run-invalid",
         "--skip-invalid",
         "--max-consecutive-invalid",
@@ -506,18 +524,20 @@ def test_no_valid_training_sample_fails_at_startup(failing_runs, synth):
 
 @pytest.mark.slow
 def test_every_sample_invalid_fails_after_max_consecutive_invalid(failing_runs):
-    """--skip-invalid and every video missing: the run fails after max_consecutive_invalid failures in a row, with
-    the last error (before: step 1 refilled its slots from the stream for ever)."""
+    """--skip-invalid and every video undecodable: the run fails after max_consecutive_invalid
+    failures in a row, with the last error (before: step 1 refilled its slots from the stream for
+    ever)."""
     p = failing_runs[1]["all invalid"]
     assert p.returncode != 0, p.stdout[-4000:]
     assert "21 invalid samples in a row (max_consecutive_invalid=20)" in p.stdout, p.stdout[-4000:]
-    assert "video file not found" in p.stdout
+    assert "cannot decode video" in p.stdout
 
 
 @pytest.mark.slow
 def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
-    """A step that never ends (every video missing, max_consecutive_invalid out of reach): the first SIGTERM only asks
-    for a checkpoint at the step boundary, the second ends the run (before: both were only recorded)."""
+    """A step that never ends (every video undecodable, max_consecutive_invalid out of reach): the
+    first SIGTERM only asks for a checkpoint at the step boundary, the second ends the run (before:
+    both were only recorded)."""
     from test_resume import wait_for, worker
 
     out = tmp_path / "run"
@@ -526,7 +546,7 @@ def test_second_signal_ends_a_step_that_hangs(tmp_path, tiny_model, synth):
     p = start(
         train_cmd(
             tiny_model,
-            all_missing(tmp_path, synth),
+            all_undecodable(tmp_path, synth),
             out,
             "--skip-invalid",
             "--max-consecutive-invalid",
@@ -690,6 +710,11 @@ def cli(tmp_path_factory, tiny_model, synth) -> tuple:
         tiny_model, "--lr", "inf", "--kl-coef", "-inf", "--dry-run", configs=[d / "nan.yaml"]
     )
     runs["config list"] = train_cli_args(tiny_model, "--dry-run", configs=[d / "list.yaml"])
+    for name, (rows, *flags) in hostile_data(d, synth).items():
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = train_cli_args(
+            tiny_model, "--train-data", str(d / f"{name}.jsonl"), "--dry-run", *flags
+        )
     for name, content, _ in DATA_ERRORS:
         (d / name).write_text(json.dumps(content) + "\n")
         runs[name] = train_cli_args(
@@ -701,6 +726,99 @@ def cli(tmp_path_factory, tiny_model, synth) -> tuple:
             "--dry-run",
         )
     return d, drive(runs, [sys.executable])
+
+
+def hostile_data(d, synth) -> dict:
+    """Issue 44's data files (the synthetic samples, media copied into `d`): name -> (rows,
+    flags)."""
+    for sub in ("videos", "images"):
+        shutil.copytree(os.path.join(synth, sub), d / sub, dirs_exist_ok=True)
+    rows = [json.loads(line) for line in open(os.path.join(synth, "train.jsonl"))]
+    (d / "folder.mp4").mkdir()
+    gone = [dict(rows[0], id=f"gone-{v}", videos=[v]) for v in ("gone.mp4", "folder.mp4")]
+    gone.append(
+        dict(rows[0], id="gone-image", data_type="image", videos=[], images=["images/gone.png"])
+    )
+    outside = dict(rows[0], id="out", videos=["../../../../../../../../etc/hostname"])
+    twice = [dict(s, id="same") for s in rows[:3]]
+    return {
+        "media missing": (rows + gone,),
+        "media missing skip": (rows + gone, "--skip-invalid"),
+        "media outside": (rows[:1] + [outside],),
+        "same ids": (twice + rows[3:],),
+    }
+
+
+def test_missing_media_fail_the_dry_run_in_one_line(cli):
+    """Issue 44 item 2: a data file naming 3 media files that are not there (missing, a folder):
+    `--dry-run` fails with one line naming the count, the first file:line and path and
+    --skip-invalid, before any model loads; with --skip-invalid they are skipped and counted at load
+    (before: exit 0, then each sample failed when drawn)."""
+    path, p = cli[0] / "media missing.jsonl", cli[1]["media missing"]
+    n = sum(1 for _ in open(path)) - 3
+    assert p.returncode == 2 and "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert (
+        f"error: {path}: 3 samples name a media file that is missing or not a regular file "
+        f"({path}:{n + 1}: {cli[0]}/gone.mp4; {path}:{n + 2}: {cli[0]}/folder.mp4; {path}:{n + 3}: "
+        f"{cli[0]}/images/gone.png): fix the paths, or pass --skip-invalid" in p.stdout
+    ), p.stdout[-3000:]
+    p = cli[1]["media missing skip"]
+    assert p.returncode == 0 and f"data: {n} train, 0 val, 3 skipped" in p.stdout, p.stdout[-3000:]
+    assert p.stdout.count("3 samples name a media file") == 1
+
+
+def test_media_outside_the_data_folder_fail_the_dry_run(cli):
+    """Issue 44 item 9: a training sample whose video climbs out of the data's folder
+    (../../etc/hostname) is an error naming file:line, the sample and the field (before: read)."""
+    path, p = cli[0] / "media outside.jsonl", cli[1]["media outside"]
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert f"error: {path}:2: sample out: field 'videos': " in p.stdout, p.stdout[-3000:]
+    assert "resolves to /etc/hostname, outside" in p.stdout
+
+
+def test_same_ids_are_made_unique_in_one_line(cli):
+    """Issue 44 item 9: three training samples sharing an id load renamed (id@file:line), one
+    warning line (before: loaded silently, then skip reports and eval rows keyed by id mixed them
+    up)."""
+    path, p = cli[0] / "same ids.jsonl", cli[1]["same ids"]
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert (
+        f"warning: {path}: 3 samples share their id with another, now unique: {path}:1 -> "
+        "same@same ids.jsonl:1, " in p.stdout
+    )
+
+
+def test_benchmark_media_are_checked_before_the_engine(tmp_path, capsys):
+    """Issue 44 items 2 and 9 in evaluate.py's loading (prepare_benchmark, before any engine): a
+    folder where a video should be is missing media, listed and counted unevaluable with one warning
+    line (before: it passed as present); a video path climbing out of video_dir/<benchmark>,
+    absolute, or a symlink pointing out is a bad record naming file:line and the field (before:
+    read); allow_outside_media lets them through."""
+    import evaluate as E
+
+    good = {"videoID": "ok", "question": "q?", "options": ["A. a", "B. b"], "answer": "B"}
+    names = ["ok", "folder", "gone", "../../../../../../../etc/x", "/etc/x", "link"]
+    records = [dict(good, videoID=v, question_id=f"q{i}") for i, v in enumerate(names)]
+    (tmp_path / "videomme.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    videos = tmp_path / "v" / "videomme"
+    videos.mkdir(parents=True)
+    (videos / "ok.mp4").write_bytes(b"a video")
+    (videos / "folder.mp4").mkdir()
+    (videos / "link.mp4").symlink_to("/etc/hostname")
+    cfg = E.Config(data_dir=str(tmp_path), video_dir=str(tmp_path / "v"), out_dir=str(tmp_path))
+    job = E.prepare_benchmark("videomme", cfg)
+    assert [s["id"] for s in job.samples] == ["q0"]
+    assert [s["id"] for s in job.missing] == ["q1", "q2"]
+    where = str(tmp_path / "videomme.jsonl")
+    errors = {b["where"]: b["error"] for b in job.bad}
+    for line in (4, 5, 6):
+        assert f"{where}:{line}: field 'videos': " in errors[f"{where}:{line}"], errors
+        assert "outside" in errors[f"{where}:{line}"]
+    assert "missing media" in errors[f"{where}:2"] and "folder.mp4" in errors[f"{where}:2"]
+    warned = [x for x in capsys.readouterr().err.splitlines() if "missing or not" in x]
+    assert len(warned) == 1 and warned[0].startswith("warning: videomme: 2 samples name a media")
+    job = E.prepare_benchmark("videomme", replace(cfg, allow_outside_media=True))
+    assert [s["id"] for s in job.samples] == ["q0", "q5"] and len(job.missing) == 4
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -723,9 +841,10 @@ def test_template_is_bounded_on_every_sample(cli, synth, skip):
 
 @pytest.mark.slow
 def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
-    """One SIGTERM and a step that never reaches its boundary (every video missing, max_consecutive_invalid out of
-    reach): after stop_grace_s the run says where it was stuck and exits 1, no checkpoint written (before: it waited
-    for a second signal, which schedulers do not send before SIGKILL)."""
+    """One SIGTERM and a step that never reaches its boundary (every video undecodable,
+    max_consecutive_invalid out of reach): after stop_grace_s the run says where it was stuck and
+    exits 1, no checkpoint written (before: it waited for a second signal, which schedulers do not
+    send before SIGKILL)."""
     from test_resume import wait_for
 
     out = tmp_path / "run"
@@ -737,7 +856,7 @@ def test_stop_grace_abandons_a_step_that_hangs(tmp_path, tiny_model, synth):
         "--model",
         tiny_model,
         "--train-data",
-        all_missing(tmp_path, synth),
+        all_undecodable(tmp_path, synth),
         "--val-data",
         "",
         "--out-dir",

@@ -5,6 +5,7 @@ and the zero-weight vision input that keeps FSDP's collectives aligned.
 """
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -300,6 +301,8 @@ def text_vs_video_runs(tmp_path_factory):
         "data_type": "text",
         "offline_output": "<answer>5</answer>",
     }
+    shutil.copy(video["videos"][0], tmp_path)  # media inside the data's folder
+    video = dict(video, videos=[os.path.basename(video["videos"][0])])
     (tmp_path / "d.jsonl").write_text(json.dumps(video) + "\n" + json.dumps(text) + "\n")
     rollouts, model = ("hf", "vllm"), tiny_model_dir()
 
