@@ -7,7 +7,8 @@ egoschema: the release's questions.json (5,031 questions, options "option 0".."o
 subset_answers.json ({q_uid: option index}, the 500 public answers) into OUT/egoschema.json; a question without a
 public answer keeps "answer": null, which evaluate.py counts as "no ground truth" (the full set is graded by the
 authors' server). nextqa: the release keeps its videos in NExTVideo/<folder>/<video>.mp4 with map_vid_vidorID.json
-({video: "<folder>/<video>"}) beside them; OUT/nextqa/<video>.mp4 become links to them, the layout the adapter reads.
+({video: "<folder>/<video>"}) beside them; OUT/nextqa/<video>.mp4 become hard links to them, the layout the adapter
+reads (regular files inside the video folder; a symlink out of it needs evaluate.py's --allow-outside-media).
 Every step is checked: a missing file, an id the other file lacks, or a malformed entry is an error naming it.
 """
 
@@ -62,7 +63,7 @@ def egoschema(src: str, out: str) -> dict:
 
 
 def nextqa(src: str, out: str) -> dict:
-    """OUT/nextqa/<video>.mp4 -> SRC/<folder>/<video>.mp4 by map_vid_vidorID.json; the counts."""
+    """OUT/nextqa/<video>.mp4 hard-linked to SRC/<folder>/<video>.mp4 by map_vid_vidorID.json; the counts."""
     mapping = load_json(os.path.join(src, "map_vid_vidorID.json"))
     if not isinstance(mapping, dict):
         raise ValueError(f"{src}/map_vid_vidorID.json: expected {{video: '<folder>/<video>'}}")
@@ -76,7 +77,7 @@ def nextqa(src: str, out: str) -> dict:
             continue
         if os.path.lexists(link):
             os.remove(link)
-        os.symlink(target, link)
+        os.link(target, link)  # OUT on another filesystem: OSError, copy or move the videos instead
         linked += 1
     return {"videos linked": linked, "videos missing": missing}
 

@@ -59,6 +59,7 @@ def test_nextqa_videos_are_linked_flat(tmp_path):
     )
     assert P.nextqa(str(src), str(tmp_path / "videos")) == {"videos linked": 1, "videos missing": 1}
     assert (tmp_path / "videos" / "nextqa" / "4010069381.mp4").read_bytes() == b"video"
+    assert not (tmp_path / "videos" / "nextqa" / "4010069381.mp4").is_symlink()  # inside the folder
     assert (
         P.nextqa(str(src), str(tmp_path / "videos"))["videos linked"] == 1
     )  # again: the link is replaced
