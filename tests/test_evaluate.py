@@ -356,11 +356,16 @@ def test_tempcompass_official_rules():
         (mc, "blue", None),
         (mc, "The answer is C", None),
         (mc, "c", None),
+        (mc, " C\n", 1),  # each eval_*.py strips the response and drops "</s>" first
+        (mc, "C</s>", 1),
+        (mc, "\nC. blue\n", 1),
         # eval_yes_no.py: the first word, any case ("Not sure" starts with "no", as officially)
         (yn, "No.", 1),
         (yn, "yes", 0),
         (yn, "Not sure", 1),
         (yn, "I think no", None),
+        (yn, "  no\n", 1),
+        (yn, "\nYes", 0),
         # eval_caption_matching.py eval_rule: the option line, its sentence (also after "x) "), its label
         (option, "Option 2: The screen is yellow.", 1),
         (option, "The screen is yellow.", 1),
@@ -368,10 +373,13 @@ def test_tempcompass_official_rules():
         (option, "Option 2.", 1),
         (option, "(b) The screen is yellow.", 1),
         (option, "Option 1", 0),
-        (option, "2", None),
+        # its option_inds also holds each label without "Sentence "/"Option "/"Caption ": a bare "2" or "B"
+        (option, "2", 1),
+        (option, "1", 0),
         (option, "B", None),
         (caption, "Caption B", 1),
-        (caption, "B", None),
+        (caption, "B", 1),
+        (caption, " B\n", 1),
         (caption, "The screen stays red.", 0),
     ]
     assert [(s["id"], r, E.score(r, s, ad)[1]) for s, r, _ in table] == [
@@ -528,7 +536,11 @@ def test_released_record_shapes():
         ("A", "plotQA", "/v/mlvu/1_plotQA/ml0.mp4"),
         ("B", "plotQA", "/v/mlvu/1_plotQA/ml1.mp4"),
         ("C", "count", "/v/mlvu/4_count/ml2.mp4"),
+        # the generation tasks (no candidates): open-ended; sub-scene captioning's judge reads its points
+        ("['The screen is blue', 'It stays blue']", "subPlot", "/v/mlvu/8_sub_scene/ml3.mp4"),
+        ("A yellow screen that does not change.", "summary", "/v/mlvu/9_summary/ml4.mp4"),
     ]
+    assert [s["problem_type"] for s in ml] == ["multiple choice"] * 3 + ["open-ended"] * 2
     # validation.json: video is the hub URL, open-ended choices are ""
     mv = E.load_benchmark("mmvu", cfg, [])
     assert [(s["subject"], s["problem_type"], s["options"][:1]) for s in mv] == [
@@ -621,12 +633,23 @@ def test_duplicate_ids_before_max_samples(tmp_path, capsys):
     # the repeat is the file's 3rd record: seen all the same
     (first,) = E.load_benchmark("livesports3k_qa", cfg, [])
     assert first["id"] == "0@livesports3k_qa.json:1"
-    assert (
-        "livesports3k_qa.json:1: its id is not unique, now 0@livesports3k_qa.json:1"
-        in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "warning: livesports3k_qa: 2 records share 1 ids; each is now <id>@<file>:<N>, e.g. "
+        "0@livesports3k_qa.json:1, 0@livesports3k_qa.json:3\n"
     )
     ids = [s["id"] for s in E.load_benchmark("livesports3k_qa", replace(cfg, max_samples=0), [])]
     assert ids == ["0@livesports3k_qa.json:1", "1", "0@livesports3k_qa.json:3"]
+    # Video-MMMU repeats its ids across its 3 tracks: 300 repeats are one line, not 300
+    os.makedirs(tmp_path / "many" / "videommmu")
+    track = {str(i): {"id": f"validation_Art_{i}", "question": "q?", "options": ["a", "b"],
+                      "answer": "A"} for i in range(150)}  # fmt: skip
+    for name in ("Perception", "Comprehension"):
+        with open(tmp_path / "many" / "videommmu" / f"{name}_video.json", "w") as f:
+            json.dump({name: track}, f)
+    capsys.readouterr()
+    mm = E.load_benchmark("videommmu", E.Config(data_dir=str(tmp_path / "many")), [])
+    assert len({s["id"] for s in mm}) == 300
+    assert capsys.readouterr().err.count("\n") == 1
     # our own schema too (the resume log keys rows by id)
     one = {
         "id": "x",
