@@ -287,6 +287,9 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
         raw = []
         for k in opts:
             values = r[k] if isinstance(r.get(k), list) else [r.get(k)]
+            for x in values:
+                if isinstance(x, (bool, dict, list)):
+                    raise DataError(f"field {k!r} must hold option texts, got {x!r}")
             raw += [x for x in values if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
