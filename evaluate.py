@@ -310,14 +310,16 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
             got = "a list holding " + ", ".join(sorted({type(o).__name__ for o in raw}))
         raise DataError(f"field {opts!r} must be a list of option texts, got {got}")
     matches = [_OPTION.match(str(o)) for o in raw]
-    if raw and all(matches):
+    # lettered only when labelled A, B, C... in order (lmms-eval's videommmu parse_options): Video-MMMU's
+    # "M: $57,000; N: ..." or "R.L at point C" are option texts
+    if raw and all(m and option_letter(m) == chr(65 + i) for i, m in enumerate(matches)):
         return [f"{option_letter(m)}. {m.group(3).strip()}" for m in matches]
     return [f"{chr(65 + i)}. {o}" for i, o in enumerate(raw)]
 
 
 def literal_list(text: str, name) -> list:
-    """A field holding a list written as a Python literal (5 Video-MMMU records; MMMU's own code
-    eval()s its options): parsed as a literal only, never run."""
+    """A field holding a list written as a Python literal (MMMU's own code eval()s its options):
+    parsed as a literal only, never run."""
     try:
         value = ast.literal_eval(text[:100_000])
     except (ValueError, SyntaxError, RecursionError, MemoryError) as e:
@@ -343,6 +345,9 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
     m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
     if options and m:
         return option_letter(m)
+    # MLVU's scorer makes a ground truth no option's text "(@)": never right
+    if options and len(str(ans)) > 1 and rewards.choice_letter(str(ans), options) is None:
+        raise DataError(f"answer {ans!r} is no option's letter nor text (options: {texts})")
     return str(ans)
 
 

@@ -806,12 +806,15 @@ def test_release_quirks_and_wrong_types_are_named(tmp_path):
         "4": dict(rec, options=None),
         "5": dict(rec, id=["x"], options=["a", "b"]),
         "6": dict(rec, options="[[[[" * 200),
+        # texts that start like a label (3 of the 5 records once rejected): lettered A, B, C... only
+        "7": dict(rec, options=["M: $57,000; N: $47,000;", "M: $60,000: N: $5;"]),
     }  # fmt: skip
     with open(tmp_path / "videommmu" / "perception_video.json", "w") as f:
         json.dump({"Perception": records}, f)
     bad = []
-    (s,) = E.load_benchmark("videommmu", E.Config(data_dir=str(tmp_path)), [], bad)
+    s, label = E.load_benchmark("videommmu", E.Config(data_dir=str(tmp_path)), [], bad)
     assert s["options"] == ["A. [H+]", "B. pH", "C. [OH-]"] and s["answer"] == "B"
+    assert label["options"] == ["A. M: $57,000; N: $47,000;", "B. M: $60,000: N: $5;"]
     errors = {e["where"].rsplit(":", 1)[1]: e["error"] for e in bad}
     assert "field 'options' holds no list literal (SyntaxError)" in errors["Perception/1"]
     # never run: a call is no literal, and its text is just one option
