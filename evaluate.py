@@ -1076,6 +1076,10 @@ def aggregate(rows: list[dict], bench: str) -> dict:
         for v in sorted(values, key=str):
             part = [r for r in kept if v in values_of(r, k)]
             m[f"{k}/{v}"] = macro(part, sub)
+        # a rubric's rows on its scale (MLVU's SSC and VS columns)
+        for v in sorted({str(r.get(k)) for r in judged if r.get("scaled")}):
+            part = [r for r in judged if r.get("scaled") and str(r.get(k)) == v]
+            m[f"{k}/{v}"] = macro(part, sub, "judge_score") / 100
     return m
 
 

@@ -918,6 +918,7 @@ def test_judged_generation_tasks_mlvu_g_avg_and_video_mmlu():
     m = E.aggregate(rows, "mlvu")
     # M-Avg over the choice tasks only (plotQA 100, count 0); G-Avg the mean of the 2 tasks' totals
     assert (m["overall"], m["G-Avg"], m["n"]) == (50.0, (9 + 5.5) / 2, 4)
+    assert (m["question_type/subPlot"], m["question_type/summary"]) == (9, 5.5)  # SSC, VS
     # Video-MMLU: eval_reason_qa.py's dict literal; calculate_scores.py's means over disciplines
     vm = E.load_benchmark("videommlu", cfg, [])
     rows = [judged(vm[0], "videommlu", "{'pred': 'yes', 'score': 4}"),
