@@ -141,6 +141,8 @@ FIELDS = (
 )
 
 
+# a judge rule's fields (benchmarks.yaml)
+JUDGE_FIELDS = {"user", "keys", "system", "verdict"}
 # the fields a benchmark that does not name them reads
 DEFAULT_FIELDS = {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]]}
 
@@ -160,6 +162,12 @@ def adapter_problem(ad) -> str:
             continue
         if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
             return "a type or derive rule takes field, map and (optionally) default"
+    rules = [ad.get("judge")]
+    if isinstance(rules[0], dict) and "user" not in rules[0]:  # by question type
+        rules = list(rules[0].values())
+    for rule in rules:
+        if isinstance(rule, dict) and not {"user", "keys"} <= set(rule) <= JUDGE_FIELDS:
+            return f"a judge rule takes user, keys and (optionally) system, verdict; got {rule!r}"
     return ""
 
 

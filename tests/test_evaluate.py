@@ -1109,6 +1109,9 @@ def test_benchmark_table_is_checked(tmp_path):
         match=r"benchmarks.yaml: benchmark 'mine': a type or derive rule takes field, map",
     ):
         E.load_adapters(str(path))
+    path.write_text("mine:\n  judge: {subPlot: {user: '{pred}', key: [score]}}\n")
+    with pytest.raises(ValueError, match=r"'mine': a judge rule takes user, keys and"):
+        E.load_adapters(str(path))
     # the defaults fill in, an explicit null stays
     path.write_text("mine:\n  opts: null\n  video: '{v}.mp4'\n")
     assert E.load_adapters(str(path)) == {
