@@ -419,8 +419,10 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         options = []
         if pt == "multiple choice":
             options = option_list(r, ad, question)
-            if not options:
-                raise DataError(f"field {ad['opts']!r}: a multiple-choice record without options")
+            if len(options) < 2:  # `options: 5` is one option, never a question
+                raise DataError(
+                    f"field {ad['opts']!r}: a multiple choice of {len(options)} options"
+                )
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
             sid = r[ad["id"]]

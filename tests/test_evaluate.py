@@ -818,14 +818,19 @@ def test_release_quirks_and_wrong_types_are_named(tmp_path):
     errors = {e["where"].rsplit(":", 1)[1]: e["error"] for e in bad}
     assert "field 'options' holds no list literal (SyntaxError)" in errors["Perception/1"]
     # never run: a call is no literal, and its text is just one option
-    assert "not one of the option letters ['A']" in errors["Perception/2"]
+    assert "a multiple choice of 1 options" in errors["Perception/2"]
     assert "must be a list of option texts, got a list holding bool, str" in errors["Perception/3"]
-    assert "a multiple-choice record without options" in errors["Perception/4"]
+    assert "field 'options': a multiple choice of 0 options" in errors["Perception/4"]
     assert "field 'id' (['x'])" in errors["Perception/5"]
     assert "holds no list literal" in errors["Perception/6"]
     assert all(e["where"].startswith(str(tmp_path)) for e in bad) and len(bad) == 6
     # a per-field option layout (MINERVA): a list or a flag where an option's text belongs
     ad, row = E.adapter("minerva"), json.load(open(os.path.join(FIXTURES, "minerva.json")))[0]
+    vm = {"videoID": "v", "question": "q?", "options": 5, "answer": "A"}  # issue 44.9, as filed
+    with pytest.raises(
+        DataError, match=r"v.json:2: field \['options', 'choices'\]: a multiple choice of 1"
+    ):
+        E.to_sample(dict(vm, _file="v"), E.adapter("videomme"), "v.json:2", "/v")
     for wrong in (True, [False], {"a": 1}, [["x"]]):
         with pytest.raises(DataError, match=r"m.json:3: field 'answer_choice_0' must hold option"):
             E.to_sample(dict(row, answer_choice_0=wrong, _file="m"), ad, "m.json:3", "/v")
@@ -1070,7 +1075,7 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
         "6",
     ]  # file:line, in file order
     assert (
-        "field 'answer'" in bad[0]["error"]
+        "field ['options', 'choices']: a multiple choice of 1 options" in bad[0]["error"]
         and "JSON object" in bad[2]["error"]
         and "not JSON" in bad[4]["error"]
     )
@@ -1083,7 +1088,7 @@ def test_broken_records_are_reported_not_fatal(tmp_path):
     ):
         E.load_benchmark("lvbench", E.Config(data_dir=str(tmp_path)), [], [])
     with pytest.raises(
-        DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: .*field 'answer'"
+        DataError, match=r"videomme: 5 bad records, first: .*videomme.jsonl:2: field \[.options"
     ):
         # without a bad list: raised
         E.load_benchmark("videomme", E.Config(data_dir=str(tmp_path)), [])
