@@ -1261,13 +1261,22 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[str]:
     on cfg.judge_model, started for this and dropped after. The one place a judge is called."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=cfg.judge_model,
+    from rollout import start_errors, vllm_settings
+
+    # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
+    settings = vllm_settings(
+        cfg.judge_model,
+        tp=cfg.tensor_parallel_size,
+        seed=cfg.seed,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
-        seed=cfg.seed,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_images=0,
+        max_videos=0,
         trust_remote_code=cfg.trust_remote_code,
     )
+    with start_errors(cfg.max_model_len):
+        llm = LLM(**settings)
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
@@ -1279,7 +1288,7 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
         rules = [judge_rule(judge, r) for r in todo]
         replies = ask_judge(cfg, [judge_messages(rule, r) for rule, r in zip(rules, todo)])
         for r, rule, reply in zip(todo, rules, replies):
-            r.update(judge_verdict(reply, rule), judge=cfg.judge_model)
+            r.update(judge_verdict(reply, rule), judge=cfg.judge_model, judge_reply=reply)
     if not any("judge" in r for r in rows):
         return "not needed"
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
