@@ -411,8 +411,6 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         ans = first(r, ad["ans"])
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
-        if ans is None or str(ans).strip() in ("", "NA", "None"):
-            return None
         pt = ad.get("type", "multiple choice")
         if isinstance(pt, dict):
             pt = lookup(r, pt)
@@ -423,6 +421,12 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
                 raise DataError(
                     f"field {ad['opts']!r}: a multiple choice of {len(options)} options"
                 )
+        blank = [o[0] for o in options if not o[3:]]
+        # MLVU's qa_template: an empty answer is the last empty option's letter (3 records)
+        if ans == "" and blank:
+            ans = blank[-1]
+        elif ans is None or str(ans).strip() in ("", "NA", "None"):
+            return None
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
             sid = r[ad["id"]]

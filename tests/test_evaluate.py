@@ -844,6 +844,15 @@ def test_release_quirks_and_wrong_types_are_named(tmp_path):
             )
     ml = {"video": "n.mp4", "question": "What is caught?", "question_type": "findNeedle",
           "candidates": ["Fishing", "Catching the drone"], "answer": "Catching a flying drone quadcopter"}  # fmt: skip
+    # an empty answer among empty candidates: qa_template's last equal one (3_ego.json:120, 7_topic_reasoning:27)
+    for candidates, want in ((["a", "", "b"], "B"), (["", "", ""], "C"), (["a", "b"], None)):
+        s = E.to_sample(
+            dict(ml, candidates=candidates, answer="", _file="3_ego"),
+            E.adapter("mlvu"),
+            "e:1",
+            "/v",
+        )
+        assert (s and s["answer"]) == want
     with pytest.raises(
         DataError, match=r"n.json:35: .*answer 'Catching a flying drone quadcopter'"
     ):
