@@ -225,7 +225,8 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
     renamed = []
     for s in samples:
         if counts[s["id"]] > 1:
-            s = dict(s, id=f"{s['id']}@{os.path.basename(s['where'])}")
+            path, at = s["where"].rsplit(":", 1)  # a nested release's key path may hold "/"
+            s = dict(s, id=f"{s['id']}@{os.path.basename(path)}:{at}")
             renamed.append(f"{s['where']} -> {s['id']}")
         out.append(s)
     if renamed:

@@ -9,6 +9,7 @@ accounting: README.md "Evaluation"; each benchmark's reading and aggregation rul
 docs/benchmarks.md.
 """
 
+import ast
 import asyncio
 import copy
 import csv
@@ -135,9 +136,12 @@ FIELDS = (
     "judge_all",
     "authority",
     "end",
+    "scale",
 )
 
 
+# a judge rule's fields (benchmarks.yaml)
+JUDGE_FIELDS = {"user", "keys", "system", "verdict"}
 # the fields a benchmark that does not name them reads
 DEFAULT_FIELDS = {"q": "question", "opts": "options", "ans": "answer", "read": [["[{L}]", 0]]}
 
@@ -157,6 +161,12 @@ def adapter_problem(ad) -> str:
             continue
         if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
             return "a type or derive rule takes field, map and (optionally) default"
+    rules = [ad.get("judge")]
+    if isinstance(rules[0], dict) and "user" not in rules[0]:  # by question type
+        rules = list(rules[0].values())
+    for rule in rules:
+        if isinstance(rule, dict) and not {"user", "keys"} <= set(rule) <= JUDGE_FIELDS:
+            return f"a judge rule takes user, keys and (optionally) system, verdict; got {rule!r}"
     return ""
 
 
@@ -284,21 +294,46 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
         raw = []
         for k in opts:
             values = r[k] if isinstance(r.get(k), list) else [r.get(k)]
+            for x in values:
+                if isinstance(x, (bool, dict, list)):
+                    raise DataError(f"field {k!r} must hold option texts, got {x!r}")
             raw += [x for x in values if x not in (None, "", "N/A")]
     elif opts:
         raw = r[opts] or []
     else:
         raw = [line for line in question.split("\n") if _OPTION.match(line)]
+    if isinstance(raw, str) and raw.strip().startswith("["):
+        raw = literal_list(raw, opts)
     if isinstance(raw, str):
         raw = raw.split("\n")
     if isinstance(raw, dict):
         raw = [f"{k}. {v}" for k, v in raw.items()]
-    if not isinstance(raw, list) or not all(isinstance(o, (str, int, float)) for o in raw):
-        raise DataError(f"field {opts!r} must be a list of options, got {type(raw).__name__}")
+    kinds = (str, int, float)
+    if not isinstance(raw, list) or not all(
+        isinstance(o, kinds) and not isinstance(o, bool) for o in raw
+    ):
+        got = type(raw).__name__
+        if isinstance(raw, list):
+            got = "a list holding " + ", ".join(sorted({type(o).__name__ for o in raw}))
+        raise DataError(f"field {opts!r} must be a list of option texts, got {got}")
     matches = [_OPTION.match(str(o)) for o in raw]
-    if raw and all(matches):
+    # lettered only when labelled A, B, C... in order (lmms-eval's videommmu parse_options): Video-MMMU's
+    # "M: $57,000; N: ..." or "R.L at point C" are option texts
+    if raw and all(m and option_letter(m) == chr(65 + i) for i, m in enumerate(matches)):
         return [f"{option_letter(m)}. {m.group(3).strip()}" for m in matches]
     return [f"{chr(65 + i)}. {o}" for i, o in enumerate(raw)]
+
+
+def literal_list(text: str, name) -> list:
+    """A field holding a list written as a Python literal (MMMU's own code eval()s its options):
+    parsed as a literal only, never run."""
+    try:
+        value = ast.literal_eval(text[:100_000])
+    except (ValueError, SyntaxError, RecursionError, MemoryError) as e:
+        raise DataError(f"field {name!r} holds no list literal ({type(e).__name__})") from e
+    if not isinstance(value, list):
+        raise DataError(f"field {name!r} must be a list, got {type(value).__name__}")
+    return value
 
 
 def answer_letter(ans, options: list[str], ad: dict) -> str:
@@ -317,6 +352,9 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
     m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
     if options and m:
         return option_letter(m)
+    # MLVU's scorer makes a ground truth no option's text "(@)": never right
+    if options and len(str(ans)) > 1 and rewards.choice_letter(str(ans), options) is None:
+        raise DataError(f"answer {ans!r} is no option's letter nor text (options: {texts})")
     return str(ans)
 
 
@@ -372,17 +410,28 @@ def to_sample(r: dict, ad: dict, where: str, video_root: str) -> dict | None:
         ans = first(r, ad["ans"])
         if not isinstance(question, str):
             raise DataError(f"field {ad['q']!r} must be a string, got {type(question).__name__}")
-        if ans is None or str(ans).strip() in ("", "NA", "None"):
-            return None
         pt = ad.get("type", "multiple choice")
         if isinstance(pt, dict):
             pt = lookup(r, pt)
         options = []
         if pt == "multiple choice":
             options = option_list(r, ad, question)
+            if len(options) < 2:  # `options: 5` is one option, never a question
+                raise DataError(
+                    f"field {ad['opts']!r}: a multiple choice of {len(options)} options"
+                )
+        blank = [o[0] for o in options if not o[3:]]
+        # MLVU's qa_template: an empty answer is the last empty option's letter (3 records)
+        if ans == "" and blank:
+            ans = blank[-1]
+        elif ans is None or str(ans).strip() in ("", "NA", "None"):
+            return None
         sid = f"{r['_file']}:{where.rsplit(':', 1)[1]}"  # no id field: file stem and line
         if ad.get("id") in r:
-            sid = str(r[ad["id"]])
+            sid = r[ad["id"]]
+            if not isinstance(sid, (str, int)) or isinstance(sid, bool):
+                raise DataError(f"field {ad['id']!r} must be a string or integer, got {sid!r}")
+            sid = str(sid)
         s = {
             "id": sid,
             "problem": question,
@@ -550,6 +599,37 @@ def read_mvbench(text: str, s: dict):
     return word, float(word.replace(".", "") in gt or gt in word)
 
 
+def read_mvbench_official(text: str, s: dict):
+    """MVBench as mvbench.ipynb scores it: infer_mvbench's return_prompt "(" + the first line, then
+    check_ans on the first word (dots removed) in "(b)" or holding it; never unreadable. Strict: a
+    "Best option: (B)" echo is wrong, and an empty answer ("(" is in "(b)") right."""
+    word = ("(" + text.strip().split("\n")[0]).lower().split(" ")[0]
+    gt = f"({gt_letter(s).lower()})"
+    return word, float(word.replace(".", "") in gt or gt in word)
+
+
+def read_worldsense(text: str, s: dict):
+    """WorldSense (lmms-eval tasks/worldsense utils.py parse_multi_choice_response): punctuation
+    stripped at the ends; every option letter written anywhere is a candidate (its "(A)" comment
+    aside, the code looks for the bare letter), several: the one whose "(X)" is written last, none
+    written so: the first in letter order; no letter: (over 5 words) the options whose text is
+    written, the last written; nothing: "A" (its random choice is commented out)."""
+    table = rewards.option_table(s["options"])[:4]  # the official reads A-D (A-C for 3 options)
+    for c in ",.!?;:'":
+        text = text.strip(c)
+    padded = f" {text} "
+    found = [lt for lt, _ in table if lt in padded]
+    marks = [padded.rfind(f"({lt})") for lt in found]
+    if not found and len(padded.split()) > 5:
+        low = padded.lower()
+        found = [lt for lt, body in table if body.lower() in low]
+        marks = [low.rfind(body.lower()) for lt, body in table if lt in found]
+    got = table[0][0]
+    if found:
+        got = found[marks.index(max(marks))]  # numpy argmax: the first of the largest
+    return got, float(got == gt_letter(s))
+
+
 def read_ovo(text: str, s: dict):
     """OVO-Bench score.py: the right letter anywhere; REC: all digits joined; SSR/CRR: "Y"/"N" or
     "Yes"/"No" in."""
@@ -694,6 +774,7 @@ def read_tempcompass(text: str, s: dict):
     # captioning: the judge (or, without one, the rule-based fallback)
     if s["problem_type"] == "open-ended":
         return read_reward(text, s)
+    text = text.replace("</s>", "").strip()  # each eval_*.py's first step
     if s["problem_type"] == "boolean":
         got = next((w for w in ("yes", "no") if text.lower().startswith(w)), None)
         return got, float(got == rewards.ground_truth(s))
@@ -705,6 +786,7 @@ def read_tempcompass(text: str, s: dict):
     # wins
     sentences = [line.split(": ")[1] for line in lines]
     labels = [line.split(": ")[0] for line in lines]
+    labels += [re.sub(r"^(?:Sentence|Option|Caption) ", "", label) for label in labels]  # bare "B"
     got = None
     if text in lines:
         got = text
@@ -716,7 +798,9 @@ def read_tempcompass(text: str, s: dict):
             got = label
     if got is None:
         return None, 0.0
-    return got, float(got in (answer, answer.split(":")[0], answer.split(": ")[1]))
+    label = answer.split(": ")[0]
+    right = (answer, answer.split(":")[0], answer.split(": ")[1], label.split()[-1])
+    return got, float(got in right)
 
 
 def read_holmes(text: str, s: dict):
@@ -740,10 +824,13 @@ READERS = {
     "videommmu": read_videommmu,
     "tempcompass": read_tempcompass,
     "holmes": read_holmes,
+    "worldsense": read_worldsense,
     # lmms-eval's EgoSchema reader (an MMMU copy; NExT-QA's too): "(B)", "B ", "B." all at once, the
     # first written of them; else an option's text; else (with --random-fallback) a random option
     "mmmu": partial(read_choice, stages=((("({})", "{} ", "{}."), None),), pick=min),
 }
+# the strict official reading where the tags mode's reader is lenient
+OFFICIAL_READERS = {"mvbench": read_mvbench_official}
 # a time span in words: "12.3 - 25.7 seconds", "from 12 to 26", after clock times became seconds
 _CLOCK = re.compile(r"(?<![\d:.])(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\.(\d{1,6}))?(?![\d:])")
 _SPAN = re.compile(
@@ -809,6 +896,8 @@ def score(
         rule = read_span
     elif isinstance(read, str):
         rule = READERS[read]
+        if extraction == "official":  # where tags mode is lenient (docs/benchmarks.md)
+            rule = OFFICIAL_READERS.get(read, rule)
     elif t == "multiple choice":
         rule = partial(read_pattern, rules=read)
     else:
@@ -865,7 +954,10 @@ def record(
         **kept_fields(s, ad),
     }
     if ad.get("judge") and (pt == "open-ended" or ad.get("judge_all")):
-        row["judge"] = "none"  # judge_rows rescores it
+        row.update(judge="none", question=s["problem"])  # judge_rows rescores it
+        rule = judge_rule(ad["judge"], row)
+        # a rubric without a right/wrong verdict (MLVU's generation tasks): its own metric, `scale`
+        row["scaled"] = isinstance(rule, dict) and not rule.get("verdict")
     return row
 
 
@@ -874,15 +966,15 @@ def mean(xs) -> float:
     return 100 * sum(xs) / len(xs) if xs else float("nan")
 
 
-def macro(rows: list[dict], keys: tuple) -> float:
-    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean): MLVU M-Avg, VSI
-    and OVO overall."""
+def macro(rows: list[dict], keys: tuple, value: str = "score") -> float:
+    """Mean over keys[0]'s values of the macro over keys[1:] (no keys: the mean) of the rows' value,
+    x 100: MLVU M-Avg, VSI and OVO overall."""
     if not keys:
-        return mean(r["score"] for r in rows)
+        return mean(r[value] for r in rows)
     groups = {}
     for r in rows:
         groups.setdefault(str(r.get(keys[0])), []).append(r)
-    return sum(macro(g, keys[1:]) for g in groups.values()) / len(groups)
+    return sum(macro(g, keys[1:], value) for g in groups.values()) / len(groups)
 
 
 @dataclass(frozen=True)
@@ -960,15 +1052,19 @@ def aggregate(rows: list[dict], bench: str) -> dict:
     ad = adapter(bench)
     macro_keys = ad.get("macro", ())
     done = [r for r in rows if not r["error"]]  # evaluated: n
-    kept = [r for r in done if not r.get("dropped")]  # in the accuracy: n - dropped
+    # in the accuracy: n - dropped - the rows a rubric scores (their metric: `scale`)
+    kept = [r for r in done if not r.get("dropped") and not r.get("scaled")]
+    judged = [r for r in done if "judge_score" in r and not r.get("dropped")]
     sc = [r["score"] for r in kept]
     m = {
         "n": len(done),
         "accuracy": mean(sc),
         "parse_fail": sum(r["parse_fail"] for r in done),
         "failed": len(rows) - len(done),
-        "dropped": len(done) - len(kept),
+        "dropped": sum(bool(r.get("dropped")) for r in done),
     }
+    if ad.get("scale") and judged:  # MLVU G-Avg, Video-MMLU's score: the judge's own scale
+        m[ad["scale"]] = macro(judged, macro_keys, "judge_score") / 100
     if macro_keys and kept:
         m["overall"] = macro(kept, macro_keys)
     if ad.get("tiou"):  # grounding: recall at IoU thresholds and mean IoU (the score is the IoU)
@@ -984,6 +1080,10 @@ def aggregate(rows: list[dict], bench: str) -> dict:
         for v in sorted(values, key=str):
             part = [r for r in kept if v in values_of(r, k)]
             m[f"{k}/{v}"] = macro(part, sub)
+        # a rubric's rows on its scale (MLVU's SSC and VS columns)
+        for v in sorted({str(r.get(k)) for r in judged if r.get("scaled")}):
+            part = [r for r in judged if r.get("scaled") and str(r.get(k)) == v]
+            m[f"{k}/{v}"] = macro(part, sub, "judge_score") / 100
     return m
 
 
@@ -1092,30 +1192,97 @@ def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
     return {}
 
 
-def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
-    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who
-    judged."""
+def judge_rule(judge, row: dict):
+    """The judge rule of a row: the benchmark's, or (a mapping by question type: MLVU) its type's."""
+    if isinstance(judge, dict) and "user" not in judge:
+        return judge.get(str(row.get("question_type")))
+    return judge
+
+
+def judge_messages(rule, row: dict) -> list[dict]:
+    """The judge's conversation for a row: a rule's user text ({question}, {answer}, {pred}) after
+    its system text, if any."""
+    fill = {
+        "answer": row["target"],
+        "pred": row["filtered_resps"][0] or row["resps"][0],
+        "question": row.get("question", ""),
+    }
+    if isinstance(rule, str):
+        return [{"role": "user", "content": rule.format(**fill)}]
+    msgs = [{"role": "user", "content": rule["user"].format(**fill)}]
+    if rule.get("system"):
+        msgs.insert(0, {"role": "system", "content": rule["system"]})
+    return msgs
+
+
+def judge_verdict(text: str, rule) -> dict:
+    """The row fields a judge's reply sets: score in [0, 1] and parse_fail; a rubric's rows also its
+    summed scores (judge_score), and a reply Video-MMLU's scorer skips, dropped."""
+    if isinstance(rule, str):  # EasyVideoR1's llm_judge.py: the last "Judgement: 0/1"
+        v = re.findall(r"Judgement\s*:\s*([01])", text)
+        return {"score": float(v[-1]) if v else 0.0, "parse_fail": not v}
+    if rule.get("verdict"):
+        # Video-MMLU eval_reason_qa.py: the reply is a dict literal, else the sample is skipped
+        try:
+            verdict = ast.literal_eval(text.strip()[:10_000])
+            total = sum(float(verdict[k]) for k in rule["keys"])
+            right = str(verdict[rule["verdict"]]).lower() == "yes"
+        except (ValueError, TypeError, KeyError, SyntaxError, RecursionError, MemoryError):
+            return {"score": 0.0, "parse_fail": True, "dropped": True}
+        return {"score": float(right), "parse_fail": False, "judge_score": total}
+    # MLVU calculate.py extract_scores: each key's number from its next ":" + 2 to the next ","; a
+    # key not found adds 0 (its try/except), a number that does not parse ends the reading here
+    values = []
+    for k in rule["keys"]:
+        start = text.find(k)
+        if start == -1:
+            continue
+        at = text.find(":", start) + 2
+        try:
+            values.append(float(text[at : text.find(",", at)]))
+        except ValueError:
+            break
+    total = sum(values)
+    return {
+        "score": total / (5 * len(rule["keys"])),
+        "parse_fail": len(values) < len(rule["keys"]),
+        "judge_score": total,
+    }
+
+
+def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[str]:
+    """The judge's replies, greedy (EasyVideoR1 uses T=0.1; MLVU and Video-MMLU 0): a vLLM engine
+    on cfg.judge_model, started for this and dropped after. The one place a judge is called."""
+    from vllm import LLM, SamplingParams
+
+    from rollout import start_errors, vllm_settings
+
+    # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
+    settings = vllm_settings(
+        cfg.judge_model,
+        tp=cfg.tensor_parallel_size,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_images=0,
+        max_videos=0,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    with start_errors(cfg.max_model_len):
+        llm = LLM(**settings)
+    outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
+    """Rescore the rows marked for the judge by their rule (judge_rule); who judged."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
     if todo and cfg.judge_model:
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(
-            model=cfg.judge_model,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            seed=cfg.seed,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        msgs = []
-        for r in todo:
-            content = prompt.format(
-                answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
-            )
-            msgs.append([{"role": "user", "content": content}])
-        outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
-        for r, o in zip(todo, outs):
-            v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
-            r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
+        rules = [judge_rule(judge, r) for r in todo]
+        replies = ask_judge(cfg, [judge_messages(rule, r) for rule, r in zip(rules, todo)])
+        for r, rule, reply in zip(todo, rules, replies):
+            r.update(judge_verdict(reply, rule), judge=cfg.judge_model, judge_reply=reply)
     if not any("judge" in r for r in rows):
         return "not needed"
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
@@ -1264,6 +1431,9 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
     skipped = []
     bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
+    template = adapter(bench).get("prompt")
+    if template:  # bounded in time and memory as training's templates; a failure names both
+        samples = data.render_all(template, samples, where=f"{BENCHMARKS}: {bench}")
     absent = {s["id"]: data.missing_media(s) for s in samples}  # a stat a file, before any engine
     missing = [s for s in samples if absent[s["id"]]]
     for s in missing:

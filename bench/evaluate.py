@@ -1,19 +1,58 @@
 """The evaluate.py pipeline (AsyncLLM, warm frame cache, loader threads, many requests in flight) vs a plain loop
 (decode, prompt, generate one sample, wait): same tiny model, videos and greedy settings, in one run (method and
-clip sizes: docs/speed.md). Last line: `eval speedup: <ratio>x`.
+clip sizes: docs/speed.md). The inputs each mode gives the engine (prompt ids, frames, pixel values) and the greedy
+outputs are compared apart; each mode is timed `--repeats` times. Last line: `eval speedup: <median ratio>x` with its
+spread; wall-clock is noisy on a shared machine, so the CPU-time ratio is printed too.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/evaluate.py [--samples 64 --width 640 --height 360 --fps 30 --seconds 30]
 """
 
 import asyncio
+import hashlib
+import logging
 import os
 import shutil
+import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+
+
+def tree_cpu() -> float:
+    """CPU seconds (user + sys) of this process and its children (the engine core) so far: the measure
+    that a shared machine's load distorts least."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:  # a child gone between the listing and the reading
+            pass
+    return total
+
+
+def input_digests(E, processor, c) -> dict:
+    """sample id -> sha1 of what the engine is given for it under c's frame source: the prompt's
+    token ids, the frames and their metadata, and the processor's pixel values."""
+    load, _ = E.make_loader(processor, c, "nvr1")
+    out = {}
+    for s in E.load_benchmark("nvr1", c, []):
+        p = load(s)
+        h = hashlib.sha1(repr(p.prompt_ids).encode())
+        for frames, meta in p.videos:
+            h.update(frames.tobytes() + repr(sorted(meta.items())).encode())
+        for k, v in sorted(p.mm.items()):
+            h.update(
+                k.encode() + (v.numpy().tobytes() if hasattr(v, "numpy") else repr(v).encode())
+            )
+        out[s["id"]] = h.hexdigest()
+    return out
 
 
 def main(
@@ -24,16 +63,23 @@ def main(
     seconds: float = 30.0,
     max_tokens: int = 16,
     max_in_flight: int = 64,
+    repeats: int = 3,
 ):
-    """samples over three tasks, on width x height px videos at fps, seconds long (kept between runs)."""
+    """samples over three tasks, on width x height px videos at fps, seconds long (kept between runs);
+    each mode timed `repeats` times on one engine."""
+    import common
+
+    common.quiet()  # vLLM's INFO lines; its shutdown's "force killing" warning below
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import make_synthetic_data
     import make_tiny_model
     import evaluate as E
 
+    for h in logging.getLogger("vllm").handlers:
+        h.addFilter(quiet_shutdown)
     work = os.path.join(ROOT, ".cache", "bench_eval")
-    for sub in ("frames", "plain", "async", "warm1", "warm2"):  # results and cache; the videos stay
+    for sub in ("frames", "runs"):  # results and cache; the videos stay
         shutil.rmtree(os.path.join(work, sub), ignore_errors=True)
     d = os.path.join(work, "ann", "nvr1")
     t = time.perf_counter()
@@ -69,55 +115,94 @@ def main(
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
+    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait; the
+    # pipeline: AsyncLLM on the warm cache, max_in_flight requests batched together
+    plain_cfg = replace(cfg, engine="sync", batch_size=1, video_source="decode_only")
+    pipe_cfg = replace(cfg, engine="async")
 
-    async def timed(c: E.Config, warmup_dir: str) -> tuple[dict, float]:
-        """c's results and seconds, after a 4-sample warm-up (and with a cache, every video decoded once)."""
+    async def timed(c: E.Config, label: str, extra: dict | None = None) -> list[Run]:
+        """c's runs: a 4-sample warm-up (with a cache: every video decoded once), then `repeats`
+        timed runs on one engine (and one with `extra` settings, untimed)."""
         engine = E.make_engine(c, processor.tokenizer)
         try:
-            warmup = replace(c, max_samples=4, out_dir=os.path.join(work, warmup_dir))
-            await E.evaluate(warmup, engine, processor)
+            out = os.path.join(work, "runs", label)
+            await E.evaluate(replace(c, max_samples=4, out_dir=out + "-warmup"), engine, processor)
             if c.video_source != "decode_only":  # as after `python cache.py` or a previous eval
-                load, _ = E.make_loader(processor, c, "nvr1")
-                for s in E.load_benchmark("nvr1", c, []):
-                    load(s)
-            t = time.perf_counter()
-            res = await E.evaluate(c, engine, processor)
-            return res["nvr1"], time.perf_counter() - t
+                input_digests(E, processor, c)
+            runs = []
+            for i in range(repeats):
+                t, cpu = time.perf_counter(), tree_cpu()
+                res = await E.evaluate(replace(c, out_dir=f"{out}-{i}"), engine, processor)
+                runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
+            if extra:
+                res = await E.evaluate(
+                    replace(c, out_dir=out + "-extra", **extra), engine, processor
+                )
+                runs.append(Run(res["nvr1"], 0.0, 0.0))
+            return runs
         finally:
             if c.engine == "async":  # the sync engine goes with its last reference
                 engine.shutdown()
 
-    # plain loop: one sample at a time, frames decoded each time (no cache), generate, wait; the pipeline: AsyncLLM
-    base = replace(
-        cfg,
-        engine="sync",
-        batch_size=1,
-        video_source="decode_only",
-        out_dir=os.path.join(work, "plain"),
+    plain = asyncio.run(timed(plain_cfg, "plain"))
+    # the control: the pipeline one request at a time (the plain loop's batch shape)
+    *pipe, serial = asyncio.run(timed(pipe_cfg, "async", {"max_in_flight": 1}))
+
+    # inputs and outputs compared apart: the same prompt ids and pixels, then the same greedy text
+    inputs = input_digests(E, processor, plain_cfg), input_digests(E, processor, pipe_cfg)
+    same_inputs = sum(inputs[0][k] == inputs[1].get(k) for k in inputs[0])
+    texts = [{k: r["resps"][0] for k, r in E.read_log(x.result["samples"])[0].items()} for x in
+             (plain[0], pipe[0], serial, *plain[1:], *pipe[1:])]  # fmt: skip
+    n = plain[0].result["metrics"]["n"]
+
+    def agree(a: dict, b: dict) -> int:
+        return sum(a[k] == b.get(k) for k in a)
+
+    print(
+        f"\n{n} samples, {width}x{height} px {fps:g} fps {seconds:g} s videos, greedy, max_tokens "
+        f"{max_tokens}\n"
+        f"inputs (prompt ids, frames, pixel values; decoded vs cached frames) identical: "
+        f"{same_inputs}/{len(inputs[0])}\n"
+        f"outputs identical, plain loop vs pipeline ({max_in_flight} in flight): "
+        f"{agree(texts[0], texts[1])}/{n}; vs the pipeline 1 in flight: {agree(texts[0], texts[2])}/{n};"
+        f" across repeats: plain {all(t == texts[0] for t in texts[3 : 3 + repeats - 1])}, pipeline "
+        f"{all(t == texts[1] for t in texts[3 + repeats - 1 :])}"
     )
-    plain, t_plain = asyncio.run(timed(base, "warm1"))
-    pipe, t_pipe = asyncio.run(
-        timed(replace(cfg, engine="async", out_dir=os.path.join(work, "async")), "warm2")
+    print(
+        f"{'mode':<36}| {'seconds':>8} | {'CPU s':>7} | {'samples/s':>9} | {'in flight':>9} | frames"
+    )
+    for name, runs in (("plain loop (decode, generate, wait)", plain),
+                       ("async pipeline (warm cache)", pipe)):  # fmt: skip
+        for x in runs:
+            r = x.result
+            print(
+                f"{name:<36}| {x.seconds:8.2f} | {x.cpu:7.1f} | {n / x.seconds:9.2f} | "
+                f"{r.get('mean_in_flight', 1):9.1f} | {r['frames']}"
+            )
+    ratios = sorted(a.seconds / b.seconds for a, b in zip(plain, pipe))
+    cpu = sorted(a.cpu / b.cpu for a, b in zip(plain, pipe))
+    print(
+        f"CPU-time ratio: median {statistics.median(cpu):.2f}x (min {cpu[0]:.2f}, max {cpu[-1]:.2f})"
+        f"\neval speedup: {statistics.median(ratios):.2f}x (median of {repeats}; min "
+        f"{ratios[0]:.2f}, max {ratios[-1]:.2f})"
     )
 
-    n = plain["metrics"]["n"]
-    same = E.read_log(plain["samples"])[0] == E.read_log(pipe["samples"])[0]
-    print(
-        f"\n{n} samples, {width}x{height} px {fps:g} fps {seconds:g} s videos, greedy, "
-        f"max_tokens {max_tokens}, identical per-sample results: {same}"
-    )
-    print(
-        f"{'mode':<36}| {'seconds':>8} | {'samples/s':>9} | {'engine busy':>11} | {'in flight':>9} | frames"
-    )
-    print(
-        f"{'plain loop (decode, generate, wait)':<36}| {t_plain:8.2f} | {n / t_plain:9.2f} | {'-':>11} | {1:9d} | "
-        f"{plain['frames']}"
-    )
-    print(
-        f"{'async pipeline (warm cache)':<36}| {t_pipe:8.2f} | {n / t_pipe:9.2f} | {pipe['engine_busy']:11.2f} | "
-        f"{pipe['mean_in_flight']:9.1f} | {pipe['frames']}"
-    )
-    print(f"eval speedup: {t_plain / t_pipe:.2f}x")
+
+@dataclass
+class Run:
+    """One timed evaluation."""
+
+    result: dict
+    """evaluate()'s result for the benchmark"""
+    seconds: float
+    """wall-clock seconds"""
+    cpu: float
+    """CPU seconds of the process tree"""
+
+
+def quiet_shutdown(record) -> bool:
+    """vLLM's shutdown lines ("[shutdown] ... force killing remaining processes") stay out."""
+    return "[shutdown]" not in record.getMessage()
 
 
 if __name__ == "__main__":
