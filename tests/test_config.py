@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
+import common
 import data
 import rewards
 from train import Config, check_config, load_config, main
@@ -148,10 +149,26 @@ def test_check_config_reports_every_bad_combination(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     for name in [f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")]:
         world = 8 if name.startswith("qwen") else 2
-        layers = ["configs/qwen2_5_vl_7b.yaml"] * name.endswith("_long.yaml") + [
-            f"configs/{name}"
-        ]  # over the 7B
-        check_config(load_config(["--config", *(os.path.join(ROOT, x) for x in layers)]), world)
+        check_config(load_config(["--config", *recipe(name)]), world)
+
+
+def recipe(name: str) -> list[str]:
+    """configs/<name> after the base it names if it is a layer (common.layer_base)."""
+    path = os.path.join(ROOT, "configs", name)
+    return [base for base in [common.layer_base(path)] if base] + [path]
+
+
+def test_gpu_recipes_checkpoint_every_few_minutes_of_work():
+    """Every GPU recipe (layers over their base) saves on a schedule and keeps its last checkpoints; each sets both
+    itself, with its reason, but a layer whose base's step it keeps (before: the 7B/8B, LoRA and hour-long recipes
+    saved only on a signal: a crash at hour five lost the run)."""
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.startswith("qwen"))
+    assert len(names) == 7, names
+    for name in names:
+        cfg = load_config(["--config", *recipe(name)])
+        assert cfg.save_every > 0 and cfg.keep_last > 0, name
+        own = yaml.safe_load(open(os.path.join(ROOT, "configs", name)))
+        assert name == "qwen2_vl_7b.yaml" or {"save_every", "keep_last"} <= set(own), name
 
 
 def test_prompt_asks_for_the_rewarded_format():
