@@ -134,10 +134,18 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
 
 
 def check_hub(model: str):
-    """A hub model (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after minutes of retries."""
+    """A model path that looks local (./, ../, /, ~, or more than one '/', or its parent folder exists) and is no
+    folder: "no such folder"; a hub id (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after
+    minutes of retries."""
     from huggingface_hub import constants
 
-    if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
+    if os.path.isdir(model):
+        return
+    path = os.path.expanduser(model)
+    parent = os.path.dirname(path)
+    if model.startswith(("./", "../", "/", "~")) or model.count("/") > 1 or os.path.isdir(parent):
+        raise UserError(f"model: no such folder: {model}")
+    if constants.HF_HUB_OFFLINE:
         return
     url = urllib.parse.urlparse(constants.ENDPOINT)
     try:

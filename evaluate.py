@@ -1313,12 +1313,13 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
     """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine
     given is kept."""
     cfg = resolve(cfg)
-    # every check before the engine starts
+    # every check before the engine starts, the model's first (a mistyped path is no benchmark's fault)
+    if processor is None:
+        common.check_hub(cfg.model)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
     if processor is None:
         from transformers import AutoProcessor
 
-        common.check_hub(cfg.model)
         processor = AutoProcessor.from_pretrained(
             cfg.model, trust_remote_code=cfg.trust_remote_code
         )

@@ -286,3 +286,25 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, color_
     )
     log = (out / "error.log").read_text()
     assert log.startswith("Traceback") and "check_files" in log and "KeyError: 'config'" in log, log
+
+
+def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch):
+    """A model path that looks local (./, ../, /, ~, two '/', an existing parent folder) and is no folder: "no such
+    folder", in train.py and evaluate.py, online or not (before: "no network ... set HF_HUB_OFFLINE=1", and offline
+    "Repo id must be in the form"); only a hub id gets the network message."""
+    typo = ".cache/models/tiny-qwen25_vl"
+    one_line_error(
+        run("train.py", "--config", "configs/tiny_cpu.yaml", "--model", typo, **OFFLINE_HUB),
+        f"model: no such folder: {typo}",
+    )
+    p = run("evaluate.py", "--model", typo, "--benchmarks", "nope", HF_HUB_OFFLINE="1")
+    one_line_error(p, f"model: no such folder: {typo}")
+    from huggingface_hub import constants
+
+    for path in ("./m", "../m", "/m", "~/m", "a/b/c", "tests/m"):
+        with pytest.raises(common.UserError, match=f"no such folder: {path}$"):
+            common.check_hub(path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", OFFLINE_HUB["HF_ENDPOINT"])
+    with pytest.raises(common.UserError, match="Qwen/Nope: no network"):
+        common.check_hub("Qwen/Nope")
