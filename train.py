@@ -65,6 +65,8 @@ class Config(Media):
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
+    world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
     # --- model and data (`cache.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
@@ -323,7 +325,7 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
     if not 0 <= cfg.lora_dropout < 1:
         bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
-    if cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()):
+    if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
         bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
     longest_row = cfg.max_prompt_len + cfg.max_response_len
     if 0 < cfg.max_tokens_per_micro_batch < longest_row:
@@ -369,7 +371,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     split, the prompt length (vision tokens included) of the sample with the most media and text."""
     import yaml
 
-    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run", "world")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     counts = ", ".join(f"{len(rows)} {split}" for split, rows in samples.items())
     print(f"data: {counts}, {len(skipped)} skipped")
@@ -1555,11 +1557,14 @@ def finish(
 
 def main(cfg: Config):
     world, device = init_dist(cfg.dist_timeout, cfg.offload)[1:]  # (rank, world, device)
-    check_config(cfg, world)
+    if cfg.world and not cfg.dry_run:
+        raise UserError(
+            f"world {cfg.world} is --dry-run's: a run's world is its launch's ({world})"
+        )
+    check_config(cfg, cfg.world or world)
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     check_files(cfg, ckpt_path)
     common.check_hub(cfg.model)
-    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -1573,6 +1578,7 @@ def main(cfg: Config):
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     t = build_trainer(cfg, processor, layout, device)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
     first_step = state.get("step", 0) + 1

@@ -470,3 +470,21 @@ def test_field_facts_sit_beside_their_fields():
         "  lr must be finite, got nan",
         "  keep_last must be >= 0, got -1",
     ], str(e.value)
+
+
+def test_dry_run_checks_a_recipe_for_the_world_it_names(tmp_path, color_data, capsys, monkeypatch):
+    """--dry-run --world 8: the hour-long 7B recipe (sp 8, rollout_tp 4) is checked for 8 ranks in one CPU process
+    (before: "world size 1 % rollout_tp 4 != 0"); a model of the 7B's heads (28 query, 4 KV) stands in for vLLM's
+    checks. --world outside a dry run is refused."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    model = os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl-heads28-4")
+    argv = ["--config", *recipe("qwen2_5_vl_7b_long.yaml"), "--dry-run", "--model", model]
+    argv += ["--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"]
+    argv += ["--out-dir", str(tmp_path / "run")]
+    with pytest.raises(common.UserError, match="world size 1 % rollout_tp 4 != 0"):
+        main(load_config(argv))
+    assert main(load_config([*argv, "--world", "8"])) is None
+    out = capsys.readouterr().out
+    assert "sp_size: 8\n" in out and "data: 16 train, 4 val, 0 skipped" in out, out[-2000:]
+    with pytest.raises(common.UserError, match="world 8 is --dry-run's"):
+        main(load_config([*argv[:3], *argv[4:], "--world", "8"]))
