@@ -1578,6 +1578,9 @@ def main(cfg: Config):
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
+    common.ERRORS["per_rank"] = (
+        True  # the settings and data are checked: the ranks' work differs from here
+    )
     layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     t = build_trainer(cfg, processor, layout, device)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
@@ -1601,7 +1604,8 @@ def main(cfg: Config):
     )
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
-    logger = start_logs(cfg, state, skipped, layout.rank)
+    with common.writing(0, cfg.out_dir):
+        logger = start_logs(cfg, state, skipped, layout.rank)
     if first_step > cfg.max_steps:
         at = f"{ckpt_path} is at step {state['step']}"
         print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
@@ -1655,19 +1659,22 @@ def main(cfg: Config):
             if evaluated:
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - first_step + 1)
-            log_step(row, parts, cfg, layout, logger, skipped, per_step)
+            with common.writing(step, cfg.out_dir):
+                log_step(row, parts, cfg, layout, logger, skipped, per_step)
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
             run["skipped"] = skipped
-            save_step(cfg, step, t, processor, stream, run)
+            with common.writing(step, os.path.join(cfg.out_dir, "ckpt")):
+                save_step(cfg, step, t, processor, stream, run)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             engine.close()
             return acc_before, float("nan")
     trained = first_step <= cfg.max_steps  # this process trained a step
-    return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
+    with common.writing(cfg.max_steps, cfg.out_dir):
+        return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
 
 
 # --------------------------------------------------------------------------------------------------
