@@ -337,7 +337,9 @@ def load_config(cls, argv=None):
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)
-    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest)
+    # --debug is common.cli's (read before this parser): named here so that --help lists it
+    debug = "--debug: an error's traceback and every library log line (common.NOISE drops the harmless ones)"
+    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest, description=debug)
 
 
 def layer_base(path: str) -> str:

@@ -224,7 +224,7 @@ class Config(Media):
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
     save_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
-    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = on SIGTERM/SIGINT only)"""
+    """sharded checkpoint out_dir/ckpt/step_00000050 (8 digits) every N steps (0 = on SIGTERM/SIGINT only)"""
     keep_last: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
