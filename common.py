@@ -252,6 +252,11 @@ NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: not
     "vllm.model_executor.models.utils": ("Attempted to load weight",),
     "vllm.v1.engine.input_processor": ("Passing raw prompts to InputProcessor is deprecated",),
     "vllm.v1.utils": ("Process manager: force killing remaining process",),
+    # greedy answers (the held-out evaluation; evaluate.py's HF engine) from a checkpoint whose generation config sets
+    # top_k: transformers notes that the flag goes unused
+    "transformers.generation.configuration_utils": (
+        "generation flags are not valid and may be ignored",
+    ),
 }
 
 
@@ -329,14 +334,19 @@ def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
 def load_config(cls, argv=None):
     """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
     them; its `config` field records the files applied."""
-    import tyro
-
     if argv is None:
         argv = sys.argv[1:]
     paths, rest = config_files(list(argv))
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)
+    return parse_flags(cls, base, paths, rest)
+
+
+def parse_flags(cls, base, paths: list[str], rest: list[str]):
+    """Dataclass `cls` from the flags `rest` over `base` (the YAML files' values); `config` records the files."""
+    import tyro
+
     # --debug is common.cli's (read before this parser): named here so that --help lists it
     debug = "--debug: an error's traceback and every library log line (common.NOISE drops the harmless ones)"
     return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest, description=debug)
@@ -352,9 +362,10 @@ def layer_base(path: str) -> str:
     return os.path.join(os.path.dirname(path), found.group(1))
 
 
-def yaml_overlay(base, path: str, strict: bool = True):
+def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = None):
     """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
-    the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings)."""
+    the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings;
+    appended to `skipped` when given)."""
     import yaml
 
     with open(path) as f:
@@ -368,6 +379,8 @@ def yaml_overlay(base, path: str, strict: bool = True):
         if key not in types:
             if strict:
                 raise UserError(f"{path}: unknown key {key!r}")
+            if skipped is not None:
+                skipped.append(key)
             continue
         kind = types[key]
         if kind is float and type(value) is int:

@@ -102,6 +102,52 @@ class Config(cache.Media):
     """max pixels per frame (evaluation's default; training's is 100352)"""
 
 
+# A training config read by evaluate.py: the keys of train.Config it takes under its own names, and the shared ones it
+# takes as they are (not the run's out_dir, nor its rollouts' temperature: held-out answers are greedy)
+FROM_TRAINING = {"max_response_len": "max_tokens", "eval_max_samples": "max_samples"}
+SHARED = (
+    "model",
+    "trust_remote_code",
+    "seed",
+    "max_prompt_len",
+    "max_model_len",
+    "gpu_memory_utilization",
+)
+
+
+def load_config(argv=None) -> Config:
+    """common.load_config for Config, a training config too (a key of train.Config that is none of ours): read as
+    the in-training evaluation reads it, its held-out frame settings (train.Config.media(held_out=True), train.py's
+    defaults included), FROM_TRAINING and SHARED; its other keys are listed once and ignored. A key neither knows is
+    an error."""
+    import train
+
+    if argv is None:
+        argv = sys.argv[1:]
+    paths, rest = common.config_files(list(argv))
+    base, run, unused = Config(), train.Config(), []
+    for path in paths:
+        ours, theirs = [], []
+        base = common.yaml_overlay(base, path, strict=False, skipped=ours)
+        run = common.yaml_overlay(run, path, strict=False, skipped=theirs)
+        for key in ours:
+            if key in theirs:
+                raise UserError(f"{path}: unknown key {key!r}")
+        unused += ours
+    if unused:
+        media = asdict(run.media(held_out=True))
+        renamed = {ours: getattr(run, key) for key, ours in FROM_TRAINING.items()}
+        base = replace(base, **media, **renamed, **{k: getattr(run, k) for k in SHARED})
+        base = replace(base, out_dir=Config.out_dir, temperature=Config.temperature)
+        read = [*FROM_TRAINING, *(f"val_{f.name}" for f in fields(cache.Media))]
+        print(
+            f"{' '.join(paths)}: a training config: its held-out frame settings and {', '.join(FROM_TRAINING)} "
+            f"read; not used: {', '.join(sorted(set(unused) - set(read)))}",
+            file=sys.stderr,
+        )
+    return common.parse_flags(Config, base, paths, rest)
+
+
 # annotation files, in the order they are looked for
 FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 BENCHMARKS = os.path.join(
@@ -1466,7 +1512,7 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.cli(main, partial(common.load_config, Config)))
+    sys.exit(common.cli(main, load_config))
 elif __name__ == "__mp_main__":
     # vLLM's engine and worker processes (spawned) run this file first: quiet there too
     common.quiet()

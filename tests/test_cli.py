@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Share, color_data_dir, share_of, tiny_model_dir, two_rank_share
 
 import cache
 import ckpt
@@ -349,3 +349,55 @@ def test_a_write_error_mid_run_names_the_step_and_the_file(tmp_path):
             raise CheckpointException("save failed", failures)
     assert str(e.value) == f"step 4: cannot write {full.filename}: No space left on device"
     assert e.value.every_rank and common.users(full)
+
+
+@two_rank_share
+def own_config_run(tmp_path_factory) -> Share:
+    """A run of conftest's shared 2-rank launch with its settings in its own YAML over the demo's (one step on the HF
+    sampler, 3 held-out samples, the HF folder saved), for evaluate.py to read."""
+    d = tmp_path_factory.mktemp("own_config")
+    color = color_data_dir()
+    layer = {
+        "model": tiny_model_dir(),
+        "train_data": f"{color}/train.jsonl",
+        "val_data": f"{color}/val.jsonl",
+        "cache_dir": str(d / "frames"),
+        "rollout": "hf",
+        "max_steps": 1,
+        "group_size": 4,
+        "prompts_per_step": 4,
+        "eval_max_samples": 3,
+    }
+    (d / "run.yaml").write_text(json.dumps(layer))  # JSON is YAML
+    configs = ["--config", "configs/tiny_cpu.yaml", str(d / "run.yaml")]
+    return Share({"own config": [*configs, "--out-dir", str(d / "run")]})
+
+
+@pytest.mark.slow
+def test_evaluate_with_a_runs_own_config_gives_its_held_out_answers(two_rank, tmp_path, capsys):
+    """evaluate.py --config <the run's configs> on its final folder: the training config's keys it does not use listed
+    once, its held-out frame settings, answer length and sample count read (before: "unknown key 'train_data'"), so
+    each held-out answer and the accuracy equal the in-training evaluation's; results.json records the settings. A
+    key neither program knows still fails."""
+    import asyncio
+
+    run = share_of(two_rank, __name__)["own config"]
+    configs = ["configs/tiny_cpu.yaml", str(run.folder.parent / "run.yaml")]
+    args = ["--model", str(run.folder / "final"), "--engine", "hf", "--out-dir", str(tmp_path)]
+    cfg = evaluate.load_config(["--config", *configs, *args, "--data-dir", color_data_dir()])
+    assert "not used: eval_every, group_size, lr, max_steps" in capsys.readouterr().err
+    results = asyncio.run(evaluate.evaluate(cfg))
+    trained = {
+        r["doc_id"]: r["resps"] for r in map(json.loads, open(run.folder / "eval/step_1.jsonl"))
+    }
+    rows = [json.loads(line) for line in open(tmp_path / "nvr1" / "samples.jsonl")]
+    assert {r["doc_id"]: r["resps"] for r in rows} == trained and len(trained) == 3
+    assert results["nvr1"]["metrics"]["accuracy"] / 100 == run.rows[-1]["eval/accuracy"]
+    settings = json.load(open(tmp_path / "results.json"))["settings"]
+    frames = [
+        settings[k] for k in ("video_fps", "video_max_frames", "video_max_pixels", "max_tokens")
+    ]
+    assert frames == [4.0, 8, 3136, 8], settings
+    typo = write(tmp_path, "typo.yaml", "lrr: 1\n")
+    with pytest.raises(common.UserError, match="typo.yaml: unknown key 'lrr'"):
+        evaluate.load_config(["--config", *configs, typo])
