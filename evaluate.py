@@ -125,7 +125,9 @@ def load_config(argv=None) -> Config:
     if argv is None:
         argv = sys.argv[1:]
     paths, rest = common.config_files(list(argv))
-    base, run, unused = Config(), train.Config(), []
+    base = Config()
+    run = train.Config()
+    unused = []
     for path in paths:
         ours, theirs = [], []
         base = common.yaml_overlay(base, path, strict=False, skipped=ours)
