@@ -76,12 +76,14 @@ def writing(step: int, where: str):
         if not isinstance(e, CheckpointException):
             raise
         failed = [x for x, _ in e.failures.values() if isinstance(x, OSError)]
+        free = (
+            shutil.disk_usage(where).free >> 20
+        )  # MiB: torch's writer says "unexpected pos" on a full disk
         if failed:
             bad = UserError(
                 f"step {step}: cannot write {failed[0].filename or where}: {failed[0].strerror}"
             )
-        elif shutil.disk_usage(where).free < 2**30:  # torch's writer says "unexpected pos"
-            free = shutil.disk_usage(where).free >> 20
+        elif free < 1024:
             bad = UserError(
                 f"step {step}: cannot write {where}: the disk is full ({free} MiB free)"
             )
@@ -303,9 +305,8 @@ def cli(main, load_config, error_log: bool = False):
         if error_log and cfg is not None:
             write_error_log(cfg.out_dir, traceback.format_exc())
         if peer_failed(e) and "--debug" not in sys.argv:
-            sys.exit(
-                1
-            )  # the rank that exited printed why; this one's traceback is in its error log
+            # the rank that exited printed why; this one's traceback is in its error log
+            sys.exit(1)
         raise
 
 

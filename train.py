@@ -1578,9 +1578,8 @@ def main(cfg: Config):
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
-    common.ERRORS["per_rank"] = (
-        True  # the settings and data are checked: the ranks' work differs from here
-    )
+    # the settings and data are checked: the ranks' work (and errors) differ from here
+    common.ERRORS["per_rank"] = True
     layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     t = build_trainer(cfg, processor, layout, device)
     state = ckpt.load(ckpt_path, t.model, t.opt) if ckpt_path else {}  # before the engine gets them
