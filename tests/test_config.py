@@ -95,7 +95,8 @@ def test_config_flag_is_in_help(capsys):
     with pytest.raises(SystemExit):
         load_config(["--help"])
     out = capsys.readouterr().out
-    assert "--config" in out and "YAML files" in out and "--dry-run" in out
+    assert "--config" in out and "YAML files" in out and "--dry-run" in out and "--world" in out
+    assert "--debug: an error's traceback" in out  # common.cli's flag, before the parser
 
 
 def test_check_config_reports_every_bad_combination(monkeypatch):
