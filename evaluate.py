@@ -66,6 +66,8 @@ class Config(cache.Media):
     """0 = greedy (deterministic)"""
     seed: int = field(default=0, metadata=ANSWERS)
     """sampling seed, and the seed of the random-option fallback"""
+    response_format: Literal["answer", "think_answer"] = field(default="answer", metadata=ANSWERS)
+    """the format our own prompts (nvr1, a template's {{ instruction }}) ask for, as train.py's"""
     answer_extraction: Literal["tags", "official"] = field(default="tags", metadata=ANSWERS)
     """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
     random_fallback: bool = field(default=False, metadata=ANSWERS)
@@ -112,6 +114,7 @@ SHARED = (
     "max_prompt_len",
     "max_model_len",
     "gpu_memory_utilization",
+    "response_format",
 )
 
 
@@ -1064,7 +1067,7 @@ def make_loader(processor, cfg, bench: str):
             all_stats.append(local.stats)
         template = adapter(bench).get("prompt")
         return data.prepare(
-            s, local.proc, cfg, local.stats, template, max_prompt_len=cfg.max_prompt_len
+            s, local.proc, cfg, local.stats, template, cfg.response_format, cfg.max_prompt_len
         )
 
     return load, all_stats

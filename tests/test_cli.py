@@ -377,8 +377,7 @@ def own_config_run(tmp_path_factory) -> Share:
 def test_evaluate_with_a_runs_own_config_gives_its_held_out_answers(two_rank, tmp_path, capsys):
     """evaluate.py --config <the run's configs> on its final folder: the training config's keys it does not use listed
     once, its held-out frame settings, answer length and sample count read (before: "unknown key 'train_data'"), so
-    each held-out answer and the accuracy equal the in-training evaluation's; results.json records the settings. A
-    key neither program knows still fails."""
+    each held-out answer and the accuracy equal the in-training evaluation's; results.json records the settings."""
     import asyncio
 
     run = share_of(two_rank, __name__)["own config"]
@@ -398,6 +397,21 @@ def test_evaluate_with_a_runs_own_config_gives_its_held_out_answers(two_rank, tm
         settings[k] for k in ("video_fps", "video_max_frames", "video_max_pixels", "max_tokens")
     ]
     assert frames == [4.0, 8, 3136, 8], settings
+
+
+def test_evaluate_reads_a_training_recipe_as_its_held_out_evaluation(tmp_path, capsys):
+    """evaluate.load_config on the 7B recipe and a layer: the held-out frame settings (val_video_fps over
+    video_fps), prompt format, answer length and sample count of the in-training evaluation, greedy, results in
+    evaluate.py's own folder; the keys it does not use listed on one line; a key neither program knows fails."""
+    layer = write(tmp_path, "val.yaml", "val_video_fps: 1.0\nbenchmarks: nvr1\n")
+    cfg = evaluate.load_config(
+        ["--config", "configs/qwen2_5_vl_7b.yaml", layer, "--max-samples", "5"]
+    )
+    read = [cfg.video_fps, cfg.video_max_frames, cfg.video_max_pixels, cfg.response_format]
+    assert read == [1.0, 64, 262144, "think_answer"], cfg
+    assert (cfg.max_tokens, cfg.max_samples, cfg.temperature, cfg.out_dir) == (2048, 5, 0.0, "")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "not used: clip_high, eval_every, " in err[0], err
     typo = write(tmp_path, "typo.yaml", "lrr: 1\n")
     with pytest.raises(common.UserError, match="typo.yaml: unknown key 'lrr'"):
-        evaluate.load_config(["--config", *configs, typo])
+        evaluate.load_config(["--config", "configs/tiny_cpu.yaml", typo])
