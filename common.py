@@ -1,13 +1,16 @@
 """common.py: the plumbing every other module may use and that uses none of them: the process group and the
 collectives, stop signals, the config loader (dataclass + YAML overlay + flags), atomic files and the run's curve."""
 
+import contextlib
 import datetime
+import errno
 import faulthandler
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -33,6 +36,61 @@ class UserError(ValueError):
 
 # OSErrors about one path that is missing or unreadable: the user's input, the message names the file
 FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+# Under torchrun an error while a run checks its settings and data is every rank's (the same inputs): rank 0 alone
+# prints it. Once their work differs (train.main sets per_rank), a rank prints its own (the video it drew).
+ERRORS = {"per_rank": False}
+
+
+def users(e: BaseException) -> bool:
+    """The user's to fix: our checks' UserError, a path missing or unreadable, a disk full or read-only."""
+    disk = getattr(e, "errno", None) in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    return isinstance(e, (UserError, *FILE_ERRORS)) or disk
+
+
+def says_it(e: BaseException) -> bool:
+    """This rank prints user error e: rank 0 always, another its own (ERRORS) but one every rank has (every_rank)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return rank == 0 or (ERRORS["per_rank"] and not getattr(e, "every_rank", False))
+
+
+def peer_failed(e: BaseException) -> bool:
+    """e is gloo's collective failing because another rank exited: that rank printed why."""
+    return "Connection closed by peer" in str(e) or "Connection reset by peer" in str(e)
+
+
+@contextlib.contextmanager
+def writing(step: int, where: str):
+    """The run's files written at a step (metrics, samples, a checkpoint under folder `where`): an OSError (a full
+    disk, a read-only folder) is a one-line UserError naming the step and the file; so is DCP's CheckpointException
+    for an OSError or a full disk, which every rank raises with every rank's failures (printed by rank 0 alone)."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(
+            f"step {step}: cannot write {e.filename or where}: {e.strerror or e}"
+        ) from e
+    except BaseException as e:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if not isinstance(e, CheckpointException):
+            raise
+        failed = [x for x, _ in e.failures.values() if isinstance(x, OSError)]
+        free = (
+            shutil.disk_usage(where).free >> 20
+        )  # MiB: torch's writer says "unexpected pos" on a full disk
+        if failed:
+            bad = UserError(
+                f"step {step}: cannot write {failed[0].filename or where}: {failed[0].strerror}"
+            )
+        elif free < 1024:
+            bad = UserError(
+                f"step {step}: cannot write {where}: the disk is full ({free} MiB free)"
+            )
+        else:
+            raise
+        bad.every_rank = True
+        raise bad from e
 
 
 # Collectives: every rank calls them at the same point of the loop
@@ -134,10 +192,18 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
 
 
 def check_hub(model: str):
-    """A hub model (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after minutes of retries."""
+    """A model path that looks local (./, ../, /, ~, or more than one '/', or its parent folder exists) and is no
+    folder: "no such folder"; a hub id (no local folder, HF_HUB_OFFLINE unset) without a network: fail now, not after
+    minutes of retries."""
     from huggingface_hub import constants
 
-    if os.path.isdir(model) or constants.HF_HUB_OFFLINE:
+    if os.path.isdir(model):
+        return
+    path = os.path.expanduser(model)
+    parent = os.path.dirname(path)
+    if model.startswith(("./", "../", "/", "~")) or model.count("/") > 1 or os.path.isdir(parent):
+        raise UserError(f"model: no such folder: {model}")
+    if constants.HF_HUB_OFFLINE:
         return
     url = urllib.parse.urlparse(constants.ENDPOINT)
     try:
@@ -188,6 +254,11 @@ NOISE = {  # torch's deprecations and CUDA note, triggered by vLLM's import: not
     "vllm.model_executor.models.utils": ("Attempted to load weight",),
     "vllm.v1.engine.input_processor": ("Passing raw prompts to InputProcessor is deprecated",),
     "vllm.v1.utils": ("Process manager: force killing remaining process",),
+    # greedy answers (the held-out evaluation; evaluate.py's HF engine) from a checkpoint whose generation config sets
+    # top_k: transformers notes that the flag goes unused
+    "transformers.generation.configuration_utils": (
+        "generation flags are not valid and may be ignored",
+    ),
 }
 
 
@@ -217,21 +288,25 @@ def quiet():
 
 def cli(main, load_config, error_log: bool = False):
     """`main(load_config(argv))`. A UserError or a missing/unreadable file prints one line `error: ...`, exit 2 (with
-    --debug: its traceback); any other exception keeps its traceback, and with error_log (train.py) is also written
+    --debug: its traceback; under torchrun once, says_it); a rank whose peer exited exits 1 quietly (peer_failed);
+    any other exception keeps its traceback, and with error_log (train.py) is also written
     to the run's out_dir/error.log (rank N > 0: error.rankN.log): a crash at hour five is read there, not rerun."""
     quiet()
+    ERRORS["per_rank"] = False  # a run before this one's in this process (tests) set it
     cfg = None
     try:
         cfg = load_config([arg for arg in sys.argv[1:] if arg != "--debug"])
         return main(cfg)
-    except (UserError, *FILE_ERRORS) as e:
-        if "--debug" in sys.argv:
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except Exception:
+    except Exception as e:
+        if users(e) and "--debug" not in sys.argv:
+            if says_it(e):  # under torchrun: once (says_it), no traceback from the ranks it stops
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
         if error_log and cfg is not None:
             write_error_log(cfg.out_dir, traceback.format_exc())
+        if peer_failed(e) and "--debug" not in sys.argv:
+            # the rank that exited printed why; this one's traceback is in its error log
+            sys.exit(1)
         raise
 
 
@@ -241,7 +316,10 @@ def write_error_log(out_dir: str, text: str):
     name = "error.log"
     if rank:
         name = f"error.rank{rank}.log"
-    write_text(os.path.join(out_dir, name), text)
+    try:
+        write_text(os.path.join(out_dir, name), text)
+    except OSError:  # a full disk or read-only folder: the traceback is printed still
+        pass
 
 
 def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -257,20 +335,38 @@ def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
 def load_config(cls, argv=None):
     """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
     them; its `config` field records the files applied."""
-    import tyro
-
     if argv is None:
         argv = sys.argv[1:]
     paths, rest = config_files(list(argv))
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)
-    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest)
+    return parse_flags(cls, base, paths, rest)
 
 
-def yaml_overlay(base, path: str, strict: bool = True):
+def parse_flags(cls, base, paths: list[str], rest: list[str]):
+    """Dataclass `cls` from the flags `rest` over `base` (the YAML files' values); `config` records the files."""
+    import tyro
+
+    # --debug is common.cli's (read before this parser): named here so that --help lists it
+    debug = "--debug: an error's traceback and every library log line (common.NOISE drops the harmless ones)"
+    return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest, description=debug)
+
+
+def layer_base(path: str) -> str:
+    """The config a layer file names in its comment ("A layer over x.yaml": it sets only what differs, loaded after
+    x.yaml), beside it; '' for a whole recipe."""
+    with open(path) as f:
+        found = re.search(r"layer over (\S+\.yaml)", f.read(), re.I)
+    if not found:
+        return ""
+    return os.path.join(os.path.dirname(path), found.group(1))
+
+
+def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = None):
     """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
-    the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings)."""
+    the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings;
+    appended to `skipped` when given)."""
     import yaml
 
     with open(path) as f:
@@ -284,6 +380,8 @@ def yaml_overlay(base, path: str, strict: bool = True):
         if key not in types:
             if strict:
                 raise UserError(f"{path}: unknown key {key!r}")
+            if skipped is not None:
+                skipped.append(key)
             continue
         kind = types[key]
         if kind is float and type(value) is int:

@@ -66,6 +66,8 @@ class Config(cache.Media):
     """0 = greedy (deterministic)"""
     seed: int = field(default=0, metadata=ANSWERS)
     """sampling seed, and the seed of the random-option fallback"""
+    response_format: Literal["answer", "think_answer"] = field(default="answer", metadata=ANSWERS)
+    """the format our own prompts (nvr1, a template's {{ instruction }}) ask for, as train.py's"""
     answer_extraction: Literal["tags", "official"] = field(default="tags", metadata=ANSWERS)
     """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
     random_fallback: bool = field(default=False, metadata=ANSWERS)
@@ -100,6 +102,55 @@ class Config(cache.Media):
     """at most this many frames per video (evaluation's default; training's is 32)"""
     video_max_pixels: int = field(default=262144, metadata=ANSWERS)
     """max pixels per frame (evaluation's default; training's is 100352)"""
+
+
+# A training config read by evaluate.py: the keys of train.Config it takes under its own names, and the shared ones it
+# takes as they are (not the run's out_dir, nor its rollouts' temperature: held-out answers are greedy)
+FROM_TRAINING = {"max_response_len": "max_tokens", "eval_max_samples": "max_samples"}
+SHARED = (
+    "model",
+    "trust_remote_code",
+    "seed",
+    "max_prompt_len",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "response_format",
+)
+
+
+def load_config(argv=None) -> Config:
+    """common.load_config for Config, a training config too (a key of train.Config that is none of ours): read as
+    the in-training evaluation reads it, its held-out frame settings (train.Config.media(held_out=True), train.py's
+    defaults included), FROM_TRAINING and SHARED; its other keys are listed once and ignored. A key neither knows is
+    an error."""
+    import train
+
+    if argv is None:
+        argv = sys.argv[1:]
+    paths, rest = common.config_files(list(argv))
+    base = Config()
+    run = train.Config()
+    unused = []
+    for path in paths:
+        ours, theirs = [], []
+        base = common.yaml_overlay(base, path, strict=False, skipped=ours)
+        run = common.yaml_overlay(run, path, strict=False, skipped=theirs)
+        for key in ours:
+            if key in theirs:
+                raise UserError(f"{path}: unknown key {key!r}")
+        unused += ours
+    if unused:
+        media = asdict(run.media(held_out=True))
+        renamed = {ours: getattr(run, key) for key, ours in FROM_TRAINING.items()}
+        base = replace(base, **media, **renamed, **{k: getattr(run, k) for k in SHARED})
+        base = replace(base, out_dir=Config.out_dir, temperature=Config.temperature)
+        read = [*FROM_TRAINING, *(f"val_{f.name}" for f in fields(cache.Media))]
+        print(
+            f"{' '.join(paths)}: a training config: its held-out frame settings and {', '.join(FROM_TRAINING)} "
+            f"read; not used: {', '.join(sorted(set(unused) - set(read)))}",
+            file=sys.stderr,
+        )
+    return common.parse_flags(Config, base, paths, rest)
 
 
 # annotation files, in the order they are looked for
@@ -1111,7 +1162,7 @@ def make_loader(processor, cfg, bench: str):
             all_stats.append(local.stats)
         template = adapter(bench).get("prompt")
         return data.prepare(
-            s, local.proc, cfg, local.stats, template, max_prompt_len=cfg.max_prompt_len
+            s, local.proc, cfg, local.stats, template, cfg.response_format, cfg.max_prompt_len
         )
 
     return load, all_stats
@@ -1487,12 +1538,13 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
     """Check every benchmark, then run, judge, aggregate each, rewriting results.json/.md; an engine
     given is kept."""
     cfg = resolve(cfg)
-    # every check before the engine starts
+    # every check before the engine starts, the model's first (a mistyped path is no benchmark's fault)
+    if processor is None:
+        common.check_hub(cfg.model)
     jobs = {b: prepare_benchmark(b, cfg) for b in cfg.benchmarks.split(",")}
     if processor is None:
         from transformers import AutoProcessor
 
-        common.check_hub(cfg.model)
         processor = AutoProcessor.from_pretrained(
             cfg.model, trust_remote_code=cfg.trust_remote_code
         )
@@ -1639,7 +1691,7 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(common.cli(main, partial(common.load_config, Config)))
+    sys.exit(common.cli(main, load_config))
 elif __name__ == "__mp_main__":
     # vLLM's engine and worker processes (spawned) run this file first: quiet there too
     common.quiet()

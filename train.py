@@ -65,6 +65,8 @@ class Config(Media):
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
+    world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
     # --- model and data (`cache.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
@@ -233,7 +235,7 @@ class Config(Media):
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
     save_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
-    """sharded checkpoint out_dir/ckpt/step_N every N steps (0 = on SIGTERM/SIGINT only)"""
+    """sharded checkpoint out_dir/ckpt/step_00000050 (8 digits) every N steps (0 = on SIGTERM/SIGINT only)"""
     keep_last: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """checkpoints kept, older ones are deleted (0 = keep all)"""
     resume: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
@@ -340,7 +342,7 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
     if not 0 <= cfg.lora_dropout < 1:
         bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
-    if cfg.offload and not (torch.cuda.is_available() and dist.is_initialized()):
+    if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
         bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
     longest_row = cfg.max_prompt_len + cfg.max_response_len
     if 0 < cfg.max_tokens_per_micro_batch < longest_row:
@@ -386,7 +388,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     split, the prompt length (vision tokens included) of the sample with the most media and text."""
     import yaml
 
-    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run")}
+    resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run", "world")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
     counts = ", ".join(f"{len(rows)} {split}" for split, rows in samples.items())
     print(f"data: {counts}, {len(skipped)} skipped")
@@ -1731,11 +1733,14 @@ def finish(
 
 def main(cfg: Config):
     world, device = init_dist(cfg.dist_timeout, cfg.offload)[1:]  # (rank, world, device)
-    check_config(cfg, world)
+    if cfg.world and not cfg.dry_run:
+        raise UserError(
+            f"world {cfg.world} is --dry-run's: a run's world is its launch's ({world})"
+        )
+    check_config(cfg, cfg.world or world)
     ckpt_path = ckpt.find(cfg.out_dir, cfg.resume)
     check_files(cfg, ckpt_path)
     common.check_hub(cfg.model)
-    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from transformers import AutoProcessor
@@ -1749,6 +1754,9 @@ def main(cfg: Config):
     samples = load_data(cfg, tok, template, skipped)
     if cfg.dry_run:
         return dry_run(cfg, processor, template, samples, skipped)
+    # the settings and data are checked: the ranks' work (and errors) differ from here
+    common.ERRORS["per_rank"] = True
+    layout = sp.make_layout(cfg.sp_size, cfg.rollout_tp)  # an SP group trains the same rows
     t = build_trainer(cfg, processor, layout, device)
     state = {}
     if ckpt_path:  # before the engine gets the weights
@@ -1777,7 +1785,8 @@ def main(cfg: Config):
     )
     # the same order on every rank; the position (epoch, cursor) is saved in every checkpoint
     stream = data.Stream(len(samples["train"]), cfg.seed, **state.get("data", {}))
-    logger = start_logs(cfg, state, skipped, layout.rank)
+    with common.writing(0, cfg.out_dir):
+        logger = start_logs(cfg, state, skipped, layout.rank)
     if first_step > cfg.max_steps:
         at = f"{ckpt_path} is at step {state['step']}"
         print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
@@ -1831,19 +1840,22 @@ def main(cfg: Config):
             if evaluated:
                 row["eval/accuracy"] = acc_after
             per_step = (time.time() - t_start) / (step - first_step + 1)
-            log_step(row, parts, cfg, layout, logger, skipped, per_step)
+            with common.writing(step, cfg.out_dir):
+                log_step(row, parts, cfg, layout, logger, skipped, per_step)
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
             run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
             run["skipped"] = skipped
-            save_step(cfg, step, t, processor, stream, run)
+            with common.writing(step, os.path.join(cfg.out_dir, "ckpt")):
+                save_step(cfg, step, t, processor, stream, run)
         if stop:
             print0(f"step {step}: stop signal {signals}: checkpoint saved, exiting")
             engine.close()
             return acc_before, float("nan")
     trained = first_step <= cfg.max_steps  # this process trained a step
-    return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
+    with common.writing(cfg.max_steps, cfg.out_dir):
+        return finish(cfg, t, processor, engine, logger, acc_before, acc_after, trained)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ def export(
     model.to(getattr(torch, dtype))
     processor = AutoProcessor.from_pretrained(ckpt)
     if cfg.lora_rank and not merge:
+        # the base as the adapter names it: a local folder absolute (loads from any working folder), a hub id as is
+        if os.path.isdir(cfg.model):
+            model.peft_config["default"].base_model_name_or_path = os.path.abspath(cfg.model)
         model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors (peft)
         processor.save_pretrained(out)
     else:

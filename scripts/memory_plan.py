@@ -66,6 +66,9 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
         n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
     )
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
+    # the processor's rule (transformers' smart_resize): a side is at least one factor; qwen-vl-utils floors a 16:9
+    # frame under a budget of one token (long_video_cpu.yaml: 784 px) to height 0, where its square clips give 1
+    h, w = max(h, factor), max(w, factor)
     sample = dict(
         problem="<video>What happens in the video, and when?",
         problem_type="free-form",
@@ -447,10 +450,16 @@ def launch_ranks(paths: tuple[str, ...]) -> int:
 def main(c: Config) -> Plan | list[str]:
     """Prints the config's plan (or the table) and returns it. A model measured only in float32 (the tiny CPU one)
     gets a CPU plan: fp32, per rank, vLLM not counted."""
+    import common
     import rollout
     import train
 
     cfg = train.load_config(["--config", *c.config])  # checked as train.py checks it
+    base = common.layer_base(c.config[0])
+    if base:  # alone, the rest would be train.py's defaults (the tiny model)
+        print(
+            f"warning: {c.config[0]} is a layer: give its base first (--config {base} {c.config[0]})"
+        )
     sp, gpus = cfg.sp_size, c.gpus or launch_ranks(c.config)
     if not gpus:
         sys.exit(
@@ -501,6 +510,7 @@ def main(c: Config) -> Plan | list[str]:
         print(
             f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)"
         )
+        print(p.verdict)
         return p
     print(
         f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, Share, color_data_dir, share_of, tiny_model_dir, two_rank_share
 
 import cache
 import ckpt
@@ -286,3 +286,132 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, color_
     )
     log = (out / "error.log").read_text()
     assert log.startswith("Traceback") and "check_files" in log and "KeyError: 'config'" in log, log
+
+
+def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch):
+    """A model path that looks local (./, ../, /, ~, two '/', an existing parent folder) and is no folder: "no such
+    folder", in train.py and evaluate.py, online or not (before: "no network ... set HF_HUB_OFFLINE=1", and offline
+    "Repo id must be in the form"); only a hub id gets the network message."""
+    typo = ".cache/models/tiny-qwen25_vl"
+    one_line_error(
+        run("train.py", "--config", "configs/tiny_cpu.yaml", "--model", typo, **OFFLINE_HUB),
+        f"model: no such folder: {typo}",
+    )
+    p = run("evaluate.py", "--model", typo, "--benchmarks", "nope", HF_HUB_OFFLINE="1")
+    one_line_error(p, f"model: no such folder: {typo}")
+    from huggingface_hub import constants
+
+    for path in ("./m", "../m", "/m", "~/m", "a/b/c", "tests/m"):
+        with pytest.raises(common.UserError, match=f"no such folder: {path}$"):
+            common.check_hub(path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", OFFLINE_HUB["HF_ENDPOINT"])
+    with pytest.raises(common.UserError, match="Qwen/Nope: no network"):
+        common.check_hub("Qwen/Nope")
+
+
+@pytest.mark.slow
+def test_a_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """A YAML typo under 2-rank torchrun: rank 0 prints the one line, rank 1 nothing, exit 2, no rank's traceback;
+    what follows is torchrun's own failure summary (its exit code 1), which no child can quiet (before: the line per
+    rank). The issue's cases (typo, corrupt video, read-only folder, full disk) measured 41 or 42 lines in all."""
+    typo = write(tmp_path, "typo.yaml", "lrr: 3\n")
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py"]
+    p = run(*cmd, "--config", "configs/tiny_cpu.yaml", typo)
+    out = (p.stdout + p.stderr).splitlines()
+    assert out[0] == f"error: {typo}: unknown key 'lrr'", out[:5]
+    assert sum(line.startswith("error: ") for line in out) == 1 and p.returncode == 1, out
+    assert not any(line.startswith("[rank") for line in out), out
+    root_cause = "\n".join(out).split("Root Cause")[
+        1
+    ]  # the first rank to exit (the other may be torchrun's kill)
+    assert "exitcode  : 2" in root_cause, root_cause
+
+
+def test_a_write_error_mid_run_names_the_step_and_the_file(tmp_path):
+    """common.writing (train.py's metrics, samples and checkpoints): an OSError, or DCP's CheckpointException that
+    every rank raises with every rank's failures, is a one-line user error naming the step and the file (before: a
+    traceback per rank, "No space left on device" at line 53 of 192); the checkpoint's is printed by rank 0 alone."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(
+        common.UserError, match=r"^step 3: cannot write .*metrics.jsonl: Is a direc"
+    ):
+        with common.writing(3, str(tmp_path)):
+            open(tmp_path / "metrics.jsonl", "a")
+    full = OSError(28, "No space left on device", "ckpt/step_00000004.tmp/__0_0.distcp")
+    failures = {r: (full, traceback.StackSummary()) for r in (0, 1)}
+    with pytest.raises(common.UserError) as e:
+        with common.writing(4, str(tmp_path)):
+            raise CheckpointException("save failed", failures)
+    assert str(e.value) == f"step 4: cannot write {full.filename}: No space left on device"
+    assert e.value.every_rank and common.users(full)
+
+
+@two_rank_share
+def own_config_run(tmp_path_factory) -> Share:
+    """A run of conftest's shared 2-rank launch with its settings in its own YAML over the demo's (one step on the HF
+    sampler, 3 held-out samples, the HF folder saved), for evaluate.py to read."""
+    d = tmp_path_factory.mktemp("own_config")
+    color = color_data_dir()
+    layer = {
+        "model": tiny_model_dir(),
+        "train_data": f"{color}/train.jsonl",
+        "val_data": f"{color}/val.jsonl",
+        "cache_dir": str(d / "frames"),
+        "rollout": "hf",
+        "max_steps": 1,
+        "group_size": 4,
+        "prompts_per_step": 4,
+        "eval_max_samples": 3,
+    }
+    (d / "run.yaml").write_text(json.dumps(layer))  # JSON is YAML
+    configs = ["--config", "configs/tiny_cpu.yaml", str(d / "run.yaml")]
+    return Share({"own config": [*configs, "--out-dir", str(d / "run")]})
+
+
+@pytest.mark.slow
+def test_evaluate_with_a_runs_own_config_gives_its_held_out_answers(two_rank, tmp_path, capsys):
+    """evaluate.py --config <the run's configs> on its final folder: the training config's keys it does not use listed
+    once, its held-out frame settings, answer length and sample count read (before: "unknown key 'train_data'"), so
+    each held-out answer and the accuracy equal the in-training evaluation's; results.json records the settings."""
+    import asyncio
+
+    run = share_of(two_rank, __name__)["own config"]
+    configs = ["configs/tiny_cpu.yaml", str(run.folder.parent / "run.yaml")]
+    args = ["--model", str(run.folder / "final"), "--engine", "hf", "--out-dir", str(tmp_path)]
+    cfg = evaluate.load_config(["--config", *configs, *args, "--data-dir", color_data_dir()])
+    assert "not used: eval_every, group_size, lr, max_steps" in capsys.readouterr().err
+    results = asyncio.run(evaluate.evaluate(cfg))
+    trained = {
+        r["doc_id"]: r["resps"] for r in map(json.loads, open(run.folder / "eval/step_1.jsonl"))
+    }
+    rows = [json.loads(line) for line in open(tmp_path / "nvr1" / "samples.jsonl")]
+    assert {r["doc_id"]: r["resps"] for r in rows} == trained and len(trained) == 3
+    assert results["nvr1"]["metrics"]["accuracy"] / 100 == run.rows[-1]["eval/accuracy"]
+    settings = json.load(open(tmp_path / "results.json"))["settings"]
+    frames = [
+        settings[k] for k in ("video_fps", "video_max_frames", "video_max_pixels", "max_tokens")
+    ]
+    assert frames == [4.0, 8, 3136, 8], settings
+
+
+def test_evaluate_reads_a_training_recipe_as_its_held_out_evaluation(tmp_path, capsys):
+    """evaluate.load_config on the 7B recipe and a layer: the held-out frame settings (val_video_fps over
+    video_fps), prompt format, answer length and sample count of the in-training evaluation, greedy, results in
+    evaluate.py's own folder; the keys it does not use listed on one line; a key neither program knows fails."""
+    layer = write(tmp_path, "val.yaml", "val_video_fps: 1.0\nbenchmarks: nvr1\n")
+    cfg = evaluate.load_config(
+        ["--config", "configs/qwen2_5_vl_7b.yaml", layer, "--max-samples", "5"]
+    )
+    read = [cfg.video_fps, cfg.video_max_frames, cfg.video_max_pixels, cfg.response_format]
+    assert read == [1.0, 64, 262144, "think_answer"], cfg
+    assert (cfg.max_tokens, cfg.max_samples, cfg.temperature, cfg.out_dir) == (2048, 5, 0.0, "")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "not used: clip_high, eval_every, " in err[0], err
+    typo = write(tmp_path, "typo.yaml", "lrr: 1\n")
+    with pytest.raises(common.UserError, match="typo.yaml: unknown key 'lrr'"):
+        evaluate.load_config(["--config", "configs/tiny_cpu.yaml", typo])

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
+import common
 import data
 import rewards
 from train import Config, check_config, load_config, main
@@ -94,7 +95,8 @@ def test_config_flag_is_in_help(capsys):
     with pytest.raises(SystemExit):
         load_config(["--help"])
     out = capsys.readouterr().out
-    assert "--config" in out and "YAML files" in out and "--dry-run" in out
+    assert "--config" in out and "YAML files" in out and "--dry-run" in out and "--world" in out
+    assert "--debug: an error's traceback" in out  # common.cli's flag, before the parser
 
 
 def test_check_config_reports_every_bad_combination(monkeypatch):
@@ -148,10 +150,26 @@ def test_check_config_reports_every_bad_combination(monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     for name in [f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")]:
         world = 8 if name.startswith("qwen") else 2
-        layers = ["configs/qwen2_5_vl_7b.yaml"] * name.endswith("_long.yaml") + [
-            f"configs/{name}"
-        ]  # over the 7B
-        check_config(load_config(["--config", *(os.path.join(ROOT, x) for x in layers)]), world)
+        check_config(load_config(["--config", *recipe(name)]), world)
+
+
+def recipe(name: str) -> list[str]:
+    """configs/<name> after the base it names if it is a layer (common.layer_base)."""
+    path = os.path.join(ROOT, "configs", name)
+    return [base for base in [common.layer_base(path)] if base] + [path]
+
+
+def test_gpu_recipes_checkpoint_every_few_minutes_of_work():
+    """Every GPU recipe (layers over their base) saves on a schedule and keeps its last checkpoints; each sets both
+    itself, with its reason, but a layer whose base's step it keeps (before: the 7B/8B, LoRA and hour-long recipes
+    saved only on a signal: a crash at hour five lost the run)."""
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.startswith("qwen"))
+    assert len(names) == 7, names
+    for name in names:
+        cfg = load_config(["--config", *recipe(name)])
+        assert cfg.save_every > 0 and cfg.keep_last > 0, name
+        own = yaml.safe_load(open(os.path.join(ROOT, "configs", name)))
+        assert name == "qwen2_vl_7b.yaml" or {"save_every", "keep_last"} <= set(own), name
 
 
 def test_prompt_asks_for_the_rewarded_format():
@@ -453,3 +471,21 @@ def test_field_facts_sit_beside_their_fields():
         "  lr must be finite, got nan",
         "  keep_last must be >= 0, got -1",
     ], str(e.value)
+
+
+def test_dry_run_checks_a_recipe_for_the_world_it_names(tmp_path, color_data, capsys, monkeypatch):
+    """--dry-run --world 8: the hour-long 7B recipe (sp 8, rollout_tp 4) is checked for 8 ranks in one CPU process
+    (before: "world size 1 % rollout_tp 4 != 0"); a model of the 7B's heads (28 query, 4 KV) stands in for vLLM's
+    checks. --world outside a dry run is refused."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    model = os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl-heads28-4")
+    argv = ["--config", *recipe("qwen2_5_vl_7b_long.yaml"), "--dry-run", "--model", model]
+    argv += ["--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"]
+    argv += ["--out-dir", str(tmp_path / "run")]
+    with pytest.raises(common.UserError, match="world size 1 % rollout_tp 4 != 0"):
+        main(load_config(argv))
+    assert main(load_config([*argv, "--world", "8"])) is None
+    out = capsys.readouterr().out
+    assert "sp_size: 8\n" in out and "data: 16 train, 4 val, 0 skipped" in out, out[-2000:]
+    with pytest.raises(common.UserError, match="world 8 is --dry-run's"):
+        main(load_config([*argv[:3], *argv[4:], "--world", "8"]))

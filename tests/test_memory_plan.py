@@ -539,6 +539,7 @@ def cli_runs_job(tmp_path_factory):
     tiny_model_dir()  # the tiny config's model, built before the commands read it
     cmds = {name: ["--config", f"configs/{name}"] for name in RUN_CONFIGS}
     cmds["table"] = ["--config", *LONG, "--table"]
+    cmds["layer alone"] = ["--config", "configs/qwen2_vl_7b.yaml"]
 
     def run():
         p = subprocess.run(
@@ -582,10 +583,23 @@ def test_every_run_config_gets_an_answer(name, cli_runs):
         "qwen2_5_vl_7b_lora.yaml": 1,
     }
     assert f", {ranks.get(name, 8)} " in first, first
-    if name.endswith("cpu.yaml"):
-        assert last.startswith("CPU config: train phase"), last
+    if name.endswith("cpu.yaml"):  # a CPU plan, and its verdict (before: none)
+        assert proc.stdout.splitlines()[-2].startswith("CPU config: train phase"), proc.stdout
+        assert last == "FITS", last
     else:
         assert last == "FITS" or last.startswith(("DOES NOT FIT: ", "CANNOT RUN: ")), last
+
+
+def test_a_layer_alone_is_warned_and_one_token_frames_are_sized_as_the_processor_does(cli_runs):
+    """configs/qwen2_vl_7b.yaml alone (a layer over the 7B recipe) is warned to need its base (before: planned over
+    the tiny defaults without a word); long_video_cpu.yaml's 784-pixel frames are one token, as its clips give the
+    processor (256 frames: 128 tokens, 512 patches; before: "0 patches", qwen-vl-utils' height 0 for 720p)."""
+    first = cli_runs["layer alone"].stdout.splitlines()[0]
+    assert first.startswith("warning: configs/qwen2_vl_7b.yaml is a layer: give its base first"), (
+        first
+    )
+    assert "(--config configs/qwen2_5_vl_7b.yaml configs/qwen2_vl_7b.yaml)" in first, first
+    assert ": 218 prompt tokens, 512 patches" in cli_runs["long_video_cpu.yaml"].stdout
 
 
 def test_the_long_video_recipes_fit(monkeypatch):
