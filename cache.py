@@ -114,7 +114,10 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) 
     # the reference math, not a copy of it
     from qwen_vl_utils.vision_process import smart_resize as ref
 
-    return ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    h, w = ref(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    # a side is at least one factor (transformers' smart_resize): qwen-vl-utils 0.0.14 floors a 16:9
+    # frame under a one-token budget (720x1280 at 784 px) to height 0, which no resize can make
+    return max(h, factor), max(w, factor)
 
 
 def sample_indices(

@@ -66,9 +66,6 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
         n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
     )
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
-    # the processor's rule (transformers' smart_resize): a side is at least one factor; qwen-vl-utils floors a 16:9
-    # frame under a budget of one token (long_video_cpu.yaml: 784 px) to height 0, where its square clips give 1
-    h, w = max(h, factor), max(w, factor)
     sample = dict(
         problem="<video>What happens in the video, and when?",
         problem_type="free-form",

@@ -593,3 +593,11 @@ def test_unwritable_entries_keep_their_frames(video, tmp_path, monkeypatch, caps
     assert (stats["decode"], stats["cache_unwritable"]) == (1, 1)
     for root, dirs, files in os.walk(ro):
         os.chmod(root, 0o755)  # pytest can delete it
+
+
+def test_a_one_token_budget_keeps_both_sides():
+    """qwen-vl-utils floors a 16:9 frame under 784 pixels to height 0; the processor's rule keeps a
+    side at one factor at least, so a 720p clip decodes under long_video_cpu.yaml's budget."""
+    assert cache.smart_resize(720, 1280, 28, 784, 784) == (28, 28)
+    assert cache.smart_resize(1280, 720, 32, 1024, 1024) == (32, 32)
+    assert cache.smart_resize(480, 640, 28, 3136, 3136) == (28, 56)  # unchanged where no side is 0
