@@ -4,6 +4,7 @@
     .venv/bin/python -m pytest -q tests/test_lora.py
 """
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -289,6 +290,9 @@ def test_two_ranks_vllm_agrees_resume_and_export(two_rank, tiny_model):
     from transformers import AutoModelForImageTextToText
 
     assert sorted(os.listdir(adapter))[:2] == ["README.md", "adapter_config.json"]
+    # the base by an absolute path: the adapter loads from any working directory
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert os.path.isabs(json.load(f)["base_model_name_or_path"])
     hf = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32)
     sd = PeftModel.from_pretrained(hf, adapter).merge_and_unload().state_dict()
     want = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
