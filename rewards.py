@@ -1086,8 +1086,8 @@ def judged_rewards(
         comp.update(judged=1.0, judge_cached=float(v.cached))
         if v.error:  # the rule's accuracy stays
             comp[f"judge_{v.error}"] = 1.0
-        else:
-            comp["accuracy"] = v.score
+        else:  # read by the judge: not a parse failure
+            comp.update(accuracy=v.score, parse_fail=0.0)
         comp["overall"] = w_acc * comp["accuracy"] + w_fmt * comp["format"]
     return comps
 

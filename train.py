@@ -949,9 +949,9 @@ def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = No
         comps = rewards.judged_rewards(judge, texts, samples, *args)
     else:
         comps = [rewards.compute_reward(t, s, *args)[1] for t, s in zip(texts, samples)]
+    buffer = cfg.overlong_buffer * cfg.max_response_len
     for r, comp in zip(rollouts, comps):
-        if cfg.overlong_buffer:
-            buffer = cfg.overlong_buffer * cfg.max_response_len
+        if buffer:
             comp["overlong"] = cfg.overlong_factor * overlong_penalty(
                 len(r.response_ids), cfg.max_response_len, buffer
             )
@@ -959,8 +959,8 @@ def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = No
     return comps
 
 
-def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0, judge=None) -> Group:
-    return Group(rollouts, score(rollouts, cfg, judge), baseline)
+def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) -> Group:
+    return Group(rollouts, score(rollouts, cfg), baseline)
 
 
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Group:
@@ -973,8 +973,9 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Gro
         return group
     # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
     ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[: cfg.max_response_len]
-    rollouts = group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")]
-    return scored_group(rollouts, cfg, group.baseline, judge)
+    offline = Rollout(p, ids, None, text, "offline")
+    comps = group.components[:-1] + score([offline], cfg, judge)
+    return Group(group.rollouts[:-1] + [offline], comps, group.baseline)
 
 
 def has_spread(group: Group, metric: str) -> bool:
