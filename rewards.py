@@ -1084,8 +1084,10 @@ def judged_rewards(
             asked.append((comp, JudgeItem(s["problem"], ground_truth(s), ans)))
     for (comp, _), v in zip(asked, judge([item for _, item in asked])):
         comp.update(judged=1.0, judge_cached=float(v.cached))
-        if v.error:  # the rule's accuracy stays
-            comp[f"judge_{v.error}"] = 1.0
+        if v.error == "parse_fail":  # the rule's accuracy stays
+            comp["judge_parse_fail"] = 1.0
+        elif v.error:
+            comp["judge_error"] = 1.0
         else:  # read by the judge: not a parse failure
             comp.update(accuracy=v.score, parse_fail=0.0)
         comp["overall"] = w_acc * comp["accuracy"] + w_fmt * comp["format"]
