@@ -93,7 +93,10 @@ class Config(cache.Media):
     gpu_memory_utilization: float = 0.9
     """share of each GPU's memory vLLM may take"""
     judge_model: str = field(default="", metadata=ANSWERS)
-    """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
+    """HF folder of an LLM judge for open-ended items, or with judge_url the name it is served under
+    ('' = rule-based fallback, reported as such)"""
+    judge_url: str = ""
+    """OpenAI-compatible API base of a served judge (http://host:port/v1; '' = run judge_model here)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
     video_max_frames: int = field(default=64, metadata=ANSWERS)
@@ -1098,10 +1101,20 @@ def run_sync(engine, samples: list, load, cfg: Config, write) -> dict:
 
 
 def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
-    """Rescore open-ended rows with the judge model and prompt (greedy; EasyVideoR1 uses T=0.1); who
-    judged."""
+    """Rescore open-ended rows with the judge and prompt (greedy; EasyVideoR1 uses T=0.1): served at
+    judge_url (the training reward's client, rewards.Judge), else judge_model run here; who judged.
+    The verdict is rewards.verdict's; a failed one scores 0, flagged parse_fail (and judge_error)."""
     todo = [r for r in rows if r.get("judge") == "none" and not r["error"]]
-    if todo and cfg.judge_model:
+    prompts = [
+        prompt.format(answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0])
+        for r in todo
+    ]
+    verdicts = []
+    if todo and cfg.judge_url:
+        settings = rewards.JudgeSettings(judge_url=cfg.judge_url, judge_model=cfg.judge_model)
+        judge = rewards.Judge(settings)  # the prompt holds the answers: the cache's key
+        verdicts = judge([rewards.JudgeItem(p, "", "") for p in prompts], prompts)
+    elif todo and cfg.judge_model:
         from vllm import LLM, SamplingParams
 
         llm = LLM(
@@ -1111,16 +1124,13 @@ def judge_rows(rows: list[dict], cfg: Config, prompt: str) -> str:
             seed=cfg.seed,
             trust_remote_code=cfg.trust_remote_code,
         )
-        msgs = []
-        for r in todo:
-            content = prompt.format(
-                answer=r["target"], pred=r["filtered_resps"][0] or r["resps"][0]
-            )
-            msgs.append([{"role": "user", "content": content}])
+        msgs = [[{"role": "user", "content": p}] for p in prompts]
         outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)
-        for r, o in zip(todo, outs):
-            v = re.findall(r"Judgement\s*:\s*([01])", o.outputs[0].text)
-            r.update(score=float(v[-1]) if v else 0.0, parse_fail=not v, judge=cfg.judge_model)
+        verdicts = [rewards.verdict(o.outputs[0].text) for o in outs]
+    for r, v in zip(todo, verdicts):
+        r.update(score=v.score or 0.0, parse_fail=v.score is None, judge=cfg.judge_model)
+        if v.error == "judge_error":
+            r["judge_error"] = v.detail
     if not any("judge" in r for r in rows):
         return "not needed"
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
@@ -1452,6 +1462,8 @@ def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless
     allow_failures)."""
     # bad settings or inputs: common.cli prints the one-line error
+    if cfg.judge_url and not cfg.judge_model:
+        raise UserError("judge_url needs judge_model (the name the server serves)")
     results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:

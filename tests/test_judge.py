@@ -85,7 +85,8 @@ def kill(proc: subprocess.Popen):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def judge_server(tmp_path_factory):
+    """The lane's Server (queued at collection: named as its job), killed after this module."""
     s = lane_result("judge_server", tmp_path_factory)
     yield s
     kill(s.proc)
@@ -108,17 +109,18 @@ def items(n: int) -> list[rewards.JudgeItem]:
     return [rewards.JudgeItem(QA[i % 4][0], QA[i % 4][1], f"answer {i}") for i in range(n)]
 
 
-def test_verdicts_score_cache_and_reach_the_server(server):
+@pytest.mark.slow
+def test_verdicts_score_cache_and_reach_the_server(judge_server):
     """Made to reply "Judgement: 1" (or 0) the judge scores 1 (0); every distinct item is one request the
     server answers, a repeat and a second epoch come from the cache. Throughput printed (-s)."""
     for forced in (0, 1):
-        judge = rewards.Judge(settings(server, judge_regex=f"Judgement: {forced}"), TEMPLATE)
-        before, t0 = served(server), time.time()
+        judge = rewards.Judge(settings(judge_server, judge_regex=f"Judgement: {forced}"), TEMPLATE)
+        before, t0 = served(judge_server), time.time()
         first = judge(items(24) + items(8))  # 8 repeats
         seconds = time.time() - t0
         assert [v.score for v in first] == [float(forced)] * 32
         assert [v.cached for v in first] == [False] * 24 + [True] * 8
-        assert served(server) - before == judge.counts["requests"] == judge.counts["ok"] == 24
+        assert served(judge_server) - before == judge.counts["requests"] == judge.counts["ok"] == 24
         again = judge(items(24))  # a second epoch
         assert all(v.cached and v.score == forced for v in again)
         assert judge.counts["requests"] == 24 and judge.counts["cache_hit"] == 8 + 24
@@ -127,11 +129,12 @@ def test_verdicts_score_cache_and_reach_the_server(server):
         )
 
 
-def test_unparseable_replies_are_counted_parse_fails(server):
+@pytest.mark.slow
+def test_unparseable_replies_are_counted_parse_fails(judge_server):
     """Free text from the random model: no verdict, a parse_fail (never cached, asked again next time);
     in training the rule's accuracy stays, the failure is counted, and above judge_max_fail the step
     stops with a UserError naming the counts."""
-    judge = rewards.Judge(settings(server), TEMPLATE)
+    judge = rewards.Judge(settings(judge_server), TEMPLATE)
     verdicts = judge(items(4))
     assert [(v.score, v.error) for v in verdicts] == [(None, "parse_fail")] * 4
     judge(items(4))
@@ -148,10 +151,31 @@ def test_unparseable_replies_are_counted_parse_fails(server):
         rewards.check_judge(comps, 0.5, "step 1", judge)
 
 
-def test_timeout_and_retries_are_bounded(server):
+@pytest.mark.slow
+def test_evaluate_judges_through_the_same_client(judge_server):
+    """evaluate.py --judge-url: the benchmark's judge prompt goes to the server, one request a row; the
+    random model's reply has no verdict: score 0, parse_fail; a dead URL: judge_error on the row."""
+    import evaluate as E
+    from test_evaluate import FIXTURES
+
+    mm = E.load_benchmark("mmvu", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
+    rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
+    cfg = E.Config(judge_url=judge_server.url, judge_model="judge")
+    before = served(judge_server)
+    assert E.judge_rows(rows, cfg, E.adapter("mmvu")["judge"]) == "judge"
+    assert served(judge_server) - before == 2
+    assert [(r["score"], r["parse_fail"], r["judge"]) for r in rows] == [(0.0, True, "judge")] * 2
+    rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
+    dead = E.Config(judge_url=f"http://127.0.0.1:{free_port()}/v1", judge_model="judge")
+    E.judge_rows(rows, dead, E.adapter("mmvu")["judge"])
+    assert all(r["parse_fail"] and "Connection refused" in r["judge_error"] for r in rows)
+
+
+@pytest.mark.slow
+def test_timeout_and_retries_are_bounded(judge_server):
     """A reply slower than judge_timeout: each item tried 1 + judge_retries times, then a judge_error;
     never a hang."""
-    judge = rewards.Judge(settings(server, judge_max_tokens=600, judge_timeout=0.2), TEMPLATE)
+    judge = rewards.Judge(settings(judge_server, judge_max_tokens=600, judge_timeout=0.2), TEMPLATE)
     t0 = time.time()
     verdicts = judge(items(4))
     assert time.time() - t0 < 20
@@ -172,7 +196,8 @@ def train(args: list[str]):
             signal.signal(s, h)
 
 
-def test_training_with_the_judge_then_a_killed_server(server, tmp_path):
+@pytest.mark.slow
+def test_training_with_the_judge_then_a_killed_server(judge_server, tmp_path):
     """2 steps of open-ended text questions judged by the server (checkpoint each step); the server is
     killed mid-batch: every item accounted for (counted judge_errors, no hang); a resumed run then
     stops at its first step with the counts, its checkpoint and metrics of steps 1-2 kept."""
@@ -186,19 +211,19 @@ def test_training_with_the_judge_then_a_killed_server(server, tmp_path):
     out = tmp_path / "run"
     args = ["--train-data", str(data), "--val-data", "", "--out-dir", str(out), "--cache-dir", ""]
     args += ["--rollout", "hf", "--group-size", "4", "--prompts-per-step", "4", "--save-every", "1"]
-    args += ["--judge-url", server.url, "--judge-model", "judge", "--judge-max-tokens", "16"]
+    args += ["--judge-url", judge_server.url, "--judge-model", "judge", "--judge-max-tokens", "16"]
     args += ["--judge-regex", "Judgement: [01]", "--no-save", "--freeze-vision"]
-    before = served(server)
+    before = served(judge_server)
     train([*args, "--max-steps", "2"])
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # every answer read is judged (a verdict each), the others are parse failures
         assert r["reward/judged"] > 0 and r["reward/judged"] + r["reward/parse_fail"] == 1.0
         assert r["reward/judge_error"] == r["reward/judge_parse_fail"] == 0.0
-    assert served(server) - before >= 16  # step 1's 16 answers at least (repeats: cached)
+    assert served(judge_server) - before >= 16  # step 1's 16 answers at least (repeats: cached)
 
     # killed mid-batch: the requests in flight and after fail, counted
-    judge = rewards.Judge(settings(server, judge_max_tokens=300, judge_timeout=30), TEMPLATE)
+    judge = rewards.Judge(settings(judge_server, judge_max_tokens=300, judge_timeout=30), TEMPLATE)
     done = []
 
     def ask():
@@ -207,7 +232,7 @@ def test_training_with_the_judge_then_a_killed_server(server, tmp_path):
     worker = threading.Thread(target=ask)
     worker.start()
     time.sleep(0.5)
-    kill(server.proc)
+    kill(judge_server.proc)
     worker.join(timeout=60)
     assert not worker.is_alive()
     c = judge.counts
