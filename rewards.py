@@ -8,6 +8,9 @@ docs/rewards.md states every rule: answer extraction (extract_answer), the readi
 problem type, hedges (wrong answers, not parse failures), ground-truth validation and the math time
 limit. Unparseable answers score 0 and are counted in components["parse_fail"]. Never raises; always
 in [0, 1]; linear time on the input.
+
+With an LLM judge served over HTTP (JudgeSettings, Judge), judged_rewards scores open-ended answers
+by its verdicts, in batches: failures counted, never raised (check_judge stops a run above a share).
 """
 
 import ast
