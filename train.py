@@ -320,6 +320,8 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
     if cfg.judge_url:
         bad += rewards.judge_problems(cfg)
+    if cfg.judge_url and cfg.sp_size > 1:  # each would ask; a flaky judge could make them disagree
+        bad.append("judge_url needs sp_size 1 (an SP group's ranks score the same answers)")
     if cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2:
         bad.append("grpo_passk needs group_size >= 2 (a best and a second-best response)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
