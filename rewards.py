@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from common import MAY_CHANGE_ON_RESUME, NOT_NEGATIVE, POSITIVE, UserError
 
@@ -975,16 +976,15 @@ class Judge:
 
     def __init__(self, settings: JudgeSettings, template: str = ""):
         self.s = settings
-        self.template = template  # Jinja2 source ('' = none: the caller gives the prompts)
+        # Jinja2 source ('' = none: the caller gives the prompts), sandboxed as data.py's templates
+        self.template = ImmutableSandboxedEnvironment(autoescape=False).from_string(template)
         self.cache: dict[JudgeItem, float] = {}
         self.counts = Counter()
         self.last_error = ""
         self.lock = threading.Lock()
 
     def render(self, item: JudgeItem) -> str:
-        from data import compiled  # data imports this module: rendered in data's sandbox
-
-        return compiled(self.template).render(
+        return self.template.render(
             question=item.question, reference=item.reference, answer=item.answer
         )
 
