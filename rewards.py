@@ -905,14 +905,8 @@ JUDGED = ("open-ended",)  # the problem types the judge scores when judge_url is
 _VERDICT = re.compile(r"judgement\s{0,9}:\s{0,9}(\d{1,9}(?:\.\d{1,9})?)", re.I)
 # judged_rewards' components (0/1 each): asked, failed (no reply; no verdict), answered from the cache
 JUDGE_KEYS = ("judged", "judge_error", "judge_parse_fail", "judge_cached")
-RETRIED_HTTP = (
-    408,
-    429,
-    500,
-    502,
-    503,
-    504,
-)  # what another try may cure; other HTTP errors are final
+# what another try may cure; other HTTP errors (404: a wrong judge_model) are final
+RETRIED_HTTP = (408, 429, 500, 502, 503, 504)
 
 
 @dataclass
