@@ -156,9 +156,9 @@ def test_evaluate_judges_through_the_same_client(judge_server):
     """evaluate.py --judge-url: the benchmark's judge prompt goes to the server, one request a row; the
     random model's reply has no verdict: score 0, parse_fail; a dead URL: judge_error on the row."""
     import evaluate as E
-    from test_evaluate import FIXTURES
 
-    mm = E.load_benchmark("mmvu", E.Config(data_dir=FIXTURES, video_dir="/v"), [])
+    fixtures = os.path.join(ROOT, "tests", "fixtures", "benchmarks")  # test_evaluate's
+    mm = E.load_benchmark("mmvu", E.Config(data_dir=fixtures, video_dir="/v"), [])
     rows = [E.record(s, "mmvu", "p", r) for s, r in zip(mm, ("A", "hydrogen"))]
     cfg = E.Config(judge_url=judge_server.url, judge_model="judge")
     before = served(judge_server)
