@@ -95,7 +95,10 @@ class Config(cache.Media):
     gpu_memory_utilization: float = 0.9
     """share of each GPU's memory vLLM may take"""
     judge_model: str = field(default="", metadata=ANSWERS)
-    """HF folder of an LLM judge for open-ended items ('' = rule-based fallback, reported as such)"""
+    """HF folder of an LLM judge for open-ended items, or with judge_url the name it is served under
+    ('' = rule-based fallback, reported as such)"""
+    judge_url: str = ""
+    """OpenAI-compatible API base of a served judge (http://host:port/v1; '' = run judge_model here)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
     video_max_frames: int = field(default=64, metadata=ANSWERS)
@@ -1301,9 +1304,18 @@ def judge_verdict(text: str, rule) -> dict:
     }
 
 
-def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[str]:
-    """The judge's replies, greedy (EasyVideoR1 uses T=0.1; MLVU and Video-MMLU 0): a vLLM engine
-    on cfg.judge_model, started for this and dropped after. The one place a judge is called."""
+def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verdict]:
+    """The judge's replies (Verdict.reply; .error and .detail for a request that failed), greedy
+    (EasyVideoR1 uses T=0.1; MLVU and Video-MMLU 0): served at judge_url (the training reward's
+    client, rewards.Judge), else a vLLM engine on cfg.judge_model, started for this and dropped
+    after. The one place a judge is called."""
+    if cfg.judge_url:
+        settings = rewards.JudgeSettings(
+            judge_url=cfg.judge_url, judge_model=cfg.judge_model, judge_max_tokens=1024
+        )
+        # a key per row: a cached verdict keeps no reply, and a rubric's reply is what we read
+        keys = [rewards.JudgeItem(json.dumps(c), "", str(i)) for i, c in enumerate(conversations)]
+        return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 
     from rollout import start_errors, vllm_settings
@@ -1323,7 +1335,7 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[str]:
     with start_errors(cfg.max_model_len):
         llm = LLM(**settings)
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+    return [rewards.Verdict(None, reply=o.outputs[0].text) for o in outs]
 
 
 def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
@@ -1332,8 +1344,10 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
     if todo and cfg.judge_model:
         rules = [judge_rule(judge, r) for r in todo]
         replies = ask_judge(cfg, [judge_messages(rule, r) for rule, r in zip(rules, todo)])
-        for r, rule, reply in zip(todo, rules, replies):
-            r.update(judge_verdict(reply, rule), judge=cfg.judge_model, judge_reply=reply)
+        for r, rule, v in zip(todo, rules, replies):
+            r.update(judge_verdict(v.reply, rule), judge=cfg.judge_model, judge_reply=v.reply)
+            if v.error == "judge_error":  # no reply: counted apart from an unreadable one
+                r["judge_error"] = v.detail
     if not any("judge" in r for r in rows):
         return "not needed"
     return cfg.judge_model or "none: open-ended items scored by rule (ROUGE/exact), not the judge"
@@ -1678,6 +1692,8 @@ def main(cfg: Config) -> int:
     """Run, then exit 1 when any sample or benchmark could not be evaluated (unless
     allow_failures)."""
     # bad settings or inputs: common.cli prints the one-line error
+    if cfg.judge_url and not cfg.judge_model:
+        raise UserError("judge_url needs judge_model (the name the server serves)")
     results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:

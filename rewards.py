@@ -8,6 +8,9 @@ docs/rewards.md states every rule: answer extraction (extract_answer), the readi
 problem type, hedges (wrong answers, not parse failures), ground-truth validation and the math time
 limit. Unparseable answers score 0 and are counted in components["parse_fail"]. Never raises; always
 in [0, 1]; linear time on the input.
+
+With an LLM judge served over HTTP (JudgeSettings, Judge), judged_rewards scores open-ended answers
+by its verdicts, in batches: failures counted, never raised (check_judge stops a run above a share).
 """
 
 import ast
@@ -20,10 +23,19 @@ import re
 import signal
 import string
 import threading
+import time
+import urllib.error
+from http.client import HTTPException
+import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from common import MAY_CHANGE_ON_RESUME, NOT_NEGATIVE, POSITIVE, UserError
 
 # VSI-Bench's margins as its code computes them, in floats
 MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()
@@ -883,3 +895,217 @@ def validate_answer(sample: dict) -> None:
         if t == "multiple choice":
             what += f" {[lt for lt, _ in option_table(sample.get('options'))] or 'A-Z'}"
         raise ValueError(f"sample {sid}: answer {gt[:80]!r} is not {what}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The LLM judge: open-ended answers scored by a model behind an OpenAI-compatible chat API (docs/rewards.md)
+
+JUDGED = ("open-ended",)  # the problem types the judge scores when judge_url is set
+# the verdict: the reply's LAST "Judgement: x", x a number in [0, 1] (evaluate.py's benchmarks ask for 0/1)
+_VERDICT = re.compile(r"judgement\s{0,9}:\s{0,9}(\d{1,9}(?:\.\d{1,9})?)", re.I)
+# judged_rewards' components (0/1 each): asked, failed (no reply; no verdict), answered from the cache
+JUDGE_KEYS = ("judged", "judge_error", "judge_parse_fail", "judge_cached")
+# what another try may cure; other HTTP errors (404: a wrong judge_model) are final
+RETRIED_HTTP = (408, 429, 500, 502, 503, 504)
+
+
+@dataclass
+class JudgeSettings:
+    """train.Config's judge fields (evaluate.py builds one from its own)."""
+
+    judge_url: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    """OpenAI-compatible API base of an LLM judge (http://host:port/v1): it scores the open-ended answers,
+    not the rules (docs/rewards.md) ('' = off)"""
+    judge_model: str = ""
+    """the model name the judge server serves"""
+    judge_template: str = "configs/judge.jinja"
+    """Jinja2 file of the judge's prompt: {{ question }}, {{ reference }}, {{ answer }}"""
+    judge_timeout: float = field(default=60.0, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    """seconds one request may take"""
+    judge_retries: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    """tries after a failed one (connection, timeout, HTTP 408/429/5xx, a malformed body)"""
+    judge_workers: int = field(default=16, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    """concurrent requests"""
+    judge_max_tokens: int = field(default=256, metadata=POSITIVE)
+    """the longest reply"""
+    judge_regex: str = ""
+    """vLLM's structured output: the reply is made to match it, e.g. 'Judgement: [01]' ('' = free)"""
+    judge_max_fail: float = field(default=0.2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    """a step whose judged answers failed (judge_error, judge_parse_fail) above this share stops the run"""
+
+
+@dataclass(frozen=True)
+class JudgeItem:
+    """What the judge is asked about, and the cache's key."""
+
+    question: str
+    reference: str
+    answer: str
+
+
+@dataclass
+class Verdict:
+    """The judge's score in [0, 1], or None and why: "judge_error" (no usable reply after the retries)
+    or "parse_fail" (a reply without a verdict); detail: the error or the reply's end."""
+
+    score: float | None
+    error: str = ""
+    detail: str = ""
+    cached: bool = False
+    reply: str = ""
+    """the judge's text ('' from the cache or after an error)"""
+
+
+def verdict(reply: str) -> Verdict:
+    """The reply's last "Judgement: x" with 0 <= x <= 1, else a parse failure."""
+    found = _VERDICT.findall(reply[-MAX_LEN:])
+    if found and float(found[-1]) <= 1:
+        return Verdict(float(found[-1]))
+    return Verdict(None, "parse_fail", reply[-200:])
+
+
+class Judge:
+    """A client of the judge (JudgeSettings): a batch of items in, one Verdict each out, never an
+    exception; requests concurrent (judge_workers threads), each under judge_timeout with up to
+    judge_retries more tries; scores cached by item. counts: requests, cache_hit, judge_error,
+    parse_fail, and the last error."""
+
+    def __init__(self, settings: JudgeSettings, template: str = ""):
+        self.s = settings
+        # Jinja2 source ('' = none: the caller gives the prompts), sandboxed as data.py's templates
+        self.template = ImmutableSandboxedEnvironment(autoescape=False).from_string(template)
+        self.cache: dict[JudgeItem, float] = {}
+        self.counts = Counter()
+        self.last_error = ""
+        self.lock = threading.Lock()
+
+    def render(self, item: JudgeItem) -> str:
+        return self.template.render(
+            question=item.question, reference=item.reference, answer=item.answer
+        )
+
+    def __call__(self, items: list[JudgeItem], prompts: list[str] | None = None) -> list[Verdict]:
+        """Verdicts on the items (prompts: the rendered template's by default); each distinct item
+        asked once, a cached one not at all."""
+        if prompts is None:
+            prompts = [self.render(it) for it in items]
+        todo = {it: p for it, p in zip(items, prompts) if it not in self.cache}
+        found = {}
+        if todo:
+            with ThreadPoolExecutor(min(self.s.judge_workers, len(todo))) as pool:
+                found = dict(zip(todo, pool.map(self.ask, todo.values())))
+        out = []
+        for it in items:
+            if it in self.cache:  # before, or a repeat in this batch
+                v = Verdict(self.cache[it], cached=True)
+            else:
+                v = found[it]
+                if v.score is not None:
+                    self.cache[it] = v.score
+            self.counts["cache_hit"] += v.cached
+            out.append(v)
+        return out
+
+    def ask(self, prompt: str | list[dict]) -> Verdict:
+        """One item (a user text, or a whole conversation): a request with retries (exponential
+        back-off), then its reply's verdict."""
+        messages = prompt
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        body = {
+            "model": self.s.judge_model,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": self.s.judge_max_tokens,
+        }
+        if self.s.judge_regex:
+            body["structured_outputs"] = {"regex": self.s.judge_regex}
+        request = urllib.request.Request(
+            self.s.judge_url.rstrip("/") + "/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        error = ""
+        for attempt in range(self.s.judge_retries + 1):
+            if attempt:
+                time.sleep(min(5.0, 0.2 * 2**attempt))
+            with self.lock:
+                self.counts["requests"] += 1
+            try:
+                with urllib.request.urlopen(request, timeout=self.s.judge_timeout) as r:
+                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+                v = verdict(str(reply))
+                v.reply = str(reply)
+                break
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code} {e.reason}"
+                if e.code not in RETRIED_HTTP:
+                    v = Verdict(None, "judge_error", error)
+                    break
+            except (OSError, HTTPException, ValueError, LookupError, TypeError) as e:  # net, body
+                error = f"{type(e).__name__}: {e}"
+            v = Verdict(None, "judge_error", error)
+        with self.lock:
+            self.counts[v.error or "ok"] += 1
+            if v.error:
+                self.last_error = f"{v.error}: {v.detail}"
+        return v
+
+
+def judge_problems(s: JudgeSettings) -> list[str]:
+    """What in the judge settings cannot work (train.check_config's lines)."""
+    bad = []
+    if not s.judge_url.startswith(("http://", "https://")):
+        bad.append(f"judge_url {s.judge_url!r} must start with http:// or https://")
+    if not s.judge_model:
+        bad.append("judge_url needs judge_model (the name the server serves)")
+    try:
+        Judge(s, open(s.judge_template).read()).render(JudgeItem("q", "r", "a"))
+    except Exception as e:  # noqa: BLE001 - a missing file, a syntax error, a sandbox refusal
+        bad.append(f"judge_template {s.judge_template}: {type(e).__name__}: {e}")
+    return bad
+
+
+def judged_rewards(
+    judge: Judge,
+    completions: list[str],
+    samples: list[dict],
+    w_acc: float = 0.9,
+    w_fmt: float = 0.1,
+    format_template: str = "answer",
+) -> list[dict]:
+    """compute_reward's components for each completion, the judge's score as the accuracy of the
+    answers of JUDGED types, all asked in one batch, + "judged", "judge_error", "judge_parse_fail",
+    "judge_cached" (0/1 each). A failed verdict keeps the rule's accuracy (docs/rewards.md)."""
+    comps = [
+        compute_reward(c, s, w_acc, w_fmt, format_template)[1] for c, s in zip(completions, samples)
+    ]
+    asked = []  # (component dict, item)
+    for comp, text, s in zip(comps, completions, samples):
+        comp.update(dict.fromkeys(JUDGE_KEYS, 0.0))
+        ans = extract_answer(text)
+        if ans is not None and canonical_type(s.get("problem_type", "")) in JUDGED:
+            asked.append((comp, JudgeItem(s["problem"], ground_truth(s), ans)))
+    for (comp, _), v in zip(asked, judge([item for _, item in asked])):
+        comp.update(judged=1.0, judge_cached=float(v.cached))
+        if v.error == "parse_fail":  # the rule's accuracy stays
+            comp["judge_parse_fail"] = 1.0
+        elif v.error:
+            comp["judge_error"] = 1.0
+        else:  # read by the judge: not a parse failure
+            comp.update(accuracy=v.score, parse_fail=0.0)
+        comp["overall"] = w_acc * comp["accuracy"] + w_fmt * comp["format"]
+    return comps
+
+
+def check_judge(components: list[dict], max_fail: float, where: str, judge: Judge) -> None:
+    """UserError when the judged answers of a step failed above the max_fail share."""
+    judged = sum(c.get("judged", 0.0) for c in components)
+    errors = sum(c.get("judge_error", 0.0) for c in components)
+    unread = sum(c.get("judge_parse_fail", 0.0) for c in components)
+    if judged and (errors + unread) / judged > max_fail:
+        raise UserError(
+            f"{where}: the judge failed on {errors + unread:.0f} of {judged:.0f} judged answers "
+            f"(judge_error {errors:.0f}, judge_parse_fail {unread:.0f}), above judge_max_fail "
+            f"{max_fail} (judge_url {judge.s.judge_url}); last: {judge.last_error[:300]}"
+        )

@@ -60,7 +60,7 @@ from rollout import (
 # video_source, cache_dir. Facts beside a field (common.py): POSITIVE / NOT_NEGATIVE (check_config),
 # MAY_CHANGE_ON_RESUME (check_files). (No docstring: tyro would print it atop --help.)
 @dataclass
-class Config(Media):
+class Config(rewards.JudgeSettings, Media):
     config: tuple[str, ...] = field(default=(), metadata=MAY_CHANGE_ON_RESUME)
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
     dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
@@ -129,9 +129,18 @@ class Config(Media):
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
     # --- algorithm (verl 0.9.1 definitions; configs/<algorithm>.yaml name the combinations)
     adv_estimator: Literal[
-        "grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo", "gae"
+        "grpo",
+        "drgrpo",
+        "rloo",
+        "reinforce++",
+        "reinforce++-baseline",
+        "remax",
+        "gdpo",
+        "grpo_passk",
+        "gae",
     ] = "grpo"
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo |
+    grpo_passk (pass@k, k = group_size: only the group's best response, (r_max - r_2nd) / (std + eps)) |
     gae (PPO with a critic)"""
     adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
@@ -323,6 +332,12 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("video_source cache_only needs a cache_dir")
     if cfg.kl_in_reward and not cfg.kl_coef:
         bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
+    if cfg.judge_url:
+        bad += rewards.judge_problems(cfg)
+    if cfg.judge_url and cfg.sp_size > 1:  # each would ask; a flaky judge could make them disagree
+        bad.append("judge_url needs sp_size 1 (an SP group's ranks score the same answers)")
+    if cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2:
+        bad.append("grpo_passk needs group_size >= 2 (a best and a second-best response)")
     if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
         bad.append("kl_in_reward: gdpo's reward components carry no KL")
     if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
@@ -497,6 +512,10 @@ def sequence_advantages(
         return whiten(centered.view(-1), lengths)
     if estimator == "remax":
         return reward.double() - baseline.double()
+    if estimator == "grpo_passk":  # only the group's best gets its lead on the rest (a tie: 0)
+        top = r.topk(2, dim=-1)  # values, indices: (G, 2)
+        lead = (top.values[:, :1] - top.values[:, 1:]) / (std + eps)  # (G, 1)
+        return torch.zeros_like(r).scatter(-1, top.indices[:, :1], lead).view(-1)
     if estimator == "gdpo":  # GRPO per reward component, summed (equal weights), batch-whitened
         summed = sum(sequence_advantages(c, group_size, "grpo", eps=eps) for c in components)
         return whiten(summed, lengths)
@@ -987,25 +1006,31 @@ class Group:
     baseline: float = 0.0
 
 
-def score(r: Rollout, cfg: Config) -> dict:
-    """rewards.compute_reward's components and "overall", + DAPO's overlong penalty, a component."""
-    overall, comp = rewards.compute_reward(
-        r.text, r.prompt.sample, cfg.w_acc, cfg.w_fmt, cfg.response_format
-    )
-    if cfg.overlong_buffer:
-        buffer = cfg.overlong_buffer * cfg.max_response_len
-        comp["overlong"] = cfg.overlong_factor * overlong_penalty(
-            len(r.response_ids), cfg.max_response_len, buffer
-        )
-        comp["overall"] = overall + comp["overlong"]
-    return comp
+def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = None) -> list[dict]:
+    """rewards.compute_reward's components and "overall" (with a judge: rewards.judged_rewards', its
+    requests in one batch), + DAPO's overlong penalty, a component."""
+    texts = [r.text for r in rollouts]
+    samples = [r.prompt.sample for r in rollouts]
+    args = (cfg.w_acc, cfg.w_fmt, cfg.response_format)
+    if judge is not None:
+        comps = rewards.judged_rewards(judge, texts, samples, *args)
+    else:
+        comps = [rewards.compute_reward(t, s, *args)[1] for t, s in zip(texts, samples)]
+    buffer = cfg.overlong_buffer * cfg.max_response_len
+    for r, comp in zip(rollouts, comps):
+        if buffer:
+            comp["overlong"] = cfg.overlong_factor * overlong_penalty(
+                len(r.response_ids), cfg.max_response_len, buffer
+            )
+            comp["overall"] += comp["overlong"]
+    return comps
 
 
 def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) -> Group:
-    return Group(rollouts, [score(r, cfg) for r in rollouts], baseline)
+    return Group(rollouts, score(rollouts, cfg), baseline)
 
 
-def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
+def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Group:
     """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group
     (always, or with mix_threshold > 0 when the online accuracy is below it)."""
     p = group.rollouts[0].prompt
@@ -1015,9 +1040,9 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int) -> Group:
         return group
     # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
     ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[: cfg.max_response_len]
-    return scored_group(
-        group.rollouts[:-1] + [Rollout(p, ids, None, text, "offline")], cfg, group.baseline
-    )
+    offline = Rollout(p, ids, None, text, "offline")
+    comps = group.components[:-1] + score([offline], cfg, judge)
+    return Group(group.rollouts[:-1] + [offline], comps, group.baseline)
 
 
 def has_spread(group: Group, metric: str) -> bool:
@@ -1047,6 +1072,7 @@ def sample_batch(
     tok,
     eos_id: int,
     layout: sp.Layout,
+    judge: rewards.Judge | None = None,
 ) -> Batch:
     """This rank's prompts_per_step / dp_size scored Groups. Per round: the TP group generates its
     share of the next prompts, SP ranks exchange theirs, ReMax scores a greedy baseline; DAPO drops
@@ -1079,7 +1105,7 @@ def sample_batch(
         baselines = [0.0] * k
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(tp_share.items, 1, 0.0, cfg.max_response_len, seed=seed)
-            baselines = [score(r, cfg)["overall"] for r in greedy[tp_share.start :][:k]]
+            baselines = [c["overall"] for c in score(greedy[tp_share.start :][:k], cfg, judge)]
         # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size).items
@@ -1087,9 +1113,10 @@ def sample_batch(
         else:  # the frames were the engine's alone: not held through the train phase
             bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
             rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
+        comps = score(rollouts, cfg, judge)  # one batch of judge requests a round
         for i, baseline in enumerate(baselines):
-            scored = scored_group(rollouts[i * n : (i + 1) * n], cfg, baseline)
-            group = swap_offline(scored, cfg, tok, eos_id)
+            scored = Group(rollouts[i * n : (i + 1) * n], comps[i * n : (i + 1) * n], baseline)
+            group = swap_offline(scored, cfg, tok, eos_id, judge)
             if not cfg.dynamic_sampling or has_spread(group, cfg.dyn_filter_metric):
                 kept.append(group)
             else:
@@ -1771,6 +1798,9 @@ def main(cfg: Config):
         cache_hit=0, cache_miss=0, cache_corrupt=0, cache_unwritable=0, decode=0, decode_s=0.0
     )
     prep, val_prep = preparers(cfg, processor, template, stats)
+    judge = None
+    if cfg.judge_url:
+        judge = rewards.Judge(cfg, open(cfg.judge_template).read())
     skipped = state.get("skipped", skipped)  # resumed: the saved report has load/val skips
     acc_before = state.get("acc_before", float("nan"))
     acc_after = state.get("acc_after", float("nan"))  # after the last step (evaluated in the loop)
@@ -1800,13 +1830,15 @@ def main(cfg: Config):
         n_skipped = len(skipped)
         # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(
-            engine, stream, samples["train"], prep, cfg, step, tok, eos_ids[0], layout
+            engine, stream, samples["train"], prep, cfg, step, tok, eos_ids[0], layout, judge
         )  # scored as generated
         skipped += batch.skips
         engine.sleep()
         t_gen = time.time() - t0
         rollouts = [r for g in batch.groups for r in g.rollouts]
         rows, start = global_rows(batch.groups, layout)  # every rank's rows: advantages and metrics
+        if judge is not None:  # every rank sees the same rows: all stop, or none
+            rewards.check_judge(rows["components"], cfg.judge_max_fail, f"step {step}", judge)
         ids = rows["id"][:: cfg.group_size]
         where["ids"] = ids
         # ---------------------- old / ref log-probs (no grad, once), advantages, optimizer steps
@@ -2001,7 +2033,8 @@ def step_metrics(
         "dyn/dropped": msum["dyn_dropped"],
         "dyn/refilled": msum["dyn_refilled"],
     }
-    present = [k for k in ("accuracy", "format", "parse_fail", "overlong") if k in comp[0]]
+    keys = ("accuracy", "format", "parse_fail", "overlong", *rewards.JUDGE_KEYS)
+    present = [k for k in keys if k in comp[0]]
     for key in present:
         row[f"reward/{key}"] = mean_or_zero([c[key] for c in comp])
         for t in sorted(set(types)):

@@ -108,6 +108,35 @@ def masked_whiten_verl(x, lengths):
     return ((v - mean) * torch.rsqrt(var + 1e-8))[:, 0]
 
 
+def test_grpo_passk_by_hand():
+    """Pass@k (k = group size): all right, none right, a tie at the top: 0 for all; one right: only
+    it, 1 / (std + eps) (std of [0, 1, 0, 0] = 0.5); the group's best in every group at once."""
+    r = t([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    a = advantages(r, 4, "grpo_passk")[:, 0].tolist()
+    assert a == [0.0] * 4 + [0.0] * 4 + [0.0, 1 / (0.5 + 1e-6), 0.0, 0.0] + [0.0] * 4
+    # 0.9 leads 0.5 by 0.4; the std of [0.2, 0.9, 0.5] is sqrt(0.37 / 3)
+    a = advantages(t([0.2, 0.9, 0.5]), 3, "grpo_passk", eps=0.0)[:, 0].tolist()
+    assert a == approx([0.0, 0.4 / math.sqrt(0.37 / 3), 0.0])
+
+
+def test_grpo_passk_is_leave_one_out_max_with_k_the_group():
+    """arXiv 2503.19595's estimator with k = n: sample i's advantage is max of the group - max of
+    the others, over the group's std + eps (verl's norm_adv_by_std_in_grpo)."""
+    torch.manual_seed(0)
+    r = torch.rand(5, 6, dtype=torch.float64)
+    got = advantages(r.flatten(), 6, "grpo_passk")[:, 0].view(5, 6)
+    for g in range(5):
+        for i in range(6):
+            others = torch.cat([r[g, :i], r[g, i + 1 :]])
+            want = (r[g].max() - others.max()) / (r[g].std() + 1e-6)
+            assert got[g, i].item() == approx(want.item(), abs=1e-12)
+    with pytest.raises(ValueError, match="grpo_passk needs group_size >= 2"):
+        check_config(Config(adv_estimator="grpo_passk", group_size=1))
+    cfg = load_config(["--config", "configs/tiny_cpu.yaml", "configs/grpo_passk.yaml"])
+    assert cfg.adv_estimator == "grpo_passk"
+    check_config(cfg)
+
+
 def test_whitening_estimators():
     assert whiten(t([1.0, 0.0]), t([1, 3])).tolist() == approx(
         [1.5, -0.5], abs=1e-6
@@ -168,7 +197,16 @@ def test_kl_in_reward_is_reward_to_go():
     ]  # the sequence's value at each token
 
 
-ESTIMATORS = ["grpo", "drgrpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "gdpo"]
+ESTIMATORS = [
+    "grpo",
+    "drgrpo",
+    "rloo",
+    "reinforce++",
+    "reinforce++-baseline",
+    "remax",
+    "gdpo",
+    "grpo_passk",
+]
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)

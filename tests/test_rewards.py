@@ -1022,3 +1022,55 @@ def test_property_option_relabelling_keeps_the_score(order, truth, said, form):
         == run(list(order))
         == {**run(list(order)), "accuracy": float(said == truth)}
     )
+
+
+# ----------------------------------------------------------------------------------------------- the judge
+def test_judge_verdict_rule():
+    """The reply's last "Judgement: x", 0 <= x <= 1 (any case, spaces); else a parse failure."""
+    assert rewards.verdict("Judgement: 1").score == 1.0
+    assert rewards.verdict("judgement : 0.5\n").score == 0.5
+    assert rewards.verdict("Judgement: 1 ... on reflection, Judgement: 0").score == 0.0
+    for reply in ("", "Correct.", "Judgement: 7", "Judgement: yes", "x" * 10**6):
+        v = rewards.verdict(reply)
+        assert (v.score, v.error) == (None, "parse_fail"), reply[:20]
+
+
+def test_judge_settings_and_an_unreachable_judge(tmp_path):
+    """check_config's lines for bad judge settings; a closed port: every item a counted judge_error
+    after 1 + judge_retries tries, the rule's accuracy kept, nothing cached, no exception."""
+    bad = rewards.judge_problems(
+        rewards.JudgeSettings(judge_url="localhost:8000", judge_template=str(tmp_path / "none"))
+    )
+    assert [b.split(" ")[0] for b in bad] == ["judge_url", "judge_url", "judge_template"]
+    (tmp_path / "bad.jinja").write_text("{{ question ")
+    bad = rewards.judge_problems(
+        rewards.JudgeSettings(
+            judge_url="http://x/v1", judge_model="m", judge_template=str(tmp_path / "bad.jinja")
+        )
+    )
+    assert len(bad) == 1 and "TemplateSyntaxError" in bad[0]
+    assert (
+        rewards.judge_problems(rewards.JudgeSettings(judge_url="http://x/v1", judge_model="m"))
+        == []
+    )
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: connection refused
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+        judge = rewards.Judge(
+            rewards.JudgeSettings(judge_url=url, judge_model="m", judge_retries=1),
+            open("configs/judge.jinja").read(),
+        )
+        samples = [
+            sample(t, a, problem="What is it?")
+            for t, a in (("open-ended", "a red car"), ("mc", "A"))
+        ]
+        comps = rewards.judged_rewards(judge, ["<answer>a red car</answer>"] * 2, samples)
+    assert [(c["judged"], c["judge_error"], c["accuracy"]) for c in comps] == [
+        (1.0, 1.0, 1.0),  # the rule's score stays
+        (0.0, 0.0, 0.0),  # not open-ended: the rule alone
+    ]
+    assert judge.counts["requests"] == 2 and judge.counts["judge_error"] == 1 and not judge.cache
+    with pytest.raises(rewards.UserError, match="failed on 1 of 1 judged answers .*refused"):
+        rewards.check_judge(comps, 0.2, "step 1", judge)
