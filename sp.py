@@ -20,6 +20,7 @@ import math
 import types
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -61,6 +62,7 @@ class Layout:
     world: int = 1  # dp_size * sp_size
     # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
     host: object = None
+    tp_host: object = None  # the TP group's gloo group (rollout_tp > 1: share_prompts)
 
     def part(self, items: list, rank: int) -> list:
         """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g
@@ -87,15 +89,15 @@ class Layout:
         return Share(flat, start, len(parts[rank - first]))
 
     def prepares(self, i: int) -> bool:
-        """Whether this rank prepares item i of a step's prompts: the TP group that generates it
-        (group_rollouts)."""
-        group = i % self.dp_size  # part's inverse: the SP group, then the engine in it
+        """Whether this rank prepares item i of a step's prompts: the one rank whose part holds it
+        (part's inverse); share_prompts passes it to the rest of the TP group that generates it."""
+        group = i % self.dp_size  # the SP group, then the engine in it, then the rank
         at = i // self.dp_size  # the item's place in its group's list
+        local = at % self.sp_size
         if 1 < self.tp < self.sp_size:
             engines = self.sp_size // self.tp
-            return group * engines + at % engines == self.rank // self.tp
-        owner = group * self.sp_size + at % self.sp_size
-        return owner // self.tp == self.rank // self.tp
+            local = at % engines * self.tp + at // engines % self.tp
+        return group * self.sp_size + local == self.rank
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same
@@ -116,6 +118,10 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
         groups = [dist.new_group(ranks) for ranks in spans]
         hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
+    tp_hosts = [None] * (world // tp)
+    if tp > 1:
+        spans = [list(range(start, start + tp)) for start in range(0, world, tp)]
+        tp_hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
     dp_rank = rank // sp_size
     return Layout(
         group=groups[dp_rank],
@@ -127,6 +133,7 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         rank=rank,
         world=world,
         host=hosts[dp_rank],
+        tp_host=tp_hosts[rank // tp],
     )
 
 
@@ -538,17 +545,94 @@ def bare(p):
     return replace(p, mm=mm, videos=[], images=[])
 
 
+def holds_pixels(p) -> bool:
+    """Whether p holds its pixel rows (share_prompts' copy on a TP peer holds its frames alone)."""
+    return p is not None and all(len(v) for k, v in p.mm.items() if k.startswith("pixel"))
+
+
+def share_prompts(prompts: list, layout: Layout) -> list:
+    """A step's prompts (data.next_valid's: each prepared by the one rank whose part holds it,
+    Layout.prepares; None elsewhere) with its TP group's filled in on each of the group's ranks
+    (its engine takes the same prompts on all of them): the text, token ids and uint8 frames from
+    the rank that prepared one, its pixel rows left empty (group_rollouts builds a rank's run from
+    the frames). Each prompt is decoded and processed once per TP group; no fp32 pixels pass."""
+    if layout.tp == 1:
+        return prompts
+    first = layout.rank - layout.rank % layout.tp
+    shared = layout.share(list(range(len(prompts))), layout.tp).items
+    shapes = []  # the frames' shapes instead of the frames: they pass below, not pickled
+    for i in shared:
+        p = bare(prompts[i])
+        if p is not None:
+            videos = [(frames.shape, meta) for frames, meta in prompts[i].videos]
+            p = replace(p, videos=videos, images=[im.shape for im in prompts[i].images])
+        shapes.append(p)
+    parts = [None] * layout.tp
+    dist.all_gather_object(parts, shapes, group=layout.tp_host)
+    out = list(prompts)
+    for k, i in enumerate(shared):
+        src = next(q for q in range(layout.tp) if parts[q][k] is not None)
+        p = prompts[i]
+        if p is None:
+            p = parts[src][k]
+            videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
+            p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
+        for frames in [f for f, _ in p.videos] + p.images:
+            dist.broadcast(torch.from_numpy(frames), first + src, group=layout.tp_host)
+        out[i] = p
+    return out
+
+
+def build_run(processor, p, j: int, n: int) -> dict:
+    """Prompt p's pixel rows of run j of n, built from its uint8 frames by the processor as
+    data.prepare's (the same rows, bit for bit: tests/test_sp.py): {pixels key: rows}."""
+    out = {}
+    step = processor.video_processor.temporal_patch_size  # frames per temporal patch
+    for kind, pixels, grid in MEDIA:
+        if pixels not in p.mm:
+            continue
+        run = runs(p.mm[grid], n)
+        pieces = [p.mm[pixels][:0]]
+        at = run.cuts[j]  # the run's patches, item by item
+        for i, patches in itertools.groupby(run.units[run.cuts[j] : run.cuts[j + 1]]):
+            count = len(list(patches))
+            if kind == "image":  # one patch, the image
+                image = torch.from_numpy(p.images[i]).movedim(-1, -3)
+                x = processor.image_processor(images=[image], do_resize=False, return_tensors="pt")
+            else:
+                a = at - run.units.index(i)  # the item's first patch in the run
+                frames = torch.from_numpy(p.videos[i][0][a * step : (a + count) * step])
+                x = processor.video_processor(
+                    videos=[frames.movedim(-1, -3)],
+                    do_resize=False,
+                    do_sample_frames=False,
+                    return_tensors="pt",
+                )
+            pieces.append(x[pixels])
+            at += count
+        out[pixels] = torch.cat(pieces)
+    return out
+
+
 def group_rollouts(
-    rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout
+    rollouts: list,
+    baselines: list[float],
+    prompts: list,
+    n: int,
+    layout: Layout,
+    processor=None,
 ) -> tuple[list, list]:
     """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
-    order), n per prompt of `prompts` (Layout.share's; None where this rank did not prepare one:
-    rollout_tp 1, data.next_valid), each holding this rank's run of pixel rows (runs) alone, no
-    frames: from the first rank that prepared it, in host memory."""
+    order), n per prompt of `prompts` (Layout.share's: the prompt where this rank prepared it,
+    share_prompts' frames alone where its TP group did, else None), each holding this rank's run
+    of pixel rows (runs) alone, no frames: built from the frames, else a copy of the rank's own,
+    else sent by the first rank that prepared it, in host memory."""
     r = layout.sp_rank
     size = layout.sp_size
     first = layout.rank - layout.sp_rank
-    mine = ([replace(x, prompt=None) for x in rollouts], baselines, [bare(p) for p in prompts])
+    whole = [bare(p) if holds_pixels(p) else None for p in prompts]
+    has = [p is not None for p in prompts]
+    mine = ([replace(x, prompt=None) for x in rollouts], baselines, whole, has)
     parts = [None] * size
     dist.all_gather_object(parts, mine, group=layout.host)
     works = []
@@ -557,10 +641,16 @@ def group_rollouts(
         src = next(q for q in range(size) if parts[q][2][k] is not None)
         group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
         mm = group[k].mm
+        built = {}
+        if p is not None and not holds_pixels(p):
+            built = build_run(processor, p, r, size)
         for m, (_, pixels, grid) in enumerate(MEDIA):
             if pixels not in mm:
                 continue
             tag = 2 * k + m
+            if pixels in built:
+                mm[pixels] = built[pixels]
+                continue
             if p is None:  # this rank's run, from src
                 run = runs(mm[grid], size)
                 length = run.rows[run.cuts[r + 1]] - run.rows[run.cuts[r]]
@@ -572,14 +662,14 @@ def group_rollouts(
             if src != r:
                 continue
             for j in range(size):
-                if parts[j][2][k] is None:
+                if not parts[j][3][k]:  # neither its pixels nor its frames
                     rows = run_rows(p, pixels, grid, j, size)
                     works.append(dist.isend(rows, first + j, layout.host, tag=tag))
     for work in works:
         work.wait()
-    done = [x for part, _, _ in parts for x in part]
+    done = [x for part in parts for x in part[0]]
     grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
-    return grouped, [b for _, part, _ in parts for b in part]
+    return grouped, [b for part in parts for b in part[1]]
 
 
 def language_model(model):

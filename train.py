@@ -1006,6 +1006,8 @@ def sample_batch(
         )
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
+        # each prepared by one rank; its TP group's others get its frames (decoded once a group)
+        prompts = sp.share_prompts(prompts, layout)
         tp_share = layout.share(prompts, layout.tp)  # the TP group's prompts, and ours in them
         k = tp_share.count
         generated = engine.generate(
@@ -1019,7 +1021,10 @@ def sample_batch(
         # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
         if layout.sp_size > 1:
             group_prompts = layout.share(prompts, layout.sp_size).items
-            rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
+            processor = prep.keywords["processor"]  # a TP peer builds its runs from the frames
+            rollouts, baselines = sp.group_rollouts(
+                rollouts, baselines, group_prompts, n, layout, processor
+            )
         else:  # the frames were the engine's alone: not held through the train phase
             bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
             rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
@@ -1163,28 +1168,28 @@ class FrozenEncoder:
     """vllm_embeds' encoder (VLLMEngine's): each prompt's features (modality -> its items'
     features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
     runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass.
-    rollout_tp > 1: a TP group's ranks pass the same prompts; each encodes its own consecutive part
-    (the rank's own share of a step's prompts: what its logp_pass reads) and the group gathers."""
+    rollout_tp > 1: a TP group's ranks pass the same prompts; each prompt is encoded once, by a
+    rank that holds its pixels (a step's: the rank that prepared it, whose logp_pass reads it;
+    held-out ones, on every rank: dealt in turn), and the group gathers."""
 
     def __init__(self, t: Trainer):
         self.t = t
-        self.group = None  # the TP group's gloo group (rollout_tp > 1)
-        tp = t.layout.tp
-        for first in range(0, t.layout.world if tp > 1 else 0, tp):  # every rank makes every group
-            group = dist.new_group(list(range(first, first + tp)), backend="gloo")
-            if first == t.layout.rank - t.layout.rank % tp:
-                self.group = group
 
     def __call__(self, prompts: list) -> list[dict]:
-        tp = self.t.layout.tp
-        size = -(-len(prompts) // tp)
-        start = self.t.layout.rank % tp * size
-        mine = self.encode(prompts[start : start + size])
-        if self.group is None:
-            return mine
-        parts = [None] * tp
-        dist.all_gather_object(parts, mine, group=self.group)
-        return [features for part in parts for features in part]
+        layout = self.t.layout
+        if layout.tp == 1:
+            return self.encode(prompts)
+        held = [None] * layout.tp
+        dist.all_gather_object(held, [sp.holds_pixels(p) for p in prompts], group=layout.tp_host)
+        mine = []
+        for k, p in enumerate(prompts):
+            holders = [q for q in range(layout.tp) if held[q][k]]
+            if holders[k % len(holders)] == layout.rank % layout.tp:
+                mine.append(k)
+        encoded = dict(zip(mine, self.encode([prompts[k] for k in mine])))
+        parts = [None] * layout.tp
+        dist.all_gather_object(parts, encoded, group=layout.tp_host)
+        return [next(part[k] for part in parts if k in part) for k in range(len(prompts))]
 
     def encode(self, prompts: list) -> list[dict]:
         """The features of `prompts`, each one's whole (sp_size 1)."""

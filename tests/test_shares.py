@@ -28,8 +28,8 @@ CASES = [
 @pytest.mark.parametrize("world,sp_size,tp,prompts", CASES)
 def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
     """The ranks' parts partition the step's prompts; an SP group's parts (what group_rollouts joins) are exactly
-    prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and the rank
-    that prepares a prompt (data.next_valid) is in the TP group that generates it; the engines of an SP group get
+    prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and a prompt is
+    prepared (data.next_valid) by the one rank whose part holds it (sp.share_prompts passes it to its TP group); the engines of an SP group get
     even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
     items = list(range(prompts))
     ranks = layouts(world, sp_size, tp)
@@ -43,7 +43,7 @@ def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
         share = tp_share.items
         assert tp_share.own() == parts[layout.rank]
         assert set(share) <= set(group) or sp_size == 1
-        assert [i for i in items if layout.prepares(i)] == sorted(share)
+        assert [i for i in items if layout.prepares(i)] == sorted(tp_share.own())
     # inside an SP group, every engine generates its share: the loads differ by at most one prompt
     if sp_size > 1:
         for first in range(0, world, sp_size):
@@ -106,4 +106,6 @@ def test_four_ranks_one_round_per_step(name, four_rank_runs):
     assert len(ids) == len(set(ids)) == 2 * RUNS[name][2], ids
     assert all(
         r["mismatch/max"] < 1e-5 for r in rows
-    )  # vLLM's log-probs are the trainer's (tp 2 too)
+    )  # vLLM's log-probs are the trainer's (tp 2 too: a TP peer's runs built from the frames)
+    # each prompt decoded once in the world (tp 2: by one rank of its engine, not both)
+    assert [r["cache/decode"] for r in rows] == [RUNS[name][2]] * 2, rows

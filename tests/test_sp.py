@@ -536,13 +536,47 @@ if __name__ == "__main__":
     worker(*sys.argv[1:])
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_runs_built_from_frames_are_the_processors_rows(arch):
+    """sp.build_run (a TP peer's run, built from the uint8 frames sp.share_prompts passes it): the rows data.prepare's
+    processor makes of the whole prompt, bit for bit, every run of 1 to 4 (a video cut mid-way, an image, both)."""
+    import cache
+    import sp
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir(arch))
+    samples = data.load_samples(os.path.join(synth_dir(), "train.jsonl"))
+    video = next(s for s in samples if s.get("videos"))
+    image = next(s for s in samples if s.get("images"))
+    both = dict(video, id="both", images=image["images"], data_type="video")
+    media = cache.Media(cache_dir="", video_source="decode_only")
+    checked = 0
+    expected = 0
+    for sample in (video, image, both):
+        p = data.prepare(sample, processor, media)
+        expected += 4 * sum(len(v) for k, v in p.mm.items() if k.startswith("pixel"))
+        for n in (1, 2, 3, 4):
+            for j in range(n):
+                for pixels, rows in sp.build_run(processor, p, j, n).items():
+                    grid = pixels.replace("pixel_values", "image_grid_thw").replace(
+                        "image_grid_thw_videos", "video_grid_thw"
+                    )
+                    assert torch.equal(rows, sp.run_rows(p, pixels, grid, j, n)), (
+                        sample["id"],
+                        n,
+                        j,
+                    )
+                    checked += len(rows)
+    assert checked == expected  # every row of every run of 1 to 4
+
+
 @pytest.mark.parametrize(
     "world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)]
 )
 def test_layout_shares(world, sp_size, tp):
     """Layout's rank arithmetic over a whole world: SP group g's ranks hold items[g::dp_size] between them (its
     equal part in one round), rank r's own part lies inside its TP group's list, which is the same on the group's
-    ranks; the parts partition the items; an item is prepared by the TP group (consecutive ranks) that generates it;
+    ranks; the parts partition the items; an item is prepared by the one rank whose part holds it;
     dedup keeps one rank per SP group."""
     import sp
 
@@ -567,8 +601,9 @@ def test_layout_shares(world, sp_size, tp):
             i for q in range(r - r % tp, r - r % tp + tp) for i in own[q]
         )
         assert x.share(items, tp, rank=0).items == layouts[0].share(items, tp).items
-    for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
+    for i in (
+        items
+    ):  # one rank prepares an item: the one whose part holds it (share_prompts, group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
-        assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp).items]
-        assert preparers == list(range(preparers[0], preparers[0] + tp))
+        assert preparers == [r for r in range(world) if i in own[r]]
     assert layouts[0].dedup(list(range(world))) == list(range(0, world, sp_size))
