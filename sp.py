@@ -550,35 +550,41 @@ def holds_pixels(p) -> bool:
     return p is not None and all(len(v) for k, v in p.mm.items() if k.startswith("pixel"))
 
 
-def share_prompts(prompts: list, layout: Layout) -> list:
-    """A step's prompts (data.next_valid's: each prepared by the one rank whose part holds it,
-    Layout.prepares; None elsewhere) with its TP group's filled in on each of the group's ranks
-    (its engine takes the same prompts on all of them): the text, token ids and uint8 frames from
-    the rank that prepared one, its pixel rows left empty (group_rollouts builds a rank's run from
-    the frames). Each prompt is decoded and processed once per TP group; no fp32 pixels pass."""
+def share_round(own: list, layout: Layout) -> Share:
+    """The TP group's prompts, its ranks' own lists in rank order (its engine takes the same prompts
+    on every rank), and where this rank's lie in them: each prompt decoded and processed once, by the
+    rank whose list holds it, which passes the others its text, token ids and uint8 frames; their
+    copies' pixel rows stay empty (group_rollouts builds a rank's run from the frames): no fp32
+    pixels pass."""
     if layout.tp == 1:
-        return prompts
+        return Share(own, 0, len(own))
     first = layout.rank - layout.rank % layout.tp
-    shared = layout.share(list(range(len(prompts))), layout.tp).items
     shapes = []  # the frames' shapes instead of the frames: they pass below, not pickled
-    for i in shared:
-        p = bare(prompts[i])
-        if p is not None:
-            videos = [(frames.shape, meta) for frames, meta in prompts[i].videos]
-            p = replace(p, videos=videos, images=[im.shape for im in prompts[i].images])
-        shapes.append(p)
+    for p in own:
+        videos = [(frames.shape, meta) for frames, meta in p.videos]
+        shapes.append(replace(bare(p), videos=videos, images=[im.shape for im in p.images]))
     parts = [None] * layout.tp
     dist.all_gather_object(parts, shapes, group=layout.tp_host)
+    parts[layout.rank - first] = own
+    for q, part in enumerate(parts):
+        for k, p in enumerate(part):
+            if q != layout.rank - first:  # frames to receive
+                videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
+                p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
+                part[k] = p
+            for frames in [f for f, _ in p.videos] + p.images:
+                dist.broadcast(torch.from_numpy(frames), first + q, group=layout.tp_host)
+    start = sum(len(part) for part in parts[: layout.rank - first])
+    return Share([p for part in parts for p in part], start, len(own))
+
+
+def share_prompts(prompts: list, layout: Layout) -> list:
+    """A step's prompts (data.next_valid's: each prepared by the one rank whose part holds it,
+    Layout.prepares; None elsewhere) with its TP group's filled in (share_round)."""
+    index = layout.share(list(range(len(prompts))), layout.tp)
+    shared = share_round([prompts[i] for i in index.own()], layout)
     out = list(prompts)
-    for k, i in enumerate(shared):
-        src = next(q for q in range(layout.tp) if parts[q][k] is not None)
-        p = prompts[i]
-        if p is None:
-            p = parts[src][k]
-            videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
-            p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
-        for frames in [f for f, _ in p.videos] + p.images:
-            dist.broadcast(torch.from_numpy(frames), first + src, group=layout.tp_host)
+    for i, p in zip(index.items, shared.items):
         out[i] = p
     return out
 

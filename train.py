@@ -1308,27 +1308,29 @@ def held_out_count(val: list[dict], skipped: list[dict]) -> int:
 def held_out_accuracy(
     engine, samples: list, prep, cfg: Config, layout: sp.Layout, skipped: list, step: int = 0
 ) -> float:
-    """Greedy held-out accuracy over all ranks, each TP group generating its share of the samples a
-    training round's worth at a time (data.held_out_rounds: one round's pixels held); the rows in
+    """Greedy held-out accuracy over all ranks, each TP group generating its ranks' parts of the
+    samples a training round's worth at a time (data.held_out_rounds: one round's pixels held; each
+    sample prepared by one rank, sp.share_round passing its frames to the group); the rows in
     out_dir/eval/step_N.jsonl, skip reports not yet in `skipped` appended to it. NaN without a row."""
-    size = -(-cfg.prompts_per_step // (layout.world // layout.tp))  # a TP group's training round
+    size = -(-cfg.prompts_per_step // layout.world)  # a rank's part of a training round
+    own = replace(layout, tp=1)  # each rank prepares its own part; its engine takes its group's
     mine = []
     skips = []
-    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, layout, size, skips):
+    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, own, size, skips):
+        shared = sp.share_round(prompts, layout)
         # every rank generates as many prompts as the largest share: HF generate is collective
-        longest = max(gather(len(prompts)))
+        longest = max(gather(len(shared.items)))
         if not longest:
             continue
-        padded = prompts + prompts[:1] * (longest - len(prompts))
+        padded = shared.items + shared.items[:1] * (longest - len(shared.items))
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first's
-            for r in outs[: len(prompts)]:
-                if r.prompt.sample.get("pad") is not data.PAD:
-                    mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+        for r in outs[shared.start :][: shared.count]:  # the rows of the prompts it prepared
+            if r.prompt.sample.get("pad") is not data.PAD:
+                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
     reported = {report["where"] for report in skipped}
-    for part in gather(skips)[:: layout.tp]:  # counted once a run: a TP group's first rank's
+    for part in gather(skips):
         skipped += [report for report in part if report["where"] not in reported]
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0 and rows:

@@ -29,8 +29,8 @@ CASES = [
 def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
     """The ranks' parts partition the step's prompts; an SP group's parts (what group_rollouts joins) are exactly
     prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and a prompt is
-    prepared (data.next_valid) by the one rank whose part holds it (sp.share_prompts passes it to its TP group); the engines of an SP group get
-    even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
+    prepared (data.next_valid) by the one rank whose part holds it (sp.share_prompts passes it to its TP group); the
+    engines of an SP group get even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
     items = list(range(prompts))
     ranks = layouts(world, sp_size, tp)
     parts = [ranks[0].part(items, r) for r in range(world)]
