@@ -15,9 +15,15 @@ positions.
 """
 
 import functools
+import hashlib
+import importlib
 import itertools
+import json
 import math
+import os
+import tempfile
 import types
+import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -385,6 +391,7 @@ def tower_trains(model) -> bool:
 
 
 FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
+FEATURE_FORMAT = "nvr1-features-v1"  # bump when stored features change: every older entry a miss
 
 
 class FeatureCache:
@@ -392,16 +399,85 @@ class FeatureCache:
     of each prompt's, in host memory, at most max_bytes (the oldest dropped first, encoded again
     when seen again): the tower runs on a sample the first time this rank sees it. FSDP2: when any
     rank has a sample to encode, every rank runs the tower (a rank with none: its dummies, else its
-    prompts again)."""
+    prompts again). folder (train.py's feature_cache_dir): also on disk, keyed like the frame cache
+    (the media files' identity) plus `stamp` (the weights' digest, the media settings, dtype), one
+    entry per sample, modality and run, written atomically with a checksum: a later run reads them
+    instead of encoding; an entry that fails its checksum is encoded and written again."""
 
-    def __init__(self, max_bytes: int = FEATURE_CACHE_BYTES):
+    def __init__(
+        self, max_bytes: int = FEATURE_CACHE_BYTES, folder: str = "", stamp: dict | None = None
+    ):
         self.max_bytes = max_bytes
         self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
         self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class
         self.bytes = 0
+        self.folder = folder
+        self.stamp = stamp or {}
+        self.reads = 0  # pieces read from disk
 
     def key(self, p, kind: str, grid: str) -> tuple:
         return (p.sample["id"], kind, str(p.mm[grid].tolist()))
+
+    def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
+        """The disk entry of this rank's run of p's features of one modality."""
+        files = []
+        for name in p.sample.get("videos", []) + p.sample.get("images", []):
+            st = os.stat(name)
+            files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
+        ident = dict(
+            format=FEATURE_FORMAT,
+            files=files,
+            end=p.sample.get("video_end"),
+            kind=kind,
+            grid=p.mm[grid].tolist(),
+            run=[layout.sp_rank, layout.sp_size] if layout else [0, 1],
+            **self.stamp,
+        )
+        key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+        return os.path.join(self.folder, key[:2], key + ".safetensors")
+
+    def read(self, p, kind: str, grid: str, layout: Layout | None):
+        """p's features from disk into memory; False where there is no good entry."""
+        from safetensors import safe_open
+
+        file = self.path(p, kind, grid, layout)
+        if not os.path.exists(file):
+            return False
+        try:
+            with safe_open(file, "pt") as f:
+                meta = f.metadata()
+                local = f.get_tensor("features")
+            if meta["crc32"] != checksum(file, local):
+                raise ValueError("fails its checksum")
+        except Exception as e:  # safetensors' own errors, a missing field: encoded again
+            print(
+                f"{file}: feature cache entry unreadable ({type(e).__name__}: {e}): encoded again"
+            )
+            return False
+        if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
+            module, _, name = meta["output"].rpartition(".")
+            output = getattr(importlib.import_module(module), name)
+            dims = json.loads(meta["dims"])
+            self.empty[kind] = Features(local[:0], [], None, {}, dims, output)
+        self.pieces[self.key(p, kind, grid)] = local
+        self.bytes += local.nbytes
+        self.reads += 1
+        return True
+
+    def write(self, file: str, local: torch.Tensor, empty: Features):
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+        os.close(fd)
+        output = f"{empty.output.__module__}.{empty.output.__qualname__}"
+        meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
+        try:
+            save_file({"features": local}, tmp, metadata=meta)
+            os.replace(tmp, file)  # atomic: readers see no entry or the whole one
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
@@ -410,8 +486,11 @@ class FeatureCache:
         distinct = list({id(p): p for p in prompts}.values())
         missing = []
         for p in distinct:
-            keys = [self.key(p, kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
-            if any(k not in self.pieces for k in keys):
+            media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
+            have = [self.key(p, kind, grid) in self.pieces for kind, grid in media]
+            if self.folder:
+                have = [h or self.read(p, *m, layout) for h, m in zip(have, media)]
+            if not all(have):
                 missing.append(p)
         encodes = 0
         if any_rank(bool(missing)):
@@ -423,7 +502,7 @@ class FeatureCache:
         out = Vision({}, encodes)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in distinct if pixels in p.mm]
-            if not mine and not dummies:
+            if not mine and (not dummies or kind not in self.empty):
                 continue
             empty = self.empty[kind]
             parts = [self.pieces[self.key(p, kind, grid)] for p in mine]
@@ -452,12 +531,20 @@ class FeatureCache:
                     self.bytes -= self.pieces.pop(key).nbytes
                 self.pieces[key] = local.detach().to("cpu", copy=True)
                 self.bytes += local.nbytes
+                if self.folder:
+                    self.write(self.path(p, kind, grid, layout), self.pieces[key], self.empty[kind])
 
     def trim(self):
         """Drops the oldest samples' features over max_bytes (after the step's use of them)."""
         while self.bytes > self.max_bytes and self.pieces:
             oldest = next(iter(self.pieces))
             self.bytes -= self.pieces.pop(oldest).nbytes
+
+
+def checksum(file: str, local: torch.Tensor) -> str:
+    """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
+    crc = zlib.crc32(os.path.basename(file).encode())
+    return str(zlib.crc32(local.contiguous().view(torch.uint8).numpy(), crc))
 
 
 @dataclass

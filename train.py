@@ -13,6 +13,7 @@ docs/algorithms.md gives every formula and each deliberate deviation.
 
 import datetime
 import functools
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -182,6 +183,10 @@ class Config(Media):
     """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
     run); sp_size 1 (rollout_tp > 1: a TP group gathers its ranks' features)"""
+    feature_cache_dir: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    """the reference tower's features (kl_coef, a trained tower) also on disk, per sample and SP run,
+    keyed by the media files and settings and the reference's weights: a later run reads them
+    instead of encoding ('' = in host memory alone, up to 8 GiB a rank)"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
@@ -1161,7 +1166,34 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
     if layout.world > 1:  # FSDP: the same modules run on every rank
         dummies = data.dummy_prompts(processor)
     banned = vision_token_ids(processor.tokenizer)
-    return Trainer(model, ref, opt, banned, layout, dummies, device)
+    t = Trainer(model, ref, opt, banned, layout, dummies, device)
+    if cfg.feature_cache_dir and cfg.kl_coef > 0:
+        stamp = reference_stamp(cfg, ref or model)
+        t.ref_features = sp.FeatureCache(folder=cfg.feature_cache_dir, stamp=stamp)
+    return t
+
+
+def reference_stamp(cfg: Config, model) -> dict:
+    """What the reference tower's features depend on besides the media files (its disk cache's key):
+    a digest of its weights (LoRA: the base, adapters left out), the media settings, its dtype,
+    device and attention kernel. FSDP2: every rank gathers each weight, in the same order."""
+    digest = hashlib.sha256()
+    visual = common.base_model(model).model.visual
+    for name, p in visual.named_parameters():
+        if "lora_" in name:
+            continue
+        if hasattr(p, "full_tensor"):  # an FSDP2 shard
+            p = p.full_tensor()
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())
+    media = {k: v for k, v in asdict(cfg.media()).items() if k not in ("cache_dir", "video_source")}
+    return dict(
+        weights=digest.hexdigest(),
+        media=media,
+        dtype=str(p.dtype),
+        device=p.device.type,
+        kernel=visual.config._attn_implementation,
+    )
 
 
 class FrozenEncoder:
