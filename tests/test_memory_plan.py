@@ -639,8 +639,8 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     """The hour recipes as they were (rollout_tp 8 for the 7B's 28 query heads; the 7B base config's 512 held-out
     hour-long prompts): vLLM's own config check refuses the first, found before anything loads (check_config and the
     planner); the second, once over the node's host RAM, is now evaluated a round at a time. max_model_len over the
-    model's positions is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM does; sp_size must be a multiple
-    of rollout_tp."""
+    model's positions is admitted for M-RoPE (rollout.long_overrides) without VLLM_ALLOW_LONG_MAX_MODEL_LEN; sp_size
+    must be a multiple of rollout_tp."""
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     cfg = train.load_config(["--config", *LONG])
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
@@ -689,9 +689,8 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
         cfg.model, 7, 4096
     )  # 28 query heads split over 7, its 4 KV heads do not
     assert "its 4 KV heads do not split over 7 ranks" in kv
-    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
-    (long,) = rollout.engine_errors(cfg.model, 4, cfg.max_model_len)
-    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in long and "(262144)" in long
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")  # M-RoPE: admitted (rollout.long_overrides)
+    assert rollout.engine_errors(cfg.model, 4, cfg.max_model_len) == []
 
 
 def test_the_table_command_runs(cli_runs):
