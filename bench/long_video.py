@@ -4,7 +4,7 @@ per prompt and step; --plan-check: a real train.py run's train phase against the
 
     .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
     .venv/bin/python bench/long_video.py --encodes        # the encode count alone
-    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 \
+    VLLM_CPU_KVCACHE_SPACE=1 torchrun --nproc_per_node=2 \
         bench/long_video.py --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
 memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame

@@ -477,7 +477,7 @@ def main(c: Config) -> Plan | list[str]:
     refused = ()
     if (
         cfg.rollout == "vllm"
-    ):  # vLLM's own checks, without weights (VLLM_ALLOW_LONG_MAX_MODEL_LEN as set here)
+    ):  # vLLM's own checks, without weights (an M-RoPE model's long context: long_overrides)
         refused = tuple(rollout.engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len))
     host_mem = c.host_memory_gib * GIB
     p = plan(
