@@ -455,7 +455,7 @@ class FeatureCache:
             )
             return False
         if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
-            module, _, name = meta["output"].rpartition(".")
+            module, name = meta["output"].rsplit(".", 1)
             output = getattr(importlib.import_module(module), name)
             dims = json.loads(meta["dims"])
             self.empty[kind] = Features(local[:0], [], None, {}, dims, output)
