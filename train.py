@@ -1201,8 +1201,8 @@ class FrozenEncoder:
     features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
     runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass.
     rollout_tp > 1: a TP group's ranks pass the same prompts; each prompt is encoded once, by a
-    rank that holds its pixels (a step's: the rank that prepared it, whose logp_pass reads it;
-    held-out ones, on every rank: dealt in turn), and the group gathers."""
+    rank that holds its pixels (the one that prepared it, sp.share_round: a step's prompt is its
+    logp_pass's), and the group gathers."""
 
     def __init__(self, t: Trainer):
         self.t = t

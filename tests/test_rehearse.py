@@ -89,7 +89,8 @@ def test_m_rope_takes_a_long_context_and_each_prompt_is_checked(monkeypatch):
 @pytest.mark.slow
 def test_four_rank_rehearsal(tmp_path, monkeypatch):
     """The 3B hour recipe's layout at 4 ranks (sp_size 4, rollout_tp 2: two vLLM engines of 16 / 2 heads, each inside
-    the SP group; KL reference, the tower trained, one row per micro-batch): 2 steps, one generation round each."""
+    the SP group; KL reference, the tower trained, one row per micro-batch): 2 steps, one generation round each,
+    each prompt decoded once."""
     layer = tmp_path / "four.yaml"
     layer.write_text("sp_size: 4\nrollout_tp: 2\n")
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -102,3 +103,8 @@ def test_four_rank_rehearsal(tmp_path, monkeypatch):
     steps = [r for r in rows if "dyn/rounds" in r]
     assert [r["dyn/rounds"] for r in steps] == [1, 1]
     assert all(r["mismatch/max"] < 1e-4 for r in steps)
+    # each prompt decoded once (by one rank of its engine: sp.share_round), the held-out ones too
+    assert [r["cache/decode"] for r in steps] == [8, 8]  # the recipe's prompts_per_step
+    for step in (0, 2):
+        ids = [json.loads(x)["doc_id"] for x in open(out / "eval" / f"step_{step}.jsonl")]
+        assert len(ids) == len(set(ids)) == 8
