@@ -140,10 +140,11 @@ def host_plan(
 ) -> dict[str, float]:
     """Host RAM per rank in a step: its TP group's prompts as uint8 frames (each decoded and processed once, by the
     rank whose part holds it, Layout.prepares; sp.share_prompts passes the group's engine the frames), fp32 pixels
-    (the trainer's of the rank's own prompts, vLLM's processor's copy of every frame it is given), the SP runs of its
-    group's prompts (a TP peer builds its own from the frames), the offloaded states (pinned); between steps, a round
-    of held-out prompts (train.held_out_accuracy: a training round's, each rank preparing its part, as above; the
-    step's prompts freed); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    (the trainer's of the rank's own prompts; vLLM's processor's of every frame it is given, two copies at its peak,
+    as `bench/long_video.py --plan-check` measures), the SP runs of its group's prompts (a TP peer builds its own from
+    the frames), the offloaded states (pinned); between steps, a round of held-out prompts (train.held_out_accuracy:
+    a training round's, each rank preparing its part, as above; the step's prompts freed); and, alone at the start,
+    the fp32 model from_pretrained builds on the host."""
     from sp import FEATURE_CACHE_BYTES, Layout
 
     vision = spec["vision_config"]
@@ -165,7 +166,7 @@ def host_plan(
     kept_reference = cfg.kl_coef > 0 and not cfg.freeze_vision
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
-        f"pixels (fp32: the trainer's of its {own}, vLLM's of the {mine})": (own + mine)
+        f"pixels (fp32: the trainer's of its {own}, vLLM's of the {mine}, twice)": (own + 2 * mine)
         * frames
         * 4,
         "SP runs (1/sp_size of its SP group's prompts' pixels)": cfg.prompts_per_step
@@ -175,7 +176,7 @@ def host_plan(
         * (sp > 1),
         "offload (pinned fp32 weights, gradients, AdamW)": 16 * total / gpus * cfg.offload,
         f"held-out prompts ({val} a round, between steps; frames and pixels as above)": (
-            5 * val + 4 * own_val
+            9 * val + 4 * own_val
         )
         * frames,
         "reference features (sp.FeatureCache: every sample's, up to its bound)": FEATURE_CACHE_BYTES

@@ -659,20 +659,21 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     big = memory_plan.plan(dataclasses.replace(cfg, prompts_per_step=64), *args)
     assert big.verdict.startswith("DOES NOT FIT in host memory")
     # host RAM per rank: its engine's prompts as frames (8 / 2 engines), 1,176 uint8 values a patch (3 x 2 x 14 x 14),
-    # fp32 pixels of its own prompt (each decoded once a TP group) and vLLM's of the engine's 4; between steps (not
-    # with the step's), a round of held-out prompts (the engine's 4: frames and vLLM's pixels; its own 1's pixels)
+    # fp32 pixels of its own prompt (each decoded once a TP group) and vLLM's of the engine's 4, twice (its
+    # processor's peak); between steps (not with the step's), a round of held-out prompts (the engine's 4: frames and
+    # vLLM's pixels; its own 1's pixels)
     frames = patches * 1176
     fits = memory_plan.plan(cfg, *args)
     host = list(fits.host.values())
     assert (
-        host[:3] == [4 * frames, (1 + 4) * frames * 4, 8 * frames * 4 / 8]
-        and host[4] == (5 * 4 + 4 * 1) * frames
+        host[:3] == [4 * frames, (1 + 2 * 4) * frames * 4, 8 * frames * 4 / 8]
+        and host[4] == (9 * 4 + 4 * 1) * frames
     )
     assert (
         fits.host_rank == sum(host[:3]) > host[4]
     )  # the step's, not the step's and the held-out round's
     # 8 a rank's round, but 1 held-out prompt a rank
-    assert list(big.host.values())[4] == (5 * 4 + 4 * 1) * frames
+    assert list(big.host.values())[4] == (9 * 4 + 4 * 1) * frames
     decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
     assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
     # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them over the two engines, one each
