@@ -184,14 +184,12 @@ def vllm_settings(
     """The engine arguments that the trainer's vLLM (VLLMEngine) and evaluate.py's AsyncLLM share:
     eager (no CUDA graphs) except on CUDA, the CPU's KV cache fixed (CPU_KV_CACHE_BYTES), pixels
     normalized on the device only where vLLM normalizes videos as transformers does
-    (device_normalize_ok), an M-RoPE model's max_model_len past its positions (long_overrides)."""
-    from transformers import AutoConfig
+    (device_normalize_ok)."""
     from vllm.platforms import current_platform
 
     kv_cache_bytes = CPU_KV_CACHE_BYTES
     if current_platform.is_cuda():
         kv_cache_bytes = None  # sized by gpu_memory_utilization
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     return dict(
         model=model_dir,
         tensor_parallel_size=tp,
@@ -205,7 +203,6 @@ def vllm_settings(
         use_tqdm_on_load=False,
         limit_mm_per_prompt={"image": max_images, "video": max_videos},
         mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
-        hf_overrides=long_overrides(config.get_text_config().to_dict(), max_model_len),
     )
 
 
@@ -268,6 +265,7 @@ class VLLMEngine:
         # except where it would drop features (keeps_tower)
         # in-process: we must reach the model
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -303,6 +301,9 @@ class VLLMEngine:
             )
             if embeds and not keeps_tower(model_dir, trust_remote_code):
                 settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
+            overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(
                 **settings,
                 enable_sleep_mode=self.can_sleep,
@@ -314,11 +315,12 @@ class VLLMEngine:
                 mm_encoder_tp_mode="data" if tp > 1 else "weights",
                 distributed_executor_backend=backend,
                 enable_mm_embeds=embeds,
+                hf_overrides=overrides,
             )
         # long_overrides: the RoPE cache's length, which each prompt's positions must stay under
         self.config = self.llm.llm_engine.model_config.hf_config
         self.positions = 0
-        if settings["hf_overrides"]:
+        if overrides:
             self.positions = self.config.get_text_config().max_position_embeddings
             if self.rank == 0:
                 print(
