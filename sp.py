@@ -707,32 +707,23 @@ def build_run(processor, p, j: int, n: int) -> dict:
     return out
 
 
-def group_rollouts(
-    rollouts: list,
-    baselines: list[float],
-    prompts: list,
-    n: int,
-    layout: Layout,
-    processor=None,
-) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
-    order), n per prompt of `prompts` (Layout.share's: the prompt where this rank prepared it,
-    share_prompts' frames alone where its TP group did, else None), each holding this rank's run
-    of pixel rows (runs) alone, no frames: built from the frames, else a copy of the rank's own,
-    else sent by the first rank that prepared it, in host memory."""
+def group_runs(prompts: list, layout: Layout, processor=None) -> list:
+    """The SP group's prompts (Layout.share's: the prompt where this rank prepared it,
+    share_prompts' frames alone where its TP group did, else None), the same on its ranks, each
+    holding this rank's run of pixel rows (runs) alone, no frames: built from the frames, else a
+    copy of the rank's own, else sent by the first rank that prepared it, in host memory."""
     r = layout.sp_rank
     size = layout.sp_size
     first = layout.rank - layout.sp_rank
     whole = [bare(p) if holds_pixels(p) else None for p in prompts]
     has = [p is not None for p in prompts]
-    mine = ([replace(x, prompt=None) for x in rollouts], baselines, whole, has)
     parts = [None] * size
-    dist.all_gather_object(parts, mine, group=layout.host)
+    dist.all_gather_object(parts, (whole, has), group=layout.host)
     works = []
     group = []
     for k, p in enumerate(prompts):
-        src = next(q for q in range(size) if parts[q][2][k] is not None)
-        group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
+        src = next(q for q in range(size) if parts[q][0][k] is not None)
+        group.append(parts[src][0][k])  # its pixel rows: empty, of their width, till below
         mm = group[k].mm
         built = {}
         if p is not None and not holds_pixels(p):
@@ -755,14 +746,25 @@ def group_rollouts(
             if src != r:
                 continue
             for j in range(size):
-                if not parts[j][3][k]:  # neither its pixels nor its frames
+                if not parts[j][1][k]:  # neither its pixels nor its frames
                     rows = run_rows(p, pixels, grid, j, size)
                     works.append(dist.isend(rows, first + j, layout.host, tag=tag))
     for work in works:
         work.wait()
-    done = [x for part in parts for x in part[0]]
+    return group
+
+
+def group_rollouts(
+    rollouts: list, baselines: list[float], group: list, n: int, layout: Layout
+) -> tuple[list, list]:
+    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
+    order), n per prompt of `group` (group_runs')."""
+    mine = ([replace(x, prompt=None) for x in rollouts], baselines)
+    parts = [None] * layout.sp_size
+    dist.all_gather_object(parts, mine, group=layout.host)
+    done = [x for part, _ in parts for x in part]
     grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
-    return grouped, [b for part in parts for b in part[1]]
+    return grouped, [b for _, part in parts for b in part]
 
 
 def language_model(model):

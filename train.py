@@ -182,7 +182,8 @@ class Config(Media):
     vllm_embeds: bool = False
     """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
-    run); sp_size 1 (rollout_tp > 1: a TP group gathers its ranks' features)"""
+    run); rollout_tp > 1: a TP group gathers its ranks' features; sp_size > 1: an SP group encodes
+    its runs before generation and gathers them"""
     feature_cache_dir: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
     """the reference tower's features (kl_coef, a trained tower) also on disk, per sample and SP run,
     keyed by the media files and settings and the reference's weights: a later run reads them
@@ -286,9 +287,6 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("rollout_tp > 1 needs rollout vllm")
     if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
         bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
-    if cfg.vllm_embeds and cfg.sp_size > 1:
-        # a rank holds its run of each prompt's features, vLLM needs whole prompts' (not gathered)
-        bad.append("vllm_embeds needs sp_size 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
     if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
@@ -1013,6 +1011,12 @@ def sample_batch(
         seed = request_seed(cfg.seed, step, gen_round)
         # each prepared by one rank; its TP group's others get its frames (decoded once a group)
         prompts = sp.share_prompts(prompts, layout)
+        processor = prep.keywords["processor"]  # a TP peer builds its runs from the frames
+        shared = layout.share(prompts, layout.sp_size).items
+        group_prompts = []  # sp_size > 1: its SP group's, each with this rank's run of pixel rows
+        if layout.sp_size > 1 and engine.encoder is not None:  # vllm_embeds: the runs encoded
+            group_prompts = sp.group_runs(shared, layout, processor)
+            engine.encoder.prepare(prompts, group_prompts)  # and gathered, whole, for vLLM
         tp_share = layout.share(prompts, layout.tp)  # the TP group's prompts, and ours in them
         k = tp_share.count
         generated = engine.generate(
@@ -1023,13 +1027,13 @@ def sample_batch(
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(tp_share.items, 1, 0.0, cfg.max_response_len, seed=seed)
             baselines = [score(r, cfg)["overall"] for r in greedy[tp_share.start :][:k]]
-        # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
+        if engine.encoder is not None:  # the gathered features served this round's generation
+            engine.encoder.whole = {}
+        # sp_size > 1: the SP group's rollouts, each rank with its run of the pixel rows
         if layout.sp_size > 1:
-            group_prompts = layout.share(prompts, layout.sp_size).items
-            processor = prep.keywords["processor"]  # a TP peer builds its runs from the frames
-            rollouts, baselines = sp.group_rollouts(
-                rollouts, baselines, group_prompts, n, layout, processor
-            )
+            if not group_prompts:  # after generation: vLLM's own copies freed first
+                group_prompts = sp.group_runs(shared, layout, processor)
+            rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         else:  # the frames were the engine's alone: not held through the train phase
             bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
             rollouts = [replace(r, prompt=bare[id(r.prompt)]) for r in rollouts]
@@ -1206,9 +1210,38 @@ class FrozenEncoder:
 
     def __init__(self, t: Trainer):
         self.t = t
+        self.whole = {}  # sp_size > 1: id(a step's prompt) -> its features, gathered (prepare)
+
+    def prepare(self, prompts: list, group: list):
+        """sp_size > 1, before generation: the SP group's prompts (group_runs') through the tower,
+        each rank its runs (kept for logp_pass), gathered over the group into each prompt's whole
+        features (its runs in order) for the engine that generates it (share_prompts' `prompts`)."""
+        t = self.t
+        layout = t.layout
+        with torch.no_grad():
+            t.sampled_encodes += t.step_features.vision(
+                t.model, group, t.device, layout, t.dummies
+            ).encodes
+        mine = []
+        for p in group:
+            pieces = {}
+            for kind, pixels, grid in sp.MEDIA:
+                if pixels in p.mm:
+                    pieces[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
+            mine.append(pieces)
+        parts = [None] * layout.sp_size
+        dist.all_gather_object(parts, mine, group=layout.host)
+        index = layout.share(list(range(len(prompts))), layout.sp_size).items
+        for k, i in enumerate(index):
+            if prompts[i] is not None:  # its TP group's
+                self.whole[id(prompts[i])] = {
+                    kind: torch.cat([part[k][kind] for part in parts]) for kind in mine[k]
+                }
 
     def __call__(self, prompts: list) -> list[dict]:
         layout = self.t.layout
+        if all(id(p) in self.whole for p in prompts) and self.whole:  # prepared (SP)
+            return [self.whole[id(p)] for p in prompts]
         if layout.tp == 1:
             return self.encode(prompts)
         held = [None] * layout.tp
@@ -1224,10 +1257,10 @@ class FrozenEncoder:
         return [next(part[k] for part in parts if k in part) for k in range(len(prompts))]
 
     def encode(self, prompts: list) -> list[dict]:
-        """The features of `prompts`, each one's whole (sp_size 1)."""
+        """The features of `prompts`, each one's whole (on this rank alone, SP or not)."""
         t = self.t
         with torch.no_grad():
-            vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+            vision = t.step_features.vision(t.model, prompts, t.device, None, t.dummies)
         t.sampled_encodes += vision.encodes
         out = [{} for _ in prompts]
         for kind, pixels, grid in sp.MEDIA:
@@ -1242,6 +1275,7 @@ class FrozenEncoder:
         """Drops what the held-out evaluation's generation kept, uncounted (not the step's)."""
         self.t.step_features = StepFeatures()
         self.t.sampled_encodes = 0
+        self.whole = {}
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):

@@ -64,9 +64,10 @@ RUNS = {  # name -> (sp_size, rollout_tp, prompts_per_step) on 4 ranks
     "sp2_p2": (2, 1, 2),
     "sp2_p4": (2, 1, 4),
     "sp2_p6": (2, 1, 6),
-    "sp4_tp2": (4, 2, 4),
+    "sp4_tp2": (4, 2, 4),  # with vllm_embeds: the SP group's runs encoded, gathered for vLLM
     "sp4_tp2_p2": (4, 2, 2),  # one prompt for each engine
 }
+EMBEDS = ["--freeze-vision", "--vllm-embeds"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def four_rank_runs(tmp_path_factory, tiny_model, color_data) -> dict:
             *("--sp-size", str(sp_size), "--rollout-tp", str(tp)),
             *("--prompts-per-step", str(prompts), "--video-source", "decode_only"),
             "--no-save",
+            *EMBEDS * (name == "sp4_tp2"),
         ]
         for name, (sp_size, tp, prompts) in RUNS.items()
     ]
@@ -109,3 +111,6 @@ def test_four_ranks_one_round_per_step(name, four_rank_runs):
     )  # vLLM's log-probs are the trainer's (tp 2 too: a TP peer's runs built from the frames)
     # each prompt decoded once in the world (tp 2: by one rank of its engine, not both)
     assert [r["cache/decode"] for r in rows] == [RUNS[name][2]] * 2, rows
+    if name == "sp4_tp2":  # vllm_embeds: one encode a step, for vLLM and logp_pass alike: the 4
+        # prompts' runs on each of the 4 ranks, and each rank's image dummy (FSDP2's aligned tower)
+        assert [r["vision/encodes"] for r in rows] == [4 * 4 + 4] * 2, rows

@@ -48,7 +48,7 @@ def model_dir(name: str) -> str:
 def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = None) -> list:
     """7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1; the longest prompt plus the longest
     response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position). SP
-    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_rollouts leaves each
+    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_runs leaves each
     rank its run of every prompt's pixel rows, as in train.sample_batch."""
     import sp
 
@@ -69,9 +69,8 @@ def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = 
     ]
     if n > 1:  # a rollout of each prompt prepared here, to the SP group
         own = [Rollout(p, [], None, "", "stop") for p in prompts if p is not None]
-        prompts = [
-            x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]
-        ]
+        group = sp.group_runs(prompts, layout)
+        prompts = [x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), group, 1, layout)[0]]
     prompts = [prompts[order.index(k)] for k in range(4)]
     longest = (
         5 - max(len(p.prompt_ids) for p in prompts) % 2
