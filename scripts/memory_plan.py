@@ -323,7 +323,11 @@ def plan(
         * (not no_tower),
     }
     vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
-    generation = weights + 2 * states + vllm  # weights, AdamW; gradients are freed after each step
+    # vllm_embeds: the trainer's no-grad encode for vLLM (train.FrozenEncoder) runs with vLLM awake, on
+    # a rank's own prompts (SP: its runs of its SP group's, as many patches)
+    embeds_encode = patches * -(-cfg.prompts_per_step // gpus) * meas["vision"]["encode"]
+    # weights, AdamW; gradients are freed after each step
+    generation = weights + 2 * states + vllm + embeds_encode * cfg.vllm_embeds
     acts = sum(
         v for k, v in held.items() if "activations" in k or k.startswith("padded")
     )  # none at the encode

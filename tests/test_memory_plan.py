@@ -782,7 +782,8 @@ def test_plan_predicts_the_tiny_model_peak(setting, worker_peaks):
 def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
     """The reference tower's features kept per sample (sp.FeatureCache) are host memory up to its bound, with
     kl_coef and a trained tower (none with freeze_vision: the reference's features are the policy's); vllm_embeds
-    builds no tower in vLLM (its weights and its encode gone) for Qwen2.5-VL, while Qwen3-VL keeps its tower."""
+    builds no tower in vLLM (its weights and its encode gone) for Qwen2.5-VL, while Qwen3-VL keeps its tower; the
+    trainer's encode for vLLM is in the generation phase."""
     import sp
 
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -804,6 +805,8 @@ def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
     assert weights[0] - weights_embeds[0] == 2 * (tower / tp + tower * (tp - 1) / tp)
     encode = [v for k, v in embeds.vllm.items() if k.startswith("encoding")]
     assert encode == [0] and embeds.vllm_need < frozen.vllm_need
+    # the trainer's encode for vLLM, with vLLM awake: a rank's share of the step's prompts (8 on 8 ranks, SP runs)
+    assert embeds.generation - frozen.generation == patches * meas["vision"]["encode"]
     qwen3 = dataclasses.replace(cfg, model="Qwen/Qwen3-VL-8B-Instruct", freeze_vision=True)
     spec3, meas3 = memory_plan.stored(qwen3.model, "bfloat16")
     args3 = (spec3, meas3, *args[2:])
