@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ckpt import hf_weights
 from common import UserError
-from data import Prompt, grids, vllm_input
+from data import DataError, Prompt, grids, vllm_input
 import sp
 
 VISION_TOKENS = (
@@ -114,7 +114,7 @@ def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     """What vLLM refuses at engine start, found without weights or a network: its own ModelConfig and ParallelConfig
     checks on the model's config.json (a local folder's; a hub model's published values in configs/memory.json; any
     other is checked when its engine starts): query heads vs tensor_parallel_size, max_model_len vs the model's
-    positions (VLLM_ALLOW_LONG_MAX_MODEL_LEN as this process has it), and the split of the KV heads that its QKV layer
+    positions (M-RoPE: long_overrides), and the split of the KV heads that its QKV layer
     makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
     from vllm.config import ModelConfig, ParallelConfig
 
@@ -123,6 +123,10 @@ def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     local = os.path.isfile(os.path.join(model, "config.json"))
     if not local and spec is None:
         return []
+    if local:
+        with open(os.path.join(model, "config.json")) as f:
+            spec = json.load(f)
+    overrides = long_overrides(spec.get("text_config", spec), max_model_len)
     with tempfile.TemporaryDirectory() as folder:
         if not local:
             with open(os.path.join(folder, "config.json"), "w") as f:
@@ -132,6 +136,7 @@ def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
                 model=model if local else folder,
                 max_model_len=max_model_len,
                 skip_tokenizer_init=True,
+                hf_overrides=overrides,
             )
             config.verify_with_parallel_config(ParallelConfig(tensor_parallel_size=tp))
         except ValueError as e:  # pydantic's ValidationError is one
@@ -145,6 +150,23 @@ def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
             f"{tp} ranks (QKVParallelLinear: one of them must divide the other)"
         ]
     return []
+
+
+def long_overrides(text: dict, max_model_len: int) -> dict:
+    """vLLM's hf_overrides for an M-RoPE model (Qwen-VL) given a max_model_len over its text config's
+    max_position_embeddings. vLLM refuses that length (config/model.py, _get_and_verify_max_len):
+    token positions past the RoPE cache (max_position_embeddings long) are out of range. Its
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lifts the check for every model. M-RoPE positions count a
+    video's time steps, not its tokens (an hour of frames: ~256k tokens, ~7,200 time steps), so we
+    raise the limit through the key vLLM itself reads for a longer context, the text config's
+    model_max_length (model_arch_config_convertor's derived length, the check's override; no Qwen
+    model reads it), the RoPE cache unchanged, and VLLMEngine refuses a prompt whose positions
+    would leave it (check_positions). {} where the length fits, or the model is not M-RoPE."""
+    rope = json.dumps(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    limit = text.get("max_position_embeddings", 0)
+    if "mrope_section" not in rope or not 0 < limit < max_model_len:
+        return {}
+    return {"text_config": {"model_max_length": max_model_len}}
 
 
 def vllm_settings(
@@ -243,6 +265,7 @@ class VLLMEngine:
         # except where it would drop features (keeps_tower)
         # in-process: we must reach the model
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -278,6 +301,9 @@ class VLLMEngine:
             )
             if embeds and not keeps_tower(model_dir, trust_remote_code):
                 settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
+            overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(
                 **settings,
                 enable_sleep_mode=self.can_sleep,
@@ -289,9 +315,21 @@ class VLLMEngine:
                 mm_encoder_tp_mode="data" if tp > 1 else "weights",
                 distributed_executor_backend=backend,
                 enable_mm_embeds=embeds,
+                hf_overrides=overrides,
             )
+        # long_overrides: the RoPE cache's length, which each prompt's positions must stay under
+        self.config = self.llm.llm_engine.model_config.hf_config
+        self.positions = 0
+        if overrides:
+            self.positions = self.config.get_text_config().max_position_embeddings
+            if self.rank == 0:
+                print(
+                    f"vLLM: max_model_len {max_model_len} over the model's {self.positions} "
+                    "positions, admitted: M-RoPE positions count time steps, not tokens, and "
+                    "each prompt's are checked"
+                )
         # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text)
-        model_type = self.llm.llm_engine.model_config.hf_config.model_type
+        model_type = self.config.model_type
         self.timestamps = model_type.startswith("qwen3_vl")  # and Qwen3-VL-MoE's
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
@@ -318,6 +356,8 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
+        for p in prompts:
+            self.check_positions(p, max_tokens)
         inputs = [vllm_input(p) for p in prompts]
         if self.encoder is not None:  # every rank of an FSDP run calls it as often (collective)
             features = self.encoder(prompts)
@@ -342,6 +382,23 @@ class VLLMEngine:
                 finish = "length" if c.finish_reason == "length" else "stop"
                 rollouts.append(Rollout(p, ids, logp, c.text, finish))
         return rollouts
+
+    def check_positions(self, p: Prompt, max_tokens: int):
+        """long_overrides' condition, per prompt: its M-RoPE positions and max_tokens more stay
+        inside the model's RoPE cache (a sparse sample of a long video can pass it: time steps
+        scaled by seconds, each of few tokens)."""
+        if not self.positions:
+            return
+        ids = torch.tensor([p.prompt_ids])
+        last = int(
+            sp.mrope_positions(ids, torch.ones_like(ids), grids([p], "cpu"), self.config).max()
+        )
+        if last + max_tokens >= self.positions:
+            raise DataError(
+                f"sample {p.sample['id']}: its M-RoPE positions reach {last}, + max_response_len "
+                f"{max_tokens}: past the model's {self.positions} positions (fewer frames or a "
+                "shorter response)"
+            )
 
     @torch.no_grad()
     def sync(self, model):

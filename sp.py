@@ -15,11 +15,18 @@ positions.
 """
 
 import functools
+import hashlib
+import importlib
 import itertools
+import json
 import math
+import os
+import tempfile
 import types
+import zlib
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -61,6 +68,7 @@ class Layout:
     world: int = 1  # dp_size * sp_size
     # the SP group's gloo group: media pass between its ranks in host memory (group_rollouts)
     host: object = None
+    tp_host: object = None  # the TP group's gloo group (rollout_tp > 1: share_prompts)
 
     def part(self, items: list, rank: int) -> list:
         """Rank `rank`'s own items: its SP group's part, items[g::dp_size] for the group g
@@ -87,15 +95,15 @@ class Layout:
         return Share(flat, start, len(parts[rank - first]))
 
     def prepares(self, i: int) -> bool:
-        """Whether this rank prepares item i of a step's prompts: the TP group that generates it
-        (group_rollouts)."""
-        group = i % self.dp_size  # part's inverse: the SP group, then the engine in it
+        """Whether this rank prepares item i of a step's prompts: the one rank whose part holds it
+        (part's inverse); share_prompts passes it to the rest of the TP group that generates it."""
+        group = i % self.dp_size  # the SP group, then the engine in it, then the rank
         at = i // self.dp_size  # the item's place in its group's list
+        local = at % self.sp_size
         if 1 < self.tp < self.sp_size:
             engines = self.sp_size // self.tp
-            return group * engines + at % engines == self.rank // self.tp
-        owner = group * self.sp_size + at % self.sp_size
-        return owner // self.tp == self.rank // self.tp
+            local = at % engines * self.tp + at // engines % self.tp
+        return group * self.sp_size + local == self.rank
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same
@@ -116,6 +124,10 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
         groups = [dist.new_group(ranks) for ranks in spans]
         hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
+    tp_hosts = [None] * (world // tp)
+    if tp > 1:
+        spans = [list(range(start, start + tp)) for start in range(0, world, tp)]
+        tp_hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
     dp_rank = rank // sp_size
     return Layout(
         group=groups[dp_rank],
@@ -127,6 +139,7 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         rank=rank,
         world=world,
         host=hosts[dp_rank],
+        tp_host=tp_hosts[rank // tp],
     )
 
 
@@ -378,6 +391,7 @@ def tower_trains(model) -> bool:
 
 
 FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
+FEATURE_FORMAT = "nvr1-features-v1"  # bump when stored features change: every older entry a miss
 
 
 class FeatureCache:
@@ -385,16 +399,85 @@ class FeatureCache:
     of each prompt's, in host memory, at most max_bytes (the oldest dropped first, encoded again
     when seen again): the tower runs on a sample the first time this rank sees it. FSDP2: when any
     rank has a sample to encode, every rank runs the tower (a rank with none: its dummies, else its
-    prompts again)."""
+    prompts again). folder (train.py's feature_cache_dir): also on disk, keyed like the frame cache
+    (the media files' identity) plus `stamp` (the weights' digest, the media settings, dtype), one
+    entry per sample, modality and run, written atomically with a checksum: a later run reads them
+    instead of encoding; an entry that fails its checksum is encoded and written again."""
 
-    def __init__(self, max_bytes: int = FEATURE_CACHE_BYTES):
+    def __init__(
+        self, max_bytes: int = FEATURE_CACHE_BYTES, folder: str = "", stamp: dict | None = None
+    ):
         self.max_bytes = max_bytes
         self.pieces = {}  # (sample id, modality, grid) -> its features (this rank's run)
         self.empty = {}  # modality -> Features of no prompt: the encoder output's shape and class
         self.bytes = 0
+        self.folder = folder
+        self.stamp = stamp or {}
+        self.reads = 0  # pieces read from disk
 
     def key(self, p, kind: str, grid: str) -> tuple:
         return (p.sample["id"], kind, str(p.mm[grid].tolist()))
+
+    def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
+        """The disk entry of this rank's run of p's features of one modality."""
+        files = []
+        for name in p.sample.get("videos", []) + p.sample.get("images", []):
+            st = os.stat(name)
+            files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
+        ident = dict(
+            format=FEATURE_FORMAT,
+            files=files,
+            end=p.sample.get("video_end"),
+            kind=kind,
+            grid=p.mm[grid].tolist(),
+            run=[layout.sp_rank, layout.sp_size] if layout else [0, 1],
+            **self.stamp,
+        )
+        key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+        return os.path.join(self.folder, key[:2], key + ".safetensors")
+
+    def read(self, p, kind: str, grid: str, layout: Layout | None):
+        """p's features from disk into memory; False where there is no good entry."""
+        from safetensors import safe_open
+
+        file = self.path(p, kind, grid, layout)
+        if not os.path.exists(file):
+            return False
+        try:
+            with safe_open(file, "pt") as f:
+                meta = f.metadata()
+                local = f.get_tensor("features")
+            if meta["crc32"] != checksum(file, local):
+                raise ValueError("fails its checksum")
+        except Exception as e:  # safetensors' own errors, a missing field: encoded again
+            print(
+                f"{file}: feature cache entry unreadable ({type(e).__name__}: {e}): encoded again"
+            )
+            return False
+        if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
+            module, name = meta["output"].rsplit(".", 1)
+            output = getattr(importlib.import_module(module), name)
+            dims = json.loads(meta["dims"])
+            self.empty[kind] = Features(local[:0], [], None, {}, dims, output)
+        self.pieces[self.key(p, kind, grid)] = local
+        self.bytes += local.nbytes
+        self.reads += 1
+        return True
+
+    def write(self, file: str, local: torch.Tensor, empty: Features):
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+        os.close(fd)
+        output = f"{empty.output.__module__}.{empty.output.__qualname__}"
+        meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
+        try:
+            save_file({"features": local}, tmp, metadata=meta)
+            os.replace(tmp, file)  # atomic: readers see no entry or the whole one
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
@@ -403,8 +486,11 @@ class FeatureCache:
         distinct = list({id(p): p for p in prompts}.values())
         missing = []
         for p in distinct:
-            keys = [self.key(p, kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
-            if any(k not in self.pieces for k in keys):
+            media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
+            have = [self.key(p, kind, grid) in self.pieces for kind, grid in media]
+            if self.folder:
+                have = [h or self.read(p, *m, layout) for h, m in zip(have, media)]
+            if not all(have):
                 missing.append(p)
         encodes = 0
         if any_rank(bool(missing)):
@@ -416,7 +502,7 @@ class FeatureCache:
         out = Vision({}, encodes)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in distinct if pixels in p.mm]
-            if not mine and not dummies:
+            if not mine and (not dummies or kind not in self.empty):
                 continue
             empty = self.empty[kind]
             parts = [self.pieces[self.key(p, kind, grid)] for p in mine]
@@ -445,12 +531,20 @@ class FeatureCache:
                     self.bytes -= self.pieces.pop(key).nbytes
                 self.pieces[key] = local.detach().to("cpu", copy=True)
                 self.bytes += local.nbytes
+                if self.folder:
+                    self.write(self.path(p, kind, grid, layout), self.pieces[key], self.empty[kind])
 
     def trim(self):
         """Drops the oldest samples' features over max_bytes (after the step's use of them)."""
         while self.bytes > self.max_bytes and self.pieces:
             oldest = next(iter(self.pieces))
             self.bytes -= self.pieces.pop(oldest).nbytes
+
+
+def checksum(file: str, local: torch.Tensor) -> str:
+    """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
+    crc = zlib.crc32(os.path.basename(file).encode())
+    return str(zlib.crc32(local.contiguous().view(torch.uint8).numpy(), crc))
 
 
 @dataclass
@@ -538,29 +632,109 @@ def bare(p):
     return replace(p, mm=mm, videos=[], images=[])
 
 
-def group_rollouts(
-    rollouts: list, baselines: list[float], prompts: list, n: int, layout: Layout
-) -> tuple[list, list]:
-    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
-    order), n per prompt of `prompts` (Layout.share's; None where this rank did not prepare one:
-    rollout_tp 1, data.next_valid), each holding this rank's run of pixel rows (runs) alone, no
-    frames: from the first rank that prepared it, in host memory."""
+def holds_pixels(p) -> bool:
+    """Whether p holds its pixel rows (share_prompts' copy on a TP peer holds its frames alone)."""
+    return p is not None and all(len(v) for k, v in p.mm.items() if k.startswith("pixel"))
+
+
+def share_round(own: list, layout: Layout) -> Share:
+    """The TP group's prompts, its ranks' own lists in rank order (its engine takes the same prompts
+    on every rank), and where this rank's lie in them: each prompt decoded and processed once, by the
+    rank whose list holds it, which passes the others its text, token ids and uint8 frames; their
+    copies' pixel rows stay empty (group_rollouts builds a rank's run from the frames): no fp32
+    pixels pass."""
+    if layout.tp == 1:
+        return Share(own, 0, len(own))
+    first = layout.rank - layout.rank % layout.tp
+    shapes = []  # the frames' shapes instead of the frames: they pass below, not pickled
+    for p in own:
+        videos = [(frames.shape, meta) for frames, meta in p.videos]
+        shapes.append(replace(bare(p), videos=videos, images=[im.shape for im in p.images]))
+    parts = [None] * layout.tp
+    dist.all_gather_object(parts, shapes, group=layout.tp_host)
+    parts[layout.rank - first] = own
+    for q, part in enumerate(parts):
+        for k, p in enumerate(part):
+            if q != layout.rank - first:  # frames to receive
+                videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
+                p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
+                part[k] = p
+            for frames in [f for f, _ in p.videos] + p.images:
+                dist.broadcast(torch.from_numpy(frames), first + q, group=layout.tp_host)
+    start = sum(len(part) for part in parts[: layout.rank - first])
+    return Share([p for part in parts for p in part], start, len(own))
+
+
+def share_prompts(prompts: list, layout: Layout) -> list:
+    """A step's prompts (data.next_valid's: each prepared by the one rank whose part holds it,
+    Layout.prepares; None elsewhere) with its TP group's filled in (share_round)."""
+    index = layout.share(list(range(len(prompts))), layout.tp)
+    shared = share_round([prompts[i] for i in index.own()], layout)
+    out = list(prompts)
+    for i, p in zip(index.items, shared.items):
+        out[i] = p
+    return out
+
+
+def build_run(processor, p, j: int, n: int) -> dict:
+    """Prompt p's pixel rows of run j of n, built from its uint8 frames by the processor as
+    data.prepare's (the same rows, bit for bit: tests/test_sp.py): {pixels key: rows}."""
+    out = {}
+    step = processor.video_processor.temporal_patch_size  # frames per temporal patch
+    for kind, pixels, grid in MEDIA:
+        if pixels not in p.mm:
+            continue
+        run = runs(p.mm[grid], n)
+        pieces = [p.mm[pixels][:0]]
+        at = run.cuts[j]  # the run's patches, item by item
+        for i, patches in itertools.groupby(run.units[run.cuts[j] : run.cuts[j + 1]]):
+            count = len(list(patches))
+            if kind == "image":  # one patch, the image
+                image = torch.from_numpy(p.images[i]).movedim(-1, -3)
+                x = processor.image_processor(images=[image], do_resize=False, return_tensors="pt")
+            else:
+                a = at - run.units.index(i)  # the item's first patch in the run
+                frames = torch.from_numpy(p.videos[i][0][a * step : (a + count) * step])
+                x = processor.video_processor(
+                    videos=[frames.movedim(-1, -3)],
+                    do_resize=False,
+                    do_sample_frames=False,
+                    return_tensors="pt",
+                )
+            pieces.append(x[pixels])
+            at += count
+        out[pixels] = torch.cat(pieces)
+    return out
+
+
+def group_runs(prompts: list, layout: Layout, processor=None) -> list:
+    """The SP group's prompts (Layout.share's: the prompt where this rank prepared it,
+    share_prompts' frames alone where its TP group did, else None), the same on its ranks, each
+    holding this rank's run of pixel rows (runs) alone, no frames: built from the frames, else a
+    copy of the rank's own, else sent by the first rank that prepared it, in host memory."""
     r = layout.sp_rank
     size = layout.sp_size
     first = layout.rank - layout.sp_rank
-    mine = ([replace(x, prompt=None) for x in rollouts], baselines, [bare(p) for p in prompts])
+    whole = [bare(p) if holds_pixels(p) else None for p in prompts]
+    has = [p is not None for p in prompts]
     parts = [None] * size
-    dist.all_gather_object(parts, mine, group=layout.host)
+    dist.all_gather_object(parts, (whole, has), group=layout.host)
     works = []
     group = []
     for k, p in enumerate(prompts):
-        src = next(q for q in range(size) if parts[q][2][k] is not None)
-        group.append(parts[src][2][k])  # its pixel rows: empty, of their width, till below
+        src = next(q for q in range(size) if parts[q][0][k] is not None)
+        group.append(parts[src][0][k])  # its pixel rows: empty, of their width, till below
         mm = group[k].mm
+        built = {}
+        if p is not None and not holds_pixels(p):
+            built = build_run(processor, p, r, size)
         for m, (_, pixels, grid) in enumerate(MEDIA):
             if pixels not in mm:
                 continue
             tag = 2 * k + m
+            if pixels in built:
+                mm[pixels] = built[pixels]
+                continue
             if p is None:  # this rank's run, from src
                 run = runs(mm[grid], size)
                 length = run.rows[run.cuts[r + 1]] - run.rows[run.cuts[r]]
@@ -572,14 +746,25 @@ def group_rollouts(
             if src != r:
                 continue
             for j in range(size):
-                if parts[j][2][k] is None:
+                if not parts[j][1][k]:  # neither its pixels nor its frames
                     rows = run_rows(p, pixels, grid, j, size)
                     works.append(dist.isend(rows, first + j, layout.host, tag=tag))
     for work in works:
         work.wait()
-    done = [x for part, _, _ in parts for x in part]
+    return group
+
+
+def group_rollouts(
+    rollouts: list, baselines: list[float], group: list, n: int, layout: Layout
+) -> tuple[list, list]:
+    """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
+    order), n per prompt of `group` (group_runs')."""
+    mine = ([replace(x, prompt=None) for x in rollouts], baselines)
+    parts = [None] * layout.sp_size
+    dist.all_gather_object(parts, mine, group=layout.host)
+    done = [x for part, _ in parts for x in part]
     grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
-    return grouped, [b for _, part, _ in parts for b in part]
+    return grouped, [b for _, part in parts for b in part]
 
 
 def language_model(model):

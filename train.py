@@ -13,6 +13,7 @@ docs/algorithms.md gives every formula and each deliberate deviation.
 
 import datetime
 import functools
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -203,7 +204,12 @@ class Config(rewards.JudgeSettings, Media):
     vllm_embeds: bool = False
     """freeze_vision with rollout vllm: vLLM generates from the trainer's features (one encode per
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
-    run); sp_size 1 (rollout_tp > 1: a TP group gathers its ranks' features)"""
+    run); rollout_tp > 1: a TP group gathers its ranks' features; sp_size > 1: an SP group encodes
+    its runs before generation and gathers them"""
+    feature_cache_dir: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    """the reference tower's features (kl_coef, a trained tower) also on disk, per sample and SP run,
+    keyed by the media files and settings and the reference's weights: a later run reads them
+    instead of encoding ('' = in host memory alone, up to 8 GiB a rank)"""
     logp_chunk: int = 1024
     """response positions projected onto the vocabulary at once (recomputed in backward; 0 = all)"""
     gradient_checkpointing: bool = False
@@ -303,9 +309,6 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("rollout_tp > 1 needs rollout vllm")
     if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
         bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
-    if cfg.vllm_embeds and cfg.sp_size > 1:
-        # a rank holds its run of each prompt's features, vLLM needs whole prompts' (not gathered)
-        bad.append("vllm_embeds needs sp_size 1 (whole-prompt features per rank)")
     if cfg.mini_batches > per_rank:
         bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
     if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
@@ -1096,6 +1099,14 @@ def sample_batch(
         )
         skips += new_skips
         seed = request_seed(cfg.seed, step, gen_round)
+        # each prepared by one rank; its TP group's others get its frames (decoded once a group)
+        prompts = sp.share_prompts(prompts, layout)
+        processor = prep.keywords["processor"]  # a TP peer builds its runs from the frames
+        shared = layout.share(prompts, layout.sp_size).items
+        group_prompts = []  # sp_size > 1: its SP group's, each with this rank's run of pixel rows
+        if layout.sp_size > 1 and engine.encoder is not None:  # vllm_embeds: the runs encoded
+            group_prompts = sp.group_runs(shared, layout, processor)
+            engine.encoder.prepare(prompts, group_prompts)  # and gathered, whole, for vLLM
         tp_share = layout.share(prompts, layout.tp)  # the TP group's prompts, and ours in them
         k = tp_share.count
         generated = engine.generate(
@@ -1106,9 +1117,12 @@ def sample_batch(
         if cfg.adv_estimator == "remax":
             greedy = engine.generate(tp_share.items, 1, 0.0, cfg.max_response_len, seed=seed)
             baselines = [c["overall"] for c in score(greedy[tp_share.start :][:k], cfg, judge)]
-        # sp_size > 1: each rank keeps its run of the pixel rows, from the rank that prepared them
+        if engine.encoder is not None:  # the gathered features served this round's generation
+            engine.encoder.whole = {}
+        # sp_size > 1: the SP group's rollouts, each rank with its run of the pixel rows
         if layout.sp_size > 1:
-            group_prompts = layout.share(prompts, layout.sp_size).items
+            if not group_prompts:  # after generation: vLLM's own copies freed first
+                group_prompts = sp.group_runs(shared, layout, processor)
             rollouts, baselines = sp.group_rollouts(rollouts, baselines, group_prompts, n, layout)
         else:  # the frames were the engine's alone: not held through the train phase
             bare = {id(r.prompt): replace(r.prompt, videos=[], images=[]) for r in rollouts}
@@ -1323,43 +1337,98 @@ def build_trainer(cfg: Config, processor, layout: sp.Layout, device) -> Trainer:
         dummies = data.dummy_prompts(processor)
     banned = vision_token_ids(processor.tokenizer)
     t = Trainer(model, ref, opt, banned, layout, dummies, device)
+    if cfg.feature_cache_dir and cfg.kl_coef > 0:
+        stamp = reference_stamp(cfg, ref or model)
+        t.ref_features = sp.FeatureCache(folder=cfg.feature_cache_dir, stamp=stamp)
     if cfg.adv_estimator == "gae":
         t.critic = build_critic(cfg, device)
     return t
+
+
+def reference_stamp(cfg: Config, model) -> dict:
+    """What the reference tower's features depend on besides the media files (its disk cache's key):
+    a digest of its weights (LoRA: the base, adapters left out), the media settings, its dtype,
+    device and attention kernel. FSDP2: every rank gathers each weight, in the same order."""
+    digest = hashlib.sha256()
+    visual = common.base_model(model).model.visual
+    for name, p in visual.named_parameters():
+        if "lora_" in name:
+            continue
+        if hasattr(p, "full_tensor"):  # an FSDP2 shard
+            p = p.full_tensor()
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy())
+    media = {k: v for k, v in asdict(cfg.media()).items() if k not in ("cache_dir", "video_source")}
+    return dict(
+        weights=digest.hexdigest(),
+        media=media,
+        dtype=str(p.dtype),
+        device=p.device.type,
+        kernel=visual.config._attn_implementation,
+    )
 
 
 class FrozenEncoder:
     """vllm_embeds' encoder (VLLMEngine's): each prompt's features (modality -> its items'
     features, on the host) from the frozen tower, kept in t.step_features for logp_pass; the tower
     runs on the prompts not kept yet (FSDP2: a collective), counted in the step's logp_pass.
-    rollout_tp > 1: a TP group's ranks pass the same prompts; each encodes its own consecutive part
-    (the rank's own share of a step's prompts: what its logp_pass reads) and the group gathers."""
+    rollout_tp > 1: a TP group's ranks pass the same prompts; each prompt is encoded once, by a
+    rank that holds its pixels (the one that prepared it, sp.share_round: a step's prompt is its
+    logp_pass's), and the group gathers."""
 
     def __init__(self, t: Trainer):
         self.t = t
-        self.group = None  # the TP group's gloo group (rollout_tp > 1)
-        tp = t.layout.tp
-        for first in range(0, t.layout.world if tp > 1 else 0, tp):  # every rank makes every group
-            group = dist.new_group(list(range(first, first + tp)), backend="gloo")
-            if first == t.layout.rank - t.layout.rank % tp:
-                self.group = group
+        self.whole = {}  # sp_size > 1: id(a step's prompt) -> its features, gathered (prepare)
+
+    def prepare(self, prompts: list, group: list):
+        """sp_size > 1, before generation: the SP group's prompts (group_runs') through the tower,
+        each rank its runs (kept for logp_pass), gathered over the group into each prompt's whole
+        features (its runs in order) for the engine that generates it (share_prompts' `prompts`)."""
+        t = self.t
+        layout = t.layout
+        with torch.no_grad():
+            t.sampled_encodes += t.step_features.vision(
+                t.model, group, t.device, layout, t.dummies
+            ).encodes
+        mine = []
+        for p in group:
+            pieces = {}
+            for kind, pixels, grid in sp.MEDIA:
+                if pixels in p.mm:
+                    pieces[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
+            mine.append(pieces)
+        parts = [None] * layout.sp_size
+        dist.all_gather_object(parts, mine, group=layout.host)
+        index = layout.share(list(range(len(prompts))), layout.sp_size).items
+        for k, i in enumerate(index):
+            if prompts[i] is not None:  # its TP group's
+                self.whole[id(prompts[i])] = {
+                    kind: torch.cat([part[k][kind] for part in parts]) for kind in mine[k]
+                }
 
     def __call__(self, prompts: list) -> list[dict]:
-        tp = self.t.layout.tp
-        size = -(-len(prompts) // tp)
-        start = self.t.layout.rank % tp * size
-        mine = self.encode(prompts[start : start + size])
-        if self.group is None:
-            return mine
-        parts = [None] * tp
-        dist.all_gather_object(parts, mine, group=self.group)
-        return [features for part in parts for features in part]
+        layout = self.t.layout
+        if all(id(p) in self.whole for p in prompts) and self.whole:  # prepared (SP)
+            return [self.whole[id(p)] for p in prompts]
+        if layout.tp == 1:
+            return self.encode(prompts)
+        held = [None] * layout.tp
+        dist.all_gather_object(held, [sp.holds_pixels(p) for p in prompts], group=layout.tp_host)
+        mine = []
+        for k, p in enumerate(prompts):
+            holders = [q for q in range(layout.tp) if held[q][k]]
+            if holders[k % len(holders)] == layout.rank % layout.tp:
+                mine.append(k)
+        encoded = dict(zip(mine, self.encode([prompts[k] for k in mine])))
+        parts = [None] * layout.tp
+        dist.all_gather_object(parts, encoded, group=layout.tp_host)
+        return [next(part[k] for part in parts if k in part) for k in range(len(prompts))]
 
     def encode(self, prompts: list) -> list[dict]:
-        """The features of `prompts`, each one's whole (sp_size 1)."""
+        """The features of `prompts`, each one's whole (on this rank alone, SP or not)."""
         t = self.t
         with torch.no_grad():
-            vision = t.step_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+            vision = t.step_features.vision(t.model, prompts, t.device, None, t.dummies)
         t.sampled_encodes += vision.encodes
         out = [{} for _ in prompts]
         for kind, pixels, grid in sp.MEDIA:
@@ -1374,6 +1443,7 @@ class FrozenEncoder:
         """Drops what the held-out evaluation's generation kept, uncounted (not the step's)."""
         self.t.step_features = StepFeatures()
         self.t.sampled_encodes = 0
+        self.whole = {}
 
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
@@ -1476,27 +1546,29 @@ def held_out_count(val: list[dict], skipped: list[dict]) -> int:
 def held_out_accuracy(
     engine, samples: list, prep, cfg: Config, layout: sp.Layout, skipped: list, step: int = 0
 ) -> float:
-    """Greedy held-out accuracy over all ranks, each TP group generating its share of the samples a
-    training round's worth at a time (data.held_out_rounds: one round's pixels held); the rows in
+    """Greedy held-out accuracy over all ranks, each TP group generating its ranks' parts of the
+    samples a training round's worth at a time (data.held_out_rounds: one round's pixels held; each
+    sample prepared by one rank, sp.share_round passing its frames to the group); the rows in
     out_dir/eval/step_N.jsonl, skip reports not yet in `skipped` appended to it. NaN without a row."""
-    size = -(-cfg.prompts_per_step // (layout.world // layout.tp))  # a TP group's training round
+    size = -(-cfg.prompts_per_step // layout.world)  # a rank's part of a training round
+    own = replace(layout, tp=1)  # each rank prepares its own part; its engine takes its group's
     mine = []
     skips = []
-    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, layout, size, skips):
+    for prompts in data.held_out_rounds(prep, samples, cfg.skip_invalid, own, size, skips):
+        shared = sp.share_round(prompts, layout)
         # every rank generates as many prompts as the largest share: HF generate is collective
-        longest = max(gather(len(prompts)))
+        longest = max(gather(len(shared.items)))
         if not longest:
             continue
-        padded = prompts + prompts[:1] * (longest - len(prompts))
+        padded = shared.items + shared.items[:1] * (longest - len(shared.items))
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        if layout.rank % layout.tp == 0:  # a TP group's ranks generate the same rows: its first's
-            for r in outs[: len(prompts)]:
-                if r.prompt.sample.get("pad") is not data.PAD:
-                    mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+        for r in outs[shared.start :][: shared.count]:  # the rows of the prompts it prepared
+            if r.prompt.sample.get("pad") is not data.PAD:
+                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
     reported = {report["where"] for report in skipped}
-    for part in gather(skips)[:: layout.tp]:  # counted once a run: a TP group's first rank's
+    for part in gather(skips):
         skipped += [report for report in part if report["where"] not in reported]
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0 and rows:

@@ -4,7 +4,7 @@ per prompt and step; --plan-check: a real train.py run's train phase against the
 
     .venv/bin/python bench/long_video.py        # about 15 minutes on 2 idle cores
     .venv/bin/python bench/long_video.py --encodes        # the encode count alone
-    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 torchrun --nproc_per_node=2 \
+    VLLM_CPU_KVCACHE_SPACE=1 torchrun --nproc_per_node=2 \
         bench/long_video.py --plan-check configs/long_video_cpu.yaml configs/long_video_3600_cpu.yaml
 
 memory.py's worker, a fresh process per row: clips of F frames at 112 x 112 (16 tokens per frame
@@ -80,7 +80,19 @@ def run_phases(paths: list[str]):
             ) * 1024
         return sync(*args, **kw)
 
+    sample_batch = train.sample_batch
+    rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
+
+    def generation(*args, **kw):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = memory.status_kib("VmRSS") - memory.status_kib("RssFile")
+        batch = sample_batch(*args, **kw)
+        rises.append((memory.status_kib("VmHWM") - memory.status_kib("RssFile") - base) * 1024)
+        return batch
+
     train.micro_batches, rollout.VLLMEngine.sync = start, end
+    train.sample_batch = generation
     cfg = train.load_config(["--config", *paths])
     train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     train.main(cfg)
@@ -90,6 +102,7 @@ def run_phases(paths: list[str]):
             {
                 "rank": int(os.environ.get("RANK", 0)),
                 "peaks_mib": [round(p / 2**20, 1) for p in peaks],
+                "generation_rise_mib": [round(r / 2**20, 1) for r in rises],
             }
         )
     )
@@ -114,6 +127,12 @@ def run_phases(paths: list[str]):
         print(
             f"{len(prompt.prompt_ids)}-token prompts, sp_size {cfg.sp_size}: rank 0's train phase "
             f"{peak / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB: {peak / planned:.2f}x"
+        )
+        host = sum(v for k, v in p.host.items() if k.startswith(("frames", "pixels", "SP runs")))
+        rise = max(rises[1:] or rises)
+        print(
+            f"rank 0's generation phase: RSS rise {rise / 2**20:.1f} MiB, the planner's host line "
+            f"(frames, pixels, SP runs) {host / 2**20:.1f} MiB: {rise / host:.2f}x"
         )
 
 

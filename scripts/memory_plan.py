@@ -138,11 +138,13 @@ def lora_params(spec: dict, rank: int) -> int:
 def host_plan(
     cfg, spec: dict, meas: dict, gpus: int, patches: int, sp: int = 1
 ) -> dict[str, float]:
-    """Host RAM per rank in a step: the prompts this rank prepares (each rank of a TP group prepares all of its
-    engine's: Layout.prepares), as uint8 frames and fp32 pixels (the trainer's, and vLLM's processor's copy of the
-    frames it is given), the SP runs of its group's prompts, the offloaded states (pinned); between steps, a round of
-    held-out prompts (train.held_out_accuracy: as many as a training round, as uint8 frames and fp32 pixels twice, the
-    step's prompts freed); and, alone at the start, the fp32 model from_pretrained builds on the host."""
+    """Host RAM per rank in a step: its TP group's prompts as uint8 frames (each decoded and processed once, by the
+    rank whose part holds it, Layout.prepares; sp.share_prompts passes the group's engine the frames), fp32 pixels
+    (the trainer's of the rank's own prompts; vLLM's processor's of every frame it is given, two copies at its peak,
+    as `bench/long_video.py --plan-check` measures), the SP runs of its group's prompts (a TP peer builds its own from
+    the frames), the offloaded states (pinned); between steps, a round of held-out prompts (train.held_out_accuracy:
+    a training round's, each rank preparing its part, as above; the step's prompts freed); and, alone at the start,
+    the fp32 model from_pretrained builds on the host."""
     from sp import FEATURE_CACHE_BYTES, Layout
 
     vision = spec["vision_config"]
@@ -152,25 +154,31 @@ def host_plan(
     tp = cfg.rollout_tp
     layout = Layout(None, 0, sp, 0, max(1, gpus // sp), tp=tp, rank=0, world=gpus)
     mine = sum(len(layout.part(range(cfg.prompts_per_step), q)) for q in range(tp))
-    held_out = sum(
-        len(layout.part(range(cfg.eval_max_samples * bool(cfg.val_data)), q)) for q in range(tp)
-    )
-    val = min(-(-cfg.prompts_per_step // max(1, gpus // tp)), held_out)  # held_out_accuracy's round
+    own = len(layout.part(range(cfg.prompts_per_step), 0))  # rank 0's: the largest part
+    # held_out_accuracy's round: each rank prepares its part of a training round, its engine takes its group's
+    solo = dataclasses.replace(layout, tp=1)
+    held_out = range(cfg.eval_max_samples * bool(cfg.val_data))
+    each = -(-cfg.prompts_per_step // gpus)
+    own_val = min(each, len(solo.part(held_out, 0)))
+    val = sum(min(each, len(solo.part(held_out, q))) for q in range(tp))
     total = meas["params"]["total"]
     # the reference tower's features kept per sample (sp.FeatureCache, bf16 on GPU): up to its bound
     kept_reference = cfg.kl_coef > 0 and not cfg.freeze_vision
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
-        f"pixels ({mine} prompts, fp32: the trainer's and vLLM's)": 2 * mine * frames * 4,
+        f"pixels (fp32: the trainer's of its {own}, vLLM's of the {mine}, twice)": (own + 2 * mine)
+        * frames
+        * 4,
         "SP runs (1/sp_size of its SP group's prompts' pixels)": cfg.prompts_per_step
         * frames
         * 4
         / gpus
         * (sp > 1),
         "offload (pinned fp32 weights, gradients, AdamW)": 16 * total / gpus * cfg.offload,
-        f"held-out prompts ({val} a round, between steps: frames and pixels as above)": val
-        * frames
-        * 9,
+        f"held-out prompts ({val} a round, between steps; frames and pixels as above)": (
+            9 * val + 4 * own_val
+        )
+        * frames,
         "reference features (sp.FeatureCache: every sample's, up to its bound)": FEATURE_CACHE_BYTES
         * kept_reference,
         "loading (the fp32 model on the host, alone, at the start)": 4 * total,
@@ -319,7 +327,11 @@ def plan(
         * (not no_tower),
     }
     vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
-    generation = weights + 2 * states + vllm  # weights, AdamW; gradients are freed after each step
+    # vllm_embeds: the trainer's no-grad encode for vLLM (train.FrozenEncoder) runs with vLLM awake, on
+    # a rank's own prompts (SP: its runs of its SP group's, as many patches)
+    embeds_encode = patches * -(-cfg.prompts_per_step // gpus) * meas["vision"]["encode"]
+    # weights, AdamW; gradients are freed after each step
+    generation = weights + 2 * states + vllm + embeds_encode * cfg.vllm_embeds
     acts = sum(
         v for k, v in held.items() if "activations" in k or k.startswith("padded")
     )  # none at the encode
@@ -480,7 +492,7 @@ def main(c: Config) -> Plan | list[str]:
     refused = ()
     if (
         cfg.rollout == "vllm"
-    ):  # vLLM's own checks, without weights (VLLM_ALLOW_LONG_MAX_MODEL_LEN as set here)
+    ):  # vLLM's own checks, without weights (an M-RoPE model's long context: long_overrides)
         refused = tuple(rollout.engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len))
     host_mem = c.host_memory_gib * GIB
     p = plan(

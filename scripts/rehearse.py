@@ -10,7 +10,7 @@ published model, rollout.engine_errors), then vLLM's engines built on the real h
 
 What is not the recipe's: the model (the tiny one, fp32), frames (video_max_frames `frames`, 56 x 56 px), prompt,
 response and model lengths (max_tokens_per_micro_batch keeps the recipe's rows per micro-batch), offload (CUDA only),
-the frame cache, checkpoints and wandb (off). VLLM_ALLOW_LONG_MAX_MODEL_LEN passes through as set.
+the frame cache, checkpoints and wandb (off).
 """
 
 import dataclasses

@@ -157,16 +157,17 @@ def test_no_tower_and_sync(family):
 
 
 def test_check_config_refuses_what_embeds_cannot_do():
-    """vllm_embeds without a frozen tower or vLLM, or with SP / TP, is refused before anything loads."""
+    """vllm_embeds without a frozen tower or vLLM is refused before anything loads; with TP and SP it runs
+    (test_shares' sp 4 / rollout_tp 2 run)."""
     m = tiny_model_dir()
     for kw, text in [
         (dict(), "needs freeze_vision and rollout vllm"),
         (dict(freeze_vision=True, rollout="hf"), "needs freeze_vision and rollout vllm"),
-        (dict(freeze_vision=True, sp_size=2), "needs sp_size 1"),
     ]:
         with pytest.raises(Exception, match=text):
             check_config(Config(model=m, vllm_embeds=True, **kw), world=2)
     check_config(Config(model=m, vllm_embeds=True, freeze_vision=True, rollout_tp=2), world=2)
+    check_config(Config(model=m, vllm_embeds=True, freeze_vision=True, sp_size=2), world=2)
 
 
 @pytest.mark.slow

@@ -177,3 +177,37 @@ def test_frozen_tower_once_and_never_recomputed(synth):
     update_grads(trained, cfg, minibatches)
     # the no-grad encode (2 calls), then 5 encodes with gradient (see above) and their recomputes
     assert len(calls) == len(blocks) * (2 + 2 * 5)
+
+
+def test_reference_features_on_disk(tmp_path, synth):
+    """feature_cache_dir: a first run writes the reference tower's features (an entry per sample and modality); a
+    later run (an empty cache, the stamp of the same reference weights) reads them, never runs its reference tower,
+    and gets the same reference log-probs, bit for bit; an entry edited on disk fails its checksum and is encoded and
+    written again; other reference weights make other keys."""
+    t, cfg, tok, rows = build("qwen2_5_vl", synth, feature_cache_dir=str(tmp_path))
+    first = step_batches(t, cfg, tok, rows)
+    train.logp_pass(t, first, rows, cfg, train.Counts())
+    files = sorted(tmp_path.rglob("*.safetensors"))
+    assert len(files) == 4 and t.ref_features.reads == 0  # video, image, video + image
+    # a later run: its cache empty, its stamp from the same reference weights
+    stamp = train.reference_stamp(cfg, t.ref)
+    assert stamp == t.ref_features.stamp
+    t.ref_features = sp.FeatureCache(folder=str(tmp_path), stamp=stamp)
+    ref_towers = count_calls([t.ref.model.visual])
+    again = step_batches(t, cfg, tok, rows)
+    counts = train.Counts()
+    train.logp_pass(t, again, rows, cfg, counts)
+    assert ref_towers == [] and t.ref_features.reads == 4 and counts.encodes == 4  # the policy's
+    flat = [b for mini in first for b in mini]
+    for b, want in zip([b for mini in again for b in mini], flat):
+        assert torch.equal(b.ref_logp, want.ref_logp)
+    edited = bytearray(files[0].read_bytes())
+    edited[-1] ^= 1
+    files[0].write_bytes(bytes(edited))
+    t.ref_features = sp.FeatureCache(folder=str(tmp_path), stamp=stamp)
+    train.logp_pass(t, step_batches(t, cfg, tok, rows), rows, cfg, train.Counts())
+    assert len(ref_towers) >= 1 and t.ref_features.reads == 3
+    assert files[0].read_bytes() != bytes(edited)  # written again, whole
+    with torch.no_grad():
+        next(t.ref.model.visual.parameters()).add_(1e-3)
+    assert train.reference_stamp(cfg, t.ref)["weights"] != stamp["weights"]

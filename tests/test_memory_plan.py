@@ -653,8 +653,8 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     """The hour recipes as they were (rollout_tp 8 for the 7B's 28 query heads; the 7B base config's 512 held-out
     hour-long prompts): vLLM's own config check refuses the first, found before anything loads (check_config and the
     planner); the second, once over the node's host RAM, is now evaluated a round at a time. max_model_len over the
-    model's positions is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set, as vLLM does; sp_size must be a multiple
-    of rollout_tp."""
+    model's positions is admitted for M-RoPE (rollout.long_overrides) without VLLM_ALLOW_LONG_MAX_MODEL_LEN; sp_size
+    must be a multiple of rollout_tp."""
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     cfg = train.load_config(["--config", *LONG])
     spec, meas = memory_plan.stored(cfg.model, "bfloat16")
@@ -672,20 +672,22 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
     assert held_out.host_rank == memory_plan.plan(cfg, *args).host_rank
     big = memory_plan.plan(dataclasses.replace(cfg, prompts_per_step=64), *args)
     assert big.verdict.startswith("DOES NOT FIT in host memory")
-    # host RAM per rank: each rank of a TP group prepares its engine's prompts (8 / 2 engines), 1,176 uint8 values a
-    # patch (3 x 2 x 14 x 14), fp32 pixels twice (the trainer's, vLLM's); between steps (not with the step's), a round
-    # of held-out prompts (min(8 / 2, 4)), held as a step's prompts are
+    # host RAM per rank: its engine's prompts as frames (8 / 2 engines), 1,176 uint8 values a patch (3 x 2 x 14 x 14),
+    # fp32 pixels of its own prompt (each decoded once a TP group) and vLLM's of the engine's 4, twice (its
+    # processor's peak); between steps (not with the step's), a round of held-out prompts (the engine's 4: frames and
+    # vLLM's pixels; its own 1's pixels)
     frames = patches * 1176
     fits = memory_plan.plan(cfg, *args)
     host = list(fits.host.values())
     assert (
-        host[:3] == [4 * frames, 2 * 4 * frames * 4, 8 * frames * 4 / 8]
-        and host[4] == 4 * frames * 9
+        host[:3] == [4 * frames, (1 + 2 * 4) * frames * 4, 8 * frames * 4 / 8]
+        and host[4] == (9 * 4 + 4 * 1) * frames
     )
     assert (
         fits.host_rank == sum(host[:3]) > host[4]
     )  # the step's, not the step's and the held-out round's
-    assert list(big.host.values())[4] == 4 * frames * 9  # min(32 a round, 8 held-out / 2 engines)
+    # 8 a rank's round, but 1 held-out prompt a rank
+    assert list(big.host.values())[4] == (9 * 4 + 4 * 1) * frames
     decode_once = memory_plan.plan(dataclasses.replace(cfg, rollout_tp=1), *args)
     assert list(decode_once.host.values())[0] == frames  # rollout_tp 1: its own prompt alone
     # 2 prompts on sp 4 / rollout_tp 2 (4 ranks): Layout deals them over the two engines, one each
@@ -702,9 +704,8 @@ def test_what_vllm_refuses_cannot_run(monkeypatch):
         cfg.model, 7, 4096
     )  # 28 query heads split over 7, its 4 KV heads do not
     assert "its 4 KV heads do not split over 7 ranks" in kv
-    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
-    (long,) = rollout.engine_errors(cfg.model, 4, cfg.max_model_len)
-    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in long and "(262144)" in long
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")  # M-RoPE: admitted (rollout.long_overrides)
+    assert rollout.engine_errors(cfg.model, 4, cfg.max_model_len) == []
 
 
 def test_the_table_command_runs(cli_runs):
@@ -795,7 +796,8 @@ def test_plan_predicts_the_tiny_model_peak(setting, worker_peaks):
 def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
     """The reference tower's features kept per sample (sp.FeatureCache) are host memory up to its bound, with
     kl_coef and a trained tower (none with freeze_vision: the reference's features are the policy's); vllm_embeds
-    builds no tower in vLLM (its weights and its encode gone) for Qwen2.5-VL, while Qwen3-VL keeps its tower."""
+    builds no tower in vLLM (its weights and its encode gone) for Qwen2.5-VL, while Qwen3-VL keeps its tower; the
+    trainer's encode for vLLM is in the generation phase."""
     import sp
 
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -817,6 +819,8 @@ def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
     assert weights[0] - weights_embeds[0] == 2 * (tower / tp + tower * (tp - 1) / tp)
     encode = [v for k, v in embeds.vllm.items() if k.startswith("encoding")]
     assert encode == [0] and embeds.vllm_need < frozen.vllm_need
+    # the trainer's encode for vLLM, with vLLM awake: a rank's share of the step's prompts (8 on 8 ranks, SP runs)
+    assert embeds.generation - frozen.generation == patches * meas["vision"]["encode"]
     qwen3 = dataclasses.replace(cfg, model="Qwen/Qwen3-VL-8B-Instruct", freeze_vision=True)
     spec3, meas3 = memory_plan.stored(qwen3.model, "bfloat16")
     args3 = (spec3, meas3, *args[2:])

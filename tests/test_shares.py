@@ -28,9 +28,9 @@ CASES = [
 @pytest.mark.parametrize("world,sp_size,tp,prompts", CASES)
 def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
     """The ranks' parts partition the step's prompts; an SP group's parts (what group_rollouts joins) are exactly
-    prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and the rank
-    that prepares a prompt (data.next_valid) is in the TP group that generates it; the engines of an SP group get
-    even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
+    prompts / dp_size, the same list on its ranks; each TP group's engine gets the parts of its ranks, and a prompt is
+    prepared (data.next_valid) by the one rank whose part holds it (sp.share_prompts passes it to its TP group); the
+    engines of an SP group get even loads (2 prompts on sp 4 / rollout_tp 2: one each, not both on the first)."""
     items = list(range(prompts))
     ranks = layouts(world, sp_size, tp)
     parts = [ranks[0].part(items, r) for r in range(world)]
@@ -43,7 +43,7 @@ def test_every_sp_group_gets_its_equal_part(world, sp_size, tp, prompts):
         share = tp_share.items
         assert tp_share.own() == parts[layout.rank]
         assert set(share) <= set(group) or sp_size == 1
-        assert [i for i in items if layout.prepares(i)] == sorted(share)
+        assert [i for i in items if layout.prepares(i)] == sorted(tp_share.own())
     # inside an SP group, every engine generates its share: the loads differ by at most one prompt
     if sp_size > 1:
         for first in range(0, world, sp_size):
@@ -64,9 +64,10 @@ RUNS = {  # name -> (sp_size, rollout_tp, prompts_per_step) on 4 ranks
     "sp2_p2": (2, 1, 2),
     "sp2_p4": (2, 1, 4),
     "sp2_p6": (2, 1, 6),
-    "sp4_tp2": (4, 2, 4),
+    "sp4_tp2": (4, 2, 4),  # with vllm_embeds: the SP group's runs encoded, gathered for vLLM
     "sp4_tp2_p2": (4, 2, 2),  # one prompt for each engine
 }
+EMBEDS = ["--freeze-vision", "--vllm-embeds"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def four_rank_runs(tmp_path_factory, tiny_model, color_data) -> dict:
             *("--sp-size", str(sp_size), "--rollout-tp", str(tp)),
             *("--prompts-per-step", str(prompts), "--video-source", "decode_only"),
             "--no-save",
+            *EMBEDS * (name == "sp4_tp2"),
         ]
         for name, (sp_size, tp, prompts) in RUNS.items()
     ]
@@ -106,4 +108,9 @@ def test_four_ranks_one_round_per_step(name, four_rank_runs):
     assert len(ids) == len(set(ids)) == 2 * RUNS[name][2], ids
     assert all(
         r["mismatch/max"] < 1e-5 for r in rows
-    )  # vLLM's log-probs are the trainer's (tp 2 too)
+    )  # vLLM's log-probs are the trainer's (tp 2 too: a TP peer's runs built from the frames)
+    # each prompt decoded once in the world (tp 2: by one rank of its engine, not both)
+    assert [r["cache/decode"] for r in rows] == [RUNS[name][2]] * 2, rows
+    if name == "sp4_tp2":  # vllm_embeds: one encode a step, for vLLM and logp_pass alike: the 4
+        # prompts' runs on each of the 4 ranks, and each rank's image dummy (FSDP2's aligned tower)
+        assert [r["vision/encodes"] for r in rows] == [4 * 4 + 4] * 2, rows

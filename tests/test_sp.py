@@ -48,7 +48,7 @@ def model_dir(name: str) -> str:
 def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = None) -> list:
     """7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1; the longest prompt plus the longest
     response is odd (the sequence does not split evenly over 2 ranks: the last shard holds a padding position). SP
-    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_rollouts leaves each
+    (layout): SP rank k % sp_size prepares prompt k (its decodes counted in `stats`) and sp.group_runs leaves each
     rank its run of every prompt's pixel rows, as in train.sample_batch."""
     import sp
 
@@ -69,9 +69,8 @@ def make_rows(processor, cfg, data_path: str, layout=None, stats: dict | None = 
     ]
     if n > 1:  # a rollout of each prompt prepared here, to the SP group
         own = [Rollout(p, [], None, "", "stop") for p in prompts if p is not None]
-        prompts = [
-            x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), prompts, 1, layout)[0]
-        ]
+        group = sp.group_runs(prompts, layout)
+        prompts = [x.prompt for x in sp.group_rollouts(own, [0.0] * len(own), group, 1, layout)[0]]
     prompts = [prompts[order.index(k)] for k in range(4)]
     longest = (
         5 - max(len(p.prompt_ids) for p in prompts) % 2
@@ -536,13 +535,47 @@ if __name__ == "__main__":
     worker(*sys.argv[1:])
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_runs_built_from_frames_are_the_processors_rows(arch):
+    """sp.build_run (a TP peer's run, built from the uint8 frames sp.share_prompts passes it): the rows data.prepare's
+    processor makes of the whole prompt, bit for bit, every run of 2 and 3 (a video cut mid-way, an image, both)."""
+    import cache
+    import sp
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir(arch))
+    samples = data.load_samples(os.path.join(synth_dir(), "train.jsonl"))
+    video = next(s for s in samples if s.get("videos"))
+    image = next(s for s in samples if s.get("images"))
+    both = dict(video, id="both", images=image["images"], data_type="video")
+    media = cache.Media(cache_dir="", video_source="decode_only")
+    checked = 0
+    expected = 0
+    for sample in (video, image, both):
+        p = data.prepare(sample, processor, media)
+        expected += 2 * sum(len(v) for k, v in p.mm.items() if k.startswith("pixel"))
+        for n in (2, 3):
+            for j in range(n):
+                for pixels, rows in sp.build_run(processor, p, j, n).items():
+                    grid = pixels.replace("pixel_values", "image_grid_thw").replace(
+                        "image_grid_thw_videos", "video_grid_thw"
+                    )
+                    assert torch.equal(rows, sp.run_rows(p, pixels, grid, j, n)), (
+                        sample["id"],
+                        n,
+                        j,
+                    )
+                    checked += len(rows)
+    assert checked == expected  # every row of every run of 2 and 3
+
+
 @pytest.mark.parametrize(
     "world,sp_size,tp", [(1, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (8, 1, 4), (6, 3, 1)]
 )
 def test_layout_shares(world, sp_size, tp):
     """Layout's rank arithmetic over a whole world: SP group g's ranks hold items[g::dp_size] between them (its
     equal part in one round), rank r's own part lies inside its TP group's list, which is the same on the group's
-    ranks; the parts partition the items; an item is prepared by the TP group (consecutive ranks) that generates it;
+    ranks; the parts partition the items; an item is prepared by the one rank whose part holds it;
     dedup keeps one rank per SP group."""
     import sp
 
@@ -567,8 +600,9 @@ def test_layout_shares(world, sp_size, tp):
             i for q in range(r - r % tp, r - r % tp + tp) for i in own[q]
         )
         assert x.share(items, tp, rank=0).items == layouts[0].share(items, tp).items
-    for i in items:  # the TP group that generates an item prepares it (its SP peers get their runs: group_rollouts)
+    for i in (
+        items
+    ):  # one rank prepares an item: the one whose part holds it (share_prompts, group_rollouts)
         preparers = [r for r, x in enumerate(layouts) if x.prepares(i)]
-        assert preparers == [r for r, x in enumerate(layouts) if i in x.share(items, tp).items]
-        assert preparers == list(range(preparers[0], preparers[0] + tp))
+        assert preparers == [r for r in range(world) if i in own[r]]
     assert layouts[0].dedup(list(range(world))) == list(range(0, world, sp_size))
