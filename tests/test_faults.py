@@ -577,10 +577,11 @@ def test_signal_during_startup_ends_the_run(tmp_path, tiny_model, synth):
 
     sample = json.loads(open(os.path.join(synth, "val.jsonl")).readline())
     video, val, out = (
-        os.path.join(synth, sample["videos"][0]),
+        str(tmp_path / "v.mp4"),  # beside its data file: media are read from the data's folder
         tmp_path / "val.jsonl",
         tmp_path / "run",
     )
+    shutil.copy(os.path.join(synth, sample["videos"][0]), video)
     val.write_text(json.dumps({**sample, "videos": [video]}) + "\n")
     settings = dict(
         fps=4.0,
