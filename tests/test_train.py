@@ -62,6 +62,11 @@ def test_two_rank_fsdp_vllm_steps_tp2(runs, tiny_model, color_data):
     """2 steps, --standalone torchrun, both ranks share one tensor-parallel vLLM engine (rollout_tp 2)."""
     tp2 = runs["tp2"]
     check_vllm_run(tp2.folder, tp2.rows, tp2.log, tiny_model, color_data, 2)
+    # each prompt prepared by one rank of the engine (the other gets its frames): no cache hit from a second read
+    assert [r.get("cache/cache_hit", 0) for r in tp2.rows] == [0, 0], tp2.rows
+    for step in (0, 2):  # held-out rows scored once each
+        ids = [json.loads(x)["doc_id"] for x in open(tp2.folder / "eval" / f"step_{step}.jsonl")]
+        assert len(ids) == len(set(ids)) == 4
 
 
 def test_two_rank_fsdp_vllm_steps_tp1(uninterrupted, tiny_model, color_data):
