@@ -12,6 +12,7 @@ import os
 import re
 import resource
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -218,9 +219,7 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
     """The samples, those whose id others share renamed `id@<file>:<line>` (their "where"), with one
     warning line: LiveSports-3K repeats ids for different questions, and a resume log, skip reports
     and eval rows key by id."""
-    counts = {}
-    for s in samples:
-        counts[s["id"]] = counts.get(s["id"], 0) + 1
+    counts = Counter(s["id"] for s in samples)
     out = []
     renamed = []
     for s in samples:
@@ -399,22 +398,21 @@ def prepare(
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = []
-    for path in sample.get("videos", []):
-        end = sample.get("video_end")
-        videos.append(
-            cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
-        )
-    images = []
-    for path in sample.get("images", []):
-        image = cache.load_image(
+    end = sample.get("video_end")
+    videos = [
+        cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
+        for path in sample.get("videos", [])
+    ]
+    images = [
+        cache.load_image(
             path,
             min_pixels=media.image_min_pixels,
             max_pixels=media.image_max_pixels,
             factor=factor,
             max_decode_pixels=media.max_decode_pixels,
         )
-        images.append(image)
+        for path in sample.get("images", [])
+    ]
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,
@@ -588,15 +586,8 @@ def try_prep(prep, s: dict, skip_invalid: bool):
 
 def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
-    prompts = []
-    reports = []
-    for s in samples:
-        prompt, report = try_prep(prep, s, skip_invalid)
-        if prompt:
-            prompts.append(prompt)
-        if report:
-            reports.append(report)
-    return prompts, reports
+    results = [try_prep(prep, s, skip_invalid) for s in samples]
+    return [p for p, _ in results if p], [r for _, r in results if r]
 
 
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)

@@ -292,11 +292,9 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
             pattern = ad.get("line")
             if not pattern:
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
-        records = []
-        for i, line in enumerate(fh):
-            if line.strip():
-                records.append((str(i + 1), line_record(line, pattern)))
-        return records
+        return [
+            (str(i + 1), line_record(line, pattern)) for i, line in enumerate(fh) if line.strip()
+        ]
 
 
 def line_record(line: str, pattern: str | None):
@@ -1318,22 +1316,11 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verd
         return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 
-    from rollout import start_errors, vllm_settings
+    from rollout import start_errors
 
     # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
-    settings = vllm_settings(
-        cfg.judge_model,
-        tp=cfg.tensor_parallel_size,
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_images=0,
-        max_videos=0,
-        trust_remote_code=cfg.trust_remote_code,
-    )
     with start_errors(cfg.max_model_len):
-        llm = LLM(**settings)
+        llm = LLM(**engine_settings(cfg, cfg.judge_model, 0))
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
     return [rewards.Verdict(None, reply=o.outputs[0].text) for o in outs]
 
@@ -1355,7 +1342,7 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1380,22 +1367,30 @@ def make_engine(cfg: Config, tokenizer):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    settings = vllm_settings(
-        cfg.model,
+    args = AsyncEngineArgs(
+        **engine_settings(cfg, cfg.model, 1),
+        enable_chunked_prefill=True,
+        data_parallel_size=cfg.data_parallel_size,
+    )
+    with start_errors(cfg.max_model_len):
+        return AsyncLLM.from_engine_args(args)
+
+
+def engine_settings(cfg: Config, model: str, media: int) -> dict:
+    """rollout.vllm_settings for `model` by cfg's engine fields, `media` images and videos a prompt."""
+    from rollout import vllm_settings
+
+    return vllm_settings(
+        model,
         tp=cfg.tensor_parallel_size,
         seed=cfg.seed,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_images=1,
-        max_videos=1,
+        max_images=media,
+        max_videos=media,
         trust_remote_code=cfg.trust_remote_code,
     )
-    args = AsyncEngineArgs(
-        **settings, enable_chunked_prefill=True, data_parallel_size=cfg.data_parallel_size
-    )
-    with start_errors(cfg.max_model_len):
-        return AsyncLLM.from_engine_args(args)
 
 
 # the fields of a resume log's row that aggregate() reads, and their types

@@ -260,9 +260,9 @@ def features(
     firsts = [run_features(model, p, grid, n) for p in mine]
     starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
     # rank j holds the features of each prompt's run j, in prompt order
-    held = []
-    for j in range(n):
-        held.append([i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])])
+    held = [
+        [i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])] for j in range(n)
+    ]
     bounds = list(itertools.accumulate(map(len, held), initial=0))
     order = torch.tensor([i for h in held for i in h], dtype=torch.long)
     return Features(

@@ -390,10 +390,11 @@ def check_files(cfg: Config, ckpt_path: str):
         return
     with open(os.path.join(ckpt_path, "meta.json")) as f:
         saved = json.load(f)["config"]
-    changed = []
-    for f in fields(cfg):
-        if f.name in saved and "resume" not in f.metadata and getattr(cfg, f.name) != saved[f.name]:
-            changed.append(f"{f.name} {saved[f.name]!r} -> {getattr(cfg, f.name)!r}")
+    changed = [
+        f"{f.name} {saved[f.name]!r} -> {getattr(cfg, f.name)!r}"
+        for f in fields(cfg)
+        if f.name in saved and "resume" not in f.metadata and getattr(cfg, f.name) != saved[f.name]
+    ]
     if changed and not cfg.allow_config_change:
         raise UserError(
             f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
@@ -1029,10 +1030,6 @@ def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = No
     return comps
 
 
-def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) -> Group:
-    return Group(rollouts, score(rollouts, cfg), baseline)
-
-
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Group:
     """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group
     (always, or with mix_threshold > 0 when the online accuracy is below it)."""
@@ -1390,13 +1387,15 @@ class FrozenEncoder:
             t.sampled_encodes += t.step_features.vision(
                 t.model, group, t.device, layout, t.dummies
             ).encodes
-        mine = []
-        for p in group:
-            pieces = {}
-            for kind, pixels, grid in sp.MEDIA:
-                if pixels in p.mm:
-                    pieces[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
-            mine.append(pieces)
+        kept = t.step_features
+        mine = [
+            {
+                kind: kept.pieces[kept.key(p, kind, grid)]
+                for kind, px, grid in sp.MEDIA
+                if px in p.mm
+            }
+            for p in group
+        ]
         parts = [None] * layout.sp_size
         dist.all_gather_object(parts, mine, group=layout.host)
         index = layout.share(list(range(len(prompts))), layout.sp_size).items
