@@ -226,12 +226,18 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
         mtime_ns=st.st_mtime_ns,
         **settings,
     )
+    return entry_file(cache_dir, ident)
+
+
+def entry_file(folder: str, ident: dict) -> str:
+    """folder/ab/abcd...(32 hex).safetensors, the hash of `ident` (the frame cache's, sp.FeatureCache's)."""
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-    return os.path.join(cache_dir, key[:2], key + ".safetensors")
+    return os.path.join(folder, key[:2], key + ".safetensors")
 
 
-def checksum(file: str, frames: np.ndarray, video: str) -> str:
-    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
+def checksum(file: str, frames: np.ndarray, video: str = "") -> str:
+    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it.
+    sp.FeatureCache's entries: no metadata ("" leaves the crc as it is)."""
     crc = zlib.crc32(os.path.basename(file).encode())
     crc = zlib.crc32(video.encode(), crc)
     return str(zlib.crc32(frames.tobytes(), crc))
@@ -292,16 +298,19 @@ def check_entry(
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
 
+    video = json.dumps(meta)
+    metadata = {"video": video, "crc32": checksum(file, frames, video)}
+    save_atomic(file, save_file, {"frames": frames}, metadata)
+
+
+def save_atomic(file: str, save_file, tensors: dict, metadata: dict):
+    """safetensors' save_file (numpy's or torch's) to a temp file renamed to `file`: readers see the old entry, no
+    entry, or the whole new one."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
-    video = json.dumps(meta)
     try:
-        save_file(
-            {"frames": frames},
-            tmp,
-            metadata={"video": video, "crc32": checksum(file, frames, video)},
-        )
-        os.replace(tmp, file)  # atomic: readers see the old entry, no entry, or the whole new one
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -15,15 +15,12 @@ positions.
 """
 
 import functools
-import hashlib
 import importlib
 import itertools
 import json
 import math
 import os
-import tempfile
 import types
-import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import cache
 from common import any_rank, base_model
 
 MEDIA = (
@@ -433,8 +431,7 @@ class FeatureCache:
             run=[layout.sp_rank, layout.sp_size] if layout else [0, 1],
             **self.stamp,
         )
-        key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-        return os.path.join(self.folder, key[:2], key + ".safetensors")
+        return cache.entry_file(self.folder, ident)
 
     def read(self, p, kind: str, grid: str, layout: Layout | None):
         """p's features from disk into memory; False where there is no good entry."""
@@ -468,16 +465,9 @@ class FeatureCache:
         from safetensors.torch import save_file
 
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
-        os.close(fd)
         output = f"{empty.output.__module__}.{empty.output.__qualname__}"
         meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
-        try:
-            save_file({"features": local}, tmp, metadata=meta)
-            os.replace(tmp, file)  # atomic: readers see no entry or the whole one
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        cache.save_atomic(file, save_file, {"features": local}, meta)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
@@ -543,8 +533,7 @@ class FeatureCache:
 
 def checksum(file: str, local: torch.Tensor) -> str:
     """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
-    crc = zlib.crc32(os.path.basename(file).encode())
-    return str(zlib.crc32(local.contiguous().view(torch.uint8).numpy(), crc))
+    return cache.checksum(file, local.contiguous().view(torch.uint8).numpy())
 
 
 @dataclass
