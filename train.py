@@ -11,6 +11,7 @@ global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math f
 docs/algorithms.md gives every formula and each deliberate deviation.
 """
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -840,26 +841,23 @@ def reference_logp(
     layout=None,
     counts: Counts | None = None,
 ) -> torch.Tensor:
-    """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
-    adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
-    only the root's unsharded copies; root-held adapters (the merger) would stop training."""
+    """The reference's log-probs (B, R) (as_reference)."""
+    with as_reference(model, ref) as m:
+        return token_logp(m, b, temperature, banned, chunk, layout, counts)[0]
+
+
+@contextlib.contextmanager
+def as_reference(model, ref):
+    """The reference: the frozen copy `ref`, or with LoRA (ref None) the policy, adapters scaled to
+    0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches only the root's
+    unsharded copies; root-held adapters (the merger) would stop training."""
     from peft.helpers import rescale_adapter_scale
 
     if ref is not None:
-        return token_logp(ref, b, temperature, banned, chunk, layout, counts)[0]
+        yield ref
+        return
     with rescale_adapter_scale(model, 0.0):
-        return token_logp(model, b, temperature, banned, chunk, layout, counts)[0]
-
-
-def reference_vision(t, prompts: list) -> sp.Vision:
-    """The reference tower's features of `prompts`, kept per sample (t.ref_features): the frozen
-    copy's, or with LoRA (ref None) the policy's, adapters scaled to 0."""
-    from peft.helpers import rescale_adapter_scale
-
-    if t.ref is not None:
-        return t.ref_features.vision(t.ref, prompts, t.device, t.layout, t.dummies)
-    with rescale_adapter_scale(t.model, 0.0):
-        return t.ref_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+        yield model
 
 
 def micro_batches(
@@ -877,11 +875,12 @@ def micro_batches(
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at : at + 1] = [big[: len(big) // 2], big[len(big) // 2 :]]
-        batches = []
-        for rows in mini:
-            chosen = [rollouts[j] for j in rows]
-            batches.append(collate(chosen, tok.pad_token_id, device, dummies, index=rows))
-        minibatches.append(batches)
+        minibatches.append(
+            [
+                collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies, index=rows)
+                for rows in mini
+            ]
+        )
     return minibatches
 
 
@@ -1588,7 +1587,7 @@ def logp_pass(
     """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the
     reward), the reference's with kl_coef, into each micro-batch. Every prompt's features once for
     all of them (a frozen tower: for all passes); the reference's kept per sample
-    (reference_vision; a frozen tower: the policy's)."""
+    (t.ref_features; a frozen tower: the policy's)."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     trains = sp.tower_trains(t.model)
     prompts = [r.prompt for r in rollouts]
@@ -1606,7 +1605,8 @@ def logp_pass(
             counts.encodes += policy.encodes
         ref = policy
         if cfg.kl_coef > 0 and trains:
-            ref = reference_vision(t, prompts)
+            with as_reference(t.model, t.ref) as m:
+                ref = t.ref_features.vision(m, prompts, t.device, t.layout, t.dummies)
             counts.encodes += ref.encodes
         for b in itertools.chain(*minibatches):
             b.vision = policy
