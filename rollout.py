@@ -89,9 +89,7 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
 def eos_token_ids(model) -> list[int]:
     """The ids that end a response (generation_config holds one or a list)."""
     eos = model.generation_config.eos_token_id
-    if isinstance(eos, list):
-        return eos
-    return [eos]
+    return eos if isinstance(eos, list) else [eos]
 
 
 def vision_token_ids(tokenizer) -> list[int]:

@@ -328,10 +328,8 @@ class Towers:
         self.layout = layout
         self.dummies = dummies
         self.mini = mini  # each micro-batch's prompts
-        self.last = {}  # id(prompt) -> its last micro-batch
-        for i, prompts in enumerate(mini):
-            for p in prompts:
-                self.last[id(p)] = i
+        # id(prompt) -> its last micro-batch
+        self.last = {id(p): i for i, prompts in enumerate(mini) for p in prompts}
         self.aligned = layout is None or layout.dp_size == 1
         self.open = []  # (Tower, its prompts): not yet taken through the tower
         self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
