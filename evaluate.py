@@ -1260,7 +1260,7 @@ def judge_messages(rule, row: dict) -> list[dict]:
         "question": row.get("question", ""),
     }
     if isinstance(rule, str):
-        return [{"role": "user", "content": rule.format(**fill)}]
+        rule = {"user": rule}
     msgs = [{"role": "user", "content": rule["user"].format(**fill)}]
     if rule.get("system"):
         msgs.insert(0, {"role": "system", "content": rule["system"]})
