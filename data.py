@@ -212,7 +212,12 @@ def check_inside(s: dict, root: str, who: str):
 def missing_media(s: dict) -> list[str]:
     """The sample's media paths that are not regular files (missing, a folder, a FIFO, a device): a
     stat each."""
-    return [p for p in s.get("videos", []) + s.get("images", []) if not os.path.isfile(p)]
+    return [p for p in media_paths(s) if not os.path.isfile(p)]
+
+
+def media_paths(s: dict) -> list[str]:
+    """The sample's videos, then its images."""
+    return s.get("videos", []) + s.get("images", [])
 
 
 def unique_ids(samples: list[dict], name: str) -> list[dict]:
@@ -580,8 +585,7 @@ def try_prep(prep, s: dict, skip_invalid: bool):
         error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
         if not skip_invalid:
             raise error from e
-        media = s.get("videos", []) + s.get("images", [])
-        return None, {"where": s["id"], "media": media, "error": str(error)}
+        return None, {"where": s["id"], "media": media_paths(s), "error": str(error)}
 
 
 def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:

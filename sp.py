@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cache
+import data
 from common import any_rank, base_model
 
 MEDIA = (
@@ -417,7 +418,7 @@ class FeatureCache:
     def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
         """The disk entry of this rank's run of p's features of one modality."""
         files = []
-        for name in p.sample.get("videos", []) + p.sample.get("images", []):
+        for name in data.media_paths(p.sample):
             st = os.stat(name)
             files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
         ident = dict(

@@ -416,9 +416,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     def size(s: dict) -> tuple[int, int]:
         """Media items, then text tokens: the sample whose prompt is likely the longest has the most."""
         text = data.render_prompt(s, template, cfg.response_format)
-        return len(s.get("videos", []) + s.get("images", [])), len(
-            processor.tokenizer(text).input_ids
-        )
+        return len(data.media_paths(s)), len(processor.tokenizer(text).input_ids)
 
     for split, rows in samples.items():
         if not rows:
