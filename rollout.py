@@ -408,7 +408,8 @@ class VLLMEngine:
         self.wake(tags=["weights"])
         weights = hf_weights(model)
         if self.encoder is not None:  # the trainer's tower is frozen: vLLM has its weights or none
-            weights = without_tower(weights)
+            # the vision tower's tensors left out (still gathered: a collective)
+            weights = ((name, w) for name, w in weights if ".visual." not in f".{name}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
@@ -441,13 +442,6 @@ class VLLMEngine:
         if self.can_sleep and todo:
             self.llm.wake_up(tags=todo)
             self.asleep -= set(todo)
-
-
-def without_tower(weights):
-    """hf_weights' stream without the vision tower's tensors (still gathered: a collective)."""
-    for name, tensor in weights:
-        if ".visual." not in f".{name}":
-            yield name, tensor
 
 
 def response_length(row: list[int], eos_ids: list[int]) -> int:
