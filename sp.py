@@ -117,16 +117,9 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
     if dist.is_initialized():
         rank = dist.get_rank()
         world = dist.get_world_size()
-    groups = [None] * (world // sp_size)
-    hosts = [None] * (world // sp_size)
-    if sp_size > 1:
-        spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
-        groups = [dist.new_group(ranks) for ranks in spans]
-        hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
-    tp_hosts = [None] * (world // tp)
-    if tp > 1:
-        spans = [list(range(start, start + tp)) for start in range(0, world, tp)]
-        tp_hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
+    groups = consecutive_groups(world, sp_size)
+    hosts = consecutive_groups(world, sp_size, "gloo")
+    tp_hosts = consecutive_groups(world, tp, "gloo")
     dp_rank = rank // sp_size
     return Layout(
         group=groups[dp_rank],
@@ -140,6 +133,15 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         host=hosts[dp_rank],
         tp_host=tp_hosts[rank // tp],
     )
+
+
+def consecutive_groups(world: int, size: int, backend: str | None = None) -> list:
+    """A process group per `size` consecutive ranks (None each for size 1), in rank order."""
+    if size == 1:
+        return [None] * world
+    return [
+        dist.new_group(list(range(s, s + size)), backend=backend) for s in range(0, world, size)
+    ]
 
 
 class AllReduce(torch.autograd.Function):
