@@ -343,8 +343,8 @@ def load_video(
     if not cache_dir or mode == "decode_only":
         t = time.time()
         out = decode_video(path, **settings, max_decode_pixels=frames.max_decode_pixels)
-        stats["decode"] = stats.get("decode", 0) + 1
-        stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
+        count(stats, "decode")
+        count(stats, "decode_s", time.time() - t)
         return out
     file = entry_path(cache_dir, path, settings)
     with contextlib.ExitStack() as stack:
@@ -362,16 +362,16 @@ def load_video(
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
-                stats["cache_hit"] = stats.get("cache_hit", 0) + 1
+                count(stats, "cache_hit")
                 return out
             except ValueError as e:
-                stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+                count(stats, "cache_corrupt")
                 if mode == "cache_only":
                     raise VideoError(
                         f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)"
                     ) from e
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
-        stats["cache_miss"] = stats.get("cache_miss", 0) + 1
+        count(stats, "cache_miss")
         # never decodes, never writes (not even a lock): a read-only shared cache works
         if mode == "cache_only":
             raise VideoError(
@@ -390,11 +390,16 @@ def load_video(
         return out
 
 
+def count(stats: dict, key: str, amount: float = 1):
+    """Adds amount to stats[key] (0 before its first)."""
+    stats[key] = stats.get(key, 0) + amount
+
+
 def unwritable(file: str, e: Exception, stats: dict):
     """An entry that cannot be locked or written: counted in stats["cache_unwritable"], a warning
     the first time (per stats: per run in training), never an error: the frames are used all the
     same."""
-    stats["cache_unwritable"] = stats.get("cache_unwritable", 0) + 1
+    count(stats, "cache_unwritable")
     if stats["cache_unwritable"] == 1:
         print(
             f"warning: cache: cannot lock or write {file} ({type(e).__name__}: {e}): entries it "
