@@ -106,12 +106,12 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def gather(obj) -> list:
-    """All ranks' objects, in rank order (small metric dicts only)."""
+def gather(obj, group=None) -> list:
+    """All ranks' objects (a group's: its ranks'), in rank order (small objects: pickled)."""
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import cache
 import data
-from common import any_rank, base_model
+from common import any_rank, base_model, gather
 
 MEDIA = (
     ("image", "pixel_values", "image_grid_thw"),
@@ -640,8 +640,7 @@ def share_round(own: list, layout: Layout) -> Share:
     for p in own:
         videos = [(frames.shape, meta) for frames, meta in p.videos]
         shapes.append(replace(bare(p), videos=videos, images=[im.shape for im in p.images]))
-    parts = [None] * layout.tp
-    dist.all_gather_object(parts, shapes, group=layout.tp_host)
+    parts = gather(shapes, layout.tp_host)
     parts[layout.rank - first] = own
     for q, part in enumerate(parts):
         for k, p in enumerate(part):
@@ -707,8 +706,7 @@ def group_runs(prompts: list, layout: Layout, processor=None) -> list:
     first = layout.rank - layout.sp_rank
     whole = [bare(p) if holds_pixels(p) else None for p in prompts]
     has = [p is not None for p in prompts]
-    parts = [None] * size
-    dist.all_gather_object(parts, (whole, has), group=layout.host)
+    parts = gather((whole, has), layout.host)
     works = []
     group = []
     for k, p in enumerate(prompts):
@@ -750,8 +748,7 @@ def group_rollouts(
     """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
     order), n per prompt of `group` (group_runs')."""
     mine = ([replace(x, prompt=None) for x in rollouts], baselines)
-    parts = [None] * layout.sp_size
-    dist.all_gather_object(parts, mine, group=layout.host)
+    parts = gather(mine, layout.host)
     done = [x for part, _ in parts for x in part]
     grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
     return grouped, [b for _, part in parts for b in part]

@@ -1393,8 +1393,7 @@ class FrozenEncoder:
             }
             for p in group
         ]
-        parts = [None] * layout.sp_size
-        dist.all_gather_object(parts, mine, group=layout.host)
+        parts = gather(mine, layout.host)
         index = layout.share(list(range(len(prompts))), layout.sp_size).items
         for k, i in enumerate(index):
             if prompts[i] is not None:  # its TP group's
@@ -1408,16 +1407,14 @@ class FrozenEncoder:
             return [self.whole[id(p)] for p in prompts]
         if layout.tp == 1:
             return self.encode(prompts)
-        held = [None] * layout.tp
-        dist.all_gather_object(held, [sp.holds_pixels(p) for p in prompts], group=layout.tp_host)
+        held = gather([sp.holds_pixels(p) for p in prompts], layout.tp_host)
         mine = []
         for k, p in enumerate(prompts):
             holders = [q for q in range(layout.tp) if held[q][k]]
             if holders[k % len(holders)] == layout.rank % layout.tp:
                 mine.append(k)
         encoded = dict(zip(mine, self.encode([prompts[k] for k in mine])))
-        parts = [None] * layout.tp
-        dist.all_gather_object(parts, encoded, group=layout.tp_host)
+        parts = gather(encoded, layout.tp_host)
         return [next(part[k] for part in parts if k in part) for k in range(len(prompts))]
 
     def encode(self, prompts: list) -> list[dict]:
