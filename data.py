@@ -243,7 +243,7 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
 
 
 def warn(text: str):
-    """A warning on stderr, once (rank 0's) under torchrun."""
+    """A warning (or progress) line on stderr, flushed, once (rank 0's) under torchrun."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(text, file=sys.stderr, flush=True)
 

@@ -1454,11 +1454,9 @@ def resolve(cfg: Config) -> Config:
         )
         if not capped:
             raise UserError(msg)
-        print(
+        data.warn(
             f"warning: {msg} (the model has {positions} positions; "
-            "longer videos fail one by one, reported)",
-            file=sys.stderr,
-            flush=True,
+            "longer videos fail one by one, reported)"
         )
     return cfg
 
@@ -1502,12 +1500,10 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
         )
     if missing:  # one line now, not a surprise in results.json hours later
         first = "; ".join(f"{s['where']}: {absent[s['id']][0]}" for s in missing[:3])
-        print(
+        data.warn(
             f"warning: {bench}: {len(missing)} samples name a media file that is missing or not a "
             f"regular file ({first}{', ...' if len(missing) > 3 else ''}): not evaluated, counted "
-            "unevaluable (exit 1 unless --allow-failures)",
-            file=sys.stderr,
-            flush=True,
+            "unevaluable (exit 1 unless --allow-failures)"
         )
     folder = os.path.join(cfg.out_dir, bench)
     run = {
@@ -1571,7 +1567,7 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
                     "error": f"{type(e).__name__}: {e}",
                     "unevaluable": len(job.samples),
                 }
-                print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
+                data.warn(f"{bench}: FAILED {results[bench]['error']}")
             write_results(results, cfg)
     finally:
         if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
@@ -1614,11 +1610,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
                 last[0] = now
                 rate = n / (now - start)
                 eta = (len(todo) - n) / rate
-                print(
-                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                data.warn(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s")
 
         if cfg.engine == "async":
             engine_stats = await run_async(
@@ -1692,11 +1684,9 @@ def main(cfg: Config) -> int:
     results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
-        print(
+        data.warn(
             f"{failures} samples could not be evaluated "
-            "(listed under failed_samples in results.json, not scored)",
-            file=sys.stderr,
-            flush=True,
+            "(listed under failed_samples in results.json, not scored)"
         )
     return 1 if failures and not cfg.allow_failures else 0
 
