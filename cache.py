@@ -475,10 +475,7 @@ def videos_of(path: str) -> list[str]:
             else:
                 rows = [json.loads(line) for line in f if line.strip()]
         root = os.path.dirname(os.path.abspath(path))
-        videos = []
-        for s in rows:
-            videos += [os.path.abspath(os.path.join(root, v)) for v in s.get("videos", [])]
-        return videos
+        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
     except (ValueError, AttributeError, TypeError) as e:
         raise UserError(
             f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})"
@@ -492,10 +489,8 @@ def preprocess(c: Config) -> dict:
 
     from tqdm import tqdm
 
-    videos = []
-    for path in c.data:
-        videos += videos_of(path)
-    videos = list(dict.fromkeys(videos))  # each distinct video once, in order
+    # each distinct video once, in order
+    videos = list(dict.fromkeys(v for path in c.data for v in videos_of(path)))
     t = time.time()
     total = Counter()
     failed = []

@@ -1494,10 +1494,10 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
         samples = data.render_all(template, samples, where=f"{BENCHMARKS}: {bench}")
     absent = {s["id"]: data.missing_media(s) for s in samples}  # a stat a file, before any engine
     missing = [s for s in samples if absent[s["id"]]]
-    for s in missing:
-        bad.append(
-            {"where": s["where"], "error": f"sample {s['id']}: missing media {absent[s['id']]}"}
-        )
+    bad += [
+        {"where": s["where"], "error": f"sample {s['id']}: missing media {absent[s['id']]}"}
+        for s in missing
+    ]
     if missing:  # one line now, not a surprise in results.json hours later
         first = "; ".join(f"{s['where']}: {absent[s['id']][0]}" for s in missing[:3])
         data.warn(
@@ -1513,8 +1513,9 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
     }
     done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     old = {}
-    if done and os.path.exists(os.path.join(folder, "run.json")):
-        with open(os.path.join(folder, "run.json"), encoding="utf-8") as f:
+    saved = os.path.join(folder, "run.json")
+    if done and os.path.exists(saved):
+        with open(saved, encoding="utf-8") as f:
             old = json.load(f)
     if done and old != run:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
