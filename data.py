@@ -480,11 +480,9 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""
     merge2 = processor.image_processor.merge_size**2
     tok = processor.tokenizer
-    for kind, pad, grid in (
-        ("image", "<|image_pad|>", "image_grid_thw"),
-        ("video", "<|video_pad|>", "video_grid_thw"),
-    ):
-        n_tok = ids.count(tok.convert_tokens_to_ids(pad))
+    for kind in ("image", "video"):
+        grid = f"{kind}_grid_thw"
+        n_tok = ids.count(tok.convert_tokens_to_ids(f"<|{kind}_pad|>"))
         n_feat = int(mm[grid].prod(-1).sum()) // merge2 if grid in mm else 0
         if n_tok != n_feat:
             raise DataError(
@@ -531,9 +529,10 @@ def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False
 def embeds_input(p: Prompt, features: dict, timestamps: bool) -> dict:
     """vllm_input's multi_modal_data from features: per modality one dict of all its items (vLLM splits the
     features by the grids)."""
-    mm = {}
-    for kind, feats in features.items():
-        mm[kind] = {f"{kind}_embeds": feats, f"{kind}_grid_thw": p.mm[f"{kind}_grid_thw"]}
+    mm = {
+        kind: {f"{kind}_embeds": feats, f"{kind}_grid_thw": p.mm[f"{kind}_grid_thw"]}
+        for kind, feats in features.items()
+    }
     if "video" in mm and "second_per_grid_ts" in p.mm:
         mm["video"]["second_per_grid_ts"] = p.mm["second_per_grid_ts"]
     if "video" in mm and timestamps:
