@@ -354,16 +354,6 @@ def parse_flags(cls, base, paths: list[str], rest: list[str]):
     return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest, description=debug)
 
 
-def layer_base(path: str) -> str:
-    """The config a layer file names in its comment ("A layer over x.yaml": it sets only what differs, loaded after
-    x.yaml), beside it; '' for a whole recipe."""
-    with open(path) as f:
-        found = re.search(r"layer over (\S+\.yaml)", f.read(), re.I)
-    if not found:
-        return ""
-    return os.path.join(os.path.dirname(path), found.group(1))
-
-
 def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = None):
     """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
     the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings;
