@@ -375,9 +375,7 @@ def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = No
                 skipped.append(key)
             continue
         kind = types[key]
-        if kind is float and type(value) is int:
-            value = float(value)
-        if kind is float and type(value) is str and FLOAT.fullmatch(value):
+        if kind is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
             value = float(value)
         if typing.get_origin(kind) is Literal:
             problem = choice_error(kind, value)
