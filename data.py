@@ -110,17 +110,14 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
     refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
-    texts = []
     for k, v in sample.items():
-        items = v if isinstance(v, list) else [v]
-        texts += [(k, x) for x in items if isinstance(x, str)]
-    for k, text in texts:
-        bad = refused.search(text)
-        if bad:
-            raise DataError(
-                f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
-                "a special token of the model"
-            )
+        for text in v if isinstance(v, list) else [v]:
+            bad = isinstance(text, str) and refused.search(text)
+            if bad:
+                raise DataError(
+                    f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate "
+                    "or a special token of the model"
+                )
 
 
 def parse_json(raw: bytes, where: str):

@@ -447,10 +447,7 @@ class VLLMEngine:
 def response_length(row: list[int], eos_ids: list[int]) -> int:
     """The tokens of a generated row up to its first EOS, included (generate pads the rows that
     stopped)."""
-    for i, t in enumerate(row):
-        if t in eos_ids:
-            return i + 1
-    return len(row)
+    return next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
 
 
 class HFEngine:

@@ -512,10 +512,8 @@ class FeatureCache:
             f = fresh.kinds[kind]
             self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
             mine = [p for p in prompts if pixels in p.mm]
-            counts = []
-            for p in mine:
-                firsts = run_features(model, p, grid, n)
-                counts.append(firsts[r + 1] - firsts[r])
+            firsts = [run_features(model, p, grid, n) for p in mine]
+            counts = [f[r + 1] - f[r] for f in firsts]
             for p, local in zip(mine, f.local.split(counts)):
                 key = self.key(p, kind, grid)
                 if key in self.pieces:  # encoded again (FSDP2): newest now

@@ -2100,8 +2100,7 @@ def step_metrics(
         "dyn/refilled": msum["dyn_refilled"],
     }
     keys = ("accuracy", "format", "parse_fail", "overlong", *rewards.JUDGE_KEYS)
-    present = [k for k in keys if k in comp[0]]
-    for key in present:
+    for key in [k for k in keys if k in comp[0]]:
         row[f"reward/{key}"] = mean_or_zero([c[key] for c in comp])
         for t in sorted(set(types)):
             of_type = [c[key] for c, ty in zip(comp, types) if ty == t]
