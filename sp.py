@@ -216,7 +216,7 @@ def encode_vision(
     their features. dummies (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of
     a modality encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every
     rank must run it as often, in the same order)."""
-    distinct = list({id(p): p for p in prompts}.values())
+    distinct = unique(prompts)
     r = layout.sp_rank if layout else 0
     n = layout.sp_size if layout else 1
     out = Vision({}, 0)
@@ -241,6 +241,11 @@ def encode_vision(
         dims = [level[0].shape[-1] for level in levels(enc)]
         out.kinds[kind] = features(model, mine, grid, local, dims, type(enc), layout)
     return out
+
+
+def unique(prompts: list) -> list:
+    """The distinct Prompt objects, in order (a group's rows share one)."""
+    return list({id(p): p for p in prompts}.values())
 
 
 def run_features(model, p, grid: str, n: int) -> list[int]:
@@ -340,7 +345,7 @@ class Towers:
 
     def vision(self, i: int) -> Vision:
         """Micro-batch i's features (leaves), its new prompts encoded first."""
-        prompts = list({id(p): p for p in self.mini[i]}.values())
+        prompts = unique(self.mini[i])
         new = [p for p in prompts if id(p) not in self.leaves]
         if new:
             tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
@@ -474,7 +479,7 @@ class FeatureCache:
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
     ) -> Vision:
         """encode_vision's result for `prompts`, the tower run on the samples not kept yet."""
-        distinct = list({id(p): p for p in prompts}.values())
+        distinct = unique(prompts)
         missing = []
         for p in distinct:
             media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
