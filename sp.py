@@ -639,10 +639,15 @@ def share_round(own: list, layout: Layout) -> Share:
     if layout.tp == 1:
         return Share(own, 0, len(own))
     first = layout.rank - layout.rank % layout.tp
-    shapes = []  # the frames' shapes instead of the frames: they pass below, not pickled
-    for p in own:
-        videos = [(frames.shape, meta) for frames, meta in p.videos]
-        shapes.append(replace(bare(p), videos=videos, images=[im.shape for im in p.images]))
+    # the frames' shapes instead of the frames: they pass below, not pickled
+    shapes = [
+        replace(
+            bare(p),
+            videos=[(frames.shape, meta) for frames, meta in p.videos],
+            images=[im.shape for im in p.images],
+        )
+        for p in own
+    ]
     parts = gather(shapes, layout.tp_host)
     parts[layout.rank - first] = own
     for q, part in enumerate(parts):

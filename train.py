@@ -1557,9 +1557,11 @@ def held_out_accuracy(
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        for r in outs[shared.start :][: shared.count]:  # the rows of the prompts it prepared
-            if r.prompt.sample.get("pad") is not data.PAD:
-                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+        mine += [  # the rows of the prompts it prepared
+            eval_row(r.prompt.sample, r.prompt.text, r.text)
+            for r in outs[shared.start :][: shared.count]
+            if r.prompt.sample.get("pad") is not data.PAD
+        ]
     reported = {report["where"] for report in skipped}
     for part in gather(skips):
         skipped += [report for report in part if report["where"] not in reported]
