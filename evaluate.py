@@ -1085,9 +1085,8 @@ def group_scores(rows: list[dict], key: str) -> dict:
     out = {}
     for g in groups.values():
         value = group_score(g)
-        out.setdefault("group_score", []).append(value)
-        out.setdefault(f"group_score/{g[-1].get('group_type')}", []).append(value)
-        out.setdefault(f"group_score/level_{g[-1].get('level')}", []).append(value)
+        for kind in ("", f"/{g[-1].get('group_type')}", f"/level_{g[-1].get('level')}"):
+            out.setdefault(f"group_score{kind}", []).append(value)
     return {k: sum(x) / len(x) for k, x in out.items()}
 
 
