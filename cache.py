@@ -226,12 +226,18 @@ def entry_path(cache_dir: str, path: str, settings: dict) -> str:
         mtime_ns=st.st_mtime_ns,
         **settings,
     )
+    return entry_file(cache_dir, ident)
+
+
+def entry_file(folder: str, ident: dict) -> str:
+    """folder/ab/abcd...(32 hex).safetensors, the hash of `ident` (the frame cache's, sp.FeatureCache's)."""
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-    return os.path.join(cache_dir, key[:2], key + ".safetensors")
+    return os.path.join(folder, key[:2], key + ".safetensors")
 
 
-def checksum(file: str, frames: np.ndarray, video: str) -> str:
-    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it."""
+def checksum(file: str, frames: np.ndarray, video: str = "") -> str:
+    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it.
+    sp.FeatureCache's entries: no metadata ("" leaves the crc as it is)."""
     crc = zlib.crc32(os.path.basename(file).encode())
     crc = zlib.crc32(video.encode(), crc)
     return str(zlib.crc32(frames.tobytes(), crc))
@@ -292,16 +298,19 @@ def check_entry(
 def write_entry(file: str, frames: np.ndarray, meta: dict):
     from safetensors.numpy import save_file
 
+    video = json.dumps(meta)
+    metadata = {"video": video, "crc32": checksum(file, frames, video)}
+    save_atomic(file, save_file, {"frames": frames}, metadata)
+
+
+def save_atomic(file: str, save_file, tensors: dict, metadata: dict):
+    """safetensors' save_file (numpy's or torch's) to a temp file renamed to `file`: readers see the old entry, no
+    entry, or the whole new one."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
-    video = json.dumps(meta)
     try:
-        save_file(
-            {"frames": frames},
-            tmp,
-            metadata={"video": video, "crc32": checksum(file, frames, video)},
-        )
-        os.replace(tmp, file)  # atomic: readers see the old entry, no entry, or the whole new one
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -334,8 +343,8 @@ def load_video(
     if not cache_dir or mode == "decode_only":
         t = time.time()
         out = decode_video(path, **settings, max_decode_pixels=frames.max_decode_pixels)
-        stats["decode"] = stats.get("decode", 0) + 1
-        stats["decode_s"] = stats.get("decode_s", 0) + time.time() - t
+        count(stats, "decode")
+        count(stats, "decode_s", time.time() - t)
         return out
     file = entry_path(cache_dir, path, settings)
     with contextlib.ExitStack() as stack:
@@ -353,16 +362,16 @@ def load_video(
         if os.path.exists(file):
             try:
                 out = check_entry(file, *read_entry(file), settings)
-                stats["cache_hit"] = stats.get("cache_hit", 0) + 1
+                count(stats, "cache_hit")
                 return out
             except ValueError as e:
-                stats["cache_corrupt"] = stats.get("cache_corrupt", 0) + 1
+                count(stats, "cache_corrupt")
                 if mode == "cache_only":
                     raise VideoError(
                         f"{path}: {e} (mode cache_only; rebuild it with `python cache.py`)"
                     ) from e
                 print(f"cache: {e}; rebuilding", file=sys.stderr)
-        stats["cache_miss"] = stats.get("cache_miss", 0) + 1
+        count(stats, "cache_miss")
         # never decodes, never writes (not even a lock): a read-only shared cache works
         if mode == "cache_only":
             raise VideoError(
@@ -381,11 +390,16 @@ def load_video(
         return out
 
 
+def count(stats: dict, key: str, amount: float = 1):
+    """Adds amount to stats[key] (0 before its first)."""
+    stats[key] = stats.get(key, 0) + amount
+
+
 def unwritable(file: str, e: Exception, stats: dict):
     """An entry that cannot be locked or written: counted in stats["cache_unwritable"], a warning
     the first time (per stats: per run in training), never an error: the frames are used all the
     same."""
-    stats["cache_unwritable"] = stats.get("cache_unwritable", 0) + 1
+    count(stats, "cache_unwritable")
     if stats["cache_unwritable"] == 1:
         print(
             f"warning: cache: cannot lock or write {file} ({type(e).__name__}: {e}): entries it "
@@ -461,10 +475,7 @@ def videos_of(path: str) -> list[str]:
             else:
                 rows = [json.loads(line) for line in f if line.strip()]
         root = os.path.dirname(os.path.abspath(path))
-        videos = []
-        for s in rows:
-            videos += [os.path.abspath(os.path.join(root, v)) for v in s.get("videos", [])]
-        return videos
+        return [os.path.abspath(os.path.join(root, v)) for s in rows for v in s.get("videos", [])]
     except (ValueError, AttributeError, TypeError) as e:
         raise UserError(
             f"{path}: not a list of samples naming their videos ({type(e).__name__}: {e})"
@@ -478,10 +489,8 @@ def preprocess(c: Config) -> dict:
 
     from tqdm import tqdm
 
-    videos = []
-    for path in c.data:
-        videos += videos_of(path)
-    videos = list(dict.fromkeys(videos))  # each distinct video once, in order
+    # each distinct video once, in order
+    videos = list(dict.fromkeys(v for path in c.data for v in videos_of(path)))
     t = time.time()
     total = Counter()
     failed = []

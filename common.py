@@ -106,12 +106,12 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def gather(obj) -> list:
-    """All ranks' objects, in rank order (small metric dicts only)."""
+def gather(obj, group=None) -> list:
+    """All ranks' objects (a group's: its ranks'), in rank order (small objects: pickled)."""
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -127,20 +127,20 @@ def barrier():
 
 def init_dist(timeout_s: float = 1800.0, offload: bool = False):
     """torchrun or plain python: (rank, world, device). gloo on CPU, nccl on GPU (offload: + gloo, CPU shards)."""
+    cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():  # main() may run again in the same process (tests)
         gpu_backend = "cuda:nccl,cpu:gloo" if offload else "nccl"
         dist.init_process_group(
-            gpu_backend if torch.cuda.is_available() else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            gpu_backend if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
         )
-    return rank, world, torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    return rank, world, torch.device(f"cuda:{local}" if cuda else "cpu")
 
 
 def base_model(model):
@@ -170,6 +170,7 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
     step and samples (`where`) and the stacks are printed, the last checkpoint kept, exit 1. A second signal, or any
     with catch=False (startup, the end of a run: no step to finish), ends the process at once, even inside C code."""
     got = []
+    where = where or {}
 
     def record(num, frame):
         got.append(num)
@@ -177,7 +178,7 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
         if grace_s:  # os.write: no reentry into a print the signal interrupted
             os.write(
                 2,
-                f"stop signal: step {(where or {}).get('step')} (samples {(where or {}).get('ids')}) is "
+                f"stop signal: step {where.get('step')} (samples {where.get('ids')}) is "
                 f"abandoned if not at its boundary within stop_grace_s={grace_s} s\n".encode(),
             )
             timer = threading.Timer(grace_s, abandon, args=(grace_s,))
@@ -353,16 +354,6 @@ def parse_flags(cls, base, paths: list[str], rest: list[str]):
     return tyro.cli(cls, default=replace(base, config=tuple(paths)), args=rest, description=debug)
 
 
-def layer_base(path: str) -> str:
-    """The config a layer file names in its comment ("A layer over x.yaml": it sets only what differs, loaded after
-    x.yaml), beside it; '' for a whole recipe."""
-    with open(path) as f:
-        found = re.search(r"layer over (\S+\.yaml)", f.read(), re.I)
-    if not found:
-        return ""
-    return os.path.join(os.path.dirname(path), found.group(1))
-
-
 def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = None):
     """A YAML file's values over dataclass `base`, each checked against its field's type (an error names the file and
     the key); a key `base` has no field for is an error, or with strict=False skipped (another program's settings;
@@ -384,9 +375,7 @@ def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = No
                 skipped.append(key)
             continue
         kind = types[key]
-        if kind is float and type(value) is int:
-            value = float(value)
-        if kind is float and type(value) is str and FLOAT.fullmatch(value):
+        if kind is float and (type(value) is int or type(value) is str and FLOAT.fullmatch(value)):
             value = float(value)
         if typing.get_origin(kind) is Literal:
             problem = choice_error(kind, value)

@@ -12,6 +12,7 @@ import os
 import re
 import resource
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -109,17 +110,14 @@ def check_text(sample: dict, who: str, special_tokens) -> None:
     """Every text field (strings and lists of strings, offline_output included): a lone surrogate (JSON's "\\ud800"),
     which no tokenizer encodes, or a special token of the model is a DataError naming `who` and the field."""
     refused = re.compile("|".join(["[\ud800-\udfff]"] + [re.escape(t) for t in special_tokens]))
-    texts = []
     for k, v in sample.items():
-        items = v if isinstance(v, list) else [v]
-        texts += [(k, x) for x in items if isinstance(x, str)]
-    for k, text in texts:
-        bad = refused.search(text)
-        if bad:
-            raise DataError(
-                f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate or "
-                "a special token of the model"
-            )
+        for text in v if isinstance(v, list) else [v]:
+            bad = isinstance(text, str) and refused.search(text)
+            if bad:
+                raise DataError(
+                    f"{who}: field '{k}' contains {bad[0]!r} at character {bad.start()}: a lone surrogate "
+                    "or a special token of the model"
+                )
 
 
 def parse_json(raw: bytes, where: str):
@@ -211,16 +209,19 @@ def check_inside(s: dict, root: str, who: str):
 def missing_media(s: dict) -> list[str]:
     """The sample's media paths that are not regular files (missing, a folder, a FIFO, a device): a
     stat each."""
-    return [p for p in s.get("videos", []) + s.get("images", []) if not os.path.isfile(p)]
+    return [p for p in media_paths(s) if not os.path.isfile(p)]
+
+
+def media_paths(s: dict) -> list[str]:
+    """The sample's videos, then its images."""
+    return s.get("videos", []) + s.get("images", [])
 
 
 def unique_ids(samples: list[dict], name: str) -> list[dict]:
     """The samples, those whose id others share renamed `id@<file>:<line>` (their "where"), with one
     warning line: LiveSports-3K repeats ids for different questions, and a resume log, skip reports
     and eval rows key by id."""
-    counts = {}
-    for s in samples:
-        counts[s["id"]] = counts.get(s["id"], 0) + 1
+    counts = Counter(s["id"] for s in samples)
     out = []
     renamed = []
     for s in samples:
@@ -239,7 +240,7 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
 
 
 def warn(text: str):
-    """A warning on stderr, once (rank 0's) under torchrun."""
+    """A warning (or progress) line on stderr, flushed, once (rank 0's) under torchrun."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(text, file=sys.stderr, flush=True)
 
@@ -399,22 +400,21 @@ def prepare(
     # the loaded tokenizer's own special tokens (load_samples refused Qwen-VL's before the model loaded)
     specials = [t.content for t in processor.tokenizer.added_tokens_decoder.values() if t.special]
     check_text(sample, f"sample {sid}", specials)
-    videos = []
-    for path in sample.get("videos", []):
-        end = sample.get("video_end")
-        videos.append(
-            cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
-        )
-    images = []
-    for path in sample.get("images", []):
-        image = cache.load_image(
+    end = sample.get("video_end")
+    videos = [
+        cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
+        for path in sample.get("videos", [])
+    ]
+    images = [
+        cache.load_image(
             path,
             min_pixels=media.image_min_pixels,
             max_pixels=media.image_max_pixels,
             factor=factor,
             max_decode_pixels=media.max_decode_pixels,
         )
-        images.append(image)
+        for path in sample.get("images", [])
+    ]
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,
@@ -477,11 +477,9 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     masked_scatter fails (or worse, misaligns). Caught here, before any compute is spent."""
     merge2 = processor.image_processor.merge_size**2
     tok = processor.tokenizer
-    for kind, pad, grid in (
-        ("image", "<|image_pad|>", "image_grid_thw"),
-        ("video", "<|video_pad|>", "video_grid_thw"),
-    ):
-        n_tok = ids.count(tok.convert_tokens_to_ids(pad))
+    for kind in ("image", "video"):
+        grid = f"{kind}_grid_thw"
+        n_tok = ids.count(tok.convert_tokens_to_ids(f"<|{kind}_pad|>"))
         n_feat = int(mm[grid].prod(-1).sum()) // merge2 if grid in mm else 0
         if n_tok != n_feat:
             raise DataError(
@@ -528,9 +526,10 @@ def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False
 def embeds_input(p: Prompt, features: dict, timestamps: bool) -> dict:
     """vllm_input's multi_modal_data from features: per modality one dict of all its items (vLLM splits the
     features by the grids)."""
-    mm = {}
-    for kind, feats in features.items():
-        mm[kind] = {f"{kind}_embeds": feats, f"{kind}_grid_thw": p.mm[f"{kind}_grid_thw"]}
+    mm = {
+        kind: {f"{kind}_embeds": feats, f"{kind}_grid_thw": p.mm[f"{kind}_grid_thw"]}
+        for kind, feats in features.items()
+    }
     if "video" in mm and "second_per_grid_ts" in p.mm:
         mm["video"]["second_per_grid_ts"] = p.mm["second_per_grid_ts"]
     if "video" in mm and timestamps:
@@ -582,21 +581,13 @@ def try_prep(prep, s: dict, skip_invalid: bool):
         error = DataError(f"sample {s['id']}: {type(e).__name__}: {e}")
         if not skip_invalid:
             raise error from e
-        media = s.get("videos", []) + s.get("images", [])
-        return None, {"where": s["id"], "media": media, "error": str(error)}
+        return None, {"where": s["id"], "media": media_paths(s), "error": str(error)}
 
 
 def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
     """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
-    prompts = []
-    reports = []
-    for s in samples:
-        prompt, report = try_prep(prep, s, skip_invalid)
-        if prompt:
-            prompts.append(prompt)
-        if report:
-            reports.append(report)
-    return prompts, reports
+    results = [try_prep(prep, s, skip_invalid) for s in samples]
+    return [p for p, _ in results if p], [r for _, r in results if r]
 
 
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)

@@ -292,11 +292,9 @@ def parse_file(f: str, ad: dict) -> list[tuple[str, object]]:
             pattern = ad.get("line")
             if not pattern:
                 raise DataError(f"this benchmark reads no .txt (it reads {', '.join(FORMATS[:4])})")
-        records = []
-        for i, line in enumerate(fh):
-            if line.strip():
-                records.append((str(i + 1), line_record(line, pattern)))
-        return records
+        return [
+            (str(i + 1), line_record(line, pattern)) for i, line in enumerate(fh) if line.strip()
+        ]
 
 
 def line_record(line: str, pattern: str | None):
@@ -1087,9 +1085,8 @@ def group_scores(rows: list[dict], key: str) -> dict:
     out = {}
     for g in groups.values():
         value = group_score(g)
-        out.setdefault("group_score", []).append(value)
-        out.setdefault(f"group_score/{g[-1].get('group_type')}", []).append(value)
-        out.setdefault(f"group_score/level_{g[-1].get('level')}", []).append(value)
+        for kind in ("", f"/{g[-1].get('group_type')}", f"/level_{g[-1].get('level')}"):
+            out.setdefault(f"group_score{kind}", []).append(value)
     return {k: sum(x) / len(x) for k, x in out.items()}
 
 
@@ -1262,7 +1259,7 @@ def judge_messages(rule, row: dict) -> list[dict]:
         "question": row.get("question", ""),
     }
     if isinstance(rule, str):
-        return [{"role": "user", "content": rule.format(**fill)}]
+        rule = {"user": rule}
     msgs = [{"role": "user", "content": rule["user"].format(**fill)}]
     if rule.get("system"):
         msgs.insert(0, {"role": "system", "content": rule["system"]})
@@ -1318,22 +1315,11 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verd
         return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 
-    from rollout import start_errors, vllm_settings
+    from rollout import start_errors
 
     # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
-    settings = vllm_settings(
-        cfg.judge_model,
-        tp=cfg.tensor_parallel_size,
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_images=0,
-        max_videos=0,
-        trust_remote_code=cfg.trust_remote_code,
-    )
     with start_errors(cfg.max_model_len):
-        llm = LLM(**settings)
+        llm = LLM(**engine_settings(cfg, cfg.judge_model, 0))
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
     return [rewards.Verdict(None, reply=o.outputs[0].text) for o in outs]
 
@@ -1355,7 +1341,7 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1380,22 +1366,30 @@ def make_engine(cfg: Config, tokenizer):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    settings = vllm_settings(
-        cfg.model,
+    args = AsyncEngineArgs(
+        **engine_settings(cfg, cfg.model, 1),
+        enable_chunked_prefill=True,
+        data_parallel_size=cfg.data_parallel_size,
+    )
+    with start_errors(cfg.max_model_len):
+        return AsyncLLM.from_engine_args(args)
+
+
+def engine_settings(cfg: Config, model: str, media: int) -> dict:
+    """rollout.vllm_settings for `model` by cfg's engine fields, `media` images and videos a prompt."""
+    from rollout import vllm_settings
+
+    return vllm_settings(
+        model,
         tp=cfg.tensor_parallel_size,
         seed=cfg.seed,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_images=1,
-        max_videos=1,
+        max_images=media,
+        max_videos=media,
         trust_remote_code=cfg.trust_remote_code,
     )
-    args = AsyncEngineArgs(
-        **settings, enable_chunked_prefill=True, data_parallel_size=cfg.data_parallel_size
-    )
-    with start_errors(cfg.max_model_len):
-        return AsyncLLM.from_engine_args(args)
 
 
 # the fields of a resume log's row that aggregate() reads, and their types
@@ -1459,11 +1453,9 @@ def resolve(cfg: Config) -> Config:
         )
         if not capped:
             raise UserError(msg)
-        print(
+        data.warn(
             f"warning: {msg} (the model has {positions} positions; "
-            "longer videos fail one by one, reported)",
-            file=sys.stderr,
-            flush=True,
+            "longer videos fail one by one, reported)"
         )
     return cfg
 
@@ -1501,18 +1493,16 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
         samples = data.render_all(template, samples, where=f"{BENCHMARKS}: {bench}")
     absent = {s["id"]: data.missing_media(s) for s in samples}  # a stat a file, before any engine
     missing = [s for s in samples if absent[s["id"]]]
-    for s in missing:
-        bad.append(
-            {"where": s["where"], "error": f"sample {s['id']}: missing media {absent[s['id']]}"}
-        )
+    bad += [
+        {"where": s["where"], "error": f"sample {s['id']}: missing media {absent[s['id']]}"}
+        for s in missing
+    ]
     if missing:  # one line now, not a surprise in results.json hours later
         first = "; ".join(f"{s['where']}: {absent[s['id']][0]}" for s in missing[:3])
-        print(
+        data.warn(
             f"warning: {bench}: {len(missing)} samples name a media file that is missing or not a "
             f"regular file ({first}{', ...' if len(missing) > 3 else ''}): not evaluated, counted "
-            "unevaluable (exit 1 unless --allow-failures)",
-            file=sys.stderr,
-            flush=True,
+            "unevaluable (exit 1 unless --allow-failures)"
         )
     folder = os.path.join(cfg.out_dir, bench)
     run = {
@@ -1522,8 +1512,9 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
     }
     done, torn = read_log(os.path.join(folder, "samples.jsonl"))
     old = {}
-    if done and os.path.exists(os.path.join(folder, "run.json")):
-        with open(os.path.join(folder, "run.json"), encoding="utf-8") as f:
+    saved = os.path.join(folder, "run.json")
+    if done and os.path.exists(saved):
+        with open(saved, encoding="utf-8") as f:
             old = json.load(f)
     if done and old != run:
         diff = sorted(k for k in {**old, **run} if old.get(k) != run.get(k))
@@ -1576,7 +1567,7 @@ async def evaluate(cfg: Config, engine=None, processor=None) -> dict:
                     "error": f"{type(e).__name__}: {e}",
                     "unevaluable": len(job.samples),
                 }
-                print(f"{bench}: FAILED {results[bench]['error']}", file=sys.stderr, flush=True)
+                data.warn(f"{bench}: FAILED {results[bench]['error']}")
             write_results(results, cfg)
     finally:
         if own and hasattr(engine, "close"):  # rollout's engines (sync, hf)
@@ -1619,11 +1610,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
                 last[0] = now
                 rate = n / (now - start)
                 eta = (len(todo) - n) / rate
-                print(
-                    f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                data.warn(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s")
 
         if cfg.engine == "async":
             engine_stats = await run_async(
@@ -1697,11 +1684,9 @@ def main(cfg: Config) -> int:
     results = asyncio.run(evaluate(cfg))
     failures = sum(r.get("unevaluable", 0) for r in results.values())
     if failures:
-        print(
+        data.warn(
             f"{failures} samples could not be evaluated "
-            "(listed under failed_samples in results.json, not scored)",
-            file=sys.stderr,
-            flush=True,
+            "(listed under failed_samples in results.json, not scored)"
         )
     return 1 if failures and not cfg.allow_failures else 0
 

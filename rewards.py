@@ -499,12 +499,12 @@ def choice_letter(ans: str, options: list[str]) -> str | None:
 
 
 def acc_choice(ans, s):
-    got = choice_letter(ans, s.get("options") or [])
+    got = choice_letter(ans, s.get("options"))  # no options: option_table's []
     if got is None:
         return None
     if len(got) > 1:  # "A+B": a hedge
         return 0.0
-    return float(got == choice_letter(ground_truth(s), s.get("options") or []))
+    return float(got == choice_letter(ground_truth(s), s.get("options")))
 
 
 def acc_number(ans, s, rtol: float = NUM_RTOL, mean_relative: bool = False):

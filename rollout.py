@@ -89,9 +89,7 @@ def device_normalize_ok(model_dir: str, trust_remote_code: bool = False) -> bool
 def eos_token_ids(model) -> list[int]:
     """The ids that end a response (generation_config holds one or a list)."""
     eos = model.generation_config.eos_token_id
-    if isinstance(eos, list):
-        return eos
-    return [eos]
+    return eos if isinstance(eos, list) else [eos]
 
 
 def vision_token_ids(tokenizer) -> list[int]:
@@ -410,7 +408,8 @@ class VLLMEngine:
         self.wake(tags=["weights"])
         weights = hf_weights(model)
         if self.encoder is not None:  # the trainer's tower is frozen: vLLM has its weights or none
-            weights = without_tower(weights)
+            # the vision tower's tensors left out (still gathered: a collective)
+            weights = ((name, w) for name, w in weights if ".visual." not in f".{name}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
@@ -445,20 +444,10 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
 
-def without_tower(weights):
-    """hf_weights' stream without the vision tower's tensors (still gathered: a collective)."""
-    for name, tensor in weights:
-        if ".visual." not in f".{name}":
-            yield name, tensor
-
-
 def response_length(row: list[int], eos_ids: list[int]) -> int:
     """The tokens of a generated row up to its first EOS, included (generate pads the rows that
     stopped)."""
-    for i, t in enumerate(row):
-        if t in eos_ids:
-            return i + 1
-    return len(row)
+    return next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
 
 
 class HFEngine:

@@ -15,15 +15,12 @@ positions.
 """
 
 import functools
-import hashlib
 import importlib
 import itertools
 import json
 import math
 import os
-import tempfile
 import types
-import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,7 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import any_rank, base_model
+import cache
+import data
+from common import any_rank, base_model, gather
 
 MEDIA = (
     ("image", "pixel_values", "image_grid_thw"),
@@ -118,16 +117,9 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
     if dist.is_initialized():
         rank = dist.get_rank()
         world = dist.get_world_size()
-    groups = [None] * (world // sp_size)
-    hosts = [None] * (world // sp_size)
-    if sp_size > 1:
-        spans = [list(range(start, start + sp_size)) for start in range(0, world, sp_size)]
-        groups = [dist.new_group(ranks) for ranks in spans]
-        hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
-    tp_hosts = [None] * (world // tp)
-    if tp > 1:
-        spans = [list(range(start, start + tp)) for start in range(0, world, tp)]
-        tp_hosts = [dist.new_group(ranks, backend="gloo") for ranks in spans]
+    groups = consecutive_groups(world, sp_size)
+    hosts = consecutive_groups(world, sp_size, "gloo")
+    tp_hosts = consecutive_groups(world, tp, "gloo")
     dp_rank = rank // sp_size
     return Layout(
         group=groups[dp_rank],
@@ -141,6 +133,15 @@ def make_layout(sp_size: int, tp: int = 1) -> Layout:
         host=hosts[dp_rank],
         tp_host=tp_hosts[rank // tp],
     )
+
+
+def consecutive_groups(world: int, size: int, backend: str | None = None) -> list:
+    """A process group per `size` consecutive ranks (None each for size 1), in rank order."""
+    if size == 1:
+        return [None] * world
+    return [
+        dist.new_group(list(range(s, s + size)), backend=backend) for s in range(0, world, size)
+    ]
 
 
 class AllReduce(torch.autograd.Function):
@@ -215,7 +216,7 @@ def encode_vision(
     their features. dummies (data.dummy_prompts; FSDP2 with several ranks): a rank with no patch of
     a modality encodes its dummy, weight 0 (FSDP2 all-gathers the tower each time it runs: every
     rank must run it as often, in the same order)."""
-    distinct = list({id(p): p for p in prompts}.values())
+    distinct = unique(prompts)
     r = layout.sp_rank if layout else 0
     n = layout.sp_size if layout else 1
     out = Vision({}, 0)
@@ -242,6 +243,11 @@ def encode_vision(
     return out
 
 
+def unique(prompts: list) -> list:
+    """The distinct Prompt objects, in order (a group's rows share one)."""
+    return list({id(p): p for p in prompts}.values())
+
+
 def run_features(model, p, grid: str, n: int) -> list[int]:
     """Prompt p's features of one modality: where each of its n runs starts (and the end)."""
     merge2 = model.config.vision_config.spatial_merge_size**2
@@ -260,9 +266,9 @@ def features(
     firsts = [run_features(model, p, grid, n) for p in mine]
     starts = list(itertools.accumulate([f[-1] for f in firsts], initial=0))
     # rank j holds the features of each prompt's run j, in prompt order
-    held = []
-    for j in range(n):
-        held.append([i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])])
+    held = [
+        [i for s, f in zip(starts, firsts) for i in range(s + f[j], s + f[j + 1])] for j in range(n)
+    ]
     bounds = list(itertools.accumulate(map(len, held), initial=0))
     order = torch.tensor([i for h in held for i in h], dtype=torch.long)
     return Features(
@@ -330,10 +336,8 @@ class Towers:
         self.layout = layout
         self.dummies = dummies
         self.mini = mini  # each micro-batch's prompts
-        self.last = {}  # id(prompt) -> its last micro-batch
-        for i, prompts in enumerate(mini):
-            for p in prompts:
-                self.last[id(p)] = i
+        # id(prompt) -> its last micro-batch
+        self.last = {id(p): i for i, prompts in enumerate(mini) for p in prompts}
         self.aligned = layout is None or layout.dp_size == 1
         self.open = []  # (Tower, its prompts): not yet taken through the tower
         self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
@@ -341,7 +345,7 @@ class Towers:
 
     def vision(self, i: int) -> Vision:
         """Micro-batch i's features (leaves), its new prompts encoded first."""
-        prompts = list({id(p): p for p in self.mini[i]}.values())
+        prompts = unique(self.mini[i])
         new = [p for p in prompts if id(p) not in self.leaves]
         if new:
             tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
@@ -421,7 +425,7 @@ class FeatureCache:
     def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
         """The disk entry of this rank's run of p's features of one modality."""
         files = []
-        for name in p.sample.get("videos", []) + p.sample.get("images", []):
+        for name in data.media_paths(p.sample):
             st = os.stat(name)
             files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
         ident = dict(
@@ -433,8 +437,7 @@ class FeatureCache:
             run=[layout.sp_rank, layout.sp_size] if layout else [0, 1],
             **self.stamp,
         )
-        key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
-        return os.path.join(self.folder, key[:2], key + ".safetensors")
+        return cache.entry_file(self.folder, ident)
 
     def read(self, p, kind: str, grid: str, layout: Layout | None):
         """p's features from disk into memory; False where there is no good entry."""
@@ -468,22 +471,15 @@ class FeatureCache:
         from safetensors.torch import save_file
 
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
-        os.close(fd)
         output = f"{empty.output.__module__}.{empty.output.__qualname__}"
         meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
-        try:
-            save_file({"features": local}, tmp, metadata=meta)
-            os.replace(tmp, file)  # atomic: readers see no entry or the whole one
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        cache.save_atomic(file, save_file, {"features": local}, meta)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
     ) -> Vision:
         """encode_vision's result for `prompts`, the tower run on the samples not kept yet."""
-        distinct = list({id(p): p for p in prompts}.values())
+        distinct = unique(prompts)
         missing = []
         for p in distinct:
             media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
@@ -521,10 +517,8 @@ class FeatureCache:
             f = fresh.kinds[kind]
             self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
             mine = [p for p in prompts if pixels in p.mm]
-            counts = []
-            for p in mine:
-                firsts = run_features(model, p, grid, n)
-                counts.append(firsts[r + 1] - firsts[r])
+            firsts = [run_features(model, p, grid, n) for p in mine]
+            counts = [f[r + 1] - f[r] for f in firsts]
             for p, local in zip(mine, f.local.split(counts)):
                 key = self.key(p, kind, grid)
                 if key in self.pieces:  # encoded again (FSDP2): newest now
@@ -543,8 +537,7 @@ class FeatureCache:
 
 def checksum(file: str, local: torch.Tensor) -> str:
     """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
-    crc = zlib.crc32(os.path.basename(file).encode())
-    return str(zlib.crc32(local.contiguous().view(torch.uint8).numpy(), crc))
+    return cache.checksum(file, local.contiguous().view(torch.uint8).numpy())
 
 
 @dataclass
@@ -646,12 +639,16 @@ def share_round(own: list, layout: Layout) -> Share:
     if layout.tp == 1:
         return Share(own, 0, len(own))
     first = layout.rank - layout.rank % layout.tp
-    shapes = []  # the frames' shapes instead of the frames: they pass below, not pickled
-    for p in own:
-        videos = [(frames.shape, meta) for frames, meta in p.videos]
-        shapes.append(replace(bare(p), videos=videos, images=[im.shape for im in p.images]))
-    parts = [None] * layout.tp
-    dist.all_gather_object(parts, shapes, group=layout.tp_host)
+    # the frames' shapes instead of the frames: they pass below, not pickled
+    shapes = [
+        replace(
+            bare(p),
+            videos=[(frames.shape, meta) for frames, meta in p.videos],
+            images=[im.shape for im in p.images],
+        )
+        for p in own
+    ]
+    parts = gather(shapes, layout.tp_host)
     parts[layout.rank - first] = own
     for q, part in enumerate(parts):
         for k, p in enumerate(part):
@@ -717,8 +714,7 @@ def group_runs(prompts: list, layout: Layout, processor=None) -> list:
     first = layout.rank - layout.sp_rank
     whole = [bare(p) if holds_pixels(p) else None for p in prompts]
     has = [p is not None for p in prompts]
-    parts = [None] * size
-    dist.all_gather_object(parts, (whole, has), group=layout.host)
+    parts = gather((whole, has), layout.host)
     works = []
     group = []
     for k, p in enumerate(prompts):
@@ -760,8 +756,7 @@ def group_rollouts(
     """The SP group's rollouts and baselines, the same on its ranks (the ranks' parts in rank
     order), n per prompt of `group` (group_runs')."""
     mine = ([replace(x, prompt=None) for x in rollouts], baselines)
-    parts = [None] * layout.sp_size
-    dist.all_gather_object(parts, mine, group=layout.host)
+    parts = gather(mine, layout.host)
     done = [x for part, _ in parts for x in part]
     grouped = [replace(x, prompt=group[i // n]) for i, x in enumerate(done)]
     return grouped, [b for _, part in parts for b in part]

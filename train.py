@@ -11,6 +11,7 @@ global batch, ppo_epochs x mini_batches optimizer steps, weight sync. The math f
 docs/algorithms.md gives every formula and each deliberate deviation.
 """
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -390,10 +391,11 @@ def check_files(cfg: Config, ckpt_path: str):
         return
     with open(os.path.join(ckpt_path, "meta.json")) as f:
         saved = json.load(f)["config"]
-    changed = []
-    for f in fields(cfg):
-        if f.name in saved and "resume" not in f.metadata and getattr(cfg, f.name) != saved[f.name]:
-            changed.append(f"{f.name} {saved[f.name]!r} -> {getattr(cfg, f.name)!r}")
+    changed = [
+        f"{f.name} {saved[f.name]!r} -> {getattr(cfg, f.name)!r}"
+        for f in fields(cfg)
+        if f.name in saved and "resume" not in f.metadata and getattr(cfg, f.name) != saved[f.name]
+    ]
     if changed and not cfg.allow_config_change:
         raise UserError(
             f"{ckpt_path} was trained with other settings ({', '.join(changed)}): resume with its own, "
@@ -414,9 +416,7 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
     def size(s: dict) -> tuple[int, int]:
         """Media items, then text tokens: the sample whose prompt is likely the longest has the most."""
         text = data.render_prompt(s, template, cfg.response_format)
-        return len(s.get("videos", []) + s.get("images", [])), len(
-            processor.tokenizer(text).input_ids
-        )
+        return len(data.media_paths(s)), len(processor.tokenizer(text).input_ids)
 
     for split, rows in samples.items():
         if not rows:
@@ -839,26 +839,23 @@ def reference_logp(
     layout=None,
     counts: Counts | None = None,
 ) -> torch.Tensor:
-    """The reference's log-probs (B, R): the frozen copy `ref`, or with LoRA (ref None) the policy,
-    adapters scaled to 0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches
-    only the root's unsharded copies; root-held adapters (the merger) would stop training."""
+    """The reference's log-probs (B, R) (as_reference)."""
+    with as_reference(model, ref) as m:
+        return token_logp(m, b, temperature, banned, chunk, layout, counts)[0]
+
+
+@contextlib.contextmanager
+def as_reference(model, ref):
+    """The reference: the frozen copy `ref`, or with LoRA (ref None) the policy, adapters scaled to
+    0. Not peft's disable_adapter: under FSDP2 its requires_grad toggle reaches only the root's
+    unsharded copies; root-held adapters (the merger) would stop training."""
     from peft.helpers import rescale_adapter_scale
 
     if ref is not None:
-        return token_logp(ref, b, temperature, banned, chunk, layout, counts)[0]
+        yield ref
+        return
     with rescale_adapter_scale(model, 0.0):
-        return token_logp(model, b, temperature, banned, chunk, layout, counts)[0]
-
-
-def reference_vision(t, prompts: list) -> sp.Vision:
-    """The reference tower's features of `prompts`, kept per sample (t.ref_features): the frozen
-    copy's, or with LoRA (ref None) the policy's, adapters scaled to 0."""
-    from peft.helpers import rescale_adapter_scale
-
-    if t.ref is not None:
-        return t.ref_features.vision(t.ref, prompts, t.device, t.layout, t.dummies)
-    with rescale_adapter_scale(t.model, 0.0):
-        return t.ref_features.vision(t.model, prompts, t.device, t.layout, t.dummies)
+        yield model
 
 
 def micro_batches(
@@ -876,11 +873,12 @@ def micro_batches(
             big = max(mini, key=len)
             at = mini.index(big)
             mini[at : at + 1] = [big[: len(big) // 2], big[len(big) // 2 :]]
-        batches = []
-        for rows in mini:
-            chosen = [rollouts[j] for j in rows]
-            batches.append(collate(chosen, tok.pad_token_id, device, dummies, index=rows))
-        minibatches.append(batches)
+        minibatches.append(
+            [
+                collate([rollouts[j] for j in rows], tok.pad_token_id, device, dummies, index=rows)
+                for rows in mini
+            ]
+        )
     return minibatches
 
 
@@ -1027,10 +1025,6 @@ def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = No
             )
             comp["overall"] += comp["overlong"]
     return comps
-
-
-def scored_group(rollouts: list[Rollout], cfg: Config, baseline: float = 0.0) -> Group:
-    return Group(rollouts, score(rollouts, cfg), baseline)
 
 
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Group:
@@ -1390,15 +1384,16 @@ class FrozenEncoder:
             t.sampled_encodes += t.step_features.vision(
                 t.model, group, t.device, layout, t.dummies
             ).encodes
-        mine = []
-        for p in group:
-            pieces = {}
-            for kind, pixels, grid in sp.MEDIA:
-                if pixels in p.mm:
-                    pieces[kind] = t.step_features.pieces[t.step_features.key(p, kind, grid)]
-            mine.append(pieces)
-        parts = [None] * layout.sp_size
-        dist.all_gather_object(parts, mine, group=layout.host)
+        kept = t.step_features
+        mine = [
+            {
+                kind: kept.pieces[kept.key(p, kind, grid)]
+                for kind, px, grid in sp.MEDIA
+                if px in p.mm
+            }
+            for p in group
+        ]
+        parts = gather(mine, layout.host)
         index = layout.share(list(range(len(prompts))), layout.sp_size).items
         for k, i in enumerate(index):
             if prompts[i] is not None:  # its TP group's
@@ -1412,16 +1407,14 @@ class FrozenEncoder:
             return [self.whole[id(p)] for p in prompts]
         if layout.tp == 1:
             return self.encode(prompts)
-        held = [None] * layout.tp
-        dist.all_gather_object(held, [sp.holds_pixels(p) for p in prompts], group=layout.tp_host)
+        held = gather([sp.holds_pixels(p) for p in prompts], layout.tp_host)
         mine = []
         for k, p in enumerate(prompts):
             holders = [q for q in range(layout.tp) if held[q][k]]
             if holders[k % len(holders)] == layout.rank % layout.tp:
                 mine.append(k)
         encoded = dict(zip(mine, self.encode([prompts[k] for k in mine])))
-        parts = [None] * layout.tp
-        dist.all_gather_object(parts, encoded, group=layout.tp_host)
+        parts = gather(encoded, layout.tp_host)
         return [next(part[k] for part in parts if k in part) for k in range(len(prompts))]
 
     def encode(self, prompts: list) -> list[dict]:
@@ -1564,9 +1557,11 @@ def held_out_accuracy(
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        for r in outs[shared.start :][: shared.count]:  # the rows of the prompts it prepared
-            if r.prompt.sample.get("pad") is not data.PAD:
-                mine.append(eval_row(r.prompt.sample, r.prompt.text, r.text))
+        mine += [  # the rows of the prompts it prepared
+            eval_row(r.prompt.sample, r.prompt.text, r.text)
+            for r in outs[shared.start :][: shared.count]
+            if r.prompt.sample.get("pad") is not data.PAD
+        ]
     reported = {report["where"] for report in skipped}
     for part in gather(skips):
         skipped += [report for report in part if report["where"] not in reported]
@@ -1589,7 +1584,7 @@ def logp_pass(
     """No-grad old log-probs where the update is off-policy (epochs, mini-batches, KL in the
     reward), the reference's with kl_coef, into each micro-batch. Every prompt's features once for
     all of them (a frozen tower: for all passes); the reference's kept per sample
-    (reference_vision; a frozen tower: the policy's)."""
+    (t.ref_features; a frozen tower: the policy's)."""
     need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
     trains = sp.tower_trains(t.model)
     prompts = [r.prompt for r in rollouts]
@@ -1607,7 +1602,8 @@ def logp_pass(
             counts.encodes += policy.encodes
         ref = policy
         if cfg.kl_coef > 0 and trains:
-            ref = reference_vision(t, prompts)
+            with as_reference(t.model, t.ref) as m:
+                ref = t.ref_features.vision(m, prompts, t.device, t.layout, t.dummies)
             counts.encodes += ref.encodes
         for b in itertools.chain(*minibatches):
             b.vision = policy
@@ -2106,8 +2102,7 @@ def step_metrics(
         "dyn/refilled": msum["dyn_refilled"],
     }
     keys = ("accuracy", "format", "parse_fail", "overlong", *rewards.JUDGE_KEYS)
-    present = [k for k in keys if k in comp[0]]
-    for key in present:
+    for key in [k for k in keys if k in comp[0]]:
         row[f"reward/{key}"] = mean_or_zero([c[key] for c in comp])
         for t in sorted(set(types)):
             of_type = [c[key] for c, ty in zip(comp, types) if ty == t]

@@ -456,15 +456,24 @@ def launch_ranks(paths: tuple[str, ...]) -> int:
     return 0
 
 
+def layer_base(path: str) -> str:
+    """The config a layer file names in its comment ("A layer over x.yaml": it sets only what differs, loaded after
+    x.yaml), beside it; '' for a whole recipe."""
+    with open(path) as f:
+        found = re.search(r"layer over (\S+\.yaml)", f.read(), re.I)
+    if not found:
+        return ""
+    return os.path.join(os.path.dirname(path), found.group(1))
+
+
 def main(c: Config) -> Plan | list[str]:
     """Prints the config's plan (or the table) and returns it. A model measured only in float32 (the tiny CPU one)
     gets a CPU plan: fp32, per rank, vLLM not counted."""
-    import common
     import rollout
     import train
 
     cfg = train.load_config(["--config", *c.config])  # checked as train.py checks it
-    base = common.layer_base(c.config[0])
+    base = layer_base(c.config[0])
     if base:  # alone, the rest would be train.py's defaults (the tiny model)
         print(
             f"warning: {c.config[0]} is a layer: give its base first (--config {base} {c.config[0]})"

@@ -154,9 +154,11 @@ def test_check_config_reports_every_bad_combination(monkeypatch):
 
 
 def recipe(name: str) -> list[str]:
-    """configs/<name> after the base it names if it is a layer (common.layer_base)."""
+    """configs/<name> after the base it names if it is a layer (memory_plan.layer_base)."""
+    from memory_plan import layer_base
+
     path = os.path.join(ROOT, "configs", name)
-    return [base for base in [common.layer_base(path)] if base] + [path]
+    return [base for base in [layer_base(path)] if base] + [path]
 
 
 def test_gpu_recipes_checkpoint_every_few_minutes_of_work():

@@ -245,7 +245,7 @@ def test_offline_swap_slot_tokens_and_threshold(processor, synth):
         for t in (wrong, right, wrong, wrong)
     ]
     cfg = tiny_config(group_size=4, max_response_len=64)
-    group = train.scored_group(rollouts, cfg)
+    group = train.Group(rollouts, train.score(rollouts, cfg))
     g = train.swap_offline(group, cfg, tok, eos)
     assert (
         g.rollouts[:3] == rollouts[:3]
