@@ -170,7 +170,8 @@ def catch_stop_signals(catch: bool = True, grace_s: float = 0.0, where: dict | N
     step and samples (`where`) and the stacks are printed, the last checkpoint kept, exit 1. A second signal, or any
     with catch=False (startup, the end of a run: no step to finish), ends the process at once, even inside C code."""
     got = []
-    where = where or {}
+    if where is None:  # not `where or {}`: the caller's dict is empty now and filled per step
+        where = {}
 
     def record(num, frame):
         got.append(num)
