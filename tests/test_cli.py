@@ -288,13 +288,18 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, color_
     assert log.startswith("Traceback") and "check_files" in log and "KeyError: 'config'" in log, log
 
 
-def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch):
+def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch, color_data):
     """A model path that looks local (./, ../, /, ~, two '/', an existing parent folder) and is no folder: "no such
     folder", in train.py and evaluate.py, online or not (before: "no network ... set HF_HUB_OFFLINE=1", and offline
     "Repo id must be in the form"); only a hub id gets the network message."""
     typo = ".cache/models/tiny-qwen25_vl"
     one_line_error(
-        run("train.py", "--config", "configs/tiny_cpu.yaml", "--model", typo, **OFFLINE_HUB),
+        run(
+            "train.py",
+            *("--config", "configs/tiny_cpu.yaml", "--model", typo),
+            *("--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"),
+            **OFFLINE_HUB,
+        ),
         f"model: no such folder: {typo}",
     )
     import evaluate  # in this process: common.cli's one line is the train.py run's above

@@ -480,7 +480,12 @@ def test_dry_run_checks_a_recipe_for_the_world_it_names(tmp_path, color_data, ca
     (before: "world size 1 % rollout_tp 4 != 0"); a model of the 7B's heads (28 query, 4 KV) stands in for vLLM's
     checks. --world outside a dry run is refused."""
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    model = os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl-heads28-4")
+    import make_tiny_model
+
+    # built here too: a fresh clone may run this before the rehearsal that also builds it
+    model = make_tiny_model.ensure(
+        "qwen2_5_vl", os.path.join(ROOT, ".cache/models"), variant="heads28-4"
+    )
     argv = ["--config", *recipe("qwen2_5_vl_7b_long.yaml"), "--dry-run", "--model", model]
     argv += ["--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"]
     argv += ["--out-dir", str(tmp_path / "run")]
