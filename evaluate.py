@@ -1310,8 +1310,7 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verd
         settings = rewards.JudgeSettings(
             judge_url=cfg.judge_url, judge_model=cfg.judge_model, judge_max_tokens=1024
         )
-        # a key per row: a cached verdict keeps no reply, and a rubric's reply is what we read
-        keys = [rewards.JudgeItem(json.dumps(c), "", str(i)) for i, c in enumerate(conversations)]
+        keys = [rewards.JudgeItem(json.dumps(c), "", "") for c in conversations]  # the cache's key
         return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 

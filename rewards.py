@@ -29,7 +29,7 @@ from http.client import HTTPException
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 
 import numpy as np
@@ -953,7 +953,7 @@ class Verdict:
     detail: str = ""
     cached: bool = False
     reply: str = ""
-    """the judge's text ('' from the cache or after an error)"""
+    """the judge's text ('' after an error)"""
 
 
 def verdict(reply: str) -> Verdict:
@@ -974,7 +974,7 @@ class Judge:
         self.s = settings
         # Jinja2 source ('' = none: the caller gives the prompts), sandboxed as data.py's templates
         self.template = ImmutableSandboxedEnvironment(autoescape=False).from_string(template)
-        self.cache: dict[JudgeItem, float] = {}
+        self.cache: dict[JudgeItem, Verdict] = {}  # scored verdicts, their replies kept
         self.counts = Counter()
         self.last_error = ""
         self.lock = threading.Lock()
@@ -997,11 +997,11 @@ class Judge:
         out = []
         for it in items:
             if it in self.cache:  # before, or a repeat in this batch
-                v = Verdict(self.cache[it], cached=True)
+                v = replace(self.cache[it], cached=True)
             else:
                 v = found[it]
                 if v.score is not None:
-                    self.cache[it] = v.score
+                    self.cache[it] = v
             self.counts["cache_hit"] += v.cached
             out.append(v)
         return out
