@@ -521,6 +521,21 @@ def concat_media(prompts: list) -> dict:
     return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]) for k in keys}
 
 
+def trainer_logp_diff(model, rollouts, tokenizer) -> float:
+    """max |logp_engine - logp_trainer| over the response tokens of rollouts (one batch, trainer's forward)."""
+    import torch
+    from rollout import vision_token_ids
+    from train import collate, token_logp
+
+    b = collate(rollouts, tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
+    ref = torch.zeros_like(logp)
+    for i, r in enumerate(rollouts):
+        ref[i, : len(r.logp)] = torch.tensor(r.logp)
+    return ((logp - ref).abs() * b.mask).max().item()
+
+
 def vllm_greedy_tokens(model_dir: str) -> int:
     """How many tokens vLLM generates greedily (at most 4) from an exported HF folder, in a fresh process: the folder
     loads in vLLM as written."""

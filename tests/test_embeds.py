@@ -29,12 +29,13 @@ from conftest import (  # noqa: E402
     tiny_config,
     tiny_model_dir,
     train_cmd,
+    trainer_logp_diff,
 )
 
 import data  # noqa: E402
 import sp  # noqa: E402
-from rollout import VLLMEngine, vision_token_ids  # noqa: E402
-from train import Config, check_config, collate, token_logp  # noqa: E402
+from rollout import VLLMEngine  # noqa: E402
+from train import Config, check_config  # noqa: E402
 
 # test_rollout's: measured 9.5e-7 per token in fp32 on this CPU (pixels and features alike)
 LOGP_TOL, STALE = 1e-4, 0.1
@@ -90,17 +91,6 @@ def family(request):
     features.close()
 
 
-def trainer_diff(model, rollouts, tokenizer) -> float:
-    """max |logp_engine - logp_trainer| over the response tokens of rollouts."""
-    b = collate(rollouts, tokenizer.pad_token_id, "cpu")
-    with torch.no_grad():
-        logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
-    ref = torch.zeros_like(logp)
-    for i, r in enumerate(rollouts):
-        ref[i, : len(r.logp)] = torch.tensor(r.logp)
-    return ((logp - ref).abs() * b.mask).max().item()
-
-
 @pytest.mark.slow
 def test_features_sample_as_pixels(family):
     arch, proc, model, prompts, pixels, features, encoder = family
@@ -116,7 +106,7 @@ def test_features_sample_as_pixels(family):
         between = max(
             abs(x - y) for ra, rb in zip(rows_a, rows_b) for x, y in zip(ra.logp, rb.logp)
         )
-        trainer = trainer_diff(model, rows_b, proc.tokenizer)
+        trainer = trainer_logp_diff(model, rows_b, proc.tokenizer)
         print(
             f"{arch} {kind}: |features - pixels| {between:.2e}, |features - trainer| {trainer:.2e}"
         )
@@ -149,9 +139,9 @@ def test_no_tower_and_sync(family):
         for name, p in new.named_parameters():
             if ".visual." not in f".{name}":
                 p.add_(0.01 * torch.randn_like(p))
-    stale = trainer_diff(new, features.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    stale = trainer_logp_diff(new, features.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
     features.sync(new)
-    synced = trainer_diff(new, features.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
+    synced = trainer_logp_diff(new, features.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
     features.sync(model)  # back, for the family's other tests
     assert stale > STALE and synced < LOGP_TOL, (stale, synced)
 

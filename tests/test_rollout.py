@@ -22,7 +22,14 @@ sys.path[:0] = [
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     os.path.dirname(os.path.abspath(__file__)),
 ]
-from conftest import ROOT, SHARED_RUNS, concat_media, free_port, tiny_config  # noqa: E402
+from conftest import (  # noqa: E402
+    ROOT,
+    SHARED_RUNS,
+    concat_media,
+    free_port,
+    tiny_config,
+    trainer_logp_diff,
+)
 
 import data  # noqa: E402
 from ckpt import full_tensors  # noqa: E402
@@ -55,17 +62,6 @@ def setup(tiny_model, synth):
 def hf_engine(model, tokenizer) -> HFEngine:
     eos = model.generation_config.eos_token_id
     return HFEngine(model, tokenizer, eos if isinstance(eos, list) else [eos])
-
-
-def trainer_logp_diff(model, rollouts, tokenizer) -> float:
-    """max |logp_engine - logp_trainer| over the response tokens of rollouts (one batch, trainer's forward)."""
-    b = collate(rollouts, tokenizer.pad_token_id, "cpu")
-    with torch.no_grad():
-        logp, _ = token_logp(model, b, 1.0, vision_token_ids(tokenizer))
-    ref = torch.zeros_like(logp)
-    for i, r in enumerate(rollouts):
-        ref[i, : len(r.logp)] = torch.tensor(r.logp)
-    return ((logp - ref).abs() * b.mask).max().item()
 
 
 def test_logp_agree_with_trainer(setup):
