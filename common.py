@@ -76,19 +76,17 @@ def writing(step: int, where: str):
         if not isinstance(e, CheckpointException):
             raise
         failed = [x for x, _ in e.failures.values() if isinstance(x, OSError)]
-        free = (
-            shutil.disk_usage(where).free >> 20
-        )  # MiB: torch's writer says "unexpected pos" on a full disk
         if failed:
             bad = UserError(
                 f"step {step}: cannot write {failed[0].filename or where}: {failed[0].strerror}"
             )
-        elif free < 1024:
+        else:  # torch's writer says "unexpected pos" on a full disk: the free space tells
+            free = shutil.disk_usage(where).free >> 20  # MiB
+            if free >= 1024:
+                raise
             bad = UserError(
                 f"step {step}: cannot write {where}: the disk is full ({free} MiB free)"
             )
-        else:
-            raise
         bad.every_rank = True
         raise bad from e
 
