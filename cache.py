@@ -355,9 +355,8 @@ def load_video(
                 os.makedirs(os.path.dirname(file), exist_ok=True)
                 fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
                 locked = True
-            except (
-                OSError
-            ) as e:  # a read-only or full cache: its entries are still read, misses decoded
+            except OSError as e:
+                # a read-only or full cache: its entries are still read, misses decoded
                 unwritable(file, e, stats)
         if os.path.exists(file):
             try:
