@@ -269,18 +269,32 @@ def test_quiet_drops_only_the_listed_lines(debug):
 def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, color_data):
     """common.cli: our own checks (a config error: a YAML key, a bound) print one line, exit 2; any other exception
     (here a KeyError on a checkpoint's meta.json without its config, which no check of ours raises) keeps its
-    traceback, and train.py also writes it to out_dir/error.log (before: a ValueError anywhere printed one line)."""
+    traceback, and train.py also writes it to out_dir/error.log (before: a ValueError anywhere printed one line).
+    The three command lines run in one process (test_faults' TRAIN_DRIVER: one start-up, not three)."""
+    from test_faults import drive
+
     typo = write(tmp_path, "typo.yaml", "learning_rate: 1\n")
-    one_line_error(run("train.py", "--config", typo), "typo.yaml: unknown key 'learning_rate'")
-    p = run("train.py", "--config", "configs/tiny_cpu.yaml", "--group-size", "0")
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "error: invalid config:" in p.stderr and "group_size must be > 0, got 0" in p.stderr
     step = tmp_path / "step_1"
     step.mkdir()
     (step / "meta.json").write_text("{}")
     out = tmp_path / "run"
     args = ["--train-data", f"{color_data}/train.jsonl", "--val-data", "", "--out-dir", str(out)]
-    p = run("train.py", "--config", "configs/tiny_cpu.yaml", *args, "--resume", str(step))
+    tiny = ["--config", "configs/tiny_cpu.yaml"]
+    runs = {
+        "typo": ["--config", typo],
+        "bound": [*tiny, "--group-size", "0"],
+        "bug": [*tiny, *args, "--resume", str(step)],
+    }
+    # the driver's output is stdout and stderr in one: read as stderr here
+    done = {
+        k: subprocess.CompletedProcess(p.args, p.returncode, "", p.stdout)
+        for k, p in drive(runs, [sys.executable]).items()
+    }
+    one_line_error(done["typo"], "typo.yaml: unknown key 'learning_rate'")
+    p = done["bound"]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: invalid config:" in p.stderr and "group_size must be > 0, got 0" in p.stderr
+    p = done["bug"]
     assert p.returncode == 1 and "Traceback" in p.stderr and "KeyError: 'config'" in p.stderr, (
         p.stderr[-3000:]
     )
