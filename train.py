@@ -69,7 +69,7 @@ class Config(rewards.JudgeSettings, Media):
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
     world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
-    # --- model and data (`cache.py --config` reads these from the same YAML)
+    # --- model and data (`scripts/cache_frames.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
     trust_remote_code: bool = False

@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import ROOT, Share, color_data_dir, share_of, tiny_model_dir, two_rank_share
 
-import cache
+import cache_frames
 import ckpt
 import common
 import evaluate
@@ -104,8 +104,8 @@ def train_cli(tmp_path_factory, tiny_model, color_data) -> tuple:
 def test_config_flag_every_form(tmp_path, tiny_model, train_cli):
     """`--config=a.yaml` (was ignored, rc 0), `--config a.yaml b.yaml` and repeated `--config` (only the first was
     applied, the last recorded): every file applied in order, flags over them, `config` records what was applied; in
-    train.py, cache.py and evaluate.py alike. train.py gets there through a hub model without a network, which fails
-    in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
+    train.py, cache_frames.py and evaluate.py alike. train.py gets there through a hub model without a network, which
+    fails in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
     # a.yaml: a missing train_data, lr 0.5; b.yaml: d.jsonl, group_size 2; c.yaml: a hub model
     d, done = train_cli
     data, a, b, c = (str(d / f) for f in ("d.jsonl", "a.yaml", "b.yaml", "c.yaml"))
@@ -121,19 +121,20 @@ def test_config_flag_every_form(tmp_path, tiny_model, train_cli):
         "Qwen/no-such-model: no network",
         "set HF_HUB_OFFLINE=1 or give a local path",
     )
-    # cache.py reads training YAMLs alike (the later file's model and data); a missing data file: before the processor
+    # cache_frames.py reads training YAMLs alike (the later file's model and data); a missing data file: before the
+    # processor
     ca = write(tmp_path, "ca.yaml", "model: Qwen/no-such-model\nvideo_max_frames: 5\n")
     cb = write(tmp_path, "cb.yaml", f"model: {tiny_model}\ntrain_data: {data}\nval_data: ''\n")
     cc = write(tmp_path, "cc.yaml", f"train_data: {tmp_path}/cc_missing.jsonl\n")
-    c1 = cache.load_config(["--config=" + ca, "--config", cb])
+    c1 = cache_frames.load_config(["--config=" + ca, "--config", cb])
     assert (c1.config, c1.data, c1.video_max_frames) == ((ca, cb), [data], 5)
     one_line_error(
-        run("cache.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
+        run("scripts/cache_frames.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
         f"{tmp_path}/cc_missing.jsonl: no such file",
         f"of {ca} {cb} {cc}",
     )
     with pytest.raises(ValueError, match="no data files"):  # was: `videos 0`, rc 0
-        cache.main(cache.Config())
+        cache_frames.main(cache_frames.Config())
     # evaluate.py: a YAML of its own settings
     ea = write(tmp_path, "ea.yaml", "benchmarks: nosuch\nmax_tokens: 8\n")
     eb = write(tmp_path, "eb.yaml", "benchmarks: nosuch2\n")

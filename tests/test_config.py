@@ -279,9 +279,10 @@ def test_dry_run_prints_config_counts_and_longest_prompt(tmp_path, tiny_model, c
 
 
 def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
-    """`cache.py --config train.yaml` takes the data files, cache folder, frame settings and the model's factor from
-    the training config (flags after it override), and its entries are the ones training reads."""
+    """`cache_frames.py --config train.yaml` takes the data files, cache folder, frame settings and the model's factor
+    from the training config (flags after it override), and its entries are the ones training reads."""
     import cache
+    import cache_frames
     import make_synthetic_data
 
     src = str(tmp_path / "data")
@@ -301,7 +302,7 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
         "video_total_pixels": 0,
     }
     path = write(tmp_path, yaml.safe_dump(run), "run.yaml")
-    c = cache.load_config(["--config", path, "--workers", "1"])
+    c = cache_frames.load_config(["--config", path, "--workers", "1"])
     assert (c.data, c.out, c.factor, c.workers) == (
         [run["train_data"], run["val_data"]],
         run["cache_dir"],
@@ -315,11 +316,14 @@ def test_cache_cli_reads_the_training_config(tmp_path, tiny_model):
         c.video_min_pixels,
         c.video_max_pixels,
     ) == (2.0, 2, 6, 3136, 3136)
-    assert cache.load_config(["--config", path, "--video-max-frames", "4"]).video_max_frames == 4
+    assert (
+        cache_frames.load_config(["--config", path, "--video-max-frames", "4"]).video_max_frames
+        == 4
+    )
     # a held-out frame budget of its own (val_*): the held-out file is not cached with training's settings
     other = write(tmp_path, yaml.safe_dump(dict(run, val_video_max_frames=4)), "val4.yaml")
-    assert cache.load_config(["--config", other]).data == [run["train_data"]]
-    assert cache.preprocess(c)["decode"] == 3
+    assert cache_frames.load_config(["--config", other]).data == [run["train_data"]]
+    assert cache_frames.preprocess(c)["decode"] == 3
     cfg = load_config(["--config", path])
     sample = data.load_samples(cfg.train_data)[0]
     stats = {}
