@@ -95,14 +95,9 @@ class Layout:
 
     def prepares(self, i: int) -> bool:
         """Whether this rank prepares item i of a step's prompts: the one rank whose part holds it
-        (part's inverse); share_prompts passes it to the rest of the TP group that generates it."""
-        group = i % self.dp_size  # the SP group, then the engine in it, then the rank
-        at = i // self.dp_size  # the item's place in its group's list
-        local = at % self.sp_size
-        if 1 < self.tp < self.sp_size:
-            engines = self.sp_size // self.tp
-            local = at % engines * self.tp + at // engines % self.tp
-        return group * self.sp_size + local == self.rank
+        (a part of the first i + 1 items holds i as the whole list's does); share_prompts passes it
+        to the rest of the TP group that generates it."""
+        return i in self.part(range(i + 1), self.rank)
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same
