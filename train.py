@@ -286,7 +286,7 @@ class Config(rewards.JudgeSettings, Media):
         return Media(**media)
 
 
-def load_config(argv=None) -> Config:
+def load_config(argv: list[str]) -> Config:
     """common.load_config for Config: configs/tiny_cpu.yaml has a run's settings, others recipes."""
     return common.load_config(Config, argv)
 
