@@ -195,6 +195,7 @@ def cli(tmp_path_factory):
     return lane_result("sft_runs", tmp_path_factory)
 
 
+@pytest.mark.slow  # train.py runs
 def test_sft_cli_resume_lora(cli):
     out, done = cli
     for key in ("sft", "resumed", "lora"):
@@ -212,6 +213,7 @@ def test_sft_cli_resume_lora(cli):
     assert lora[0]["grad_norm"] > 0 and lora[1]["loss"] != full[1]["loss"]
 
 
+@pytest.mark.slow  # train.py runs
 def test_rl_from_sft(cli):
     """Stage two: GRPO from the SFT run's final/ (its weights; its reference: KL 0 before the first update)."""
     out, done = cli
@@ -229,6 +231,7 @@ def sp_share(tmp_path_factory) -> Share:
     return Share({"sft_sp2": sft_args(out, "--sp-size", "2", "--max-steps", "3", "--no-save")})
 
 
+@pytest.mark.slow  # train.py runs
 def test_sft_sp2_matches_one_process(cli, two_rank):
     """SP exactness: the loss and gradient norm of each step on 2 SP ranks are the one process's."""
     out, _ = cli
