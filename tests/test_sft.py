@@ -9,6 +9,7 @@ one-process run (loss and gradient norm).
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -242,3 +243,31 @@ def test_sft_sp2_matches_one_process(cli, two_rank):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-3)
         assert a["data/ids"] == b["data/ids"]
+
+
+def test_sft_config_and_data_errors(tmp_path, synth):
+    """What SFT cannot do fails before a model loads: settings that need rollouts, a training sample without the
+    reference response (named: file, line, sample, field; --skip-invalid: skipped and reported)."""
+    import json
+
+    with pytest.raises(ValueError, match="loss_type sft needs group_size 1, kl_coef 0"):
+        train.check_config(train.Config(loss_type="sft", group_size=4, rollout="hf"))
+    rows = [json.loads(line) for line in open(f"{synth}/train.jsonl")][:3]
+    del rows[1]["offline_output"]
+    path = tmp_path / "sft.jsonl"
+    text_only = [
+        {k: v for k, v in r.items() if k not in ("videos", "images", "data_type")} for r in rows
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in text_only))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    cfg = tiny_config(loss_type="sft", train_data=str(path), val_data="")
+    with pytest.raises(
+        data.DataError, match=rf"sft.jsonl:2: sample {rows[1]['id']}: offline_output"
+    ):
+        train.load_data(cfg, tok, None, [])
+    skipped = []
+    kept = train.load_data(replace(cfg, skip_invalid=True), tok, None, skipped)["train"]
+    assert [s["id"] for s in kept] == [rows[0]["id"], rows[2]["id"]]
+    assert [s["where"] for s in skipped] == [f"{path}:2"]
