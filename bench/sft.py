@@ -1,7 +1,7 @@
 """SFT throughput (loss_type sft): token-budget micro-batches of length-sorted rows vs fixed-size padded micro-batches
 in data order (the trainer's micro_batch_size), on one mixed-length set, in one run.
 
-    .venv/bin/python bench/sft.py          # ~3 min on 2 shared cores
+    .venv/bin/python bench/sft.py          # ~4 min on 2 shared cores (~20 CPU s)
 
 The tiny Qwen2.5-VL (fp32, CPU, one thread); `rows` synthetic color clips, each with a reference response whose
 length makes the rows (prompt + response) vary 4x, log-uniformly (many short answers, a tail of long reasoning).
@@ -26,7 +26,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 @dataclass
 class Config:
-    rows: int = 48
+    rows: int = 96
     """samples (clips) in the set"""
     micro_batch: int = 8
     """rows per padded micro-batch (micro_batch_size)"""

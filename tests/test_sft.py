@@ -242,7 +242,7 @@ def test_sft_sp2_matches_one_process(cli, two_rank):
     for a, b in zip(sp2, one):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-3)
-        assert a["data/ids"] == b["data/ids"]
+        assert sorted(a["data/ids"]) == sorted(b["data/ids"])  # the SP group's rows in its order
 
 
 def test_sft_config_and_data_errors(tmp_path, synth):
