@@ -325,13 +325,11 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("mix_threshold needs mix_offline")
     if cfg.overlong_buffer > 1:
         bad.append(f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)")
-    if cfg.loss_type == "sft":  # each sample once, its reference response the only "rollout"
-        if cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds:
-            bad.append(
-                "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds"
-            )
-        if cfg.adv_estimator == "gae":
-            bad.append("loss_type sft: adv_estimator gae would train a critic for nothing")
+    rl_only = cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds
+    if cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae"):  # no rollouts
+        bad.append(
+            "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae"
+        )
     if cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len:
         bad.append("max_prompt_len > max_model_len")
     if cfg.video_min_frames > cfg.video_max_frames:
