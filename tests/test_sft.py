@@ -271,3 +271,27 @@ def test_sft_config_and_data_errors(tmp_path, synth):
     kept = train.load_data(replace(cfg, skip_invalid=True), tok, None, skipped)["train"]
     assert [s["id"] for s in kept] == [rows[0]["id"], rows[2]["id"]]
     assert [s["where"] for s in skipped] == [f"{path}:2"]
+
+
+def test_memory_plan_knows_sft():
+    """The 7B SFT recipe (configs/qwen2_5_vl_7b_sft.yaml, its comment's numbers) fits 8 x 80 GiB; SFT's only vLLM
+    engine is the held-out evaluation's (none without val_data), and no engine is handed the training pixels."""
+    import memory_plan
+
+    gib = 2**30
+    cfg = train.load_config(
+        ["--config", "configs/qwen2_5_vl_7b.yaml", "configs/qwen2_5_vl_7b_sft.yaml"]
+    )
+    spec, meas = memory_plan.stored(cfg.model, "bfloat16")
+    prompt, patches = memory_plan.longest_prompt(cfg, 720, 1280)
+    args = (spec, meas, 8, 80 * gib, True, prompt, patches)
+    sft = memory_plan.plan(cfg, *args)
+    assert sft.verdict == "FITS"
+    assert (round(sft.train / gib, 1), round(sft.generation / gib, 1)) == (56.7, 51.6)
+    no_val = memory_plan.plan(replace(cfg, val_data=""), *args)
+    assert no_val.vllm_need == 0 and no_val.generation == sft.generation - 0.5 * 80 * gib
+    rl = memory_plan.plan(replace(cfg, loss_type="ppo"), *args)
+    pixels = [k for k in sft.host if k.startswith("pixels")]
+    assert sum(sft.host[k] for k in pixels) < sum(
+        rl.host[k] for k in rl.host if k.startswith("pixels")
+    )
