@@ -1082,7 +1082,8 @@ def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Gro
     (always, or with mix_threshold > 0 when the online accuracy is below it)."""
     p = group.rollouts[0].prompt
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
-    if not cfg.mix_offline or not p.sample.get("offline_output"):
+    sft = cfg.loss_type == "sft"  # its group is the offline_output already (cut: finish "length")
+    if not cfg.mix_offline or sft or not p.sample.get("offline_output"):
         return group
     if cfg.mix_threshold and online_acc >= cfg.mix_threshold:
         return group

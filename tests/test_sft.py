@@ -100,6 +100,19 @@ def test_sft_loss_is_masked_nll(setup, agg):
     assert any("visual" in k and grads[k].abs().sum() > 0 for k in grads)
 
 
+def test_a_cut_reference_is_counted(setup):
+    """A reference longer than max_response_len is cut, like any completion, and marked "length" (len/truncated),
+    whatever mix_offline says (SFT never swaps)."""
+    proc, _, rollouts = setup
+    eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    p = rollouts[1].prompt
+    (cut,) = train.OfflineEngine(proc.tokenizer, eos).generate([p], 1, 1.0, 3, seed=0)
+    assert (len(cut.response_ids), cut.finish) == (3, "length")
+    group = train.Group([cut], [{"accuracy": 0.0}])
+    cfg = tiny_config(loss_type="sft", group_size=1, mix_offline=True)
+    assert train.swap_offline(group, cfg, proc.tokenizer, eos) is group
+
+
 def sft_args(out, *extra) -> list[str]:
     """train.py's arguments for a tiny SFT run on synth_dir (images and videos), HF eval engine."""
     data_dir = synth_dir()
