@@ -108,22 +108,28 @@ CPU_KV_CACHE_BYTES = int(os.environ.get("CPU_KV_CACHE_MIB", "1024")) * 2**20
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/memory.json")
 
 
+def model_spec(model: str) -> dict | None:
+    """The model's config.json, without weights or a network: a local folder's, a hub model's
+    published values in configs/memory.json; None for any other."""
+    local = os.path.join(model, "config.json")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return json.load(f)
+    with open(PUBLISHED) as f:
+        return json.load(f)["published"].get(model)
+
+
 def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     """What vLLM refuses at engine start, found without weights or a network: its own ModelConfig and ParallelConfig
-    checks on the model's config.json (a local folder's; a hub model's published values in configs/memory.json; any
-    other is checked when its engine starts): query heads vs tensor_parallel_size, max_model_len vs the model's
-    positions (M-RoPE: long_overrides), and the split of the KV heads that its QKV layer
-    makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
+    checks on the model's config.json (model_spec; any other is checked when its engine starts): query heads vs
+    tensor_parallel_size, max_model_len vs the model's positions (M-RoPE: long_overrides), and the split of the KV
+    heads that its QKV layer makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
     from vllm.config import ModelConfig, ParallelConfig
 
-    with open(PUBLISHED) as f:
-        spec = json.load(f)["published"].get(model)
+    spec = model_spec(model)
     local = os.path.isfile(os.path.join(model, "config.json"))
-    if not local and spec is None:
+    if spec is None:
         return []
-    if local:
-        with open(os.path.join(model, "config.json")) as f:
-            spec = json.load(f)
     overrides = long_overrides(spec.get("text_config", spec), max_model_len)
     with tempfile.TemporaryDirectory() as folder:
         if not local:
@@ -237,6 +243,14 @@ def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
     return hasattr(config.vision_config, "deepstack_visual_indexes")
 
 
+def published_layout(weights, model_type: str):
+    """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
+    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out)."""
+    for name, w in weights:
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        yield name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
+
+
 class VLLMEngine:
     """vLLM built on EVERY rank with distributed_executor_backend="external_launcher" (a rank-0-only
     engine hangs). tp=1: one engine per rank, on its own prompts; tp > 1: one engine per tp
@@ -300,6 +314,10 @@ class VLLMEngine:
             if embeds and not keeps_tower(model_dir, trust_remote_code):
                 settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only
+            layers = getattr(config.get_text_config(), "layer_types", None) or []
+            if current_platform.is_cpu() and "linear_attention" in layers:
+                settings["dtype"] = "bfloat16"
             # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
             overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(
@@ -326,9 +344,9 @@ class VLLMEngine:
                     "positions, admitted: M-RoPE positions count time steps, not tokens, and "
                     "each prompt's are checked"
                 )
-        # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text)
-        model_type = self.config.model_type
-        self.timestamps = model_type.startswith("qwen3_vl")  # and Qwen3-VL-MoE's
+        # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text), as
+        # Qwen3-VL-MoE's and Qwen3.5's (the same processor)
+        self.timestamps = self.config.model_type.startswith(("qwen3_vl", "qwen3_5"))
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
@@ -406,7 +424,7 @@ class VLLMEngine:
         derived from the old weights."""
         # the weights only: they are overwritten before the KV cache is needed
         self.wake(tags=["weights"])
-        weights = hf_weights(model)
+        weights = published_layout(hf_weights(model), self.config.model_type)
         if self.encoder is not None:  # the trainer's tower is frozen: vLLM has its weights or none
             # the vision tower's tensors left out (still gathered: a collective)
             weights = ((name, w) for name, w in weights if ".visual." not in f".{name}")

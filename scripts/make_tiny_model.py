@@ -95,11 +95,12 @@ ARCHS = {
 }
 # Qwen3-VL-MoE: Qwen3-VL's tower, positions, processor and template (Qwen3-VL-30B-A3B-Instruct ships the 8B's) with
 # a sparse MLP in every decoder layer: 4 experts, top 2 (real: 128, top 8), no shared expert (the family has none)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
     classes=("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")
     + ARCHS["qwen3_vl"]["classes"][2:],
-    text=MOE,
+    # top-k weights renormalized, as transformers always does; vLLM reads the flag (5.19 has no field)
+    text=MOE | dict(norm_topk_prob=True),
     template="qwen3_vl",
 )
 # Qwen3.5: natively multimodal, Qwen3-VL's processors, no deepstack; a gated delta-net (linear attention) layer
@@ -121,8 +122,8 @@ ARCHS["qwen3_5"] = dict(
         layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2,
         linear_num_value_heads=4,  # real: twice the key heads too
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=128,  # the real width: vLLM's CPU kernel rejects 32
+        linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
     ),
     tokenizer="Qwen3_5Tokenizer",
@@ -350,6 +351,15 @@ def build(
     tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    if arch == "qwen3_vl_moe":  # transformers saved its own layout: rollout.published_layout's
+        from safetensors.torch import load_file, save_file
+
+        file = os.path.join(tmp, "model.safetensors")
+        state = load_file(file)
+        state = {
+            k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in state.items()
+        }
+        save_file(state, file, metadata={"format": "pt"})
     processor.save_pretrained(tmp)
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(_marker(arch, seed, variant), f)

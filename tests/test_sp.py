@@ -30,11 +30,9 @@ TEMPERATURE, CHUNK = 0.7, 3
 # all rows; image+video x 2 and text (the video split mid-way over 2 ranks); image+video alone (twice, for dp 2): no
 # padding, so no mask, the kernel's causal mode
 BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
-ARCHS = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-)  # one sp2 launch runs them all: ~10 CPU s of startup shared
+# one sp2 launch runs them all: ~10 CPU s of startup shared. Qwen3-VL-MoE stands for the MoE families (Qwen3.5-MoE's
+# experts are the same FSDP2 unit, a decoder layer); Qwen3.5's linear attention is refused with sp_size > 1
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def model_dir(name: str) -> str:
@@ -336,7 +334,8 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 @pytest.mark.slow
 @pytest.mark.lane("launch_2_ranks")  # the lane queues the jobs of tests' markers, not fixtures'
-def test_sp2_matches_one_process(sp2_ranks, reference, synth):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sp2_matches_one_process(sp2_ranks, reference, synth, arch):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32). Each video is decoded once per SP group, by the rank that prepares its prompt; each rank holds only its
     run of every prompt's pixel rows (bit for bit sp.run_rows of the whole prompt's) and encodes it: half of each
@@ -346,31 +345,27 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
 
     import sp
 
-    for arch, ref in reference.items():
-        got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
-        check_against(ref, got, 2)
-        # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
-        assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
-        rows = make_rows(
-            AutoProcessor.from_pretrained(model_dir(arch)),
-            tiny_config(model=model_dir(arch)),
-            os.path.join(synth, "train.jsonl"),
-        )
-        prompts = list({id(x.prompt): x.prompt for x in rows}.values())
-        for _, pixels, grid in sp.MEDIA:
-            assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
-            for r, part in enumerate(got):
-                assert torch.equal(
-                    part[pixels],
-                    torch.cat(
-                        [sp.run_rows(p, pixels, grid, r, 2) for p in prompts if pixels in p.mm]
-                    ),
-                )
-        assert (
-            ref["encodes0"] == 4 and ref["encodes1"] == 2
-        )  # one process: 2 images + 2 videos; 1 + 1
-        # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
-        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
+    ref = reference[arch]
+    got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
+    check_against(ref, got, 2)
+    # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
+    assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
+    rows = make_rows(
+        AutoProcessor.from_pretrained(model_dir(arch)),
+        tiny_config(model=model_dir(arch)),
+        os.path.join(synth, "train.jsonl"),
+    )
+    prompts = list({id(x.prompt): x.prompt for x in rows}.values())
+    for _, pixels, grid in sp.MEDIA:
+        assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
+        for r, part in enumerate(got):
+            assert torch.equal(
+                part[pixels],
+                torch.cat([sp.run_rows(p, pixels, grid, r, 2) for p in prompts if pixels in p.mm]),
+            )
+    assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
+    # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
+    assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
 
 
 @pytest.mark.slow
@@ -443,6 +438,16 @@ def test_config_errors(tiny_model):
     )
     with pytest.raises(ValueError, match="sp_size must be > 0"):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_linear_attention_refuses_sp(arch):
+    """Qwen3.5's gated delta-net layers run their recurrence inside the layer, over the positions it is given:
+    sp_size > 1 is refused before anything loads (a local checkpoint's config.json, or a hub name's published one)."""
+    for model in (model_dir(arch), "Qwen/Qwen3.5-9B"):
+        with pytest.raises(ValueError, match="linear-attention layers need sp_size 1"):
+            train.check_config(tiny_config(model=model, sp_size=2, prompts_per_step=4), world=2)
+        train.check_config(tiny_config(model=model, prompts_per_step=4), world=2)
 
 
 @background("launch_2_ranks")
