@@ -948,13 +948,12 @@ def micro_loss(
         + cfg.kl_coef * agg_loss(kl, mask, **norm)
     )
     aux = torch.zeros(())
-    if routers:  # this micro-batch's part (its tokens' share; padding counts, as in transformers)
+    if routers:  # this micro-batch's part: its tokens' share (transformers' aux_loss, padding out)
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         text = model.config.get_text_config()
-        balance = load_balancing_loss_func(
-            tuple(routers), text.num_experts, text.num_experts_per_tok
-        )
+        experts = (text.num_experts, text.num_experts_per_tok)
+        balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
         aux = balance * mask.sum() / n_tok
         loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():

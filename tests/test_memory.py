@@ -18,7 +18,10 @@ import train
 from rollout import Rollout, vision_token_ids
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
+)
 def setup(request, synth):
     """Model, processor and 7 rows: a video prompt x 2, an image prompt x 2, image+video x 2, text x 1."""
     import make_tiny_model
@@ -178,3 +181,36 @@ def test_offload_is_an_error_without_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="offload"):
         train.check_config(tiny_config(offload=True))
+
+
+def test_router_aux_loss_is_transformers(setup):
+    """router_aux_loss (MoE): micro_loss adds router_aux_loss_coef x transformers' own aux_loss of the same forward
+    (output_router_logits, padding masked out), logged as router_aux; a dense model is refused before it loads."""
+    model, processor, rows = setup
+    d = model.config._name_or_path
+    if not hasattr(model.config.get_text_config(), "num_experts_per_tok"):
+        with pytest.raises(ValueError, match="has no routers"):
+            train.check_config(tiny_config(model=d, router_aux_loss=True))
+        return
+    tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
+    b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
+    b.adv = torch.ones_like(b.mask)
+    n_tok = b.mask.sum().item()
+    got = {}
+    for on in (False, True):
+        cfg = tiny_config(model=d, router_aux_loss=on, router_aux_loss_coef=0.5)
+        train.check_config(cfg)
+        loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, 1.0)
+        got[on] = (loss.item(), metrics["router_aux"])
+    mm = concat_media([r.prompt for r in rows])
+    with torch.no_grad():
+        out = model(
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
+            position_ids=positions(model, b),
+            output_router_logits=True,
+            **mm,
+        )
+    assert got[False][1] == 0 and got[True][1] > 0
+    torch.testing.assert_close(got[True][1], out.aux_loss.item(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[True][0] - got[False][0], 0.5 * got[True][1], rtol=1e-4, atol=0)
