@@ -243,6 +243,15 @@ def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
     return hasattr(config.vision_config, "deepstack_visual_indexes")
 
 
+# vLLM 0.32's CPU MoE kernel prepacks the experts once (cpu_moe.py process_weights_after_loading);
+# reload_weights copies checkpoint-layout experts into that storage and never packs them again:
+# measured, a sync of unchanged experts moves log-probs by 0.08 (docs/families.md)
+CPU_MOE_SYNC = (
+    "weight sync of a MoE model into vLLM 0.32 on the CPU is wrong (its MoE kernel keeps the "
+    "experts prepacked through reload_weights): use --rollout hf, or a GPU"
+)
+
+
 def published_layout(weights, model_type: str):
     """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
     and loads either; the published checkpoints and vLLM's loader hold (experts, in, out)."""
@@ -422,6 +431,10 @@ class VLLMEngine:
         `reload_weights` worker RPC (in place on CPU and GPU; model.load_weights fails on CPU; the
         in-process executor consumes the stream lazily, a bucket at a time), then drop every cache
         derived from the old weights."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and hasattr(self.config.get_text_config(), "num_experts"):
+            raise UserError(CPU_MOE_SYNC)
         # the weights only: they are overwritten before the KV cache is needed
         self.wake(tags=["weights"])
         weights = published_layout(hf_weights(model), self.config.model_type)

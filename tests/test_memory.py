@@ -198,7 +198,7 @@ def test_router_aux_loss_is_transformers(setup):
     n_tok = b.mask.sum().item()
     got = {}
     for on in (False, True):
-        cfg = tiny_config(model=d, router_aux_loss=on, router_aux_loss_coef=0.5)
+        cfg = tiny_config(model=d, rollout="hf", router_aux_loss=on, router_aux_loss_coef=0.5)
         train.check_config(cfg)
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, 1.0)
         got[on] = (loss.item(), metrics["router_aux"])

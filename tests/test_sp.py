@@ -15,6 +15,7 @@ import os
 import sys
 
 import pytest
+from dataclasses import replace
 import torch
 
 sys.path[:0] = [
@@ -445,9 +446,10 @@ def test_linear_attention_refuses_sp(arch):
     """Qwen3.5's gated delta-net layers run their recurrence inside the layer, over the positions it is given:
     sp_size > 1 is refused before anything loads (a local checkpoint's config.json, or a hub name's published one)."""
     for model in (model_dir(arch), "Qwen/Qwen3.5-9B"):
+        cfg = tiny_config(model=model, rollout="hf", prompts_per_step=4)
         with pytest.raises(ValueError, match="linear-attention layers need sp_size 1"):
-            train.check_config(tiny_config(model=model, sp_size=2, prompts_per_step=4), world=2)
-        train.check_config(tiny_config(model=model, prompts_per_step=4), world=2)
+            train.check_config(replace(cfg, sp_size=2), world=2)
+        train.check_config(cfg, world=2)
 
 
 @background("launch_2_ranks")
