@@ -119,6 +119,12 @@ def model_spec(model: str) -> dict | None:
         return json.load(f)["published"].get(model)
 
 
+def linear_attention(model: str) -> bool:
+    """Whether the model has linear-attention layers (Qwen3.5's gated delta-net)."""
+    spec = model_spec(model) or {}
+    return "linear_attention" in spec.get("text_config", spec).get("layer_types", [])
+
+
 def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     """What vLLM refuses at engine start, found without weights or a network: its own ModelConfig and ParallelConfig
     checks on the model's config.json (model_spec; any other is checked when its engine starts): query heads vs
@@ -194,7 +200,7 @@ def vllm_settings(
     kv_cache_bytes = CPU_KV_CACHE_BYTES
     if current_platform.is_cuda():
         kv_cache_bytes = None  # sized by gpu_memory_utilization
-    return dict(
+    settings = dict(
         model=model_dir,
         tensor_parallel_size=tp,
         seed=seed,
@@ -208,6 +214,11 @@ def vllm_settings(
         limit_mm_per_prompt={"image": max_images, "video": max_videos},
         mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
     )
+    if current_platform.is_cpu() and linear_attention(model_dir):
+        # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only, and
+        # its prefix cache of hybrid models needs chunked prefill (off on the CPU: VLLMEngine)
+        settings |= dict(dtype="bfloat16", enable_prefix_caching=False)
+    return settings
 
 
 @contextlib.contextmanager
@@ -323,10 +334,6 @@ class VLLMEngine:
             if embeds and not keeps_tower(model_dir, trust_remote_code):
                 settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-            # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only
-            layers = getattr(config.get_text_config(), "layer_types", None) or []
-            if current_platform.is_cpu() and "linear_attention" in layers:
-                settings["dtype"] = "bfloat16"
             # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
             overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(

@@ -53,6 +53,7 @@ from rollout import (
     VLLMEngine,
     engine_errors,
     eos_token_ids,
+    linear_attention,
     model_spec,
     request_seed,
     vision_token_ids,
@@ -359,7 +360,6 @@ def check_config(cfg: Config, world: int = 1):
     if cfg.adv_estimator == "gae" and cfg.sp_size > 1:
         bad.append("adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)")
     spec = model_spec(cfg.model) or {}
-    layers = spec.get("text_config", spec).get("layer_types") or []
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
     if cfg.router_aux_loss and not moe:
         bad.append(f"router_aux_loss: {cfg.model} has no routers (not a MoE model)")
@@ -367,7 +367,7 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"rollout vllm: {CPU_MOE_SYNC}")
     if cfg.router_aux_loss and cfg.sp_size > 1:  # each rank would balance its shard's tokens
         bad.append("router_aux_loss needs sp_size 1")
-    if cfg.sp_size > 1 and "linear_attention" in layers:
+    if cfg.sp_size > 1 and linear_attention(cfg.model):
         # Ulysses swaps the attention kernel only: a gated delta-net layer would run its
         # recurrence over the rank's own positions (docs/families.md)
         bad.append(f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1")
