@@ -6,7 +6,7 @@ Checks: vLLM builds exactly the trainer's prompt ids; vLLM's sampled-token log-p
 trainer's recomputation on the same inputs; after a weight sync vLLM samples from the new weights;
 the HF engine and vLLM agree on greedy outputs; 8 prompts x 8 (a step that chunked and crashed) runs with
 per-request seeds; on 2 ranks the bucketed sync hands vLLM exactly the trainer's full weights. Qwen2-VL, Qwen3-VL-MoE,
-Qwen3.5, Qwen3.5-MoE (an engine each, one test): both samplers' log-probs on video and image, and the weight sync.
+Qwen3.5 (an engine each, one test): both samplers' log-probs on video and image, and the weight sync.
 This file is also the torchrun worker of the 2-rank test (a run of conftest.shared_2_ranks' launch):
 
     torchrun --nproc_per_node=2 tests/test_rollout.py MODEL DATA.jsonl
@@ -220,10 +220,12 @@ def test_two_rank_sync_is_exact(shared_2_ranks):
 BF16_TOL = {"qwen3_5": 1e-2, "qwen3_5_moe": 0.1}
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+# Qwen3.5-MoE's engine is left out for the suite's time (its gated delta-net is Qwen3.5's, its experts Qwen3-VL-MoE's;
+# measured once with it: docs/families.md); add "qwen3_5_moe" to check it again
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl_moe", "qwen3_5"])
 def family(request, synth):
-    """Qwen2-VL (issue 32: full-attention tower, M-RoPE time = the frame pair's index, no timestamps), Qwen3-VL-MoE,
-    Qwen3.5 and Qwen3.5-MoE (issue 42: experts, linear attention): processor, model, 2 video prompts and an image
+    """Qwen2-VL (issue 32: full-attention tower, M-RoPE time = the frame pair's index, no timestamps), Qwen3-VL-MoE
+    and Qwen3.5 (issue 42: experts, linear attention): processor, model, 2 video prompts and an image
     prompt, and an engine of its own (one per family, for all its checks)."""
     import make_tiny_model
     from transformers import AutoModelForImageTextToText, AutoProcessor
