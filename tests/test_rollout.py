@@ -14,6 +14,7 @@ This file is also the torchrun worker of the 2-rank test (a run of conftest.shar
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -295,9 +296,11 @@ def test_samplers_agree_with_trainer(family):
         with pytest.raises(UserError, match="keeps the experts prepacked"):  # docs/families.md
             engine.sync(new)
         return
+    start = time.perf_counter()
     engine.sync(new)
+    took = time.perf_counter() - start
     synced = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), proc.tokenizer)
-    print(f"{arch} sync: stale {stale:.2e}, synced {synced:.2e}")
+    print(f"{arch} sync: stale {stale:.2e}, synced {synced:.2e}, {took:.2f} s")
     assert stale > STALE and synced < tol, (stale, synced)
 
 
