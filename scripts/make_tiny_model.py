@@ -3,8 +3,9 @@
     python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
 Real but for their sizes (build below): save_pretrained's fp32 safetensors, the real model classes, processors, patch
-sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same for every seed) with Qwen's special
-tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
+sizes and chat templates, a byte-level BPE tokenizer (Qwen2Tokenizer; Qwen3.5: Qwen3_5Tokenizer) trained here (the
+same for every seed) with Qwen's special tokens plus <think>/<answer>. The newer families: docs/families.md.
+Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
 The "wide" variant (tiny-<arch>-wide): hidden 384, 6 query / 2 KV heads (sequence parallelism over 3 ranks repeats
 KV heads, over 4 pads zero heads) and Qwen2.5-VL windows of one merged token (several windows per frame).
 The "heads<Q>-<KV>" variants: a published model's query / KV heads at width 64 (hidden 64 x Q), 2 layers, for
