@@ -254,13 +254,14 @@ def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
     return hasattr(config.vision_config, "deepstack_visual_indexes")
 
 
-# vLLM 0.32's CPU MoE kernel prepacks the experts once (cpu_moe.py process_weights_after_loading);
-# reload_weights copies checkpoint-layout experts into that storage and never packs them again:
-# measured, a sync of unchanged experts moves log-probs by 0.08 (docs/families.md)
-CPU_MOE_SYNC = (
-    "weight sync of a MoE model into vLLM 0.32 on the CPU is wrong (its MoE kernel keeps the "
-    "experts prepacked through reload_weights): use --rollout hf, or a GPU"
-)
+def repack_cpu_experts(worker):
+    """vLLM 0.32's reload of an unquantized MoE layer copies checkpoint-layout experts into the CPU
+    kernel's prepacked storage and skips the prepack (unquantized_fused_moe_method.py
+    _setup_kernel: `if not is_weight_update`); its own post-load step packs them again."""
+    for layer in worker.model_runner.model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
 
 
 def published_layout(weights, model_type: str):
@@ -440,8 +441,6 @@ class VLLMEngine:
         derived from the old weights."""
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and hasattr(self.config.get_text_config(), "num_experts"):
-            raise UserError(CPU_MOE_SYNC)
         # the weights only: they are overwritten before the KV cache is needed
         self.wake(tags=["weights"])
         weights = published_layout(hf_weights(model), self.config.model_type)
@@ -449,6 +448,8 @@ class VLLMEngine:
             # the vision tower's tensors left out (still gathered: a collective)
             weights = ((name, w) for name, w in weights if ".visual." not in f".{name}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(repack_cpu_experts)
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()

@@ -47,7 +47,6 @@ from common import (
     print0,
 )
 from rollout import (
-    CPU_MOE_SYNC,
     HFEngine,
     Rollout,
     VLLMEngine,
@@ -363,8 +362,6 @@ def check_config(cfg: Config, world: int = 1):
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
     if cfg.router_aux_loss and not moe:
         bad.append(f"router_aux_loss: {cfg.model} has no routers (not a MoE model)")
-    if moe and cfg.rollout == "vllm" and not torch.cuda.is_available():
-        bad.append(f"rollout vllm: {CPU_MOE_SYNC}")
     if cfg.router_aux_loss and cfg.sp_size > 1:  # each rank would balance its shard's tokens
         bad.append("router_aux_loss needs sp_size 1")
     if cfg.sp_size > 1 and linear_attention(cfg.model):
