@@ -243,6 +243,7 @@ def reference(synth):
 # and every rank's imports, ~7 CPU s a rank, paid once); each fixture returns its folder (every rank's safetensors)
 CONFIGS = {
     "sp2_ranks": (2, "2", "-", *ARCHS),
+    "dp2_ranks": (2, "1", "-", "qwen3_5"),  # linear attention: sp 1
     "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
     "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
     "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide"),
@@ -304,6 +305,7 @@ def config_fixture(name: str, job: str, k: int):
 sp2_ranks = config_fixture(
     "sp2_ranks", "launch_2_ranks", 0
 )  # with train.py's runs: two_rank_launch
+dp2_ranks = config_fixture("dp2_ranks", "launch_2_ranks", 1)
 dp2_sp2_ranks = config_fixture("dp2_sp2_ranks", "launch_4_ranks", 0)
 sp4_wide_ranks = config_fixture("sp4_wide_ranks", "launch_4_ranks", 1)
 sp3_wide_ranks = config_fixture("sp3_wide_ranks", "launch_3_ranks", 0)
@@ -367,6 +369,18 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth, arch):
     assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
     # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
     assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
+
+
+@pytest.mark.slow
+@pytest.mark.lane("launch_2_ranks")
+def test_linear_attention_fsdp2_matches_one_process(dp2_ranks, synth):
+    """Qwen3.5 (sp 1: its gated delta-net layers refuse SP) on 2 FSDP2 ranks, each half of the rows, vs one process:
+    log-probs, entropy, the losses and every parameter's gradient (the gated delta-net's too)."""
+    from safetensors.torch import load_file
+
+    got = [load_file(dp2_ranks / f"qwen3_5.rank{r}.safetensors") for r in range(2)]
+    assert any(".linear_attn." in n for n in got[0])
+    check_against(run("qwen3_5", os.path.join(synth, "train.jsonl"), 1, None), got, 1)
 
 
 @pytest.mark.slow
@@ -454,10 +468,10 @@ def test_linear_attention_refuses_sp(arch):
 
 @background("launch_2_ranks")
 def two_rank_launch(tmp_path_factory):
-    """One 2-rank torchrun launch (tests/train_worker.py), in conftest's background lane: the sp2 configuration, then
-    train.py with sp_size 2: 2 steps with the HF sampler, a checkpoint each step, then resumed with the vLLM sampler
-    (and freeze_vision: features once per step) for a third (the launch's one vLLM engine, last). Returns (its
-    folder, train_worker.Launch)."""
+    """One 2-rank torchrun launch (tests/train_worker.py), in conftest's background lane: the sp2 and dp2
+    configurations, then train.py with sp_size 2: 2 steps with the HF sampler, a checkpoint each step, then resumed
+    with the vLLM sampler (and freeze_vision: features once per step) for a third (the launch's one vLLM engine,
+    last). Returns (its folder, train_worker.Launch)."""
     from train_worker import start
 
     tmp_path = tmp_path_factory.mktemp("launch_2_ranks")
@@ -499,10 +513,10 @@ def two_rank_launch(tmp_path_factory):
             "--allow-config-change",
         ],
     )
-    sp2 = worker_run(tmp_path, "sp2_ranks")
+    workers = [worker_run(tmp_path, "sp2_ranks"), worker_run(tmp_path, "dp2_ranks")]
 
     def run():
-        return tmp_path, start([sp2] + [args + extra for extra in runs])
+        return tmp_path, start(workers + [args + extra for extra in runs])
 
     return run
 
@@ -516,7 +530,7 @@ def test_train_run_and_resume(tmp_path_factory):
     import math
 
     tmp_path, result = lane_result("launch_2_ranks", tmp_path_factory)
-    logs = [result.log(k) for k in (1, 2)]
+    logs = [result.log(k) for k in (2, 3)]
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
