@@ -966,7 +966,7 @@ def checkpoint_tensors(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_gae_two_steps_and_resume_bit_exact(torchrun_job):
+def test_gae_two_steps_and_resume_bit_exact_qwen3_5(torchrun_job):
     """Qwen3.5 (issue 42): exact resume of a model with linear-attention layers, its critic's too."""
     rows = metrics(torchrun_job, "gae")
     resumed = metrics(torchrun_job, "gae_resumed")

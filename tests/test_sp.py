@@ -373,7 +373,7 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth, arch):
 
 @pytest.mark.slow
 @pytest.mark.lane("launch_2_ranks")
-def test_linear_attention_fsdp2_matches_one_process(dp2_ranks, synth):
+def test_qwen3_5_fsdp2_matches_one_process(dp2_ranks, synth):
     """Qwen3.5 (sp 1: its gated delta-net layers refuse SP) on 2 FSDP2 ranks, each half of the rows, vs one process:
     log-probs, entropy, the losses and every parameter's gradient (the gated delta-net's too)."""
     from safetensors.torch import load_file
