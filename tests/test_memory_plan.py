@@ -512,6 +512,8 @@ RUN_CONFIGS = sorted(
         "qwen2_5_vl_7b",
         "qwen2_5_vl_7b_lora",
         "qwen3_vl_8b",
+        "qwen3_vl_30b_a3b",
+        "qwen3_5_9b",
     )
 )
 
