@@ -108,22 +108,34 @@ CPU_KV_CACHE_BYTES = int(os.environ.get("CPU_KV_CACHE_MIB", "1024")) * 2**20
 PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/memory.json")
 
 
+def model_spec(model: str) -> dict | None:
+    """The model's config.json, without weights or a network: a local folder's, a hub model's
+    published values in configs/memory.json; None for any other."""
+    local = os.path.join(model, "config.json")
+    if os.path.isfile(local):
+        with open(local) as f:
+            return json.load(f)
+    with open(PUBLISHED) as f:
+        return json.load(f)["published"].get(model)
+
+
+def linear_attention(model: str) -> bool:
+    """Whether the model has linear-attention layers (Qwen3.5's gated delta-net)."""
+    spec = model_spec(model) or {}
+    return "linear_attention" in spec.get("text_config", spec).get("layer_types", [])
+
+
 def engine_errors(model: str, tp: int, max_model_len: int) -> list[str]:
     """What vLLM refuses at engine start, found without weights or a network: its own ModelConfig and ParallelConfig
-    checks on the model's config.json (a local folder's; a hub model's published values in configs/memory.json; any
-    other is checked when its engine starts): query heads vs tensor_parallel_size, max_model_len vs the model's
-    positions (M-RoPE: long_overrides), and the split of the KV heads that its QKV layer
-    makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
+    checks on the model's config.json (model_spec; any other is checked when its engine starts): query heads vs
+    tensor_parallel_size, max_model_len vs the model's positions (M-RoPE: long_overrides), and the split of the KV
+    heads that its QKV layer makes at load (one of the KV heads and tensor_parallel_size divides the other)."""
     from vllm.config import ModelConfig, ParallelConfig
 
-    with open(PUBLISHED) as f:
-        spec = json.load(f)["published"].get(model)
+    spec = model_spec(model)
     local = os.path.isfile(os.path.join(model, "config.json"))
-    if not local and spec is None:
+    if spec is None:
         return []
-    if local:
-        with open(os.path.join(model, "config.json")) as f:
-            spec = json.load(f)
     overrides = long_overrides(spec.get("text_config", spec), max_model_len)
     with tempfile.TemporaryDirectory() as folder:
         if not local:
@@ -188,7 +200,7 @@ def vllm_settings(
     kv_cache_bytes = CPU_KV_CACHE_BYTES
     if current_platform.is_cuda():
         kv_cache_bytes = None  # sized by gpu_memory_utilization
-    return dict(
+    settings = dict(
         model=model_dir,
         tensor_parallel_size=tp,
         seed=seed,
@@ -202,6 +214,11 @@ def vllm_settings(
         limit_mm_per_prompt={"image": max_images, "video": max_videos},
         mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
     )
+    if current_platform.is_cpu() and linear_attention(model_dir):
+        # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only, and
+        # its prefix cache of hybrid models needs chunked prefill (off on the CPU: VLLMEngine)
+        settings |= dict(dtype="bfloat16", enable_prefix_caching=False)
+    return settings
 
 
 @contextlib.contextmanager
@@ -235,6 +252,24 @@ def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     return hasattr(config.vision_config, "deepstack_visual_indexes")
+
+
+def repack_cpu_experts(worker):
+    """vLLM 0.32's reload of an unquantized MoE layer copies checkpoint-layout experts into the CPU
+    kernel's prepacked storage and skips the prepack (unquantized_fused_moe_method.py
+    _setup_kernel: `if not is_weight_update`); its own post-load step packs them again."""
+    for layer in worker.model_runner.model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(layer)
+
+
+def published_layout(weights, model_type: str):
+    """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
+    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out)."""
+    for name, w in weights:
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        yield name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
 
 
 class VLLMEngine:
@@ -326,9 +361,9 @@ class VLLMEngine:
                     "positions, admitted: M-RoPE positions count time steps, not tokens, and "
                     "each prompt's are checked"
                 )
-        # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text)
-        model_type = self.config.model_type
-        self.timestamps = model_type.startswith("qwen3_vl")  # and Qwen3-VL-MoE's
+        # Qwen3-VL's video features travel with each frame pair's time (its "<t seconds>" text), as
+        # Qwen3-VL-MoE's and Qwen3.5's (the same processor)
+        self.timestamps = self.config.model_type.startswith(("qwen3_vl", "qwen3_5"))
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         banned = set(vision_token_ids(tokenizer))
         self.allowed = [i for i in range(vocab) if i not in banned]
@@ -404,13 +439,17 @@ class VLLMEngine:
         `reload_weights` worker RPC (in place on CPU and GPU; model.load_weights fails on CPU; the
         in-process executor consumes the stream lazily, a bucket at a time), then drop every cache
         derived from the old weights."""
+        from vllm.platforms import current_platform
+
         # the weights only: they are overwritten before the KV cache is needed
         self.wake(tags=["weights"])
-        weights = hf_weights(model)
+        weights = published_layout(hf_weights(model), self.config.model_type)
         if self.encoder is not None:  # the trainer's tower is frozen: vLLM has its weights or none
             # the vision tower's tensors left out (still gathered: a collective)
             weights = ((name, w) for name, w in weights if ".visual." not in f".{name}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(repack_cpu_experts)
         # stale vision embeddings would otherwise be served ("Encoder cache miss" at best)
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()

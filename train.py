@@ -52,6 +52,8 @@ from rollout import (
     VLLMEngine,
     engine_errors,
     eos_token_ids,
+    linear_attention,
+    model_spec,
     request_seed,
     vision_token_ids,
 )
@@ -177,6 +179,12 @@ class Config(rewards.JudgeSettings, Media):
     """gae: the first critic_warmup steps train the critic only (no policy step)"""
     entropy_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
+    router_aux_loss: bool = False
+    """MoE models: add the routers' load-balancing loss (transformers' output_router_logits; its
+    load_balancing_loss_func over every sparse layer), logged as router/aux. Off by default in RL:
+    vLLM samples with its own routing, and balancing moves the trainer's routing from it"""
+    router_aux_loss_coef: float = field(default=0.001, metadata=NOT_NEGATIVE)
+    """its weight (transformers' router_aux_loss_coef; the published MoE configs' 0.001)"""
     tis: Literal["", "token", "sequence"] = ""
     """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
     tis_cap: float = field(default=2.0, metadata=POSITIVE)
@@ -356,6 +364,16 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("critic_warmup needs adv_estimator gae (a critic)")
     if cfg.adv_estimator == "gae" and cfg.sp_size > 1:
         bad.append("adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)")
+    spec = model_spec(cfg.model) or {}
+    moe = "num_experts_per_tok" in spec.get("text_config", spec)
+    if cfg.router_aux_loss and not moe:
+        bad.append(f"router_aux_loss: {cfg.model} has no routers (not a MoE model)")
+    if cfg.router_aux_loss and cfg.sp_size > 1:  # each rank would balance its shard's tokens
+        bad.append("router_aux_loss needs sp_size 1")
+    if cfg.sp_size > 1 and linear_attention(cfg.model):
+        # Ulysses swaps the attention kernel only: a gated delta-net layer would run its
+        # recurrence over the rank's own positions (docs/families.md)
+        bad.append(f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1")
     if cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume):
         bad.append(f"resume {cfg.resume!r}: no such folder")
     if cfg.temperature < 1e-5:
@@ -918,7 +936,15 @@ def micro_loss(
     temperature = cfg.temperature
     if cfg.loss_type == "sft":  # the data's likelihood, not the sampler's tempered one
         temperature = 1.0
+    routers = []  # each sparse layer's router logits (tokens, experts) of this forward
+    hooks = []
+    if cfg.router_aux_loss:
+        for name, m in model.named_modules():
+            if name.endswith("mlp.gate"):  # transformers' records of router_logits: output 0
+                hooks.append(m.register_forward_hook(lambda _, x, out: routers.append(out[0])))
     logp, ent = token_logp(model, b, temperature, banned, cfg.logp_chunk, layout, counts)
+    for h in hooks:
+        h.remove()
     mask = b.mask  # (b, R)
     old = b.old_logp
     if old is None:
@@ -946,6 +972,15 @@ def micro_loss(
         - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
         + cfg.kl_coef * agg_loss(kl, mask, **norm)
     )
+    aux = torch.zeros(())
+    if routers:  # this micro-batch's part: its tokens' share (transformers' aux_loss, padding out)
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        text = model.config.get_text_config()
+        experts = (text.num_experts, text.num_experts_per_tok)
+        balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
+        aux = balance * mask.sum() / n_tok
+        loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():
         has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b.rollout_logp).abs(), 0.0)
@@ -957,6 +992,7 @@ def micro_loss(
             "mismatch_sum": d.sum().item(),
             "mismatch_n": has.sum().item(),
             "mismatch_max": d.max().item(),
+            "router_aux": aux.item(),
         }
         if cfg.tis:
             raw = is_weight(old, b.rollout_logp, mask, level=cfg.tis, cap=float("inf"))
@@ -2159,6 +2195,7 @@ def step_metrics(
         "kl": msum["kl"] / n_tok,
         "mismatch/mean": msum["mismatch_sum"] / max(1.0, msum["mismatch_n"]),
         "mismatch/max": max(p["m"]["mismatch_max"] for p in parts),
+        "router/aux": msum["router_aux"],
         "len/mean": mean_or_zero(rows["length"]),
         "len/truncated": mean_or_zero([f == "length" for f in rows["finish"]]),
         "tokens/s": n_tok / times["step"],

@@ -1,10 +1,11 @@
-"""Build tiny random-weight Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints locally (no hub, no network).
+"""Build tiny random-weight Qwen2-VL / 2.5-VL / 3-VL (dense, MoE) / 3.5 (dense, MoE) checkpoints (no hub, no network).
 
     python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
 Real but for their sizes (build below): save_pretrained's fp32 safetensors, the real model classes, processors, patch
-sizes and chat templates, a byte-level BPE Qwen2Tokenizer trained here (the same for every seed) with Qwen's special
-tokens plus <think>/<answer>. Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
+sizes and chat templates, a byte-level BPE tokenizer (Qwen2Tokenizer; Qwen3.5: Qwen3_5Tokenizer) trained here (the
+same for every seed) with Qwen's special tokens plus <think>/<answer>. The newer families: docs/families.md.
+Text: hidden 128, 2 layers, 2 heads of dim 64 (vLLM's CPU attention rejects 16).
 The "wide" variant (tiny-<arch>-wide): hidden 384, 6 query / 2 KV heads (sequence parallelism over 3 ranks repeats
 KV heads, over 4 pads zero heads) and Qwen2.5-VL windows of one merged token (several windows per frame).
 The "heads<Q>-<KV>" variants: a published model's query / KV heads at width 64 (hidden 64 x Q), 2 layers, for
@@ -93,6 +94,48 @@ ARCHS = {
         norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
     ),
 }
+# Qwen3-VL-MoE: Qwen3-VL's tower, positions, processor and template (Qwen3-VL-30B-A3B-Instruct ships the 8B's) with
+# a sparse MLP in every decoder layer: 4 experts, top 2 (real: 128, top 8), no shared expert (the family has none)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
+    classes=("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")
+    + ARCHS["qwen3_vl"]["classes"][2:],
+    # top-k weights renormalized, as transformers always does; vLLM reads the flag (5.19 has no field)
+    text=MOE | dict(norm_topk_prob=True),
+    template="qwen3_vl",
+)
+# Qwen3.5: natively multimodal, Qwen3-VL's processors, no deepstack; a gated delta-net (linear attention) layer
+# then a full attention layer (real: 3 linear per full one); rotary on a quarter of each head (64 x 0.25 = 16:
+# mrope_section sums to 8; real: 256 x 0.25, [11, 11, 10]); its own tokenizer class (pre-tokenizer regex)
+ARCHS["qwen3_5"] = dict(
+    classes=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration") + ARCHS["qwen3_vl"]["classes"][2:],
+    patch=16,
+    rope=dict(
+        rope_type="default",
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        mrope_section=[3, 3, 2],
+        mrope_interleaved=True,
+    ),
+    vision=dict(num_position_embeddings=256, hidden_act="gelu_pytorch_tanh", **WIDTHS),
+    norm=ARCHS["qwen3_vl"]["norm"],
+    text=dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # real: twice the key heads too
+        linear_key_head_dim=128,  # the real width: vLLM's CPU kernel rejects 32
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
+    tokenizer="Qwen3_5Tokenizer",
+)
+# Qwen3.5-MoE: Qwen3.5 with a sparse MLP (4 experts, top 2; real: 256, top 8) plus its shared expert
+ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5"] | dict(
+    classes=("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")
+    + ARCHS["qwen3_vl"]["classes"][2:],
+    text=ARCHS["qwen3_5"]["text"] | MOE | dict(shared_expert_intermediate_size=64),
+    template="qwen3_5",
+)
 # variant -> what it changes: the text config, the vision config (the settings the arch has)
 VARIANTS = {
     "": ({}, {}),
@@ -159,16 +202,17 @@ def corpus() -> list[str]:
     return lines
 
 
-def make_tokenizer(template: str):
+def make_tokenizer(template: str, cls: str = "Qwen2Tokenizer"):
     """A Qwen2Tokenizer whose vocab/merges we train with Qwen's own pipeline (NFC, digit-splitting regex, byte-level),
     so Qwen2Tokenizer rebuilding it from vocab+merges at load time gives the very tokenizer we trained. Byte-level
     with the full byte alphabet: any text round-trips."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
+    import transformers
 
+    Tok = getattr(transformers, cls)
     tk = Tokenizer(models.BPE())
     template_tok = (
-        Qwen2Tokenizer()
+        Tok()
     )  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
@@ -180,7 +224,7 @@ def make_tokenizer(template: str):
     )
     tk.train_from_iterator(corpus(), trainer)
     model = json.loads(tk.to_str())["model"]
-    tok = Qwen2Tokenizer(
+    tok = Tok(
         vocab=model["vocab"],
         merges=[tuple(m) for m in model["merges"]],
         unk_token=None,
@@ -212,7 +256,7 @@ def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
 
 
 def build(
-    arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+    arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
     out: str,
     seed: int = 0,
     force: bool = False,
@@ -233,8 +277,8 @@ def build(
     import transformers
 
     Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
-    with open(os.path.join(TEMPLATES, f"{arch}.jinja")) as f:
-        tok = make_tokenizer(f.read())
+    with open(os.path.join(TEMPLATES, f"{spec.get('template', arch)}.jinja")) as f:
+        tok = make_tokenizer(f.read(), spec.get("tokenizer", "Qwen2Tokenizer"))
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     patch = spec["patch"]
     text = (
@@ -257,6 +301,7 @@ def build(
             dtype="float32",
             rope_parameters=spec["rope"],
         )
+        | spec.get("text", {})
         | VARIANTS[variant][0]
     )
     vision = dict(
@@ -307,6 +352,15 @@ def build(
     tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    if arch == "qwen3_vl_moe":  # transformers saved its own layout: rollout.published_layout's
+        from safetensors.torch import load_file, save_file
+
+        file = os.path.join(tmp, "model.safetensors")
+        state = load_file(file)
+        state = {
+            k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in state.items()
+        }
+        save_file(state, file, metadata={"format": "pt"})
     processor.save_pretrained(tmp)
     with open(os.path.join(tmp, MARKER), "w") as f:
         json.dump(_marker(arch, seed, variant), f)

@@ -330,8 +330,8 @@ def shared_two_rank_launch(tmp_path_factory):
     """One 2-rank torchrun launch (tests/train_worker.py) of three files' workers, one after the other, in the lane:
     torchrun's start and the ranks' imports (~15 CPU s) are paid once. grads: test_joint's FSDP2 gradients
     (tests/grad_worker.py, into fsdp-{case}.safetensors); algos: test_algos' FSDP2 gradients and 2 steps of every
-    algorithm (HF sampler, into algos/); sync: test_rollout's weight sync, the launch's one vLLM engine (last).
-    Returns (its folder, train_worker.Launch)."""
+    algorithm (HF sampler, into algos/; gae's run and its exact resume on Qwen3.5); sync: test_rollout's weight
+    sync, the launch's one vLLM engine (last). Returns (its folder, train_worker.Launch)."""
     from train_worker import start
 
     out = tmp_path_factory.mktemp("shared_2_ranks")
@@ -345,7 +345,13 @@ def shared_two_rank_launch(tmp_path_factory):
             str(out / "fsdp-{case}.safetensors"),
             "split,uneven,uneven+ckpt",
         ],
-        ["tests/test_algos.py", str(out / "algos"), model, algo_data_dir()],
+        [
+            "tests/test_algos.py",
+            str(out / "algos"),
+            model,
+            algo_data_dir(),
+            tiny_model_dir("qwen3_5"),
+        ],
         ["tests/test_rollout.py", model, train_data],
     ]
 

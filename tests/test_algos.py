@@ -10,7 +10,9 @@ the same processes, sampling with the HF engine (a 3rd vLLM engine built in one 
 tests/test_train.py covers the vLLM path of the same loop). The job is this file's worker(), a run of
 conftest.shared_2_ranks' 2-rank launch (with test_joint's and test_rollout's):
 
-    torchrun --nproc_per_node=2 tests/test_algos.py OUT MODEL DATA_DIR
+    torchrun --nproc_per_node=2 tests/test_algos.py OUT MODEL DATA_DIR GAE_MODEL
+
+GAE_MODEL (Qwen3.5: the gae run and its resume are also the exact resume of a linear-attention model).
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import SHARED_RUNS, algo_data_dir  # noqa: E402
+from conftest import SHARED_RUNS, algo_data_dir, tiny_model_dir  # noqa: E402
 from train import (
     Config,
     Group,
@@ -739,7 +741,7 @@ def test_two_step_smoke(torchrun_job, name):
         assert abs(rows[0]["kl"]) < 1e-6 and abs(rows[1]["kl"]) > 0
 
 
-def worker(out, model_dir, data_dir):
+def worker(out, model_dir, data_dir, gae_model):
     """Under torchrun: rank r takes rows [4r, 4r + 4) of the invariance batch in micro-batches of 2, then
     runs each algorithm config for 2 steps in this same process."""
     import torch.distributed as dist
@@ -799,7 +801,7 @@ def worker(out, model_dir, data_dir):
                 ]
             )
         )
-    critic_worker(out, model_dir, data_dir)
+    critic_worker(out, model_dir, data_dir, gae_model)
     dist.barrier()
 
 
@@ -903,10 +905,10 @@ GAE_ARGS += (
 GAE_ARGS += ["--critic-warmup", "1", "--val-data", ""]
 
 
-def critic_worker(out, model_dir, data_dir):
+def critic_worker(out, model_dir, data_dir, gae_model):
     """In worker (torchrun): the critic's gradients of rank r's rows [4r, 4r + 4) in micro-batches of 2, then a
-    2-step gae run (critic warm-up 1: the policy steps at step 2 only; a checkpoint each step) and the same run
-    resumed from its step 1 in another folder."""
+    2-step gae run of gae_model (critic warm-up 1: the policy steps at step 2 only; a checkpoint each step) and the
+    same run resumed from its step 1 in another folder."""
     from conftest import tiny_config
     from train import build_critic, init_dist, load_config, main
 
@@ -918,7 +920,7 @@ def critic_worker(out, model_dir, data_dir):
     if rank == 0:
         torch.save((torch.tensor(loss), grads), os.path.join(out, "critic_grads.pt"))
     del critic
-    args = GAE_ARGS + ["--model", model_dir, "--train-data", f"{data_dir}/train.jsonl"]
+    args = GAE_ARGS + ["--model", gae_model, "--train-data", f"{data_dir}/train.jsonl"]
     args += ["--cache-dir", os.path.join(out, "frames")]
     main(load_config(args + ["--out-dir", os.path.join(out, "gae")]))
     step1 = os.path.join(out, "gae", "ckpt", "step_00000001")
@@ -964,7 +966,8 @@ def checkpoint_tensors(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_gae_two_steps_and_resume_bit_exact(torchrun_job, tiny_model):
+def test_gae_two_steps_and_resume_bit_exact_qwen3_5(torchrun_job):
+    """Qwen3.5 (issue 42): exact resume of a model with linear-attention layers, its critic's too."""
     rows = metrics(torchrun_job, "gae")
     resumed = metrics(torchrun_job, "gae_resumed")
     assert [r["step"] for r in rows] == [1, 2] and [r["step"] for r in resumed] == [2]
@@ -991,7 +994,8 @@ def test_gae_two_steps_and_resume_bit_exact(torchrun_job, tiny_model):
         assert same, k
     from transformers import AutoModelForImageTextToText
 
-    base = AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    qwen3_5 = tiny_model_dir("qwen3_5")
+    base = AutoModelForImageTextToText.from_pretrained(qwen3_5, dtype=torch.float32).state_dict()
     w = "model.language_model.layers.0.mlp.up_proj.weight"
     assert torch.equal(
         first[f"/model/{w}"], base[w]
@@ -1033,4 +1037,4 @@ def test_memory_plan_holds_the_critic():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    worker(*sys.argv[1:4])
+    worker(*sys.argv[1:5])

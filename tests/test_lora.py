@@ -121,11 +121,13 @@ def test_merged_weights_equal_peft_merge(tiny_model):
         list(hf_weights(broken))
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_reference_and_merge_on_the_other_families(arch, synth):
     """The two checks above on Qwen2-VL and Qwen3-VL, whose towers name their modules differently (Qwen2-VL: MLP
-    fc1/fc2 and LayerNorms; Qwen3-VL: merger linear_fc1/2): adapters scaled to 0 give the base model's log-probs,
-    and the merged weights, the vision blocks' attention included, equal peft's merge."""
+    fc1/fc2 and LayerNorms; Qwen3-VL: merger linear_fc1/2), and the MoE families (Qwen3.5-MoE: linear attention
+    too): adapters scaled to 0 give the base model's log-probs, and the merged weights, the vision blocks' attention
+    included, equal peft's merge. The default targets leave the routed experts (fused tensors, no Linear) and the
+    linear-attention layers without adapters; Qwen3.5-MoE's shared expert gets them (docs/families.md)."""
     import make_tiny_model
     from transformers import AutoProcessor
 
@@ -145,6 +147,9 @@ def test_reference_and_merge_on_the_other_families(arch, synth):
     assert ((ref - want).abs() * b.mask).max() < 1e-5 and (
         (policy - want).abs() * b.mask
     ).max() > 1e-3
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    assert adapted and not any(".experts" in n or "linear_attn" in n for n in adapted)
+    assert any(".shared_expert." in n for n in adapted) == (arch == "qwen3_5_moe")
     merged, before = dict(hf_weights(model)), base.state_dict()
     after = model.merge_and_unload().state_dict()
     assert list(merged) == list(before) == list(after)

@@ -39,6 +39,8 @@ CLASSES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
 }
 
 
@@ -65,6 +67,10 @@ def build(
         eos_token_id=None,
         pad_token_id=None,
     )
+    if "layer_types" in spec["text_config"] and layers < spec["text_config"]["num_hidden_layers"]:
+        # Qwen3.5's cut: gated delta-net layers then one full attention layer (its forward needs one): "layer" is a
+        # gated delta-net layer's, "rest" holds the full attention layer's (docs/families.md)
+        text["layer_types"] = ["linear_attention"] * (layers - 1) + ["full_attention"]
     vision = dict(spec["vision_config"], depth=depth)
     if (
         depth < spec["vision_config"]["depth"]
@@ -506,6 +512,8 @@ RUN_CONFIGS = sorted(
         "qwen2_5_vl_7b",
         "qwen2_5_vl_7b_lora",
         "qwen3_vl_8b",
+        "qwen3_vl_30b_a3b",
+        "qwen3_5_9b",
     )
 )
 

@@ -15,6 +15,7 @@ import os
 import sys
 
 import pytest
+from dataclasses import replace
 import torch
 
 sys.path[:0] = [
@@ -30,11 +31,9 @@ TEMPERATURE, CHUNK = 0.7, 3
 # all rows; image+video x 2 and text (the video split mid-way over 2 ranks); image+video alone (twice, for dp 2): no
 # padding, so no mask, the kernel's causal mode
 BATCHES = [list(range(7)), [4, 5, 6], [4, 4]]
-ARCHS = (
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-)  # one sp2 launch runs them all: ~10 CPU s of startup shared
+# one sp2 launch runs them all: ~10 CPU s of startup shared. Qwen3-VL-MoE stands for the MoE families (Qwen3.5-MoE's
+# experts are the same FSDP2 unit, a decoder layer); Qwen3.5's linear attention is refused with sp_size > 1
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def model_dir(name: str) -> str:
@@ -244,6 +243,7 @@ def reference(synth):
 # and every rank's imports, ~7 CPU s a rank, paid once); each fixture returns its folder (every rank's safetensors)
 CONFIGS = {
     "sp2_ranks": (2, "2", "-", *ARCHS),
+    "dp2_ranks": (2, "1", "-", "qwen3_5"),  # linear attention: sp 1
     "dp2_sp2_ranks": (4, "2", "ckpt", "qwen3_vl"),
     "sp3_wide_ranks": (3, "3", "-", "qwen2_5_vl-wide"),
     "sp4_wide_ranks": (4, "4", "-", "qwen2_5_vl-wide", "qwen3_vl-wide"),
@@ -305,6 +305,7 @@ def config_fixture(name: str, job: str, k: int):
 sp2_ranks = config_fixture(
     "sp2_ranks", "launch_2_ranks", 0
 )  # with train.py's runs: two_rank_launch
+dp2_ranks = config_fixture("dp2_ranks", "launch_2_ranks", 1)
 dp2_sp2_ranks = config_fixture("dp2_sp2_ranks", "launch_4_ranks", 0)
 sp4_wide_ranks = config_fixture("sp4_wide_ranks", "launch_4_ranks", 1)
 sp3_wide_ranks = config_fixture("sp3_wide_ranks", "launch_3_ranks", 0)
@@ -336,7 +337,8 @@ def check_against(ref: dict, got: list[dict], sp_size: int):
 
 @pytest.mark.slow
 @pytest.mark.lane("launch_2_ranks")  # the lane queues the jobs of tests' markers, not fixtures'
-def test_sp2_matches_one_process(sp2_ranks, reference, synth):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sp2_matches_one_process(sp2_ranks, reference, synth, arch):
     """sp_size 2 on 2 ranks vs one process, every checkpoint: log-probs, entropy and every parameter's gradient
     (fp32). Each video is decoded once per SP group, by the rank that prepares its prompt; each rank holds only its
     run of every prompt's pixel rows (bit for bit sp.run_rows of the whole prompt's) and encodes it: half of each
@@ -346,31 +348,39 @@ def test_sp2_matches_one_process(sp2_ranks, reference, synth):
 
     import sp
 
-    for arch, ref in reference.items():
-        got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
-        check_against(ref, got, 2)
-        # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
-        assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
-        rows = make_rows(
-            AutoProcessor.from_pretrained(model_dir(arch)),
-            tiny_config(model=model_dir(arch)),
-            os.path.join(synth, "train.jsonl"),
-        )
-        prompts = list({id(x.prompt): x.prompt for x in rows}.values())
-        for _, pixels, grid in sp.MEDIA:
-            assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
-            for r, part in enumerate(got):
-                assert torch.equal(
-                    part[pixels],
-                    torch.cat(
-                        [sp.run_rows(p, pixels, grid, r, 2) for p in prompts if pixels in p.mm]
-                    ),
-                )
-        assert (
-            ref["encodes0"] == 4 and ref["encodes1"] == 2
-        )  # one process: 2 images + 2 videos; 1 + 1
-        # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
-        assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
+    ref = reference[arch]
+    got = [load_file(sp2_ranks / f"{arch}.rank{r}.safetensors") for r in range(2)]
+    check_against(ref, got, 2)
+    # the 2 videos (prompts 0 and 2: SP rank 0 prepares them) once, not once per rank
+    assert ref["decodes"] == 2 and [part["decodes"] for part in got] == [2, 0]
+    rows = make_rows(
+        AutoProcessor.from_pretrained(model_dir(arch)),
+        tiny_config(model=model_dir(arch)),
+        os.path.join(synth, "train.jsonl"),
+    )
+    prompts = list({id(x.prompt): x.prompt for x in rows}.values())
+    for _, pixels, grid in sp.MEDIA:
+        assert sum(len(part[pixels]) for part in got) == len(ref[pixels])
+        for r, part in enumerate(got):
+            assert torch.equal(
+                part[pixels],
+                torch.cat([sp.run_rows(p, pixels, grid, r, 2) for p in prompts if pixels in p.mm]),
+            )
+    assert ref["encodes0"] == 4 and ref["encodes1"] == 2  # one process: 2 images + 2 videos; 1 + 1
+    # train.update's path (once): the no-grad batches' features kept, the tower run for batch 0 alone
+    assert [[part[f"encodes{k}"] for k in range(2)] for part in got] == [[3, 0], [4, 0]]
+
+
+@pytest.mark.slow
+@pytest.mark.lane("launch_2_ranks")
+def test_qwen3_5_fsdp2_matches_one_process(dp2_ranks, synth):
+    """Qwen3.5 (sp 1: its gated delta-net layers refuse SP) on 2 FSDP2 ranks, each half of the rows, vs one process:
+    log-probs, entropy, the losses and every parameter's gradient (the gated delta-net's too)."""
+    from safetensors.torch import load_file
+
+    got = [load_file(dp2_ranks / f"qwen3_5.rank{r}.safetensors") for r in range(2)]
+    assert any(".linear_attn." in n for n in got[0])
+    check_against(run("qwen3_5", os.path.join(synth, "train.jsonl"), 1, None), got, 1)
 
 
 @pytest.mark.slow
@@ -445,12 +455,23 @@ def test_config_errors(tiny_model):
         train.check_config(tiny_config(model=tiny_model, sp_size=0))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_linear_attention_refuses_sp(arch):
+    """Qwen3.5's gated delta-net layers run their recurrence inside the layer, over the positions it is given:
+    sp_size > 1 is refused before anything loads (a local checkpoint's config.json, or a hub name's published one)."""
+    for model in (model_dir(arch), "Qwen/Qwen3.5-9B"):
+        cfg = tiny_config(model=model, rollout="hf", prompts_per_step=4)
+        with pytest.raises(ValueError, match="linear-attention layers need sp_size 1"):
+            train.check_config(replace(cfg, sp_size=2), world=2)
+        train.check_config(cfg, world=2)
+
+
 @background("launch_2_ranks")
 def two_rank_launch(tmp_path_factory):
-    """One 2-rank torchrun launch (tests/train_worker.py), in conftest's background lane: the sp2 configuration, then
-    train.py with sp_size 2: 2 steps with the HF sampler, a checkpoint each step, then resumed with the vLLM sampler
-    (and freeze_vision: features once per step) for a third (the launch's one vLLM engine, last). Returns (its
-    folder, train_worker.Launch)."""
+    """One 2-rank torchrun launch (tests/train_worker.py), in conftest's background lane: the sp2 and dp2
+    configurations, then train.py with sp_size 2: 2 steps with the HF sampler, a checkpoint each step, then resumed
+    with the vLLM sampler (and freeze_vision: features once per step) for a third (the launch's one vLLM engine,
+    last). Returns (its folder, train_worker.Launch)."""
     from train_worker import start
 
     tmp_path = tmp_path_factory.mktemp("launch_2_ranks")
@@ -492,10 +513,10 @@ def two_rank_launch(tmp_path_factory):
             "--allow-config-change",
         ],
     )
-    sp2 = worker_run(tmp_path, "sp2_ranks")
+    workers = [worker_run(tmp_path, "sp2_ranks"), worker_run(tmp_path, "dp2_ranks")]
 
     def run():
-        return tmp_path, start([sp2] + [args + extra for extra in runs])
+        return tmp_path, start(workers + [args + extra for extra in runs])
 
     return run
 
@@ -509,7 +530,7 @@ def test_train_run_and_resume(tmp_path_factory):
     import math
 
     tmp_path, result = lane_result("launch_2_ranks", tmp_path_factory)
-    logs = [result.log(k) for k in (1, 2)]
+    logs = [result.log(k) for k in (2, 3)]
     assert "resumed from" in logs[1]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
