@@ -53,42 +53,35 @@ def run_phases(paths: list[str]):
     memory.peak_bytes does; each rank prints its peaks, rank 0 its largest after step 1 against the
     planner's CPU prediction for the run's own prompts (less the weights and AdamW states, resident
     before the phase)."""
-    import ctypes
-
     import data
     import memory_plan
     import rollout
     import train
     from transformers import AutoProcessor
 
-    micro_batches, sync, peaks = train.micro_batches, rollout.VLLMEngine.sync, []
+    micro_batches, sync, sample_batch = (
+        train.micro_batches,
+        rollout.VLLMEngine.sync,
+        train.sample_batch,
+    )
+    bases, peaks = [], []  # each train phase's memory.mark(), and its peak rise
+    rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
 
     def start(*args, **kw):  # the train phase's first call
-        ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, as memory.peak_bytes
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
+        bases.append(memory.mark())
         return micro_batches(*args, **kw)
 
     def end(
         *args, **kw
     ):  # the weight sync after the update (train.main syncs once before step 1 too)
-        if peaks and isinstance(peaks[-1], tuple):
-            base, file = peaks[-1]
-            peaks[-1] = (
-                memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file
-            ) * 1024
+        if len(bases) > len(peaks):
+            peaks.append(memory.rise(bases[-1]))
         return sync(*args, **kw)
 
-    sample_batch = train.sample_batch
-    rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
-
     def generation(*args, **kw):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = memory.status_kib("VmRSS") - memory.status_kib("RssFile")
+        base = memory.mark()
         batch = sample_batch(*args, **kw)
-        rises.append((memory.status_kib("VmHWM") - memory.status_kib("RssFile") - base) * 1024)
+        rises.append(memory.rise(base))
         return batch
 
     train.micro_batches, rollout.VLLMEngine.sync = start, end
@@ -97,16 +90,17 @@ def run_phases(paths: list[str]):
     train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     train.main(cfg)
     peak = max(peaks[1:] or peaks)
+    rank = int(os.environ.get("RANK", 0))
     print(
         json.dumps(
             {
-                "rank": int(os.environ.get("RANK", 0)),
+                "rank": rank,
                 "peaks_mib": [round(p / 2**20, 1) for p in peaks],
                 "generation_rise_mib": [round(r / 2**20, 1) for r in rises],
             }
         )
     )
-    if int(os.environ.get("RANK", 0)) == 0:
+    if rank == 0:
         processor = AutoProcessor.from_pretrained(cfg.model)
         prompt = data.prepare(data.load_samples(cfg.train_data)[0], processor, cfg)
         spec, meas = memory_plan.stored(cfg.model, "float32")
@@ -235,21 +229,18 @@ def main(c: memory.Config):
             f"{cf.ranks} | {r['peak'] / 2**20:.1f} MiB | {r['time']:.1f} s | {r['encodes']} |",
             flush=True,
         )
+    per_row, once, mr_sp = (
+        rows[k]["time"] for k in ("each row encoded", "vision-once dp 2", "MR-SP sp 2")
+    )
     print(
         f"tiny model: {r['params']:,} parameters; 4 bytes each, x 4 with gradients and AdamW states"
     )
-    print(
-        f"encoding once: {rows['each row encoded']['time'] / rows['vision-once dp 2']['time']:.2f}x"
-    )
+    print(f"encoding once: {per_row / once:.2f}x")
     print(
         f"per-rank memory sp1/sp2 at {TOP} frames: {rows['sp1']['peak'] / rows['sp2']['peak']:.2f}x"
     )
-    print(
-        f"long video step speedup: {rows['each row encoded']['time'] / rows['MR-SP sp 2']['time']:.2f}x"
-    )
-    print(
-        f"of which sequence parallel: {rows['vision-once dp 2']['time'] / rows['MR-SP sp 2']['time']:.2f}x"
-    )
+    print(f"long video step speedup: {per_row / mr_sp:.2f}x")
+    print(f"of which sequence parallel: {once / mr_sp:.2f}x")
     print_encodes(c)
 
 

@@ -110,17 +110,26 @@ def status_kib(key: str) -> int:
         return int(next(line.split()[1] for line in f if line.startswith(key + ":")))
 
 
-def peak_bytes(fn, *args) -> int:
-    """fn(*args)'s peak resident-set rise (VmHWM after clear_refs) less the file-backed pages (library code) it read."""
-    ctypes.CDLL(None).mallopt(
-        -3, 1 << 16
-    )  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
-    gc.collect()
+def mark() -> int:
+    """Resets VmHWM to the current resident set (clear_refs), glibc's mmap threshold pinned (M_MMAP_THRESHOLD: large
+    frees return to the OS, never parked in a heap); returns the anonymous resident set in KiB, for rise()."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 16)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    base, file = status_kib("VmRSS"), status_kib("RssFile")
+        f.write("5")
+    return status_kib("VmRSS") - status_kib("RssFile")
+
+
+def rise(base: int) -> int:
+    """Bytes the resident set peaked above mark()'s `base`, less the file-backed pages (library code) read since."""
+    return (status_kib("VmHWM") - status_kib("RssFile") - base) * 1024
+
+
+def peak_bytes(fn, *args) -> int:
+    """fn(*args)'s peak resident-set rise less the file-backed pages it read (mark, rise)."""
+    gc.collect()
+    base = mark()
     fn(*args)
-    return (status_kib("VmHWM") - base - status_kib("RssFile") + file) * 1024
+    return rise(base)
 
 
 def worker(c: Config) -> dict:
