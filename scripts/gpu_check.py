@@ -76,14 +76,10 @@ def cut(spec: dict, layers: int, blocks: int) -> dict:
     text, vision = dict(spec["text_config"]), dict(spec["vision_config"])
     text["num_hidden_layers"] = min(layers, text["num_hidden_layers"])
     if blocks < vision["depth"]:
-        deepstack = (
-            "deepstack_visual_indexes" in vision
-        )  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
-        vision.update(
-            {"deepstack_visual_indexes": [0]}
-            if deepstack
-            else {"fullatt_block_indexes": [blocks - 1]}
-        )
+        if "deepstack_visual_indexes" in vision:  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
+            vision["deepstack_visual_indexes"] = [0]
+        else:
+            vision["fullatt_block_indexes"] = [blocks - 1]
         vision["depth"] = blocks
     return dict(spec, text_config=text, vision_config=vision)
 
@@ -398,11 +394,12 @@ def main(c: Config) -> list[str]:
     ]  # offload's backends: gloo beside nccl, for the CPU shards
     if device.type != "cuda" and not c.cpu_smoke:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
-    tiny = [
-        make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
-        for a in ("qwen2_5_vl", "qwen3_vl")
-    ]
-    models = tiny if c.cpu_smoke else c.models
+    models = c.models
+    if c.cpu_smoke:
+        models = [
+            make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
+            for a in ("qwen2_5_vl", "qwen3_vl")
+        ]
     report = dict(
         device=str(device),
         torch=torch.__version__,
@@ -451,13 +448,11 @@ def main(c: Config) -> list[str]:
         "-p",
         "no:cacheprovider",
         "tests/test_gpu.py",
-    ]  # CPU: skips
+    ]
     gc.collect()  # the last model, before the tests take the GPU
     torch.cuda.empty_cache()
-    env = {
-        k: v for k, v in os.environ.items() if k not in world
-    }  # a fresh process, not in our world of one
-    try:  # for what is left of 570 s (at least a minute)
+    env = {k: v for k, v in os.environ.items() if k not in world}  # a fresh process, not our world
+    try:  # for what is left of 570 s (at least a minute); on CPU the tests skip
         p = subprocess.run(
             cmd,
             cwd=ROOT,
