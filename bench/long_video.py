@@ -137,10 +137,8 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     reference's features kept from step 1). Per step: {"policy": the policy tower's passes over a
     prompt, "reference": the reference's, "recomputed": the tower passes checkpointing recomputes
     in backward (block calls / depth less tower calls)}."""
-    import data
     import sp
     import train
-    from rollout import Rollout
     from transformers import AutoProcessor
 
     c = replace(c, frames=COUNT_FRAMES, prompts=2)
@@ -149,14 +147,7 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     cfg = replace(memory.train_config(c), **settings)
     processor = AutoProcessor.from_pretrained(cfg.model)
     t = train.build_trainer(cfg, processor, sp.make_layout(1), torch.device("cpu"))
-    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
-    prompts = [data.prepare(s, processor, cfg) for s in samples[: c.prompts]]
-    g = torch.Generator().manual_seed(0)
-    rollouts = []
-    for p in prompts:
-        for _ in range(c.group_size):
-            ids = torch.randint(20, 400, (c.response_len,), generator=g).tolist()
-            rollouts.append(Rollout(p, ids, None, "", "length"))
+    rollouts = memory.rollouts(c, memory.prompts(c, processor, cfg))
     videos = {"policy": [], "reference": []}  # videos per tower call
     blocks = []
     towers = {"policy": t.model.model.visual}
@@ -183,8 +174,8 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
         calls = sum(len(v) for v in videos.values())
         counts.append(
             {
-                "policy": sum(videos["policy"]) / len(prompts),
-                "reference": sum(videos["reference"]) / len(prompts),
+                "policy": sum(videos["policy"]) / c.prompts,
+                "reference": sum(videos["reference"]) / c.prompts,
                 "recomputed": len(blocks) / depth - calls,
             }
         )

@@ -132,13 +132,38 @@ def peak_bytes(fn, *args) -> int:
     return rise(base)
 
 
+def prompts(c: Config, processor, cfg) -> list:
+    """The prepared prompts of c's clips (prepare() wrote them)."""
+    import data
+
+    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
+    return [data.prepare(s, processor, cfg) for s in samples[: c.prompts]]
+
+
+def rollouts(c: Config, prompts: list, copies: bool = False) -> list:
+    """group_size rollouts of response_len random tokens per prompt (copies: each with its own copy of its Prompt,
+    so that no two rows share one)."""
+    from rollout import Rollout
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        Rollout(
+            copy.copy(p) if copies else p,
+            torch.randint(20, 400, (c.response_len,), generator=g).tolist(),
+            None,
+            "",
+            "length",
+        )
+        for p in prompts
+        for _ in range(c.group_size)
+    ]
+
+
 def worker(c: Config) -> dict:
     """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded
     per step, "prompt": tokens, "patches", "params"}."""
-    import data
     import sp
     import train
-    from rollout import Rollout
     from transformers import AutoProcessor
 
     rank, world = train.init_dist()[:2]
@@ -148,21 +173,8 @@ def worker(c: Config) -> dict:
     t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
     if c.worker == PER_ROW:  # the trainer before: the reference's features encoded in every step
         t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
-    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
-    prompts = [data.prepare(s, processor, cfg) for s in samples]
-    g = torch.Generator().manual_seed(0)
-    share = prompts[: c.prompts][rank // c.sp_size :: world // c.sp_size]
-    rollouts = [
-        Rollout(
-            copy.copy(p) if c.worker == PER_ROW else p,
-            torch.randint(20, 400, (c.response_len,), generator=g).tolist(),
-            None,
-            "",
-            "length",
-        )
-        for p in share
-        for _ in range(c.group_size)
-    ]
+    ps = prompts(c, processor, cfg)
+    rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
     for m in [
         m for m in (t.model, t.ref) if m is not None
@@ -173,7 +185,7 @@ def worker(c: Config) -> dict:
     peaks, times = [], []
     for _ in range(c.steps):
         t0 = time.time()
-        peaks.append(peak_bytes(train_phase, train, t, rollouts, cfg, processor.tokenizer))
+        peaks.append(peak_bytes(train_phase, train, t, rows, cfg, processor.tokenizer))
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
     peaks, times = peaks[1:] or peaks, times[1:] or times
@@ -181,8 +193,8 @@ def worker(c: Config) -> dict:
         peak=max(peaks),
         time=min(times),
         encodes=sum(encodes) // c.steps,
-        prompt=len(prompts[0].prompt_ids),
-        patches=int(prompts[0].mm["video_grid_thw"].prod()),
+        prompt=len(ps[0].prompt_ids),
+        patches=int(ps[0].mm["video_grid_thw"].prod()),
         params=sum(p.numel() for p in t.model.parameters()),
     )
 

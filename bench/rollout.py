@@ -5,6 +5,7 @@ prompts vs one per prompt; vLLM sync, bucketed all-gathers vs one per tensor. Ti
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -117,7 +118,7 @@ def main():
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
     res = {}
-    for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
+    for engine, ranks in itertools.product(("hf", "vllm"), (1, 2)):
         out = os.path.join(tmp, f"{engine}_{ranks}.json")
         p = subprocess.run(
             [

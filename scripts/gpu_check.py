@@ -256,7 +256,6 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
     tok = processor.tokenizer
-    banned = vision_token_ids(tok)
     R = cfg.max_response_len
     prompt = video_prompt(cfg, processor)
     tokens, patches = memory_plan.longest_prompt(replace(cfg, model=tiny), *memory_plan.SOURCE_HW)
@@ -270,9 +269,11 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     if cfg.max_tokens_per_micro_batch and not c.rows:
         rows = max(1, cfg.max_tokens_per_micro_batch // (tokens + R))
     cfg = replace(cfg, micro_batch_size=rows, max_tokens_per_micro_batch=0)
-    g = torch.Generator().manual_seed(0)  # responses: any ids above the (banned) vision tokens
-    responses = torch.randint(
-        max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g
+    responses = torch.randint(  # any ids above the (banned) vision tokens
+        max(vision_token_ids(tok)) + 1,
+        spec["text_config"]["vocab_size"],
+        (rows, R),
+        generator=torch.Generator().manual_seed(0),
     )
     rollouts = [Rollout(prompt, ids, None, "", "length") for ids in responses.tolist()]
     shape = dict(
