@@ -147,7 +147,7 @@ def dark(rng):
 # ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
 
 
-def gen_color(rng, c, T, H, W, fps):
+def gen_color(rng, c, T, H, W, fps, kind="video"):
     """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
     side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
@@ -155,7 +155,7 @@ def gen_color(rng, c, T, H, W, fps):
     return (
         list(COLORS.values())[c],
         rects,
-        "What is the background color of the video?",
+        f"What is the background color of the {kind}?",
         L,
         COLOR_OPTIONS,
         "multiple choice",
@@ -164,8 +164,7 @@ def gen_color(rng, c, T, H, W, fps):
 
 
 def gen_image_color(rng, c, T, H, W, fps):
-    bg, rects, _, L, opts, ptype, off = gen_color(rng, c, 1, H, W, fps)
-    return bg, rects, "What is the background color of the image?", L, opts, ptype, off
+    return gen_color(rng, c, 1, H, W, fps, "image")
 
 
 def gen_direction(rng, d, T, H, W, fps):
