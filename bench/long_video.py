@@ -32,7 +32,6 @@ Memory: the resident-set rise over the step, less the file-backed pages it fault
 """
 
 import functools
-import itertools
 import json
 import os
 import sys
@@ -131,7 +130,7 @@ def run_phases(paths: list[str]):
 
 
 def encode_counts(c: memory.Config, **switches) -> list[dict]:
-    """Vision encodes per prompt in each of 2 train phases (train.logp_pass, train.update) of the
+    """Vision encodes per prompt in each of 2 train phases (memory.train_phase) of the
     hour recipes' micro-batching in one process: one row per micro-batch, group_size rows per
     prompt, 2 mini-batches, kl_coef, gradient_checkpointing; the same samples both steps (the
     reference's features kept from step 1). Per step: {"policy": the policy tower's passes over a
@@ -165,12 +164,7 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
         for v in videos.values():
             v.clear()
         blocks.clear()
-        minibatches = train.micro_batches(rollouts, cfg, processor.tokenizer, t.device, None)
-        train.logp_pass(t, minibatches, rollouts, cfg, train.Counts())
-        for b in itertools.chain(*minibatches):  # advantages +-1 by row
-            adv = torch.tensor(b.index) % 2 * 2.0 - 1
-            b.adv = adv[:, None].expand_as(b.mask)
-        train.update(t, minibatches, cfg, step=1, ids=[])
+        memory.train_phase(train, t, rollouts, cfg, processor.tokenizer)
         calls = sum(len(v) for v in videos.values())
         counts.append(
             {
