@@ -28,7 +28,7 @@ update). Rows, and what each ratio holds:
   reference's first sight of the samples included); vLLM's own encode for generation comes on
   top.
 Memory: the resident-set rise over the step, less the file-backed pages it faulted in
-(memory.peak_bytes), the largest rank's. Details: docs/speed.md.
+(memory.mark, memory.rise), the largest rank's. Details: docs/speed.md.
 """
 
 import functools
@@ -49,7 +49,7 @@ COUNT_FRAMES = 32  # the encode count's clips (the count does not depend on the 
 def run_phases(paths: list[str]):
     """train.main on the configs `paths` (under torchrun) with each step's train phase (from
     train.micro_batches to the weight sync: log-prob passes, advantages, update) measured as
-    memory.peak_bytes does; each rank prints its peaks, rank 0 its largest after step 1 against the
+    memory.worker does; each rank prints its peaks, rank 0 its largest after step 1 against the
     planner's CPU prediction for the run's own prompts (less the weights and AdamW states, resident
     before the phase)."""
     import data

@@ -5,7 +5,7 @@
 The tiny Qwen2.5-VL, `prompts` synthetic clips, group_size rollouts of response_len random tokens each. A fresh
 process per setting (`--worker`) loads the model (and with kl_coef the reference) and runs train.main's step after
 generation `steps` times (train.train_phase: the log-prob pass, advantages, train.update): the last one's peak memory
-(peak_bytes), time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before
+(mark, rise), time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before
 issue 13 as a setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes
 every row's video (the tower trained) as train.py did then. bench/long_video.py runs this worker too.
 """
@@ -124,14 +124,6 @@ def rise(base: int) -> int:
     return (status_kib("VmHWM") - status_kib("RssFile") - base) * 1024
 
 
-def peak_bytes(fn, *args) -> int:
-    """fn(*args)'s peak resident-set rise less the file-backed pages it read (mark, rise)."""
-    gc.collect()
-    base = mark()
-    fn(*args)
-    return rise(base)
-
-
 def prompts(c: Config, processor, cfg) -> list:
     """The prepared prompts of c's clips (prepare() wrote them)."""
     import data
@@ -176,16 +168,18 @@ def worker(c: Config) -> dict:
     ps = prompts(c, processor, cfg)
     rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
-    for m in [
-        m for m in (t.model, t.ref) if m is not None
-    ]:  # the reference's tower encodes too (features not frozen)
-        m.model.visual.register_forward_pre_hook(
-            lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
-        )
+    for m in (t.model, t.ref):  # the reference's tower encodes too (features not frozen)
+        if m is not None:
+            m.model.visual.register_forward_pre_hook(
+                lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
+            )
     peaks, times = [], []
     for _ in range(c.steps):
+        gc.collect()  # the last step's garbage is not this one's peak
         t0 = time.time()
-        peaks.append(peak_bytes(train_phase, train, t, rows, cfg, processor.tokenizer))
+        base = mark()
+        train_phase(train, t, rows, cfg, processor.tokenizer)
+        peaks.append(rise(base))
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
     peaks, times = peaks[1:] or peaks, times[1:] or times
