@@ -84,6 +84,11 @@ def cut(spec: dict, layers: int, blocks: int) -> dict:
     return dict(spec, text_config=text, vision_config=vision)
 
 
+def numel(module) -> int:
+    """The parameters of `module` (a model, a layer, a tower)."""
+    return sum(p.numel() for p in module.parameters())
+
+
 def build(spec: dict, tiny: str, folder: str, device) -> dict:
     """A random-init bf16 checkpoint of `spec` in `folder`, with the token ids of `tiny` (whose processor we use).
     Returns the planner's parameter counts."""
@@ -116,13 +121,10 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = transformers.GenerationConfig.from_pretrained(tiny)
     model.save_pretrained(folder)
-    sizes = [
-        sum(p.numel() for p in b.parameters())
-        for b in [*model.model.language_model.layers, *model.model.visual.blocks]
-    ]
-    total = sum(p.numel() for p in model.parameters())
-    vision = sum(p.numel() for p in model.model.visual.parameters())
-    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
+    sizes = [numel(b) for b in [*model.model.language_model.layers, *model.model.visual.blocks]]
+    total = numel(model)
+    root = total - sum(sizes)
+    return dict(total=total, largest_layer=max(sizes), root=root, vision=numel(model.model.visual))
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
@@ -196,10 +198,10 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     frame = grid[1] * grid[2]  # patches of a frame pair
     patches = grid[0] * frame
     layers = model.model.language_model.layers
-    dec = sum(p.numel() for p in layers.parameters())
-    blk = sum(p.numel() for p in tower.blocks.parameters())
-    embed = sum(p.numel() for p in tower.patch_embed.parameters())
-    rest = sum(p.numel() for p in tower.parameters())
+    dec = numel(layers)
+    blk = numel(tower.blocks)
+    embed = numel(tower.patch_embed)
+    rest = numel(tower)
     dense = (
         rows * tokens * dec
         + patches * (blk + embed)
