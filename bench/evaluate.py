@@ -126,7 +126,7 @@ def main(
         engine = E.make_engine(c, processor.tokenizer)
         try:
             out = os.path.join(work, "runs", label)
-            await E.evaluate(replace(c, max_samples=4, out_dir=out + "-warmup"), engine, processor)
+            await E.evaluate(replace(c, max_samples=4, out_dir=f"{out}-warmup"), engine, processor)
             if (
                 c.video_source != "decode_only"
             ):  # as after `scripts/cache_frames.py` or a previous eval
@@ -138,7 +138,7 @@ def main(
                 runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
             if extra:
                 res = await E.evaluate(
-                    replace(c, out_dir=out + "-extra", **extra), engine, processor
+                    replace(c, out_dir=f"{out}-extra", **extra), engine, processor
                 )
                 runs.append(Run(res["nvr1"], 0.0, 0.0))
             return runs
