@@ -159,11 +159,9 @@ def main(n: int = 10000, seed: int = 0):
         data = completions(ptype, n, seed)
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
-        rates.append(len(data) / (time.perf_counter() - t0))
-        mean, fails = (
-            sum(o for o, _ in scored) / len(data),
-            sum(c["parse_fail"] for _, c in scored) / len(data),
-        )
+        rates.append(n / (time.perf_counter() - t0))
+        mean = sum(o for o, _ in scored) / n
+        fails = sum(c["parse_fail"] for _, c in scored) / n
         print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
     print(f"rewards/s: {int(min(rates))}")
 

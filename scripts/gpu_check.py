@@ -359,8 +359,9 @@ def table(report: dict) -> list[str]:
         figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
         cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
         lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
-    if any("mfu" in r for r in report["rows"]):
-        best = max((r for r in report["rows"] if "mfu" in r), key=lambda r: r["mfu"])
+    with_mfu = [r for r in report["rows"] if "mfu" in r]
+    if with_mfu:
+        best = max(with_mfu, key=lambda r: r["mfu"])
         lines.append(
             f"best MFU: {best['mfu']:.1%}, {os.path.basename(best['model'])} {best['setting']} "
             f"(of {peak:g} bf16 TFLOP/s)"
