@@ -244,16 +244,12 @@ def print_encodes(c: memory.Config):
 
 
 if __name__ == "__main__":
+    default = memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)
     if "--plan-check" in sys.argv:
         run_phases(sys.argv[sys.argv.index("--plan-check") + 1 :])
     elif "--encodes" in sys.argv:  # the encode count alone (a minute)
-        sys.argv.remove("--encodes")
-        print_encodes(memory.Config(size=112, group_size=8, kl_coef=0.01))
+        print_encodes(default)
     else:
         import tyro
 
-        main(
-            tyro.cli(
-                memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)
-            )
-        )
+        main(tyro.cli(memory.Config, default=default))
