@@ -144,8 +144,13 @@ def main(
                 f"{v}: cached frames differ from decoded ones"
             )
         shape = f"{'x'.join(map(str, frames.shape[:3]))} {frames.nbytes / 1e6:.2g}MB"
-        decode_ms, cached_ms = 1000 * statistics.mean(decode_s), 1000 * statistics.mean(cached_s)
-        lines.append((f"load/sample (ms) {name} {shape}", decode_ms, cached_ms))
+        lines.append(
+            (
+                f"load/sample (ms) {name} {shape}",
+                1000 * statistics.mean(decode_s),
+                1000 * statistics.mean(cached_s),
+            )
+        )
         print(
             f"per-sample load at {name} settings measured ({sum(decode_s):.0f}s of decoding)",
             flush=True,

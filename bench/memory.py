@@ -93,9 +93,11 @@ def train_config(c: Config, **switches):
     )
 
 
-def train_phase(train, t, rollouts: list, cfg, tok):
+def train_phase(t, rollouts: list, cfg, tok):
     """train.train_phase, train.main's step after generation, on this process's CPU (t: a train.Trainer; rewards
     alternating 1, 0 by row): the log-prob pass (frozen features, the reference's), advantages, train.update."""
+    import train
+
     rows = dict(
         reward=[float(i % 2) for i in range(len(rollouts))],
         length=[len(r.response_ids) for r in rollouts],
@@ -178,7 +180,7 @@ def worker(c: Config) -> dict:
         gc.collect()  # the last step's garbage is not this one's peak
         t0 = time.time()
         base = mark()
-        train_phase(train, t, rows, cfg, processor.tokenizer)
+        train_phase(t, rows, cfg, processor.tokenizer)
         peaks.append(rise(base))
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
