@@ -8,7 +8,6 @@ train-phase MFU, bf16 sampler vs trainer log-probs, offload, tests/test_gpu.py.
 import gc
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -420,8 +419,8 @@ def main(c: Config) -> list[str]:
         )
     start = time.time()
     last = 0.0  # the last model's time
-    folder = tempfile.mkdtemp(prefix="gpu_check-")  # the checkpoint at hand
-    try:
+    # the checkpoint at hand
+    with tempfile.TemporaryDirectory(prefix="gpu_check-", ignore_cleanup_errors=True) as folder:
         for name in models:
             if time.time() - start + last > DEADLINE_S:
                 report["skipped"].append(name)
@@ -441,8 +440,6 @@ def main(c: Config) -> list[str]:
                 )
                 print(report["rows"][-1]["error"], file=sys.stderr)
             last = time.time() - t0
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     cmd = [
         sys.executable,
         "-m",
