@@ -123,7 +123,7 @@ def main(
     cache.load_video(
         videos[0], FRAMES, mode="decode_only"
     )  # untimed: the first call imports decord, torchvision
-    load = {}
+    lines = []  # (measure, decode_only, warm cache)
     for name, settings, d in (
         ("bench", FRAMES, frames_dir),
         ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b")),
@@ -143,7 +143,14 @@ def main(
             assert (frames == ref[0]).all() and meta == ref[1], (
                 f"{v}: cached frames differ from decoded ones"
             )
-        load[name] = (decode_s, cached_s, frames)
+        shape = f"{'x'.join(map(str, frames.shape[:3]))} {frames.nbytes / 1e6:.2g}MB"
+        lines.append(
+            (
+                f"load/sample (ms) {name} {shape}",
+                1000 * statistics.mean(decode_s),
+                1000 * statistics.mean(cached_s),
+            )
+        )
         print(
             f"per-sample load at {name} settings measured ({sum(decode_s):.0f}s of decoding)",
             flush=True,
@@ -155,7 +162,7 @@ def main(
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
-    prep_s = {}
+    prep_ms = []
     for src in ("decode_only", "prefer_cache"):
         cfg = load_config(
             [
@@ -171,7 +178,8 @@ def main(
         t = time.perf_counter()
         for s in data.load_samples(train_jsonl):
             data.prepare(s, processor, cfg)
-        prep_s[src] = (time.perf_counter() - t) / len(videos)
+        prep_ms.append(1000 * (time.perf_counter() - t) / len(videos))
+    lines.append(("prepare/sample (ms): frames+template+processor", *prep_ms))
 
     # ---- 3. training steps: decode_only vs the warm cache
     runs = {
@@ -192,21 +200,6 @@ def main(
         }
         for src, rows in runs.items()
     }
-    lines = [
-        (
-            f"load/sample (ms) {k} {'x'.join(map(str, f.shape[:3]))} {f.nbytes / 1e6:.2g}MB",
-            1000 * statistics.mean(dec),
-            1000 * statistics.mean(c),
-        )
-        for k, (dec, c, f) in load.items()
-    ]
-    lines.append(
-        (
-            "prepare/sample (ms): frames+template+processor",
-            1000 * prep_s["decode_only"],
-            1000 * prep_s["prefer_cache"],
-        )
-    )
     times = [
         k
         for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync")

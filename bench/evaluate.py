@@ -126,7 +126,7 @@ def main(
         engine = E.make_engine(c, processor.tokenizer)
         try:
             out = os.path.join(work, "runs", label)
-            await E.evaluate(replace(c, max_samples=4, out_dir=out + "-warmup"), engine, processor)
+            await E.evaluate(replace(c, max_samples=4, out_dir=f"{out}-warmup"), engine, processor)
             if (
                 c.video_source != "decode_only"
             ):  # as after `scripts/cache_frames.py` or a previous eval
@@ -138,7 +138,7 @@ def main(
                 runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
             if extra:
                 res = await E.evaluate(
-                    replace(c, out_dir=out + "-extra", **extra), engine, processor
+                    replace(c, out_dir=f"{out}-extra", **extra), engine, processor
                 )
                 runs.append(Run(res["nvr1"], 0.0, 0.0))
             return runs
@@ -150,21 +150,21 @@ def main(
     # the control: the pipeline one request at a time (the plain loop's batch shape)
     *pipe, serial = asyncio.run(timed(pipe_cfg, "async", {"max_in_flight": 1}))
 
+    def agree(a: dict, b: dict) -> int:
+        return sum(a[k] == b.get(k) for k in a)
+
     # inputs and outputs compared apart: the same prompt ids and pixels, then the same greedy text
-    inputs = input_digests(E, processor, plain_cfg), input_digests(E, processor, pipe_cfg)
-    same_inputs = sum(inputs[0][k] == inputs[1].get(k) for k in inputs[0])
+    inputs = input_digests(E, processor, plain_cfg)
+    same_inputs = agree(inputs, input_digests(E, processor, pipe_cfg))
     texts = [{k: r["resps"][0] for k, r in E.read_log(x.result["samples"])[0].items()} for x in
              (plain[0], pipe[0], serial, *plain[1:], *pipe[1:])]  # fmt: skip
     n = plain[0].result["metrics"]["n"]
-
-    def agree(a: dict, b: dict) -> int:
-        return sum(a[k] == b.get(k) for k in a)
 
     print(
         f"\n{n} samples, {width}x{height} px {fps:g} fps {seconds:g} s videos, greedy, max_tokens "
         f"{max_tokens}\n"
         f"inputs (prompt ids, frames, pixel values; decoded vs cached frames) identical: "
-        f"{same_inputs}/{len(inputs[0])}\n"
+        f"{same_inputs}/{len(inputs)}\n"
         f"outputs identical, plain loop vs pipeline ({max_in_flight} in flight): "
         f"{agree(texts[0], texts[1])}/{n}; vs the pipeline 1 in flight: {agree(texts[0], texts[2])}/{n};"
         f" across repeats: plain {all(t == texts[0] for t in texts[3 : 3 + repeats - 1])}, pipeline "

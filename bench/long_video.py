@@ -28,11 +28,10 @@ update). Rows, and what each ratio holds:
   reference's first sight of the samples included); vLLM's own encode for generation comes on
   top.
 Memory: the resident-set rise over the step, less the file-backed pages it faulted in
-(memory.peak_bytes), the largest rank's. Details: docs/speed.md.
+(memory.mark, memory.rise), the largest rank's. Details: docs/speed.md.
 """
 
 import functools
-import itertools
 import json
 import os
 import sys
@@ -50,45 +49,38 @@ COUNT_FRAMES = 32  # the encode count's clips (the count does not depend on the 
 def run_phases(paths: list[str]):
     """train.main on the configs `paths` (under torchrun) with each step's train phase (from
     train.micro_batches to the weight sync: log-prob passes, advantages, update) measured as
-    memory.peak_bytes does; each rank prints its peaks, rank 0 its largest after step 1 against the
+    memory.worker does; each rank prints its peaks, rank 0 its largest after step 1 against the
     planner's CPU prediction for the run's own prompts (less the weights and AdamW states, resident
     before the phase)."""
-    import ctypes
-
     import data
     import memory_plan
     import rollout
     import train
     from transformers import AutoProcessor
 
-    micro_batches, sync, peaks = train.micro_batches, rollout.VLLMEngine.sync, []
+    micro_batches, sync, sample_batch = (
+        train.micro_batches,
+        rollout.VLLMEngine.sync,
+        train.sample_batch,
+    )
+    bases, peaks = [], []  # each train phase's memory.mark(), and its peak rise
+    rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
 
     def start(*args, **kw):  # the train phase's first call
-        ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD, as memory.peak_bytes
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        peaks.append((memory.status_kib("VmRSS"), memory.status_kib("RssFile")))
+        bases.append(memory.mark())
         return micro_batches(*args, **kw)
 
     def end(
         *args, **kw
     ):  # the weight sync after the update (train.main syncs once before step 1 too)
-        if peaks and isinstance(peaks[-1], tuple):
-            base, file = peaks[-1]
-            peaks[-1] = (
-                memory.status_kib("VmHWM") - base - memory.status_kib("RssFile") + file
-            ) * 1024
+        if len(bases) > len(peaks):
+            peaks.append(memory.rise(bases[-1]))
         return sync(*args, **kw)
 
-    sample_batch = train.sample_batch
-    rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
-
     def generation(*args, **kw):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = memory.status_kib("VmRSS") - memory.status_kib("RssFile")
+        base = memory.mark()
         batch = sample_batch(*args, **kw)
-        rises.append((memory.status_kib("VmHWM") - memory.status_kib("RssFile") - base) * 1024)
+        rises.append(memory.rise(base))
         return batch
 
     train.micro_batches, rollout.VLLMEngine.sync = start, end
@@ -97,16 +89,17 @@ def run_phases(paths: list[str]):
     train.common.quiet()  # the start-up and per-step library lines train.py's own runs drop
     train.main(cfg)
     peak = max(peaks[1:] or peaks)
+    rank = int(os.environ.get("RANK", 0))
     print(
         json.dumps(
             {
-                "rank": int(os.environ.get("RANK", 0)),
+                "rank": rank,
                 "peaks_mib": [round(p / 2**20, 1) for p in peaks],
                 "generation_rise_mib": [round(r / 2**20, 1) for r in rises],
             }
         )
     )
-    if int(os.environ.get("RANK", 0)) == 0:
+    if rank == 0:
         processor = AutoProcessor.from_pretrained(cfg.model)
         prompt = data.prepare(data.load_samples(cfg.train_data)[0], processor, cfg)
         spec, meas = memory_plan.stored(cfg.model, "float32")
@@ -137,16 +130,14 @@ def run_phases(paths: list[str]):
 
 
 def encode_counts(c: memory.Config, **switches) -> list[dict]:
-    """Vision encodes per prompt in each of 2 train phases (train.logp_pass, train.update) of the
+    """Vision encodes per prompt in each of 2 train phases (memory.train_phase) of the
     hour recipes' micro-batching in one process: one row per micro-batch, group_size rows per
     prompt, 2 mini-batches, kl_coef, gradient_checkpointing; the same samples both steps (the
     reference's features kept from step 1). Per step: {"policy": the policy tower's passes over a
     prompt, "reference": the reference's, "recomputed": the tower passes checkpointing recomputes
     in backward (block calls / depth less tower calls)}."""
-    import data
     import sp
     import train
-    from rollout import Rollout
     from transformers import AutoProcessor
 
     c = replace(c, frames=COUNT_FRAMES, prompts=2)
@@ -155,14 +146,7 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     cfg = replace(memory.train_config(c), **settings)
     processor = AutoProcessor.from_pretrained(cfg.model)
     t = train.build_trainer(cfg, processor, sp.make_layout(1), torch.device("cpu"))
-    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
-    prompts = [data.prepare(s, processor, cfg) for s in samples[: c.prompts]]
-    g = torch.Generator().manual_seed(0)
-    rollouts = []
-    for p in prompts:
-        for _ in range(c.group_size):
-            ids = torch.randint(20, 400, (c.response_len,), generator=g).tolist()
-            rollouts.append(Rollout(p, ids, None, "", "length"))
+    rollouts = memory.rollouts(c, memory.prompts(c, processor, cfg))
     videos = {"policy": [], "reference": []}  # videos per tower call
     blocks = []
     towers = {"policy": t.model.model.visual}
@@ -173,24 +157,19 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
             functools.partial(count_videos, videos[name]), with_kwargs=True
         )
         for block in tower.blocks:
-            block.register_forward_pre_hook(functools.partial(count_call, blocks))
+            block.register_forward_pre_hook(lambda *_: blocks.append(1))
     depth = len(t.model.model.visual.blocks)
     counts = []
     for _ in range(2):
         for v in videos.values():
             v.clear()
         blocks.clear()
-        minibatches = train.micro_batches(rollouts, cfg, processor.tokenizer, t.device, None)
-        train.logp_pass(t, minibatches, rollouts, cfg, train.Counts())
-        for b in itertools.chain(*minibatches):  # advantages +-1 by row
-            adv = torch.tensor(b.index) % 2 * 2.0 - 1
-            b.adv = adv[:, None].expand_as(b.mask)
-        train.update(t, minibatches, cfg, step=1, ids=[])
+        memory.train_phase(t, rollouts, cfg, processor.tokenizer)
         calls = sum(len(v) for v in videos.values())
         counts.append(
             {
-                "policy": sum(videos["policy"]) / len(prompts),
-                "reference": sum(videos["reference"]) / len(prompts),
+                "policy": sum(videos["policy"]) / c.prompts,
+                "reference": sum(videos["reference"]) / c.prompts,
                 "recomputed": len(blocks) / depth - calls,
             }
         )
@@ -200,10 +179,6 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
 def count_videos(out: list, module, args, kw):
     """A tower's pre-hook: the videos of this call (HF passes grid_thw, a row per video)."""
     out.append(len(kw["grid_thw"]))
-
-
-def count_call(out: list, module, args):
-    out.append(1)
 
 
 def main(c: memory.Config):
@@ -272,16 +247,12 @@ def print_encodes(c: memory.Config):
 
 
 if __name__ == "__main__":
+    default = memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)
     if "--plan-check" in sys.argv:
         run_phases(sys.argv[sys.argv.index("--plan-check") + 1 :])
     elif "--encodes" in sys.argv:  # the encode count alone (a minute)
-        sys.argv.remove("--encodes")
-        print_encodes(memory.Config(size=112, group_size=8, kl_coef=0.01))
+        print_encodes(default)
     else:
         import tyro
 
-        main(
-            tyro.cli(
-                memory.Config, default=memory.Config(size=112, group_size=8, kl_coef=0.01, steps=2)
-            )
-        )
+        main(tyro.cli(memory.Config, default=default))

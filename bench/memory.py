@@ -5,7 +5,7 @@
 The tiny Qwen2.5-VL, `prompts` synthetic clips, group_size rollouts of response_len random tokens each. A fresh
 process per setting (`--worker`) loads the model (and with kl_coef the reference) and runs train.main's step after
 generation `steps` times (train.train_phase: the log-prob pass, advantages, train.update): the last one's peak memory
-(peak_bytes), time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before
+(mark, rise), time and videos encoded (pre-hooks on the vision towers). "each row encoded" is the trainer before
 issue 13 as a setting of today's: every switch off and each row its own copy of its prompt, so every pass encodes
 every row's video (the tower trained) as train.py did then. bench/long_video.py runs this worker too.
 """
@@ -93,9 +93,11 @@ def train_config(c: Config, **switches):
     )
 
 
-def train_phase(train, t, rollouts: list, cfg, tok):
+def train_phase(t, rollouts: list, cfg, tok):
     """train.train_phase, train.main's step after generation, on this process's CPU (t: a train.Trainer; rewards
     alternating 1, 0 by row): the log-prob pass (frozen features, the reference's), advantages, train.update."""
+    import train
+
     rows = dict(
         reward=[float(i % 2) for i in range(len(rollouts))],
         length=[len(r.response_ids) for r in rollouts],
@@ -110,26 +112,52 @@ def status_kib(key: str) -> int:
         return int(next(line.split()[1] for line in f if line.startswith(key + ":")))
 
 
-def peak_bytes(fn, *args) -> int:
-    """fn(*args)'s peak resident-set rise (VmHWM after clear_refs) less the file-backed pages (library code) it read."""
-    ctypes.CDLL(None).mallopt(
-        -3, 1 << 16
-    )  # M_MMAP_THRESHOLD: large frees return to the OS, never parked in a heap
-    gc.collect()
+def mark() -> int:
+    """Resets VmHWM to the current resident set (clear_refs), glibc's mmap threshold pinned (M_MMAP_THRESHOLD: large
+    frees return to the OS, never parked in a heap); returns the anonymous resident set in KiB, for rise()."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 16)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    base, file = status_kib("VmRSS"), status_kib("RssFile")
-    fn(*args)
-    return (status_kib("VmHWM") - base - status_kib("RssFile") + file) * 1024
+        f.write("5")
+    return status_kib("VmRSS") - status_kib("RssFile")
+
+
+def rise(base: int) -> int:
+    """Bytes the resident set peaked above mark()'s `base`, less the file-backed pages (library code) read since."""
+    return (status_kib("VmHWM") - status_kib("RssFile") - base) * 1024
+
+
+def prompts(c: Config, processor, cfg) -> list:
+    """The prepared prompts of c's clips (prepare() wrote them)."""
+    import data
+
+    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
+    return [data.prepare(s, processor, cfg) for s in samples[: c.prompts]]
+
+
+def rollouts(c: Config, prompts: list, copies: bool = False) -> list:
+    """group_size rollouts of response_len random tokens per prompt (copies: each with its own copy of its Prompt,
+    so that no two rows share one)."""
+    from rollout import Rollout
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        Rollout(
+            copy.copy(p) if copies else p,
+            torch.randint(20, 400, (c.response_len,), generator=g).tolist(),
+            None,
+            "",
+            "length",
+        )
+        for p in prompts
+        for _ in range(c.group_size)
+    ]
 
 
 def worker(c: Config) -> dict:
     """One setting in this fresh process (one of sp_size ranks): {"peak": bytes, "time": s, "encodes": videos encoded
     per step, "prompt": tokens, "patches", "params"}."""
-    import data
     import sp
     import train
-    from rollout import Rollout
     from transformers import AutoProcessor
 
     rank, world = train.init_dist()[:2]
@@ -139,32 +167,21 @@ def worker(c: Config) -> dict:
     t = replace(t, dummies=None)  # every rank's rows hold a video: no dummy image rows needed
     if c.worker == PER_ROW:  # the trainer before: the reference's features encoded in every step
         t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
-    samples = data.load_samples(os.path.join(c.out, f"clips{c.frames}x{c.size}/train.jsonl"))
-    prompts = [data.prepare(s, processor, cfg) for s in samples]
-    g = torch.Generator().manual_seed(0)
-    share = prompts[: c.prompts][rank // c.sp_size :: world // c.sp_size]
-    rollouts = [
-        Rollout(
-            copy.copy(p) if c.worker == PER_ROW else p,
-            torch.randint(20, 400, (c.response_len,), generator=g).tolist(),
-            None,
-            "",
-            "length",
-        )
-        for p in share
-        for _ in range(c.group_size)
-    ]
+    ps = prompts(c, processor, cfg)
+    rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
     encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
-    for m in [
-        m for m in (t.model, t.ref) if m is not None
-    ]:  # the reference's tower encodes too (features not frozen)
-        m.model.visual.register_forward_pre_hook(
-            lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
-        )
+    for m in (t.model, t.ref):  # the reference's tower encodes too (features not frozen)
+        if m is not None:
+            m.model.visual.register_forward_pre_hook(
+                lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
+            )
     peaks, times = [], []
     for _ in range(c.steps):
+        gc.collect()  # the last step's garbage is not this one's peak
         t0 = time.time()
-        peaks.append(peak_bytes(train_phase, train, t, rollouts, cfg, processor.tokenizer))
+        base = mark()
+        train_phase(t, rows, cfg, processor.tokenizer)
+        peaks.append(rise(base))
         times.append(time.time() - t0)
     # steps after the first (one-time costs): the largest peak, the fastest time (the least slowed by other processes)
     peaks, times = peaks[1:] or peaks, times[1:] or times
@@ -172,8 +189,8 @@ def worker(c: Config) -> dict:
         peak=max(peaks),
         time=min(times),
         encodes=sum(encodes) // c.steps,
-        prompt=len(prompts[0].prompt_ids),
-        patches=int(prompts[0].mm["video_grid_thw"].prod()),
+        prompt=len(ps[0].prompt_ids),
+        patches=int(ps[0].mm["video_grid_thw"].prod()),
         params=sum(p.numel() for p in t.model.parameters()),
     )
 

@@ -27,49 +27,38 @@ def jitter(b, r, d=8):  # kept ordered (x1 <= x2, y1 <= y2): an inverted box is 
     return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
 
 
-def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
-    """(sample, a correct answer, a wrong answer) for one problem type."""
+def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
+    """(the sample's answer, a correct answer, a wrong answer) for one problem type."""
     if ptype == "multiple choice":
         gt = r.choice("ABCD")
         right = r.choice(
             [gt, f"({gt})", f"Answer: {gt}", f"**{gt}**", OPTIONS["ABCD".index(gt)][3:]]
         )
-        return {"answer": gt, "options": OPTIONS}, right, r.choice([c for c in "ABCD" if c != gt])
+        return gt, right, r.choice([c for c in "ABCD" if c != gt])
     if ptype in ("numerical", "counting"):
         n = r.randint(0, 20)
         right = r.choice([str(n), f"{n}.0", f"There are {n}.", list(rewards.WORDS)[n]])
-        return {"answer": str(n)}, right, r.choice([str(n + r.randint(1, 5)), f"{n} or {n + 1}"])
+        return str(n), right, r.choice([str(n + r.randint(1, 5)), f"{n} or {n + 1}"])
     if ptype == "regression":
         v = round(r.uniform(0.5, 20), 1)
-        return (
-            {"answer": str(v)},
-            f"{v * r.uniform(0.9, 1.1):.2f}",
-            f"{v * r.uniform(1.5, 3):.1f} meters",
-        )
+        return str(v), f"{v * r.uniform(0.9, 1.1):.2f}", f"{v * r.uniform(1.5, 3):.1f} meters"
     if ptype == "boolean":
         yes = r.random() < 0.5
         right = r.choice(["yes", "It is true.", "I think yes"] if yes else ["no", "No, it is not."])
-        return (
-            {"answer": "yes" if yes else "no"},
-            right,
-            r.choice(["no" if yes else "yes", "Yes and no"]),
-        )
+        return "yes" if yes else "no", right, r.choice(["no" if yes else "yes", "Yes and no"])
     if ptype == "open-ended":
         gt = " ".join(r.choices(WORDS, k=r.randint(4, 12)))
-        return {"answer": gt}, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
+        return gt, gt, " ".join(r.choices(WORDS, k=r.randint(3, 15)))
     if ptype == "ocr":
         gt = " ".join(r.choices(WORDS, k=r.randint(3, 20)))
-        return {"answer": gt}, gt, " ".join(w for w in gt.split() if r.random() < 0.7)
+        return gt, gt, " ".join(w for w in gt.split() if r.random() < 0.7)
     if ptype == "math":
         a, b = r.randint(1, 9), r.randint(2, 9)
         right = r.choice(
             [f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b:.6f}"]
         )
-        return (
-            {"answer": f"\\frac{{{a}}}{{{b}}}"},
-            right,
-            r.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}^{b}", "x + 1"]),
-        )
+        wrong = r.choice([f"\\frac{{{a + 1}}}{{{b}}}", f"{a}^{b}", "x + 1"])
+        return f"\\frac{{{a}}}{{{b}}}", right, wrong
     if ptype == "temporal grounding":
         s = round(r.uniform(0, 20), 1)
         e = round(s + r.uniform(1, 10), 1)
@@ -80,11 +69,11 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
                 "from {:.1f} to {:.1f} seconds".format(*sorted(right)),
             ]
         )
-        return {"answer": json.dumps({"time": [s, e]})}, right, json.dumps({"time": wrong})
+        return json.dumps({"time": [s, e]}), right, json.dumps({"time": wrong})
     if ptype == "spatial grounding":
         b = box(r)
         return (
-            {"answer": json.dumps({"boxes": b})},
+            json.dumps({"boxes": b}),
             json.dumps({"boxes": jitter(b, r)}),
             json.dumps({"boxes": box(r)}),
         )
@@ -97,18 +86,16 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
         if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
             gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
             wrong = {"time": [1, 2], **wrong}
-        return {"answer": json.dumps(gt)}, json.dumps(right), json.dumps(wrong)
+        return json.dumps(gt), json.dumps(right), json.dumps(wrong)
     if ptype == "code":
-        return (
-            {"answer": "def f(x):\n    return [i * x for i in range(3)]"},
-            r.choice(
-                [
-                    "def g(y):\n    return [j * y for j in range(3)]",
-                    "def f(x):  # scaled\n  return [i*x for i in range(3)]",
-                ]
-            ),
-            r.choice(["def f(x)\n    return x", "pass", "def f(x):\n    return x * 2"]),
+        right = r.choice(
+            [
+                "def g(y):\n    return [j * y for j in range(3)]",
+                "def f(x):  # scaled\n  return [i*x for i in range(3)]",
+            ]
         )
+        wrong = r.choice(["def f(x)\n    return x", "pass", "def f(x):\n    return x * 2"])
+        return "def f(x):\n    return [i * x for i in range(3)]", right, wrong
     if ptype in ("svg-code", "html-code"):
         ref = (
             '<svg width="10"><rect x="1" y="2"/></svg>'
@@ -116,11 +103,7 @@ def case(ptype: str, r: random.Random) -> tuple[dict, str, str]:
             else "<p>Hello <b>world</b></p>"
         )
         right = ref.replace("/>", "></rect>").replace("<b>", "<B>")
-        return (
-            {"answer": ref},
-            right,
-            r.choice(["hello", "<svg><circle r='3'/></svg>", "<p>Bye</p>"]),
-        )
+        return ref, right, r.choice(["hello", "<svg><circle r='3'/></svg>", "<p>Bye</p>"])
     raise KeyError(ptype)
 
 
@@ -140,8 +123,10 @@ MALFORMED = [
 def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
     r, out = random.Random(f"{seed}-{ptype}"), []
     for i in range(n):
-        extra, right, wrong = case(ptype, r)
-        s = {"id": f"{ptype}-{i}", "problem_type": ptype, **extra}
+        answer, right, wrong = case(ptype, r)
+        s = {"id": f"{ptype}-{i}", "problem_type": ptype, "answer": answer}
+        if ptype == "multiple choice":
+            s["options"] = OPTIONS
         u = r.random()
         if u < 0.2:
             half, ramble = right[: max(1, len(right) // 2)], " ".join(r.choices(WORDS, k=300))
@@ -174,11 +159,9 @@ def main(n: int = 10000, seed: int = 0):
         data = completions(ptype, n, seed)
         t0 = time.perf_counter()
         scored = [rewards.compute_reward(text, s) for text, s in data]
-        rates.append(len(data) / (time.perf_counter() - t0))
-        mean, fails = (
-            sum(o for o, _ in scored) / len(data),
-            sum(c["parse_fail"] for _, c in scored) / len(data),
-        )
+        rates.append(n / (time.perf_counter() - t0))
+        mean = sum(o for o, _ in scored) / n
+        fails = sum(c["parse_fail"] for _, c in scored) / n
         print(f"{ptype:<{width}} | {rates[-1]:9.0f} | {mean:11.3f} | {fails:15.3f}", flush=True)
     print(f"rewards/s: {int(min(rates))}")
 

@@ -5,6 +5,8 @@ prompts vs one per prompt; vLLM sync, bucketed all-gathers vs one per tensor. Ti
     OMP_NUM_THREADS=1 .venv/bin/python bench/rollout.py        # about 10 minutes on 2 cores
 """
 
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -12,23 +14,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]
 
 
-def sync(rollout, ckpt, engine, model, bucketed: bool):
-    """engine.sync, or (vLLM) the same stream gathered one tensor at a time (bucket_bytes 1): issue 21's baseline."""
-    if bucketed or not isinstance(engine, rollout.VLLMEngine):
-        return engine.sync(model)  # HF: nothing to sync, it samples from the training model
-    stream = ckpt.full_tensors(
-        model.state_dict(), bucket_bytes=1
-    )  # each DTensor its own all-gather
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-    engine.llm.llm_engine.reset_encoder_cache()  # as engine.sync: the next generate must not find cached features
-    engine.llm.reset_prefix_cache()
-    engine.llm.reset_mm_cache()
+def sync(ckpt, engine, model, bucketed: bool):
+    """engine.sync (HF: nothing to sync, it samples from the training model), or the same with each DTensor
+    all-gathered alone (full_tensors' bucket_bytes 1): issue 21's baseline."""
+    if bucketed:
+        engine.sync(model)
+        return
+    alone = functools.partial(ckpt.full_tensors, bucket_bytes=1)
+    with mock.patch.object(ckpt, "full_tensors", alone):
+        engine.sync(model)
 
 
 def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
@@ -74,7 +75,7 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
                         engine.generate([p], 8, 1.0, 8, seed)
                 dist.barrier()  # the slowest rank's generate counts
                 t1 = time.perf_counter()
-                sync(rollout, ckpt, engine, model, bucketed=on)
+                sync(ckpt, engine, model, bucketed=on)
                 dist.barrier()
                 times[on].append((t1 - t0, time.perf_counter() - t1))
         med = {
@@ -117,7 +118,7 @@ def main():
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
     res = {}
-    for engine, ranks in [(e, r) for e in ("hf", "vllm") for r in (1, 2)]:
+    for engine, ranks in itertools.product(("hf", "vllm"), (1, 2)):
         out = os.path.join(tmp, f"{engine}_{ranks}.json")
         p = subprocess.run(
             [

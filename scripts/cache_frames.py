@@ -129,8 +129,12 @@ def training_defaults(paths: list[str]) -> Config:
         media = yaml_overlay(media, path, strict=False)  # the frame settings, typed
         with open(path) as f:
             run.update(yaml.safe_load(f) or {})
-    held_out = {k: v for k, v in run.items() if k.startswith("val_") and k != "val_data" and v}
-    own_budget = any(getattr(media, k[4:], None) != v for k, v in held_out.items())
+    # a val_* frame setting unlike training's: val_data is sampled otherwise, not cached here
+    own_budget = any(
+        getattr(media, k[4:], None) != v
+        for k, v in run.items()
+        if k.startswith("val_") and k != "val_data" and v
+    )
     files = []
     if run.get("train_data"):
         files.append(run["train_data"])

@@ -8,7 +8,6 @@ train-phase MFU, bf16 sampler vs trainer log-probs, offload, tests/test_gpu.py.
 import gc
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -76,16 +75,17 @@ def cut(spec: dict, layers: int, blocks: int) -> dict:
     text, vision = dict(spec["text_config"]), dict(spec["vision_config"])
     text["num_hidden_layers"] = min(layers, text["num_hidden_layers"])
     if blocks < vision["depth"]:
-        deepstack = (
-            "deepstack_visual_indexes" in vision
-        )  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
-        vision.update(
-            {"deepstack_visual_indexes": [0]}
-            if deepstack
-            else {"fullatt_block_indexes": [blocks - 1]}
-        )
+        if "deepstack_visual_indexes" in vision:  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
+            vision["deepstack_visual_indexes"] = [0]
+        else:
+            vision["fullatt_block_indexes"] = [blocks - 1]
         vision["depth"] = blocks
     return dict(spec, text_config=text, vision_config=vision)
+
+
+def numel(module) -> int:
+    """The parameters of `module` (a model, a layer, a tower)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 def build(spec: dict, tiny: str, folder: str, device) -> dict:
@@ -120,13 +120,10 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.generation_config = transformers.GenerationConfig.from_pretrained(tiny)
     model.save_pretrained(folder)
-    sizes = [
-        sum(p.numel() for p in b.parameters())
-        for b in [*model.model.language_model.layers, *model.model.visual.blocks]
-    ]
-    total = sum(p.numel() for p in model.parameters())
-    vision = sum(p.numel() for p in model.model.visual.parameters())
-    return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
+    sizes = [numel(b) for b in [*model.model.language_model.layers, *model.model.visual.blocks]]
+    total = numel(model)
+    root = total - sum(sizes)
+    return dict(total=total, largest_layer=max(sizes), root=root, vision=numel(model.model.visual))
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
@@ -200,10 +197,10 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     frame = grid[1] * grid[2]  # patches of a frame pair
     patches = grid[0] * frame
     layers = model.model.language_model.layers
-    dec = sum(p.numel() for p in layers.parameters())
-    blk = sum(p.numel() for p in tower.blocks.parameters())
-    embed = sum(p.numel() for p in tower.patch_embed.parameters())
-    rest = sum(p.numel() for p in tower.parameters())
+    dec = numel(layers)
+    blk = numel(tower.blocks)
+    embed = numel(tower.patch_embed)
+    rest = numel(tower)
     dense = (
         rows * tokens * dec
         + patches * (blk + embed)
@@ -260,7 +257,6 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     cfg = replace(recipe, model=folder, cache_dir="", **(SMOKE if c.cpu_smoke else {}))
     processor = AutoProcessor.from_pretrained(tiny)
     tok = processor.tokenizer
-    banned = vision_token_ids(tok)
     R = cfg.max_response_len
     prompt = video_prompt(cfg, processor)
     tokens, patches = memory_plan.longest_prompt(replace(cfg, model=tiny), *memory_plan.SOURCE_HW)
@@ -274,9 +270,11 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     if cfg.max_tokens_per_micro_batch and not c.rows:
         rows = max(1, cfg.max_tokens_per_micro_batch // (tokens + R))
     cfg = replace(cfg, micro_batch_size=rows, max_tokens_per_micro_batch=0)
-    g = torch.Generator().manual_seed(0)  # responses: any ids above the (banned) vision tokens
-    responses = torch.randint(
-        max(banned) + 1, spec["text_config"]["vocab_size"], (rows, R), generator=g
+    responses = torch.randint(  # any ids above the (banned) vision tokens
+        max(vision_token_ids(tok)) + 1,
+        spec["text_config"]["vocab_size"],
+        (rows, R),
+        generator=torch.Generator().manual_seed(0),
     )
     rollouts = [Rollout(prompt, ids, None, "", "length") for ids in responses.tolist()]
     shape = dict(
@@ -360,8 +358,9 @@ def table(report: dict) -> list[str]:
         figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
         cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
         lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
-    if any("mfu" in r for r in report["rows"]):
-        best = max((r for r in report["rows"] if "mfu" in r), key=lambda r: r["mfu"])
+    with_mfu = [r for r in report["rows"] if "mfu" in r]
+    if with_mfu:
+        best = max(with_mfu, key=lambda r: r["mfu"])
         lines.append(
             f"best MFU: {best['mfu']:.1%}, {os.path.basename(best['model'])} {best['setting']} "
             f"(of {peak:g} bf16 TFLOP/s)"
@@ -398,11 +397,12 @@ def main(c: Config) -> list[str]:
     ]  # offload's backends: gloo beside nccl, for the CPU shards
     if device.type != "cuda" and not c.cpu_smoke:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
-    tiny = [
-        make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
-        for a in ("qwen2_5_vl", "qwen3_vl")
-    ]
-    models = tiny if c.cpu_smoke else c.models
+    models = c.models
+    if c.cpu_smoke:
+        models = [
+            make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
+            for a in ("qwen2_5_vl", "qwen3_vl")
+        ]
     report = dict(
         device=str(device),
         torch=torch.__version__,
@@ -419,8 +419,8 @@ def main(c: Config) -> list[str]:
         )
     start = time.time()
     last = 0.0  # the last model's time
-    folder = tempfile.mkdtemp(prefix="gpu_check-")  # the checkpoint at hand
-    try:
+    # the checkpoint at hand
+    with tempfile.TemporaryDirectory(prefix="gpu_check-", ignore_cleanup_errors=True) as folder:
         for name in models:
             if time.time() - start + last > DEADLINE_S:
                 report["skipped"].append(name)
@@ -440,8 +440,6 @@ def main(c: Config) -> list[str]:
                 )
                 print(report["rows"][-1]["error"], file=sys.stderr)
             last = time.time() - t0
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     cmd = [
         sys.executable,
         "-m",
@@ -451,13 +449,11 @@ def main(c: Config) -> list[str]:
         "-p",
         "no:cacheprovider",
         "tests/test_gpu.py",
-    ]  # CPU: skips
+    ]
     gc.collect()  # the last model, before the tests take the GPU
     torch.cuda.empty_cache()
-    env = {
-        k: v for k, v in os.environ.items() if k not in world
-    }  # a fresh process, not in our world of one
-    try:  # for what is left of 570 s (at least a minute)
+    env = {k: v for k, v in os.environ.items() if k not in world}  # a fresh process, not our world
+    try:  # for what is left of 570 s (at least a minute); on CPU the tests skip
         p = subprocess.run(
             cmd,
             cwd=ROOT,

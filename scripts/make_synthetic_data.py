@@ -66,8 +66,7 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
         )
     # x264's thread pool costs more than it saves on tiny frames
     opts = {"preset": "ultrafast", "crf": "18", "threads": "1" if H * W < 320 * 240 else "0"}
-    tmp = path + ".part"
-    with av.open(tmp, "w", format="mp4") as f:
+    with av.open(f"{path}.part", "w", format="mp4") as f:
         s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
         s.width = W
         s.height = H
@@ -77,7 +76,7 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
             vf.pts = i  # in 1/fps units (the codec time base), so decoders report exactly i / fps
             f.mux(s.encode(vf))
         f.mux(s.encode())
-    os.replace(tmp, path)
+    os.replace(f"{path}.part", path)
 
 
 # ---- scenes: a flat background plus axis-aligned rectangles per frame, as plain ints -----------------------
@@ -147,7 +146,7 @@ def dark(rng):
 # ---- tasks: gen(rng, label, T, H, W, fps) -> (bg, rects per frame, problem, answer, options, type, offline) ----
 
 
-def gen_color(rng, c, T, H, W, fps):
+def gen_color(rng, c, T, H, W, fps, kind="video"):
     """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
     side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
@@ -155,7 +154,7 @@ def gen_color(rng, c, T, H, W, fps):
     return (
         list(COLORS.values())[c],
         rects,
-        "What is the background color of the video?",
+        f"What is the background color of the {kind}?",
         L,
         COLOR_OPTIONS,
         "multiple choice",
@@ -164,8 +163,7 @@ def gen_color(rng, c, T, H, W, fps):
 
 
 def gen_image_color(rng, c, T, H, W, fps):
-    bg, rects, _, L, opts, ptype, off = gen_color(rng, c, 1, H, W, fps)
-    return bg, rects, "What is the background color of the image?", L, opts, ptype, off
+    return gen_color(rng, c, 1, H, W, fps, "image")
 
 
 def gen_direction(rng, d, T, H, W, fps):
@@ -384,9 +382,9 @@ def make(
                 rows.append(
                     {k: v for k, v in row.items() if v is not None}
                 )  # no options: the field is left out
-        with open(paths[split] + ".part", "w") as f:
+        with open(f"{paths[split]}.part", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(paths[split] + ".part", paths[split])
+        os.replace(f"{paths[split]}.part", paths[split])
     with open(paths["meta"], "w") as f:
         json.dump(args, f)
     return paths

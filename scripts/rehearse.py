@@ -114,12 +114,11 @@ def prepare(c: Config, cfg, ranks: int, layout: str) -> list[str]:
 
 def verdict(c: Config, rc: int, layout: str) -> int:
     """Prints whether the run of c.out finished its c.steps steps with exit status rc; 0 if so."""
-    rows = []
+    steps = []
     metrics = os.path.join(c.out, "metrics.jsonl")
-    if os.path.exists(metrics):
+    if os.path.exists(metrics):  # main removed a previous rehearsal's
         with open(metrics) as f:
-            rows = [json.loads(line) for line in f]
-    steps = [r for r in rows if "dyn/rounds" in r]
+            steps = [r for r in map(json.loads, f) if "dyn/rounds" in r]
     rounds = [r["dyn/rounds"] for r in steps]
     ok = rc == 0 and len(steps) == c.steps
     word = "REHEARSED" if ok else f"FAILED (exit {rc})"
@@ -140,13 +139,6 @@ def main(c: Config) -> int:
     cfg = train.load_config(["--config", *c.config])
     layout = f"{ranks} ranks, sp_size {cfg.sp_size}, rollout_tp {cfg.rollout_tp}"
     args = prepare(c, cfg, ranks, layout)
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-    ]
     # a KV cache of 256 MiB a rank (rollout.py's 1 GiB is resident on vLLM's CPU backend): 8 ranks in ~12 GiB
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.setdefault("CPU_KV_CACHE_MIB", "256")
@@ -155,7 +147,18 @@ def main(c: Config) -> int:
         os.remove(metrics)
     try:
         rc = subprocess.run(
-            [*launch, "train.py", *args], cwd=ROOT, env=env, timeout=c.timeout
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                "train.py",
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            timeout=c.timeout,
         ).returncode
     except subprocess.TimeoutExpired:
         rc = 124
