@@ -217,6 +217,11 @@ class Config(rewards.JudgeSettings, Media):
     """recompute each decoder layer's and vision block's activations in backward, not keep them"""
     offload: bool = False
     """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
+    fsdp: Literal["auto", "reshard", "keep", "replicate"] = "auto"
+    """how several ranks hold the parameters: reshard (FSDP2 gathers each block in forward and
+    again in backward), keep (FSDP2 keeps them gathered from forward to backward), replicate (whole
+    on every rank, the gradients summed in one all-reduce per optimizer step; fp32 compute). auto:
+    fsdp_choice's rule (docs/speed.md)"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
     sp_size: int = field(default=1, metadata=POSITIVE)
@@ -361,6 +366,8 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
     if not 0 <= cfg.lora_dropout < 1:
         bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
+    if cfg.offload and cfg.fsdp not in ("auto", "reshard"):
+        bad.append(f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}")
     if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
         bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
     longest_row = cfg.max_prompt_len + cfg.max_response_len
@@ -732,6 +739,8 @@ class MicroBatch:
     vision: sp.Vision | None = None  # encode_vision's features, when encoded once per step
     values: torch.Tensor | None = None  # (b, R) gae: the critic's, before its update
     returns: torch.Tensor | None = None  # (b, R) gae: its targets
+    n_tok: float = 0.0  # micro_batches: its mini-batch's valid tokens over all ranks
+    n_seq: float = 0.0  # and valid sequences (the loss normalizers)
 
 
 @dataclass
@@ -862,13 +871,20 @@ def micro_batches(
     rollouts: list[Rollout], cfg: Config, tok, device, dummies
 ) -> list[list[MicroBatch]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch). All ranks run as
-    many (FSDP): a rank the token budget packed into fewer halves its largest."""
+    many (FSDP): a rank the token budget packed into fewer halves its largest. Each micro-batch
+    carries its mini-batch's valid tokens and sequences over all ranks (global_counts': the loss
+    normalizers), gathered with the counts in one collective."""
     plan = split_batch(
         rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     )
-    counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
+    mine = []
+    for mini in plan:
+        lengths = [len(rollouts[j].response_ids) for rows in mini for j in rows]
+        mine += [len(mini), sum(lengths), sum(n > 0 for n in lengths)]
+    ranks = common.all_gather(mine).view(-1, len(plan), 3)  # (world, mini-batches, 3)
+    counts, tokens, sequences = ranks[..., 0].amax(0), ranks[..., 1].sum(0), ranks[..., 2].sum(0)
     minibatches = []
-    for mini, count in zip(plan, counts):
+    for mini, count, n_tok, n_seq in zip(plan, counts, tokens.tolist(), sequences.tolist()):
         while len(mini) < count:
             big = max(mini, key=len)
             at = mini.index(big)
@@ -879,6 +895,8 @@ def micro_batches(
                 for rows in mini
             ]
         )
+        for b in minibatches[-1]:
+            b.n_tok, b.n_seq = n_tok, n_seq
     return minibatches
 
 
@@ -1163,6 +1181,29 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 # main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
 
 
+def device_memory(device) -> float:
+    """Bytes of the device's memory: a GPU's, or on CPU the host's share of a local rank."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def fsdp_choice(cfg: Config, total: int, trained: int, memory: float, cuda: bool, world: int):
+    """cfg.fsdp, or auto's pick from the parameter counts: reshard unless a rank can hold the
+    whole model's fp32 weights, gradients, AdamW states and summed gradients (4 x total + 16 x
+    trained bytes) in a quarter of `memory` (the rest: activations, vLLM, a reference), and on
+    several ranks without offload. Then replicate on CPU; keep on CUDA, where FSDP2's gathered
+    copies are bf16 and replicated parameters would compute in fp32."""
+    if cfg.fsdp != "auto":
+        return cfg.fsdp
+    if world == 1 or cfg.offload or 4 * total + 16 * trained > memory / 4:
+        return "reshard"
+    if cuda:
+        return "keep"
+    return "replicate"
+
+
 def load_model(cfg: Config, device, value_head: bool = False):
     """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
     master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP.
@@ -1212,15 +1253,22 @@ def load_model(cfg: Config, device, value_head: bool = False):
         lm_head = model.get_output_embeddings().weight
         if lm_head is not model.get_input_embeddings().weight:  # unused, not tied: no AdamW state
             lm_head.requires_grad_(False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    mode = fsdp_choice(cfg, total, trained, device_memory(device), cuda, world)
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
-    if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
+    if dist.is_initialized() and (world > 1 or cuda) and mode != "replicate":
         mp = MixedPrecisionPolicy()
         if cuda:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
+        after = None  # FSDP2's default: each unit resharded after forward, the root kept
+        if mode == "keep":
+            after = False
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
-            fully_shard(module, mp_policy=mp, offload_policy=offload)
+            fully_shard(module, mp_policy=mp, offload_policy=offload, reshard_after_forward=after)
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
@@ -1275,7 +1323,7 @@ def critic_update(
     c.model.train()
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = global_counts(mini)
+            n_tok, n_seq = mini[0].n_tok, mini[0].n_seq
             loss_sum = 0.0
             for b in mini:
                 loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout, counts)
@@ -1644,7 +1692,7 @@ def update(
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
+            n_tok, n_seq = mini[0].n_tok / t.layout.sp_size, mini[0].n_seq / t.layout.sp_size
             loss_sum = 0.0
             # a trained tower: each prompt once, its feature gradient summed over its micro-batches
             towers = sp.Towers(t.model, [b.prompts for b in mini], t.device, t.layout, t.dummies)
@@ -1673,19 +1721,56 @@ def update(
 def optimizer_step(
     opt, loss_sum: float, cfg: Config, step: int, ids: list, rank: int, apply: bool = True
 ) -> float:
-    """Grad clip and (apply) the step, unless the loss or grad norm is not finite on any rank: then
-    every rank stops before it, naming the samples (ids). Returns the grad norm."""
-    gnorm = torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], cfg.grad_clip)
-    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-    if not math.isfinite(all_reduce([loss_sum + gnorm])[0]):
+    """Gradients summed over the ranks (sum_grads: replicated parameters), clipped to grad_clip,
+    and (apply) the step, unless the loss or grad norm is not finite on any rank: then every rank
+    stops before it, naming the samples (ids). One collective: the replicated gradients carry the
+    losses; FSDP2's shards' squared norms travel with them. Returns the grad norm."""
+    params = opt.param_groups[0]["params"]
+    if dist.is_initialized() and dist.get_world_size() > 1 and not hasattr(params[0], "to_local"):
+        loss = sum_grads(params, loss_sum)
+        sq = grad_norm_sq(params)  # whole gradients, the same on every rank
+    else:
+        loss, sq = all_reduce([loss_sum, grad_norm_sq(params)])  # FSDP2: each rank its shards'
+    gnorm = math.sqrt(sq)
+    if not math.isfinite(loss + gnorm):
         raise FloatingPointError(
             f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
             f"({gnorm}) is not finite; samples {ids}: stopped before the update"
         )
+    with torch.no_grad():  # as torch.nn.utils.clip_grad_norm_
+        torch._foreach_mul_(local_grads(params), min(1.0, cfg.grad_clip / (gnorm + 1e-6)))
     if apply:
         opt.step()
     opt.zero_grad(set_to_none=True)
     return gnorm
+
+
+def local_grads(params: list) -> list[torch.Tensor]:
+    """The parameters' gradients held here (FSDP2: this rank's shards)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def grad_norm_sq(params: list) -> float:
+    """The squared L2 norm of the gradients held here."""
+    norms = torch._foreach_norm(local_grads(params)) or [torch.zeros(())]
+    return torch.stack(norms).double().square().sum().item()
+
+
+def sum_grads(params: list, loss_sum: float) -> float:
+    """fsdp replicate: the ranks' gradients summed, / world as FSDP2 averages them (losses are
+    scaled by world), and their losses summed, in one all-reduce; a parameter no rank has a
+    gradient for keeps none. Returns the summed loss."""
+    grads = [p.grad.flatten() if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+    has = [float(p.grad is not None) for p in params]
+    flat = torch.cat([*grads, grads[0].new_tensor(has + [loss_sum])])
+    dist.all_reduce(flat)
+    at = 0
+    for p, summed in zip(params, flat[-len(params) - 1 : -1].tolist()):
+        if summed:
+            p.grad = flat[at : at + p.numel()].view_as(p).div_(dist.get_world_size())
+        at += p.numel()
+    return flat[-1].item()
 
 
 @dataclass

@@ -343,7 +343,7 @@ def shared_two_rank_launch(tmp_path_factory):
             model,
             train_data,
             str(out / "fsdp-{case}.safetensors"),
-            "split,uneven,uneven+ckpt",
+            "split,uneven,uneven+ckpt,split+replicate,uneven+replicate,uneven+keep,uneven+ckpt+keep",
         ],
         ["tests/test_algos.py", str(out / "algos"), model, algo_data_dir()],
         ["tests/test_rollout.py", model, train_data],
@@ -507,6 +507,7 @@ def tiny_config(**kw):
         max_model_len=1024,
         cache_dir="",
         video_source="decode_only",
+        fsdp="reshard",  # the tests that read gradients right after backward: FSDP2 sums them there
     )
     base.update(kw)
     return Config(**base)
