@@ -110,9 +110,9 @@ def all_gather(x: list[float]) -> torch.Tensor:
     if not dist.is_initialized():
         return torch.tensor([x], dtype=torch.float64)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    out = torch.zeros(dist.get_world_size(), len(x), dtype=torch.float64, device=device)
+    out = torch.zeros(dist.get_world_size() * len(x), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(out, torch.tensor(x, dtype=torch.float64, device=device))
-    return out.cpu()
+    return out.view(-1, len(x)).cpu()
 
 
 def gather(obj, group=None) -> list:
