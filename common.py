@@ -104,17 +104,6 @@ def all_reduce(x: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     return t.tolist()
 
 
-def all_gather(x: list[float]) -> torch.Tensor:
-    """Every rank's numbers (as many on each), (world, len(x)) float64 on the CPU: one collective where reductions
-    of several kinds (a maximum, sums) would take one each."""
-    if not dist.is_initialized():
-        return torch.tensor([x], dtype=torch.float64)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    out = torch.zeros(dist.get_world_size() * len(x), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, torch.tensor(x, dtype=torch.float64, device=device))
-    return out.view(-1, len(x)).cpu()
-
-
 def gather(obj, group=None) -> list:
     """All ranks' objects (a group's: its ranks'), in rank order (small objects: pickled)."""
     if not dist.is_initialized():

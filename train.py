@@ -218,10 +218,9 @@ class Config(rewards.JudgeSettings, Media):
     offload: bool = False
     """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
     fsdp: Literal["auto", "reshard", "keep", "replicate"] = "auto"
-    """how several ranks hold the parameters: reshard (FSDP2 gathers each block in forward and
-    again in backward), keep (FSDP2 keeps them gathered from forward to backward), replicate (whole
-    on every rank, the gradients summed in one all-reduce per optimizer step; fp32 compute). auto:
-    fsdp_choice's rule (docs/speed.md)"""
+    """several ranks' parameters: FSDP2 blocks gathered in forward and again in backward (reshard)
+    or kept from one to the other (keep); whole, the gradients summed in one all-reduce (replicate,
+    fp32 compute); auto: fsdp_choice's pick"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
     sp_size: int = field(default=1, metadata=POSITIVE)
@@ -739,8 +738,8 @@ class MicroBatch:
     vision: sp.Vision | None = None  # encode_vision's features, when encoded once per step
     values: torch.Tensor | None = None  # (b, R) gae: the critic's, before its update
     returns: torch.Tensor | None = None  # (b, R) gae: its targets
-    n_tok: float = 0.0  # micro_batches: its mini-batch's valid tokens over all ranks
-    n_seq: float = 0.0  # and valid sequences (the loss normalizers)
+    n_tok: float = 0.0  # micro_batches: its mini-batch's global_counts (SP: each row once)
+    n_seq: float = 0.0
 
 
 @dataclass
@@ -868,23 +867,22 @@ def as_reference(model, ref):
 
 
 def micro_batches(
-    rollouts: list[Rollout], cfg: Config, tok, device, dummies
+    rollouts: list[Rollout], cfg: Config, tok, device, dummies, lengths: list | None = None
 ) -> list[list[MicroBatch]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch). All ranks run as
-    many (FSDP): a rank the token budget packed into fewer halves its largest. Each micro-batch
-    carries its mini-batch's valid tokens and sequences over all ranks (global_counts': the loss
-    normalizers), gathered with the counts in one collective."""
+    many (FSDP): a rank the token budget packed into fewer halves its largest. lengths: every
+    data-parallel rank's response lengths (global_rows'; default: these rollouts', one rank), each
+    rank's mini-batches alike: each micro-batch's n_tok, n_seq without a collective."""
     plan = split_batch(
         rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
     )
-    mine = []
-    for mini in plan:
-        lengths = [len(rollouts[j].response_ids) for rows in mini for j in rows]
-        mine += [len(mini), sum(lengths), sum(n > 0 for n in lengths)]
-    ranks = common.all_gather(mine).view(-1, len(plan), 3)  # (world, mini-batches, 3)
-    counts, tokens, sequences = ranks[..., 0].amax(0), ranks[..., 1].sum(0), ranks[..., 2].sum(0)
+    counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
+    if lengths is None:
+        lengths = [len(r.response_ids) for r in rollouts]
+    every = torch.tensor(lengths).view(-1, len(rollouts))  # (data-parallel ranks, rows)
     minibatches = []
-    for mini, count, n_tok, n_seq in zip(plan, counts, tokens.tolist(), sequences.tolist()):
+    for mini, count in zip(plan, counts):
+        part = every[:, [j for rows in mini for j in rows]]  # the mini-batch's rows on every rank
         while len(mini) < count:
             big = max(mini, key=len)
             at = mini.index(big)
@@ -896,7 +894,7 @@ def micro_batches(
             ]
         )
         for b in minibatches[-1]:
-            b.n_tok, b.n_seq = n_tok, n_seq
+            b.n_tok, b.n_seq = float(part.sum()), float((part > 0).sum())
     return minibatches
 
 
@@ -1181,20 +1179,10 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 # main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
 
 
-def device_memory(device) -> float:
-    """Bytes of the device's memory: a GPU's, or on CPU the host's share of a local rank."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return host / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def fsdp_choice(cfg: Config, total: int, trained: int, memory: float, cuda: bool, world: int):
-    """cfg.fsdp, or auto's pick from the parameter counts: reshard unless a rank can hold the
-    whole model's fp32 weights, gradients, AdamW states and summed gradients (4 x total + 16 x
-    trained bytes) in a quarter of `memory` (the rest: activations, vLLM, a reference), and on
-    several ranks without offload. Then replicate on CPU; keep on CUDA, where FSDP2's gathered
-    copies are bf16 and replicated parameters would compute in fp32."""
+    """cfg.fsdp, or auto's: on several ranks without offload, where fp32 weights, gradients, AdamW
+    and summed gradients fit a quarter of a GPU's memory (4 x total + 16 x trained bytes; CPU
+    ranks: always), replicate on CPU and keep on CUDA (bf16 copies); else reshard."""
     if cfg.fsdp != "auto":
         return cfg.fsdp
     if world == 1 or cfg.offload or 4 * total + 16 * trained > memory / 4:
@@ -1254,9 +1242,12 @@ def load_model(cfg: Config, device, value_head: bool = False):
         if lm_head is not model.get_input_embeddings().weight:  # unused, not tied: no AdamW state
             lm_head.requires_grad_(False)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    memory = math.inf
+    if cuda:
+        memory = torch.cuda.get_device_properties(device).total_memory
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    mode = fsdp_choice(cfg, total, trained, device_memory(device), cuda, world)
+    mode = fsdp_choice(cfg, total, trained, memory, cuda, world)
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (world > 1 or cuda) and mode != "replicate":
@@ -1692,7 +1683,7 @@ def update(
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = mini[0].n_tok / t.layout.sp_size, mini[0].n_seq / t.layout.sp_size
+            n_tok, n_seq = mini[0].n_tok, mini[0].n_seq
             loss_sum = 0.0
             # a trained tower: each prompt once, its feature gradient summed over its micro-batches
             towers = sp.Towers(t.model, [b.prompts for b in mini], t.device, t.layout, t.dummies)
@@ -1721,56 +1712,43 @@ def update(
 def optimizer_step(
     opt, loss_sum: float, cfg: Config, step: int, ids: list, rank: int, apply: bool = True
 ) -> float:
-    """Gradients summed over the ranks (sum_grads: replicated parameters), clipped to grad_clip,
-    and (apply) the step, unless the loss or grad norm is not finite on any rank: then every rank
-    stops before it, naming the samples (ids). One collective: the replicated gradients carry the
-    losses; FSDP2's shards' squared norms travel with them. Returns the grad norm."""
+    """Replicated parameters' gradients summed (sum_grads), grad clip and (apply) the step, unless
+    the loss or grad norm is not finite on any rank: then every rank stops before it, naming the
+    samples (ids). Returns the grad norm."""
     params = opt.param_groups[0]["params"]
-    if dist.is_initialized() and dist.get_world_size() > 1 and not hasattr(params[0], "to_local"):
+    whole = (
+        dist.is_initialized() and dist.get_world_size() > 1 and not hasattr(params[0], "to_local")
+    )
+    loss = loss_sum
+    if whole:  # the losses summed in the gradients' all-reduce: no collective left below
         loss = sum_grads(params, loss_sum)
-        sq = grad_norm_sq(params)  # whole gradients, the same on every rank
-    else:
-        loss, sq = all_reduce([loss_sum, grad_norm_sq(params)])  # FSDP2: each rank its shards'
-    gnorm = math.sqrt(sq)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    if not whole:
+        loss = all_reduce([loss_sum])[0]
     if not math.isfinite(loss + gnorm):
         raise FloatingPointError(
             f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
             f"({gnorm}) is not finite; samples {ids}: stopped before the update"
         )
-    with torch.no_grad():  # as torch.nn.utils.clip_grad_norm_
-        torch._foreach_mul_(local_grads(params), min(1.0, cfg.grad_clip / (gnorm + 1e-6)))
     if apply:
         opt.step()
     opt.zero_grad(set_to_none=True)
     return gnorm
 
 
-def local_grads(params: list) -> list[torch.Tensor]:
-    """The parameters' gradients held here (FSDP2: this rank's shards)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
-
-def grad_norm_sq(params: list) -> float:
-    """The squared L2 norm of the gradients held here."""
-    norms = torch._foreach_norm(local_grads(params)) or [torch.zeros(())]
-    return torch.stack(norms).double().square().sum().item()
-
-
 def sum_grads(params: list, loss_sum: float) -> float:
-    """fsdp replicate: the ranks' gradients summed, / world as FSDP2 averages them (losses are
-    scaled by world), and their losses summed, in one all-reduce; a parameter no rank has a
-    gradient for keeps none. Returns the summed loss."""
-    grads = [p.grad.flatten() if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+    """fsdp replicate: one all-reduce of the gradients (/ world: FSDP2 averages, losses are x world)
+    and losses; a parameter no rank has a gradient for keeps none. Returns the summed loss."""
     has = [float(p.grad is not None) for p in params]
-    flat = torch.cat([*grads, grads[0].new_tensor(has + [loss_sum])])
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [params[0].new_tensor(has + [loss_sum])])
     dist.all_reduce(flat)
-    at = 0
-    for p, summed in zip(params, flat[-len(params) - 1 : -1].tolist()):
-        if summed:
-            p.grad = flat[at : at + p.numel()].view_as(p).div_(dist.get_world_size())
-        at += p.numel()
-    return flat[-1].item()
+    *parts, summed = flat.split([p.numel() for p in params] + [len(params) + 1])
+    for p, part, any_grad in zip(params, parts, summed.tolist()):
+        if any_grad:
+            p.grad = part.view_as(p).div_(dist.get_world_size())
+    return summed[-1].item()
 
 
 @dataclass
@@ -1796,7 +1774,7 @@ def train_phase(
     advantages of the global batch (rows: global_rows', this rank's from `start`), the optimizer
     steps. The step's micro-batches and features end with it."""
     counts = Counts()
-    minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies, rows["length"])
     logp_pass(t, minibatches, rollouts, cfg, counts)
     batches = list(itertools.chain(*minibatches))
     kl_all = None
