@@ -957,13 +957,6 @@ def micro_loss(
     return loss, metrics
 
 
-def global_counts(batches: list[MicroBatch]) -> tuple[float, float]:
-    """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    tokens = sum(b.mask.sum().item() for b in batches)
-    sequences = sum((b.mask.sum(-1) > 0).sum().item() for b in batches)
-    return tuple(all_reduce([tokens, sequences]))
-
-
 def global_tokens(per_batch: list[torch.Tensor], cfg: Config, layout: sp.Layout) -> torch.Tensor:
     """Per-token values of this rank's micro-batches (b, R) each, in order, as every data-parallel
     rank's rows in global_rows' order, zero-padded: (B_all, max_response_len) float64."""
@@ -1179,13 +1172,14 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 # main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
 
 
-def fsdp_choice(cfg: Config, total: int, trained: int, memory: float, cuda: bool, world: int):
-    """cfg.fsdp, or auto's: on several ranks without offload, where fp32 weights, gradients, AdamW
-    and summed gradients fit a quarter of a GPU's memory (4 x total + 16 x trained bytes; CPU
-    ranks: always), replicate on CPU and keep on CUDA (bf16 copies); else reshard."""
+def fsdp_choice(cfg: Config, params: int, memory: float, cuda: bool, world: int):
+    """cfg.fsdp, or auto's: on several ranks without offload, where whole fp32 weights, gradients,
+    AdamW moments and summed gradients (20 bytes a parameter, LoRA's frozen ones too) fit a quarter
+    of a GPU's memory (CPU ranks: always), replicate on CPU and keep on CUDA (bf16 copies, where
+    replicated parameters compute in fp32); else reshard."""
     if cfg.fsdp != "auto":
         return cfg.fsdp
-    if world == 1 or cfg.offload or 4 * total + 16 * trained > memory / 4:
+    if world == 1 or cfg.offload or 20 * params > memory / 4:
         return "reshard"
     if cuda:
         return "keep"
@@ -1245,9 +1239,7 @@ def load_model(cfg: Config, device, value_head: bool = False):
     memory = math.inf
     if cuda:
         memory = torch.cuda.get_device_properties(device).total_memory
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    mode = fsdp_choice(cfg, total, trained, memory, cuda, world)
+    mode = fsdp_choice(cfg, sum(p.numel() for p in model.parameters()), memory, cuda, world)
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
     if dist.is_initialized() and (world > 1 or cuda) and mode != "replicate":

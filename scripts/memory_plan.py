@@ -276,7 +276,7 @@ def plan(
         "critic (gae: parameters + AdamW shards)": (shard + 2 * states)
         * (cfg.adv_estimator == "gae"),
         # the bf16 copies FSDP2 computes with: on CUDA at any world size (the GPU check, LOG.md 2026-11-26)
-        f"gathered (fsdp {cfg.fsdp}: root + 2 blocks, root grads)": gathered * (gpus > 1 or cuda),
+        "gathered (root + 2 blocks, root grads; fsdp keep: all)": gathered * (gpus > 1 or cuda),
         f"decoder activations ({tokens:.0f} tokens, {mode})": tokens
         * text["num_hidden_layers"]
         * dec["layer"],
@@ -526,13 +526,10 @@ def main(c: Config) -> Plan | list[str]:
         f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "
         f"({ranks} ranks) of {c.host_memory_gib:.0f}"
     )
-    trained = meas["params"]["total"]
-    if cfg.lora_rank:
-        trained = lora_params(spec, cfg.lora_rank)
-    memory = c.gpu_mem_gib * GIB  # a CPU rank's share of the host (train.device_memory)
-    if not cuda:
-        memory = host_mem / ranks
-    auto = train.fsdp_choice(cfg, meas["params"]["total"], trained, memory, cuda, gpus)
+    memory = math.inf  # as train.load_model: CPU ranks replicate
+    if cuda:
+        memory = c.gpu_mem_gib * GIB
+    auto = train.fsdp_choice(cfg, meas["params"]["total"], memory, cuda, gpus)
     for mode in ("reshard", "keep", "replicate"):  # what each train.Config.fsdp costs
         choice = plan(dataclasses.replace(cfg, fsdp=mode), *args)
         picked = ""

@@ -490,6 +490,16 @@ def share_of(two_rank: dict, module: str):
     return value
 
 
+def global_counts(batches: list) -> tuple[float, float]:
+    """Valid tokens and valid sequences of a mini-batch (train.MicroBatch) over all ranks: the loss normalizers (as
+    train.micro_batches counts them from global_rows' lengths)."""
+    from common import all_reduce
+
+    tokens = sum(b.mask.sum().item() for b in batches)
+    sequences = sum((b.mask.sum(-1) > 0).sum().item() for b in batches)
+    return tuple(all_reduce([tokens, sequences]))
+
+
 def tiny_config(**kw):
     """train.Config for the tiny model and 56x56 synthetic videos (what configs/tiny_cpu.yaml uses)."""
     from train import Config

@@ -235,22 +235,22 @@ def test_trim_rows_keeps_steps_up_to_the_checkpoint(tmp_path, capsys):
 
 
 def test_fsdp_choice_and_its_refusals(tiny_model):
-    """issue 46: auto replicates a model whose whole fp32 weights, gradients, AdamW states and summed gradients fit
-    a quarter of a rank's memory on several CPU ranks (keeps FSDP2's bf16 blocks gathered on CUDA), else reshards
-    (one rank, offload, too large); offload with keep or replicate is refused before anything loads."""
+    """issue 46: auto replicates on several CPU ranks, keeps FSDP2's bf16 blocks gathered on GPUs where whole fp32
+    weights, gradients, AdamW moments and summed gradients fit a quarter of one, else reshards (one rank, offload,
+    too large); offload with keep or replicate is refused before anything loads."""
     import train
     from common import UserError
     from conftest import tiny_config
 
     cfg = tiny_config(model=tiny_model, fsdp="auto")
-    fits = 4 * 1000 + 16 * 1000  # bytes: 1,000 parameters, all trained
-    assert train.fsdp_choice(cfg, 1000, 1000, 4 * fits, False, 2) == "replicate"
-    assert train.fsdp_choice(cfg, 1000, 1000, 4 * fits, True, 2) == "keep"
-    assert train.fsdp_choice(cfg, 1000, 1000, 4 * fits - 1, False, 2) == "reshard"
-    assert train.fsdp_choice(cfg, 1000, 1000, 4 * fits, False, 1) == "reshard"
+    gpu = 4 * 20 * 1000  # bytes: 1,000 parameters fit (20 bytes each in a quarter)
+    assert train.fsdp_choice(cfg, 1000, math.inf, False, 2) == "replicate"  # CPU ranks
+    assert train.fsdp_choice(cfg, 1000, gpu, True, 2) == "keep"
+    assert train.fsdp_choice(cfg, 1001, gpu, True, 2) == "reshard"
+    assert train.fsdp_choice(cfg, 1000, gpu, True, 1) == "reshard"
     offload = tiny_config(model=tiny_model, fsdp="auto", offload=True)
-    assert train.fsdp_choice(offload, 1000, 1000, 4 * fits, True, 2) == "reshard"
-    assert train.fsdp_choice(tiny_config(fsdp="keep"), 1000, 1000, 0, False, 2) == "keep"
+    assert train.fsdp_choice(offload, 1000, gpu, True, 2) == "reshard"
+    assert train.fsdp_choice(tiny_config(fsdp="keep"), 1000, 0, False, 2) == "keep"
     for fsdp in ("keep", "replicate"):
         with pytest.raises(UserError, match=f"offload .* needs fsdp reshard, not {fsdp}"):
             train.check_config(tiny_config(model=tiny_model, fsdp=fsdp, offload=True, world=2), 2)
