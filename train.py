@@ -1306,10 +1306,9 @@ def critic_update(
     c.model.train()
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = mini[0].n_tok, mini[0].n_seq
             loss_sum = 0.0
             for b in mini:
-                loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout, counts)
+                loss, sums = value_micro_loss(c.model, b, cfg, b.n_tok, b.n_seq, layout, counts)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
@@ -1675,7 +1674,6 @@ def update(
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = mini[0].n_tok, mini[0].n_seq
             loss_sum = 0.0
             # a trained tower: each prompt once, its feature gradient summed over its micro-batches
             towers = sp.Towers(t.model, [b.prompts for b in mini], t.device, t.layout, t.dummies)
@@ -1683,7 +1681,7 @@ def update(
                 if trains:
                     b.vision = towers.vision(i)
                 loss, metrics = micro_loss(
-                    t.model, b, cfg, t.banned, n_tok, n_seq, t.layout, counts
+                    t.model, b, cfg, t.banned, b.n_tok, b.n_seq, t.layout, counts
                 )
                 # FSDP averages gradients over ranks: x world sums them
                 (loss * t.layout.world).backward()

@@ -253,4 +253,5 @@ def test_fsdp_choice_and_its_refusals(tiny_model):
     assert train.fsdp_choice(tiny_config(fsdp="keep"), 1000, 0, False, 2) == "keep"
     for fsdp in ("keep", "replicate"):
         with pytest.raises(UserError, match=f"offload .* needs fsdp reshard, not {fsdp}"):
-            train.check_config(tiny_config(model=tiny_model, fsdp=fsdp, offload=True, world=2), 2)
+            bad = tiny_config(model=tiny_model, fsdp=fsdp, offload=True, world=2, rollout="hf")
+            train.check_config(bad, 2)  # rollout hf: no vLLM config check (seconds)
