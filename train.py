@@ -1702,20 +1702,13 @@ def update(
 def optimizer_step(
     opt, loss_sum: float, cfg: Config, step: int, ids: list, rank: int, apply: bool = True
 ) -> float:
-    """Replicated parameters' gradients summed (sum_grads), grad clip and (apply) the step, unless
+    """Gradients and losses summed over ranks (sum_grads), grad clip and (apply) the step, unless
     the loss or grad norm is not finite on any rank: then every rank stops before it, naming the
     samples (ids). Returns the grad norm."""
     params = opt.param_groups[0]["params"]
-    whole = (
-        dist.is_initialized() and dist.get_world_size() > 1 and not hasattr(params[0], "to_local")
-    )
-    loss = loss_sum
-    if whole:  # the losses summed in the gradients' all-reduce: no collective left below
-        loss = sum_grads(params, loss_sum)
+    loss = sum_grads(params, loss_sum)
     gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-    if not whole:
-        loss = all_reduce([loss_sum])[0]
     if not math.isfinite(loss + gnorm):
         raise FloatingPointError(
             f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
@@ -1728,8 +1721,11 @@ def optimizer_step(
 
 
 def sum_grads(params: list, loss_sum: float) -> float:
-    """fsdp replicate: one all-reduce of the gradients (/ world: FSDP2 averages, losses are x world)
-    and losses; a parameter no rank has a gradient for keeps none. Returns the summed loss."""
+    """The ranks' losses summed. Replicated parameters (fsdp replicate) on several ranks: in one
+    all-reduce with their gradients (/ world: FSDP2 averages, losses are x world); a parameter no
+    rank has a gradient for keeps none. FSDP2 reduced its gradients in backward."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or hasattr(params[0], "to_local"):
+        return all_reduce([loss_sum])[0]
     has = [float(p.grad is not None) for p in params]
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     flat = torch.cat([g.flatten() for g in grads] + [params[0].new_tensor(has + [loss_sum])])
