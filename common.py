@@ -332,12 +332,10 @@ def config_files(argv: list[str]) -> tuple[list[str], list[str]]:
     return known.config, rest
 
 
-def load_config(cls, argv=None):
+def load_config(cls, argv: list[str]):
     """Dataclass `cls` from YAML files (config_files) over its defaults, each over the ones before, and the flags over
     them; its `config` field records the files applied."""
-    if argv is None:
-        argv = sys.argv[1:]
-    paths, rest = config_files(list(argv))
+    paths, rest = config_files(argv)
     base = cls()
     for path in paths:
         base = yaml_overlay(base, path)

@@ -121,16 +121,14 @@ SHARED = (
 )
 
 
-def load_config(argv=None) -> Config:
+def load_config(argv: list[str]) -> Config:
     """common.load_config for Config, a training config too (a key of train.Config that is none of ours): read as
     the in-training evaluation reads it, its held-out frame settings (train.Config.media(held_out=True), train.py's
     defaults included), FROM_TRAINING and SHARED; its other keys are listed once and ignored. A key neither knows is
     an error."""
     import train
 
-    if argv is None:
-        argv = sys.argv[1:]
-    paths, rest = common.config_files(list(argv))
+    paths, rest = common.config_files(argv)
     base = Config()
     run = train.Config()
     unused = []
@@ -1056,16 +1054,13 @@ def group_score(g: list[dict]) -> float:
     """Video-MME-v2's cal_relevance (the count right) or cal_logic (the run right from the first) of
     one group; unreadable: -1, truthy, as officially (docs/benchmarks.md)."""
     v = [-1 if r["parse_fail"] else r["score"] for r in g]
-    logic = g[-1].get("group_type") == "logic"
-    kind = "relevance"
-    if logic:
-        kind = re.sub(r"\s", "", str(g[-1].get("group_structure")))
-    rule = V2_RULES[kind]
-    if logic:
+    if g[-1].get("group_type") == "logic":
+        rule = V2_RULES[re.sub(r"\s", "", str(g[-1].get("group_structure")))]
         run = 0
         while run < len(v) and v[run]:
             run += 1
     else:
+        rule = V2_RULES["relevance"]
         run = int(sum(v))
     if rule.branch and run == rule.branch[0] and v[rule.branch[1]]:
         run += 1

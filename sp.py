@@ -95,14 +95,9 @@ class Layout:
 
     def prepares(self, i: int) -> bool:
         """Whether this rank prepares item i of a step's prompts: the one rank whose part holds it
-        (part's inverse); share_prompts passes it to the rest of the TP group that generates it."""
-        group = i % self.dp_size  # the SP group, then the engine in it, then the rank
-        at = i // self.dp_size  # the item's place in its group's list
-        local = at % self.sp_size
-        if 1 < self.tp < self.sp_size:
-            engines = self.sp_size // self.tp
-            local = at % engines * self.tp + at // engines % self.tp
-        return group * self.sp_size + local == self.rank
+        (a part of the first i + 1 items holds i as the whole list's does); share_prompts passes it
+        to the rest of the TP group that generates it."""
+        return i in self.part(range(i + 1), self.rank)
 
     def dedup(self, parts: list) -> list:
         """Per-rank objects gathered in rank order -> one per SP group (its ranks hold the same
@@ -781,8 +776,10 @@ def use_ulysses(model):
     config._attn_implementation = f"ulysses_{kernel}"
 
 
-def heads_to_ranks(x: torch.Tensor, group, n: int) -> torch.Tensor:
-    """(B, h, s, d) -> (B, h/n, S, d): head chunk j to rank j, back as rank j's positions."""
+def redistribute(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(B, a, b, d) -> (B, a/n, n b, d): chunk j of dim 1 to rank j, the chunks received along dim 2
+    in rank order. Heads to ranks: (B, h, s, d) -> (B, h/n, S, d); positions back to their ranks:
+    (B, S, h/n, d) -> (B, s, h, d)."""
     chunks = x.unflatten(1, (n, -1)).transpose(0, 1)  # (n, B, h/n, s, d)
     y = AllToAll.apply(chunks, group, [1] * n, [1] * n)
     return y.permute(1, 2, 0, 3, 4).flatten(2, 3)
@@ -802,13 +799,12 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
     group = sp_shard.layout.group
     n = sp_shard.layout.sp_size
     H = query.shape[1]
-    s = query.shape[2]
     pad = -H % n
     rep = H // key.shape[1] if pad else n // math.gcd(key.shape[1], n)
     padding = (0, 0, 0, 0, 0, pad)
-    q = heads_to_ranks(F.pad(query, padding), group, n)
-    k = heads_to_ranks(F.pad(key.repeat_interleave(rep, 1), padding), group, n)
-    v = heads_to_ranks(F.pad(value.repeat_interleave(rep, 1), padding), group, n)
+    q = redistribute(F.pad(query, padding), group, n)
+    k = redistribute(F.pad(key.repeat_interleave(rep, 1), padding), group, n)
+    v = redistribute(F.pad(value.repeat_interleave(rep, 1), padding), group, n)
     # what the kernel reads of the module, for this rank's heads (sdpa repeats KV heads by
     # num_key_value_groups)
     heads = types.SimpleNamespace(
@@ -819,10 +815,7 @@ def ulysses_attention(module, query, key, value, attention_mask, kernel: str, sp
         training=module.training,
     )
     out, _ = inner(heads, q, k, v, sp_shard.mask, **kw)  # (B, S, H'/n, d)
-    # (B, S, H'/n, d) -> (n, B, s, H'/n, d): positions of rank j to rank j; back as rank j's heads
-    chunks = out.unflatten(1, (n, s)).transpose(0, 1)
-    back = AllToAll.apply(chunks, group, [1] * n, [1] * n)
-    return back.permute(1, 2, 0, 3, 4).flatten(2, 3)[:, :, :H], None  # (B, s, H, d)
+    return redistribute(out, group, n)[:, :, :H], None  # (B, s, H, d)
 
 
 def kernel_mask(mask: torch.Tensor, kernel: str) -> torch.Tensor:

@@ -69,7 +69,7 @@ class Config(rewards.JudgeSettings, Media):
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
     world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
     """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
-    # --- model and data (`cache.py --config` reads these from the same YAML)
+    # --- model and data (`scripts/cache_frames.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
     """HF model folder (Qwen2-VL, Qwen2.5-VL or Qwen3-VL)."""
     trust_remote_code: bool = False
@@ -146,8 +146,9 @@ class Config(rewards.JudgeSettings, Media):
     gae (PPO with a critic)"""
     adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
-    loss_type: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight)"""
+    loss_type: Literal["ppo", "gspo", "cispo", "sft"] = "ppo"
+    """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight) |
+    sft (supervised cold start: NLL of each sample's offline_output, prompt masked; no rollouts)"""
     clip_low: float = field(default=0.2, metadata=NOT_NEGATIVE)
     """clip: ratio >= 1 - clip_low"""
     clip_high: float = field(default=0.2, metadata=NOT_NEGATIVE)
@@ -290,7 +291,7 @@ class Config(rewards.JudgeSettings, Media):
         return Media(**media)
 
 
-def load_config(argv=None) -> Config:
+def load_config(argv: list[str]) -> Config:
     """common.load_config for Config: configs/tiny_cpu.yaml has a run's settings, others recipes."""
     return common.load_config(Config, argv)
 
@@ -328,6 +329,11 @@ def check_config(cfg: Config, world: int = 1):
         bad.append("mix_threshold needs mix_offline")
     if cfg.overlong_buffer > 1:
         bad.append(f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)")
+    rl_only = cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds
+    if cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae"):  # no rollouts
+        bad.append(
+            "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae"
+        )
     if cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len:
         bad.append("max_prompt_len > max_model_len")
     if cfg.video_min_frames > cfg.video_max_frames:
@@ -535,8 +541,10 @@ def policy_loss(
     logp, old_logp, adv, mask, loss_type: str = "ppo", clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0
 ):
     """Per-token loss and clipped indicator, (B, R) each (docs/algorithms.md); adv (B,), (B, R)."""
-    if loss_type not in ("ppo", "gspo", "cispo"):
+    if loss_type not in ("ppo", "gspo", "cispo", "sft"):
         raise ValueError(f"loss_type: unknown {loss_type!r}")
+    if loss_type == "sft":  # the reference response's NLL: no ratio, no advantage, nothing clipped
+        return -logp, torch.zeros_like(logp)
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # (B, 1) or (B, R)
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, R)
     if loss_type == "gspo":  # the sequence's mean log-ratio, with each token's gradient
@@ -625,12 +633,18 @@ def overlong_penalty(length: int, max_len: int, buffer: float) -> float:
 
 
 def split_batch(
-    rollouts: list[Rollout], mini_batches: int, micro_batch_size: int, max_tokens: int = 0
+    rollouts: list[Rollout],
+    mini_batches: int,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    by_length: bool = False,
 ) -> list[list[list[int]]]:
     """Row indices per micro-batch per mini-batch. Mini-batches: contiguous, sizes within 1.
-    Micro-batches: rows in order, at most micro_batch_size rows or (max_tokens > 0) max_tokens
-    padded tokens, rows x (longest prompt + response). A group (media encoded once per micro-batch)
-    that does not fit the current micro-batch starts a new one, unless it fits in none."""
+    Micro-batches: rows in order (by_length: a mini-batch's rows shortest first, so the budget
+    fills with rows of like length, not padding), at most micro_batch_size rows or (max_tokens > 0)
+    max_tokens padded tokens, rows x (longest prompt + longest response). A group (media encoded
+    once per micro-batch) that does not fit the current micro-batch starts a new one, unless it fits
+    in none."""
 
     def fits(rows: list[int]) -> bool:
         if not max_tokens:
@@ -642,8 +656,14 @@ def split_batch(
     bounds = [n * j // mini_batches for j in range(mini_batches + 1)]
     plan = []
     for lo, hi in zip(bounds, bounds[1:]):
+        order = range(lo, hi)
+        if by_length:
+            r = rollouts
+            order = sorted(
+                order, key=lambda j: len(r[j].prompt.prompt_ids) + len(r[j].response_ids)
+            )
         micro = [[]]
-        for _, run in itertools.groupby(range(lo, hi), key=lambda j: id(rollouts[j].prompt)):
+        for _, run in itertools.groupby(order, key=lambda j: id(rollouts[j].prompt)):
             group = list(run)  # consecutive rows sharing a prompt
             if micro[-1] and not fits(micro[-1] + group) and fits(group):
                 micro.append([])
@@ -873,8 +893,9 @@ def micro_batches(
     many (FSDP): a rank the token budget packed into fewer halves its largest. lengths: every
     data-parallel rank's response lengths (global_rows'; default: these rollouts', one rank), each
     rank's mini-batches alike: each micro-batch's n_tok, n_seq without a collective."""
+    sft = cfg.loss_type == "sft"  # its rows are groups of one: free to sort
     plan = split_batch(
-        rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+        rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, sft
     )
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
     if lengths is None:
@@ -910,7 +931,10 @@ def micro_loss(
 ):
     """This micro-batch's share of its mini-batch loss (summed over micro-batches and ranks: the
     mini-batch loss) and its metric sums. b.old_logp None: on-policy, old = sg[logp]."""
-    logp, ent = token_logp(model, b, cfg.temperature, banned, cfg.logp_chunk, layout, counts)
+    temperature = cfg.temperature
+    if cfg.loss_type == "sft":  # the data's likelihood, not the sampler's tempered one
+        temperature = 1.0
+    logp, ent = token_logp(model, b, temperature, banned, cfg.logp_chunk, layout, counts)
     mask = b.mask  # (b, R)
     old = b.old_logp
     if old is None:
@@ -1036,17 +1060,43 @@ def score(rollouts: list[Rollout], cfg: Config, judge: rewards.Judge | None = No
     return comps
 
 
+def offline_rollout(p, tok, eos_id: int, max_len: int) -> Rollout:
+    """The sample's offline_output as a completion: its tokens + EOS (the policy learns to stop),
+    truncated to max_len like any completion."""
+    text = p.sample["offline_output"]
+    ids = tok.encode(text, add_special_tokens=False) + [eos_id]
+    return Rollout(p, ids[:max_len], None, text, "offline")
+
+
+class OfflineEngine:
+    """loss_type sft's sampler: each prompt's completions are its offline_output (sample_batch,
+    unchanged, shares the prompts over ranks and scores them: reward/* reads the data's answers)."""
+
+    encoder = None
+
+    def __init__(self, tok, eos_id: int):
+        self.tok = tok
+        self.eos_id = eos_id
+
+    def generate(self, prompts: list, n: int, temperature: float, max_tokens: int, seed: int):
+        rollouts = [offline_rollout(p, self.tok, self.eos_id, max_tokens) for p in prompts]
+        for r in rollouts:
+            if r.response_ids[-1] != self.eos_id:  # cut at max_response_len: len/truncated
+                r.finish = "length"
+        return [r for r in rollouts for _ in range(n)]
+
+
 def swap_offline(group: Group, cfg: Config, tok, eos_id: int, judge=None) -> Group:
     """Mixed offline-online: the sample's offline_output replaces the LAST rollout of its group
     (always, or with mix_threshold > 0 when the online accuracy is below it)."""
     p = group.rollouts[0].prompt
-    text = p.sample.get("offline_output")
     online_acc = sum(c["accuracy"] for c in group.components) / len(group.components)
-    if not cfg.mix_offline or not text or cfg.mix_threshold and online_acc >= cfg.mix_threshold:
+    sft = cfg.loss_type == "sft"  # its group is the offline_output already (cut: finish "length")
+    if not cfg.mix_offline or sft or not p.sample.get("offline_output"):
         return group
-    # its tokens + EOS (the policy learns to stop), truncated to the budget like any completion
-    ids = (tok.encode(text, add_special_tokens=False) + [eos_id])[: cfg.max_response_len]
-    offline = Rollout(p, ids, None, text, "offline")
+    if cfg.mix_threshold and online_acc >= cfg.mix_threshold:
+        return group
+    offline = offline_rollout(p, tok, eos_id, cfg.max_response_len)
     comps = group.components[:-1] + score([offline], cfg, judge)
     return Group(group.rollouts[:-1] + [offline], comps, group.baseline)
 
@@ -1471,7 +1521,7 @@ class FrozenEncoder:
 
 def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict):
     """The sampler: a colocated vLLM engine with the trainer's weights, or HF generate."""
-    if cfg.rollout == "hf":
+    if cfg.rollout == "hf" or (cfg.loss_type == "sft" and not samples["val"]):  # SFT: eval only
         return HFEngine(t.model, tok, eos_ids, t.dummies)
     every = samples["train"] + samples["val"]
     images = [len(s.get("images", [])) for s in every]
@@ -1520,6 +1570,17 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
             samples[split] = data.render_all(
                 template, rows, cfg.response_format, report, where=cfg.prompt_template
             )
+    if cfg.loss_type == "sft":  # SFT learns the reference response: a sample without one is bad
+        kept = []
+        for s in samples["train"]:
+            error = f"{s['where']}: sample {s['id']}: offline_output: loss_type sft trains on it"
+            if s.get("offline_output"):
+                kept.append(s)
+            elif cfg.skip_invalid:
+                skipped.append({"where": s["where"], "error": error})
+            else:
+                raise data.DataError(error)
+        samples["train"] = kept
     if not samples["train"]:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     return samples
@@ -1615,7 +1676,8 @@ def logp_pass(
     reward), the reference's with kl_coef, into each micro-batch. Every prompt's features once for
     all of them (a frozen tower: for all passes); the reference's kept per sample
     (t.ref_features; a frozen tower: the policy's)."""
-    need_old = cfg.ppo_epochs > 1 or cfg.mini_batches > 1 or cfg.kl_in_reward
+    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1 or cfg.loss_type == "sft"
+    need_old = not on_policy or cfg.kl_in_reward
     trains = sp.tower_trains(t.model)
     prompts = [r.prompt for r in rollouts]
     policy = None
@@ -1909,7 +1971,10 @@ def main(cfg: Config):
             t.opt.state.clear()
     first_step = state.get("step", 0) + 1
     eos_ids = eos_token_ids(t.model)
-    engine = start_engine(cfg, t, tok, eos_ids, samples)
+    engine = start_engine(cfg, t, tok, eos_ids, samples)  # SFT: the held-out evaluation's
+    sampler = engine
+    if cfg.loss_type == "sft":
+        sampler = OfflineEngine(tok, eos_ids[0])
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = dict(
         cache_hit=0, cache_miss=0, cache_corrupt=0, cache_unwritable=0, decode=0, decode_s=0.0
@@ -1947,7 +2012,7 @@ def main(cfg: Config):
         n_skipped = len(skipped)
         # ------------------------------------------------- sample, reward (+ DAPO dynamic sampling)
         batch = sample_batch(
-            engine, stream, samples["train"], prep, cfg, step, tok, eos_ids[0], layout, judge
+            sampler, stream, samples["train"], prep, cfg, step, tok, eos_ids[0], layout, judge
         )  # scored as generated
         skipped += batch.skips
         engine.sleep()
@@ -1966,7 +2031,10 @@ def main(cfg: Config):
         )
         # ---------------------------------------------------- sync
         t2 = time.time()
-        engine.sync(t.model)
+        periodic = cfg.eval_every and step % cfg.eval_every == 0
+        evaluated = n_val and (step == cfg.max_steps or periodic)
+        if cfg.loss_type != "sft" or evaluated:  # SFT: the engine samples only to evaluate
+            engine.sync(t.model)
         times = dict(gen=t_gen, train=t2 - t1, sync=time.time() - t2, step=time.time() - t0)
         # ---------------------------------------------------- log
         stats_step = {k: stats[k] - stats_before[k] for k in stats}
@@ -1975,8 +2043,6 @@ def main(cfg: Config):
         adv_all = phase.adv_all
         # the step's prompts (pixels) must not live through the evaluation or the next rollout
         del batch, rollouts, phase
-        periodic = cfg.eval_every and step % cfg.eval_every == 0
-        evaluated = n_val and (step == cfg.max_steps or periodic)
         if evaluated:  # the result of the run, once the last step has run
             acc_after = held_out_accuracy(
                 engine, samples["val"], val_prep, cfg, layout, skipped, step=step

@@ -17,6 +17,7 @@ from dataclasses import asdict, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 import cache  # noqa: E402
+import cache_frames  # noqa: E402
 from common import write_jsonl  # noqa: E402
 
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
@@ -111,12 +112,12 @@ def main(
         flush=True,
     )
 
-    # ---- 1. the preprocessing command's work (cache.py's CLI), into a cold cache
+    # ---- 1. the preprocessing command's work (scripts/cache_frames.py), into a cold cache
     frames_dir = os.path.join(out, "frames")
     shutil.rmtree(frames_dir, ignore_errors=True)
     argv = ["--data", train_jsonl, "--out", frames_dir, "--workers", "2", *FLAGS, "--factor", "28"]
-    summary = cache.preprocess(cache.load_config(argv))  # what `python cache.py ARGV` runs
-    print("cache.py:", " | ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
+    summary = cache_frames.preprocess(cache_frames.load_config(argv))  # what the script runs
+    print("cache_frames.py:", " | ".join(f"{k} {v}" for k, v in summary.items()), flush=True)
 
     # ---- 2. per-sample load time, the same clips and settings (and, for scale, the 7B config's settings)
     cache.load_video(

@@ -127,7 +127,9 @@ def main(
         try:
             out = os.path.join(work, "runs", label)
             await E.evaluate(replace(c, max_samples=4, out_dir=out + "-warmup"), engine, processor)
-            if c.video_source != "decode_only":  # as after `python cache.py` or a previous eval
+            if (
+                c.video_source != "decode_only"
+            ):  # as after `scripts/cache_frames.py` or a previous eval
                 input_digests(E, processor, c)
             runs = []
             for i in range(repeats):

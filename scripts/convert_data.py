@@ -3,8 +3,12 @@
     python scripts/convert_data.py --source video-r1 --src Video-R1-data/Video-R1-260k.json --out data/train.jsonl
 
 Sources (sample records: tests/fixtures/convert/): video-r1, Video-R1-260k.json or Video-R1-COT-165k.json (a JSON
-array); easyvideor1, EasyVideoR1's training JSON/JSONL. Every written record passes data.validate_sample; one that
-cannot be mapped goes to OUT.skipped.jsonl as {index, problem_id, reason, detail}, counted in OUT.report.json.
+array; the CoT file's `process` + `solution` is its SFT target); easyvideor1, EasyVideoR1's training JSON/JSONL;
+longvideo-reason, LongVideo-Reason's records (NVlabs/Long-RL: `videos` one path, `problem`, `answer`
+<answer>X</answer>, problem_type "general", `reasoning` the CoT). --offline-output writes the CoT as offline_output:
+train.py's SFT target (--loss-type sft) or mixed offline-online trajectory (--mix-offline). Every written record
+passes data.validate_sample; one that cannot be mapped goes to OUT.skipped.jsonl as {index, problem_id, reason,
+detail}, counted in OUT.report.json.
 """
 
 import json
@@ -24,7 +28,7 @@ from common import write_text  # noqa: E402
 
 @dataclass
 class Config:
-    source: Literal["video-r1", "easyvideor1"]
+    source: Literal["video-r1", "easyvideor1", "longvideo-reason"]
     """which release `src` is (field names differ, see the module docstring)"""
     src: str
     """the source file: a JSON array, or JSONL (one object per line)"""
@@ -33,8 +37,8 @@ class Config:
     media_root: str = ""
     """folder that relative media paths are below ('' = the source file's folder)"""
     offline_output: bool = False
-    """copy curated reasoning into offline_output: Video-R1's `process` + its answer, EasyVideoR1's `offline_output`
-    where has_offline_trajectory is true (train.py's --mix-offline then swaps it into its group)"""
+    """copy curated reasoning into offline_output: Video-R1's `process` + its answer, LongVideo-Reason's
+    `reasoning` in <think> tags + its answer, EasyVideoR1's `offline_output` where has_offline_trajectory is true"""
     check_media: bool = True
     """skip (and report) records whose media file does not exist under media_root"""
 
@@ -74,12 +78,38 @@ def from_easyvideor1(r: dict, use_offline: bool) -> dict:
     return out
 
 
+def from_longvideo_reason(r: dict, use_offline: bool) -> dict:
+    """Its problem_type is "general" (a letter answer: multiple choice, options in the problem's
+    text; else open-ended) and its videos one path."""
+    answer = bare_answer(r["answer"])
+    ptype = "open-ended"
+    if re.fullmatch("[A-Z]", answer):
+        ptype = "multiple choice"
+    videos = r["videos"]
+    if isinstance(videos, str):
+        videos = [videos]
+    out = dict(problem=r["problem"], answer=answer, problem_type=ptype, videos=videos)
+    if use_offline and r.get("reasoning"):
+        think = r["reasoning"].strip()
+        if not think.startswith("<think>"):
+            think = f"<think>{think}</think>"
+        out["offline_output"] = f"{think}\n<answer>{answer}</answer>"
+    return out
+
+
+FROM = {
+    "video-r1": from_video_r1,
+    "easyvideor1": from_easyvideor1,
+    "longvideo-reason": from_longvideo_reason,
+}
+
+
 def convert(r, index: int, c: Config, media_root: str) -> dict:
     """One source record -> one validated sample in our schema, or Unmapped."""
     if not isinstance(r, dict):
         raise Unmapped("not a JSON object", type(r).__name__)
     try:
-        s = (from_video_r1 if c.source == "video-r1" else from_easyvideor1)(r, c.offline_output)
+        s = FROM[c.source](r, c.offline_output)
     except KeyError as e:
         raise Unmapped(f"missing field {e}", f"the record has {sorted(r)}") from None
     ptype = rewards.canonical_type(s["problem_type"])

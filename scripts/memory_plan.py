@@ -164,9 +164,12 @@ def host_plan(
     total = meas["params"]["total"]
     # the reference tower's features kept per sample (sp.FeatureCache, bf16 on GPU): up to its bound
     kept_reference = cfg.kl_coef > 0 and not cfg.freeze_vision
+    sampled = mine * (cfg.loss_type != "sft")  # SFT: no engine gets the training prompts
     return {
         f"frames ({mine} prompts of its TP group x {frames / GIB:.2f} GiB, uint8)": mine * frames,
-        f"pixels (fp32: the trainer's of its {own}, vLLM's of the {mine}, twice)": (own + 2 * mine)
+        f"pixels (fp32: the trainer's of its {own}, vLLM's of {sampled}, twice)": (
+            own + 2 * sampled
+        )
         * frames
         * 4,
         "SP runs (1/sp_size of its SP group's prompts' pixels)": cfg.prompts_per_step
@@ -332,7 +335,10 @@ def plan(
         * meas["vision"]["encode"]
         * (not no_tower),
     }
-    vllm, need = cfg.gpu_memory_utilization * gpu_mem * cuda, sum(vllm_parts.values()) * cuda
+    # loss_type sft samples nothing: a vLLM engine only for held-out evaluation (else HF generate)
+    engine = cfg.loss_type != "sft" or (cfg.rollout == "vllm" and bool(cfg.val_data))
+    vllm = cfg.gpu_memory_utilization * gpu_mem * cuda * engine
+    need = sum(vllm_parts.values()) * cuda * engine
     # vllm_embeds: the trainer's no-grad encode for vLLM (train.FrozenEncoder) runs with vLLM awake, on
     # a rank's own prompts (SP: its runs of its SP group's, as many patches)
     embeds_encode = patches * -(-cfg.prompts_per_step // gpus) * meas["vision"]["encode"]

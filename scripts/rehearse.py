@@ -95,9 +95,40 @@ def train_args(c: Config, cfg, model: str, data_dir: str) -> list[str]:
     return ["--config", *c.config, *flags, "--no-save", "--no-offload"]
 
 
+def prepare(c: Config, cfg, ranks: int, layout: str) -> list[str]:
+    """train.py's checks of the recipe on `ranks` ranks, the tiny checkpoint and the synthetic data: the
+    rehearsal's train.py command line (tests/test_shares.py runs it in its 4-rank launch)."""
+    import make_synthetic_data
+    import train
+
+    # what a GPU node's train.py refuses first; offload needs CUDA, which this CPU rehearsal drops
+    train.check_config(dataclasses.replace(cfg, offload=False), ranks)
+    model = tiny_model(cfg.model)
+    data_dir = os.path.join(ROOT, ".cache/data/rehearse")
+    make_synthetic_data.make(
+        data_dir, ["color"], num_train=64, num_val=8, size=56, fps=4, seconds=4.0
+    )
+    print(f"rehearsing {' '.join(c.config)}: {layout}, {model}", flush=True)
+    return train_args(c, cfg, model, data_dir)
+
+
+def verdict(c: Config, rc: int, layout: str) -> int:
+    """Prints whether the run of c.out finished its c.steps steps with exit status rc; 0 if so."""
+    rows = []
+    metrics = os.path.join(c.out, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "dyn/rounds" in r]
+    rounds = [r["dyn/rounds"] for r in steps]
+    ok = rc == 0 and len(steps) == c.steps
+    word = "REHEARSED" if ok else f"FAILED (exit {rc})"
+    print(f"{word}: {layout}; {len(steps)} of {c.steps} steps, generation rounds per step {rounds}")
+    return 0 if ok else 1
+
+
 def main(c: Config) -> int:
     """Checks the recipe as train.py does on `ranks` ranks, then launches the rehearsal; returns its exit status."""
-    import make_synthetic_data
     import memory_plan
     import train
 
@@ -107,16 +138,8 @@ def main(c: Config) -> int:
             f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --ranks N"
         )
     cfg = train.load_config(["--config", *c.config])
-    # what a GPU node's train.py refuses first; offload needs CUDA, which this CPU rehearsal drops
-    train.check_config(dataclasses.replace(cfg, offload=False), ranks)
-    model = tiny_model(cfg.model)
-    data_dir = os.path.join(ROOT, ".cache/data/rehearse")
-    make_synthetic_data.make(
-        data_dir, ["color"], num_train=64, num_val=8, size=56, fps=4, seconds=4.0
-    )
-    args = train_args(c, cfg, model, data_dir)
     layout = f"{ranks} ranks, sp_size {cfg.sp_size}, rollout_tp {cfg.rollout_tp}"
-    print(f"rehearsing {' '.join(c.config)}: {layout}, {model}", flush=True)
+    args = prepare(c, cfg, ranks, layout)
     launch = [
         sys.executable,
         "-m",
@@ -136,18 +159,7 @@ def main(c: Config) -> int:
         ).returncode
     except subprocess.TimeoutExpired:
         rc = 124
-    rows = []
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            rows = [json.loads(line) for line in f]
-    steps = [r for r in rows if "dyn/rounds" in r]
-    rounds = [r["dyn/rounds"] for r in steps]
-    ok = rc == 0 and len(steps) == c.steps
-    verdict = "REHEARSED" if ok else f"FAILED (exit {rc})"
-    print(
-        f"{verdict}: {layout}; {len(steps)} of {c.steps} steps, generation rounds per step {rounds}"
-    )
-    return 0 if ok else 1
+    return verdict(c, rc, layout)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cache
+import cache_frames
 from make_synthetic_data import write_video
 
 SETTINGS = dict(
@@ -313,7 +314,7 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     out = tmp_path / "c"
     cmd = [
         sys.executable,
-        "cache.py",
+        "scripts/cache_frames.py",
         "--data",
         str(tmp_path / "train.jsonl"),
         "--data",
@@ -350,7 +351,7 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
     }
     assert set(failed) == {"bad.mp4", "missing.mp4"} and "cannot decode" in failed["bad.mp4"]
     assert "not found" in failed["missing.mp4"] and "failed.jsonl" in p.stdout
-    cfg = cache.Config(
+    cfg = cache_frames.Config(
         data=[str(tmp_path / "train.jsonl")],
         out=str(out),
         workers=1,
@@ -361,7 +362,7 @@ def test_preprocess_cli_dedups_and_reports_failures(video, tmp_path):
         video_max_pixels=20000,
         factor=28,
     )
-    s = cache.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
+    s = cache_frames.preprocess(cfg)  # second run: hits only, same settings as train.py would pass
     assert (s["videos"], s["cache_hit"], s["decode"], s["failed"]) == (3, 2, 0, 1)
     frames, _ = cache.load_video(video, frames_of(SETTINGS), cache_dir=str(out), mode="cache_only")
     assert np.array_equal(
@@ -426,7 +427,7 @@ def test_tampered_entries_are_reported_and_rebuilt_by_the_cli(video, tmp_path):
     out = tmp_path / "c"
     cmd = [
         sys.executable,
-        "cache.py",
+        "scripts/cache_frames.py",
         "--data",
         str(tmp_path / "train.jsonl"),
         "--out",

@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import ROOT, Share, color_data_dir, share_of, tiny_model_dir, two_rank_share
 
-import cache
+import cache_frames
 import ckpt
 import common
 import evaluate
@@ -50,11 +50,14 @@ def one_line_error(p: subprocess.CompletedProcess, *words: str):
     assert all(w in last for w in words), (words, last)
 
 
-def test_config_flag_every_form(tmp_path, tiny_model):
-    """`--config=a.yaml` (was ignored, rc 0), `--config a.yaml b.yaml` and repeated `--config` (only the first was
-    applied, the last recorded): every file applied in order, flags over them, `config` records what was applied; in
-    train.py, cache.py and evaluate.py alike. train.py gets there through a hub model without a network, which fails
-    in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
+@pytest.fixture(scope="module")
+def train_cli(tmp_path_factory, tiny_model, color_data) -> tuple:
+    """The inputs of this module's train.py command lines in one folder, and the command lines run in one process
+    (test_faults' TRAIN_DRIVER: one start-up, ~6 CPU s, not one each), with a hub that refuses at once
+    (OFFLINE_HUB). Returns (folder, key -> finished command, its output as stderr)."""
+    from test_faults import drive
+
+    d = tmp_path_factory.mktemp("train_cli")
     sample = {
         "id": "q",
         "problem": "q?",
@@ -62,10 +65,50 @@ def test_config_flag_every_form(tmp_path, tiny_model):
         "options": ["A. x", "B. y"],
         "problem_type": "multiple choice",
     }
-    data = write(tmp_path, "d.jsonl", json.dumps(sample) + "\n")
-    a = write(tmp_path, "a.yaml", f"train_data: {tmp_path}/missing.jsonl\nlr: 0.5\n")
-    b = write(tmp_path, "b.yaml", f"train_data: {data}\nval_data: ''\ngroup_size: 2\n")
-    c = write(tmp_path, "c.yaml", "model: Qwen/no-such-model\nlr: 0.25\n")
+    data = write(d, "d.jsonl", json.dumps(sample) + "\n")
+    write(d, "a.yaml", f"train_data: {d}/missing.jsonl\nlr: 0.5\n")
+    write(d, "b.yaml", f"train_data: {data}\nval_data: ''\ngroup_size: 2\n")
+    write(d, "c.yaml", "model: Qwen/no-such-model\nlr: 0.25\n")
+    write(d, "typo.yaml", "learning_rate: 1\n")
+    (d / "step_1").mkdir()
+    (d / "step_1" / "meta.json").write_text("{}")
+    tiny = ["--config", "configs/tiny_cpu.yaml"]
+    color = ["--train-data", f"{color_data}/train.jsonl", "--val-data", ""]
+    fake_checkpoint(d / "other", train.load_config([*tiny, *color, "--out-dir", str(d / "other")]))
+    runs = {
+        "config forms": [
+            *("--config=" + str(d / "a.yaml"), "--config", str(d / "b.yaml"), str(d / "c.yaml")),
+            *("--out-dir", str(d / "run-forms")),
+        ],
+        "typo": ["--config", str(d / "typo.yaml")],
+        "bound": [*tiny, "--group-size", "0"],
+        "bug": [*tiny, *color, "--out-dir", str(d / "run"), "--resume", str(d / "step_1")],
+        "other settings": [
+            *(*tiny, *color, "--out-dir", str(d / "other"), "--resume", "auto"),
+            *("--lr", "0.5", "--group-size", "4", "--max-steps", "80"),
+        ],
+        "no such folder": [
+            *(*tiny, "--model", ".cache/models/tiny-qwen25_vl"),
+            *("--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"),
+        ],
+    }
+    hub = [f"{k}={v}" for k, v in OFFLINE_HUB.items()]
+    # the driver's output is stdout and stderr in one: read as stderr here
+    done = {
+        k: subprocess.CompletedProcess(p.args, p.returncode, "", p.stdout)
+        for k, p in drive(runs, ["env", *hub, sys.executable]).items()
+    }
+    return d, done
+
+
+def test_config_flag_every_form(tmp_path, tiny_model, train_cli):
+    """`--config=a.yaml` (was ignored, rc 0), `--config a.yaml b.yaml` and repeated `--config` (only the first was
+    applied, the last recorded): every file applied in order, flags over them, `config` records what was applied; in
+    train.py, cache_frames.py and evaluate.py alike. train.py gets there through a hub model without a network, which
+    fails in seconds with the way out (was 2.5 minutes of retries, then an OSError traceback)."""
+    # a.yaml: a missing train_data, lr 0.5; b.yaml: d.jsonl, group_size 2; c.yaml: a hub model
+    d, done = train_cli
+    data, a, b, c = (str(d / f) for f in ("d.jsonl", "a.yaml", "b.yaml", "c.yaml"))
     for argv in (
         ["--config=" + a, "--config", b, c],
         ["--config", a, b, "--config=" + c],
@@ -74,32 +117,24 @@ def test_config_flag_every_form(tmp_path, tiny_model):
         cfg = train.load_config([*argv, "--group-size", "4"])
         assert (cfg.train_data, cfg.group_size, cfg.lr, cfg.config) == (data, 4, 0.25, (a, b, c))
     one_line_error(
-        run(
-            "train.py",
-            "--config=" + a,
-            "--config",
-            b,
-            c,
-            "--out-dir",
-            str(tmp_path / "run"),
-            **OFFLINE_HUB,
-        ),
+        done["config forms"],
         "Qwen/no-such-model: no network",
         "set HF_HUB_OFFLINE=1 or give a local path",
     )
-    # cache.py reads training YAMLs alike (the later file's model and data); a missing data file: before the processor
+    # cache_frames.py reads training YAMLs alike (the later file's model and data); a missing data file: before the
+    # processor
     ca = write(tmp_path, "ca.yaml", "model: Qwen/no-such-model\nvideo_max_frames: 5\n")
     cb = write(tmp_path, "cb.yaml", f"model: {tiny_model}\ntrain_data: {data}\nval_data: ''\n")
     cc = write(tmp_path, "cc.yaml", f"train_data: {tmp_path}/cc_missing.jsonl\n")
-    c1 = cache.load_config(["--config=" + ca, "--config", cb])
+    c1 = cache_frames.load_config(["--config=" + ca, "--config", cb])
     assert (c1.config, c1.data, c1.video_max_frames) == ((ca, cb), [data], 5)
     one_line_error(
-        run("cache.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
+        run("scripts/cache_frames.py", "--config=" + ca, "--config", cb, cc, "--workers", "1"),
         f"{tmp_path}/cc_missing.jsonl: no such file",
         f"of {ca} {cb} {cc}",
     )
     with pytest.raises(ValueError, match="no data files"):  # was: `videos 0`, rc 0
-        cache.main(cache.Config())
+        cache_frames.main(cache_frames.Config())
     # evaluate.py: a YAML of its own settings
     ea = write(tmp_path, "ea.yaml", "benchmarks: nosuch\nmax_tokens: 8\n")
     eb = write(tmp_path, "eb.yaml", "benchmarks: nosuch2\n")
@@ -119,7 +154,7 @@ def fake_checkpoint(out, cfg) -> str:
     return str(step)
 
 
-def test_out_dir_rules(tmp_path, color_data):
+def test_out_dir_rules(tmp_path, color_data, train_cli):
     """A fresh run into a folder holding another run's checkpoints is refused (it kept the old ckpt/, and a later
     `--resume auto` resumed the wrong run); a resume with other settings than the checkpoint's is refused naming them
     (`--lr 0.5 --group-size 4` was accepted silently), but for the MAY_CHANGE_ON_RESUME fields or
@@ -145,21 +180,12 @@ def test_out_dir_rules(tmp_path, color_data):
         ["--lr", "0.5", "--allow-config-change"],
     ):
         train.check_files(train.load_config([*args, "--resume", "auto", *ok]), step)
-    p = run(
-        "train.py",
-        *args,
-        "--resume",
-        "auto",
-        "--lr",
-        "0.5",
-        "--group-size",
-        "4",
-        "--max-steps",
-        "80",
-    )
+    # train.py on these args' checkpoint in d/other, resumed with --lr 0.5 --group-size 4 --max-steps 80
+    d, done = train_cli
+    p = done["other settings"]
     one_line_error(
         p,
-        f"{step} was trained with other settings",
+        f"{d}/other/ckpt/step_00000002 was trained with other settings",
         "group_size 8 -> 4",
         "lr 0.001 -> 0.5",
         "--allow-config-change",
@@ -266,42 +292,29 @@ def test_quiet_drops_only_the_listed_lines(debug):
     assert f"VLLM_LOGGING_LEVEL {None if debug else 'WARNING'}" in p.stdout
 
 
-def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path, color_data):
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(train_cli):
     """common.cli: our own checks (a config error: a YAML key, a bound) print one line, exit 2; any other exception
     (here a KeyError on a checkpoint's meta.json without its config, which no check of ours raises) keeps its
     traceback, and train.py also writes it to out_dir/error.log (before: a ValueError anywhere printed one line)."""
-    typo = write(tmp_path, "typo.yaml", "learning_rate: 1\n")
-    one_line_error(run("train.py", "--config", typo), "typo.yaml: unknown key 'learning_rate'")
-    p = run("train.py", "--config", "configs/tiny_cpu.yaml", "--group-size", "0")
+    d, done = train_cli
+    one_line_error(done["typo"], "typo.yaml: unknown key 'learning_rate'")
+    p = done["bound"]
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "error: invalid config:" in p.stderr and "group_size must be > 0, got 0" in p.stderr
-    step = tmp_path / "step_1"
-    step.mkdir()
-    (step / "meta.json").write_text("{}")
-    out = tmp_path / "run"
-    args = ["--train-data", f"{color_data}/train.jsonl", "--val-data", "", "--out-dir", str(out)]
-    p = run("train.py", "--config", "configs/tiny_cpu.yaml", *args, "--resume", str(step))
+    p = done["bug"]  # --resume d/step_1, whose meta.json is {}
     assert p.returncode == 1 and "Traceback" in p.stderr and "KeyError: 'config'" in p.stderr, (
         p.stderr[-3000:]
     )
-    log = (out / "error.log").read_text()
+    log = (d / "run" / "error.log").read_text()
     assert log.startswith("Traceback") and "check_files" in log and "KeyError: 'config'" in log, log
 
 
-def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch, color_data):
+def test_a_local_model_path_that_is_no_folder_is_named_not_the_network(monkeypatch, train_cli):
     """A model path that looks local (./, ../, /, ~, two '/', an existing parent folder) and is no folder: "no such
     folder", in train.py and evaluate.py, online or not (before: "no network ... set HF_HUB_OFFLINE=1", and offline
     "Repo id must be in the form"); only a hub id gets the network message."""
     typo = ".cache/models/tiny-qwen25_vl"
-    one_line_error(
-        run(
-            "train.py",
-            *("--config", "configs/tiny_cpu.yaml", "--model", typo),
-            *("--train-data", f"{color_data}/train.jsonl", "--val-data", f"{color_data}/val.jsonl"),
-            **OFFLINE_HUB,
-        ),
-        f"model: no such folder: {typo}",
-    )
+    one_line_error(train_cli[1]["no such folder"], f"model: no such folder: {typo}")
     import evaluate  # in this process: common.cli's one line is the train.py run's above
 
     with pytest.raises(common.UserError, match=f"model: no such folder: {typo}$"):

@@ -388,3 +388,46 @@ def test_easyvideor1(tmp_path):
         "Options:\nA. Red\nB. Blue\nC. Green\nD. White\n"
         "Answer with the option's letter. " + data.INSTRUCTIONS["answer"]
     )
+
+
+def test_longvideo_reason(tmp_path):
+    """LongVideo-Reason's records (NVlabs/Long-RL's release): `videos` one path, problem_type "general", the
+    CoT in `reasoning`: with --offline-output, the SFT target <think>reasoning</think> + <answer>."""
+    media = tmp_path / "longvila_videos"
+    make_media(str(media), ["football_0001.mp4", "poker_0002.mp4", "starcraft_0004.mp4"], [])
+    out = tmp_path / "sft.jsonl"
+    src = os.path.join(FIXTURES, "longvideo_reason.json")
+    args = ["--source", "longvideo-reason", "--src", src, "--media-root", str(media)]
+    report = convert_data.main(
+        tyro.cli(convert_data.Config, args=[*args, "--out", str(out), "--offline-output"])
+    )
+    assert (report["converted"], report["skipped"], report["offline_output"]) == (3, 2, 2)
+    rows = read_jsonl(out)
+    assert [(r["id"], r["problem_type"], r["answer"]) for r in rows] == [
+        ("longvideo-reason-0", "multiple choice", "C"),
+        ("longvideo-reason-1", "open-ended", "a pair of aces"),
+        ("longvideo-reason-3", "open-ended", "The Zerg player"),
+    ]
+    assert rows[0]["videos"] == ["longvila_videos/football_0001.mp4"]
+    assert rows[0]["offline_output"] == (
+        "<think>Checking the video, the left back is sent off after a second yellow card. The team "
+        "then plays with one defender fewer.</think>\n<answer>C</answer>"
+    )  # in <think> tags once: record 1's reasoning has them already
+    assert rows[1]["offline_output"] == (
+        "<think>Analyzing the scene, seat 3 turns over two aces.</think>\n<answer>a pair of aces</answer>"
+    )
+    assert "offline_output" not in rows[2]  # no reasoning: an RL record only
+    skipped = read_jsonl(tmp_path / "sft.skipped.jsonl")
+    assert [(s["problem_id"], s["reason"]) for s in skipped] == [
+        (2, "media file missing"),
+        (4, "missing field 'videos'"),
+    ]
+    samples = data.load_samples(str(out))  # each written record passes the RL loader's checks
+    assert [s["id"] for s in samples] == [r["id"] for r in rows]
+    # the SFT target the reward scores as the ground truth (accuracy 1, format 1)
+    import rewards
+
+    total, parts = rewards.compute_reward(
+        rows[0]["offline_output"], samples[0], 0.9, 0.1, "think_answer"
+    )
+    assert parts["accuracy"] == 1.0 and parts["format"] == 1.0

@@ -14,13 +14,22 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT, tiny_config
+from conftest import (
+    ROOT,
+    Run,
+    Share,
+    share_of,
+    synth_dir,
+    tiny_config,
+    tiny_model_dir,
+    two_rank_share,
+)
 
 
 def broken_media(root) -> dict:
@@ -283,32 +292,48 @@ def test_collective_timeout_fails_instead_of_hanging():
     ), p.stderr[-3000:]
 
 
+@dataclass
+class Fuzz:
+    """The fuzz run of conftest's shared 2-rank launch, and what its data file holds (fuzz_dataset)."""
+
+    run: Run
+    path: str
+    good_ids: list
+    expected: dict
+
+
+@two_rank_share
+def fuzz_run(tmp_path_factory) -> Share:
+    """fuzz_dataset's 2-rank run with skip_invalid (3 steps, vLLM, FAILING_TEMPLATE) in conftest's shared 2-rank
+    launch: its own launch cost ~35 CPU s before the first step."""
+    d = tmp_path_factory.mktemp("fuzz")
+    path, good_ids, expected = fuzz_dataset(d, synth_dir())
+    (d / "template.jinja").write_text(FAILING_TEMPLATE)
+    args = train_args(
+        tiny_model_dir(),
+        path,
+        d / "run",
+        *("--max-steps", "3", "--cache-dir", str(d / "frames"), "--skip-invalid"),
+        *("--prompt-template", str(d / "template.jinja")),
+    )
+
+    def after(runs) -> Fuzz:
+        return Fuzz(runs["fuzz"], path, good_ids, expected)
+
+    return Share({"fuzz": args}, after)
+
+
 @pytest.mark.slow
-def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, synth):
+def test_fuzz_broken_samples_reported_good_ones_trained(two_rank):
     """Every kind of broken sample twice, 52 in a random order (bad lines: malformed, not UTF-8, 100k deep, lone
     surrogates, special tokens; missing, corrupt, empty, 1-frame, over-8K videos; unreadable, absurd, bomb images; a
     FIFO and a device as media; a prompt template raising ZeroDivisionError, TypeError, StopIteration) among 8 good
     ones, through loading, the frame cache, vLLM rollout and reward in a 2-rank run with skip_invalid (before: 300
-    drawn at random, 42.2 -> 37.4 CPU s: the 2-rank vLLM start is most of it)."""
-    path, good_ids, expected = fuzz_dataset(tmp_path, synth)
-    out = tmp_path / "run"
-    (tmp_path / "template.jinja").write_text(FAILING_TEMPLATE)
-    p, log = run_train(
-        train_cmd(
-            tiny_model,
-            path,
-            out,
-            "--max-steps",
-            "3",
-            "--cache-dir",
-            str(tmp_path / "frames"),
-            "--skip-invalid",
-            "--prompt-template",
-            str(tmp_path / "template.jinja"),
-        )
-    )
-    assert p.returncode == 0, log[-6000:]
-    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    drawn at random, 42.2 -> 37.4 CPU s: the 2-rank vLLM start is most of it; now in the shared launch: fuzz_run)."""
+    fuzz = share_of(two_rank, __name__)
+    path, good_ids, expected = fuzz.path, fuzz.good_ids, fuzz.expected
+    out = fuzz.run.folder
+    rows = fuzz.run.rows
     skipped = [json.loads(x) for x in open(out / "skipped.jsonl")]
     # every broken sample is reported, with what went wrong (3 steps x 4 prompts > 8 good: the whole epoch is drawn)
     reports = {r["where"]: r["error"] for r in skipped}
@@ -326,7 +351,7 @@ def test_fuzz_broken_samples_reported_good_ones_trained(tmp_path, tiny_model, sy
     trained = [i for r in rows for i in r["data/ids"]]
     assert set(good_ids) <= set(trained) and set(trained) <= set(good_ids)
     assert all(len(r["data/ids"]) == 4 for r in rows)
-    shutil.rmtree(tmp_path / "frames", ignore_errors=True)
+    shutil.rmtree(out.parent / "frames", ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -438,11 +463,6 @@ def drive(runs: dict, launcher: list, timeout: float = 600) -> dict:
         ).group()  # what follows: other ranks' output written after rank 0's mark
         out[key] = subprocess.CompletedProcess(runs[key], int(rc), part + rest[len(rc) :])
     return out
-
-
-def run_train(cmd, timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    p = start(cmd)
-    return p, finish(p, timeout)
 
 
 def all_undecodable(tmp_path, synth) -> str:

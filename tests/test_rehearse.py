@@ -1,7 +1,7 @@
 """scripts/rehearse.py: a recipe's parallel layout for 2 steps on CPU (torchrun, gloo, vLLM) on a tiny checkpoint with
-the real model's query and KV heads; a recipe that cannot start fails before anything launches, with vLLM's error."""
+the real model's query and KV heads (the 4-rank rehearsal runs in tests/test_shares.py's 4-rank launch); a recipe that
+cannot start fails before anything launches, with vLLM's error."""
 
-import json
 import os
 
 import pytest
@@ -83,27 +83,3 @@ def test_m_rope_takes_a_long_context_and_each_prompt_is_checked(monkeypatch):
     rollout.VLLMEngine.check_positions(engine, p, 4095 - last)
     with pytest.raises(data.DataError, match=f"sample {video['id']}: its M-RoPE positions reach"):
         rollout.VLLMEngine.check_positions(engine, p, 4096 - last)
-
-
-@pytest.mark.slow
-def test_four_rank_rehearsal(tmp_path, monkeypatch):
-    """The 3B hour recipe's layout at 4 ranks (sp_size 4, rollout_tp 2: two vLLM engines of 16 / 2 heads, each inside
-    the SP group; KL reference, the tower trained, one row per micro-batch): 2 steps, one generation round each,
-    each prompt decoded once."""
-    layer = tmp_path / "four.yaml"
-    layer.write_text("sp_size: 4\nrollout_tp: 2\n")
-    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    out = tmp_path / "run"
-    assert (
-        rehearse.main(rehearse.Config(config=(*THREE_B_LONG, str(layer)), ranks=4, out=str(out)))
-        == 0
-    )
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    steps = [r for r in rows if "dyn/rounds" in r]
-    assert [r["dyn/rounds"] for r in steps] == [1, 1]
-    assert all(r["mismatch/max"] < 1e-4 for r in steps)
-    # each prompt decoded once (by one rank of its engine: sp.share_round), the held-out ones too
-    assert [r["cache/decode"] for r in steps] == [8, 8]  # the recipe's prompts_per_step
-    for step in (0, 2):
-        ids = [json.loads(x)["doc_id"] for x in open(out / "eval" / f"step_{step}.jsonl")]
-        assert len(ids) == len(set(ids)) == 8

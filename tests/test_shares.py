@@ -3,9 +3,13 @@ one round, its TP groups generating inside it; the 4-rank runs (sp 2, 2/4/6 prom
 each, no prompt generated and thrown away."""
 
 import itertools
+import json
+import os
 
 import pytest
+from conftest import ROOT
 
+import rehearse
 import sp
 
 
@@ -70,10 +74,19 @@ RUNS = {  # name -> (sp_size, rollout_tp, prompts_per_step) on 4 ranks
 EMBEDS = ["--freeze-vision", "--vllm-embeds"]
 
 
+# the 3B hour recipe's layout at 4 ranks, rehearsed (scripts/rehearse.py's train.py command line) in the same launch
+REHEARSAL = [
+    os.path.join(ROOT, "configs", n) for n in ("qwen2_5_vl_3b.yaml", "qwen2_5_vl_3b_long.yaml")
+]
+
+
 @pytest.fixture(scope="module")
 def four_rank_runs(tmp_path_factory, tiny_model, color_data) -> dict:
-    """The RUNS, 2 steps each, in one 4-rank torchrun launch (tests/train_worker.py), real vLLM engines."""
-    from train_worker import launch
+    """The RUNS, 2 steps each, then the rehearsal, in one 4-rank torchrun launch (tests/train_worker.py), real vLLM
+    engines: torchrun's start and the ranks' imports are paid once (the rehearsal had a launch of its own: ~25 s).
+    Returns name -> (its folder, the train_worker.Launch, its index there)."""
+    import train
+    from train_worker import start
 
     root = tmp_path_factory.mktemp("shares")
     argv = [
@@ -88,8 +101,11 @@ def four_rank_runs(tmp_path_factory, tiny_model, color_data) -> dict:
         ]
         for name, (sp_size, tp, prompts) in RUNS.items()
     ]
-    logs = launch(argv, nproc=4, timeout=1500)
-    return {name: (root / name, log) for name, log in zip(RUNS, logs)}
+    (root / "four.yaml").write_text("sp_size: 4\nrollout_tp: 2\n")
+    c = rehearse.Config(config=(*REHEARSAL, str(root / "four.yaml")), out=str(root / "rehearsal"))
+    argv.append(rehearse.prepare(c, train.load_config(["--config", *c.config]), 4, "4 ranks"))
+    launch = start(argv, nproc=4, timeout=1500)
+    return {name: (root / name, launch, k) for k, name in enumerate([*RUNS, "rehearsal"])}
 
 
 @pytest.mark.slow
@@ -98,9 +114,8 @@ def test_four_ranks_one_round_per_step(name, four_rank_runs):
     """4 ranks, sp 2 with 2, 4 and 6 prompts per step (1, 2, 3 per SP group: before, 2 crashed at step 1 and 6 took
     two generation rounds, 12 prompts generated for 6 trained), and sp 4 with rollout_tp 2 (two engines, each inside
     the SP group; with 2 prompts, one each): every step is one generation round and trains every prompt it generated."""
-    import json
-
-    folder, log = four_rank_runs[name]
+    folder, launch, k = four_rank_runs[name]
+    log = launch.log(k)
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2], log[-3000:]
     assert all(r["dyn/rounds"] == 1 and r["dyn/dropped"] == 0 for r in rows), rows
@@ -114,3 +129,22 @@ def test_four_ranks_one_round_per_step(name, four_rank_runs):
     if name == "sp4_tp2":  # vllm_embeds: one encode a step, for vLLM and logp_pass alike: the 4
         # prompts' runs on each of the 4 ranks, and each rank's image dummy (FSDP2's aligned tower)
         assert [r["vision/encodes"] for r in rows] == [4 * 4 + 4] * 2, rows
+
+
+@pytest.mark.slow
+def test_four_rank_rehearsal(four_rank_runs):
+    """The 3B hour recipe's layout at 4 ranks (sp_size 4, rollout_tp 2: two vLLM engines of 16 / 2 heads, each inside
+    the SP group; KL reference, the tower trained, one row per micro-batch): 2 steps, one generation round each,
+    each prompt decoded once; rehearse.verdict calls it rehearsed."""
+    folder, launch, k = four_rank_runs["rehearsal"]
+    log = launch.log(k)
+    assert rehearse.verdict(rehearse.Config(out=str(folder)), 0, "4 ranks") == 0, log[-3000:]
+    rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+    steps = [r for r in rows if "dyn/rounds" in r]
+    assert [r["dyn/rounds"] for r in steps] == [1, 1]
+    assert all(r["mismatch/max"] < 1e-4 for r in steps)
+    # each prompt decoded once (by one rank of its engine: sp.share_round), the held-out ones too
+    assert [r["cache/decode"] for r in steps] == [8, 8]  # the recipe's prompts_per_step
+    for step in (0, 2):
+        ids = [json.loads(x)["doc_id"] for x in open(folder / "eval" / f"step_{step}.jsonl")]
+        assert len(ids) == len(set(ids)) == 8

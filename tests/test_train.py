@@ -142,15 +142,15 @@ def check_vllm_run(out, rows, stdout, tiny_model, color_data, steps):
 @two_rank_share
 def three_runs(tmp_path_factory) -> Share:
     """Three runs in conftest's shared 2-rank launch (tests/train_worker.py: torchrun's start and the imports are paid
-    once). "hf": the HF engine, 2 ranks, the frame cache built first by cache.py's command, 3 held-out prompts (uneven
+    once). "hf": the HF engine, 2 ranks, the frame cache built first by cache_frames.py, 3 held-out prompts (uneven
     on 2 ranks), a checkpoint at step 2; "again": `--resume auto` on that finished run; "tp2": both ranks share one
     tensor-parallel vLLM engine (rollout_tp 2), its frame cache cold."""
-    import cache
+    import cache_frames
 
     tiny_model, color_data = tiny_model_dir(), color_data_dir()
     hf, tp2 = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("tp2")
-    cache.preprocess(
-        cache.Config(
+    cache_frames.preprocess(
+        cache_frames.Config(
             data=[f"{color_data}/train.jsonl", f"{color_data}/val.jsonl"],
             out=str(hf / "frames"),
             video_fps=4.0,
@@ -189,7 +189,7 @@ def runs(two_rank) -> Runs:
 
 
 def test_hf_rollout_two_ranks_warm_cache(runs):
-    """HF engine, with the frame cache built first by cache.py's command: no decode in any step."""
+    """HF engine, with the frame cache built first by scripts/cache_frames.py: no decode in any step."""
     rows = runs["hf"].rows
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert all(
