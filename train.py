@@ -226,6 +226,10 @@ class Config(rewards.JudgeSettings, Media):
     """recompute each decoder layer's and vision block's activations in backward, not keep them"""
     offload: bool = False
     """FSDP2 CPU offload: parameter shards, gradients, AdamW state in CPU memory (CUDA, torchrun)"""
+    fsdp: Literal["auto", "reshard", "keep", "replicate"] = "auto"
+    """several ranks' parameters: FSDP2 blocks gathered in forward and again in backward (reshard)
+    or kept from one to the other (keep); whole, the gradients summed in one all-reduce (replicate,
+    fp32 compute); auto: fsdp_choice's pick"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
     sp_size: int = field(default=1, metadata=POSITIVE)
@@ -385,6 +389,8 @@ def check_config(cfg: Config, world: int = 1):
         bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
     if not 0 <= cfg.lora_dropout < 1:
         bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
+    if cfg.offload and cfg.fsdp not in ("auto", "reshard"):
+        bad.append(f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}")
     if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
         bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
     longest_row = cfg.max_prompt_len + cfg.max_response_len
@@ -770,6 +776,8 @@ class MicroBatch:
     vision: sp.Vision | None = None  # encode_vision's features, when encoded once per step
     values: torch.Tensor | None = None  # (b, R) gae: the critic's, before its update
     returns: torch.Tensor | None = None  # (b, R) gae: its targets
+    n_tok: float = 0.0  # micro_batches: its mini-batch's global_counts (SP: each row once)
+    n_seq: float = 0.0
 
 
 @dataclass
@@ -897,17 +905,23 @@ def as_reference(model, ref):
 
 
 def micro_batches(
-    rollouts: list[Rollout], cfg: Config, tok, device, dummies
+    rollouts: list[Rollout], cfg: Config, tok, device, dummies, lengths: list | None = None
 ) -> list[list[MicroBatch]]:
     """The rollout batch as mini-batches of collated micro-batches (split_batch). All ranks run as
-    many (FSDP): a rank the token budget packed into fewer halves its largest."""
+    many (FSDP): a rank the token budget packed into fewer halves its largest. lengths: every
+    data-parallel rank's response lengths (global_rows'; default: these rollouts', one rank), each
+    rank's mini-batches alike: each micro-batch's n_tok, n_seq without a collective."""
     sft = cfg.loss_type == "sft"  # its rows are groups of one: free to sort
     plan = split_batch(
         rollouts, cfg.mini_batches, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, sft
     )
     counts = all_reduce([float(len(mini)) for mini in plan], op=dist.ReduceOp.MAX)
+    if lengths is None:
+        lengths = [len(r.response_ids) for r in rollouts]
+    every = torch.tensor(lengths).view(-1, len(rollouts))  # (data-parallel ranks, rows)
     minibatches = []
     for mini, count in zip(plan, counts):
+        part = every[:, [j for rows in mini for j in rows]]  # the mini-batch's rows on every rank
         while len(mini) < count:
             big = max(mini, key=len)
             at = mini.index(big)
@@ -918,6 +932,8 @@ def micro_batches(
                 for rows in mini
             ]
         )
+        for b in minibatches[-1]:
+            b.n_tok, b.n_seq = float(part.sum()), float((part > 0).sum())
     return minibatches
 
 
@@ -999,13 +1015,6 @@ def micro_loss(
             metrics["tis_weight"] = w.sum().item()
             metrics["tis_clipped"] = ((w != raw) & has).sum().item()
     return loss, metrics
-
-
-def global_counts(batches: list[MicroBatch]) -> tuple[float, float]:
-    """Valid tokens and valid sequences of a mini-batch over all ranks: the loss normalizers."""
-    tokens = sum(b.mask.sum().item() for b in batches)
-    sequences = sum((b.mask.sum(-1) > 0).sum().item() for b in batches)
-    return tuple(all_reduce([tokens, sequences]))
 
 
 def global_tokens(per_batch: list[torch.Tensor], cfg: Config, layout: sp.Layout) -> torch.Tensor:
@@ -1249,6 +1258,20 @@ def global_rows(groups: list[Group], layout: sp.Layout) -> tuple[dict, int]:
 # main and its parts: setup, the train phase (log-prob pass, update), logging, the end of the run
 
 
+def fsdp_choice(cfg: Config, params: int, memory: float, cuda: bool, world: int):
+    """cfg.fsdp, or auto's: on several ranks without offload, where whole fp32 weights, gradients,
+    AdamW moments and summed gradients (20 bytes a parameter, LoRA's frozen ones too) fit a quarter
+    of a GPU's memory (CPU ranks: always), replicate on CPU and keep on CUDA (bf16 copies, where
+    replicated parameters compute in fp32); else reshard."""
+    if cfg.fsdp != "auto":
+        return cfg.fsdp
+    if world == 1 or cfg.offload or 20 * params > memory / 4:
+        return "reshard"
+    if cuda:
+        return "keep"
+    return "replicate"
+
+
 def load_model(cfg: Config, device, value_head: bool = False):
     """HF model (LoRA: peft, base frozen), FSDP2-sharded per decoder layer and vision block, fp32
     master weights, bf16 compute on GPU; activation checkpointing (module hooks) before FSDP.
@@ -1298,15 +1321,23 @@ def load_model(cfg: Config, device, value_head: bool = False):
         lm_head = model.get_output_embeddings().weight
         if lm_head is not model.get_input_embeddings().weight:  # unused, not tied: no AdamW state
             lm_head.requires_grad_(False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    memory = math.inf
+    if cuda:
+        memory = torch.cuda.get_device_properties(device).total_memory
+    mode = fsdp_choice(cfg, sum(p.numel() for p in model.parameters()), memory, cuda, world)
     # one CPU process gains nothing from FSDP2 (no CPU mixed precision), and a process group exists
     # without torchrun (vLLM's in-process engine): shard on several ranks, or on a GPU for bf16
-    if dist.is_initialized() and (dist.get_world_size() > 1 or cuda):
+    if dist.is_initialized() and (world > 1 or cuda) and mode != "replicate":
         mp = MixedPrecisionPolicy()
         if cuda:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()  # CPU: shards, AdamW step
+        after = None  # FSDP2's default: each unit resharded after forward, the root kept
+        if mode == "keep":
+            after = False
         for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
-            fully_shard(module, mp_policy=mp, offload_policy=offload)
+            fully_shard(module, mp_policy=mp, offload_policy=offload, reshard_after_forward=after)
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
@@ -1361,10 +1392,9 @@ def critic_update(
     c.model.train()
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = global_counts(mini)
             loss_sum = 0.0
             for b in mini:
-                loss, sums = value_micro_loss(c.model, b, cfg, n_tok, n_seq, layout, counts)
+                loss, sums = value_micro_loss(c.model, b, cfg, b.n_tok, b.n_seq, layout, counts)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
@@ -1742,7 +1772,6 @@ def update(
     t.model.train()  # only lora_dropout acts in train mode (Qwen-VL has no other dropout)
     for epoch in range(cfg.ppo_epochs):
         for mini in minibatches:
-            n_tok, n_seq = (n / t.layout.sp_size for n in global_counts(mini))  # SP: each row once
             loss_sum = 0.0
             # a trained tower: each prompt once, its feature gradient summed over its micro-batches
             towers = sp.Towers(t.model, [b.prompts for b in mini], t.device, t.layout, t.dummies)
@@ -1750,7 +1779,7 @@ def update(
                 if trains:
                     b.vision = towers.vision(i)
                 loss, metrics = micro_loss(
-                    t.model, b, cfg, t.banned, n_tok, n_seq, t.layout, counts
+                    t.model, b, cfg, t.banned, b.n_tok, b.n_seq, t.layout, counts
                 )
                 # FSDP averages gradients over ranks: x world sums them
                 (loss * t.layout.world).backward()
@@ -1771,11 +1800,14 @@ def update(
 def optimizer_step(
     opt, loss_sum: float, cfg: Config, step: int, ids: list, rank: int, apply: bool = True
 ) -> float:
-    """Grad clip and (apply) the step, unless the loss or grad norm is not finite on any rank: then
-    every rank stops before it, naming the samples (ids). Returns the grad norm."""
-    gnorm = torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], cfg.grad_clip)
+    """Gradients and losses summed over ranks (sum_grads), grad clip and (apply) the step, unless
+    the loss or grad norm is not finite on any rank: then every rank stops before it, naming the
+    samples (ids). Returns the grad norm."""
+    params = opt.param_groups[0]["params"]
+    loss = sum_grads(params, loss_sum)
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-    if not math.isfinite(all_reduce([loss_sum + gnorm])[0]):
+    if not math.isfinite(loss + gnorm):
         raise FloatingPointError(
             f"step {step}: the loss ({loss_sum} on rank {rank}) or the grad norm "
             f"({gnorm}) is not finite; samples {ids}: stopped before the update"
@@ -1784,6 +1816,23 @@ def optimizer_step(
         opt.step()
     opt.zero_grad(set_to_none=True)
     return gnorm
+
+
+def sum_grads(params: list, loss_sum: float) -> float:
+    """The ranks' losses summed. Replicated parameters (fsdp replicate) on several ranks: in one
+    all-reduce with their gradients (/ world: FSDP2 averages, losses are x world); a parameter no
+    rank has a gradient for keeps none. FSDP2 reduced its gradients in backward."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or hasattr(params[0], "to_local"):
+        return all_reduce([loss_sum])[0]
+    has = [float(p.grad is not None) for p in params]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [params[0].new_tensor(has + [loss_sum])])
+    dist.all_reduce(flat)
+    *parts, summed = flat.split([p.numel() for p in params] + [len(params) + 1])
+    for p, part, any_grad in zip(params, parts, summed.tolist()):
+        if any_grad:
+            p.grad = part.view_as(p).div_(dist.get_world_size())
+    return summed[-1].item()
 
 
 @dataclass
@@ -1809,7 +1858,7 @@ def train_phase(
     advantages of the global batch (rows: global_rows', this rank's from `start`), the optimizer
     steps. The step's micro-batches and features end with it."""
     counts = Counts()
-    minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies)
+    minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies, rows["length"])
     logp_pass(t, minibatches, rollouts, cfg, counts)
     batches = list(itertools.chain(*minibatches))
     kl_all = None

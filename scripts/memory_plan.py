@@ -223,12 +223,20 @@ def plan(
     trained = (
         lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
     )  # LoRA: the base has no grads, no AdamW
+    holders = gpus  # fsdp replicate: whole parameters, gradients, AdamW states on every rank
+    if cfg.fsdp == "replicate":
+        holders = 1
     shard, row, group = (
-        4 * total / gpus * (1 - cfg.offload),
+        4 * total / holders * (1 - cfg.offload),
         prompt + cfg.max_response_len,
         cfg.group_size,
     )
-    states = 4 * trained / gpus * (1 - cfg.offload)
+    states = 4 * trained / holders * (1 - cfg.offload)
+    gathered = (2 * root + 2 * block) * compute  # fsdp reshard (auto here): the root + 2 units
+    if cfg.fsdp == "keep":  # every unit kept gathered from its forward to its backward
+        gathered = (root + total) * compute
+    if cfg.fsdp == "replicate":  # no copies: sum_grads' one buffer of the summed gradients
+        gathered = 4 * trained
     rows = (
         max(1, cfg.max_tokens_per_micro_batch // row)
         if cfg.max_tokens_per_micro_batch
@@ -271,9 +279,7 @@ def plan(
         "critic (gae: parameters + AdamW shards)": (shard + 2 * states)
         * (cfg.adv_estimator == "gae"),
         # the bf16 copies FSDP2 computes with: on CUDA at any world size (the GPU check, LOG.md 2026-11-26)
-        "gathered (root + 2 blocks, root grads)": (2 * root + 2 * block)
-        * compute
-        * (gpus > 1 or cuda),
+        "gathered (root + 2 blocks, root grads; fsdp keep: all)": gathered * (gpus > 1 or cuda),
         f"decoder activations ({tokens:.0f} tokens, {mode})": tokens
         * text["num_hidden_layers"]
         * dec["layer"],
@@ -510,9 +516,8 @@ def main(c: Config) -> Plan | list[str]:
     ):  # vLLM's own checks, without weights (an M-RoPE model's long context: long_overrides)
         refused = tuple(rollout.engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len))
     host_mem = c.host_memory_gib * GIB
-    p = plan(
-        cfg, spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp, host_mem, refused
-    )
+    args = (spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp, host_mem, refused)
+    p = plan(cfg, *args)
     print(
         f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
         f"(720p): {prompt} prompt tokens, {patches} patches"
@@ -527,6 +532,16 @@ def main(c: Config) -> Plan | list[str]:
         f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "
         f"({ranks} ranks) of {c.host_memory_gib:.0f}"
     )
+    memory = math.inf  # as train.load_model: CPU ranks replicate
+    if cuda:
+        memory = c.gpu_mem_gib * GIB
+    auto = train.fsdp_choice(cfg, meas["params"]["total"], memory, cuda, gpus)
+    for mode in ("reshard", "keep", "replicate"):  # what each train.Config.fsdp costs
+        choice = plan(dataclasses.replace(cfg, fsdp=mode), *args)
+        picked = ""
+        if mode == auto:
+            picked = " (auto)"
+        print(f"  fsdp {mode:<9} train phase {choice.train / GIB:7.2f} GiB per rank{picked}")
     if not cuda:
         if p.verdict.startswith("CANNOT RUN"):
             print(p.verdict)

@@ -343,7 +343,7 @@ def shared_two_rank_launch(tmp_path_factory):
             model,
             train_data,
             str(out / "fsdp-{case}.safetensors"),
-            "split,uneven,uneven+ckpt",
+            "split,uneven,uneven+ckpt,split+replicate,uneven+replicate,uneven+keep,uneven+ckpt+keep",
         ],
         [
             "tests/test_algos.py",
@@ -496,6 +496,16 @@ def share_of(two_rank: dict, module: str):
     return value
 
 
+def global_counts(batches: list) -> tuple[float, float]:
+    """Valid tokens and valid sequences of a mini-batch (train.MicroBatch) over all ranks: the loss normalizers (as
+    train.micro_batches counts them from global_rows' lengths)."""
+    from common import all_reduce
+
+    tokens = sum(b.mask.sum().item() for b in batches)
+    sequences = sum((b.mask.sum(-1) > 0).sum().item() for b in batches)
+    return tuple(all_reduce([tokens, sequences]))
+
+
 def tiny_config(**kw):
     """train.Config for the tiny model and 56x56 synthetic videos (what configs/tiny_cpu.yaml uses)."""
     from train import Config
@@ -513,6 +523,7 @@ def tiny_config(**kw):
         max_model_len=1024,
         cache_dir="",
         video_source="decode_only",
+        fsdp="reshard",  # the tests that read gradients right after backward: FSDP2 sums them there
     )
     base.update(kw)
     return Config(**base)

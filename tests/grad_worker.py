@@ -6,8 +6,8 @@
     a 5th argument "ckpt" turns on gradient_checkpointing (composed with FSDP2 on 2 ranks)
 
 Several cases in one launch (the process and torchrun start-up are paid once): comma-separated cases, each a layout
-with an optional "+ckpt", and "{case}" in OUT, e.g. OUT_DIR/{case}.safetensors with split,uneven,uneven+ckpt
-(conftest.shared_2_ranks runs worker() so).
+with optional "+ckpt" and "+keep" or "+replicate" (train.Config.fsdp; else reshard), and "{case}" in OUT, e.g.
+OUT_DIR/{case}.safetensors with split,uneven,uneven+ckpt (conftest.shared_2_ranks runs worker() so).
 """
 
 import os
@@ -25,12 +25,12 @@ from conftest import tiny_config  # noqa: E402
 from rollout import Rollout, vision_token_ids  # noqa: E402
 
 
-def main(model_dir, data_path, out, layout="split", ckpt=""):
+def main(model_dir, data_path, out, layout="split", ckpt="", fsdp="reshard"):
     from safetensors.torch import save_file
     from transformers import AutoProcessor
 
     rank, world, device = train.init_dist()
-    cfg = tiny_config(model=model_dir, gradient_checkpointing=ckpt == "ckpt")
+    cfg = tiny_config(model=model_dir, gradient_checkpointing=ckpt == "ckpt", fsdp=fsdp)
     processor = AutoProcessor.from_pretrained(model_dir)
     tok = processor.tokenizer
     samples = data.load_samples(data_path)
@@ -56,6 +56,8 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
         -(logp * b.mask).sum() / n * world
     )  # n response tokens in all; FSDP averages grads over ranks
     loss.backward()
+    if world > 1 and fsdp == "replicate":  # as train.optimizer_step: one all-reduce
+        train.sum_grads([p for p in model.parameters() if p.requires_grad], loss.item())
     grads = {
         n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).contiguous()
         for n, p in model.named_parameters()
@@ -67,13 +69,18 @@ def main(model_dir, data_path, out, layout="split", ckpt=""):
 
 
 def worker(model_dir, data_path, out, cases="split", ckpt=""):
-    """main() once per comma-separated case ("uneven+ckpt": with gradient checkpointing), into out.format(case=...)."""
+    """main() once per comma-separated case ("uneven+ckpt+keep": with gradient checkpointing, FSDP2 keeping the
+    gathered blocks), into out.format(case=...)."""
     names = cases.split(",")
     if len(names) > 1 and "{case}" not in out:
         raise ValueError(f"several cases ({cases}) need '{{case}}' in the output path, got {out}")
     for name in names:
-        layout, _, case_ckpt = name.partition("+")
-        main(model_dir, data_path, out.format(case=name), layout, case_ckpt or ckpt)
+        layout, *flags = name.split("+")
+        fsdp = next((f for f in flags if f in ("keep", "replicate")), "reshard")
+        case_ckpt = ckpt
+        if "ckpt" in flags:
+            case_ckpt = "ckpt"
+        main(model_dir, data_path, out.format(case=name), layout, case_ckpt, fsdp)
 
 
 if __name__ == "__main__":

@@ -609,7 +609,8 @@ def split_grads(
     """Loss and full gradients of the batch `rollouts` (this rank's rows) cut into micro-batches, as main() does."""
     import torch.distributed as dist
     from conftest import tiny_config
-    from train import collate, global_counts, micro_loss
+    from conftest import global_counts
+    from train import collate, micro_loss
 
     cfg = tiny_config(
         loss_type=loss_type,
@@ -877,7 +878,8 @@ def critic_grads(model, processor, rollouts, adv, micro_batch_size):
     critic_update computes them: returns adv + 0.1 t per token, old values 0.5 G + 0.1 (some tokens clipped)."""
     import torch.distributed as dist
     from conftest import tiny_config
-    from train import collate, global_counts, value_micro_loss
+    from conftest import global_counts
+    from train import collate, value_micro_loss
 
     cfg = tiny_config(cliprange_value=0.2, max_response_len=8)
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
+from conftest import ROOT, global_counts, tiny_config
 
 import data
 import sp
@@ -88,7 +88,7 @@ def per_micro_batch(t, cfg, minibatches) -> tuple[list, list]:
     grads = []
     args = (cfg.temperature, t.banned, cfg.logp_chunk, t.layout)
     for mini in minibatches:
-        n_tok, n_seq = train.global_counts(mini)
+        n_tok, n_seq = global_counts(mini)
         for b in mini:
             plain = replace(b, vision=None)
             with torch.no_grad():

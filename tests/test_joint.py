@@ -192,6 +192,18 @@ def grads_reference(tmp_path_factory):
     return lane_result("grads_reference", tmp_path_factory)
 
 
+# conftest.shared_2_ranks' grad_worker cases: each Config.fsdp ("+keep", "+replicate"; else reshard)
+FSDP_CASES = [
+    "split",
+    "uneven",
+    "uneven+ckpt",
+    "split+replicate",
+    "uneven+replicate",
+    "uneven+keep",
+]
+FSDP_CASES += ["uneven+ckpt+keep"]
+
+
 @pytest.fixture(scope="module")
 def grads_by_case(grads_reference, shared_2_ranks):
     """case -> (reference, FSDP2) gradients: the 2-rank FSDP2 runs (split, uneven, uneven+ckpt) are
@@ -205,17 +217,17 @@ def grads_by_case(grads_reference, shared_2_ranks):
             load_file(grads_reference / f"ref-{c.partition('+')[0]}.safetensors"),
             load_file(out / f"fsdp-{c}.safetensors"),
         )
-        for c in ("split", "uneven", "uneven+ckpt")
+        for c in FSDP_CASES
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["split", "uneven", "uneven+ckpt"])
+@pytest.mark.parametrize("case", FSDP_CASES)
 def test_two_ranks_with_different_modalities_match_reference(grads_by_case, case):
     """FSDP2 on 2 ranks. split: rank 0's micro-batch is image-only, rank 1's video-only. uneven: rank 0 has an
     image and a video (the tower runs twice), rank 1 text only (without the dummy rows: a collective
     mismatch). Each finishes and its gradient equals one process computing all the rows (+ckpt: the 2 ranks
-    with activation checkpointing, the reference without)."""
+    with activation checkpointing, the reference without; +keep, +replicate: train.Config.fsdp)."""
     ref, got = grads_by_case[case]
     assert ref.keys() == got.keys()
     assert any(

@@ -24,7 +24,14 @@ sys.path[:0] = [
 ]
 import data  # noqa: E402
 import train  # noqa: E402
-from conftest import ROOT, background, lane_result, synth_dir, tiny_config  # noqa: E402
+from conftest import (  # noqa: E402
+    ROOT,
+    background,
+    global_counts,
+    lane_result,
+    synth_dir,
+    tiny_config,
+)
 from rollout import Rollout, vision_token_ids  # noqa: E402
 
 TEMPERATURE, CHUNK = 0.7, 3
@@ -100,7 +107,7 @@ def run(
     once: bool = False,
 ) -> dict:
     """Per batch of BATCHES: this dp rank's rows (dp ranks take them round-robin), their log-probs and entropy, and
-    the loss of train.micro_loss with train.global_counts' normalizers (per-row advantages, an entropy bonus,
+    the loss of train.micro_loss with conftest.global_counts' normalizers (per-row advantages, an entropy bonus,
     seq-mean-token-mean: every token weighs differently); every parameter's full gradient of the summed losses.
     kernel: the decoder's attention kernel instead of load_model's choice (the CUDA tests: sdpa or flash-attn).
     once (train.update's path): the batches as one mini-batch's micro-batches, each prompt through the tower once
@@ -158,9 +165,7 @@ def run(
         b.adv = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
         ).expand_as(b.mask)
-        n_tok, n_seq = (
-            n / sp_size for n in train.global_counts([b])
-        )  # as train.main: each row once
+        n_tok, n_seq = (n / sp_size for n in global_counts([b]))  # as train.main: each row once
         loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
         if once:

@@ -232,3 +232,26 @@ def test_trim_rows_keeps_steps_up_to_the_checkpoint(tmp_path, capsys):
     assert path.read_text() == ""
     train.trim_rows(str(tmp_path / "absent.jsonl"), 0)  # nothing to trim: no file is created
     assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_fsdp_choice_and_its_refusals(tiny_model):
+    """issue 46: auto replicates on several CPU ranks, keeps FSDP2's bf16 blocks gathered on GPUs where whole fp32
+    weights, gradients, AdamW moments and summed gradients fit a quarter of one, else reshards (one rank, offload,
+    too large); offload with keep or replicate is refused before anything loads."""
+    import train
+    from common import UserError
+    from conftest import tiny_config
+
+    cfg = tiny_config(model=tiny_model, fsdp="auto")
+    gpu = 4 * 20 * 1000  # bytes: 1,000 parameters fit (20 bytes each in a quarter)
+    assert train.fsdp_choice(cfg, 1000, math.inf, False, 2) == "replicate"  # CPU ranks
+    assert train.fsdp_choice(cfg, 1000, gpu, True, 2) == "keep"
+    assert train.fsdp_choice(cfg, 1001, gpu, True, 2) == "reshard"
+    assert train.fsdp_choice(cfg, 1000, gpu, True, 1) == "reshard"
+    offload = tiny_config(model=tiny_model, fsdp="auto", offload=True)
+    assert train.fsdp_choice(offload, 1000, gpu, True, 2) == "reshard"
+    assert train.fsdp_choice(tiny_config(fsdp="keep"), 1000, 0, False, 2) == "keep"
+    for fsdp in ("keep", "replicate"):
+        with pytest.raises(UserError, match=f"offload .* needs fsdp reshard, not {fsdp}"):
+            bad = tiny_config(model=tiny_model, fsdp=fsdp, offload=True, world=2, rollout="hf")
+            train.check_config(bad, 2)  # rollout hf: no vLLM config check (seconds)
