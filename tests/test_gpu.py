@@ -103,8 +103,25 @@ def test_vllm_sleep_frees_memory_and_wakes(tiny_model):
 
 
 @pytest.mark.skipif(not HAS_VIDEO, reason="av and decord not installed (synthetic videos)")
-def test_train_two_steps_on_gpu(tmp_path, tiny_model):
-    """The real loop on the GPU: torchrun (nccl), FSDP2 bf16, vLLM rollout when installed, else HF generate."""
+@pytest.mark.parametrize(
+    "run",
+    [
+        ["--group-size", "4"],
+        ["--group-size", "4", "--fsdp", "keep"],  # FSDP2 bf16, blocks kept from forward to backward
+        [
+            "--group-size",
+            "1",
+            "--loss-type",
+            "sft",
+            "--fsdp",
+            "replicate",
+        ],  # no FSDP2: fp32 on CUDA
+    ],
+    ids=["grpo", "keep", "sft_replicate"],
+)
+def test_train_two_steps_on_gpu(tmp_path, tiny_model, run):
+    """The real loop on the GPU: torchrun (nccl), FSDP2 bf16 (or replicated fp32), vLLM rollout when installed,
+    else HF generate; GRPO and the SFT cold start."""
     import make_synthetic_data
 
     data = os.path.join(ROOT, ".cache/data/test_color")
@@ -131,8 +148,7 @@ def test_train_two_steps_on_gpu(tmp_path, tiny_model):
         str(out),
         "--max-steps",
         "2",
-        "--group-size",
-        "4",
+        *run,
         "--prompts-per-step",
         "4",
         "--cache-dir",
