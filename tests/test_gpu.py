@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, tiny_model_dir
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -104,24 +104,18 @@ def test_vllm_sleep_frees_memory_and_wakes(tiny_model):
 
 @pytest.mark.skipif(not HAS_VIDEO, reason="av and decord not installed (synthetic videos)")
 @pytest.mark.parametrize(
-    "run",
+    "arch, run",
     [
-        ["--group-size", "4"],
-        ["--group-size", "4", "--fsdp", "keep"],  # FSDP2 bf16, blocks kept from forward to backward
-        [
-            "--group-size",
-            "1",
-            "--loss-type",
-            "sft",
-            "--fsdp",
-            "replicate",
-        ],  # no FSDP2: fp32 on CUDA
+        ("qwen2_5_vl", ["--group-size", "4"]),
+        ("qwen2_5_vl", ["--group-size", "4", "--fsdp", "keep"]),  # blocks kept fwd -> bwd
+        ("qwen2_5_vl", ["--group-size", "1", "--loss-type", "sft", "--fsdp", "replicate"]),
+        ("qwen3_5", ["--group-size", "4"]),  # gated delta-net + full attention layers, bf16
     ],
-    ids=["grpo", "keep", "sft_replicate"],
+    ids=["grpo", "keep", "sft_replicate", "qwen3_5"],
 )
-def test_train_two_steps_on_gpu(tmp_path, tiny_model, run):
-    """The real loop on the GPU: torchrun (nccl), FSDP2 bf16 (or replicated fp32), vLLM rollout when installed,
-    else HF generate; GRPO and the SFT cold start."""
+def test_train_two_steps_on_gpu(tmp_path, arch, run):
+    """The real loop on the GPU: torchrun (nccl), FSDP2 bf16 (fsdp replicate: fp32, no FSDP2), vLLM rollout when
+    installed, else HF generate; GRPO and the SFT cold start; Qwen2.5-VL and Qwen3.5."""
     import make_synthetic_data
 
     data = os.path.join(ROOT, ".cache/data/test_color")
@@ -139,7 +133,7 @@ def test_train_two_steps_on_gpu(tmp_path, tiny_model, run):
         "--config",
         "configs/tiny_cpu.yaml",
         "--model",
-        tiny_model,
+        tiny_model_dir(arch),
         "--train-data",
         f"{data}/train.jsonl",
         "--val-data",
