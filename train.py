@@ -310,95 +310,111 @@ def check_config(cfg: Config, world: int = 1):
     bad = common.field_errors(cfg)
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
-    if dp and cfg.prompts_per_step % dp:
-        bad.append(f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0")
-    if world % cfg.rollout_tp:
-        bad.append(f"world size {world} % rollout_tp {cfg.rollout_tp} != 0")
-    if cfg.sp_size > 0 and world % cfg.sp_size:
-        bad.append(f"world size {world} % sp_size {cfg.sp_size} != 0")
-    if cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp:
-        # a TP group generates inside one SP group
-        bad.append(f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0")
-    if cfg.rollout == "hf" and cfg.rollout_tp > 1:
-        bad.append("rollout_tp > 1 needs rollout vllm")
-    if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
-        bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
-    if cfg.mini_batches > per_rank:
-        bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
-    if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
-        bad.append(f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        bad.append(f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]")
-    if cfg.gpu_memory_utilization > 1:
-        bad.append(f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1")
-    if cfg.mix_threshold > 1:
-        bad.append(f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)")
-    if cfg.mix_threshold and not cfg.mix_offline:
-        bad.append("mix_threshold needs mix_offline")
-    if cfg.overlong_buffer > 1:
-        bad.append(f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)")
+    longest_row = cfg.max_prompt_len + cfg.max_response_len
     rl_only = cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds
-    if cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae"):  # no rollouts
-        bad.append(
-            "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae"
-        )
-    if cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len:
-        bad.append("max_prompt_len > max_model_len")
-    if cfg.video_min_frames > cfg.video_max_frames:
-        bad.append("video_min_frames > video_max_frames")
-    if cfg.video_min_pixels > cfg.video_max_pixels:
-        bad.append("video_min_pixels > video_max_pixels")
-    if cfg.image_min_pixels > cfg.image_max_pixels:
-        bad.append("image_min_pixels > image_max_pixels")
-    if cfg.video_source == "cache_only" and not cfg.cache_dir:
-        bad.append("video_source cache_only needs a cache_dir")
-    if cfg.kl_in_reward and not cfg.kl_coef:
-        bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
-    if cfg.judge_url:
-        bad += rewards.judge_problems(cfg)
-    if cfg.judge_url and cfg.sp_size > 1:  # each would ask; a flaky judge could make them disagree
-        bad.append("judge_url needs sp_size 1 (an SP group's ranks score the same answers)")
-    if cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2:
-        bad.append("grpo_passk needs group_size >= 2 (a best and a second-best response)")
-    if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
-        bad.append("kl_in_reward: gdpo's reward components carry no KL")
-    if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
-        bad.append(f"gamma {cfg.gamma} and lam {cfg.lam} must be in [0, 1]")
-    if cfg.critic_warmup and cfg.adv_estimator != "gae":
-        bad.append("critic_warmup needs adv_estimator gae (a critic)")
-    if cfg.adv_estimator == "gae" and cfg.sp_size > 1:
-        bad.append("adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)")
     spec = model_spec(cfg.model) or {}
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
-    if cfg.router_aux_loss and not moe:
-        bad.append(f"router_aux_loss: {cfg.model} has no routers (not a MoE model)")
-    if cfg.router_aux_loss and cfg.sp_size > 1:  # each rank would balance its shard's tokens
-        bad.append("router_aux_loss needs sp_size 1")
-    if cfg.sp_size > 1 and linear_attention(cfg.model):
+    cuda_ranks = torch.cuda.is_available() and dist.is_initialized()
+    # each message, and whether this config earns it
+    rules = {
+        f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0": (
+            dp and cfg.prompts_per_step % dp
+        ),
+        f"world size {world} % rollout_tp {cfg.rollout_tp} != 0": world % cfg.rollout_tp,
+        f"world size {world} % sp_size {cfg.sp_size} != 0": (
+            cfg.sp_size > 0 and world % cfg.sp_size
+        ),
+        # a TP group generates inside one SP group
+        f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0": (
+            cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp
+        ),
+        "rollout_tp > 1 needs rollout vllm": cfg.rollout == "hf" and cfg.rollout_tp > 1,
+        "vllm_embeds needs freeze_vision and rollout vllm (the features never change)": (
+            cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm")
+        ),
+        f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step": (
+            cfg.mini_batches > per_rank
+        ),
+        f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)": (
+            cfg.clip_ratio_c and cfg.clip_ratio_c <= 1
+        ),
+        f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]": not 0 <= cfg.min_lr_ratio <= 1,
+        f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1": (
+            cfg.gpu_memory_utilization > 1
+        ),
+        f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)": cfg.mix_threshold > 1,
+        "mix_threshold needs mix_offline": cfg.mix_threshold and not cfg.mix_offline,
+        f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)": (
+            cfg.overlong_buffer > 1
+        ),
+        # no rollouts
+        "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae": (
+            cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae")
+        ),
+        "max_prompt_len > max_model_len": (
+            cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len
+        ),
+        "video_min_frames > video_max_frames": cfg.video_min_frames > cfg.video_max_frames,
+        "video_min_pixels > video_max_pixels": cfg.video_min_pixels > cfg.video_max_pixels,
+        "image_min_pixels > image_max_pixels": cfg.image_min_pixels > cfg.image_max_pixels,
+        "video_source cache_only needs a cache_dir": (
+            cfg.video_source == "cache_only" and not cfg.cache_dir
+        ),
+        "kl_in_reward needs kl_coef > 0 (0 loads no reference model)": (
+            cfg.kl_in_reward and not cfg.kl_coef
+        ),
+        # each would ask; a flaky judge could make them disagree
+        "judge_url needs sp_size 1 (an SP group's ranks score the same answers)": (
+            cfg.judge_url and cfg.sp_size > 1
+        ),
+        "grpo_passk needs group_size >= 2 (a best and a second-best response)": (
+            cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2
+        ),
+        "kl_in_reward: gdpo's reward components carry no KL": (
+            cfg.kl_in_reward and cfg.adv_estimator == "gdpo"
+        ),
+        f"gamma {cfg.gamma} and lam {cfg.lam} must be in [0, 1]": not (
+            0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1
+        ),
+        "critic_warmup needs adv_estimator gae (a critic)": (
+            cfg.critic_warmup and cfg.adv_estimator != "gae"
+        ),
+        "adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)": (
+            cfg.adv_estimator == "gae" and cfg.sp_size > 1
+        ),
+        f"router_aux_loss: {cfg.model} has no routers (not a MoE model)": (
+            cfg.router_aux_loss and not moe
+        ),
+        # each rank would balance its shard's tokens
+        "router_aux_loss needs sp_size 1": cfg.router_aux_loss and cfg.sp_size > 1,
         # Ulysses swaps the attention kernel only: a gated delta-net layer would run its
         # recurrence over the rank's own positions (docs/families.md)
-        bad.append(f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1")
-    if cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume):
-        bad.append(f"resume {cfg.resume!r}: no such folder")
-    if cfg.temperature < 1e-5:
-        bad.append(
-            f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
-            "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"
-        )
-    if cfg.lora_rank < 0:
-        bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
-    if not 0 <= cfg.lora_dropout < 1:
-        bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
-    if cfg.offload and cfg.fsdp not in ("auto", "reshard"):
-        bad.append(f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}")
-    if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
-        bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
-    longest_row = cfg.max_prompt_len + cfg.max_response_len
-    if 0 < cfg.max_tokens_per_micro_batch < longest_row:
-        bad.append(
-            f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
-            f"max_response_len {longest_row}: the longest row fits in none"
-        )
+        f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1": (
+            cfg.sp_size > 1 and linear_attention(cfg.model)
+        ),
+        f"resume {cfg.resume!r}: no such folder": (
+            cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume)
+        ),
+        f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+        "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)": (
+            cfg.temperature < 1e-5
+        ),
+        f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)": cfg.lora_rank < 0,
+        f"lora_dropout {cfg.lora_dropout} must be in [0, 1)": not 0 <= cfg.lora_dropout < 1,
+        f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}": (
+            cfg.offload and cfg.fsdp not in ("auto", "reshard")
+        ),
+        "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun": (
+            cfg.offload and not cfg.world and not cuda_ranks
+        ),
+        f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
+        f"max_response_len {longest_row}: the longest row fits in none": (
+            0 < cfg.max_tokens_per_micro_batch < longest_row
+        ),
+    }
+    bad += [message for message, wrong in rules.items() if wrong]
+    if cfg.judge_url:
+        bad += rewards.judge_problems(cfg)
     if cfg.rollout == "vllm" and cfg.rollout_tp > 0 and cfg.max_model_len > 0:
         bad += engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len)  # vLLM's own checks
     if bad:
