@@ -42,6 +42,7 @@ from common import (
     any_rank,
     barrier,
     catch_stop_signals,
+    fact,
     gather,
     init_dist,
     print0,
@@ -65,11 +66,11 @@ from rollout import (
 # MAY_CHANGE_ON_RESUME (check_files). (No docstring: tyro would print it atop --help.)
 @dataclass
 class Config(rewards.JudgeSettings, Media):
-    config: tuple[str, ...] = field(default=(), metadata=MAY_CHANGE_ON_RESUME)
+    config: tuple[str, ...] = fact((), MAY_CHANGE_ON_RESUME)
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
-    dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    dry_run: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
-    world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    world: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
     # --- model and data (`scripts/cache_frames.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
@@ -91,7 +92,7 @@ class Config(rewards.JudgeSettings, Media):
     val_image_max_pixels: int = 0
     """validation: max pixels per image (0 = image_max_pixels)"""
     # --- the run
-    out_dir: str = field(default="runs/tiny", metadata=MAY_CHANGE_ON_RESUME)
+    out_dir: str = fact("runs/tiny", MAY_CHANGE_ON_RESUME)
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
@@ -99,35 +100,35 @@ class Config(rewards.JudgeSettings, Media):
     """skip_invalid: more invalid samples in a row fail the run (the data may hold none valid)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
-    max_prompt_len: int = field(default=4096, metadata=POSITIVE)
+    max_prompt_len: int = fact(4096, POSITIVE)
     """prompts longer than this (in tokens, vision included) are an error, never truncated"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
-    rollout_tp: int = field(default=1, metadata=POSITIVE)
+    rollout_tp: int = fact(1, POSITIVE)
     """vLLM tensor parallel size: ranks per engine (1 = an engine per rank); with sp_size > 1 it divides sp_size"""
-    group_size: int = field(default=8, metadata=POSITIVE)
+    group_size: int = fact(8, POSITIVE)
     """completions per prompt (n)"""
-    prompts_per_step: int = field(default=8, metadata=POSITIVE)
+    prompts_per_step: int = fact(8, POSITIVE)
     """prompts per optimizer step over all ranks (divisible by world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
-    max_response_len: int = field(default=64, metadata=POSITIVE)
+    max_response_len: int = fact(64, POSITIVE)
     """max new tokens per completion"""
     max_model_len: int = 4096
     """vLLM context length"""
-    gpu_memory_utilization: float = field(default=0.4, metadata=POSITIVE)
+    gpu_memory_utilization: float = fact(0.4, POSITIVE)
     """vLLM's share of GPU memory (colocated with training)"""
     vllm_sleep: bool = True
     """sleep vLLM during the train phase where the platform supports it (CUDA)"""
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
-    mix_threshold: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    mix_threshold: float = fact(0.0, NOT_NEGATIVE)
     """swap only if the group's online accuracy is below this (0 = always); logged as offline/*"""
     # --- reward
-    w_acc: float = field(default=0.9, metadata=NOT_NEGATIVE)
+    w_acc: float = fact(0.9, NOT_NEGATIVE)
     """weight of the accuracy reward"""
-    w_fmt: float = field(default=0.1, metadata=NOT_NEGATIVE)
+    w_fmt: float = fact(0.1, NOT_NEGATIVE)
     """weight of the format reward"""
     response_format: Literal["answer", "think_answer"] = "answer"
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
@@ -146,14 +147,14 @@ class Config(rewards.JudgeSettings, Media):
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo |
     grpo_passk (pass@k, k = group_size: only the group's best response, (r_max - r_2nd) / (std + eps)) |
     gae (PPO with a critic)"""
-    adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
+    adv_eps: float = fact(1e-6, NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo", "sft"] = "ppo"
     """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight) |
     sft (supervised cold start: NLL of each sample's offline_output, prompt masked; no rollouts)"""
-    clip_low: float = field(default=0.2, metadata=NOT_NEGATIVE)
+    clip_low: float = fact(0.2, NOT_NEGATIVE)
     """clip: ratio >= 1 - clip_low"""
-    clip_high: float = field(default=0.2, metadata=NOT_NEGATIVE)
+    clip_high: float = fact(0.2, NOT_NEGATIVE)
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
@@ -161,7 +162,7 @@ class Config(rewards.JudgeSettings, Media):
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
-    kl_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    kl_coef: float = fact(0.0, NOT_NEGATIVE)
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
     kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
@@ -171,23 +172,23 @@ class Config(rewards.JudgeSettings, Media):
     """gae: discount of the per-token rewards"""
     lam: float = 1.0
     """gae: GAE's lambda (1: Monte-Carlo returns, 0: one-step TD)"""
-    critic_lr: float = field(default=1e-5, metadata=POSITIVE)
+    critic_lr: float = fact(1e-5, POSITIVE)
     """gae: the critic's learning rate (AdamW, constant)"""
-    cliprange_value: float = field(default=0.5, metadata=POSITIVE)
+    cliprange_value: float = fact(0.5, POSITIVE)
     """gae: the value loss clips new values to the old ones +- this"""
-    critic_warmup: int = field(default=0, metadata=NOT_NEGATIVE)
+    critic_warmup: int = fact(0, NOT_NEGATIVE)
     """gae: the first critic_warmup steps train the critic only (no policy step)"""
-    entropy_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    entropy_coef: float = fact(0.0, NOT_NEGATIVE)
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     router_aux_loss: bool = False
     """MoE models: add the routers' load-balancing loss (transformers' output_router_logits; its
     load_balancing_loss_func over every sparse layer), logged as router/aux. Off by default in RL:
     vLLM samples with its own routing, and balancing moves the trainer's routing from it"""
-    router_aux_loss_coef: float = field(default=0.001, metadata=NOT_NEGATIVE)
+    router_aux_loss_coef: float = fact(0.001, NOT_NEGATIVE)
     """its weight (transformers' router_aux_loss_coef; the published MoE configs' 0.001)"""
     tis: Literal["", "token", "sequence"] = ""
     """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
-    tis_cap: float = field(default=2.0, metadata=POSITIVE)
+    tis_cap: float = fact(2.0, POSITIVE)
     """upper bound of that importance weight"""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
@@ -195,18 +196,18 @@ class Config(rewards.JudgeSettings, Media):
     """DAPO: drop groups whose dyn_filter_metric is the same for all rollouts, sample more"""
     dyn_filter_metric: Literal["accuracy", "reward"] = "accuracy"
     """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
-    max_gen_rounds: int = field(default=4, metadata=POSITIVE)
+    max_gen_rounds: int = fact(4, POSITIVE)
     """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
-    overlong_buffer: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    overlong_buffer: float = fact(0.0, NOT_NEGATIVE)
     """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last overlong_buffer x max_response_len
     tokens (a fraction, so a recipe fits any response length; DAPO: 4096 of 20480 = 0.2; 0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
-    ppo_epochs: int = field(default=1, metadata=POSITIVE)
+    ppo_epochs: int = fact(1, POSITIVE)
     """passes over each rollout batch"""
-    mini_batches: int = field(default=1, metadata=POSITIVE)
+    mini_batches: int = fact(1, POSITIVE)
     """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
-    micro_batch_size: int = field(default=16, metadata=POSITIVE)
+    micro_batch_size: int = fact(16, POSITIVE)
     """sequences per forward/backward on each rank"""
     # --- memory
     freeze_vision: bool = False
@@ -216,7 +217,7 @@ class Config(rewards.JudgeSettings, Media):
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
     run); rollout_tp > 1: a TP group gathers its ranks' features; sp_size > 1: an SP group encodes
     its runs before generation and gathers them"""
-    feature_cache_dir: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    feature_cache_dir: str = fact("", MAY_CHANGE_ON_RESUME)
     """the reference tower's features (kl_coef, a trained tower) also on disk, per sample and SP run,
     keyed by the media files and settings and the reference's weights: a later run reads them
     instead of encoding ('' = in host memory alone, up to 8 GiB a rank)"""
@@ -232,49 +233,49 @@ class Config(rewards.JudgeSettings, Media):
     fp32 compute); auto: fsdp_choice's pick"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
-    sp_size: int = field(default=1, metadata=POSITIVE)
+    sp_size: int = fact(1, POSITIVE)
     """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of them"""
     # --- optimizer
-    lr: float = field(default=1e-6, metadata=POSITIVE)
+    lr: float = fact(1e-6, POSITIVE)
     """peak learning rate"""
     min_lr_ratio: float = 0.1
     """cosine decays to lr * min_lr_ratio at max_steps"""
-    warmup_steps: int = field(default=0, metadata=NOT_NEGATIVE)
+    warmup_steps: int = fact(0, NOT_NEGATIVE)
     """linear warmup steps"""
-    weight_decay: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    weight_decay: float = fact(0.0, NOT_NEGATIVE)
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """max global grad norm"""
-    max_steps: int = field(default=100, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    max_steps: int = fact(100, POSITIVE, MAY_CHANGE_ON_RESUME)
     """optimizer steps"""
     seed: int = 0
     """seed for data order, sampling and init"""
     # --- log, eval, save
-    eval_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    eval_every: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """greedy held-out accuracy every N steps (0 = only before and after training)"""
-    eval_max_samples: int = field(default=256, metadata=NOT_NEGATIVE)
+    eval_max_samples: int = fact(256, NOT_NEGATIVE)
     """cap on held-out samples per evaluation"""
-    save: bool = field(default=True, metadata=MAY_CHANGE_ON_RESUME)
+    save: bool = fact(True, MAY_CHANGE_ON_RESUME)
     """save an HF-format checkpoint (loads in vLLM and transformers) at the end"""
-    wandb_project: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    wandb_project: str = fact("", MAY_CHANGE_ON_RESUME)
     """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
-    log_every: int = field(default=1, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    log_every: int = fact(1, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """write sampled completions to out_dir/samples.jsonl (and wandb) every N steps (0 = never)"""
-    log_samples: int = field(default=4, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    log_samples: int = fact(4, POSITIVE, MAY_CHANGE_ON_RESUME)
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
-    save_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    save_every: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """sharded checkpoint out_dir/ckpt/step_00000050 (8 digits) every N steps (0 = on SIGTERM/SIGINT only)"""
-    keep_last: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    keep_last: int = fact(2, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """checkpoints kept, older ones are deleted (0 = keep all)"""
-    resume: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    resume: str = fact("", MAY_CHANGE_ON_RESUME)
     """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
-    allow_config_change: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    allow_config_change: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """resume with settings other than the checkpoint's (else refused, naming them), but for MAY_CHANGE_ON_RESUME
     ones: the run's length, logging, evaluation cadence, saving, timeouts"""
-    dist_timeout: float = field(default=1800.0, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    dist_timeout: float = fact(1800.0, POSITIVE, MAY_CHANGE_ON_RESUME)
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
-    stop_grace_s: float = field(default=300.0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    stop_grace_s: float = fact(300.0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """after a SIGTERM/SIGINT, seconds a step may take to reach its boundary and checkpoint; a step
     stuck longer is abandoned: where is printed, exit 1, the last checkpoint kept (0 = no limit)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
