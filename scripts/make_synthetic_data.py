@@ -169,10 +169,8 @@ def gen_image_color(rng, c, T, H, W, fps):
 def gen_direction(rng, d, T, H, W, fps):
     side = math.ceil(min(H, W) / 3)
     span = (W if d < 2 else H) - side  # along the motion axis
-    a0, a1 = (
-        rng.integers(0, span // 4 + 1),
-        span - rng.integers(0, span // 4 + 1),
-    )  # travels >= half the frame
+    a0 = rng.integers(0, span // 4 + 1)
+    a1 = span - rng.integers(0, span // 4 + 1)  # travels >= half the frame
     if d in (0, 2):
         a0, a1 = a1, a0  # left / up: decreasing coordinate
     perp = rng.integers(0, (H if d < 2 else W) - side + 1)

@@ -58,10 +58,8 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
             stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models")
         )
     processor = AutoProcessor.from_pretrained(local)
-    factor, n = (
-        cache.vision_factor(processor),
-        cfg.video_max_frames // 2 * 2,
-    )  # qwen-vl-utils: even frame counts
+    factor = cache.vision_factor(processor)
+    n = cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
     budget = cache.frame_pixels(
         n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
     )
@@ -90,10 +88,8 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
         do_sample_frames=False,
         return_tensors="pt",
     )
-    pairs, per_pair = (
-        int(out["video_grid_thw"][0, 0]),
-        h * w // factor**2,
-    )  # frame pairs; merged tokens in each
+    pairs = int(out["video_grid_thw"][0, 0])
+    per_pair = h * w // factor**2  # frame pairs; merged tokens in each
     return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
         out["video_grid_thw"].prod()
     ) * per_pair
@@ -121,11 +117,9 @@ def lora_params(spec: dict, rank: int) -> int:
     """Adapter parameters of train.py's default lora_targets: rank x (inputs + outputs) of q, k, v, o, gate, up, down
     in every decoder layer."""
     text = spec["text_config"]
-    hidden, heads, inner = (
-        text["hidden_size"],
-        text["num_attention_heads"],
-        text["intermediate_size"],
-    )
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    inner = text["intermediate_size"]
     q = heads * text.get("head_dim", hidden // heads)
     kv = text["num_key_value_heads"] * q // heads
     return (
@@ -205,32 +199,24 @@ def plan(
     README "Memory"'s terms; sp > 1 (Ulysses): 1/sp of the tokens, frames and features, query heads padded to a
     multiple of sp (zero heads: their attention costs as much as a real head's). Host RAM per node (host_plan, gpus
     ranks up to 8 a node) against `host_mem`; `refused`: what vLLM's config checks refuse (rollout.engine_errors)."""
-    total, block, root = (
-        meas["params"]["total"],
-        meas["params"]["largest_layer"],
-        meas["params"]["root"],
-    )
+    total = meas["params"]["total"]
+    block = meas["params"]["largest_layer"]
+    root = meas["params"]["root"]
     text, vision = spec["text_config"], spec["vision_config"]
-    hidden, heads, kv = (
-        text["hidden_size"],
-        text["num_attention_heads"],
-        text["num_key_value_heads"],
-    )
-    head_dim, compute = (
-        text.get("head_dim", hidden // heads),
-        2 if cuda else 4,
-    )  # bf16 copies on CUDA
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    kv = text["num_key_value_heads"]
+    head_dim = text.get("head_dim", hidden // heads)
+    compute = 2 if cuda else 4  # bf16 copies on CUDA
     trained = (
         lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
     )  # LoRA: the base has no grads, no AdamW
     holders = gpus  # fsdp replicate: whole parameters, gradients, AdamW states on every rank
     if cfg.fsdp == "replicate":
         holders = 1
-    shard, row, group = (
-        4 * total / holders * (1 - cfg.offload),
-        prompt + cfg.max_response_len,
-        cfg.group_size,
-    )
+    shard = 4 * total / holders * (1 - cfg.offload)
+    row = prompt + cfg.max_response_len
+    group = cfg.group_size
     states = 4 * trained / holders * (1 - cfg.offload)
     gathered = (2 * root + 2 * block) * compute  # fsdp reshard (auto here): the root + 2 units
     if cfg.fsdp == "keep":  # every unit kept gathered from its forward to its backward
@@ -253,10 +239,8 @@ def plan(
         / vision.get("spatial_merge_size", 2) ** 2
         * (1 + len(vision.get("deepstack_visual_indexes", [])))
     )
-    tokens, patches_here = (
-        rows * row / sp,
-        patches / sp,
-    )  # this rank's share of the tokens, frames and features
+    tokens = rows * row / sp
+    patches_here = patches / sp  # this rank's share of the tokens, frames and features
     padded = -(-heads // sp) * sp  # Ulysses gives each rank padded / sp heads
     kv_sent = (
         padded if heads % sp else math.lcm(kv, sp)
