@@ -959,8 +959,6 @@ def micro_loss(
     b: MicroBatch,
     cfg: Config,
     banned: list[int],
-    n_tok: float,
-    n_seq: float,
     layout=None,
     counts: Counts | None = None,
 ):
@@ -999,7 +997,7 @@ def micro_loss(
     if b.ref_logp is not None and not cfg.kl_in_reward:
         kl = kl_penalty(logp, b.ref_logp, cfg.kl_type)
     bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
-    norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
+    norm = dict(mode=cfg.loss_agg, n_tok=b.n_tok, n_seq=b.n_seq, max_len=cfg.max_response_len)
     loss = (
         agg_loss(pg * w, mask, **norm)
         - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
@@ -1012,7 +1010,7 @@ def micro_loss(
         text = model.config.get_text_config()
         experts = (text.num_experts, text.num_experts_per_tok)
         balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
-        aux = balance * mask.sum() / n_tok
+        aux = balance * mask.sum() / b.n_tok
         loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():
         has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
@@ -1389,12 +1387,12 @@ def token_values(model, batch: MicroBatch, layout=None, counts: Counts | None = 
     return shard.gather(values, batch.mask.shape[1])
 
 
-def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok, n_seq, layout=None, counts=None):
+def value_micro_loss(model, b: MicroBatch, cfg: Config, layout=None, counts=None):
     """This micro-batch's share of its mini-batch's value loss (as micro_loss's, loss_agg) and
     its metric sums: clipped tokens, values."""
     vpred = token_values(model, b, layout, counts)  # (b, R)
     vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
-    loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
+    loss = agg_loss(vf, b.mask, cfg.loss_agg, b.n_tok, b.n_seq, cfg.max_response_len)
     sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
     return loss, {k: (v * b.mask).sum().item() for k, v in sums.items()}
 
@@ -1411,7 +1409,7 @@ def critic_update(
         for mini in minibatches:
             loss_sum = 0.0
             for b in mini:
-                loss, sums = value_micro_loss(c.model, b, cfg, b.n_tok, b.n_seq, layout, counts)
+                loss, sums = value_micro_loss(c.model, b, cfg, layout, counts)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
@@ -1795,9 +1793,7 @@ def update(
             for i, b in enumerate(mini):
                 if trains:
                     b.vision = towers.vision(i)
-                loss, metrics = micro_loss(
-                    t.model, b, cfg, t.banned, b.n_tok, b.n_seq, t.layout, counts
-                )
+                loss, metrics = micro_loss(t.model, b, cfg, t.banned, t.layout, counts)
                 # FSDP averages gradients over ranks: x world sums them
                 (loss * t.layout.world).backward()
                 towers.backward(i)

@@ -230,7 +230,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     )
     b.adv = torch.zeros_like(b.mask)
     with torch.no_grad():
-        m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
+        m = train.micro_loss(t.model, b, cfg, t.banned)[1]
     return {
         "mismatch/mean": m["mismatch_sum"] / max(1.0, m["mismatch_n"]),
         "mismatch/max": m["mismatch_max"],
