@@ -312,7 +312,6 @@ def check_config(cfg: Config, world: int = 1):
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
     longest_row = cfg.max_prompt_len + cfg.max_response_len
-    rl_only = cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds
     spec = model_spec(cfg.model) or {}
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
     cuda_ranks = torch.cuda.is_available() and dist.is_initialized()
@@ -350,7 +349,14 @@ def check_config(cfg: Config, world: int = 1):
         ),
         # no rollouts
         "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae": (
-            cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae")
+            cfg.loss_type == "sft"
+            and (
+                cfg.group_size > 1
+                or cfg.kl_coef
+                or cfg.dynamic_sampling
+                or cfg.vllm_embeds
+                or cfg.adv_estimator == "gae"
+            )
         ),
         "max_prompt_len > max_model_len": (
             cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len
