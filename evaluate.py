@@ -131,7 +131,8 @@ def load_config(argv: list[str]) -> Config:
     run = train.Config()
     unused = []
     for path in paths:
-        ours, theirs = [], []
+        ours = []
+        theirs = []
         base = common.yaml_overlay(base, path, strict=False, skipped=ours)
         run = common.yaml_overlay(run, path, strict=False, skipped=theirs)
         for key in ours:
@@ -954,7 +955,8 @@ def score(
         parsed, v = rule(text, s)
     # a reader never costs the run: the answer counts as unreadable
     except Exception:  # noqa: BLE001
-        parsed, v = None, None
+        parsed = None
+        v = None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
         parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
         return parsed, float(parsed == gt_letter(s))

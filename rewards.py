@@ -400,7 +400,8 @@ def squad_norm(s: str) -> str:
 def token_f1(pred: str, ref: str) -> float:
     """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact
     match)."""
-    p, r = squad_norm(pred).split(), squad_norm(ref).split()
+    p = squad_norm(pred).split()
+    r = squad_norm(ref).split()
     if not p or not r:
         return float(p == r)
     same = sum((Counter(p) & Counter(r)).values())

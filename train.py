@@ -594,7 +594,8 @@ def policy_loss(
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     if loss_type == "cispo":
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
-    loss1, loss2 = -a * ratio, -a * clipped_ratio
+    loss1 = -a * ratio
+    loss2 = -a * clipped_ratio
     loss = torch.maximum(loss1, loss2)
     if loss_type == "ppo" and clip_ratio_c:  # dual-clip
         loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)

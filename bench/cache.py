@@ -128,7 +128,8 @@ def main(
         ("bench", FRAMES, frames_dir),
         ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b")),
     ):
-        decode_s, cached_s = [], []
+        decode_s = []
+        cached_s = []
         for v in videos:
             t = time.perf_counter()
             ref = cache.load_video(v, settings, mode="decode_only")

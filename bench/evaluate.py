@@ -133,7 +133,8 @@ def main(
                 input_digests(E, processor, c)
             runs = []
             for i in range(repeats):
-                t, cpu = time.perf_counter(), tree_cpu()
+                t = time.perf_counter()
+                cpu = tree_cpu()
                 res = await E.evaluate(replace(c, out_dir=f"{out}-{i}"), engine, processor)
                 runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
             if extra:

@@ -61,7 +61,8 @@ def run_phases(paths: list[str]):
     micro_batches = train.micro_batches
     sync = rollout.VLLMEngine.sync
     sample_batch = train.sample_batch
-    bases, peaks = [], []  # each train phase's memory.mark(), and its peak rise
+    bases = []
+    peaks = []  # each train phase's memory.mark(), and its peak rise
     rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
 
     def start(*args, **kw):  # the train phase's first call

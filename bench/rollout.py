@@ -56,7 +56,8 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
         )
     else:
         engine = rollout.HFEngine(model, processor.tokenizer, eos, dummies)
-    rows, samples = [], data.load_samples(data_path)
+    rows = []
+    samples = data.load_samples(data_path)
     for task, n_prompts in SHAPES:
         k = n_prompts // world
         prompts = [

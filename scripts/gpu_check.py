@@ -72,7 +72,8 @@ class Config:
 
 def cut(spec: dict, layers: int, blocks: int) -> dict:
     """The published config with `layers` decoder layers and `blocks` vision blocks (then one block of each kind)."""
-    text, vision = dict(spec["text_config"]), dict(spec["vision_config"])
+    text = dict(spec["text_config"])
+    vision = dict(spec["vision_config"])
     text["num_hidden_layers"] = min(layers, text["num_hidden_layers"])
     if blocks < vision["depth"]:
         if "deepstack_visual_indexes" in vision:  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
@@ -128,7 +129,8 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 
 def video_prompt(cfg, processor) -> data.Prompt:
     """A question on video_max_frames random 720p frames, sized as cache.py and expanded as data.prepare does."""
-    factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2
+    factor = cache.vision_factor(processor)
+    n = cfg.video_max_frames // 2 * 2
     budget = cache.frame_pixels(
         n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
     )
@@ -247,7 +249,8 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     try:
         spec, meas = memory_plan.stored(name, "bfloat16" if cuda else "float32")
     except KeyError:  # the smoke's tiny Qwen3-VL has no fp32 measurements: no prediction
-        spec, meas = json.load(open(os.path.join(name, "config.json"))), None
+        spec = json.load(open(os.path.join(name, "config.json")))
+        meas = None
     spec = cut(spec, c.layers, c.blocks)
     tiny = make_tiny_model.ensure(spec["model_type"], os.path.join(ROOT, ".cache/models"))
     counts = build(spec, tiny, folder, device)
@@ -289,7 +292,8 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     for setting, switches in SETTINGS.items():
         gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
         torch.cuda.empty_cache()  # a no-op without CUDA
-        scfg, t = replace(cfg, **switches), None
+        scfg = replace(cfg, **switches)
+        t = None
         row = dict(
             shape,
             setting=setting,
@@ -342,7 +346,8 @@ def table(report: dict) -> list[str]:
         "tokens/s | MFU |",
         "|---" * 9 + "|",
     ]
-    within, peak = [], report["peak_tflops"]
+    within = []
+    peak = report["peak_tflops"]
     for r in report["rows"]:
         if r["predicted"] and r["measured"] is not None:  # measured: bytes, or the exception's name
             r["ratio"] = r["measured"] / r["predicted"] if isinstance(r["measured"], int) else None

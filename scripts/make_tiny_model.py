@@ -184,7 +184,10 @@ def corpus() -> list[str]:
         "Output the thinking process in <think> </think> and the final answer in <answer> </answer> tags.",
     ]
     for _ in range(400):
-        c, s, d, n = rng.choice(colors), rng.choice(shapes), rng.choice(dirs), rng.choice(nums)
+        c = rng.choice(colors)
+        s = rng.choice(shapes)
+        d = rng.choice(dirs)
+        n = rng.choice(nums)
         t0 = round(rng.uniform(0, 9), 1)
         t1 = round(t0 + rng.uniform(0.5, 5), 1)
         opts = rng.sample(colors, 4)

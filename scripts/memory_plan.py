@@ -202,7 +202,8 @@ def plan(
     total = meas["params"]["total"]
     block = meas["params"]["largest_layer"]
     root = meas["params"]["root"]
-    text, vision = spec["text_config"], spec["vision_config"]
+    text = spec["text_config"]
+    vision = spec["vision_config"]
     hidden = text["hidden_size"]
     heads = text["num_attention_heads"]
     kv = text["num_key_value_heads"]
@@ -252,7 +253,8 @@ def plan(
         1 + (cfg.kl_coef > 0 and not cfg.lora_rank)
     )  # LoRA's reference is the base, adapters off
     mode = "ckpt" if cfg.gradient_checkpointing else "plain"
-    dec, vis = meas["decoder"][mode], meas["vision"][mode]
+    dec = meas["decoder"][mode]
+    vis = meas["vision"][mode]
     chunk = min(cfg.logp_chunk or rows * cfg.max_response_len, rows * cfg.max_response_len)
     held = {
         "parameters (fp32 shards, + reference)": weights,
@@ -474,7 +476,8 @@ def main(c: Config) -> Plan | list[str]:
         print(
             f"warning: {c.config[0]} is a layer: give its base first (--config {base} {c.config[0]})"
         )
-    sp, gpus = cfg.sp_size, c.gpus or launch_ranks(c.config)
+    sp = cfg.sp_size
+    gpus = c.gpus or launch_ranks(c.config)
     if not gpus:
         sys.exit(
             f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N"
