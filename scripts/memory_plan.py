@@ -529,20 +529,16 @@ def main(c: Config) -> Plan | list[str]:
         if mode == auto:
             picked = " (auto)"
         print(f"  fsdp {mode:<9} train phase {choice.train / GIB:7.2f} GiB per rank{picked}")
-    if not cuda:
-        if p.verdict.startswith("CANNOT RUN"):
-            print(p.verdict)
-            return p
+    if not cuda and not p.verdict.startswith("CANNOT RUN"):
         print(
             f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)"
         )
-        print(p.verdict)
-        return p
-    print(
-        f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
-        f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
-        f"{0.9 * c.gpu_mem_gib:.0f} GiB"
-    )
+    if cuda:
+        print(
+            f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
+            f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
+            f"{0.9 * c.gpu_mem_gib:.0f} GiB"
+        )
     print(p.verdict)
     return p
 
