@@ -29,6 +29,7 @@ CHOICES = {
     "tis",
     "tis_mode",
     "dyn_filter_metric",
+    "fsdp",
 }
 
 
