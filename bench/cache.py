@@ -105,7 +105,7 @@ def main(
     import make_tiny_model
 
     t0 = time.time()
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     train_jsonl, videos = make_clips(out, seconds)
     print(
         f"{len(videos)} clips 1280x720 30 fps, {seconds} s, tiny model ready ({time.time() - t0:.0f}s)",

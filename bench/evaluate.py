@@ -95,7 +95,7 @@ def main(
         seconds=seconds,
     )
     print(f"videos ready ({time.perf_counter() - t:.0f} s)", flush=True)
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     cfg = E.Config(
         model=model,
         benchmarks="nvr1",

@@ -223,7 +223,7 @@ def prepare(c: Config):
     import make_synthetic_data
     import make_tiny_model
 
-    make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    make_tiny_model.ensure("qwen2_5_vl")
     make_synthetic_data.make(
         os.path.join(c.out, f"clips{c.frames}x{c.size}"),
         ["color"],

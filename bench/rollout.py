@@ -100,7 +100,7 @@ def main():
     import make_tiny_model
 
     t0 = time.time()
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     data_dir = make_synthetic_data.make(
         os.path.join(ROOT, ".cache/data/bench_rollout"),
         ["color", "image_color"],

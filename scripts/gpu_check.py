@@ -252,7 +252,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
         spec = json.load(open(os.path.join(name, "config.json")))
         meas = None
     spec = cut(spec, c.layers, c.blocks)
-    tiny = make_tiny_model.ensure(spec["model_type"], os.path.join(ROOT, ".cache/models"))
+    tiny = make_tiny_model.ensure(spec["model_type"])
     counts = build(spec, tiny, folder, device)
     recipe = common.yaml_overlay(
         train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml"))
@@ -404,10 +404,7 @@ def main(c: Config) -> list[str]:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
     models = c.models
     if c.cpu_smoke:
-        models = [
-            make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
-            for a in ("qwen2_5_vl", "qwen3_vl")
-        ]
+        models = [make_tiny_model.ensure(a) for a in ("qwen2_5_vl", "qwen3_vl")]
     report = dict(
         device=str(device),
         torch=torch.__version__,

@@ -162,6 +162,8 @@ MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) 
 
 # The real Instruct checkpoints' chat templates, verbatim: <arch>.jinja
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+# the repository's checkpoints (ensure's default): the tests', benches' and scripts' tiny models
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache/models")
 
 
 def corpus() -> list[str]:
@@ -379,7 +381,7 @@ def build(
     return out
 
 
-def ensure(arch: str, root: str = ".cache/models", seed: int = 0, variant: str = "") -> str:
+def ensure(arch: str, root: str = MODELS, seed: int = 0, variant: str = "") -> str:
     """`root/tiny-<arch>` (a variant: tiny-<arch>-<variant>), built first if missing or stale."""
     return build(
         arch,

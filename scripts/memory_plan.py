@@ -54,9 +54,7 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     if not os.path.isdir(
         local
     ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
-        local = make_tiny_model.ensure(
-            stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models")
-        )
+        local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"])
     processor = AutoProcessor.from_pretrained(local)
     factor = cache.vision_factor(processor)
     n = cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts

@@ -58,9 +58,7 @@ def tiny_model(model: str) -> str:
         sys.exit(
             f"{model}: no tiny checkpoint with {heads[0]} / {heads[1]} heads (make_tiny_model.VARIANTS)"
         )
-    return make_tiny_model.ensure(
-        spec["model_type"], os.path.join(ROOT, ".cache/models"), variant=VARIANTS[heads]
-    )
+    return make_tiny_model.ensure(spec["model_type"], variant=VARIANTS[heads])
 
 
 def train_args(c: Config, cfg, model: str, data_dir: str) -> list[str]:
