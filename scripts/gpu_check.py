@@ -20,8 +20,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import cache  # noqa: E402  (the project root is put on sys.path above)
-import common  # noqa: E402
+import common  # noqa: E402  (the project root is put on sys.path above)
 import data  # noqa: E402
 import memory_plan  # noqa: E402
 import sp  # noqa: E402
@@ -129,38 +128,19 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 
 def video_prompt(cfg, processor) -> data.Prompt:
     """A question on video_max_frames random 720p frames, sized as cache.py and expanded as data.prepare does."""
-    factor = cache.vision_factor(processor)
-    n = cfg.video_max_frames // 2 * 2
-    budget = cache.frame_pixels(
-        n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
-    )
-    h, w = cache.smart_resize(*memory_plan.SOURCE_HW, factor, cfg.video_min_pixels, budget)
+    q = memory_plan.question(cfg, processor, *memory_plan.SOURCE_HW)
     frames = torch.randint(
-        0, 256, (n, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
-    )
-    meta = dict(
-        fps=cfg.video_fps,
-        duration=n / cfg.video_fps,
-        total_num_frames=n,
-        frames_indices=list(range(n)),
-    )
-    sample = dict(
-        id="gpu-check",
-        problem="<video>What happens in the video, and when?",
-        problem_type="free-form",
-        answer="",
-        videos=["v.mp4"],
-    )
-    text = processor.apply_chat_template(
-        data.chat_messages(sample, data.render_prompt(sample)),
-        tokenize=False,
-        add_generation_prompt=True,
+        0,
+        256,
+        (q.frames, q.height, q.width, 3),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(0),
     )
     ids, mm = data.run_processor(
-        processor, text, videos=[frames.movedim(-1, -3)], video_metadata=[meta]
+        processor, q.text, videos=[frames.movedim(-1, -3)], video_metadata=[q.meta]
     )
-    data.check_placeholders(ids, mm, processor, sample["id"])
-    return data.Prompt(sample, text, ids, mm, [(frames.numpy(), meta)])
+    data.check_placeholders(ids, mm, processor, q.sample["id"])
+    return data.Prompt(q.sample, q.text, ids, mm, [(frames.numpy(), q.meta)])
 
 
 def clock(device) -> float:

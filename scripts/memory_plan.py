@@ -41,21 +41,25 @@ def stored(model: str, dtype: str) -> tuple[dict, dict]:
         return json.load(f), store["measured"][key]
 
 
-def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
-    """(tokens, vision patches) of a question on video_max_frames frames of a height x width video, resized as cache.py
-    and expanded by the processor as data.prepare does, on frames of one merged token (factor^2 px: no memory)."""
+@dataclasses.dataclass
+class Question:
+    """The planner's question on a video, as the processor gets it: `frames` frames resized to height x width."""
+
+    sample: dict
+    text: str
+    frames: int
+    height: int
+    width: int
+    factor: int
+    meta: dict
+
+
+def question(cfg, processor, height: int, width: int) -> Question:
+    """A question on video_max_frames frames of a height x width video, resized as cache.py does (scripts/gpu_check.py
+    builds its prompt from it)."""
     import cache
     import data
-    import make_tiny_model
-    import torch
-    from transformers import AutoProcessor
 
-    local = cfg.model
-    if not os.path.isdir(
-        local
-    ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
-        local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"])
-    processor = AutoProcessor.from_pretrained(local)
     factor = cache.vision_factor(processor)
     n = cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
     budget = cache.frame_pixels(
@@ -63,8 +67,10 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     )
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
     sample = dict(
+        id="question",
         problem="<video>What happens in the video, and when?",
         problem_type="free-form",
+        answer="",
         videos=["v.mp4"],
     )
     text = processor.apply_chat_template(
@@ -78,16 +84,34 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
         total_num_frames=n,
         frames_indices=list(range(n)),
     )
+    return Question(sample, text, n, h, w, factor, meta)
+
+
+def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
+    """(tokens, vision patches) of a question on video_max_frames frames of a height x width video, resized as cache.py
+    and expanded by the processor as data.prepare does, on frames of one merged token (factor^2 px: no memory)."""
+    import make_tiny_model
+    import torch
+    from transformers import AutoProcessor
+
+    local = cfg.model
+    if not os.path.isdir(
+        local
+    ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
+        local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"])
+    processor = AutoProcessor.from_pretrained(local)
+    q = question(cfg, processor, height, width)
+    factor = q.factor
     out = processor(
-        text=[text],
-        videos=[torch.zeros(n, 3, factor, factor, dtype=torch.uint8)],
-        video_metadata=[meta],
+        text=[q.text],
+        videos=[torch.zeros(q.frames, 3, factor, factor, dtype=torch.uint8)],
+        video_metadata=[q.meta],
         do_resize=False,
         do_sample_frames=False,
         return_tensors="pt",
     )
     pairs = int(out["video_grid_thw"][0, 0])
-    per_pair = h * w // factor**2  # frame pairs; merged tokens in each
+    per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
     return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
         out["video_grid_thw"].prod()
     ) * per_pair
