@@ -465,15 +465,17 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     return lines
 
 
-def launch_ranks(paths: tuple[str, ...]) -> int:
-    """N of the last config (a layer names its own node) whose comment launches `torchrun --nproc_per_node=N train.py`
-    (0: none does)."""
+def launch_ranks(paths: tuple[str, ...], flag: str) -> int:
+    """N of the last config (a layer names its own node) whose comment launches `torchrun --nproc_per_node=N train.py`;
+    none does: an exit naming the command line's `flag` that gives N."""
     for path in reversed(paths):
         with open(path) as f:
             found = re.search(r"--nproc_per_node=(\d+) train\.py", f.read())
         if found:
             return int(found.group(1))
-    return 0
+    sys.exit(
+        f"{' '.join(paths)}: no `torchrun --nproc_per_node=N train.py` line in a header: give {flag} N"
+    )
 
 
 def layer_base(path: str) -> str:
@@ -499,11 +501,7 @@ def main(c: Config) -> Plan | list[str]:
             f"warning: {c.config[0]} is a layer: give its base first (--config {base} {c.config[0]})"
         )
     sp = cfg.sp_size
-    gpus = c.gpus or launch_ranks(c.config)
-    if not gpus:
-        sys.exit(
-            f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N"
-        )
+    gpus = c.gpus or launch_ranks(c.config, "--gpus")
     cfg = dataclasses.replace(
         cfg,
         video_max_frames=c.frames or cfg.video_max_frames,

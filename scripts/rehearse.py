@@ -129,11 +129,7 @@ def main(c: Config) -> int:
     import memory_plan
     import train
 
-    ranks = c.ranks or memory_plan.launch_ranks(c.config)
-    if not ranks:
-        sys.exit(
-            f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --ranks N"
-        )
+    ranks = c.ranks or memory_plan.launch_ranks(c.config, "--ranks")
     cfg = train.load_config(["--config", *c.config])
     layout = f"{ranks} ranks, sp_size {cfg.sp_size}, rollout_tp {cfg.rollout_tp}"
     args = prepare(c, cfg, ranks, layout)
