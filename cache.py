@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -29,6 +29,7 @@ from common import (
     POSITIVE,
     UserError,
     choice_error,
+    fact,
 )
 
 # bump when stored frames or metadata change: every older entry becomes a miss
@@ -46,17 +47,17 @@ class Frames:
     inherit (one declaration, one flag name each). The defaults are training's; evaluate.py raises
     video_max_frames/pixels."""
 
-    video_fps: float = field(default=2.0, metadata=POSITIVE | ANSWERS)
+    video_fps: float = fact(2.0, POSITIVE, ANSWERS)
     """frames sampled per second of video"""
-    video_min_frames: int = field(default=4, metadata=POSITIVE | ANSWERS)
+    video_min_frames: int = fact(4, POSITIVE, ANSWERS)
     """at least this many frames per video"""
-    video_max_frames: int = field(default=32, metadata=ANSWERS)
+    video_max_frames: int = fact(32, ANSWERS)
     """at most this many frames per video"""
-    video_min_pixels: int = field(default=3136, metadata=ANSWERS)
+    video_min_pixels: int = fact(3136, ANSWERS)
     """min pixels per frame (smart-resize lower bound)"""
-    video_max_pixels: int = field(default=100352, metadata=ANSWERS)
+    video_max_pixels: int = fact(100352, ANSWERS)
     """max pixels per frame"""
-    video_total_pixels: int = field(default=0, metadata=NOT_NEGATIVE | ANSWERS)
+    video_total_pixels: int = fact(0, NOT_NEGATIVE, ANSWERS)
     """pixel budget over all frames of a video (0 = qwen-vl-utils' default: 128000 tokens, <= 768 per frame)"""
     max_decode_pixels: int = MAX_DECODE_PIXELS
     """videos and images with more pixels per frame are refused before decoding (default: 8K, 7680x4320)"""
@@ -79,15 +80,15 @@ class Media(Frames):
     """Frames, images and where frames come from: the settings data.prepare reads (train.py's and evaluate.py's
     Config are ones)."""
 
-    image_min_pixels: int = field(default=3136, metadata=ANSWERS)
+    image_min_pixels: int = fact(3136, ANSWERS)
     """min pixels per image"""
-    image_max_pixels: int = field(default=1003520, metadata=ANSWERS)
+    image_max_pixels: int = fact(1003520, ANSWERS)
     """max pixels per image"""
-    video_source: VideoSource = field(default="prefer_cache", metadata=MAY_CHANGE_ON_RESUME)
+    video_source: VideoSource = fact("prefer_cache", MAY_CHANGE_ON_RESUME)
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
-    cache_dir: str = field(default=".cache/frames", metadata=MAY_CHANGE_ON_RESUME)
+    cache_dir: str = fact(".cache/frames", MAY_CHANGE_ON_RESUME)
     """frame cache folder ('' = no cache)"""
-    allow_outside_media: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    allow_outside_media: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """read media paths that resolve (symlinks followed) outside their data file's folder
     (evaluate.py: video_dir/<benchmark>); off, such a path is an error naming the sample"""
 

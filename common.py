@@ -19,7 +19,7 @@ import traceback
 import typing
 import urllib.parse
 import warnings
-from dataclasses import fields, replace
+from dataclasses import field, fields, replace
 from typing import Literal
 
 import torch
@@ -386,7 +386,7 @@ def yaml_overlay(base, path: str, strict: bool = True, skipped: list | None = No
     return base
 
 
-# Field facts, beside their field: `x: int = field(default=8, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)`
+# Field facts, beside their field: `x: int = fact(8, POSITIVE, MAY_CHANGE_ON_RESUME)`
 
 POSITIVE = {"bound": "> 0"}
 """check_config: the value must be > 0"""
@@ -396,6 +396,11 @@ MAY_CHANGE_ON_RESUME = {"resume": "may change"}
 """a resumed run may set it otherwise than its checkpoint (length, logging, cadence, saving, timeouts, cache)"""
 ANSWERS = {"answers": True}
 """it changes what a model is shown or answers: evaluate.py refuses a resume log written under another value"""
+
+
+def fact(default, *facts: dict):
+    """A dataclass field and its facts: `x: int = fact(8, POSITIVE, MAY_CHANGE_ON_RESUME)`."""
+    return field(default=default, metadata={k: v for f in facts for k, v in f.items()})
 
 
 def choice_error(kind, value) -> str:

@@ -584,12 +584,6 @@ def try_prep(prep, s: dict, skip_invalid: bool):
         return None, {"where": s["id"], "media": media_paths(s), "error": str(error)}
 
 
-def prep_all(prep, samples: list, skip_invalid: bool) -> tuple[list, list]:
-    """The prompts of the samples that prepare, and the skip reports of those that do not (skip_invalid)."""
-    results = [try_prep(prep, s, skip_invalid) for s in samples]
-    return [p for p, _ in results if p], [r for _, r in results if r]
-
-
 PAD = object()  # a held-out sample's "pad" field: prepared only so that its rank generates, never scored (no JSON)
 
 
@@ -602,8 +596,9 @@ def held_out_rounds(prep, samples: list, skip_invalid: bool, layout, size: int, 
     rounds = max(gather(-(-len(share) // size)))
     pad = []  # prepared once, when first needed
     for first in range(0, rounds * size, size):
-        prompts, reports = prep_all(prep, share[first : first + size], skip_invalid)
-        skips += reports
+        results = [try_prep(prep, s, skip_invalid) for s in share[first : first + size]]
+        prompts = [p for p, _ in results if p]  # the samples that prepare
+        skips += [report for _, report in results if report]  # those that do not (skip_invalid)
         if not prompts and not pad:
             pad = first_valid([{**s, "pad": PAD} for s in samples], prep, skip_invalid)
         yield prompts or pad

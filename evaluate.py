@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cache as cached, partial
 from typing import Literal
 
@@ -36,7 +36,7 @@ import cache
 import common
 import data
 import rewards
-from common import ANSWERS, UserError, write_jsonl, write_text
+from common import ANSWERS, UserError, fact, write_jsonl, write_text
 from data import DataError
 
 
@@ -56,21 +56,21 @@ class Config(cache.Media):
     """videos: {video_dir}/{name}/<the path the record names>"""
     out_dir: str = ""
     """results.json, results.md and {name}/samples.jsonl (the resume log); '' = runs/eval/<model name>-<path hash>"""
-    engine: Literal["async", "sync", "hf"] = field(default="async", metadata=ANSWERS)
+    engine: Literal["async", "sync", "hf"] = fact("async", ANSWERS)
     """async (vLLM AsyncLLM pipeline) | sync (colocated vLLM LLM, batch by batch) | hf (transformers generate)"""
     max_samples: int = 0
     """per benchmark, the first N samples (0 = all)"""
-    max_tokens: int = field(default=64, metadata=ANSWERS)
+    max_tokens: int = fact(64, ANSWERS)
     """response budget (EasyVideoR1 uses 2048 with thinking)"""
-    temperature: float = field(default=0.0, metadata=ANSWERS)
+    temperature: float = fact(0.0, ANSWERS)
     """0 = greedy (deterministic)"""
-    seed: int = field(default=0, metadata=ANSWERS)
+    seed: int = fact(0, ANSWERS)
     """sampling seed, and the seed of the random-option fallback"""
-    response_format: Literal["answer", "think_answer"] = field(default="answer", metadata=ANSWERS)
+    response_format: Literal["answer", "think_answer"] = fact("answer", ANSWERS)
     """the format our own prompts (nvr1, a template's {{ instruction }}) ask for, as train.py's"""
-    answer_extraction: Literal["tags", "official"] = field(default="tags", metadata=ANSWERS)
+    answer_extraction: Literal["tags", "official"] = fact("tags", ANSWERS)
     """tags: our <answer>/<think> pre-step, then the benchmark's reader; official: its reader on the raw response"""
-    random_fallback: bool = field(default=False, metadata=ANSWERS)
+    random_fallback: bool = fact(False, ANSWERS)
     """where the official scorer guesses (benchmarks.yaml `guess`), an unreadable answer gets a seeded random option"""
     allow_failures: bool = False
     """exit 0 even when samples could not be evaluated (they are still listed and never scored)"""
@@ -80,13 +80,11 @@ class Config(cache.Media):
     """threads reading frames and building prompts"""
     batch_size: int = 16
     """sync/hf engines: prompts per generate call"""
-    max_model_len: int = field(default=0, metadata=ANSWERS)
+    max_model_len: int = fact(0, ANSWERS)
     """vLLM context length; 0 = 16384 (64 frames x 262,144 px, text and response) or the model's positions if fewer"""
-    max_prompt_len: int = field(default=0, metadata=ANSWERS)
+    max_prompt_len: int = fact(0, ANSWERS)
     """longer prompts are an error for that sample (never truncated); 0 = max_model_len - max_tokens"""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
-        default="auto", metadata=ANSWERS
-    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = fact("auto", ANSWERS)
     """vLLM dtype (auto = the checkpoint's, bf16 for Qwen-VL)"""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel GPUs per engine"""
@@ -94,16 +92,16 @@ class Config(cache.Media):
     """vLLM data parallel engines (async engine): tensor_parallel_size x data_parallel_size = the node's GPUs"""
     gpu_memory_utilization: float = 0.9
     """share of each GPU's memory vLLM may take"""
-    judge_model: str = field(default="", metadata=ANSWERS)
+    judge_model: str = fact("", ANSWERS)
     """HF folder of an LLM judge for open-ended items, or with judge_url the name it is served under
     ('' = rule-based fallback, reported as such)"""
     judge_url: str = ""
     """OpenAI-compatible API base of a served judge (http://host:port/v1; '' = run judge_model here)"""
     trust_remote_code: bool = False
     """let transformers/vLLM run code shipped with the checkpoint"""
-    video_max_frames: int = field(default=64, metadata=ANSWERS)
+    video_max_frames: int = fact(64, ANSWERS)
     """at most this many frames per video (evaluation's default; training's is 32)"""
-    video_max_pixels: int = field(default=262144, metadata=ANSWERS)
+    video_max_pixels: int = fact(262144, ANSWERS)
     """max pixels per frame (evaluation's default; training's is 100352)"""
 
 
@@ -133,7 +131,8 @@ def load_config(argv: list[str]) -> Config:
     run = train.Config()
     unused = []
     for path in paths:
-        ours, theirs = [], []
+        ours = []
+        theirs = []
         base = common.yaml_overlay(base, path, strict=False, skipped=ours)
         run = common.yaml_overlay(run, path, strict=False, skipped=theirs)
         for key in ours:
@@ -956,7 +955,8 @@ def score(
         parsed, v = rule(text, s)
     # a reader never costs the run: the answer counts as unreadable
     except Exception:  # noqa: BLE001
-        parsed, v = None, None
+        parsed = None
+        v = None
     if parsed is None and guess_seed is not None and ad.get("guess") and s["options"]:
         parsed = random.Random(f"{guess_seed}:{s['id']}").choice(letters_of(s))
         return parsed, float(parsed == gt_letter(s))

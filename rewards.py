@@ -29,13 +29,13 @@ from http.client import HTTPException
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from common import MAY_CHANGE_ON_RESUME, NOT_NEGATIVE, POSITIVE, UserError
+from common import MAY_CHANGE_ON_RESUME, NOT_NEGATIVE, POSITIVE, UserError, fact
 
 # VSI-Bench's margins as its code computes them, in floats
 MRA_MARGINS = (1 - np.linspace(0.5, 0.95, 10)).tolist()
@@ -400,7 +400,8 @@ def squad_norm(s: str) -> str:
 def token_f1(pred: str, ref: str) -> float:
     """SQuAD's F1 over squad_norm tokens: 1.0 exactly when the normalized texts match (its exact
     match)."""
-    p, r = squad_norm(pred).split(), squad_norm(ref).split()
+    p = squad_norm(pred).split()
+    r = squad_norm(ref).split()
     if not p or not r:
         return float(p == r)
     same = sum((Counter(p) & Counter(r)).values())
@@ -913,24 +914,24 @@ RETRIED_HTTP = (408, 429, 500, 502, 503, 504)
 class JudgeSettings:
     """train.Config's judge fields (evaluate.py builds one from its own)."""
 
-    judge_url: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    judge_url: str = fact("", MAY_CHANGE_ON_RESUME)
     """OpenAI-compatible API base of an LLM judge (http://host:port/v1): it scores the open-ended answers,
     not the rules (docs/rewards.md) ('' = off)"""
     judge_model: str = ""
     """the model name the judge server serves"""
     judge_template: str = "configs/judge.jinja"
     """Jinja2 file of the judge's prompt: {{ question }}, {{ reference }}, {{ answer }}"""
-    judge_timeout: float = field(default=60.0, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    judge_timeout: float = fact(60.0, POSITIVE, MAY_CHANGE_ON_RESUME)
     """seconds one request may take"""
-    judge_retries: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    judge_retries: int = fact(2, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """tries after a failed one (connection, timeout, HTTP 408/429/5xx, a malformed body)"""
-    judge_workers: int = field(default=16, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    judge_workers: int = fact(16, POSITIVE, MAY_CHANGE_ON_RESUME)
     """concurrent requests"""
-    judge_max_tokens: int = field(default=256, metadata=POSITIVE)
+    judge_max_tokens: int = fact(256, POSITIVE)
     """the longest reply"""
     judge_regex: str = ""
     """vLLM's structured output: the reply is made to match it, e.g. 'Judgement: [01]' ('' = free)"""
-    judge_max_fail: float = field(default=0.2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    judge_max_fail: float = fact(0.2, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """a step whose judged answers failed (judge_error, judge_parse_fail) above this share stops the run"""
 
 

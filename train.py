@@ -42,6 +42,7 @@ from common import (
     any_rank,
     barrier,
     catch_stop_signals,
+    fact,
     gather,
     init_dist,
     print0,
@@ -65,11 +66,11 @@ from rollout import (
 # MAY_CHANGE_ON_RESUME (check_files). (No docstring: tyro would print it atop --help.)
 @dataclass
 class Config(rewards.JudgeSettings, Media):
-    config: tuple[str, ...] = field(default=(), metadata=MAY_CHANGE_ON_RESUME)
+    config: tuple[str, ...] = fact((), MAY_CHANGE_ON_RESUME)
     """YAML files setting the defaults, each over the ones before (bad keys fail); flags win"""
-    dry_run: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    dry_run: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """check config and data, print the resolved config, data counts, longest prompt; then exit"""
-    world: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    world: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """--dry-run: check the recipe for this many ranks, without their GPUs (0 = this launch's)"""
     # --- model and data (`scripts/cache_frames.py --config` reads these from the same YAML)
     model: str = ".cache/models/tiny-qwen2_5_vl"
@@ -91,7 +92,7 @@ class Config(rewards.JudgeSettings, Media):
     val_image_max_pixels: int = 0
     """validation: max pixels per image (0 = image_max_pixels)"""
     # --- the run
-    out_dir: str = field(default="runs/tiny", metadata=MAY_CHANGE_ON_RESUME)
+    out_dir: str = fact("runs/tiny", MAY_CHANGE_ON_RESUME)
     """run folder: metrics.jsonl, curve.png, skipped.jsonl, checkpoints"""
     skip_invalid: bool = False
     """skip (count, log, report) invalid samples instead of stopping at the first one"""
@@ -99,35 +100,35 @@ class Config(rewards.JudgeSettings, Media):
     """skip_invalid: more invalid samples in a row fail the run (the data may hold none valid)"""
     prompt_template: str = ""
     """path to a Jinja2 template for the user prompt ('' = per-problem-type defaults in data.py)"""
-    max_prompt_len: int = field(default=4096, metadata=POSITIVE)
+    max_prompt_len: int = fact(4096, POSITIVE)
     """prompts longer than this (in tokens, vision included) are an error, never truncated"""
     # --- rollout
     rollout: Literal["vllm", "hf"] = "vllm"
     """sampler: vllm (colocated engine) | hf (transformers generate on the training model)"""
-    rollout_tp: int = field(default=1, metadata=POSITIVE)
+    rollout_tp: int = fact(1, POSITIVE)
     """vLLM tensor parallel size: ranks per engine (1 = an engine per rank); with sp_size > 1 it divides sp_size"""
-    group_size: int = field(default=8, metadata=POSITIVE)
+    group_size: int = fact(8, POSITIVE)
     """completions per prompt (n)"""
-    prompts_per_step: int = field(default=8, metadata=POSITIVE)
+    prompts_per_step: int = fact(8, POSITIVE)
     """prompts per optimizer step over all ranks (divisible by world / sp_size)"""
     temperature: float = 1.0
     """sampling temperature; the trainer's log-probs use the same one"""
-    max_response_len: int = field(default=64, metadata=POSITIVE)
+    max_response_len: int = fact(64, POSITIVE)
     """max new tokens per completion"""
     max_model_len: int = 4096
     """vLLM context length"""
-    gpu_memory_utilization: float = field(default=0.4, metadata=POSITIVE)
+    gpu_memory_utilization: float = fact(0.4, POSITIVE)
     """vLLM's share of GPU memory (colocated with training)"""
     vllm_sleep: bool = True
     """sleep vLLM during the train phase where the platform supports it (CUDA)"""
     mix_offline: bool = True
     """a sample's offline_output replaces the last rollout of its group"""
-    mix_threshold: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    mix_threshold: float = fact(0.0, NOT_NEGATIVE)
     """swap only if the group's online accuracy is below this (0 = always); logged as offline/*"""
     # --- reward
-    w_acc: float = field(default=0.9, metadata=NOT_NEGATIVE)
+    w_acc: float = fact(0.9, NOT_NEGATIVE)
     """weight of the accuracy reward"""
-    w_fmt: float = field(default=0.1, metadata=NOT_NEGATIVE)
+    w_fmt: float = fact(0.1, NOT_NEGATIVE)
     """weight of the format reward"""
     response_format: Literal["answer", "think_answer"] = "answer"
     """prompts ask for, the format reward checks: <answer>..</answer>, or <think>..</think> first"""
@@ -146,14 +147,14 @@ class Config(rewards.JudgeSettings, Media):
     """grpo | drgrpo (no std division) | rloo | reinforce++ | reinforce++-baseline | remax | gdpo |
     grpo_passk (pass@k, k = group_size: only the group's best response, (r_max - r_2nd) / (std + eps)) |
     gae (PPO with a critic)"""
-    adv_eps: float = field(default=1e-6, metadata=NOT_NEGATIVE)
+    adv_eps: float = fact(1e-6, NOT_NEGATIVE)
     """epsilon in (r - mean) / (std + eps)"""
     loss_type: Literal["ppo", "gspo", "cispo", "sft"] = "ppo"
     """ppo (PPO-clip, dual-clip) | gspo (sequence-level ratio) | cispo (clipped IS weight) |
     sft (supervised cold start: NLL of each sample's offline_output, prompt masked; no rollouts)"""
-    clip_low: float = field(default=0.2, metadata=NOT_NEGATIVE)
+    clip_low: float = fact(0.2, NOT_NEGATIVE)
     """clip: ratio >= 1 - clip_low"""
-    clip_high: float = field(default=0.2, metadata=NOT_NEGATIVE)
+    clip_high: float = fact(0.2, NOT_NEGATIVE)
     """clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)"""
     clip_ratio_c: float = 3.0
     """dual-clip (ppo): a token with A < 0 loses at most clip_ratio_c * |A|; > 1, or 0 = off"""
@@ -161,7 +162,7 @@ class Config(rewards.JudgeSettings, Media):
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """how token losses become the batch loss (seq-mean-token-sum-norm: Dr.GRPO)"""
-    kl_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    kl_coef: float = fact(0.0, NOT_NEGATIVE)
     """KL-to-reference coefficient (0 = no reference model is loaded)"""
     kl_type: Literal["k1", "abs", "k2", "k3"] = "k3"
     """KL estimator: k1 | abs | k2 | k3 (low_var_kl, clamped)"""
@@ -171,23 +172,23 @@ class Config(rewards.JudgeSettings, Media):
     """gae: discount of the per-token rewards"""
     lam: float = 1.0
     """gae: GAE's lambda (1: Monte-Carlo returns, 0: one-step TD)"""
-    critic_lr: float = field(default=1e-5, metadata=POSITIVE)
+    critic_lr: float = fact(1e-5, POSITIVE)
     """gae: the critic's learning rate (AdamW, constant)"""
-    cliprange_value: float = field(default=0.5, metadata=POSITIVE)
+    cliprange_value: float = fact(0.5, POSITIVE)
     """gae: the value loss clips new values to the old ones +- this"""
-    critic_warmup: int = field(default=0, metadata=NOT_NEGATIVE)
+    critic_warmup: int = fact(0, NOT_NEGATIVE)
     """gae: the first critic_warmup steps train the critic only (no policy step)"""
-    entropy_coef: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    entropy_coef: float = fact(0.0, NOT_NEGATIVE)
     """entropy bonus: loss -= entropy_coef * aggregated entropy (entropy is logged either way)"""
     router_aux_loss: bool = False
     """MoE models: add the routers' load-balancing loss (transformers' output_router_logits; its
     load_balancing_loss_func over every sparse layer), logged as router/aux. Off by default in RL:
     vLLM samples with its own routing, and balancing moves the trainer's routing from it"""
-    router_aux_loss_coef: float = field(default=0.001, metadata=NOT_NEGATIVE)
+    router_aux_loss_coef: float = fact(0.001, NOT_NEGATIVE)
     """its weight (transformers' router_aux_loss_coef; the published MoE configs' 0.001)"""
     tis: Literal["", "token", "sequence"] = ""
     """truncated importance sampling pi_old / pi_rollout: '' (off) | token | sequence"""
-    tis_cap: float = field(default=2.0, metadata=POSITIVE)
+    tis_cap: float = fact(2.0, POSITIVE)
     """upper bound of that importance weight"""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """truncate (w = min(w, cap)) | mask (w = 0 where w > cap)"""
@@ -195,18 +196,18 @@ class Config(rewards.JudgeSettings, Media):
     """DAPO: drop groups whose dyn_filter_metric is the same for all rollouts, sample more"""
     dyn_filter_metric: Literal["accuracy", "reward"] = "accuracy"
     """dynamic sampling filters on: accuracy (DAPO, verl) | reward (overall, penalties included)"""
-    max_gen_rounds: int = field(default=4, metadata=POSITIVE)
+    max_gen_rounds: int = fact(4, POSITIVE)
     """dynamic sampling: most generation rounds per step (then dropped groups fill the batch)"""
-    overlong_buffer: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    overlong_buffer: float = fact(0.0, NOT_NEGATIVE)
     """DAPO soft overlong penalty: 0 to -overlong_factor, linear over the last overlong_buffer x max_response_len
     tokens (a fraction, so a recipe fits any response length; DAPO: 4096 of 20480 = 0.2; 0 = off)"""
     overlong_factor: float = 1.0
     """size of the overlong penalty at max_response_len"""
-    ppo_epochs: int = field(default=1, metadata=POSITIVE)
+    ppo_epochs: int = fact(1, POSITIVE)
     """passes over each rollout batch"""
-    mini_batches: int = field(default=1, metadata=POSITIVE)
+    mini_batches: int = fact(1, POSITIVE)
     """optimizer steps per pass: the rollout batch is split into this many mini-batches"""
-    micro_batch_size: int = field(default=16, metadata=POSITIVE)
+    micro_batch_size: int = fact(16, POSITIVE)
     """sequences per forward/backward on each rank"""
     # --- memory
     freeze_vision: bool = False
@@ -216,7 +217,7 @@ class Config(rewards.JudgeSettings, Media):
     prompt and step, which logp_pass reuses) and loads no vision tower (Qwen3-VL: loaded, never
     run); rollout_tp > 1: a TP group gathers its ranks' features; sp_size > 1: an SP group encodes
     its runs before generation and gathers them"""
-    feature_cache_dir: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    feature_cache_dir: str = fact("", MAY_CHANGE_ON_RESUME)
     """the reference tower's features (kl_coef, a trained tower) also on disk, per sample and SP run,
     keyed by the media files and settings and the reference's weights: a later run reads them
     instead of encoding ('' = in host memory alone, up to 8 GiB a rank)"""
@@ -232,49 +233,49 @@ class Config(rewards.JudgeSettings, Media):
     fp32 compute); auto: fsdp_choice's pick"""
     max_tokens_per_micro_batch: int = 0
     """micro-batch budget: rows x (longest prompt + response), for micro_batch_size (0 = off)"""
-    sp_size: int = field(default=1, metadata=POSITIVE)
+    sp_size: int = fact(1, POSITIVE)
     """sequence parallelism (sp.py): sp_size ranks train the same rows, each 1/sp_size of them"""
     # --- optimizer
-    lr: float = field(default=1e-6, metadata=POSITIVE)
+    lr: float = fact(1e-6, POSITIVE)
     """peak learning rate"""
     min_lr_ratio: float = 0.1
     """cosine decays to lr * min_lr_ratio at max_steps"""
-    warmup_steps: int = field(default=0, metadata=NOT_NEGATIVE)
+    warmup_steps: int = fact(0, NOT_NEGATIVE)
     """linear warmup steps"""
-    weight_decay: float = field(default=0.0, metadata=NOT_NEGATIVE)
+    weight_decay: float = fact(0.0, NOT_NEGATIVE)
     """AdamW weight decay"""
     grad_clip: float = 1.0
     """max global grad norm"""
-    max_steps: int = field(default=100, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    max_steps: int = fact(100, POSITIVE, MAY_CHANGE_ON_RESUME)
     """optimizer steps"""
     seed: int = 0
     """seed for data order, sampling and init"""
     # --- log, eval, save
-    eval_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    eval_every: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """greedy held-out accuracy every N steps (0 = only before and after training)"""
-    eval_max_samples: int = field(default=256, metadata=NOT_NEGATIVE)
+    eval_max_samples: int = fact(256, NOT_NEGATIVE)
     """cap on held-out samples per evaluation"""
-    save: bool = field(default=True, metadata=MAY_CHANGE_ON_RESUME)
+    save: bool = fact(True, MAY_CHANGE_ON_RESUME)
     """save an HF-format checkpoint (loads in vLLM and transformers) at the end"""
-    wandb_project: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    wandb_project: str = fact("", MAY_CHANGE_ON_RESUME)
     """wandb project ('' = off); online, offline or disabled as `wandb login` and WANDB_MODE say"""
-    log_every: int = field(default=1, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    log_every: int = fact(1, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """write sampled completions to out_dir/samples.jsonl (and wandb) every N steps (0 = never)"""
-    log_samples: int = field(default=4, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    log_samples: int = fact(4, POSITIVE, MAY_CHANGE_ON_RESUME)
     """completions written per logged step: the first of each of that many groups"""
     # --- long runs (checkpoint section)
-    save_every: int = field(default=0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    save_every: int = fact(0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """sharded checkpoint out_dir/ckpt/step_00000050 (8 digits) every N steps (0 = on SIGTERM/SIGINT only)"""
-    keep_last: int = field(default=2, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    keep_last: int = fact(2, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """checkpoints kept, older ones are deleted (0 = keep all)"""
-    resume: str = field(default="", metadata=MAY_CHANGE_ON_RESUME)
+    resume: str = fact("", MAY_CHANGE_ON_RESUME)
     """'' = fresh (refused if out_dir/ckpt holds a run) | auto = out_dir/ckpt's latest checkpoint (if any) | a folder"""
-    allow_config_change: bool = field(default=False, metadata=MAY_CHANGE_ON_RESUME)
+    allow_config_change: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """resume with settings other than the checkpoint's (else refused, naming them), but for MAY_CHANGE_ON_RESUME
     ones: the run's length, logging, evaluation cadence, saving, timeouts"""
-    dist_timeout: float = field(default=1800.0, metadata=POSITIVE | MAY_CHANGE_ON_RESUME)
+    dist_timeout: float = fact(1800.0, POSITIVE, MAY_CHANGE_ON_RESUME)
     """seconds a collective may wait: a dead or stuck rank fails the run instead of hanging it"""
-    stop_grace_s: float = field(default=300.0, metadata=NOT_NEGATIVE | MAY_CHANGE_ON_RESUME)
+    stop_grace_s: float = fact(300.0, NOT_NEGATIVE, MAY_CHANGE_ON_RESUME)
     """after a SIGTERM/SIGINT, seconds a step may take to reach its boundary and checkpoint; a step
     stuck longer is abandoned: where is printed, exit 1, the last checkpoint kept (0 = no limit)"""
     # --- LoRA (peft): the base model stays frozen, only the adapters train
@@ -310,95 +311,117 @@ def check_config(cfg: Config, world: int = 1):
     bad = common.field_errors(cfg)
     dp = world // max(1, cfg.sp_size)  # data-parallel ranks: an SP group trains the same rows
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
-    if dp and cfg.prompts_per_step % dp:
-        bad.append(f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0")
-    if world % cfg.rollout_tp:
-        bad.append(f"world size {world} % rollout_tp {cfg.rollout_tp} != 0")
-    if cfg.sp_size > 0 and world % cfg.sp_size:
-        bad.append(f"world size {world} % sp_size {cfg.sp_size} != 0")
-    if cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp:
-        # a TP group generates inside one SP group
-        bad.append(f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0")
-    if cfg.rollout == "hf" and cfg.rollout_tp > 1:
-        bad.append("rollout_tp > 1 needs rollout vllm")
-    if cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm"):
-        bad.append("vllm_embeds needs freeze_vision and rollout vllm (the features never change)")
-    if cfg.mini_batches > per_rank:
-        bad.append(f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step")
-    if cfg.clip_ratio_c and cfg.clip_ratio_c <= 1:
-        bad.append(f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        bad.append(f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]")
-    if cfg.gpu_memory_utilization > 1:
-        bad.append(f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1")
-    if cfg.mix_threshold > 1:
-        bad.append(f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)")
-    if cfg.mix_threshold and not cfg.mix_offline:
-        bad.append("mix_threshold needs mix_offline")
-    if cfg.overlong_buffer > 1:
-        bad.append(f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)")
-    rl_only = cfg.group_size > 1 or cfg.kl_coef or cfg.dynamic_sampling or cfg.vllm_embeds
-    if cfg.loss_type == "sft" and (rl_only or cfg.adv_estimator == "gae"):  # no rollouts
-        bad.append(
-            "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae"
-        )
-    if cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len:
-        bad.append("max_prompt_len > max_model_len")
-    if cfg.video_min_frames > cfg.video_max_frames:
-        bad.append("video_min_frames > video_max_frames")
-    if cfg.video_min_pixels > cfg.video_max_pixels:
-        bad.append("video_min_pixels > video_max_pixels")
-    if cfg.image_min_pixels > cfg.image_max_pixels:
-        bad.append("image_min_pixels > image_max_pixels")
-    if cfg.video_source == "cache_only" and not cfg.cache_dir:
-        bad.append("video_source cache_only needs a cache_dir")
-    if cfg.kl_in_reward and not cfg.kl_coef:
-        bad.append("kl_in_reward needs kl_coef > 0 (0 loads no reference model)")
-    if cfg.judge_url:
-        bad += rewards.judge_problems(cfg)
-    if cfg.judge_url and cfg.sp_size > 1:  # each would ask; a flaky judge could make them disagree
-        bad.append("judge_url needs sp_size 1 (an SP group's ranks score the same answers)")
-    if cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2:
-        bad.append("grpo_passk needs group_size >= 2 (a best and a second-best response)")
-    if cfg.kl_in_reward and cfg.adv_estimator == "gdpo":
-        bad.append("kl_in_reward: gdpo's reward components carry no KL")
-    if not (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
-        bad.append(f"gamma {cfg.gamma} and lam {cfg.lam} must be in [0, 1]")
-    if cfg.critic_warmup and cfg.adv_estimator != "gae":
-        bad.append("critic_warmup needs adv_estimator gae (a critic)")
-    if cfg.adv_estimator == "gae" and cfg.sp_size > 1:
-        bad.append("adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)")
+    longest_row = cfg.max_prompt_len + cfg.max_response_len
     spec = model_spec(cfg.model) or {}
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
-    if cfg.router_aux_loss and not moe:
-        bad.append(f"router_aux_loss: {cfg.model} has no routers (not a MoE model)")
-    if cfg.router_aux_loss and cfg.sp_size > 1:  # each rank would balance its shard's tokens
-        bad.append("router_aux_loss needs sp_size 1")
-    if cfg.sp_size > 1 and linear_attention(cfg.model):
+    cuda_ranks = torch.cuda.is_available() and dist.is_initialized()
+    # each message, and whether this config earns it
+    rules = {
+        f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0": (
+            dp and cfg.prompts_per_step % dp
+        ),
+        f"world size {world} % rollout_tp {cfg.rollout_tp} != 0": world % cfg.rollout_tp,
+        f"world size {world} % sp_size {cfg.sp_size} != 0": (
+            cfg.sp_size > 0 and world % cfg.sp_size
+        ),
+        # a TP group generates inside one SP group
+        f"sp_size {cfg.sp_size} % rollout_tp {cfg.rollout_tp} != 0": (
+            cfg.sp_size > 1 and cfg.rollout_tp > 0 and cfg.sp_size % cfg.rollout_tp
+        ),
+        "rollout_tp > 1 needs rollout vllm": cfg.rollout == "hf" and cfg.rollout_tp > 1,
+        "vllm_embeds needs freeze_vision and rollout vllm (the features never change)": (
+            cfg.vllm_embeds and not (cfg.freeze_vision and cfg.rollout == "vllm")
+        ),
+        f"mini_batches {cfg.mini_batches} > {per_rank} rollouts per rank and step": (
+            cfg.mini_batches > per_rank
+        ),
+        f"clip_ratio_c {cfg.clip_ratio_c} must be > 1 (or 0 = off)": (
+            cfg.clip_ratio_c and cfg.clip_ratio_c <= 1
+        ),
+        f"min_lr_ratio {cfg.min_lr_ratio} must be in [0, 1]": not 0 <= cfg.min_lr_ratio <= 1,
+        f"gpu_memory_utilization {cfg.gpu_memory_utilization} must be <= 1": (
+            cfg.gpu_memory_utilization > 1
+        ),
+        f"mix_threshold {cfg.mix_threshold} must be <= 1 (an accuracy)": cfg.mix_threshold > 1,
+        "mix_threshold needs mix_offline": cfg.mix_threshold and not cfg.mix_offline,
+        f"overlong_buffer {cfg.overlong_buffer} must be <= 1 (of max_response_len)": (
+            cfg.overlong_buffer > 1
+        ),
+        # no rollouts
+        "loss_type sft needs group_size 1, kl_coef 0, no dynamic_sampling, vllm_embeds, gae": (
+            cfg.loss_type == "sft"
+            and (
+                cfg.group_size > 1
+                or cfg.kl_coef
+                or cfg.dynamic_sampling
+                or cfg.vllm_embeds
+                or cfg.adv_estimator == "gae"
+            )
+        ),
+        "max_prompt_len > max_model_len": (
+            cfg.rollout == "vllm" and cfg.max_prompt_len > cfg.max_model_len
+        ),
+        "video_min_frames > video_max_frames": cfg.video_min_frames > cfg.video_max_frames,
+        "video_min_pixels > video_max_pixels": cfg.video_min_pixels > cfg.video_max_pixels,
+        "image_min_pixels > image_max_pixels": cfg.image_min_pixels > cfg.image_max_pixels,
+        "video_source cache_only needs a cache_dir": (
+            cfg.video_source == "cache_only" and not cfg.cache_dir
+        ),
+        "kl_in_reward needs kl_coef > 0 (0 loads no reference model)": (
+            cfg.kl_in_reward and not cfg.kl_coef
+        ),
+        # each would ask; a flaky judge could make them disagree
+        "judge_url needs sp_size 1 (an SP group's ranks score the same answers)": (
+            cfg.judge_url and cfg.sp_size > 1
+        ),
+        "grpo_passk needs group_size >= 2 (a best and a second-best response)": (
+            cfg.adv_estimator == "grpo_passk" and cfg.group_size < 2
+        ),
+        "kl_in_reward: gdpo's reward components carry no KL": (
+            cfg.kl_in_reward and cfg.adv_estimator == "gdpo"
+        ),
+        f"gamma {cfg.gamma} and lam {cfg.lam} must be in [0, 1]": not (
+            0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1
+        ),
+        "critic_warmup needs adv_estimator gae (a critic)": (
+            cfg.critic_warmup and cfg.adv_estimator != "gae"
+        ),
+        "adv_estimator gae needs sp_size 1 (the critic is not sequence-parallel)": (
+            cfg.adv_estimator == "gae" and cfg.sp_size > 1
+        ),
+        f"router_aux_loss: {cfg.model} has no routers (not a MoE model)": (
+            cfg.router_aux_loss and not moe
+        ),
+        # each rank would balance its shard's tokens
+        "router_aux_loss needs sp_size 1": cfg.router_aux_loss and cfg.sp_size > 1,
         # Ulysses swaps the attention kernel only: a gated delta-net layer would run its
         # recurrence over the rank's own positions (docs/families.md)
-        bad.append(f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1")
-    if cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume):
-        bad.append(f"resume {cfg.resume!r}: no such folder")
-    if cfg.temperature < 1e-5:
-        bad.append(
-            f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
-            "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)"
-        )
-    if cfg.lora_rank < 0:
-        bad.append(f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)")
-    if not 0 <= cfg.lora_dropout < 1:
-        bad.append(f"lora_dropout {cfg.lora_dropout} must be in [0, 1)")
-    if cfg.offload and cfg.fsdp not in ("auto", "reshard"):
-        bad.append(f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}")
-    if cfg.offload and not cfg.world and not (torch.cuda.is_available() and dist.is_initialized()):
-        bad.append("offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun")
-    longest_row = cfg.max_prompt_len + cfg.max_response_len
-    if 0 < cfg.max_tokens_per_micro_batch < longest_row:
-        bad.append(
-            f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
-            f"max_response_len {longest_row}: the longest row fits in none"
-        )
+        f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1": (
+            cfg.sp_size > 1 and linear_attention(cfg.model)
+        ),
+        f"resume {cfg.resume!r}: no such folder": (
+            cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume)
+        ),
+        f"temperature {cfg.temperature} must be >= 1e-5 (vLLM samples greedily below it, "
+        "and greedy rollouts cannot be trained: the trainer's logits / 0 are NaN)": (
+            cfg.temperature < 1e-5
+        ),
+        f"lora_rank {cfg.lora_rank} must be >= 0 (0 = full fine-tuning)": cfg.lora_rank < 0,
+        f"lora_dropout {cfg.lora_dropout} must be in [0, 1)": not 0 <= cfg.lora_dropout < 1,
+        f"offload (FSDP2's CPU offload of shards) needs fsdp reshard, not {cfg.fsdp}": (
+            cfg.offload and cfg.fsdp not in ("auto", "reshard")
+        ),
+        "offload: FSDP2's CPU offload of GPU memory needs CUDA and torchrun": (
+            cfg.offload and not cfg.world and not cuda_ranks
+        ),
+        f"max_tokens_per_micro_batch {cfg.max_tokens_per_micro_batch} < max_prompt_len + "
+        f"max_response_len {longest_row}: the longest row fits in none": (
+            0 < cfg.max_tokens_per_micro_batch < longest_row
+        ),
+    }
+    bad += [message for message, wrong in rules.items() if wrong]
+    if cfg.judge_url:
+        bad += rewards.judge_problems(cfg)
     if cfg.rollout == "vllm" and cfg.rollout_tp > 0 and cfg.max_model_len > 0:
         bad += engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len)  # vLLM's own checks
     if bad:
@@ -571,7 +594,8 @@ def policy_loss(
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     if loss_type == "cispo":
         return -clipped_ratio.detach() * a * logp, (ratio != clipped_ratio).float()
-    loss1, loss2 = -a * ratio, -a * clipped_ratio
+    loss1 = -a * ratio
+    loss2 = -a * clipped_ratio
     loss = torch.maximum(loss1, loss2)
     if loss_type == "ppo" and clip_ratio_c:  # dual-clip
         loss = torch.where(a < 0, torch.minimum(loss, -a * clip_ratio_c), loss)
@@ -942,8 +966,6 @@ def micro_loss(
     b: MicroBatch,
     cfg: Config,
     banned: list[int],
-    n_tok: float,
-    n_seq: float,
     layout=None,
     counts: Counts | None = None,
 ):
@@ -982,7 +1004,7 @@ def micro_loss(
     if b.ref_logp is not None and not cfg.kl_in_reward:
         kl = kl_penalty(logp, b.ref_logp, cfg.kl_type)
     bonus = ent if cfg.entropy_coef else ent.detach()  # no graph through entropy unless in the loss
-    norm = dict(mode=cfg.loss_agg, n_tok=n_tok, n_seq=n_seq, max_len=cfg.max_response_len)
+    norm = dict(mode=cfg.loss_agg, n_tok=b.n_tok, n_seq=b.n_seq, max_len=cfg.max_response_len)
     loss = (
         agg_loss(pg * w, mask, **norm)
         - cfg.entropy_coef * agg_loss(bonus, mask, **norm)
@@ -995,7 +1017,7 @@ def micro_loss(
         text = model.config.get_text_config()
         experts = (text.num_experts, text.num_experts_per_tok)
         balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
-        aux = balance * mask.sum() / n_tok
+        aux = balance * mask.sum() / b.n_tok
         loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():
         has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
@@ -1372,12 +1394,12 @@ def token_values(model, batch: MicroBatch, layout=None, counts: Counts | None = 
     return shard.gather(values, batch.mask.shape[1])
 
 
-def value_micro_loss(model, b: MicroBatch, cfg: Config, n_tok, n_seq, layout=None, counts=None):
+def value_micro_loss(model, b: MicroBatch, cfg: Config, layout=None, counts=None):
     """This micro-batch's share of its mini-batch's value loss (as micro_loss's, loss_agg) and
     its metric sums: clipped tokens, values."""
     vpred = token_values(model, b, layout, counts)  # (b, R)
     vf, clipped = value_loss(vpred, b.values, b.returns, cfg.cliprange_value)
-    loss = agg_loss(vf, b.mask, cfg.loss_agg, n_tok, n_seq, cfg.max_response_len)
+    loss = agg_loss(vf, b.mask, cfg.loss_agg, b.n_tok, b.n_seq, cfg.max_response_len)
     sums = {"vf_clipfrac": clipped, "vf_values": vpred.detach()}
     return loss, {k: (v * b.mask).sum().item() for k, v in sums.items()}
 
@@ -1394,7 +1416,7 @@ def critic_update(
         for mini in minibatches:
             loss_sum = 0.0
             for b in mini:
-                loss, sums = value_micro_loss(c.model, b, cfg, b.n_tok, b.n_seq, layout, counts)
+                loss, sums = value_micro_loss(c.model, b, cfg, layout, counts)
                 (loss * layout.world).backward()  # FSDP averages gradients over ranks
                 loss_sum += loss.item()
                 if epoch == 0:
@@ -1778,9 +1800,7 @@ def update(
             for i, b in enumerate(mini):
                 if trains:
                     b.vision = towers.vision(i)
-                loss, metrics = micro_loss(
-                    t.model, b, cfg, t.banned, b.n_tok, b.n_seq, t.layout, counts
-                )
+                loss, metrics = micro_loss(t.model, b, cfg, t.banned, t.layout, counts)
                 # FSDP averages gradients over ranks: x world sums them
                 (loss * t.layout.world).backward()
                 towers.backward(i)

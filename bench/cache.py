@@ -105,7 +105,7 @@ def main(
     import make_tiny_model
 
     t0 = time.time()
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     train_jsonl, videos = make_clips(out, seconds)
     print(
         f"{len(videos)} clips 1280x720 30 fps, {seconds} s, tiny model ready ({time.time() - t0:.0f}s)",
@@ -128,7 +128,8 @@ def main(
         ("bench", FRAMES, frames_dir),
         ("qwen2_5_vl_7b", BIG, os.path.join(out, "frames_7b")),
     ):
-        decode_s, cached_s = [], []
+        decode_s = []
+        cached_s = []
         for v in videos:
             t = time.perf_counter()
             ref = cache.load_video(v, settings, mode="decode_only")

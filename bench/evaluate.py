@@ -95,7 +95,7 @@ def main(
         seconds=seconds,
     )
     print(f"videos ready ({time.perf_counter() - t:.0f} s)", flush=True)
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     cfg = E.Config(
         model=model,
         benchmarks="nvr1",
@@ -133,7 +133,8 @@ def main(
                 input_digests(E, processor, c)
             runs = []
             for i in range(repeats):
-                t, cpu = time.perf_counter(), tree_cpu()
+                t = time.perf_counter()
+                cpu = tree_cpu()
                 res = await E.evaluate(replace(c, out_dir=f"{out}-{i}"), engine, processor)
                 runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
             if extra:

@@ -58,12 +58,11 @@ def run_phases(paths: list[str]):
     import train
     from transformers import AutoProcessor
 
-    micro_batches, sync, sample_batch = (
-        train.micro_batches,
-        rollout.VLLMEngine.sync,
-        train.sample_batch,
-    )
-    bases, peaks = [], []  # each train phase's memory.mark(), and its peak rise
+    micro_batches = train.micro_batches
+    sync = rollout.VLLMEngine.sync
+    sample_batch = train.sample_batch
+    bases = []
+    peaks = []  # each train phase's memory.mark(), and its peak rise
     rises = []  # each step's generation phase (prepare, frames shared, vLLM, SP runs): RSS rise
 
     def start(*args, **kw):  # the train phase's first call

@@ -175,7 +175,8 @@ def worker(c: Config) -> dict:
             m.model.visual.register_forward_pre_hook(
                 lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
             )
-    peaks, times = [], []
+    peaks = []
+    times = []
     for _ in range(c.steps):
         gc.collect()  # the last step's garbage is not this one's peak
         t0 = time.time()
@@ -222,7 +223,7 @@ def prepare(c: Config):
     import make_synthetic_data
     import make_tiny_model
 
-    make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    make_tiny_model.ensure("qwen2_5_vl")
     make_synthetic_data.make(
         os.path.join(c.out, f"clips{c.frames}x{c.size}"),
         ["color"],
@@ -249,7 +250,8 @@ def main(c: Config):
             f"| {setting} | {r['peak'] / 2**20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |",
             flush=True,
         )
-    before, after = rows[PER_ROW], rows["all on"]
+    before = rows[PER_ROW]
+    after = rows["all on"]
     print(f"vision encodes per step: {before['encodes']} -> {after['encodes']}")
     print(f"peak memory ratio: {before['peak'] / after['peak']:.1f}x")
 

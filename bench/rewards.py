@@ -18,7 +18,8 @@ WORDS = "a man woman dog cat red blue car street walks runs slowly into the park
 
 
 def box(r, k=100):
-    x, y = r.randint(0, k), r.randint(0, k)
+    x = r.randint(0, k)
+    y = r.randint(0, k)
     return [x, y, x + r.randint(1, k), y + r.randint(1, k)]
 
 
@@ -53,7 +54,8 @@ def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
         gt = " ".join(r.choices(WORDS, k=r.randint(3, 20)))
         return gt, gt, " ".join(w for w in gt.split() if r.random() < 0.7)
     if ptype == "math":
-        a, b = r.randint(1, 9), r.randint(2, 9)
+        a = r.randint(1, 9)
+        b = r.randint(2, 9)
         right = r.choice(
             [f"\\frac{{{a}}}{{{b}}}", f"{a}/{b}", f"\\frac{{{2 * a}}}{{{2 * b}}}", f"{a / b:.6f}"]
         )
@@ -62,7 +64,8 @@ def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
     if ptype == "temporal grounding":
         s = round(r.uniform(0, 20), 1)
         e = round(s + r.uniform(1, 10), 1)
-        right, wrong = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)], [e + 1, e + r.uniform(2, 9)]
+        right = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)]
+        wrong = [e + 1, e + r.uniform(2, 9)]
         right = r.choice(
             [
                 json.dumps({"time": sorted(right)}),
@@ -82,7 +85,8 @@ def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
         right = {
             "boxes": {k: jitter(b, r) for k, b in frames.items() if r.random() < 0.9} or frames
         }
-        gt, wrong = {"boxes": frames}, {"boxes": {k: box(r) for k in frames}}
+        gt = {"boxes": frames}
+        wrong = {"boxes": {k: box(r) for k in frames}}
         if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
             gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
             wrong = {"time": [1, 2], **wrong}
@@ -121,7 +125,8 @@ MALFORMED = [
 
 
 def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
-    r, out = random.Random(f"{seed}-{ptype}"), []
+    r = random.Random(f"{seed}-{ptype}")
+    out = []
     for i in range(n):
         answer, right, wrong = case(ptype, r)
         s = {"id": f"{ptype}-{i}", "problem_type": ptype, "answer": answer}
@@ -129,7 +134,8 @@ def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
             s["options"] = OPTIONS
         u = r.random()
         if u < 0.2:
-            half, ramble = right[: max(1, len(right) // 2)], " ".join(r.choices(WORDS, k=300))
+            half = right[: max(1, len(right) // 2)]
+            ramble = " ".join(r.choices(WORDS, k=300))
             text = r.choice(MALFORMED).format(a=right, half=half, ramble=ramble)
         else:
             ans = right if u < 0.7 else wrong

@@ -56,7 +56,8 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
         )
     else:
         engine = rollout.HFEngine(model, processor.tokenizer, eos, dummies)
-    rows, samples = [], data.load_samples(data_path)
+    rows = []
+    samples = data.load_samples(data_path)
     for task, n_prompts in SHAPES:
         k = n_prompts // world
         prompts = [
@@ -99,7 +100,7 @@ def main():
     import make_tiny_model
 
     t0 = time.time()
-    model = make_tiny_model.ensure("qwen2_5_vl", root=os.path.join(ROOT, ".cache/models"))
+    model = make_tiny_model.ensure("qwen2_5_vl")
     data_dir = make_synthetic_data.make(
         os.path.join(ROOT, ".cache/data/bench_rollout"),
         ["color", "image_color"],

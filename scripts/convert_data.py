@@ -151,7 +151,8 @@ def main(c: Config) -> dict:
     stem = c.out.removesuffix(".jsonl")
     with open(c.src, encoding="utf-8") as f:
         records = list(f) if c.src.endswith(".jsonl") else json.load(f)
-    written, skipped = [], []
+    written = []
+    skipped = []
     for index, r in enumerate(records):
         if isinstance(r, str) and not r.strip():
             continue  # a blank JSONL line holds no record

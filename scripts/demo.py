@@ -42,7 +42,8 @@ def main():
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    result, tail = None, collections.deque(maxlen=80)
+    result = None
+    tail = collections.deque(maxlen=80)
     for line in proc.stdout:  # the step lines; vLLM's own logging is kept for a failure report only
         tail.append(line)
         if line.startswith("held-out accuracy:"):

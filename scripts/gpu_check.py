@@ -20,8 +20,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import cache  # noqa: E402  (the project root is put on sys.path above)
-import common  # noqa: E402
+import common  # noqa: E402  (the project root is put on sys.path above)
 import data  # noqa: E402
 import memory_plan  # noqa: E402
 import sp  # noqa: E402
@@ -72,7 +71,8 @@ class Config:
 
 def cut(spec: dict, layers: int, blocks: int) -> dict:
     """The published config with `layers` decoder layers and `blocks` vision blocks (then one block of each kind)."""
-    text, vision = dict(spec["text_config"]), dict(spec["vision_config"])
+    text = dict(spec["text_config"])
+    vision = dict(spec["vision_config"])
     text["num_hidden_layers"] = min(layers, text["num_hidden_layers"])
     if blocks < vision["depth"]:
         if "deepstack_visual_indexes" in vision:  # Qwen3-VL; Qwen2.5-VL has full-attention blocks
@@ -128,37 +128,19 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
 
 def video_prompt(cfg, processor) -> data.Prompt:
     """A question on video_max_frames random 720p frames, sized as cache.py and expanded as data.prepare does."""
-    factor, n = cache.vision_factor(processor), cfg.video_max_frames // 2 * 2
-    budget = cache.frame_pixels(
-        n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
-    )
-    h, w = cache.smart_resize(*memory_plan.SOURCE_HW, factor, cfg.video_min_pixels, budget)
+    q = memory_plan.question(cfg, processor, *memory_plan.SOURCE_HW)
     frames = torch.randint(
-        0, 256, (n, h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
-    )
-    meta = dict(
-        fps=cfg.video_fps,
-        duration=n / cfg.video_fps,
-        total_num_frames=n,
-        frames_indices=list(range(n)),
-    )
-    sample = dict(
-        id="gpu-check",
-        problem="<video>What happens in the video, and when?",
-        problem_type="free-form",
-        answer="",
-        videos=["v.mp4"],
-    )
-    text = processor.apply_chat_template(
-        data.chat_messages(sample, data.render_prompt(sample)),
-        tokenize=False,
-        add_generation_prompt=True,
+        0,
+        256,
+        (q.frames, q.height, q.width, 3),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(0),
     )
     ids, mm = data.run_processor(
-        processor, text, videos=[frames.movedim(-1, -3)], video_metadata=[meta]
+        processor, q.text, videos=[frames.movedim(-1, -3)], video_metadata=[q.meta]
     )
-    data.check_placeholders(ids, mm, processor, sample["id"])
-    return data.Prompt(sample, text, ids, mm, [(frames.numpy(), meta)])
+    data.check_placeholders(ids, mm, processor, q.sample["id"])
+    return data.Prompt(q.sample, q.text, ids, mm, [(frames.numpy(), q.meta)])
 
 
 def clock(device) -> float:
@@ -230,7 +212,7 @@ def numerics(t: train.Trainer, prompt: data.Prompt, cfg, tok, tokens: int) -> di
     )
     b.adv = torch.zeros_like(b.mask)
     with torch.no_grad():
-        m = train.micro_loss(t.model, b, cfg, t.banned, n_tok=1.0, n_seq=1.0)[1]
+        m = train.micro_loss(t.model, b, cfg, t.banned)[1]
     return {
         "mismatch/mean": m["mismatch_sum"] / max(1.0, m["mismatch_n"]),
         "mismatch/max": m["mismatch_max"],
@@ -247,9 +229,10 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     try:
         spec, meas = memory_plan.stored(name, "bfloat16" if cuda else "float32")
     except KeyError:  # the smoke's tiny Qwen3-VL has no fp32 measurements: no prediction
-        spec, meas = json.load(open(os.path.join(name, "config.json"))), None
+        spec = json.load(open(os.path.join(name, "config.json")))
+        meas = None
     spec = cut(spec, c.layers, c.blocks)
-    tiny = make_tiny_model.ensure(spec["model_type"], os.path.join(ROOT, ".cache/models"))
+    tiny = make_tiny_model.ensure(spec["model_type"])
     counts = build(spec, tiny, folder, device)
     recipe = common.yaml_overlay(
         train.Config(), os.path.join(ROOT, RECIPES.get(name, "configs/tiny_cpu.yaml"))
@@ -289,7 +272,8 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
     for setting, switches in SETTINGS.items():
         gc.collect()  # the last setting's (or build's) model: FSDP's hooks hold reference cycles
         torch.cuda.empty_cache()  # a no-op without CUDA
-        scfg, t = replace(cfg, **switches), None
+        scfg = replace(cfg, **switches)
+        t = None
         row = dict(
             shape,
             setting=setting,
@@ -342,7 +326,8 @@ def table(report: dict) -> list[str]:
         "tokens/s | MFU |",
         "|---" * 9 + "|",
     ]
-    within, peak = [], report["peak_tflops"]
+    within = []
+    peak = report["peak_tflops"]
     for r in report["rows"]:
         if r["predicted"] and r["measured"] is not None:  # measured: bytes, or the exception's name
             r["ratio"] = r["measured"] / r["predicted"] if isinstance(r["measured"], int) else None
@@ -399,10 +384,7 @@ def main(c: Config) -> list[str]:
         sys.exit("gpu_check: no CUDA device (--cpu-smoke runs the tiny models on CPU)")
     models = c.models
     if c.cpu_smoke:
-        models = [
-            make_tiny_model.ensure(a, os.path.join(ROOT, ".cache/models"))
-            for a in ("qwen2_5_vl", "qwen3_vl")
-        ]
+        models = [make_tiny_model.ensure(a) for a in ("qwen2_5_vl", "qwen3_vl")]
     report = dict(
         device=str(device),
         torch=torch.__version__,

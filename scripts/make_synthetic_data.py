@@ -132,7 +132,8 @@ def glide(rng, T, H, W, side):
     def corner():
         return np.array([rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)])
 
-    p0, p1 = corner(), corner()
+    p0 = corner()
+    p1 = corner()
     while np.abs(p1 - p0).max() < side:
         p1 = corner()
     return path(p0, p1, T)
@@ -148,7 +149,8 @@ def dark(rng):
 
 def gen_color(rng, c, T, H, W, fps, kind="video"):
     """The demo task: the background's color; a gray or white square moves on top and carries no answer."""
-    side, shade = max(2, min(H, W) // 6), (128, 128, 128) if rng.integers(2) else (235, 235, 235)
+    side = max(2, min(H, W) // 6)
+    shade = (128, 128, 128) if rng.integers(2) else (235, 235, 235)
     rects = [[rect(y, x, side, side, shade)] for y, x in glide(rng, T, H, W, side)]
     L = LETTERS[c]
     return (
@@ -169,10 +171,8 @@ def gen_image_color(rng, c, T, H, W, fps):
 def gen_direction(rng, d, T, H, W, fps):
     side = math.ceil(min(H, W) / 3)
     span = (W if d < 2 else H) - side  # along the motion axis
-    a0, a1 = (
-        rng.integers(0, span // 4 + 1),
-        span - rng.integers(0, span // 4 + 1),
-    )  # travels >= half the frame
+    a0 = rng.integers(0, span // 4 + 1)
+    a1 = span - rng.integers(0, span // 4 + 1)  # travels >= half the frame
     if d in (0, 2):
         a0, a1 = a1, a0  # left / up: decreasing coordinate
     perp = rng.integers(0, (H if d < 2 else W) - side + 1)
@@ -194,14 +194,17 @@ def gen_direction(rng, d, T, H, W, fps):
 
 
 def gen_count(rng, k, T, H, W, fps):
-    n, side = k + 1, 2 * max(1, min(H, W) // 10)
+    n = k + 1
+    side = 2 * max(1, min(H, W) // 10)
     shapes = []
     for q in sorted(
         rng.choice(4, n, replace=False)
     ):  # one per quadrant: never overlapping, the count is exact
-        qy, qx = (q // 2) * (H // 2), (q % 2) * (W // 2)
+        qy = (q // 2) * (H // 2)
+        qx = (q % 2) * (W // 2)
         # starts kept >= 1 px inside the quadrant so snapping down to even cannot push a square out of it
-        y, x = qy + rng.integers(1, H // 2 - side), qx + rng.integers(1, W // 2 - side)
+        y = qy + rng.integers(1, H // 2 - side)
+        x = qx + rng.integers(1, W // 2 - side)
         shapes.append(rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))]))
     return (
         dark(rng),
@@ -218,7 +221,8 @@ def gen_appear(rng, _, T, H, W, fps):
     s = int(rng.integers(1, T - 1))  # first visible frame, >= 1: the shape really appears
     e = int(rng.integers(s + 1, T))  # first frame without it, <= T - 1: it really disappears
     side = min(H, W) // 2
-    y, x = rng.integers(0, H - side + 1), rng.integers(0, W - side + 1)
+    y = rng.integers(0, H - side + 1)
+    x = rng.integers(0, W - side + 1)
     r = rect(y, x, side, side, PALETTE[rng.integers(len(PALETTE))])
     ans = json.dumps({"time": [round(s / fps, 2), round(e / fps, 2)]})
     return (
@@ -234,7 +238,8 @@ def gen_appear(rng, _, T, H, W, fps):
 
 def gen_needle(rng, c, T, H, W, fps):
     """For long clips: the gray background turns a color for T // 8 frames (4 of 256 sampled frames often miss it)."""
-    E, side = max(1, T // 8), max(2, min(H, W) // 3)  # the event's frames; the squares' side
+    E = max(1, T // 8)
+    side = max(2, min(H, W) // 3)  # the event's frames; the squares' side
     start = int(rng.integers(0, T - E + 1))
     flash = [rect(0, 0, H, W, list(COLORS.values())[c])]
     # fixed grays: the squares' paths are the only distraction, so the clip's gray content says nothing of the answer

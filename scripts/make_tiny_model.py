@@ -97,9 +97,9 @@ ARCHS = {
 # Qwen3-VL-MoE: Qwen3-VL's tower, positions, processor and template (Qwen3-VL-30B-A3B-Instruct ships the 8B's) with
 # a sparse MLP in every decoder layer: 4 experts, top 2 (real: 128, top 8), no shared expert (the family has none)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+QWEN3_VL_PROCESSORS = ARCHS["qwen3_vl"]["classes"][2:]  # the newer families' (Qwen3.5's too)
 ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
-    classes=("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")
-    + ARCHS["qwen3_vl"]["classes"][2:],
+    classes=("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration") + QWEN3_VL_PROCESSORS,
     # top-k weights renormalized, as transformers always does; vLLM reads the flag (5.19 has no field)
     text=MOE | dict(norm_topk_prob=True),
     template="qwen3_vl",
@@ -108,7 +108,7 @@ ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
 # then a full attention layer (real: 3 linear per full one); rotary on a quarter of each head (64 x 0.25 = 16:
 # mrope_section sums to 8; real: 256 x 0.25, [11, 11, 10]); its own tokenizer class (pre-tokenizer regex)
 ARCHS["qwen3_5"] = dict(
-    classes=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration") + ARCHS["qwen3_vl"]["classes"][2:],
+    classes=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration") + QWEN3_VL_PROCESSORS,
     patch=16,
     rope=dict(
         rope_type="default",
@@ -131,8 +131,7 @@ ARCHS["qwen3_5"] = dict(
 )
 # Qwen3.5-MoE: Qwen3.5 with a sparse MLP (4 experts, top 2; real: 256, top 8) plus its shared expert
 ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5"] | dict(
-    classes=("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")
-    + ARCHS["qwen3_vl"]["classes"][2:],
+    classes=("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration") + QWEN3_VL_PROCESSORS,
     text=ARCHS["qwen3_5"]["text"] | MOE | dict(shared_expert_intermediate_size=64),
     template="qwen3_5",
 )
@@ -163,6 +162,8 @@ MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) 
 
 # The real Instruct checkpoints' chat templates, verbatim: <arch>.jinja
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+# the repository's checkpoints (ensure's default): the tests', benches' and scripts' tiny models
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache/models")
 
 
 def corpus() -> list[str]:
@@ -184,7 +185,10 @@ def corpus() -> list[str]:
         "Output the thinking process in <think> </think> and the final answer in <answer> </answer> tags.",
     ]
     for _ in range(400):
-        c, s, d, n = rng.choice(colors), rng.choice(shapes), rng.choice(dirs), rng.choice(nums)
+        c = rng.choice(colors)
+        s = rng.choice(shapes)
+        d = rng.choice(dirs)
+        n = rng.choice(nums)
         t0 = round(rng.uniform(0, 9), 1)
         t1 = round(t0 + rng.uniform(0.5, 5), 1)
         opts = rng.sample(colors, 4)
@@ -377,7 +381,7 @@ def build(
     return out
 
 
-def ensure(arch: str, root: str = ".cache/models", seed: int = 0, variant: str = "") -> str:
+def ensure(arch: str, root: str = MODELS, seed: int = 0, variant: str = "") -> str:
     """`root/tiny-<arch>` (a variant: tiny-<arch>-<variant>), built first if missing or stale."""
     return build(
         arch,

@@ -41,34 +41,36 @@ def stored(model: str, dtype: str) -> tuple[dict, dict]:
         return json.load(f), store["measured"][key]
 
 
-def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
-    """(tokens, vision patches) of a question on video_max_frames frames of a height x width video, resized as cache.py
-    and expanded by the processor as data.prepare does, on frames of one merged token (factor^2 px: no memory)."""
+@dataclasses.dataclass
+class Question:
+    """The planner's question on a video, as the processor gets it: `frames` frames resized to height x width."""
+
+    sample: dict
+    text: str
+    frames: int
+    height: int
+    width: int
+    factor: int
+    meta: dict
+
+
+def question(cfg, processor, height: int, width: int) -> Question:
+    """A question on video_max_frames frames of a height x width video, resized as cache.py does (scripts/gpu_check.py
+    builds its prompt from it)."""
     import cache
     import data
-    import make_tiny_model
-    import torch
-    from transformers import AutoProcessor
 
-    local = cfg.model
-    if not os.path.isdir(
-        local
-    ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
-        local = make_tiny_model.ensure(
-            stored(local, "bfloat16")[0]["model_type"], os.path.join(ROOT, ".cache/models")
-        )
-    processor = AutoProcessor.from_pretrained(local)
-    factor, n = (
-        cache.vision_factor(processor),
-        cfg.video_max_frames // 2 * 2,
-    )  # qwen-vl-utils: even frame counts
+    factor = cache.vision_factor(processor)
+    n = cfg.video_max_frames // 2 * 2  # qwen-vl-utils: even frame counts
     budget = cache.frame_pixels(
         n, cfg.video_min_pixels, cfg.video_max_pixels, cfg.video_total_pixels, factor
     )
     h, w = cache.smart_resize(height, width, factor, cfg.video_min_pixels, budget)
     sample = dict(
+        id="question",
         problem="<video>What happens in the video, and when?",
         problem_type="free-form",
+        answer="",
         videos=["v.mp4"],
     )
     text = processor.apply_chat_template(
@@ -82,18 +84,34 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
         total_num_frames=n,
         frames_indices=list(range(n)),
     )
+    return Question(sample, text, n, h, w, factor, meta)
+
+
+def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
+    """(tokens, vision patches) of a question on video_max_frames frames of a height x width video, resized as cache.py
+    and expanded by the processor as data.prepare does, on frames of one merged token (factor^2 px: no memory)."""
+    import make_tiny_model
+    import torch
+    from transformers import AutoProcessor
+
+    local = cfg.model
+    if not os.path.isdir(
+        local
+    ):  # a hub name: the tiny checkpoint of its family has the same processor sizes
+        local = make_tiny_model.ensure(stored(local, "bfloat16")[0]["model_type"])
+    processor = AutoProcessor.from_pretrained(local)
+    q = question(cfg, processor, height, width)
+    factor = q.factor
     out = processor(
-        text=[text],
-        videos=[torch.zeros(n, 3, factor, factor, dtype=torch.uint8)],
-        video_metadata=[meta],
+        text=[q.text],
+        videos=[torch.zeros(q.frames, 3, factor, factor, dtype=torch.uint8)],
+        video_metadata=[q.meta],
         do_resize=False,
         do_sample_frames=False,
         return_tensors="pt",
     )
-    pairs, per_pair = (
-        int(out["video_grid_thw"][0, 0]),
-        h * w // factor**2,
-    )  # frame pairs; merged tokens in each
+    pairs = int(out["video_grid_thw"][0, 0])
+    per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
     return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
         out["video_grid_thw"].prod()
     ) * per_pair
@@ -121,11 +139,9 @@ def lora_params(spec: dict, rank: int) -> int:
     """Adapter parameters of train.py's default lora_targets: rank x (inputs + outputs) of q, k, v, o, gate, up, down
     in every decoder layer."""
     text = spec["text_config"]
-    hidden, heads, inner = (
-        text["hidden_size"],
-        text["num_attention_heads"],
-        text["intermediate_size"],
-    )
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    inner = text["intermediate_size"]
     q = heads * text.get("head_dim", hidden // heads)
     kv = text["num_key_value_heads"] * q // heads
     return (
@@ -205,32 +221,25 @@ def plan(
     README "Memory"'s terms; sp > 1 (Ulysses): 1/sp of the tokens, frames and features, query heads padded to a
     multiple of sp (zero heads: their attention costs as much as a real head's). Host RAM per node (host_plan, gpus
     ranks up to 8 a node) against `host_mem`; `refused`: what vLLM's config checks refuse (rollout.engine_errors)."""
-    total, block, root = (
-        meas["params"]["total"],
-        meas["params"]["largest_layer"],
-        meas["params"]["root"],
-    )
-    text, vision = spec["text_config"], spec["vision_config"]
-    hidden, heads, kv = (
-        text["hidden_size"],
-        text["num_attention_heads"],
-        text["num_key_value_heads"],
-    )
-    head_dim, compute = (
-        text.get("head_dim", hidden // heads),
-        2 if cuda else 4,
-    )  # bf16 copies on CUDA
+    total = meas["params"]["total"]
+    block = meas["params"]["largest_layer"]
+    root = meas["params"]["root"]
+    text = spec["text_config"]
+    vision = spec["vision_config"]
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    kv = text["num_key_value_heads"]
+    head_dim = text.get("head_dim", hidden // heads)
+    compute = 2 if cuda else 4  # bf16 copies on CUDA
     trained = (
         lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
     )  # LoRA: the base has no grads, no AdamW
     holders = gpus  # fsdp replicate: whole parameters, gradients, AdamW states on every rank
     if cfg.fsdp == "replicate":
         holders = 1
-    shard, row, group = (
-        4 * total / holders * (1 - cfg.offload),
-        prompt + cfg.max_response_len,
-        cfg.group_size,
-    )
+    shard = 4 * total / holders * (1 - cfg.offload)
+    row = prompt + cfg.max_response_len
+    group = cfg.group_size
     states = 4 * trained / holders * (1 - cfg.offload)
     gathered = (2 * root + 2 * block) * compute  # fsdp reshard (auto here): the root + 2 units
     if cfg.fsdp == "keep":  # every unit kept gathered from its forward to its backward
@@ -253,10 +262,8 @@ def plan(
         / vision.get("spatial_merge_size", 2) ** 2
         * (1 + len(vision.get("deepstack_visual_indexes", [])))
     )
-    tokens, patches_here = (
-        rows * row / sp,
-        patches / sp,
-    )  # this rank's share of the tokens, frames and features
+    tokens = rows * row / sp
+    patches_here = patches / sp  # this rank's share of the tokens, frames and features
     padded = -(-heads // sp) * sp  # Ulysses gives each rank padded / sp heads
     kv_sent = (
         padded if heads % sp else math.lcm(kv, sp)
@@ -268,7 +275,8 @@ def plan(
         1 + (cfg.kl_coef > 0 and not cfg.lora_rank)
     )  # LoRA's reference is the base, adapters off
     mode = "ckpt" if cfg.gradient_checkpointing else "plain"
-    dec, vis = meas["decoder"][mode], meas["vision"][mode]
+    dec = meas["decoder"][mode]
+    vis = meas["vision"][mode]
     chunk = min(cfg.logp_chunk or rows * cfg.max_response_len, rows * cfg.max_response_len)
     held = {
         "parameters (fp32 shards, + reference)": weights,
@@ -457,15 +465,17 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     return lines
 
 
-def launch_ranks(paths: tuple[str, ...]) -> int:
-    """N of the last config (a layer names its own node) whose comment launches `torchrun --nproc_per_node=N train.py`
-    (0: none does)."""
+def launch_ranks(paths: tuple[str, ...], flag: str) -> int:
+    """N of the last config (a layer names its own node) whose comment launches `torchrun --nproc_per_node=N train.py`;
+    none does: an exit naming the command line's `flag` that gives N."""
     for path in reversed(paths):
         with open(path) as f:
             found = re.search(r"--nproc_per_node=(\d+) train\.py", f.read())
         if found:
             return int(found.group(1))
-    return 0
+    sys.exit(
+        f"{' '.join(paths)}: no `torchrun --nproc_per_node=N train.py` line in a header: give {flag} N"
+    )
 
 
 def layer_base(path: str) -> str:
@@ -490,11 +500,8 @@ def main(c: Config) -> Plan | list[str]:
         print(
             f"warning: {c.config[0]} is a layer: give its base first (--config {base} {c.config[0]})"
         )
-    sp, gpus = cfg.sp_size, c.gpus or launch_ranks(c.config)
-    if not gpus:
-        sys.exit(
-            f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --gpus N"
-        )
+    sp = cfg.sp_size
+    gpus = c.gpus or launch_ranks(c.config, "--gpus")
     cfg = dataclasses.replace(
         cfg,
         video_max_frames=c.frames or cfg.video_max_frames,
@@ -542,20 +549,16 @@ def main(c: Config) -> Plan | list[str]:
         if mode == auto:
             picked = " (auto)"
         print(f"  fsdp {mode:<9} train phase {choice.train / GIB:7.2f} GiB per rank{picked}")
-    if not cuda:
-        if p.verdict.startswith("CANNOT RUN"):
-            print(p.verdict)
-            return p
+    if not cuda and not p.verdict.startswith("CANNOT RUN"):
         print(
             f"CPU config: train phase {p.train / GIB:.2f} GiB per rank (vLLM's CPU KV cache and weights not counted)"
         )
-        print(p.verdict)
-        return p
-    print(
-        f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
-        f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
-        f"{0.9 * c.gpu_mem_gib:.0f} GiB"
-    )
+    if cuda:
+        print(
+            f"  vLLM needs {p.vllm_need / GIB:.1f} GiB of its {cfg.gpu_memory_utilization * c.gpu_mem_gib:.0f}; "
+            f"generation phase {p.generation / GIB:.1f} GiB, train phase {p.train / GIB:.1f} GiB, usable "
+            f"{0.9 * c.gpu_mem_gib:.0f} GiB"
+        )
     print(p.verdict)
     return p
 

@@ -34,7 +34,8 @@ if __name__ == "__main__":
     lines = []
     for spec in a.runs:
         chain, _, label = spec.partition(":")
-        steps, accs = [], []
+        steps = []
+        accs = []
         for run in chain.split("+"):
             more_steps, more_accs = curve(run)
             if steps:  # a stage two: its step 0 is the previous stage's last evaluation

@@ -58,9 +58,7 @@ def tiny_model(model: str) -> str:
         sys.exit(
             f"{model}: no tiny checkpoint with {heads[0]} / {heads[1]} heads (make_tiny_model.VARIANTS)"
         )
-    return make_tiny_model.ensure(
-        spec["model_type"], os.path.join(ROOT, ".cache/models"), variant=VARIANTS[heads]
-    )
+    return make_tiny_model.ensure(spec["model_type"], variant=VARIANTS[heads])
 
 
 def train_args(c: Config, cfg, model: str, data_dir: str) -> list[str]:
@@ -131,11 +129,7 @@ def main(c: Config) -> int:
     import memory_plan
     import train
 
-    ranks = c.ranks or memory_plan.launch_ranks(c.config)
-    if not ranks:
-        sys.exit(
-            f"{' '.join(c.config)}: no `torchrun --nproc_per_node=N train.py` line in a header: give --ranks N"
-        )
+    ranks = c.ranks or memory_plan.launch_ranks(c.config, "--ranks")
     cfg = train.load_config(["--config", *c.config])
     layout = f"{ranks} ranks, sp_size {cfg.sp_size}, rollout_tp {cfg.rollout_tp}"
     args = prepare(c, cfg, ranks, layout)

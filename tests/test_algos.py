@@ -635,7 +635,8 @@ def split_grads(
         )  # a trainer/sampler mismatch, elementwise: split-independent
         b.ref_logp = b.old_logp - 0.2
         b.adv = adv[mb]
-        loss, _ = micro_loss(model, b, cfg, banned, n_tok, n_seq)
+        b.n_tok, b.n_seq = n_tok, n_seq
+        loss, _ = micro_loss(model, b, cfg, banned)
         (loss * world).backward()
         total += loss.item()
     return summed_grads(model, total)
@@ -893,7 +894,8 @@ def critic_grads(model, processor, rollouts, adv, micro_batch_size):
     for mb, b in zip(plan, batches):
         b.returns = adv[mb][:, None] + 0.1 * torch.arange(b.mask.shape[1])
         b.values = 0.5 * b.returns + 0.1
-        loss, _ = value_micro_loss(model, b, cfg, n_tok, n_seq)
+        b.n_tok, b.n_seq = n_tok, n_seq
+        loss, _ = value_micro_loss(model, b, cfg)
         (loss * world).backward()
         total += loss.item()
     return summed_grads(model, total)

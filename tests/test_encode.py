@@ -90,12 +90,12 @@ def per_micro_batch(t, cfg, minibatches) -> tuple[list, list]:
     for mini in minibatches:
         n_tok, n_seq = global_counts(mini)
         for b in mini:
-            plain = replace(b, vision=None)
+            plain = replace(b, vision=None, n_tok=n_tok, n_seq=n_seq)
             with torch.no_grad():
                 old = train.token_logp(t.model, plain, *args)[0]
                 ref = train.reference_logp(t.model, t.ref, plain, *args)
             logps.append((old, ref))
-            loss, _ = train.micro_loss(t.model, plain, cfg, t.banned, n_tok, n_seq)
+            loss, _ = train.micro_loss(t.model, plain, cfg, t.banned)
             loss.backward()
         grads.append(
             {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}

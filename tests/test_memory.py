@@ -199,12 +199,13 @@ def test_router_aux_loss_is_transformers(setup):
     tok, banned = processor.tokenizer, vision_token_ids(processor.tokenizer)
     b = train.collate(rows, tok.pad_token_id, torch.device("cpu"))
     b.adv = torch.ones_like(b.mask)
-    n_tok = b.mask.sum().item()
+    b.n_tok = b.mask.sum().item()
+    b.n_seq = 1.0
     got = {}
     for on in (False, True):
         cfg = tiny_config(model=d, rollout="hf", router_aux_loss=on, router_aux_loss_coef=0.5)
         train.check_config(cfg)
-        loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, 1.0)
+        loss, metrics = train.micro_loss(model, b, cfg, banned)
         got[on] = (loss.item(), metrics["router_aux"])
     mm = concat_media([r.prompt for r in rows])
     with torch.no_grad():

@@ -81,8 +81,9 @@ def test_sft_loss_is_masked_nll(setup, agg):
     # the sampler's temperature must not reach the NLL
     cfg = tiny_config(loss_type="sft", group_size=1, loss_agg=agg, temperature=0.7)
     n_tok, n_seq = b.mask.sum().item(), 3.0
+    b.n_tok, b.n_seq = n_tok, n_seq
     model.zero_grad()
-    loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq)
+    loss, metrics = train.micro_loss(model, b, cfg, banned)
     loss.backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

@@ -165,8 +165,8 @@ def run(
         b.adv = (
             0.3 * torch.tensor(index, dtype=torch.float32, device=device)[:, None] - 1.0
         ).expand_as(b.mask)
-        n_tok, n_seq = (n / sp_size for n in global_counts([b]))  # as train.main: each row once
-        loss, metrics = train.micro_loss(model, b, cfg, banned, n_tok, n_seq, layout)
+        b.n_tok, b.n_seq = (n / sp_size for n in global_counts([b]))  # as train.main: each row once
+        loss, metrics = train.micro_loss(model, b, cfg, banned, layout)
         (loss * world).backward()  # FSDP averages over ranks: x world, a sum
         if once:
             towers.backward(k)
