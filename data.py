@@ -137,6 +137,7 @@ def load_samples(
     special_tokens=SPECIAL_TOKENS,
     allow_outside: bool = False,
     check_media: bool = True,
+    need: str = "",
 ) -> list[dict]:
     """Read a .json (array) or .jsonl file; each sample gets its "where" (file:line). A bad sample
     raises DataError, or with skip_invalid is appended to `skipped` as {"where", "error"} (counted
@@ -144,7 +145,8 @@ def load_samples(
     text field (the tokenizer's, when the caller has it loaded). A media path resolving outside the
     file's folder is a bad sample unless allow_outside. check_media: the samples naming a media file
     that is not there are one error (skip_invalid: skipped) now, not each when drawn, hours later.
-    Ids that several samples share get their place appended (unique_ids)."""
+    Ids that several samples share get their place appended (unique_ids). need: a field every
+    sample must fill (train.py's SFT: offline_output)."""
     # bytes: a line that is not UTF-8 is an error on that line, not on the file
     with open(path, "rb") as f:
         raw = f.read()
@@ -164,6 +166,10 @@ def load_samples(
             if isinstance(row, bytes):
                 row = parse_json(row, where)
             s = validate_sample(row, where, special_tokens)
+            if need and not s.get(need):
+                raise DataError(
+                    f"{where}: sample {s['id']}: {need}: missing, and this run trains on it"
+                )
             if not allow_outside:
                 check_inside(s, root, f"{where}: sample {s['id']}")
         except DataError as e:

@@ -1618,7 +1618,11 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
         special_tokens=specials,
         allow_outside=cfg.allow_outside_media,
     )
-    samples = {"train": load(cfg.train_data), "val": []}
+    # SFT learns the reference response: a training sample without one is bad
+    need = ""
+    if cfg.loss_type == "sft":
+        need = "offline_output"
+    samples = {"train": load(cfg.train_data, need=need), "val": []}
     if cfg.val_data:
         samples["val"] = load(cfg.val_data)[: cfg.eval_max_samples]
     # every prompt rendered once, now, bounded in time and memory (render_prompt reuses the text)
@@ -1628,17 +1632,6 @@ def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
             samples[split] = data.render_all(
                 template, rows, cfg.response_format, report, where=cfg.prompt_template
             )
-    if cfg.loss_type == "sft":  # SFT learns the reference response: a sample without one is bad
-        kept = []
-        for s in samples["train"]:
-            error = f"{s['where']}: sample {s['id']}: offline_output: loss_type sft trains on it"
-            if s.get("offline_output"):
-                kept.append(s)
-            elif cfg.skip_invalid:
-                skipped.append({"where": s["where"], "error": error})
-            else:
-                raise data.DataError(error)
-        samples["train"] = kept
     if not samples["train"]:
         raise data.DataError(f"{cfg.train_data}: no valid training sample ({len(skipped)} skipped)")
     return samples
