@@ -4,7 +4,8 @@ on 2. Last line: the 1-process train phase over the best 2-process one.
     .venv/bin/python bench/scaling.py        # about 8 minutes on 2 idle cores
 
 train.py under torchrun on the tiny Qwen2.5-VL and the color task (configs/tiny_cpu.yaml: 8 prompts
-x 8, the HF sampler, no held-out set, nothing saved), one thread per process (OMP_NUM_THREADS=1):
+x 8, the HF sampler, no held-out set, nothing saved), the machine's cores split among the processes
+(OMP_NUM_THREADS: 2 threads for one process, 1 each for two: both sides get the same 2-core machine):
 each run's time/train (train.train_phase: micro-batches, log-prob pass, advantages, optimizer step)
 over its steps after the first WARMUP, the median; each setting runs ROUNDS times, interleaved, and
 keeps its fastest run's (the least slowed by other processes, as bench/memory.py: on the shared
@@ -33,7 +34,7 @@ def run(ranks: int, fsdp: str) -> float:
     cmd += [f"--nproc_per_node={ranks}", "train.py", "--config", "configs/tiny_cpu.yaml"]
     cmd += ["--rollout", "hf", "--val-data", "", "--no-save", "--out-dir", out]
     cmd += ["--max-steps", str(STEPS), "--fsdp", fsdp]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(2 // ranks))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode:
         sys.exit(f"{ranks} ranks, fsdp {fsdp} failed:\n{p.stderr[-3000:]}")

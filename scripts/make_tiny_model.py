@@ -206,14 +206,12 @@ def corpus() -> list[str]:
     return lines
 
 
-def make_tokenizer(template: str, cls: str = "Qwen2Tokenizer"):
-    """A Qwen2Tokenizer whose vocab/merges we train with Qwen's own pipeline (NFC, digit-splitting regex, byte-level),
-    so Qwen2Tokenizer rebuilding it from vocab+merges at load time gives the very tokenizer we trained. Byte-level
-    with the full byte alphabet: any text round-trips."""
+def make_tokenizer(template: str, Tok):
+    """A Tok (Qwen2Tokenizer; Qwen3.5: Qwen3_5Tokenizer) whose vocab/merges we train with Qwen's own pipeline (NFC,
+    digit-splitting regex, byte-level), so Tok rebuilding it from vocab+merges at load time gives the very tokenizer
+    we trained. Byte-level with the full byte alphabet: any text round-trips."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-    import transformers
 
-    Tok = getattr(transformers, cls)
     tk = Tokenizer(models.BPE())
     template_tok = (
         Tok()
@@ -282,7 +280,9 @@ def build(
 
     Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
     with open(os.path.join(TEMPLATES, f"{spec.get('template', arch)}.jinja")) as f:
-        tok = make_tokenizer(f.read(), spec.get("tokenizer", "Qwen2Tokenizer"))
+        tok = make_tokenizer(
+            f.read(), getattr(transformers, spec.get("tokenizer", "Qwen2Tokenizer"))
+        )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     patch = spec["patch"]
     text = (
