@@ -320,7 +320,9 @@ def check_config(cfg: Config, world: int = 1):
         f"prompts_per_step {cfg.prompts_per_step} % data-parallel size {dp} != 0": (
             dp and cfg.prompts_per_step % dp
         ),
-        f"world size {world} % rollout_tp {cfg.rollout_tp} != 0": world % cfg.rollout_tp,
+        f"world size {world} % rollout_tp {cfg.rollout_tp} != 0": (
+            cfg.rollout_tp > 0 and world % cfg.rollout_tp
+        ),
         f"world size {world} % sp_size {cfg.sp_size} != 0": (
             cfg.sp_size > 0 and world % cfg.sp_size
         ),

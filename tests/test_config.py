@@ -472,6 +472,9 @@ def test_field_facts_sit_beside_their_fields():
         "  lr must be finite, got nan",
         "  keep_last must be >= 0, got -1",
     ], str(e.value)
+    # a zero the combinations divide by is the field's error, not a ZeroDivisionError
+    with pytest.raises(ValueError, match="rollout_tp must be > 0, got 0"):
+        check_config(Config(rollout_tp=0, sp_size=2), world=2)
 
 
 def test_dry_run_checks_a_recipe_for_the_world_it_names(tmp_path, color_data, capsys, monkeypatch):
