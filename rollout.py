@@ -119,9 +119,8 @@ def model_spec(model: str) -> dict | None:
         return json.load(f)["published"].get(model)
 
 
-def linear_attention(model: str) -> bool:
-    """Whether the model has linear-attention layers (Qwen3.5's gated delta-net)."""
-    spec = model_spec(model) or {}
+def linear_attention(spec: dict) -> bool:
+    """Whether a model_spec has linear-attention layers (Qwen3.5's gated delta-net)."""
     return "linear_attention" in spec.get("text_config", spec).get("layer_types", [])
 
 
@@ -214,7 +213,7 @@ def vllm_settings(
         limit_mm_per_prompt={"image": max_images, "video": max_videos},
         mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
     )
-    if current_platform.is_cpu() and linear_attention(model_dir):
+    if current_platform.is_cpu() and linear_attention(model_spec(model_dir) or {}):
         # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only, and
         # its prefix cache of hybrid models needs chunked prefill (off on the CPU: VLLMEngine)
         settings |= dict(dtype="bfloat16", enable_prefix_caching=False)

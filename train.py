@@ -399,7 +399,7 @@ def check_config(cfg: Config, world: int = 1):
         # Ulysses swaps the attention kernel only: a gated delta-net layer would run its
         # recurrence over the rank's own positions (docs/families.md)
         f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1": (
-            cfg.sp_size > 1 and linear_attention(cfg.model)
+            cfg.sp_size > 1 and linear_attention(spec)
         ),
         f"resume {cfg.resume!r}: no such folder": (
             cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume)
