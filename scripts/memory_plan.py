@@ -133,6 +133,7 @@ class Plan:
         str, float
     ]  # host RAM per rank in a step (host_plan); the load's, alone, is "loading"
     host_rank: float  # the largest: a step's, a held-out round's (with offload), the load's
+    fsdp: str  # the train.Config.fsdp planned: auto resolved as train.load_model resolves it
 
 
 def lora_params(spec: dict, rank: int) -> int:
@@ -234,17 +235,23 @@ def plan(
     trained = (
         lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
     )  # LoRA: the base has no grads, no AdamW
+    from train import fsdp_choice
+
+    memory = math.inf  # as train.load_model: CPU ranks replicate
+    if cuda:
+        memory = gpu_mem
+    fsdp = fsdp_choice(cfg, total, memory, cuda, gpus)  # auto: what train.py will run
     holders = gpus  # fsdp replicate: whole parameters, gradients, AdamW states on every rank
-    if cfg.fsdp == "replicate":
+    if fsdp == "replicate":
         holders = 1
     shard = 4 * total / holders * (1 - cfg.offload)
     row = prompt + cfg.max_response_len
     group = cfg.group_size
     states = 4 * trained / holders * (1 - cfg.offload)
-    gathered = (2 * root + 2 * block) * compute  # fsdp reshard (auto here): the root + 2 units
-    if cfg.fsdp == "keep":  # every unit kept gathered from its forward to its backward
+    gathered = (2 * root + 2 * block) * compute  # fsdp reshard: the root + 2 units
+    if fsdp == "keep":  # every unit kept gathered from its forward to its backward
         gathered = (root + total) * compute
-    if cfg.fsdp == "replicate":  # no copies: sum_grads' one buffer of the summed gradients
+    if fsdp == "replicate":  # no copies: sum_grads' one buffer of the summed gradients
         gathered = 4 * trained
     rows = (
         max(1, cfg.max_tokens_per_micro_batch // row)
@@ -399,7 +406,9 @@ def plan(
         ),
     )
     verdict = next((knob for bad, knob in knobs if bad), "FITS")
-    return Plan(held, transient, vllm_parts, need, generation, train, verdict, host, host_rank)
+    return Plan(
+        held, transient, vllm_parts, need, generation, train, verdict, host, host_rank, fsdp
+    )
 
 
 @dataclasses.dataclass
@@ -539,14 +548,10 @@ def main(c: Config) -> Plan | list[str]:
         f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "
         f"({ranks} ranks) of {c.host_memory_gib:.0f}"
     )
-    memory = math.inf  # as train.load_model: CPU ranks replicate
-    if cuda:
-        memory = c.gpu_mem_gib * GIB
-    auto = train.fsdp_choice(cfg, meas["params"]["total"], memory, cuda, gpus)
     for mode in ("reshard", "keep", "replicate"):  # what each train.Config.fsdp costs
         choice = plan(dataclasses.replace(cfg, fsdp=mode), *args)
         picked = ""
-        if mode == auto:
+        if mode == p.fsdp:
             picked = " (auto)"
         print(f"  fsdp {mode:<9} train phase {choice.train / GIB:7.2f} GiB per rank{picked}")
     if not cuda and not p.verdict.startswith("CANNOT RUN"):
