@@ -1,4 +1,5 @@
-"""Build tiny random-weight Qwen2-VL / 2.5-VL / 3-VL (dense, MoE) / 3.5 (dense, MoE) checkpoints (no hub, no network).
+"""Build tiny random-weight Qwen2-VL / 2.5-VL / 3-VL (dense, MoE) / 3.5 (dense, MoE) / 2.5-Omni checkpoints (no hub, no
+network).
 
     python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
@@ -27,6 +28,13 @@ SPECIAL = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# the placeholder and bracket tokens' names (the Omni processor reads them from its tokenizer)
+VL_TOKENS = dict(
+    image_token="<|image_pad|>",
+    video_token="<|video_pad|>",
+    vision_bos_token="<|vision_start|>",
+    vision_eos_token="<|vision_end|>",
+)
 ADDED = [
     "<think>",
     "</think>",
@@ -129,6 +137,31 @@ ARCHS["qwen3_5"] = dict(
     ),
     tokenizer="Qwen3_5Tokenizer",
 )
+# Qwen2.5-Omni: the published layout (Qwen2_5OmniForConditionalGeneration's config and "thinker." weights, no talker:
+# enable_audio_output off; vLLM serves that class's thinker), Qwen2.5-VL's tower and positions with the Omni token
+# names, a Whisper-like audio tower (real: 32 layers of width 1280 over 128 mel bins) and its feature extractor
+OMNI_TOKENS = dict(
+    image_token="<|IMAGE|>",
+    video_token="<|VIDEO|>",
+    vision_bos_token="<|vision_bos|>",
+    vision_eos_token="<|vision_eos|>",
+    audio_token="<|AUDIO|>",
+    audio_bos_token="<|audio_bos|>",
+    audio_eos_token="<|audio_eos|>",
+)
+ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
+    classes=(
+        "Qwen2_5OmniConfig",
+        "Qwen2_5OmniForConditionalGeneration",
+        "Qwen2_5OmniProcessor",
+        "Qwen2VLVideoProcessor",
+    ),
+    vision=dict(window_size=56, fullatt_block_indexes=[1], hidden_act="silu", **WIDTHS),
+    audio=dict(
+        encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64, output_dim=128
+    ),
+    tokens=OMNI_TOKENS,  # the tokenizer's named tokens, which the Omni processor reads
+)
 # Qwen3.5-MoE: Qwen3.5 with a sparse MLP (4 experts, top 2; real: 256, top 8) plus its shared expert
 ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5"] | dict(
     classes=("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration") + QWEN3_VL_PROCESSORS,
@@ -206,7 +239,7 @@ def corpus() -> list[str]:
     return lines
 
 
-def make_tokenizer(template: str, Tok):
+def make_tokenizer(template: str, Tok, special: list[str], named: dict):
     """A Tok (Qwen2Tokenizer; Qwen3.5: Qwen3_5Tokenizer) whose vocab/merges we train with Qwen's own pipeline (NFC,
     digit-splitting regex, byte-level), so Tok rebuilding it from vocab+merges at load time gives the very tokenizer
     we trained. Byte-level with the full byte alphabet: any text round-trips."""
@@ -220,7 +253,7 @@ def make_tokenizer(template: str, Tok):
         setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
     trainer = trainers.BpeTrainer(
         vocab_size=448,
-        special_tokens=SPECIAL,
+        special_tokens=special,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -233,10 +266,11 @@ def make_tokenizer(template: str, Tok):
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=SPECIAL[1:],
+        extra_special_tokens=special[1:],
         clean_up_tokenization_spaces=False,
         errors="replace",
         model_max_length=32768,
+        **named,
     )
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     tok.chat_template = template
@@ -258,7 +292,15 @@ def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
 
 
 def build(
-    arch: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
+    arch: Literal[
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen2_5_omni",
+    ],
     out: str,
     seed: int = 0,
     force: bool = False,
@@ -279,11 +321,21 @@ def build(
     import transformers
 
     Cfg, Model, Proc, VidProc = (getattr(transformers, name) for name in spec["classes"])
+    named = spec.get("tokens", {})
+    special = SPECIAL
+    if named:
+        special = SPECIAL[:3] + list(named.values())
     with open(os.path.join(TEMPLATES, f"{spec.get('template', arch)}.jinja")) as f:
-        tok = make_tokenizer(
-            f.read(), getattr(transformers, spec.get("tokenizer", "Qwen2Tokenizer"))
-        )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+        Tok = getattr(transformers, spec.get("tokenizer", "Qwen2Tokenizer"))
+        tok = make_tokenizer(f.read(), Tok, special, named)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    names = VL_TOKENS | named  # the Qwen-VL token names unless the arch has its own
+    token_ids = dict(
+        image_token_id=ids[names["image_token"]],
+        video_token_id=ids[names["video_token"]],
+        vision_start_token_id=ids[names["vision_bos_token"]],
+        vision_end_token_id=ids[names["vision_eos_token"]],
+    )
     patch = spec["patch"]
     text = (
         dict(
@@ -321,16 +373,30 @@ def build(
     vision |= {
         k: v for k, v in VARIANTS[variant][1].items() if k in vision
     }  # the settings this arch has
-    config = Cfg(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=False,
-        dtype="float32",
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
+    if "audio" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
+        # its placeholders are *_token_index fields (*_token_id only reads them)
+        thinker = dict(
+            text_config=text,
+            vision_config=vision,
+            audio_config=spec["audio"],
+            tie_word_embeddings=False,
+            image_token_index=ids[names["image_token"]],
+            video_token_index=ids[names["video_token"]],
+            audio_token_index=ids[names["audio_token"]],
+            audio_start_token_id=ids[names["audio_bos_token"]],
+            audio_end_token_id=ids[names["audio_eos_token"]],
+            vision_start_token_id=token_ids["vision_start_token_id"],
+            vision_end_token_id=token_ids["vision_end_token_id"],
+        )
+        config = Cfg(thinker_config=thinker, enable_audio_output=False, dtype="float32")
+    else:
+        config = Cfg(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=False,
+            dtype="float32",
+            **token_ids,
+        )
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = Model(config).to(torch.float32).eval()
@@ -346,7 +412,11 @@ def build(
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
     common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **spec["norm"])
     # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
+    extractor = {}  # Omni: Whisper's log-mel features (128 bins, as the real checkpoint's)
+    if "audio" in spec:
+        extractor = dict(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128))
     processor = Proc(
+        **extractor,
         image_processor=transformers.Qwen2VLImageProcessor(**common),
         tokenizer=tok,
         video_processor=VidProc(**common, cap_pixels_per_frame=True),
