@@ -39,8 +39,23 @@ FIELDS = {
     "id": str,  # optional; defaults to "<file>:<line>"
 }
 REQUIRED = ("problem", "answer", "problem_type")
-# Qwen2/2.5/3-VL's special tokens, refused in sample text before any model loads (prepare() checks the loaded
-# tokenizer's own): in a problem or an offline_output they forge chat turns or vision placeholders.
+# The media placeholders and brackets (Qwen-VL's, then Omni's): never sampled by either engine
+MEDIA_TOKENS = (
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+    "<|AUDIO|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+)
+# Qwen2/2.5/3-VL's and Omni's special tokens, refused in sample text before any model loads (prepare() checks the
+# loaded tokenizer's own): in a problem or an offline_output they forge chat turns or media placeholders.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -51,12 +66,7 @@ SPECIAL_TOKENS = (
     "<|box_end|>",
     "<|quad_start|>",
     "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
+) + MEDIA_TOKENS
 MAX_PROMPT_CHARS = (
     1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
 )
@@ -388,6 +398,12 @@ class Prompt:
     mm: dict = field(default_factory=dict)
     videos: list = field(default_factory=list)  # [(frames uint8 THWC, metadata dict)] for vLLM
     images: list = field(default_factory=list)  # [uint8 HWC] for vLLM
+    audios: list = field(
+        default_factory=list
+    )  # [(waveform float32, rate)]: the videos' soundtracks
+    omni: dict = field(
+        default_factory=dict
+    )  # the Omni processor's arguments (fps, use_audio_in_video)
 
 
 def prepare(
@@ -426,12 +442,28 @@ def prepare(
         tokenize=False,
         add_generation_prompt=True,
     )
+    omni = {}  # the Omni processor's own arguments, vLLM's too
+    if hasattr(processor, "feature_extractor") and videos:
+        omni["fps"] = omni_fps(videos, sid)
+    audios = []
+    sound = {}
+    if media.video_audio and videos:
+        rate = processor.feature_extractor.sampling_rate
+        window = processor.feature_extractor.n_samples / rate  # 30 s: longer is clipped
+        audios = [
+            (cache.load_audio(path, media, rate, window, stats, end), rate)
+            for path in sample["videos"]
+        ]
+        omni["use_audio_in_video"] = True
+        sound["audio"] = [a for a, _ in audios]
     ids, mm = run_processor(
         processor,
         text,
         videos=[torch.from_numpy(f).movedim(-1, -3) for f, _ in videos] or None,
         video_metadata=[hf_metadata(m) for _, m in videos] or None,
         images=[torch.from_numpy(im).movedim(-1, -3) for im in images] or None,
+        **omni,
+        **sound,
     )
     check_placeholders(ids, mm, processor, sid)
     if max_prompt_len and len(ids) > max_prompt_len:
@@ -439,7 +471,18 @@ def prepare(
             f"sample {sid}: prompt is {len(ids)} tokens > max_prompt_len={max_prompt_len} "
             "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)"
         )
-    return Prompt(sample, text, ids, mm, videos, images)
+    return Prompt(sample, text, ids, mm, videos, images, audios, omni)
+
+
+def omni_fps(videos: list, sid: str) -> float:
+    """The frames' sampling rate, which the Omni processor takes as one number (its default, 2, is
+    not ours): it times the frames against the soundtrack's 25 positions per second."""
+    fps = {meta["sample_fps"] for _, meta in videos}
+    if len(fps) > 1:
+        raise DataError(
+            f"sample {sid}: the Omni processor takes one frame rate, its videos have {fps}"
+        )
+    return fps.pop()
 
 
 def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
@@ -449,7 +492,10 @@ def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
         text=[text], return_tensors="pt", do_resize=False, do_sample_frames=False, **media
     )
     ids = out.pop("input_ids")[0].tolist()
-    return ids, {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
+    mm = {k: v for k, v in out.items() if k not in ("attention_mask", "mm_token_type_ids")}
+    if "video_second_per_grid" in mm:  # Omni's name for it
+        mm["second_per_grid_ts"] = mm.pop("video_second_per_grid")
+    return ids, mm
 
 
 def dummy_prompts(processor) -> dict:
@@ -466,14 +512,15 @@ def dummy_prompts(processor) -> dict:
     }
     out = {}
     for kind, kw in media.items():
-        text = f"<|vision_start|><|{kind}_pad|><|vision_end|>"
+        text = f"<|vision_start|>{getattr(processor, f'{kind}_token')}<|vision_end|>"
         ids, mm = run_processor(processor, text, **kw)
         out[kind] = Prompt({"id": f"dummy-{kind}", "problem_type": "dummy"}, text, ids, mm)
     return out
 
 
 def grids(prompts: list, device) -> dict:
-    """The rows' M-RoPE inputs, row by row: the media keys but the pixels (image/video_grid_thw, second_per_grid_ts)."""
+    """The rows' M-RoPE inputs, row by row: the media keys but the pixels (image/video_grid_thw, second_per_grid_ts;
+    Omni: the soundtracks' input_features, feature_attention_mask, which its forward encodes)."""
     keys = sorted({k for p in prompts for k in p.mm if not k.startswith("pixel_values")})
     return {k: torch.cat([p.mm[k] for p in prompts if k in p.mm]).to(device) for k in keys}
 
@@ -485,7 +532,7 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
     tok = processor.tokenizer
     for kind in ("image", "video"):
         grid = f"{kind}_grid_thw"
-        n_tok = ids.count(tok.convert_tokens_to_ids(f"<|{kind}_pad|>"))
+        n_tok = ids.count(tok.convert_tokens_to_ids(getattr(processor, f"{kind}_token")))
         n_feat = int(mm[grid].prod(-1).sum()) // merge2 if grid in mm else 0
         if n_tok != n_feat:
             raise DataError(
@@ -520,13 +567,15 @@ def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False
         ],
         "image": [Image.fromarray(im) for im in p.images],
     }
+    kwargs = {"do_resize": False, "do_sample_frames": False, **p.omni}
+    if p.audios:  # Omni: the soundtracks, each interleaved with its video's frames
+        media["audio"] = p.audios
+        # vLLM 0.32 chunks the interleaving by this argument alone (1 s by default), its positions by
+        # the processor's output (qwen2_5_omni_thinker.py, get_replacement_qwen2_use_audio_in_video)
+        kwargs["second_per_grid_ts"] = p.mm["second_per_grid_ts"].tolist()
     # vLLM takes one item bare, several as a list
     mm = {kind: items if len(items) > 1 else items[0] for kind, items in media.items() if items}
-    return {
-        "prompt": p.text,
-        "multi_modal_data": mm,
-        "mm_processor_kwargs": {"do_resize": False, "do_sample_frames": False},
-    }
+    return {"prompt": p.text, "multi_modal_data": mm, "mm_processor_kwargs": kwargs}
 
 
 def embeds_input(p: Prompt, features: dict, timestamps: bool) -> dict:

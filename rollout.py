@@ -27,16 +27,8 @@ import torch.distributed as dist
 
 from ckpt import hf_weights
 from common import UserError
-from data import DataError, Prompt, grids, vllm_input
+from data import MEDIA_TOKENS, DataError, Prompt, grids, vllm_input
 import sp
-
-VISION_TOKENS = (
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<|vision_pad|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-)
 
 
 @dataclass
@@ -93,8 +85,8 @@ def eos_token_ids(model) -> list[int]:
 
 
 def vision_token_ids(tokenizer) -> list[int]:
-    """The ids of VISION_TOKENS that the tokenizer knows: never sampled by either engine."""
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    """The ids of MEDIA_TOKENS that the tokenizer knows: never sampled by either engine."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in MEDIA_TOKENS]
     return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
@@ -213,7 +205,13 @@ def vllm_settings(
         limit_mm_per_prompt={"image": max_images, "video": max_videos},
         mm_device_do_normalize=device_normalize_ok(model_dir, trust_remote_code),
     )
-    if current_platform.is_cpu() and linear_attention(model_spec(model_dir) or {}):
+    spec = model_spec(model_dir) or {}
+    if "thinker_config" in spec:  # Omni: each video's soundtrack is an audio item
+        settings["limit_mm_per_prompt"]["audio"] = max_videos
+        # vLLM 0.32 processes the items its cache misses alone, and refuses a video whose
+        # soundtrack hit (another video's, the same sound) (_get_hf_mm_inputs): no cache
+        settings["mm_processor_cache_gb"] = 0
+    if current_platform.is_cpu() and linear_attention(spec):
         # vLLM 0.32's CPU gated delta-net kernel (Qwen3.5's linear attention) is bf16-only, and
         # its prefix cache of hybrid models needs chunked prefill (off on the CPU: VLLMEngine)
         settings |= dict(dtype="bfloat16", enable_prefix_caching=False)
@@ -567,13 +565,15 @@ class HFEngine:
         features = sp.encode_vision(self.model, rows, device, dummies=self.dummies)
         whole = sp.Shard(None, ids.shape[1], 0, ids.shape[1])  # one rank holds the whole sequence
         vision = sp.shard_features(self.model, features, ids, rows, whole)
+        rows_grids = grids(rows, device)
         out = self.model.generate(
             input_ids=ids,
             attention_mask=attn,
             mm_encoder_outputs=vision,
             synced_gpus=synced,
-            position_ids=sp.mrope_positions(ids, attn, grids(rows, device), self.model.config),
+            position_ids=sp.mrope_positions(ids, attn, rows_grids, self.model.config),
             generation_config=self.config(temperature, max_tokens),
+            **sp.audio_inputs(rows_grids),
         )
         seq = out.sequences[:, P:]  # (B, R)
         logp = torch.zeros(seq.shape)

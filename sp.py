@@ -386,7 +386,7 @@ class Towers:
 
 def tower_trains(model) -> bool:
     """Whether the vision tower has a trained parameter (not freeze_vision; LoRA: its adapters)."""
-    return any(p.requires_grad for p in base_model(model).model.visual.parameters())
+    return any(p.requires_grad for p in vision_tower(model).parameters())
 
 
 FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
@@ -758,7 +758,17 @@ def group_rollouts(
 
 
 def language_model(model):
-    return base_model(model).model.language_model
+    """The decoder (Omni's thinker: model.model itself)."""
+    inner = base_model(model).model
+    return getattr(inner, "language_model", inner)
+
+
+def vision_tower(model):
+    """The vision tower (Omni's thinker holds it beside its decoder and audio tower)."""
+    m = base_model(model)
+    if hasattr(m, "audio_tower"):
+        return m.visual
+    return m.model.visual
 
 
 def use_ulysses(model):
@@ -872,11 +882,14 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     the rule the Qwen-VL models were trained with and vLLM samples with: text counts up on all
     three axes (time, row, column); a run of placeholders (an image, a video's frame pairs;
     Qwen3-VL: a frame pair between timestamps) adds its grid index to the next position, time
-    scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL), and the text after it resumes at
-    its LARGEST position + 1 (transformers 5.19 at max(rows, columns), ignoring time: LOG.md
-    session 5)."""
+    scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL; Omni: position_id_per_seconds),
+    and the text after it resumes at its LARGEST position + 1 (transformers 5.19 at max(rows,
+    columns), ignoring time: LOG.md session 5). Omni's TMRoPE: a video's soundtrack tokens,
+    interleaved with its frames' in 2 s chunks, count up from the video's own start, one position
+    per 40 ms token, as the frames' time does (25 per second); a lone audio's, as text."""
     merge = config.vision_config.spatial_merge_size
-    tps = getattr(config.vision_config, "tokens_per_second", 1)
+    omni_tps = getattr(config, "position_id_per_seconds", 1)
+    tps = getattr(config.vision_config, "tokens_per_second", omni_tps)
     none = torch.zeros(0, 3, dtype=torch.long)
     images = grids.get("image_grid_thw", none).tolist()
     videos = grids.get("video_grid_thw", none).tolist()
@@ -887,27 +900,49 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
         pairs[config.image_token_id] += [GridStep(h // merge, w // merge, 1)] * t
     for (t, h, w), sec in zip(videos, seconds):
         pairs[config.video_token_id] += [GridStep(h // merge, w // merge, sec * tps)] * t
+    # which run a token belongs to (None: text); audio joins its video's run
+    runs = {token: token for token in pairs}
+    audio_id = getattr(config, "audio_token_id", -1)  # -1: none (Qwen-VL)
+    runs[audio_id] = config.video_token_id
     mask = mask.bool().cpu()
     pos = torch.zeros(3, *ids.shape, dtype=torch.long)
     for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
         parts = []
         start = 0
         tokens = itertools.compress(row, keep)
-        for token, run in itertools.groupby(tokens, lambda x: x if x in pairs else None):
-            n = len(list(run))
+        for token, run in itertools.groupby(tokens, runs.get):
+            run = torch.tensor(list(run))
+            n = len(run)
             if token is None:  # text
                 parts.append(torch.arange(n).expand(3, n) + start)  # (3, n)
             else:
-                item = pairs[token][0]
-                # floored as vLLM does
-                steps = n // (item.h * item.w)
-                time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
-                grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
-                parts.append(grid.T + start)  # (3, t h w)
-                del pairs[token][: len(time)]
+                audio = run == audio_id  # (n,)
+                part = (audio.cumsum(0) - 1).expand(3, n).clone()  # audio: its j-th token at j
+                if not audio.all():
+                    item = pairs[token][0]
+                    # floored as vLLM does
+                    steps = int((~audio).sum()) // (item.h * item.w)
+                    time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
+                    grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
+                    part[:, ~audio] = grid.T  # (3, t h w)
+                    del pairs[token][: len(time)]
+                part = part + start
+                if audio.any() and not audio.all():
+                    # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
+                    # <|audio_bos|> before it: one token early, the last token resuming as text
+                    part = part - 1
+                    parts[-1][:, -1] = part[:, 0]
+                    part = torch.cat([part[:, 1:], part.max().expand(3, 1) + 1], 1)
+                parts.append(part)
             start = int(parts[-1].max()) + 1
         pos[:, b, mask[b]] = torch.cat(parts, 1)
     return pos.to(ids.device)
+
+
+def audio_inputs(grids: dict) -> dict:
+    """Omni: the rows' soundtracks (log-mel features and their masks, data.grids'), which the model
+    encodes in its forward (sequence parallelism refuses them: check_config)."""
+    return {k: grids[k] for k in ("input_features", "feature_attention_mask") if k in grids}
 
 
 def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[dict, Shard]:
@@ -929,6 +964,7 @@ def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[d
             attention_mask=None if mask.all() else mask,
             position_ids=pos,
             mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
+            **audio_inputs(batch.grids),
         )
         return inputs, shard
     size = -(-S // layout.sp_size)

@@ -1307,19 +1307,29 @@ def load_model(cfg: Config, device, value_head: bool = False):
         OffloadPolicy,
         fully_shard,
     )
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     cuda = device.type == "cuda"
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    # Omni: the thinker, which sees, hears and answers (the talker only speaks its answer)
+    config = getattr(config, "thinker_config", config)
     model = AutoModelForImageTextToText.from_pretrained(
         cfg.model,
+        config=config,
         dtype=torch.float32,
         attn_implementation=attn,
         trust_remote_code=cfg.trust_remote_code,
     ).to(device)
-    visual = model.model.visual  # before peft wraps the model (PeftModel.model is another object)
-    visual.requires_grad_(not cfg.freeze_vision)
-    layers = list(model.model.language_model.layers)
+    visual = sp.vision_tower(model)  # before peft wraps the model (PeftModel.model is another)
+    towers = [visual]
+    if hasattr(model, "audio_tower"):  # Omni: frozen or trained with the vision tower
+        towers.append(model.audio_tower)
+        # its forward projects every position (no logits_to_keep): the last one only
+        model.lm_head.register_forward_pre_hook(last_position)
+    for tower in towers:
+        tower.requires_grad_(not cfg.freeze_vision)
+    layers = list(sp.language_model(model).layers)
     blocks = layers + list(visual.blocks)
     if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
         for block in layers if cfg.freeze_vision else blocks:
@@ -1360,11 +1370,16 @@ def load_model(cfg: Config, device, value_head: bool = False):
         after = None  # FSDP2's default: each unit resharded after forward, the root kept
         if mode == "keep":
             after = False
-        for module in blocks + [visual, model]:  # a layer/block per gather unit; root: the rest
+        for module in blocks + towers + [model]:  # a layer/block per gather unit; root: the rest
             fully_shard(module, mp_policy=mp, offload_policy=offload, reshard_after_forward=after)
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
+
+
+def last_position(module, args: tuple) -> tuple:
+    """A forward pre-hook: the input's last position only (b, 1, D)."""
+    return (args[0][:, -1:],)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1484,7 +1499,7 @@ def reference_stamp(cfg: Config, model) -> dict:
     a digest of its weights (LoRA: the base, adapters left out), the media settings, its dtype,
     device and attention kernel. FSDP2: every rank gathers each weight, in the same order."""
     digest = hashlib.sha256()
-    visual = common.base_model(model).model.visual
+    visual = sp.vision_tower(model)
     for name, p in visual.named_parameters():
         if "lora_" in name:
             continue
