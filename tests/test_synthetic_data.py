@@ -84,7 +84,8 @@ def test_schema_and_files(data):
             assert os.path.isfile(os.path.join(data, r[media][0]))
             if r["problem_type"] == "multiple choice":
                 assert (
-                    r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS) and r["answer"] in "ABCD"
+                    r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS, msd.TONE_OPTIONS)
+                    and r["answer"] in "ABCD"
                 )
             else:
                 assert "options" not in r
@@ -96,6 +97,7 @@ def test_schema_and_files(data):
         "direction",
         "count",
         "image_color",
+        "tone",
     ):  # balanced classes: 8 train samples, 4 classes
         answers = [r["answer"] for r in rows(data, "train", task)]
         assert sorted(answers) == sorted(("ABCD" if task != "count" else "1234") * 2), (
