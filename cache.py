@@ -235,16 +235,9 @@ def decode_audio(
 
 
 def audio_fits(audio: np.ndarray, meta: dict, settings: dict) -> bool:
-    """Whether (audio, meta) are what decode_audio makes under the key's settings: float32 1-D, no more samples than
-    the window's, its two flags."""
-    window = min(settings.get("end", math.inf), settings["max_s"])
-    flags = dict(clipped=meta["clipped"] is True, missing=meta["missing"] is True)
-    return (
-        audio.dtype == np.float32
-        and audio.ndim == 1
-        and len(audio) <= round(window * settings["rate"])
-        and meta == flags
-    )
+    """Whether (audio, meta) are what decode_audio makes: float32 1-D and its two flags (the key holds the settings,
+    the checksum the samples)."""
+    return audio.dtype == np.float32 and audio.ndim == 1 and sorted(meta) == ["clipped", "missing"]
 
 
 def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
@@ -409,47 +402,45 @@ def load_entry(
         raise VideoError(f"{path}: video file not found (or not a regular file)")
     if end is not None:
         settings = dict(settings, end=float(end))
-    if not cache_dir or mode == "decode_only":
+    with contextlib.ExitStack() as stack:
+        locked = False
+        if cache_dir and mode != "decode_only":
+            file = entry_path(cache_dir, path, settings)
+            # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+            if mode == "prefer_cache":
+                try:
+                    os.makedirs(os.path.dirname(file), exist_ok=True)
+                    fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
+                    locked = True
+                except OSError as e:
+                    # a read-only or full cache: its entries are still read, misses decoded
+                    unwritable(file, e, stats)
+            if os.path.exists(file):
+                try:
+                    out = check_entry(file, settings, fits)
+                    count(stats, "cache_hit")
+                    return out
+                except ValueError as e:
+                    count(stats, "cache_corrupt")
+                    if mode == "cache_only":
+                        raise VideoError(
+                            f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`)"
+                        ) from e
+                    print(f"cache: {e}; rebuilding", file=sys.stderr)
+            count(stats, "cache_miss")
+            # never decodes, never writes (not even a lock): a read-only shared cache works
+            if mode == "cache_only":
+                raise VideoError(
+                    f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first)"
+                )
         t = time.time()
         out = decode(path, **settings)
         count(stats, "decode")
         count(stats, "decode_s", time.time() - t)
-        return out
-    file = entry_path(cache_dir, path, settings)
-    with contextlib.ExitStack() as stack:
-        # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
-        locked = False
-        if mode == "prefer_cache":
-            try:
-                os.makedirs(os.path.dirname(file), exist_ok=True)
-                fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
-                locked = True
-            except OSError as e:
-                # a read-only or full cache: its entries are still read, misses decoded
-                unwritable(file, e, stats)
-        if os.path.exists(file):
-            try:
-                out = check_entry(file, settings, fits)
-                count(stats, "cache_hit")
-                return out
-            except ValueError as e:
-                count(stats, "cache_corrupt")
-                if mode == "cache_only":
-                    raise VideoError(
-                        f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`)"
-                    ) from e
-                print(f"cache: {e}; rebuilding", file=sys.stderr)
-        count(stats, "cache_miss")
-        # never decodes, never writes (not even a lock): a read-only shared cache works
-        if mode == "cache_only":
-            raise VideoError(
-                f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first)"
-            )
-        out = load_entry(path, settings, None, decode, fits, cache_dir, "decode_only", stats)
         from safetensors import SafetensorError
 
         try:
-            if locked:  # else unwritable, counted above
+            if locked:  # else unwritable, counted above, or no cache
                 write_entry(file, *out)
         # a full disk (safetensors' "No space left on device"), a folder in the entry's place: the
         # frames are kept
