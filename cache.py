@@ -4,7 +4,9 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. scripts/cach
 ahead of a run (README "Frame cache"). The key hashes FORMAT, the video's absolute path, size and mtime (an
 edited file is a miss, never stale) and every frame setting. Writes are atomic (temp file + os.replace); a
 per-key lock makes concurrent loaders decode once. An entry that cannot be locked or written (a read-only
-cache, a full disk) is counted (cache_unwritable); its frames are used uncached.
+cache, a full disk) is counted (cache_unwritable); its frames are used uncached. A video's soundtrack (load_audio,
+for Omni thinkers: mono float32 over the frames' window) goes through the same entries (load_entry), its own key
+(rate, max_s, end), checks and modes.
 """
 
 import contextlib
@@ -227,7 +229,7 @@ def decode_audio(
                         break
                 chunks += [out.to_ndarray()[0] for out in resampler.resample(None)]
             audio = np.concatenate(chunks)[:n]
-    except (TypeError, ValueError, OSError, av.FFmpegError) as e:
+    except (TypeError, ValueError, av.FFmpegError) as e:
         raise VideoError(
             f"{path}: cannot decode audio ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
@@ -301,36 +303,35 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 def video_fits(frames: np.ndarray, meta: dict, settings: dict) -> bool:
     """Whether (frames, meta) are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
-    total = meta["total_num_frames"]
-    vfps = meta["fps"]
-    h = meta["height"]
-    w = meta["width"]
+    total, vfps = meta["total_num_frames"], meta["fps"]
+    h, w = frames.shape[1:3]
     idx = sample_indices(
         total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
     )
     cap = frame_pixels(
-        len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor"))
+        len(idx),
+        settings["min_pixels"],
+        settings["max_pixels"],
+        settings["total_pixels"],
+        settings["factor"],
     )
     return (
         meta == video_meta(total, vfps, idx, h, w)
         and frames.dtype == np.uint8
         and frames.shape == (len(idx), h, w, 3)
-        and h % settings["factor"] == 0
-        and w % settings["factor"] == 0
+        and h % settings["factor"] == w % settings["factor"] == 0
         and 0 < h * w <= cap
     )
 
 
 def check_entry(file: str, settings: dict, fits) -> tuple[np.ndarray, dict]:
     """The entry's (array, metadata) if `fits(array, metadata, settings)` (video_fits, audio_fits): what its key's
-    settings make; else ValueError, as read_entry's."""
+    settings make; else ValueError, as read_entry's (metadata that fits cannot read does not fit)."""
     array, meta = read_entry(file)
     try:
         ok = fits(array, meta, settings)
-    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError) as e:
-        raise ValueError(
-            f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})"
-        ) from e
+    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError):
+        ok = False
     if not ok:
         raise ValueError(
             f"{file}: cache entry does not match its key's settings ({array.dtype} "
@@ -424,14 +425,16 @@ def load_entry(
                     count(stats, "cache_corrupt")
                     if mode == "cache_only":
                         raise VideoError(
-                            f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`)"
+                            f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`, or audio "
+                            "entries with a prefer_cache run)"
                         ) from e
                     print(f"cache: {e}; rebuilding", file=sys.stderr)
             count(stats, "cache_miss")
             # never decodes, never writes (not even a lock): a read-only shared cache works
             if mode == "cache_only":
                 raise VideoError(
-                    f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first)"
+                    f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first, or "
+                    "for audio entries a prefer_cache run)"
                 )
         t = time.time()
         out = decode(path, **settings)

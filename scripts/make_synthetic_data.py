@@ -3,10 +3,12 @@
     python scripts/make_synthetic_data.py --out .cache/data/color --tasks color --num-train 512 --num-val 64
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
+    python scripts/make_synthetic_data.py --out .cache/data/tone --tasks tone  # the answer in the soundtrack only
 
 Tasks: TASKS, one gen_<task> each; ids like color-train-00012; every sample has an `offline_output` (its correct
 answer). Classes balanced, deterministic by seed; a scene's hash puts it in train or val (disjoint, val independent
-of --num-train). JSONL paths are relative to its folder.
+of --num-train). JSONL paths are relative to its folder. A task that returns an 8th value (tone) has a
+soundtrack: a sine of that frequency (Hz).
 """
 
 import hashlib
@@ -83,8 +85,9 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: flo
         f.mux(s.encode())
         if tone:
             t = np.arange(round((i + 1) / fps * RATE)) / RATE
-            wave = (0.25 * np.sin(2 * np.pi * tone * t)).astype(np.float32)[None]
-            af = av.AudioFrame.from_ndarray(wave, format="flt", layout="mono")
+            af = av.AudioFrame.from_ndarray(
+                0.25 * np.sin(2 * np.pi * tone * t)[None], "dbl", "mono"
+            )
             af.sample_rate = RATE
             af.pts = 0  # else the encoder's priming samples are not trimmed on decoding
             f.mux(sound.encode(af))
