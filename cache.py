@@ -4,11 +4,14 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. scripts/cach
 ahead of a run (README "Frame cache"). The key hashes FORMAT, the video's absolute path, size and mtime (an
 edited file is a miss, never stale) and every frame setting. Writes are atomic (temp file + os.replace); a
 per-key lock makes concurrent loaders decode once. An entry that cannot be locked or written (a read-only
-cache, a full disk) is counted (cache_unwritable); its frames are used uncached.
+cache, a full disk) is counted (cache_unwritable); its frames are used uncached. A video's soundtrack (load_audio,
+for Omni thinkers: mono float32 over the frames' window) goes through the same entries (load_entry), its own key
+(rate, max_s, end), checks and modes.
 """
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -88,6 +91,11 @@ class Media(Frames):
     """prefer_cache (read the entry, else decode and write it) | cache_only | decode_only (no cache)"""
     cache_dir: str = fact(".cache/frames", MAY_CHANGE_ON_RESUME)
     """frame cache folder ('' = no cache)"""
+    video_audio: bool = fact(False, ANSWERS)
+    """the video's soundtrack in the prompt (Omni thinkers: use_audio_in_video; load_audio)"""
+    no_audio: Literal["silence", "error"] = fact("error", ANSWERS)
+    """a video without an audio track, under video_audio: silence over the frames' window | error (the sample
+    fails, naming the file); counted either way (audio_missing)"""
     allow_outside_media: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """read media paths that resolve (symlinks followed) outside their data file's folder
     (evaluate.py: video_dir/<benchmark>); off, such a path is an error naming the sample"""
@@ -195,6 +203,45 @@ def decode_video(
     return frames, video_meta(total, vfps, idx, frames.shape[1], frames.shape[2])
 
 
+def decode_audio(
+    path: str, rate: int, max_s: float, end: float | None = None
+) -> tuple[np.ndarray, dict]:
+    """The soundtrack, mono float32 at `rate` Hz (PyAV's resampler), over the frames' window: from 0 to `end` or to
+    the video's end (the container's duration), at most max_s seconds: its first round(min(window, max_s) * rate)
+    samples (fewer where the track ends sooner). The metadata: clipped (the window was over max_s) and missing (no
+    audio track: as many zeros). Raises VideoError naming the file."""
+    import av
+
+    try:
+        with av.open(path) as container:
+            seconds = min(container.duration / av.time_base, math.inf if end is None else end)
+            n = round(min(seconds, max_s) * rate)
+            missing = not container.streams.audio
+            chunks = [np.zeros(n, np.float32)]
+            if not missing:
+                chunks = []
+                resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+                for frame in container.decode(audio=0):
+                    chunks += [out.to_ndarray()[0] for out in resampler.resample(frame)]
+                    if (
+                        sum(map(len, chunks)) >= n
+                    ):  # the first n samples are final: the rest is not read
+                        break
+                chunks += [out.to_ndarray()[0] for out in resampler.resample(None)]
+            audio = np.concatenate(chunks)[:n]
+    except (TypeError, ValueError, av.FFmpegError) as e:
+        raise VideoError(
+            f"{path}: cannot decode audio ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e
+    return audio, dict(clipped=seconds > max_s, missing=missing)
+
+
+def audio_fits(audio: np.ndarray, meta: dict, settings: dict) -> bool:
+    """Whether (audio, meta) are what decode_audio makes: float32 1-D and its two flags (the key holds the settings,
+    the checksum the samples)."""
+    return audio.dtype == np.float32 and audio.ndim == 1 and sorted(meta) == ["clipped", "missing"]
+
+
 def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int) -> dict:
     """The metadata of sampled frames: what decode_video returns, the cache stores and check_entry expects."""
     return dict(
@@ -253,39 +300,44 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
     return frames, json.loads(meta["video"])
 
 
-def check_entry(
-    file: str, frames: np.ndarray, meta: dict, settings: dict
-) -> tuple[np.ndarray, dict]:
-    """(frames, meta) if they are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
+def video_fits(frames: np.ndarray, meta: dict, settings: dict) -> bool:
+    """Whether (frames, meta) are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
     and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
+    total, vfps = meta["total_num_frames"], meta["fps"]
+    h, w = frames.shape[1:3]
+    idx = sample_indices(
+        total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
+    )
+    cap = frame_pixels(
+        len(idx),
+        settings["min_pixels"],
+        settings["max_pixels"],
+        settings["total_pixels"],
+        settings["factor"],
+    )
+    return (
+        meta == video_meta(total, vfps, idx, h, w)
+        and frames.dtype == np.uint8
+        and frames.shape == (len(idx), h, w, 3)
+        and h % settings["factor"] == w % settings["factor"] == 0
+        and 0 < h * w <= cap
+    )
+
+
+def check_entry(file: str, settings: dict, fits) -> tuple[np.ndarray, dict]:
+    """The entry's (array, metadata) if `fits(array, metadata, settings)` (video_fits, audio_fits): what its key's
+    settings make; else ValueError, as read_entry's (metadata that fits cannot read does not fit)."""
+    array, meta = read_entry(file)
     try:
-        total = meta["total_num_frames"]
-        vfps = meta["fps"]
-        h = meta["height"]
-        w = meta["width"]
-        idx = sample_indices(
-            total, vfps, settings["fps"], settings["min_frames"], settings["max_frames"]
-        )
-        expect = video_meta(total, vfps, idx, h, w)
-        cap = frame_pixels(
-            len(idx), *(settings[k] for k in ("min_pixels", "max_pixels", "total_pixels", "factor"))
-        )
-        fits = h % settings["factor"] == 0 and w % settings["factor"] == 0 and 0 < h * w <= cap
-    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        ok = fits(array, meta, settings)
+    except (KeyError, TypeError, ValueError, ArithmeticError, AttributeError):
+        ok = False
+    if not ok:
         raise ValueError(
-            f"{file}: cache entry metadata is invalid ({type(e).__name__}: {e})"
-        ) from e
-    if (
-        meta != expect
-        or frames.dtype != np.uint8
-        or frames.shape != (len(idx), h, w, 3)
-        or not fits
-    ):
-        raise ValueError(
-            f"{file}: cache entry does not match its key's settings (frames {frames.dtype} "
-            f"{frames.shape}, metadata {json.dumps(meta)[:300]})"
+            f"{file}: cache entry does not match its key's settings ({array.dtype} "
+            f"{array.shape}, metadata {json.dumps(meta)[:300]})"
         )
-    return frames, meta
+    return array, meta
 
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
@@ -318,11 +370,30 @@ def load_video(
     stats: dict | None = None,
     end: float | None = None,
 ) -> tuple[np.ndarray, dict]:
-    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata. mode: prefer_cache (read the entry, else
-    decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or decode_only. An
-    entry that is torn, corrupt, edited or not what its key's settings make is reported and rebuilt.
-    stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds). end: decode_video's
-    cut, in seconds (part of the entry's key)."""
+    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata, through the cache (load_entry).
+    end: decode_video's cut, in seconds."""
+    decode = functools.partial(decode_video, max_decode_pixels=frames.max_decode_pixels)
+    return load_entry(
+        path, frames.settings(factor), end, decode, video_fits, cache_dir, mode, stats
+    )
+
+
+def load_entry(
+    path: str,
+    settings: dict,
+    end: float | None,
+    decode,
+    fits,
+    cache_dir: str | None,
+    mode: VideoSource,
+    stats: dict | None,
+) -> tuple[np.ndarray, dict]:
+    """decode(path, **settings, end=end) -> (array, metadata), through the cache: the entry of the video's identity,
+    the settings and `end` (a clip and its whole video are different entries). mode: prefer_cache (read the entry,
+    else decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or
+    decode_only. An entry that is torn, corrupt, edited or not what its key's settings make (`fits`: check_entry) is
+    reported and rebuilt. stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it
+    holds)."""
     if choice_error(VideoSource, mode):
         raise UserError(f"video_source/mode: {choice_error(VideoSource, mode)}")
     if stats is None:
@@ -330,56 +401,74 @@ def load_video(
     # also refuses a FIFO or a device, which would block decoding for ever
     if not os.path.isfile(path):
         raise VideoError(f"{path}: video file not found (or not a regular file)")
-    settings = frames.settings(factor)
-    if end is not None:  # a clip and its whole video are different entries
-        settings["end"] = float(end)
-    if not cache_dir or mode == "decode_only":
+    if end is not None:
+        settings = dict(settings, end=float(end))
+    with contextlib.ExitStack() as stack:
+        locked = False
+        if cache_dir and mode != "decode_only":
+            file = entry_path(cache_dir, path, settings)
+            # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
+            if mode == "prefer_cache":
+                try:
+                    os.makedirs(os.path.dirname(file), exist_ok=True)
+                    fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
+                    locked = True
+                except OSError as e:
+                    # a read-only or full cache: its entries are still read, misses decoded
+                    unwritable(file, e, stats)
+            if os.path.exists(file):
+                try:
+                    out = check_entry(file, settings, fits)
+                    count(stats, "cache_hit")
+                    return out
+                except ValueError as e:
+                    count(stats, "cache_corrupt")
+                    if mode == "cache_only":
+                        raise VideoError(
+                            f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`, or audio "
+                            "entries with a prefer_cache run)"
+                        ) from e
+                    print(f"cache: {e}; rebuilding", file=sys.stderr)
+            count(stats, "cache_miss")
+            # never decodes, never writes (not even a lock): a read-only shared cache works
+            if mode == "cache_only":
+                raise VideoError(
+                    f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first, or "
+                    "for audio entries a prefer_cache run)"
+                )
         t = time.time()
-        out = decode_video(path, **settings, max_decode_pixels=frames.max_decode_pixels)
+        out = decode(path, **settings)
         count(stats, "decode")
         count(stats, "decode_s", time.time() - t)
-        return out
-    file = entry_path(cache_dir, path, settings)
-    with contextlib.ExitStack() as stack:
-        # one decode per key: concurrent loaders (ranks, workers) wait here, then hit
-        locked = False
-        if mode == "prefer_cache":
-            try:
-                os.makedirs(os.path.dirname(file), exist_ok=True)
-                fcntl.flock(stack.enter_context(open(file + ".lock", "a")), fcntl.LOCK_EX)
-                locked = True
-            except OSError as e:
-                # a read-only or full cache: its entries are still read, misses decoded
-                unwritable(file, e, stats)
-        if os.path.exists(file):
-            try:
-                out = check_entry(file, *read_entry(file), settings)
-                count(stats, "cache_hit")
-                return out
-            except ValueError as e:
-                count(stats, "cache_corrupt")
-                if mode == "cache_only":
-                    raise VideoError(
-                        f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`)"
-                    ) from e
-                print(f"cache: {e}; rebuilding", file=sys.stderr)
-        count(stats, "cache_miss")
-        # never decodes, never writes (not even a lock): a read-only shared cache works
-        if mode == "cache_only":
-            raise VideoError(
-                f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first)"
-            )
-        out = load_video(path, frames, factor, mode="decode_only", stats=stats, end=end)
         from safetensors import SafetensorError
 
         try:
-            if locked:  # else unwritable, counted above
+            if locked:  # else unwritable, counted above, or no cache
                 write_entry(file, *out)
         # a full disk (safetensors' "No space left on device"), a folder in the entry's place: the
         # frames are kept
         except (OSError, SafetensorError) as e:
             unwritable(file, e, stats)
         return out
+
+
+def load_audio(
+    path: str, media: Media, rate: int, max_s: float, stats: dict | None, end: float | None
+) -> np.ndarray:
+    """The video's soundtrack (decode_audio) through the cache, as load_video's frames (media's cache_dir and
+    video_source). stats also counts audio_clipped (a window over max_s) and audio_missing (no audio track: its
+    silence, or under no_audio=error a VideoError naming the file)."""
+    if stats is None:
+        stats = {}
+    settings = dict(rate=rate, max_s=float(max_s))
+    audio, meta = load_entry(
+        path, settings, end, decode_audio, audio_fits, media.cache_dir, media.video_source, stats
+    )
+    count(stats, "audio_clipped", meta["clipped"])
+    count(stats, "audio_missing", meta["missing"])
+    if meta["missing"] and media.no_audio == "error":
+        raise VideoError(f"{path}: no audio track (video_audio; no_audio=silence reads silence)")
+    return audio
 
 
 def count(stats: dict, key: str, amount: float = 1):

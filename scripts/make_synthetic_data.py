@@ -3,10 +3,12 @@
     python scripts/make_synthetic_data.py --out .cache/data/color --tasks color --num-train 512 --num-val 64
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
+    python scripts/make_synthetic_data.py --out .cache/data/tone --tasks tone  # the answer in the soundtrack only
 
 Tasks: TASKS, one gen_<task> each; ids like color-train-00012; every sample has an `offline_output` (its correct
 answer). Classes balanced, deterministic by seed; a scene's hash puts it in train or val (disjoint, val independent
-of --num-train). JSONL paths are relative to its folder.
+of --num-train). JSONL paths are relative to its folder. A task that returns an 8th value (tone) has a
+soundtrack: a sine of that frequency (Hz).
 """
 
 import hashlib
@@ -32,6 +34,8 @@ LETTERS = "ABCD"
 COLOR_OPTIONS = [f"{L}. {c}" for L, c in zip(LETTERS, COLORS)]
 DIRS = ["left", "right", "up", "down"]
 DIR_OPTIONS = [f"{L}. {d}" for L, d in zip(LETTERS, DIRS)]
+TONE_OPTIONS = [f"{L}. {200 * 2**c} Hz" for c, L in enumerate(LETTERS)]
+RATE = 16000  # soundtracks' sampling rate: the Omni processors' (no resampling on the way in)
 PALETTE = [
     *COLORS.values(),
     (240, 240, 240),
@@ -52,9 +56,10 @@ def yuv(rgb):
     )
 
 
-def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
+def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: float = 0):
     """H.264 mp4, yuv420p (even width and height), frame i at i / fps; written to a .part file, then renamed.
-    frames: uint8 (H, W, 3) RGB, streamed from any iterable; or with pix_fmt="yuv420p", (H * 3 // 2, W) planar."""
+    frames: uint8 (H, W, 3) RGB, streamed from any iterable; or with pix_fmt="yuv420p", (H * 3 // 2, W) planar.
+    tone: a soundtrack (AAC, mono, RATE Hz), a sine of this frequency over the whole clip (0: no audio track)."""
     import av
 
     frames = iter(frames)
@@ -71,11 +76,22 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24"):
         s.width = W
         s.height = H
         s.pix_fmt = "yuv420p"
+        if tone:
+            sound = f.add_stream("aac", rate=RATE, layout="mono")
         for i, fr in enumerate(itertools.chain([first], frames)):
             vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(fr), format=pix_fmt)
             vf.pts = i  # in 1/fps units (the codec time base), so decoders report exactly i / fps
             f.mux(s.encode(vf))
         f.mux(s.encode())
+        if tone:
+            t = np.arange(round((i + 1) / fps * RATE)) / RATE
+            af = av.AudioFrame.from_ndarray(
+                0.25 * np.sin(2 * np.pi * tone * t)[None], "dbl", "mono"
+            )
+            af.sample_rate = RATE
+            af.pts = 0  # else the encoder's priming samples are not trimmed on decoding
+            f.mux(sound.encode(af))
+            f.mux(sound.encode())
     os.replace(f"{path}.part", path)
 
 
@@ -262,6 +278,24 @@ def gen_needle(rng, c, T, H, W, fps):
     )
 
 
+def gen_tone(rng, c, T, H, W, fps):
+    """Audio-visual: the soundtrack's pitch class (200 * 2**c Hz, up to a quarter octave off); every video shows the
+    same gray picture, so a model that does not hear stays at chance."""
+    L = LETTERS[c]
+    return (
+        (128, 128, 128),
+        [[]] * T,
+        "Which tone is heard in the video?",
+        L,
+        TONE_OPTIONS,
+        "multiple choice",
+        f"<answer>{L}</answer>",
+        round(
+            200 * 2 ** (c + rng.uniform(-0.25, 0.25)), 1
+        ),  # the tone (Hz): only this task has an 8th
+    )
+
+
 # name -> (generator, number of balanced classes (0: none), data type, minimum frames)
 TASKS = {
     "color": (gen_color, 4, "video", 2),
@@ -270,6 +304,7 @@ TASKS = {
     "appear": (gen_appear, 0, "video", 3),
     "image_color": (gen_image_color, 4, "image", 1),
     "needle": (gen_needle, 4, "video", 2),
+    "tone": (gen_tone, 4, "video", 2),  # last: the other tasks' streams keep their index
 }
 
 
@@ -351,10 +386,10 @@ def make(
                 for _ in range(
                     10000
                 ):  # rejection: wrong split bucket, or a repeat within this split
-                    bg, rects, problem, answer, options, ptype, offline = gen(
+                    bg, rects, problem, answer, options, ptype, offline, *tone = gen(
                         rng, int(labels[i]), T, H, W, fps
                     )
-                    key = hashlib.sha1(repr((task, bg, rects)).encode()).digest()
+                    key = hashlib.sha1(repr((task, bg, rects, *tone)).encode()).digest()
                     if (key[0] % VAL_BUCKETS == 0) == (split == "val") and key not in seen:
                         break
                 else:
@@ -373,6 +408,7 @@ def make(
                         (render_yuv(H, W, bg, r) for r in rects),
                         fps,
                         "yuv420p",
+                        *tone,
                     )
                 row = {
                     "id": sid,

@@ -3,6 +3,7 @@
 .venv/bin/python -m pytest -q tests/test_cache.py
 """
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -602,3 +603,125 @@ def test_a_one_token_budget_keeps_both_sides():
     assert cache.smart_resize(720, 1280, 28, 784, 784) == (28, 28)
     assert cache.smart_resize(1280, 720, 32, 1024, 1024) == (32, 32)
     assert cache.smart_resize(480, 640, 28, 3136, 3136) == (28, 56)  # unchanged where no side is 0
+
+
+# ---- the soundtrack (issue 45: Omni thinkers, use_audio_in_video) -------------------------------------------
+
+
+def tone_video(path, hz: float, seconds: float, fps: float = 2) -> str:
+    """A gray clip whose soundtrack (16 kHz mono AAC) is a sine of `hz`."""
+    write_video(str(path), np.full((round(seconds * fps), 32, 32, 3), 90, np.uint8), fps, tone=hz)
+    return str(path)
+
+
+def peak_hz(audio: np.ndarray, rate: int = 16000) -> float:
+    return float(np.abs(np.fft.rfft(audio)).argmax() * rate / len(audio))
+
+
+def test_omni_audio_decode_hears_the_tone(tmp_path):
+    """Real audio: the tone's frequency comes back from an FFT of the decoded waveform, mono float32 at 16 kHz, also
+    from a 44.1 kHz stereo track (resampled, downmixed); a clip's samples are the first ones of the whole track's."""
+    import av
+
+    media = cache.Media(video_source="decode_only")
+    audio = cache.load_audio(tone_video(tmp_path / "a.mp4", 440, 2), media, 16000, 30, None, None)
+    assert audio.dtype == np.float32 and audio.shape == (32000,) and abs(peak_hz(audio) - 440) < 2
+    assert (
+        0.15 < np.abs(audio).max() < 0.35
+    )  # the written amplitude is 0.25: AAC is lossy, not silent
+    path = str(tmp_path / "stereo.mp4")
+    with av.open(path, "w", format="mp4") as f:
+        v = f.add_stream("libx264", rate=2)
+        v.width = v.height = 32
+        v.pix_fmt = "yuv420p"
+        a = f.add_stream("aac", rate=44100, layout="stereo")
+        for i in range(4):
+            frame = av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")
+            frame.pts = i
+            f.mux(v.encode(frame))
+        f.mux(v.encode())
+        left = 0.3 * np.sin(2 * np.pi * 300 * np.arange(88200) / 44100)
+        frame = av.AudioFrame.from_ndarray(
+            np.stack([left, np.zeros_like(left)]), format="dblp", layout="stereo"
+        )
+        frame.sample_rate = 44100
+        frame.pts = 0
+        f.mux(a.encode(frame))
+        f.mux(a.encode())
+    whole = cache.load_audio(path, media, 16000, 30, None, None)
+    clip = cache.load_audio(path, media, 16000, 30, None, 1.0)
+    assert whole.shape == (32000,) and abs(peak_hz(whole) - 300) < 2
+    assert clip.shape == (16000,) and np.array_equal(clip, whole[:16000])
+
+
+def test_omni_audio_window_is_the_frames_and_clips_count(tmp_path):
+    """A 10 s video cut at video_end=4: its frames span 4 s and its audio is their window, round(4 * 16000) =
+    64,000 samples, the whole track's first ones; max_s bounds the window (counted: audio_clipped), an end past the
+    video is the video's end."""
+    path = tone_video(tmp_path / "long.mp4", 800, 10)
+    media = cache.Media(video_source="decode_only")
+    stats = {}
+    whole = cache.load_audio(path, media, 16000, 30, stats, None)
+    clip = cache.load_audio(path, media, 16000, 30, stats, 4)
+    _, meta = cache.load_video(path, media, mode="decode_only", end=4)
+    assert meta["duration"] == 4.0 and clip.shape == (64000,) and whole.shape == (160000,)
+    assert np.array_equal(clip, whole[:64000]) and stats["audio_clipped"] == 0
+    assert cache.load_audio(path, media, 16000, 3, stats, 4).shape == (48000,)
+    assert cache.load_audio(path, media, 16000, 30, stats, 25.0).shape == (160000,)
+    assert stats["audio_clipped"] == 1 and stats["decode"] == 4
+
+
+def test_omni_audio_missing_track_silence_or_error(video, tmp_path):
+    """A video without an audio track: silence over its window (3 s: 48,000 zeros) under no_audio=silence, a
+    VideoError naming the file under no_audio=error, counted either way, from a decode and from a cache hit."""
+    silence = cache.Media(cache_dir=str(tmp_path / "c"), no_audio="silence")
+    stats = {}
+    audio = cache.load_audio(video, silence, 16000, 30, stats, None)
+    assert audio.shape == (48000,) and audio.dtype == np.float32 and not audio.any()
+    assert cache.load_audio(video, silence, 16000, 30, stats, 1.5).shape == (24000,)
+    error = cache.Media(cache_dir=str(tmp_path / "c"), no_audio="error")
+    with pytest.raises(cache.VideoError, match=r"v\.mp4: no audio track"):
+        cache.load_audio(video, error, 16000, 30, stats, None)  # a hit
+    with pytest.raises(cache.VideoError, match=r"v\.mp4: no audio track"):
+        cache.load_audio(video, dataclasses.replace(error, cache_dir=""), 16000, 30, stats, None)
+    assert stats["audio_missing"] == 4 and (stats["cache_hit"], stats["decode"]) == (1, 3)
+
+
+def test_omni_audio_cache_roundtrip(tmp_path):
+    """The frame cache's entries, checks and modes: a hit is the decode bit for bit; the rate, max_s and end are in
+    the key, apart from the frames' entry; a truncated or tampered entry is rebuilt; cache_only never decodes."""
+    path = tone_video(tmp_path / "t.mp4", 400, 3)
+    media = cache.Media(cache_dir=str(tmp_path / "c"))
+    stats = {}
+    first = cache.load_audio(path, media, 16000, 30, stats, None)
+    again = cache.load_audio(path, media, 16000, 30, stats, None)
+    ref = cache.load_audio(path, cache.Media(video_source="decode_only"), 16000, 30, None, None)
+    assert (
+        np.array_equal(first, again)
+        and np.array_equal(first, ref)
+        and first.tobytes() == ref.tobytes()
+    )
+    assert (stats["cache_miss"], stats["cache_hit"], stats["decode"]) == (1, 1, 1)
+    cache.load_audio(path, media, 8000, 30, stats, None)
+    cache.load_audio(path, media, 16000, 2, stats, None)
+    cache.load_audio(path, media, 16000, 30, stats, 2)
+    cache.load_video(path, media, cache_dir=media.cache_dir, stats=stats)
+    assert stats["cache_miss"] == 5 and len(entries(media.cache_dir)) == 5
+    file = cache.entry_path(media.cache_dir, path, dict(rate=16000, max_s=30.0))
+    assert cache.read_entry(file)[0].tobytes() == ref.tobytes()
+    with open(file, "r+b") as f:
+        f.truncate(os.path.getsize(file) // 2)
+    stats = {}
+    assert np.array_equal(cache.load_audio(path, media, 16000, 30, stats, None), ref)
+    assert (stats["cache_corrupt"], stats["decode"]) == (1, 1)
+    cache.write_entry(file, ref.astype(np.float64), dict(clipped=False, missing=False))
+    cache.load_audio(path, media, 16000, 30, stats, None)
+    cache.write_entry(file, ref, dict(clipped=False))
+    cache.load_audio(path, media, 16000, 30, stats, None)
+    assert (stats["cache_corrupt"], stats["decode"]) == (3, 3) and cache.read_entry(file)[
+        1
+    ] == dict(clipped=False, missing=False)
+    only = dataclasses.replace(media, cache_dir=str(tmp_path / "empty"), video_source="cache_only")
+    with pytest.raises(cache.VideoError, match="t.mp4: no cache entry"):
+        cache.load_audio(path, only, 16000, 30, stats, None)
+    assert not os.path.exists(only.cache_dir)

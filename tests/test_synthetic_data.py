@@ -84,7 +84,8 @@ def test_schema_and_files(data):
             assert os.path.isfile(os.path.join(data, r[media][0]))
             if r["problem_type"] == "multiple choice":
                 assert (
-                    r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS) and r["answer"] in "ABCD"
+                    r["options"] in (msd.COLOR_OPTIONS, msd.DIR_OPTIONS, msd.TONE_OPTIONS)
+                    and r["answer"] in "ABCD"
                 )
             else:
                 assert "options" not in r
@@ -96,6 +97,7 @@ def test_schema_and_files(data):
         "direction",
         "count",
         "image_color",
+        "tone",
     ):  # balanced classes: 8 train samples, 4 classes
         answers = [r["answer"] for r in rows(data, "train", task)]
         assert sorted(answers) == sorted(("ABCD" if task != "count" else "1234") * 2), (
@@ -322,3 +324,23 @@ def test_needle_needs_the_frames(needle):
     assert (hits + (len(events) - hits) / 4) / len(
         events
     ) < 0.8  # the best a 4-frame model can score
+
+
+def test_omni_tone_is_in_the_audio_only(data):
+    """The tone task: every video shows the same picture (decoded frames identical across classes), the soundtrack's
+    pitch (an FFT of the decoded 16 kHz audio) is the answer's class, 200 * 2**c Hz within a quarter octave."""
+    cache = pytest.importorskip("cache")
+    first = {}
+    for split in ("train", "val"):
+        for r in rows(data, split, "tone"):
+            assert r["options"] == ["A. 200 Hz", "B. 400 Hz", "C. 800 Hz", "D. 1600 Hz"]
+            path = os.path.join(data, r["videos"][0])
+            audio, meta = cache.decode_audio(path, 16000, 30.0)
+            assert audio.shape == (16000 * 2,) and meta == dict(clipped=False, missing=False)
+            hz = np.abs(np.fft.rfft(audio)).argmax() * 16000 / len(audio)
+            c = "ABCD".index(r["answer"])
+            assert 2**-0.3 < hz / (200 * 2**c) < 2**0.3, (r["id"], hz)
+            first.setdefault(r["answer"], (decode(data, r)[1], audio))
+    assert sorted(first) == list("ABCD")
+    assert all(np.array_equal(first["A"][0], frames) for frames, _ in first.values())
+    assert np.abs(first["A"][1] - first["D"][1]).max() > 0.1
