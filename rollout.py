@@ -263,10 +263,14 @@ def repack_cpu_experts(worker):
 
 def published_layout(weights, model_type: str):
     """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
-    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out)."""
+    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out). Omni:
+    the trainer holds the thinker alone, the published names are under "thinker."."""
+    prefix = ""
+    if model_type == "qwen2_5_omni":
+        prefix = "thinker."
     for name, w in weights:
         fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        yield name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
+        yield prefix + name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
 
 
 class VLLMEngine:

@@ -314,6 +314,7 @@ def check_config(cfg: Config, world: int = 1):
     longest_row = cfg.max_prompt_len + cfg.max_response_len
     spec = model_spec(cfg.model) or {}
     moe = "num_experts_per_tok" in spec.get("text_config", spec)
+    omni = "thinker_config" in spec  # Qwen2.5-Omni: audio in, thinker trained
     cuda_ranks = torch.cuda.is_available() and dist.is_initialized()
     # each message, and whether this config earns it
     rules = {
@@ -400,6 +401,12 @@ def check_config(cfg: Config, world: int = 1):
         # recurrence over the rank's own positions (docs/families.md)
         f"sp_size {cfg.sp_size}: {cfg.model}'s linear-attention layers need sp_size 1": (
             cfg.sp_size > 1 and linear_attention(spec)
+        ),
+        f"video_audio: {cfg.model} hears nothing (an Omni model does)": cfg.video_audio
+        and not omni,
+        # the soundtrack's span is not split over an SP group's ranks, nor fed to vLLM as features
+        f"{cfg.model} (Omni) needs sp_size 1 and no vllm_embeds": (
+            omni and (cfg.sp_size > 1 or cfg.vllm_embeds)
         ),
         f"resume {cfg.resume!r}: no such folder": (
             cfg.resume not in ("", "auto") and not os.path.isdir(cfg.resume)
