@@ -53,6 +53,15 @@ def video_prompt(processor_or_tokenizer):
     )
 
 
+def load(folder: str):
+    """The checkpoint's model as the trainer loads it (Omni: the thinker, train.load_model's rule)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(folder)
+    config = getattr(config, "thinker_config", config)
+    return AutoModelForImageTextToText.from_pretrained(folder, config=config).eval()
+
+
 @pytest.fixture(scope="module")
 def ckpt():
     return {a: mtm.ensure(a, root=CACHE) for a in mtm.ARCHS}
@@ -84,7 +93,9 @@ def test_tokenizer_and_config(ckpt, arch):
     from transformers import AutoConfig, AutoTokenizer
 
     tok, cfg = AutoTokenizer.from_pretrained(ckpt[arch]), AutoConfig.from_pretrained(ckpt[arch])
-    for t in mtm.SPECIAL + mtm.ADDED:
+    cfg = getattr(cfg, "thinker_config", cfg)  # Omni: the thinker's
+    names = mtm.VL_TOKENS | mtm.ARCHS[arch].get("tokens", {})
+    for t in mtm.SPECIAL[:3] + list(names.values()) + mtm.ADDED:
         assert len(tok.encode(t, add_special_tokens=False)) == 1, t
     for s in [
         '{"time": [1.5, 3.0]}',
@@ -94,39 +105,40 @@ def test_tokenizer_and_config(ckpt, arch):
     ]:
         ids = tok.encode(s, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=True) == s
-    ids = tok.encode(
-        "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>hi<|im_end|>",
-        add_special_tokens=False,
-    )
+    video = names["vision_bos_token"] + names["video_token"] + names["vision_eos_token"]
+    ids = tok.encode(f"<|im_start|>user\n{video}hi<|im_end|>", add_special_tokens=False)
     assert (
         tok.decode(ids, skip_special_tokens=True) == "user\nhi"
     )  # the Qwen specials are special, ADDED are not
     assert (tok.pad_token, tok.eos_token) == ("<|endoftext|>", "<|im_end|>")
     assert cfg.text_config.vocab_size == len(tok) and cfg.text_config.head_dim == 64
     for key, t in [
-        ("image_token_id", "<|image_pad|>"),
-        ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"),
-        ("vision_end_token_id", "<|vision_end|>"),
+        ("image_token_id", "image_token"),
+        ("video_token_id", "video_token"),
+        ("vision_start_token_id", "vision_bos_token"),
+        ("vision_end_token_id", "vision_eos_token"),
+        ("audio_token_id", "audio_token"),
     ]:
-        assert getattr(cfg, key) == tok.convert_tokens_to_ids(t), key
+        if t in names:
+            assert getattr(cfg, key) == tok.convert_tokens_to_ids(names[t]), key
 
 
 @pytest.mark.parametrize("arch", mtm.ARCHS)
 def test_transformers_forward_with_video(ckpt, arch):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
-    proc, model = (
-        AutoProcessor.from_pretrained(ckpt[arch]),
-        AutoModelForImageTextToText.from_pretrained(ckpt[arch]),
-    )
+    proc, model = AutoProcessor.from_pretrained(ckpt[arch]), load(ckpt[arch])
     assert model.dtype == torch.float32
+    # the Omni processor's own video size (128 tokens at least) overrides its video processor's: data.prepare and
+    # vLLM's requests pass do_resize=False, the frames already sized (cache.py)
+    kept = {"do_resize": False} if arch == "qwen2_5_omni" else {}
     x = proc(
         text=[video_prompt(proc)],
         videos=[frames(arch)],
         video_metadata=[META],
         do_sample_frames=False,
         return_tensors="pt",
+        **kept,
     )
     n_pad = int((x["input_ids"] == model.config.video_token_id).sum())
     assert x["video_grid_thw"].tolist() == [
@@ -238,7 +250,7 @@ def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.T
 
 
 @pytest.mark.slow  # imports vLLM's model code (no engine)
-@pytest.mark.parametrize("arch", mtm.ARCHS)
+@pytest.mark.parametrize("arch", [a for a in mtm.ARCHS if a != "qwen2_5_omni"])
 def test_mrope_positions_are_vllms(ckpt, arch):
     """sp.mrope_positions (the trainer's and the HF engine's) equals vLLM's M-RoPE positions on a left-padded batch:
     a 3:2 video of 8 frames (4 frame pairs: time runs past rows and columns), and an image + a 4-frame video, at a time
@@ -326,3 +338,76 @@ def test_mrope_positions_are_vllms(ckpt, arch):
     assert torch.equal(upstream[:, 0], ours[:, 0]) == arch.startswith("qwen3"), (
         "transformers changed: see the docstring"
     )
+
+
+def omni_features(config, ids: list[int], x: dict) -> list:
+    """A prompt's video-with-soundtrack as vLLM 0.32 holds it (MultiModalFeatureSpec's fields): the video's
+    placeholder starts at its <|audio_bos|> (the replacement's first token), the soundtrack is an audio item."""
+    import types
+
+    def feature(kind, offset, **data):
+        fields = {k: types.SimpleNamespace(data=torch.as_tensor(v)) for k, v in data.items()}
+        pos = types.SimpleNamespace(offset=offset)
+        return types.SimpleNamespace(modality=kind, mm_position=pos, data=fields)
+
+    start = ids.index(config.video_token_id) - 1
+    return [
+        feature(
+            "video",
+            start,
+            video_grid_thw=x["video_grid_thw"][0],
+            second_per_grid_ts=x["video_second_per_grid"][0],
+            use_audio_in_video=True,
+        ),
+        feature("audio", start, audio_feature_lengths=x["feature_attention_mask"][0].sum()),
+    ]
+
+
+@pytest.mark.slow  # imports vLLM's model code (no engine)
+def test_omni_positions_are_vllms(ckpt):
+    """Qwen2.5-Omni's TMRoPE (sp.mrope_positions) equals vLLM 0.32's positions (its own function, no engine) on a
+    left-padded batch of two videos with their soundtracks, the frames and the sound interleaved in 2 s chunks: a
+    soundtrack longer than the frames (5.3 s of sound, 8 frames over 2.8 s) and one shorter (1 s), at a time scale
+    that floors (0.7 s per frame pair). vLLM lays each interleaved block from the <|audio_bos|> before it, one token
+    early; transformers' get_rope_index differs from both (LOG.md, session 11): the sampler is the reference."""
+    import sp
+    from transformers import AutoProcessor
+    from vllm.model_executor.models.qwen2_5_omni_thinker import (
+        Qwen2_5OmniThinkerForConditionalGeneration as VLLMThinker,
+    )
+
+    folder = ckpt["qwen2_5_omni"]
+    proc, config = AutoProcessor.from_pretrained(folder), load(folder).config
+    rng = np.random.default_rng(1)
+    video = rng.integers(0, 256, (8, 56, 84, 3), dtype=np.uint8)
+    meta = dict(META, duration=4.0, total_num_frames=8, frames_indices=list(range(8)))
+    xs = []
+    for seconds in (5.3, 1.0):
+        sound = np.sin(np.arange(int(16000 * seconds)) * 0.1).astype(np.float32)
+        xs.append(
+            proc(
+                text=[video_prompt(proc)],
+                videos=[video],
+                video_metadata=[meta],
+                audio=[sound],
+                use_audio_in_video=True,
+                fps=2 / 0.7,
+                do_sample_frames=False,
+                return_tensors="pt",
+            )
+        )
+    S = max(x["input_ids"].shape[1] for x in xs)
+    ids = torch.stack([F.pad(x["input_ids"][0], (S - x["input_ids"].shape[1], 0)) for x in xs])
+    mask = (torch.arange(S) >= torch.tensor([[S - x["input_ids"].shape[1]] for x in xs])).long()
+    grids = dict(
+        video_grid_thw=torch.cat([x["video_grid_thw"] for x in xs]),
+        second_per_grid_ts=torch.cat([x["video_second_per_grid"] for x in xs]),
+    )
+    ours = sp.mrope_positions(ids, mask, grids, config)  # (3, B, S)
+    vllm = object.__new__(VLLMThinker)  # all its position code reads of the model: the config
+    vllm.config = config
+    for b, x in enumerate(xs):
+        tokens = x["input_ids"][0].tolist()
+        assert tokens.count(config.audio_token_id) > 0
+        want, _ = vllm.get_mrope_input_positions(tokens, omni_features(config, tokens, x))
+        assert torch.equal(ours[:, b, mask[b].bool()], want), b
