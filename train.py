@@ -285,10 +285,9 @@ class Config(rewards.JudgeSettings, Media):
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
-    lora_targets: str = (
-        r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    )
-    """regex (full match) over module names getting adapters: the text model's attention and MLP;
+    lora_targets: str = r"(.*language_model|model)\.layers\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    """regex (full match) over module names getting adapters: the text model's attention and MLP (Omni's thinker:
+    model.layers; its audio tower's are left out);
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
 
     def media(self, held_out: bool = False) -> Media:
@@ -2050,7 +2049,14 @@ def main(cfg: Config):
         sampler = OfflineEngine(tok, eos_ids[0])
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
     stats = dict(
-        cache_hit=0, cache_miss=0, cache_corrupt=0, cache_unwritable=0, decode=0, decode_s=0.0
+        cache_hit=0,
+        cache_miss=0,
+        cache_corrupt=0,
+        cache_unwritable=0,
+        decode=0,
+        decode_s=0.0,
+        audio_clipped=0,
+        audio_missing=0,
     )
     prep, val_prep = preparers(cfg, processor, template, stats)
     judge = None
