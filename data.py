@@ -53,6 +53,9 @@ MEDIA_TOKENS = (
     "<|vision_eos|>",
     "<|audio_bos|>",
     "<|audio_eos|>",
+    "<|audio_pad|>",  # Qwen3-Omni's
+    "<|audio_start|>",
+    "<|audio_end|>",
 )
 # Qwen2/2.5/3-VL's and Omni's special tokens, refused in sample text before any model loads (prepare() checks the
 # loaded tokenizer's own): in a problem or an offline_output they forge chat turns or media placeholders.

@@ -885,8 +885,9 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     scaled by tokens_per_second x second_per_grid_ts (Qwen2.5-VL; Omni: position_id_per_seconds),
     and the text after it resumes at its LARGEST position + 1 (transformers 5.19 at max(rows,
     columns), ignoring time: LOG.md session 5). Omni's TMRoPE: a video's soundtrack tokens,
-    interleaved with its frames' in 2 s chunks, count up from the video's own start, one position
-    per 40 ms token, as the frames' time does (25 per second); a lone audio's, as text."""
+    interleaved with its frames' (Qwen2.5-Omni: in 2 s chunks; Qwen3-Omni: token by token in time
+    order), count up from the video's own start, one position per audio token, as the frames'
+    time does (position_id_per_seconds: 25, Qwen3-Omni 13); a lone audio's, as text."""
     merge = config.vision_config.spatial_merge_size
     omni_tps = getattr(config, "position_id_per_seconds", 1)
     tps = getattr(config.vision_config, "tokens_per_second", omni_tps)
@@ -904,6 +905,7 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     runs = {token: token for token in pairs}
     audio_id = getattr(config, "audio_token_id", -1)  # -1: none (Qwen-VL)
     runs[audio_id] = config.video_token_id
+    qwen3 = config.model_type.startswith("qwen3_omni")
     mask = mask.bool().cpu()
     pos = torch.zeros(3, *ids.shape, dtype=torch.long)
     for b, (row, keep) in enumerate(zip(ids.tolist(), mask.tolist())):
@@ -927,7 +929,12 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
                     part[:, ~audio] = grid.T  # (3, t h w)
                     del pairs[token][: len(time)]
                 part = part + start
-                if audio.any() and not audio.all():
+                if audio.any() and not audio.all() and qwen3:
+                    # vLLM 0.32 lays Qwen3-Omni's block in the order of the FLOORED frame times (a
+                    # frame first on a tie), whatever token holds each position; the processor
+                    # orders the tokens by the unfloored times
+                    part = part[:, (part[0] * 2 + audio).argsort(stable=True)]
+                elif audio.any() and not audio.all():
                     # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
                     # <|audio_bos|> before it: one token early, the last token resuming as text
                     part = part - 1

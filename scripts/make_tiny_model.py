@@ -162,6 +162,28 @@ ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
     ),
     tokens=OMNI_TOKENS,  # the tokenizer's named tokens, which the Omni processor reads
 )
+# Qwen3-Omni's MoE thinker: the published layout as Qwen2.5-Omni's (talker and code2wav off), Qwen3-VL's tower and
+# interleaved M-RoPE, Qwen3-VL-MoE's sparse MLP, the Qwen-VL placeholders plus <|audio_pad|>, 13 positions per second
+# (the real config's; transformers' default 25 is Qwen2.5-Omni's), a Whisper-like audio tower with a conv stem
+# (downsample_hidden_size; real: 480). Its template: Qwen3-VL's, which renders our video + text prompts as
+# Qwen3-Omni-30B-A3B-Instruct's chat_template.json does (not found verbatim in the reference stores: replace it)
+ARCHS["qwen3_omni_moe"] = ARCHS["qwen3_vl_moe"] | dict(
+    classes=(
+        "Qwen3OmniMoeConfig",
+        "Qwen3OmniMoeForConditionalGeneration",
+        "Qwen3OmniMoeProcessor",
+        "Qwen2VLVideoProcessor",
+    ),
+    rope=ARCHS["qwen3_vl"]["rope"] | dict(rope_theta=1e6),
+    audio=ARCHS["qwen2_5_omni"]["audio"] | dict(downsample_hidden_size=32),
+    thinker=dict(position_id_per_seconds=13),
+    tokens=VL_TOKENS
+    | dict(
+        audio_token="<|audio_pad|>",
+        audio_bos_token="<|audio_start|>",
+        audio_eos_token="<|audio_end|>",
+    ),
+)
 # Qwen3.5-MoE: Qwen3.5 with a sparse MLP (4 experts, top 2; real: 256, top 8) plus its shared expert
 ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5"] | dict(
     classes=("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration") + QWEN3_VL_PROCESSORS,
@@ -300,6 +322,7 @@ def build(
         "qwen3_5",
         "qwen3_5_moe",
         "qwen2_5_omni",
+        "qwen3_omni_moe",
     ],
     out: str,
     seed: int = 0,
@@ -374,19 +397,17 @@ def build(
         k: v for k, v in VARIANTS[variant][1].items() if k in vision
     }  # the settings this arch has
     if "audio" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
-        # its placeholders are *_token_index fields (*_token_id only reads them)
+        # Qwen2.5-Omni maps the *_token_id names to its *_token_index fields
         thinker = dict(
             text_config=text,
             vision_config=vision,
             audio_config=spec["audio"],
             tie_word_embeddings=False,
-            image_token_index=ids[names["image_token"]],
-            video_token_index=ids[names["video_token"]],
-            audio_token_index=ids[names["audio_token"]],
+            audio_token_id=ids[names["audio_token"]],
             audio_start_token_id=ids[names["audio_bos_token"]],
             audio_end_token_id=ids[names["audio_eos_token"]],
-            vision_start_token_id=token_ids["vision_start_token_id"],
-            vision_end_token_id=token_ids["vision_end_token_id"],
+            **token_ids,
+            **spec.get("thinker", {}),
         )
         config = Cfg(thinker_config=thinker, enable_audio_output=False, dtype="float32")
     else:

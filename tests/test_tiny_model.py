@@ -131,7 +131,7 @@ def test_transformers_forward_with_video(ckpt, arch):
     assert model.dtype == torch.float32
     # the Omni processor's own video size (128 tokens at least) overrides its video processor's: data.prepare and
     # vLLM's requests pass do_resize=False, the frames already sized (cache.py)
-    kept = {"do_resize": False} if arch == "qwen2_5_omni" else {}
+    kept = {"do_resize": False} if "omni" in arch else {}
     x = proc(
         text=[video_prompt(proc)],
         videos=[frames(arch)],
@@ -250,7 +250,7 @@ def vllm_positions(arch: str, config, tokens: list[int], items: list) -> torch.T
 
 
 @pytest.mark.slow  # imports vLLM's model code (no engine)
-@pytest.mark.parametrize("arch", [a for a in mtm.ARCHS if a != "qwen2_5_omni"])
+@pytest.mark.parametrize("arch", [a for a in mtm.ARCHS if "omni" not in a])
 def test_mrope_positions_are_vllms(ckpt, arch):
     """sp.mrope_positions (the trainer's and the HF engine's) equals vLLM's M-RoPE positions on a left-padded batch:
     a 3:2 video of 8 frames (4 frame pairs: time runs past rows and columns), and an image + a 4-frame video, at a time
@@ -364,19 +364,26 @@ def omni_features(config, ids: list[int], x: dict) -> list:
 
 
 @pytest.mark.slow  # imports vLLM's model code (no engine)
-def test_omni_positions_are_vllms(ckpt):
-    """Qwen2.5-Omni's TMRoPE (sp.mrope_positions) equals vLLM 0.32's positions (its own function, no engine) on a
-    left-padded batch of two videos with their soundtracks, the frames and the sound interleaved in 2 s chunks: a
-    soundtrack longer than the frames (5.3 s of sound, 8 frames over 2.8 s) and one shorter (1 s), at a time scale
-    that floors (0.7 s per frame pair). vLLM lays each interleaved block from the <|audio_bos|> before it, one token
-    early; transformers' get_rope_index differs from both (LOG.md, session 11): the sampler is the reference."""
+@pytest.mark.parametrize("arch", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_omni_positions_are_vllms(ckpt, arch):
+    """The Omni thinkers' TMRoPE (sp.mrope_positions) equals vLLM 0.32's positions (its own function, no engine) on
+    a left-padded batch of two videos with their soundtracks: a soundtrack longer than the frames (5.3 s of sound, 8
+    frames over 2.8 s) and one shorter (1 s), at a time scale that floors (0.7 s per frame pair). Qwen2.5-Omni
+    interleaves in 2 s chunks and vLLM lays each block from the <|audio_bos|> before it, one token early; Qwen3-Omni
+    interleaves token by token, and vLLM lays the positions in the order of the floored frame times (9.1 -> 9: a
+    frame's position before the 9th audio token's, on the 9th audio token). transformers' get_rope_index differs
+    (LOG.md, session 11): the sampler is the reference."""
+    import importlib
+
     import sp
     from transformers import AutoProcessor
-    from vllm.model_executor.models.qwen2_5_omni_thinker import (
-        Qwen2_5OmniThinkerForConditionalGeneration as VLLMThinker,
-    )
 
-    folder = ckpt["qwen2_5_omni"]
+    module, name = {
+        "qwen2_5_omni": ("qwen2_5_omni_thinker", "Qwen2_5OmniThinkerForConditionalGeneration"),
+        "qwen3_omni_moe": ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    }[arch]
+    VLLMThinker = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+    folder = ckpt[arch]
     proc, config = AutoProcessor.from_pretrained(folder), load(folder).config
     rng = np.random.default_rng(1)
     video = rng.integers(0, 256, (8, 56, 84, 3), dtype=np.uint8)
