@@ -175,7 +175,11 @@ ARCHS["qwen3_omni_moe"] = ARCHS["qwen3_vl_moe"] | dict(
         "Qwen2VLVideoProcessor",
     ),
     rope=ARCHS["qwen3_vl"]["rope"] | dict(rope_theta=1e6),
-    audio=ARCHS["qwen2_5_omni"]["audio"] | dict(downsample_hidden_size=32),
+    # vLLM sizes the position table from image_size (16 patches a side: num_position_embeddings'; real: 768)
+    vision=ARCHS["qwen3_vl"]["vision"] | dict(image_size=256, apply_vit_abs_pos_embed=True),
+    # at init 0.02 the conv stem's output is ~1e-3 of the sinusoidal positions it is added to: every sound encodes
+    # alike (features 2e-4 apart for two pitches; 0.05: 9e-3, as Qwen2.5-Omni's tower at 0.02)
+    audio=ARCHS["qwen2_5_omni"]["audio"] | dict(downsample_hidden_size=32, initializer_range=0.05),
     thinker=dict(position_id_per_seconds=13),
     tokens=VL_TOKENS
     | dict(

@@ -1,4 +1,4 @@
-"""Audio-visual RL with the Qwen2.5-Omni thinker (issue 45) on the real tiny checkpoint, a real vLLM engine and a real
+"""Audio-visual RL with the Qwen2.5-Omni and Qwen3-Omni (MoE) thinkers (issue 45) on the real tiny checkpoints, a real vLLM engine and a real
 2-rank torchrun run: each video's soundtrack reaches both samplers AND the trainer's forward, and their log-probs
 agree; without the soundtrack in the trainer's forward (Long-RL's path: the audio reaches vLLM only) they do not.
 
@@ -29,12 +29,14 @@ LOGP_TOL = 1e-4  # test_rollout's: fp32 on this CPU
 # the soundtrack left out of the trainer's forward, or another video's (another pitch), moves log-probs by far more:
 # measured 0.39 and 7.9e-3 on the random tiny model (LOG.md session 11); the agreement is 1e-6
 DEAF = 1e-3
+# a 2 s soundtrack's tokens: 25 a second (Qwen2.5-Omni), 13 for each full second of 100 mel frames (Qwen3-Omni)
+AUDIO_TOKENS = {"qwen2_5_omni": 50, "qwen3_omni_moe": 26}
 
 
-def omni_dir() -> str:
+def omni_dir(arch: str = "qwen2_5_omni") -> str:
     import make_tiny_model
 
-    return make_tiny_model.ensure("qwen2_5_omni", root=os.path.join(ROOT, ".cache/models"))
+    return make_tiny_model.ensure(arch, root=os.path.join(ROOT, ".cache/models"))
 
 
 def tone_dir() -> str:
@@ -48,13 +50,13 @@ def tone_dir() -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def omni():
-    """The processor, the thinker as the trainer loads it (one process: no FSDP), 3 prompts with their videos'
-    soundtracks (3 pitches), and an engine of its own."""
+@pytest.fixture(scope="module", params=AUDIO_TOKENS)
+def omni(request):
+    """The arch, the processor, the thinker as the trainer loads it (one process: no FSDP), 3 prompts with their
+    videos' soundtracks (3 pitches), and an engine of its own."""
     from transformers import AutoProcessor
 
-    folder = omni_dir()
+    folder = omni_dir(request.param)
     cfg = tiny_config(model=folder, video_audio=True)
     proc = AutoProcessor.from_pretrained(folder)
     model = train.load_model(cfg, torch.device("cpu")).eval()
@@ -73,7 +75,7 @@ def omni():
         for k, v in world.items():
             mp.setenv(k, v)
         engine = VLLMEngine(folder, proc.tokenizer, max_model_len=1024, dtype="float32")
-    yield proc, model, prompts, engine
+    yield request.param, proc, model, prompts, engine
     engine.close()
 
 
@@ -98,13 +100,13 @@ def test_omni_samplers_agree_with_trainer(omni):
     """vLLM's and the HF sampler's log-probs on video + soundtrack prompts are the trainer's (LOGP_TOL): the same
     interleaved prompt ids (else generate raises), the same TMRoPE positions, the soundtrack encoded in the trainer's
     forward. The trainer that drops the soundtrack, or hears another video's, is off by more than DEAF. After a
-    weight sync (the published "thinker." names) vLLM samples from the new weights."""
-    proc, model, prompts, engine = omni
+    weight sync (Qwen2.5-Omni: the published "thinker." names; Qwen3-Omni: vLLM maps the thinker's own, its fused
+    experts as transformers holds them) vLLM samples from the new weights."""
+    arch, proc, model, prompts, engine = omni
     tok = proc.tokenizer
     assert all(p.audios and "input_features" in p.mm for p in prompts)
-    assert all(
-        p.prompt_ids.count(model.config.audio_token_id) == 50 for p in prompts
-    )  # 2 s at 25 per s
+    n_audio = AUDIO_TOKENS[arch]
+    assert all(p.prompt_ids.count(model.config.audio_token_id) == n_audio for p in prompts)
     rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
     exact = trainer_logp_diff(model, rollouts, tok)
     hf = HFEngine(model, tok, eos_token_ids(model))
@@ -116,10 +118,10 @@ def test_omni_samplers_agree_with_trainer(omni):
     for r in swapped:
         r.prompt = prompts[1 - prompts.index(r.prompt)]
     other = trainer_logp_diff(model, swapped, tok)
-    print(f"omni: vLLM {exact:.2e}, HF {hf_exact:.2e}, deaf {longrl:.2e}, swapped {other:.2e}")
+    print(f"{arch}: vLLM {exact:.2e}, HF {hf_exact:.2e}, deaf {longrl:.2e}, swapped {other:.2e}")
     assert exact < LOGP_TOL and hf_exact < LOGP_TOL
     assert longrl > DEAF and other > DEAF
-    new = train.load_model(tiny_config(model=omni_dir()), torch.device("cpu")).eval()
+    new = train.load_model(tiny_config(model=omni_dir(arch)), torch.device("cpu")).eval()
     torch.manual_seed(0)
     with torch.no_grad():
         for p in new.parameters():
@@ -127,7 +129,7 @@ def test_omni_samplers_agree_with_trainer(omni):
     stale = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), tok)
     engine.sync(new)
     synced = trainer_logp_diff(new, engine.generate(prompts, 2, 1.0, 6, seed=2), tok)
-    print(f"omni sync: stale {stale:.2e}, synced {synced:.2e}")
+    print(f"{arch} sync: stale {stale:.2e}, synced {synced:.2e}")
     assert stale > 0.1 and synced < LOGP_TOL, (stale, synced)
 
 
