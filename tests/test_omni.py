@@ -1,6 +1,7 @@
-"""Audio-visual RL with the Qwen2.5-Omni and Qwen3-Omni (MoE) thinkers (issue 45) on the real tiny checkpoints, a real vLLM engine and a real
-2-rank torchrun run: each video's soundtrack reaches both samplers AND the trainer's forward, and their log-probs
-agree; without the soundtrack in the trainer's forward (Long-RL's path: the audio reaches vLLM only) they do not.
+"""Audio-visual RL with the Omni thinkers (issue 45) on the real tiny checkpoints, a real vLLM engine each and a real
+2-rank torchrun run (Qwen2.5-Omni): each video's soundtrack reaches both samplers AND the trainer's forward, and their
+log-probs agree (Qwen2.5-Omni and Qwen3-Omni's MoE thinker); without the soundtrack in the trainer's forward (Long-RL's
+path: the audio reaches vLLM only) they do not.
 
     .venv/bin/python -m pytest -q tests/test_omni.py
 """
