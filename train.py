@@ -1343,13 +1343,19 @@ def load_model(cfg: Config, device, value_head: bool = False):
     if cfg.sp_size > 1:
         sp.use_ulysses(model)
     if cfg.lora_rank:  # before fully_shard, which shards the frozen base and the adapters alike
+        import re
+
         from peft import LoraConfig, get_peft_model
 
+        # full names, the regex resolved here: peft 0.21 rewrites a regex over a model whose checkpoint
+        # layout transformers converts (Qwen3-Omni's per-expert weights) into bare leaf names, adapting
+        # every q_proj (its audio tower's too) and the fused experts, which the weight sync cannot merge
+        targets = [n for n, _ in model.named_modules() if re.fullmatch(cfg.lora_targets, n)]
         lora = LoraConfig(
             r=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_targets,
+            target_modules=targets,
         )
         model = get_peft_model(model, lora)
     if value_head:  # every rank draws the same weights (fully_shard keeps its shard of them)
