@@ -1,5 +1,5 @@
-"""Build tiny random-weight Qwen2-VL / 2.5-VL / 3-VL (dense, MoE) / 3.5 (dense, MoE) / 2.5-Omni checkpoints (no hub, no
-network).
+"""Build tiny random-weight Qwen2-VL / 2.5-VL / 3-VL (dense, MoE) / 3.5 (dense, MoE) / 2.5-Omni / 3-Omni (MoE)
+checkpoints (no hub, no network).
 
     python scripts/make_tiny_model.py --arch qwen3_vl --out .cache/models/tiny-qwen3_vl [--seed 0] [--force]
 
