@@ -460,7 +460,7 @@ def load_audio(
     silence, or under no_audio=error a VideoError naming the file)."""
     if stats is None:
         stats = {}
-    settings = dict(rate=rate, max_s=float(max_s))
+    settings = dict(rate=int(rate), max_s=float(max_s))
     audio, meta = load_entry(
         path, settings, end, decode_audio, audio_fits, media.cache_dir, media.video_source, stats
     )
