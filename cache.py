@@ -221,12 +221,13 @@ def decode_audio(
             chunks = [np.zeros(n, np.float32)]
             if not missing:
                 chunks = []
+                got = 0
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
                 for frame in container.decode(audio=0):
-                    chunks += [out.to_ndarray()[0] for out in resampler.resample(frame)]
-                    if (
-                        sum(map(len, chunks)) >= n
-                    ):  # the first n samples are final: the rest is not read
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray()[0])
+                        got += out.samples
+                    if got >= n:  # the first n samples are final: the rest is not read
                         break
                 chunks += [out.to_ndarray()[0] for out in resampler.resample(None)]
             audio = np.concatenate(chunks)[:n]
