@@ -290,9 +290,8 @@ def gen_tone(rng, c, T, H, W, fps):
         TONE_OPTIONS,
         "multiple choice",
         f"<answer>{L}</answer>",
-        round(
-            200 * 2 ** (c + rng.uniform(-0.25, 0.25)), 1
-        ),  # the tone (Hz): only this task has an 8th
+        # the tone (Hz): only this task has an 8th value
+        round(200 * 2 ** (c + rng.uniform(-0.25, 0.25)), 1),
     )
 
 
