@@ -20,6 +20,7 @@ from train import Config, check_config, load_config, main
 
 CHOICES = {
     "video_source",
+    "no_audio",
     "rollout",
     "response_format",
     "adv_estimator",
