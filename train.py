@@ -285,7 +285,10 @@ class Config(rewards.JudgeSettings, Media):
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
-    lora_targets: str = r"(.*language_model|model)\.layers\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    lora_targets: str = (
+        r"(.*language_model|model)\.layers\..*\."
+        r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    )
     """regex (full match) over module names getting adapters: the text model's attention and MLP (Omni's thinker:
     model.layers; its audio tower's are left out);
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
@@ -1337,6 +1340,8 @@ def load_model(cfg: Config, device, value_head: bool = False):
         tower.requires_grad_(not cfg.freeze_vision)
     layers = list(sp.language_model(model).layers)
     blocks = layers + list(visual.blocks)
+    if hasattr(model, "audio_tower"):  # its layers: units as the vision tower's blocks
+        blocks += list(model.audio_tower.layers)
     if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
         for block in layers if cfg.freeze_vision else blocks:
             checkpoint_module(block)
