@@ -35,10 +35,13 @@ def stored(model: str, dtype: str) -> tuple[dict, dict]:
         raise KeyError(
             f"{STORE}: no measurements {key!r} (tests/test_memory_plan.py::test_measurements_reproduce)"
         )
-    if model in store["published"]:
-        return store["published"][model], store["measured"][key]
-    with open(os.path.join(model, "config.json")) as f:
-        return json.load(f), store["measured"][key]
+    spec = store["published"].get(model)
+    if spec is None:
+        with open(os.path.join(model, "config.json")) as f:
+            spec = json.load(f)
+    # Omni: its thinker's (the trained model), under the model's type (its tiny checkpoint's)
+    thinker = spec.get("thinker_config", spec)
+    return thinker | {"model_type": spec["model_type"]}, store["measured"][key]
 
 
 @dataclasses.dataclass
@@ -112,7 +115,9 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     )
     pairs = int(out["video_grid_thw"][0, 0])
     per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
-    return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
+    # Omni: the soundtrack's tokens, 25 a second up to the feature extractor's 30 s
+    sound = int(25 * min(30, q.meta["duration"])) * cfg.video_audio
+    return out["input_ids"].shape[1] + pairs * (per_pair - 1) + sound, int(
         out["video_grid_thw"].prod()
     ) * per_pair
 
