@@ -37,9 +37,9 @@ import os
 import sys
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import memory  # noqa: E402  (puts the repository first on sys.path)
-import torch  # noqa: E402
+import memory  # its harness puts the repository first on sys.path
+import torch
+from harness import load
 
 TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
 SPEED_FRAMES = 512  # the speed rows' clips
@@ -182,8 +182,8 @@ def count_videos(out: list, module, args, kw):
 
 def main(c: memory.Config):
     print(
-        f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
+        f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; "
+        f"{load()} (timings are noisy)"
     )
     print(
         "| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "

@@ -15,15 +15,14 @@ import ctypes
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT, launch, load, torchrun
+
 OFF = dict(
     freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0
 )
@@ -199,22 +198,13 @@ def worker(c: Config) -> dict:
 def run(c: Config, setting: str) -> dict:
     """worker() in a fresh process, or c.ranks under torchrun sharing 2 threads: the peak and time of the rank that
     rose the most and took the longest."""
-    launch = [sys.executable]
-    if c.ranks > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.ranks}"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(replace(c, worker=setting)).items()]
-    p = subprocess.run(
-        launch + [__file__, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))),
-    )
-    if p.returncode:
-        sys.exit(
-            f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}"
-        )
-    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"peak"')]
+    cmd = [sys.executable, __file__, *args]
+    if c.ranks > 1:
+        cmd = torchrun(c.ranks, __file__, *args)
+    what = f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames)"
+    out = launch(cmd, what, OMP_NUM_THREADS=str(max(1, 2 // c.ranks)))
+    ranks = [json.loads(line) for line in out.splitlines() if line.startswith('{"peak"')]
     return dict(ranks[0], peak=max(r["peak"] for r in ranks), time=max(r["time"] for r in ranks))
 
 
@@ -240,7 +230,7 @@ def main(c: Config):
     prepare(c)
     print(
         f"{c.prompts} clips x {c.frames} frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} "
-        f"response tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
+        f"response tokens; {load()} (timings are noisy)"
     )
     print("| setting | peak memory | step time | vision encodes per step |\n|---|---|---|---|")
     rows = {}
