@@ -13,12 +13,10 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT
 
 
 def tree_cpu() -> float:

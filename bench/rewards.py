@@ -5,13 +5,11 @@
 """
 
 import json
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+import harness  # noqa: F401  (puts the repository on sys.path)
+import rewards
 
 OPTIONS = ["A. red", "B. green", "C. blue", "D. yellow"]
 WORDS = "a man woman dog cat red blue car street walks runs slowly into the park near house opens door".split()

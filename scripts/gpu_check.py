@@ -42,13 +42,8 @@ SETTINGS = {
     "ckpt on": dict(gradient_checkpointing=True),
     "ckpt on + offload": dict(gradient_checkpointing=True, offload=True),
 }
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756),
-    ("H100", 989),
-    ("H200", 989),
-    ("A100", 312),
-    ("B200", 2250),
-)  # dense bf16
+# dense bf16, by a part of the device's name (the first that matches)
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "A100": 312, "B200": 2250}
 
 
 @dataclass
@@ -122,8 +117,12 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
     model.save_pretrained(folder)
     sizes = [numel(b) for b in [*model.model.language_model.layers, *model.model.visual.blocks]]
     total = numel(model)
-    root = total - sum(sizes)
-    return dict(total=total, largest_layer=max(sizes), root=root, vision=numel(model.model.visual))
+    return dict(
+        total=total,
+        largest_layer=max(sizes),
+        root=total - sum(sizes),
+        vision=numel(model.model.visual),
+    )
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
@@ -397,7 +396,7 @@ def main(c: Config) -> list[str]:
     if device.type == "cuda":
         report["device"] = torch.cuda.get_device_name(device)
         report["peak_tflops"] = c.peak_tflops or next(
-            (t for k, t in PEAK_TFLOPS if k in report["device"]), 0
+            (t for k, t in PEAK_TFLOPS.items() if k in report["device"]), 0
         )
     start = time.time()
     last = 0.0  # the last model's time
