@@ -49,8 +49,3 @@ def train(ranks: int, out: str, steps: int, flags: list[str], what: str, **env: 
     launch(torchrun(ranks, *args, "--max-steps", str(steps), *flags), what, **env)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def load() -> str:
-    """The machine's load, for a line above timings that other processes slow."""
-    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"

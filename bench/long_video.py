@@ -39,7 +39,6 @@ from dataclasses import replace
 
 import memory  # its harness puts the repository first on sys.path
 import torch
-from harness import load
 
 TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
 SPEED_FRAMES = 512  # the speed rows' clips
@@ -183,7 +182,7 @@ def count_videos(out: list, module, args, kw):
 def main(c: memory.Config):
     print(
         f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; "
-        f"{load()} (timings are noisy)"
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
     )
     print(
         "| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "

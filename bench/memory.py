@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from harness import ROOT, launch, load, torchrun
+from harness import ROOT, launch, torchrun
 
 OFF = dict(
     freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0
@@ -230,7 +230,7 @@ def main(c: Config):
     prepare(c)
     print(
         f"{c.prompts} clips x {c.frames} frames {c.size}x{c.size}, group_size {c.group_size}, {c.response_len} "
-        f"response tokens; {load()} (timings are noisy)"
+        f"response tokens; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
     )
     print("| setting | peak memory | step time | vision encodes per step |\n|---|---|---|---|")
     rows = {}

@@ -15,7 +15,7 @@ keeps its fastest run's (the least slowed by other processes, as bench/memory.py
 import os
 import statistics
 
-from harness import ROOT, load, train
+from harness import ROOT, train
 
 RUNS = [(1, "auto"), (2, "reshard"), (2, "keep"), (2, "replicate"), (2, "auto")]
 STEPS = 8  # train.py steps per run
@@ -44,7 +44,9 @@ def main():
 
     runs = [run(*setting) for _ in range(ROUNDS) for setting in RUNS]
     median = {setting: min(runs[k :: len(RUNS)]) for k, setting in enumerate(RUNS)}
-    print(f"train phase, 8 prompts x 8, {load()}")
+    print(
+        f"train phase, 8 prompts x 8, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"| processes | fsdp | train phase (median, fastest of {ROUNDS} runs) |\n|---|---|---|")
     for (ranks, fsdp), m in median.items():
         print(f"| {ranks} | {fsdp} | {m:.3f} s |")
