@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from repo import ROOT
+
 CONFIG = "configs/tiny_cpu.yaml"
 
 

@@ -11,8 +11,8 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from repo import ROOT
+
 GIB = 2**30
 SOURCE_HW = (
     720,

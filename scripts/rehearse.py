@@ -19,8 +19,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from repo import ROOT
+
 PROMPT_LEN = 1024  # the rehearsal's max_prompt_len (a 16-frame 56 x 56 question is ~100 tokens)
 RESPONSE_LEN = 16
 VARIANTS = {  # published (query heads, KV heads) -> make_tiny_model's variant
