@@ -42,6 +42,7 @@ SETTINGS = {
     "ckpt on": dict(gradient_checkpointing=True),
     "ckpt on + offload": dict(gradient_checkpointing=True, offload=True),
 }
+FIGURES = ("ratio", "logp_s", "update_s", "tokens_per_s")  # the table's columns after the peaks
 # dense bf16, by a part of the device's name (the first that matches)
 PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "A100": 312, "B200": 2250}
 
@@ -333,15 +334,12 @@ def table(report: dict) -> list[str]:
             within.append(r["ratio"] is not None and abs(r["ratio"] - 1) <= TOLERANCE)
         if peak and "flops" in r:
             r["mfu"] = r["flops"] / (r["update_s"] * peak * 1e12)
-        cells = [
-            os.path.basename(r["model"]),
-            r["setting"],
-            gib(r["predicted"]),
-            gib(r["measured"]),
-        ]
-        figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
-        cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
-        lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
+        figures = [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in FIGURES]
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+        lines.append(
+            f"| {os.path.basename(r['model'])} | {r['setting']} | {gib(r['predicted'])} | "
+            f"{gib(r['measured'])} | {' | '.join(figures)} | {mfu} |"
+        )
     with_mfu = [r for r in report["rows"] if "mfu" in r]
     if with_mfu:
         best = max(with_mfu, key=lambda r: r["mfu"])

@@ -516,11 +516,12 @@ def main(c: Config) -> Plan | list[str]:
         video_max_frames=c.frames or cfg.video_max_frames,
         max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch,
     )
-    with open(STORE) as f:  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
-        cuda = (
-            f"{os.path.basename(os.path.normpath(cfg.model))} bfloat16" in json.load(f)["measured"]
-        )
-    spec, meas = stored(cfg.model, "bfloat16" if cuda else "float32")
+    cuda = True  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
+    try:
+        spec, meas = stored(cfg.model, "bfloat16")
+    except KeyError:
+        cuda = False
+        spec, meas = stored(cfg.model, "float32")
     if c.table:
         lines = table(dataclasses.replace(c, gpus=gpus), cfg, spec, meas)
         print("\n".join(lines))
