@@ -31,7 +31,6 @@ Memory: the resident-set rise over the step, less the file-backed pages it fault
 (memory.mark, memory.rise), the largest rank's. Details: docs/speed.md.
 """
 
-import functools
 import json
 import os
 import sys
@@ -151,9 +150,7 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     if t.ref is not None:
         towers["reference"] = t.ref.model.visual
     for name, tower in towers.items():
-        tower.register_forward_pre_hook(
-            functools.partial(count_videos, videos[name]), with_kwargs=True
-        )
+        memory.count_videos(tower, videos[name])
         for block in tower.blocks:
             block.register_forward_pre_hook(lambda *_: blocks.append(1))
     depth = len(t.model.model.visual.blocks)
@@ -172,11 +169,6 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
             }
         )
     return counts
-
-
-def count_videos(out: list, module, args, kw):
-    """A tower's pre-hook: the videos of this call (HF passes grid_thw, a row per video)."""
-    out.append(len(kw["grid_thw"]))
 
 
 def main(c: memory.Config):

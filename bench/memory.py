@@ -168,12 +168,10 @@ def worker(c: Config) -> dict:
         t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
     ps = prompts(c, processor, cfg)
     rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
-    encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
+    encodes = []
     for m in (t.model, t.ref):  # the reference's tower encodes too (features not frozen)
         if m is not None:
-            m.model.visual.register_forward_pre_hook(
-                lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
-            )
+            count_videos(m.model.visual, encodes)
     peaks = []
     times = []
     for _ in range(c.steps):
@@ -192,6 +190,13 @@ def worker(c: Config) -> dict:
         prompt=len(ps[0].prompt_ids),
         patches=int(ps[0].mm["video_grid_thw"].prod()),
         params=sum(p.numel() for p in t.model.parameters()),
+    )
+
+
+def count_videos(tower, out: list):
+    """Appends to `out` the videos of each call of the vision tower (HF passes grid_thw, a row per video)."""
+    tower.register_forward_pre_hook(
+        lambda _, args, kw: out.append(len(kw["grid_thw"])), with_kwargs=True
     )
 
 
