@@ -146,13 +146,11 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     rollouts = memory.rollouts(c, memory.prompts(c, processor, cfg))
     videos = {"policy": [], "reference": []}  # videos per tower call
     blocks = []
-    towers = {"policy": t.model.model.visual}
-    if t.ref is not None:
-        towers["reference"] = t.ref.model.visual
-    for name, tower in towers.items():
-        memory.count_videos(tower, videos[name])
-        for block in tower.blocks:
-            block.register_forward_pre_hook(lambda *_: blocks.append(1))
+    for name, m in (("policy", t.model), ("reference", t.ref)):
+        if m is not None:
+            memory.count_videos(m.model.visual, videos[name])
+            for block in m.model.visual.blocks:
+                block.register_forward_pre_hook(lambda *_: blocks.append(1))
     depth = len(t.model.model.visual.blocks)
     counts = []
     for _ in range(2):
@@ -161,13 +159,8 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
         blocks.clear()
         memory.train_phase(t, rollouts, cfg, processor.tokenizer)
         calls = sum(len(v) for v in videos.values())
-        counts.append(
-            {
-                "policy": sum(videos["policy"]) / c.prompts,
-                "reference": sum(videos["reference"]) / c.prompts,
-                "recomputed": len(blocks) / depth - calls,
-            }
-        )
+        per_prompt = {name: sum(v) / c.prompts for name, v in videos.items()}
+        counts.append(per_prompt | {"recomputed": len(blocks) / depth - calls})
     return counts
 
 
@@ -231,9 +224,10 @@ def print_encodes(c: memory.Config):
             for k, s in enumerate(counts)
         ]
         print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): " + "; ".join(steps))
-    n = trained[0]["policy"] + trained[0]["reference"]
-    m = frozen[0]["policy"] + frozen[0]["reference"]
-    print(f"vision encodes per prompt and step: {n:g} (trained tower), {m:g} (frozen)")
+    print(
+        f"vision encodes per prompt and step: {trained[0]['policy'] + trained[0]['reference']:g} "
+        f"(trained tower), {frozen[0]['policy'] + frozen[0]['reference']:g} (frozen)"
+    )
 
 
 if __name__ == "__main__":

@@ -175,9 +175,9 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     vision = model.config.vision_config
     tower = model.model.visual
     tokens = len(prompt.prompt_ids) + response
-    grid = prompt.mm["video_grid_thw"][0].tolist()  # t, h, w
-    frame = grid[1] * grid[2]  # patches of a frame pair
-    patches = grid[0] * frame
+    pairs, h, w = prompt.mm["video_grid_thw"][0].tolist()
+    frame = h * w  # patches of a frame pair
+    patches = pairs * frame
     layers = model.model.language_model.layers
     dec = numel(layers)
     blk = numel(tower.blocks)

@@ -11,8 +11,8 @@ import os
 import re
 import sys
 
-from repo import ROOT
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 GIB = 2**30
 SOURCE_HW = (
     720,
@@ -539,11 +539,15 @@ def main(c: Config) -> Plan | list[str]:
         f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
         f"(720p): {prompt} prompt tokens, {patches} patches"
     )
-    parts = {**p.held, **{f"+ the largest: {k}": v for k, v in p.transient.items()}}
-    parts.update({f"vLLM: {k}": v for k, v in p.vllm.items()} if cuda else {})
-    parts.update({f"host: {k}": v for k, v in p.host.items()})
-    for label, value in parts.items():
-        print(f"  {label:<62} {value / GIB:7.2f} GiB")
+    parts = {
+        "": p.held,
+        "+ the largest: ": p.transient,
+        "vLLM: ": p.vllm if cuda else {},
+        "host: ": p.host,
+    }
+    for prefix, part in parts.items():
+        for label, value in part.items():
+            print(f"  {prefix + label:<62} {value / GIB:7.2f} GiB")
     ranks = min(gpus, 8)
     print(
         f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "
