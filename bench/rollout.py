@@ -119,12 +119,11 @@ def main():
     )
     for (engine, ranks), shapes in res.items():
         for r in shapes:
-            (gen_off, sync_off), (gen_on, sync_on) = (
-                [f"{1000 * x:.0f} ms" for x in r[k]] for k in ("off", "on")
-            )
+            off, on = r["off"], r["on"]  # (generate s, sync s) each
             print(
-                f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} | {gen_off} | {gen_on} "
-                f"| {sync_off} | {sync_on} | {sum(r['off']) / sum(r['on']):.2f}x |"
+                f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} "
+                f"| {1000 * off[0]:.0f} ms | {1000 * on[0]:.0f} ms | {1000 * off[1]:.0f} ms "
+                f"| {1000 * on[1]:.0f} ms | {sum(off) / sum(on):.2f}x |"
             )
     print(f"\nbench total {time.time() - t0:.0f}s; a shared 2-core CPU: timings are noisy")
     r = res["hf", 2][SHAPES.index(("video", 8))]

@@ -26,16 +26,10 @@ OUT = os.path.join(ROOT, ".cache/bench/scaling")
 
 def run(ranks: int, fsdp: str) -> float:
     """One torchrun of train.py: the median time/train of its steps after the warm-up."""
+    out = os.path.join(OUT, f"{ranks}-{fsdp}")
     flags = ["--rollout", "hf", "--fsdp", fsdp]
     what = f"{ranks} ranks, fsdp {fsdp}"
-    rows = train(
-        ranks,
-        os.path.join(OUT, f"{ranks}-{fsdp}"),
-        STEPS,
-        flags,
-        what,
-        OMP_NUM_THREADS=str(2 // ranks),
-    )
+    rows = train(ranks, out, STEPS, flags, what, OMP_NUM_THREADS=str(2 // ranks))
     return statistics.median([r["time/train"] for r in rows][WARMUP:])
 
 
