@@ -245,10 +245,8 @@ def main(c: Config):
             f"| {setting} | {r['peak'] / 2**20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |",
             flush=True,
         )
-    before = rows[PER_ROW]
-    after = rows["all on"]
-    print(f"vision encodes per step: {before['encodes']} -> {after['encodes']}")
-    print(f"peak memory ratio: {before['peak'] / after['peak']:.1f}x")
+    print(f"vision encodes per step: {rows[PER_ROW]['encodes']} -> {rows['all on']['encodes']}")
+    print(f"peak memory ratio: {rows[PER_ROW]['peak'] / rows['all on']['peak']:.1f}x")
 
 
 if __name__ == "__main__":
