@@ -42,8 +42,9 @@ def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
         )
         row = json.loads(open(paths["train"]).readline())  # the one sample
         rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
-    write_jsonl(os.path.join(out, "train.jsonl"), rows)
-    return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
+    path = os.path.join(out, "train.jsonl")
+    write_jsonl(path, rows)
+    return path, [r["videos"][0] for r in rows]
 
 
 def main(

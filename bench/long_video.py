@@ -223,7 +223,7 @@ def print_encodes(c: memory.Config):
             f"tower passes recomputed in backward (checkpointing) {s['recomputed']:g}"
             for k, s in enumerate(counts)
         ]
-        print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): " + "; ".join(steps))
+        print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): {'; '.join(steps)}")
     print(
         f"vision encodes per prompt and step: {trained[0]['policy'] + trained[0]['reference']:g} "
         f"(trained tower), {frozen[0]['policy'] + frozen[0]['reference']:g} (frozen)"

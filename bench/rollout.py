@@ -115,7 +115,7 @@ def main():
     print(
         "\nswitch off: hf one generate per prompt, vllm one all-gather per tensor; on: today's engines\n"
         "| engine | ranks | task | prompts x 8 | prompt tokens | gen off | gen on | sync off | sync on "
-        "| step speedup |\n|" + "---|" * 10
+        "| step speedup |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for (engine, ranks), shapes in res.items():
         for r in shapes:

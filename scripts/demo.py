@@ -38,7 +38,7 @@ def main():
         "--config",
         CONFIG,
     ]
-    print("$ torchrun --nproc_per_node=2 train.py --config " + CONFIG, flush=True)
+    print(f"$ torchrun --nproc_per_node=2 train.py --config {CONFIG}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -324,7 +324,7 @@ def table(report: dict) -> list[str]:
     lines = [
         "| model | setting | predicted peak | measured peak | measured / predicted | logp pass s | update s | "
         "tokens/s | MFU |",
-        "|---" * 9 + "|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     within = []
     peak = report["peak_tflops"]

@@ -396,7 +396,7 @@ def plan(
             over and rows > 1,
             f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row} tokens)",
         ),
-        (over and larger, "DOES NOT FIT: sp_size " + " or ".join(map(str, larger))),
+        (over and larger, f"DOES NOT FIT: sp_size {' or '.join(map(str, larger))}"),
         (over and not cfg.freeze_vision, "DOES NOT FIT: freeze_vision: true"),
         (over, f"DOES NOT FIT: video_max_frames / video_max_pixels (one row is {row} tokens)"),
         (
@@ -445,7 +445,7 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     rollout_tp the largest that vLLM takes in the SP group, legal_tp)."""
     lines = [
         "| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |",
-        "|---" * 6 + "|",
+        "|---|---|---|---|---|---|",
     ]
     for frames in (256, 512, 1024, 2048, 3600):
         one = dataclasses.replace(
@@ -470,7 +470,7 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
             for sp in (1, 2, 4, 8)
         ]
         cells = [f"{p.verdict.split(':')[0].lower()} ({p.train / GIB:.0f} GiB)" for p in plans]
-        lines.append(f"| {frames} | {prompt:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {frames} | {prompt:,} | {' | '.join(cells)} |")
     return lines
 
 

@@ -83,7 +83,7 @@ def nextqa(src: str, out: str) -> dict:
 
 def main(cfg: Config) -> dict:
     counts = {"egoschema": egoschema, "nextqa": nextqa}[cfg.benchmark](cfg.src, cfg.out)
-    print(f"{cfg.benchmark}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+    print(f"{cfg.benchmark}: {', '.join(f'{k} {v}' for k, v in counts.items())}", flush=True)
     return counts
 
 
