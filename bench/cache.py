@@ -153,13 +153,10 @@ def main(
         f"a warm cache must not decode: cache/decode per step {warm_decodes}"
     )
     # each measure's median over the steps after the first: decode_only's, the warm cache's
-    keys = ["time/step", "time/data", "time/gen", "time/train", "time/sync"]
+    times = ("time/step", "time/data", "time/gen", "time/train", "time/sync")
+    keys = [k for k in times if k in runs["prefer_cache"][0]]
     keys += ["cache/decode_s", "cache/decode", "cache/cache_hit"]
-    med = {
-        k: [statistics.median(r[k] for r in rows[1:]) for rows in runs.values()]
-        for k in keys
-        if k in runs["prefer_cache"][0]
-    }
+    med = {k: [statistics.median(r[k] for r in rows[1:]) for rows in runs.values()] for k in keys}
     for k, (dec, warm) in med.items():
         label = f"train {k} (s, median steps 2-{steps})"
         if k.startswith("cache/"):
