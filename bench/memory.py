@@ -168,7 +168,7 @@ def worker(c: Config) -> dict:
         t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
     ps = prompts(c, processor, cfg)
     rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
-    encodes = []
+    encodes = []  # the videos of each call of a vision tower
     for m in (t.model, t.ref):  # the reference's tower encodes too (features not frozen)
         if m is not None:
             count_videos(m.model.visual, encodes)
