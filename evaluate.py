@@ -109,14 +109,8 @@ class Config(cache.Media):
 # takes as they are (not the run's out_dir, nor its rollouts' temperature: held-out answers are greedy)
 FROM_TRAINING = {"max_response_len": "max_tokens", "eval_max_samples": "max_samples"}
 SHARED = (
-    "model",
-    "trust_remote_code",
-    "seed",
-    "max_prompt_len",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "response_format",
-)
+    "model trust_remote_code seed max_prompt_len max_model_len gpu_memory_utilization response_format"
+).split()
 
 
 def load_config(argv: list[str]) -> Config:
@@ -142,8 +136,15 @@ def load_config(argv: list[str]) -> Config:
     if unused:
         media = asdict(run.media(held_out=True))
         renamed = {ours: getattr(run, key) for key, ours in FROM_TRAINING.items()}
-        base = replace(base, **media, **renamed, **{k: getattr(run, k) for k in SHARED})
-        base = replace(base, out_dir=Config.out_dir, temperature=Config.temperature)
+        shared = {k: getattr(run, k) for k in SHARED}
+        base = replace(
+            base,
+            **media,
+            **renamed,
+            **shared,
+            out_dir=Config.out_dir,
+            temperature=Config.temperature,
+        )
         read = [*FROM_TRAINING, *(f"val_{f.name}" for f in fields(cache.Media))]
         print(
             f"{' '.join(paths)}: a training config: its held-out frame settings and {', '.join(FROM_TRAINING)} "
@@ -160,35 +161,9 @@ BENCHMARKS = os.path.join(
 )
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = (
-    "prompt",
-    "q",
-    "opts",
-    "ans",
-    "id",
-    "video",
-    "nested",
-    "type",
-    "extract",
-    "derive",
-    "read",
-    "index",
-    "guess",
-    "keys",
-    "macro",
-    "group",
-    "tiou",
-    "judge",
-    "after",
-    "own",
-    "nest",
-    "line",
-    "prefixes",
-    "drop",
-    "judge_all",
-    "authority",
-    "end",
-    "scale",
-)
+    "prompt q opts ans id video nested type extract derive read index guess keys macro group tiou "
+    "judge after own nest line prefixes drop judge_all authority end scale"
+).split()
 
 
 # a judge rule's fields (benchmarks.yaml)
@@ -658,24 +633,14 @@ def read_mvbench_official(text: str, s: dict):
 
 
 def read_worldsense(text: str, s: dict):
-    """WorldSense (lmms-eval tasks/worldsense utils.py parse_multi_choice_response): punctuation
-    stripped at the ends; every option letter written anywhere is a candidate (its "(A)" comment
-    aside, the code looks for the bare letter), several: the one whose "(X)" is written last, none
-    written so: the first in letter order; no letter: (over 5 words) the options whose text is
-    written, the last written; nothing: "A" (its random choice is commented out)."""
-    table = rewards.option_table(s["options"])[:4]  # the official reads A-D (A-C for 3 options)
-    for c in ",.!?;:'":
-        text = text.strip(c)
-    padded = f" {text} "
-    found = [lt for lt, _ in table if lt in padded]
-    marks = [padded.rfind(f"({lt})") for lt in found]
-    if not found and len(padded.split()) > 5:
-        low = padded.lower()
-        found = [lt for lt, body in table if body.lower() in low]
-        marks = [low.rfind(body.lower()) for lt, body in table if lt in found]
-    got = table[0][0]
-    if found:
-        got = found[marks.index(max(marks))]  # numpy argmax: the first of the largest
+    """WorldSense (lmms-eval tasks/worldsense utils.py parse_multi_choice_response): read_choice on
+    options A-D (A-C for 3), every letter written anywhere a candidate placed at its "(X)" (its
+    "(A)" comment aside, the code looks for the bare letter): several, the one whose "(X)" is
+    written last, none written so, the first in letter order (numpy argmax); no letter: (over 5
+    words) the options whose text is written, the last written; nothing: "A" (its random choice is
+    commented out)."""
+    four = dict(s, options=s["options"][:4])
+    got = read_choice(text, four, ((("{}",), "({})"),))[0] or letters_of(s)[0]
     return got, float(got == gt_letter(s))
 
 
@@ -1309,11 +1274,11 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verd
         return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 
-    from rollout import start_errors
+    from rollout import start_errors, vllm_settings
 
     # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
     with start_errors(cfg.max_model_len):
-        llm = LLM(**engine_settings(cfg, cfg.judge_model, 0))
+        llm = LLM(**vllm_settings(cfg.judge_model, **engine_args(cfg, 0)))
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
     return [rewards.Verdict(None, reply=o.outputs[0].text) for o in outs]
 
@@ -1335,7 +1300,7 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1345,23 +1310,12 @@ def make_engine(cfg: Config, tokenizer):
         ).eval()
         return HFEngine(model, tokenizer, eos_token_ids(model))
     if cfg.engine == "sync":
-        return VLLMEngine(
-            cfg.model,
-            tokenizer,
-            tp=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            dtype=cfg.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            seed=cfg.seed,
-            sleep=False,
-            max_images=1,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        return VLLMEngine(cfg.model, tokenizer, sleep=False, **engine_args(cfg, 1))
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
-        **engine_settings(cfg, cfg.model, 1),
+        **vllm_settings(cfg.model, **engine_args(cfg, 1)),
         enable_chunked_prefill=True,
         data_parallel_size=cfg.data_parallel_size,
     )
@@ -1369,12 +1323,10 @@ def make_engine(cfg: Config, tokenizer):
         return AsyncLLM.from_engine_args(args)
 
 
-def engine_settings(cfg: Config, model: str, media: int) -> dict:
-    """rollout.vllm_settings for `model` by cfg's engine fields, `media` images and videos a prompt."""
-    from rollout import vllm_settings
-
-    return vllm_settings(
-        model,
+def engine_args(cfg: Config, media: int) -> dict:
+    """cfg's engine fields as rollout.VLLMEngine and rollout.vllm_settings take them, `media`
+    images and videos a prompt."""
+    return dict(
         tp=cfg.tensor_parallel_size,
         seed=cfg.seed,
         dtype=cfg.dtype,
