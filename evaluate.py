@@ -1370,11 +1370,10 @@ def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before
     anything loads."""
     model = os.path.realpath(cfg.model)
-    positions = 16384
-    if os.path.exists(os.path.join(cfg.model, "config.json")):
-        with open(os.path.join(cfg.model, "config.json")) as f:
-            hf = json.load(f)
-        positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
+    from rollout import model_spec
+
+    spec = model_spec(cfg.model) or {}  # config.json (a hub model's: its published values)
+    positions = spec.get("text_config", spec).get("max_position_embeddings", 16384)
     # the model's own limit, not the user's choice
     capped = not cfg.max_model_len and positions < 16384
     max_model_len = cfg.max_model_len or min(16384, positions)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import ckpt
 import common
 import data
+import evaluate
 import rewards
 import sp
 from cache import Media
@@ -1655,23 +1656,10 @@ def preparers(cfg: Config, processor, template: str | None, stats: dict):
 
 
 def eval_row(sample: dict, prompt: str, response: str) -> dict:
-    """One held-out row of out_dir/eval/step_N.jsonl (lmms-eval's fields): the training reward's
-    accuracy rule on the response's answer text (rewards.answer_text); unreadable scores 0."""
-    answer = rewards.answer_text(response)
-    value = rewards.accuracy(answer, sample)
-    read = None  # what was read: None when unreadable
-    if value is not None:
-        read = answer
-    return {
-        "doc_id": sample["id"],
-        "input": prompt,
-        "target": rewards.ground_truth(sample),
-        "resps": [response],
-        "filtered_resps": [read],
-        "score": float(value or 0.0),
-        "parse_fail": value is None,
-        "problem_type": sample["problem_type"],
-    }
+    """One held-out row of out_dir/eval/step_N.jsonl: evaluate.py's row of our own benchmark, nvr1
+    (lmms-eval's fields): the training reward's accuracy rule on the response's answer text
+    (rewards.answer_text); unreadable scores 0."""
+    return evaluate.record(sample, "nvr1", prompt, response)
 
 
 def held_out_count(val: list[dict], skipped: list[dict]) -> int:
@@ -2206,22 +2194,9 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
 
 
 LOG_KEYS = (
-    "reward/mean",
-    "reward/accuracy",
-    "reward/format",
-    "reward/parse_fail",
-    "len/mean",
-    "loss",
-    "clipfrac",
-    "entropy",
-    "grad_norm",
-    "mismatch/mean",
-    "eval/accuracy",
-    "time/step",
-    "time/gen",
-    "time/train",
-    "tokens/s",
-)
+    "reward/mean reward/accuracy reward/format reward/parse_fail len/mean loss clipfrac entropy "
+    "grad_norm mismatch/mean eval/accuracy time/step time/gen time/train tokens/s"
+).split()
 
 
 def mean_or_zero(xs: list) -> float:
