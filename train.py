@@ -1025,20 +1025,12 @@ def micro_loss(
     with torch.no_grad():
         has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b.rollout_logp).abs(), 0.0)
-        metrics = {
-            "loss": loss.item(),
-            "clipfrac": (clipped * mask).sum().item(),
-            "entropy": (ent * mask).sum().item(),
-            "kl": (kl * mask).sum().item(),
-            "mismatch_sum": d.sum().item(),
-            "mismatch_n": has.sum().item(),
-            "mismatch_max": d.max().item(),
-            "router_aux": aux.item(),
-        }
+        sums = dict(clipfrac=clipped, entropy=ent, kl=kl, mismatch_sum=d, mismatch_n=has)
         if cfg.tis:
             raw = is_weight(old, b.rollout_logp, mask, level=cfg.tis, cap=float("inf"))
-            metrics["tis_weight"] = w.sum().item()
-            metrics["tis_clipped"] = ((w != raw) & has).sum().item()
+            sums.update(tis_weight=w, tis_clipped=(w != raw) & has)
+        metrics = {k: (v * mask).sum().item() for k, v in sums.items()}  # over the response tokens
+        metrics.update(loss=loss.item(), mismatch_max=d.max().item(), router_aux=aux.item())
     return loss, metrics
 
 
