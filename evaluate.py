@@ -180,12 +180,16 @@ def adapter_problem(ad) -> str:
     if unknown:
         return f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
     if isinstance(ad.get("read"), str) and ad["read"] not in READERS:
-        known = ", ".join(READERS)
-        return f"unknown reader {ad['read']!r}; known: {known} or a list of [pattern, pick] rules"
+        return (
+            f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, "
+            "pick] rules"
+        )
     for rule in (ad.get("type"), *ad.get("derive", {}).values()):
-        if not isinstance(rule, dict):
-            continue
-        if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
+        if isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {
+            "field",
+            "map",
+            "default",
+        }:
             return "a type or derive rule takes field, map and (optionally) default"
     rules = [ad.get("judge")]
     if isinstance(rules[0], dict) and "user" not in rules[0]:  # by question type
@@ -617,17 +621,20 @@ def read_mvbench(text: str, s: dict):
     prompt."""
     text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
     word = text.lower().split(" ")[0]
-    gt = f"({gt_letter(s).lower()})"
     if not any(c in word for c in "abcdefg"):
         return None, 0.0
-    return word, float(word.replace(".", "") in gt or gt in word)
+    return check_ans(word, s)
 
 
 def read_mvbench_official(text: str, s: dict):
     """MVBench as mvbench.ipynb scores it: infer_mvbench's return_prompt "(" + the first line, then
     check_ans on the first word (dots removed) in "(b)" or holding it; never unreadable. Strict: a
     "Best option: (B)" echo is wrong, and an empty answer ("(" is in "(b)") right."""
-    word = ("(" + text.strip().split("\n")[0]).lower().split(" ")[0]
+    return check_ans(("(" + text.strip().split("\n")[0]).lower().split(" ")[0], s)
+
+
+def check_ans(word: str, s: dict):
+    """MVBench's check_ans: right when the word, dots removed, is inside "(b)" or holds it."""
     gt = f"({gt_letter(s).lower()})"
     return word, float(word.replace(".", "") in gt or gt in word)
 

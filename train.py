@@ -1856,13 +1856,13 @@ def train_phase(
     minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies, rows["length"])
     logp_pass(t, minibatches, rollouts, cfg, counts)
     batches = list(itertools.chain(*minibatches))
+    mine = slice(start, start + len(rollouts))  # this rank's rows
     kl_all = None
     kl = 0.0
     if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
         per_token = [kl_penalty(b.old_logp, b.ref_logp, cfg.kl_type) * b.mask for b in batches]
         kl_all = global_tokens(per_token, cfg, t.layout)  # (B_all, R)
-        kl = kl_all[start : start + len(rollouts)].sum().item()  # this rank's rows
-    mine = slice(start, start + len(rollouts))  # this rank's rows
+        kl = kl_all[mine].sum().item()
     m = {}
     if t.critic is not None:  # gae: advantages and returns from the values, the critic's steps
         values_all = global_tokens([b.values for b in batches], cfg, t.layout)  # (B_all, R)
@@ -2031,8 +2031,10 @@ def main(cfg: Config):
     with common.writing(0, cfg.out_dir):
         logger = start_logs(cfg, state, skipped, layout.rank)
     if first_step > cfg.max_steps:
-        at = f"{ckpt_path} is at step {state['step']}"
-        print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
+        print0(
+            f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to "
+            "train"
+        )
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
     signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
@@ -2079,7 +2081,7 @@ def main(cfg: Config):
                 engine, samples["val"], val_prep, cfg, layout, skipped, step=step
             )
         if layout.rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout)
+            row = step_metrics(rows, adv_all, parts, step, cfg, times, layout)
             row["data/skipped"] = len(skipped)
             row["data/skipped_step"] = len(skipped) - n_skipped
             row["data/ids"] = ids
@@ -2091,8 +2093,9 @@ def main(cfg: Config):
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
-            run["skipped"] = skipped
+            run = dict(
+                wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped
+            )
             with common.writing(step, os.path.join(cfg.out_dir, "ckpt")):
                 save_step(cfg, step, t, processor, stream, run)
         if stop:
@@ -2202,7 +2205,6 @@ def step_metrics(
     parts: list[dict],
     step: int,
     cfg: Config,
-    lr: float,
     times: dict,
     layout: sp.Layout,
 ) -> dict:
@@ -2218,7 +2220,7 @@ def step_metrics(
     row = {
         "step": step,
         "reward/mean": mean_or_zero(rew),
-        "lr": lr,
+        "lr": lr_at(step - 1, cfg),
         "grad_norm": parts[0]["m"]["grad_norm"],  # the same on every rank
         "loss": msum["loss"],
         "clipfrac": msum["clipfrac"] / n_tok,
