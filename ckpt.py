@@ -185,7 +185,7 @@ def gather_bucket(bucket: list):
             for (_, t), k in zip(bucket, sizes)
         ]
     )
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    out = flat.new_empty(world * flat.numel())
     # all_gather_single: torch 2.14's name for all_gather_into_tensor (older torch on GPU machines: the old name);
     # gloo takes the flat (not stacked) output
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

@@ -1026,7 +1026,6 @@ class Judge:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        error = ""
         for attempt in range(self.s.judge_retries + 1):
             if attempt:
                 time.sleep(min(5.0, 0.2 * 2**attempt))
@@ -1039,13 +1038,11 @@ class Judge:
                 v.reply = str(reply)
                 break
             except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code} {e.reason}"
+                v = Verdict(None, "judge_error", f"HTTP {e.code} {e.reason}")
                 if e.code not in RETRIED_HTTP:
-                    v = Verdict(None, "judge_error", error)
                     break
             except (OSError, HTTPException, ValueError, LookupError, TypeError) as e:  # net, body
-                error = f"{type(e).__name__}: {e}"
-            v = Verdict(None, "judge_error", error)
+                v = Verdict(None, "judge_error", f"{type(e).__name__}: {e}")
         with self.lock:
             self.counts[v.error or "ok"] += 1
             if v.error:

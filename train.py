@@ -466,8 +466,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run", "world")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
-    counts = ", ".join(f"{len(rows)} {split}" for split, rows in samples.items())
-    print(f"data: {counts}, {len(skipped)} skipped")
+    counts = [f"{len(rows)} {split}" for split, rows in samples.items()]
+    print(f"data: {', '.join(counts)}, {len(skipped)} skipped")
 
     def size(s: dict) -> tuple[int, int]:
         """Media items, then text tokens: the sample whose prompt is likely the longest has the most."""
@@ -1018,8 +1018,9 @@ def micro_loss(
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         text = model.config.get_text_config()
-        experts = (text.num_experts, text.num_experts_per_tok)
-        balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
+        balance = load_balancing_loss_func(
+            tuple(routers), text.num_experts, text.num_experts_per_tok, b.attention_mask
+        )
         aux = balance * mask.sum() / b.n_tok
         loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():
@@ -1692,10 +1693,8 @@ def held_out_accuracy(
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0 and rows:
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    if not rows:
-        return float("nan")
-    # in percent and back, as evaluate.aggregate computed it: the same float in metrics.jsonl
-    return 100 * sum(r["score"] for r in rows) / len(rows) / 100
+    # in percent and back, as evaluate.aggregate computes it: the same float in metrics.jsonl
+    return evaluate.mean(r["score"] for r in rows) / 100
 
 
 def logp_pass(
