@@ -374,16 +374,17 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
         return chr(65 + int(ans))
     if not isinstance(ans, (str, int, float)) or isinstance(ans, bool):
         raise DataError(f"answer must be a string or number, got {type(ans).__name__}")
+    text = str(ans)
     texts = [o[3:] for o in options]
-    if str(ans) in texts:  # the text of the right candidate (MVBench)
-        return chr(65 + texts.index(str(ans)))
-    m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
+    if text in texts:  # the text of the right candidate (MVBench)
+        return chr(65 + texts.index(text))
+    m = _OPTION.match(text)  # "C. blue", "Caption B: ...", "(B)"
     if options and m:
         return option_letter(m)
     # MLVU's scorer makes a ground truth no option's text "(@)": never right
-    if options and len(str(ans)) > 1 and rewards.choice_letter(str(ans), options) is None:
+    if options and len(text) > 1 and rewards.choice_letter(text, options) is None:
         raise DataError(f"answer {ans!r} is no option's letter nor text (options: {texts})")
-    return str(ans)
+    return text
 
 
 # a derive template's field: "{video_id}.mp4" ("{{" is a literal brace)
@@ -1590,7 +1591,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     shown = [
         f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"
     ]
-    print(f"{bench}: " + " | ".join(shown) + f" | unevaluable {len(failed)}", flush=True)
+    print(f"{bench}: {' | '.join(shown)} | unevaluable {len(failed)}", flush=True)
     return res
 
 

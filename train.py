@@ -1605,8 +1605,8 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
-    added = [t.content for t in tok.added_tokens_decoder.values() if t.special]
-    specials = data.SPECIAL_TOKENS + tuple(added)
+    added = tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    specials = data.SPECIAL_TOKENS + added
     load = functools.partial(
         data.load_samples,
         skip_invalid=cfg.skip_invalid,
@@ -1951,9 +1951,8 @@ def finish(
         ]
         lines = []
         for key, style, label in curves:
-            steps = [r["step"] for r in rows if key in r]
-            values = [r[key] for r in rows if key in r]
-            lines.append((steps, values, style, label))
+            have = [r for r in rows if key in r]
+            lines.append(([r["step"] for r in have], [r[key] for r in have], style, label))
         common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         summary = {"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
