@@ -902,21 +902,6 @@ def collate(
     )
 
 
-def reference_logp(
-    model,
-    ref,
-    b: MicroBatch,
-    temperature: float,
-    banned: list[int],
-    chunk: int = 0,
-    layout=None,
-    counts: Counts | None = None,
-) -> torch.Tensor:
-    """The reference's log-probs (B, R) (as_reference)."""
-    with as_reference(model, ref) as m:
-        return token_logp(m, b, temperature, banned, chunk, layout, counts)[0]
-
-
 @contextlib.contextmanager
 def as_reference(model, ref):
     """The reference: the frozen copy `ref`, or with LoRA (ref None) the policy, adapters scaled to
@@ -1734,8 +1719,8 @@ def logp_pass(
             if need_old:
                 b.old_logp = token_logp(t.model, b, *logp_args)[0]
             if cfg.kl_coef > 0:
-                with_ref = replace(b, vision=ref)
-                b.ref_logp = reference_logp(t.model, t.ref, with_ref, *logp_args)
+                with as_reference(t.model, t.ref) as m:
+                    b.ref_logp = token_logp(m, replace(b, vision=ref), *logp_args)[0]
             if t.critic is not None:
                 b.values = token_values(t.critic.model, b, t.layout, counts)
 
