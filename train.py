@@ -1633,13 +1633,6 @@ def preparers(cfg: Config, processor, template: str | None, stats: dict):
     return prep, functools.partial(prep, media=cfg.media(held_out=True))
 
 
-def eval_row(sample: dict, prompt: str, response: str) -> dict:
-    """One held-out row of out_dir/eval/step_N.jsonl: evaluate.py's row of our own benchmark, nvr1
-    (lmms-eval's fields): the training reward's accuracy rule on the response's answer text
-    (rewards.answer_text); unreadable scores 0."""
-    return evaluate.record(sample, "nvr1", prompt, response)
-
-
 def held_out_count(val: list[dict], skipped: list[dict]) -> int:
     """The held-out samples that prepare (the same on every rank): all but those a skip report names."""
     invalid = {report["where"] for report in skipped} & {s["id"] for s in val}
@@ -1667,8 +1660,8 @@ def held_out_accuracy(
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        mine += [  # the rows of the prompts it prepared
-            eval_row(r.prompt.sample, r.prompt.text, r.text)
+        mine += [  # the rows of the prompts it prepared: evaluate.py's of our own benchmark
+            evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text)
             for r in outs[shared.start :][: shared.count]
             if r.prompt.sample.get("pad") is not data.PAD
         ]
