@@ -1545,7 +1545,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     todo = [s for s in samples if s["id"] not in done]
     before = len(done)
     start = time.perf_counter()
-    last = [start]  # when progress was last printed
+    last = start  # when progress was last printed
     guess_seed = None
     if cfg.random_fallback:
         guess_seed = cfg.seed
@@ -1553,14 +1553,15 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     with open(path, "a", encoding="utf-8") as fh:
 
         def write(s: dict, prompt: str, response: str, error: str = ""):
+            nonlocal last
             r = record(s, bench, prompt, response, error, guess_seed, cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
             n = len(done) - before  # each row is a new doc_id
             now = time.perf_counter()
-            if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
-                last[0] = now
+            if now - last > 10 or n == len(todo):  # done/total, rate and ETA on stderr
+                last = now
                 rate = n / (now - start)
                 eta = (len(todo) - n) / rate
                 data.warn(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s")
