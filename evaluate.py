@@ -185,11 +185,9 @@ def adapter_problem(ad) -> str:
             "pick] rules"
         )
     for rule in (ad.get("type"), *ad.get("derive", {}).values()):
-        if isinstance(rule, dict) and not {"field", "map"} <= set(rule) <= {
-            "field",
-            "map",
-            "default",
-        }:
+        if not isinstance(rule, dict):
+            continue
+        if not {"field", "map"} <= set(rule) <= {"field", "map", "default"}:
             return "a type or derive rule takes field, map and (optionally) default"
     rules = [ad.get("judge")]
     if isinstance(rules[0], dict) and "user" not in rules[0]:  # by question type
@@ -1377,9 +1375,9 @@ def read_log(path: str) -> tuple[dict, int]:
 def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before
     anything loads."""
-    model = os.path.realpath(cfg.model)
     from rollout import model_spec
 
+    model = os.path.realpath(cfg.model)
     spec = model_spec(cfg.model) or {}  # config.json (a hub model's: its published values)
     positions = spec.get("text_config", spec).get("max_position_embeddings", 16384)
     # the model's own limit, not the user's choice

@@ -50,35 +50,27 @@ SHORT_ANSWER = 5
 # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
 CODE_TOKENS = 2000
 
+# each problem type's other names in public datasets, as canonical_type meets them (lower case,
+# single spaces): Video-MMMU/MMVU and TempCompass write multi-choice; OVO-Bench's REC is counting,
+# its SSR and CRR boolean
 ALIASES = {
-    "multiple_choice": "multiple choice",
-    "mcq": "multiple choice",
-    "mc": "multiple choice",
-    "multiple-choice": "multiple choice",
-    "multi-choice": "multiple choice",  # Video-MMMU/MMVU, TempCompass
-    "number": "numerical",
-    "numeric": "numerical",
-    "count": "counting",
-    "rec": "counting",  # OVO-Bench REC
-    "binary classification": "boolean",
-    "yes/no": "boolean",
-    "yes_no": "boolean",
-    "ssr": "boolean",
-    "crr": "boolean",
-    "open_ended": "open-ended",
-    "free-form": "open-ended",
-    "free_form": "open-ended",
-    "video qa": "open-ended",
-    "video description": "open-ended",
-    "caption": "open-ended",
-    "captioning": "open-ended",
-    "mathematics": "math",
-    "coding": "code",
-    "svg": "svg-code",
-    "html": "html-code",
-    "temporal_grounding": "temporal grounding",
-    "spatial_grounding": "spatial grounding",
-    "spatial_temporal_grounding": "spatial-temporal grounding",
+    alias: name
+    for name, aliases in {
+        "multiple choice": "multiple_choice|mcq|mc|multiple-choice|multi-choice",
+        "numerical": "number|numeric",
+        "counting": "count|rec",
+        "boolean": "binary classification|yes/no|yes_no|ssr|crr",
+        "open-ended": "open_ended|free-form|free_form|video qa|video description|caption|"
+        "captioning",
+        "math": "mathematics",
+        "code": "coding",
+        "svg-code": "svg",
+        "html-code": "html",
+        "temporal grounding": "temporal_grounding",
+        "spatial grounding": "spatial_grounding",
+        "spatial-temporal grounding": "spatial_temporal_grounding",
+    }.items()
+    for alias in aliases.split("|")
 }
 
 # ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
