@@ -683,35 +683,15 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
-# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds
-# the answer
-MMMU_KEYS = (
-    "could be ",
-    "so ",
-    "is ",
-    "thus ",
-    "therefore ",
-    "final ",
-    "answer ",
-    "result ",
-    "are ",
-    "in total ",
-    "total ",
-    "identify ",
-    "recognize ",
-    "calculated as ",
-    "counted as ",
-    "measured as ",
-    "observed as ",
-    "concluded as ",
-    "found to be ",
-    "equals ",
-    "determined to be ",
-    "number of ",
-    "value is ",
-    "adds up to ",
-    "have ",
-    "has ",
+# Video-MMMU parse_open_response's key words, each with its trailing space: the shortest tail after
+# one of them, per line, holds the answer
+MMMU_KEYS = tuple(
+    f"{k} "
+    for k in (
+        "could be|so|is|thus|therefore|final|answer|result|are|in total|total|identify|recognize|"
+        "calculated as|counted as|measured as|observed as|concluded as|found to be|equals|"
+        "determined to be|number of|value is|adds up to|have|has"
+    ).split("|")
 )
 
 
