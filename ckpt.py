@@ -126,10 +126,13 @@ def load(path: str, model, opt, critic=None) -> dict:
         options=options,
     )
     if critic is not None:
-        critic_state = dict(
-            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+        set_state_dict(
+            critic.model,
+            critic.opt,
+            model_state_dict=state["critic"],
+            optim_state_dict=state["critic_optim"],
+            options=options,
         )
-        set_state_dict(critic.model, critic.opt, **critic_state, options=options)
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)

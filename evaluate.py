@@ -340,7 +340,7 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
     ):
         got = type(raw).__name__
         if isinstance(raw, list):
-            got = "a list holding " + ", ".join(sorted({type(o).__name__ for o in raw}))
+            got = f"a list holding {', '.join(sorted({type(o).__name__ for o in raw}))}"
         raise DataError(f"field {opts!r} must be a list of option texts, got {got}")
     matches = [_OPTION.match(str(o)) for o in raw]
     # lettered only when labelled A, B, C... in order (lmms-eval's videommmu parse_options): Video-MMMU's
