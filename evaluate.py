@@ -162,7 +162,7 @@ BENCHMARKS = os.path.join(
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = (
     "prompt q opts ans id video nested type extract derive read index guess keys macro group tiou "
-    "judge after own nest line prefixes drop judge_all authority end scale"
+    "judge after own nest line prefixes drop judge_all authority end scale audio"
 ).split()
 
 
@@ -1411,11 +1411,29 @@ class Job:
     """torn lines (a crash mid-write) dropped from the resume log"""
     folder: str
     """out_dir/<benchmark>: samples.jsonl (the resume log) and run.json"""
+    cfg: Config
+    """its settings (with_audio: the soundtracks where its official setting sends them)"""
+
+
+def with_audio(cfg: Config, bench: str) -> Config:
+    """cfg for one benchmark: each video's soundtrack (video_audio) where its official setting sends
+    it (benchmarks.yaml `audio`) and the model hears (Omni); a deaf model goes without, warned."""
+    from rollout import model_spec
+
+    if not adapter(bench).get("audio") or cfg.video_audio:
+        return cfg
+    if "thinker_config" not in (model_spec(cfg.model) or {}):
+        data.warn(
+            f"warning: {bench}: its official setting sends the soundtracks; {cfg.model} hears none"
+        )
+        return cfg
+    return replace(cfg, video_audio=True)
 
 
 def prepare_benchmark(bench: str, cfg: Config) -> Job:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows
     already done."""
+    cfg = with_audio(cfg, bench)
     skipped = []
     bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
@@ -1463,6 +1481,7 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
         done=done,
         torn=torn,
         folder=folder,
+        cfg=cfg,
     )
 
 
@@ -1527,7 +1546,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     guess_seed = None
     if cfg.random_fallback:
         guess_seed = cfg.seed
-    load, load_stats = make_loader(processor, cfg, bench)
+    load, load_stats = make_loader(processor, job.cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
 
         def write(s: dict, prompt: str, response: str, error: str = ""):
