@@ -41,7 +41,7 @@ def tone_dir() -> str:
     """The "tone" task (the answer in the soundtrack only): 8 train and 4 held-out samples."""
     import make_synthetic_data
 
-    out = os.path.join(ROOT, ".cache/data/test_tone")
+    out = os.path.join(ROOT, ".cache/data/omni_tone")
     make_synthetic_data.make(
         out, ["tone"], num_train=8, num_val=4, seed=0, size=56, fps=4, seconds=2.0
     )
