@@ -4,9 +4,9 @@ uint8 safetensors, 4x smaller than EasyVideoR1's float32 .pt files. scripts/cach
 ahead of a run (README "Frame cache"). The key hashes FORMAT, the video's absolute path, size and mtime (an
 edited file is a miss, never stale) and every frame setting. Writes are atomic (temp file + os.replace); a
 per-key lock makes concurrent loaders decode once. An entry that cannot be locked or written (a read-only
-cache, a full disk) is counted (cache_unwritable); its frames are used uncached. A video's soundtrack (load_audio,
-for Omni thinkers: mono float32 over the frames' window) goes through the same entries (load_entry), its own key
-(rate, max_s, end), checks and modes.
+cache, a full disk) is counted (cache_unwritable); its frames are used uncached.
+A video's soundtrack (load_audio, for Omni thinkers: mono float32 over the frames' window) goes
+through the same entries (load_entry), with its own key (rate, max_s, end), checks and modes.
 """
 
 import contextlib
@@ -94,8 +94,8 @@ class Media(Frames):
     video_audio: bool = fact(False, ANSWERS)
     """the video's soundtrack in the prompt (Omni thinkers: use_audio_in_video; load_audio)"""
     no_audio: Literal["silence", "error"] = fact("error", ANSWERS)
-    """a video without an audio track, under video_audio: silence over the frames' window | error (the sample
-    fails, naming the file); counted either way (audio_missing)"""
+    """a video without an audio track, under video_audio: silence over the frames' window | error
+    (the sample fails, naming the file); counted either way (audio_missing)"""
     allow_outside_media: bool = fact(False, MAY_CHANGE_ON_RESUME)
     """read media paths that resolve (symlinks followed) outside their data file's folder
     (evaluate.py: video_dir/<benchmark>); off, such a path is an error naming the sample"""
@@ -206,10 +206,11 @@ def decode_video(
 def decode_audio(
     path: str, rate: int, max_s: float, end: float | None = None
 ) -> tuple[np.ndarray, dict]:
-    """The soundtrack, mono float32 at `rate` Hz (PyAV's resampler), over the frames' window: from 0 to `end` or to
-    the video's end (the container's duration), at most max_s seconds: its first round(min(window, max_s) * rate)
-    samples (fewer where the track ends sooner). The metadata: clipped (the window was over max_s) and missing (no
-    audio track: as many zeros). Raises VideoError naming the file."""
+    """The soundtrack, mono float32 at `rate` Hz (PyAV's resampler), over the frames' window: from 0
+    to `end` or to the video's end (the container's duration), at most max_s seconds: its first
+    round(min(window, max_s) * rate) samples (fewer where the track ends sooner). The metadata:
+    clipped (the window was over max_s) and missing (no audio track: as many zeros). Raises
+    VideoError naming the file."""
     import av
 
     try:
@@ -220,12 +221,13 @@ def decode_audio(
             chunks = [np.zeros(n, np.float32)]
             if not missing:
                 chunks = []
+                got = 0
                 resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
                 for frame in container.decode(audio=0):
-                    chunks += [out.to_ndarray()[0] for out in resampler.resample(frame)]
-                    if (
-                        sum(map(len, chunks)) >= n
-                    ):  # the first n samples are final: the rest is not read
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray()[0])
+                        got += out.samples
+                    if got >= n:  # the first n samples are final: the rest is not read
                         break
                 chunks += [out.to_ndarray()[0] for out in resampler.resample(None)]
             audio = np.concatenate(chunks)[:n]
@@ -237,8 +239,8 @@ def decode_audio(
 
 
 def audio_fits(audio: np.ndarray, meta: dict, settings: dict) -> bool:
-    """Whether (audio, meta) are what decode_audio makes: float32 1-D and its two flags (the key holds the settings,
-    the checksum the samples)."""
+    """Whether (audio, meta) are what decode_audio makes: float32 1-D and its two flags (the key
+    holds the settings, the checksum the samples)."""
     return audio.dtype == np.float32 and audio.ndim == 1 and sorted(meta) == ["clipped", "missing"]
 
 
@@ -301,8 +303,9 @@ def read_entry(file: str) -> tuple[np.ndarray, dict]:
 
 
 def video_fits(frames: np.ndarray, meta: dict, settings: dict) -> bool:
-    """Whether (frames, meta) are what decode_video makes under the key's settings: uint8 (T, H, W, 3), the metadata
-    and frame count following from the video's frame count, its fps and the settings, the size within the pixel cap."""
+    """Whether (frames, meta) are what decode_video makes under the key's settings: uint8 (T, H, W,
+    3), the metadata and frame count following from the video's frame count, its fps and the
+    settings, the size within the pixel cap."""
     total, vfps = meta["total_num_frames"], meta["fps"]
     h, w = frames.shape[1:3]
     idx = sample_indices(
@@ -325,8 +328,9 @@ def video_fits(frames: np.ndarray, meta: dict, settings: dict) -> bool:
 
 
 def check_entry(file: str, settings: dict, fits) -> tuple[np.ndarray, dict]:
-    """The entry's (array, metadata) if `fits(array, metadata, settings)` (video_fits, audio_fits): what its key's
-    settings make; else ValueError, as read_entry's (metadata that fits cannot read does not fit)."""
+    """The entry's (array, metadata) if `fits(array, metadata, settings)` (video_fits, audio_fits):
+    what its key's settings make; else ValueError, as read_entry's (metadata that fits cannot read
+    does not fit)."""
     array, meta = read_entry(file)
     try:
         ok = fits(array, meta, settings)
@@ -370,8 +374,8 @@ def load_video(
     stats: dict | None = None,
     end: float | None = None,
 ) -> tuple[np.ndarray, dict]:
-    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata, through the cache (load_entry).
-    end: decode_video's cut, in seconds."""
+    """Frames uint8 (T, H, W, 3), sampled and resized, and their metadata, through the cache
+    (load_entry). end: decode_video's cut, in seconds."""
     decode = functools.partial(decode_video, max_decode_pixels=frames.max_decode_pixels)
     return load_entry(
         path, frames.settings(factor), end, decode, video_fits, cache_dir, mode, stats
@@ -388,12 +392,12 @@ def load_entry(
     mode: VideoSource,
     stats: dict | None,
 ) -> tuple[np.ndarray, dict]:
-    """decode(path, **settings, end=end) -> (array, metadata), through the cache: the entry of the video's identity,
-    the settings and `end` (a clip and its whole video are different entries). mode: prefer_cache (read the entry,
-    else decode and write it), cache_only (a missing or bad entry is an error; never decodes or writes) or
-    decode_only. An entry that is torn, corrupt, edited or not what its key's settings make (`fits`: check_entry) is
-    reported and rebuilt. stats counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it
-    holds)."""
+    """decode(path, **settings, end=end) -> (array, metadata), through the cache: the entry of the
+    video's identity, the settings and `end` (a clip and its whole video are different entries).
+    mode: prefer_cache (read the entry, else decode and write it), cache_only (a missing or bad
+    entry is an error; never decodes or writes) or decode_only. An entry that is torn, corrupt,
+    edited or not what its key's settings make (`fits`: check_entry) is reported and rebuilt. stats
+    counts cache_hit, cache_miss, cache_corrupt, decode and decode_s (added to what it holds)."""
     if choice_error(VideoSource, mode):
         raise UserError(f"video_source/mode: {choice_error(VideoSource, mode)}")
     if stats is None:
@@ -425,16 +429,16 @@ def load_entry(
                     count(stats, "cache_corrupt")
                     if mode == "cache_only":
                         raise VideoError(
-                            f"{path}: {e} (mode cache_only; rebuild it with `python scripts/cache_frames.py`, or audio "
-                            "entries with a prefer_cache run)"
+                            f"{path}: {e} (mode cache_only; rebuild it with "
+                            "`python scripts/cache_frames.py`, or audio entries with a prefer_cache run)"
                         ) from e
                     print(f"cache: {e}; rebuilding", file=sys.stderr)
             count(stats, "cache_miss")
             # never decodes, never writes (not even a lock): a read-only shared cache works
             if mode == "cache_only":
                 raise VideoError(
-                    f"{path}: no cache entry {file} (mode cache_only; run `python scripts/cache_frames.py` first, or "
-                    "for audio entries a prefer_cache run)"
+                    f"{path}: no cache entry {file} (mode cache_only; run "
+                    "`python scripts/cache_frames.py` first, or for audio entries a prefer_cache run)"
                 )
         t = time.time()
         out = decode(path, **settings)
@@ -455,12 +459,13 @@ def load_entry(
 def load_audio(
     path: str, media: Media, rate: int, max_s: float, stats: dict | None, end: float | None
 ) -> np.ndarray:
-    """The video's soundtrack (decode_audio) through the cache, as load_video's frames (media's cache_dir and
-    video_source). stats also counts audio_clipped (a window over max_s) and audio_missing (no audio track: its
-    silence, or under no_audio=error a VideoError naming the file)."""
+    """The video's soundtrack (decode_audio) through the cache, as load_video's frames (media's
+    cache_dir and video_source). stats also counts audio_clipped (a window over max_s) and
+    audio_missing (no audio track: its silence, or under no_audio=error a VideoError naming the
+    file)."""
     if stats is None:
         stats = {}
-    settings = dict(rate=rate, max_s=float(max_s))
+    settings = dict(rate=int(rate), max_s=float(max_s))
     audio, meta = load_entry(
         path, settings, end, decode_audio, audio_fits, media.cache_dir, media.video_source, stats
     )

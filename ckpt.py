@@ -126,10 +126,13 @@ def load(path: str, model, opt, critic=None) -> dict:
         options=options,
     )
     if critic is not None:
-        critic_state = dict(
-            model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+        set_state_dict(
+            critic.model,
+            critic.opt,
+            model_state_dict=state["critic"],
+            optim_state_dict=state["critic_optim"],
+            options=options,
         )
-        set_state_dict(critic.model, critic.opt, **critic_state, options=options)
     rng = os.path.join(path, f"rng_{dist.get_rank() if dist.is_initialized() else 0}.safetensors")
     if os.path.exists(rng):
         rng = load_file(rng)
@@ -185,7 +188,7 @@ def gather_bucket(bucket: list):
             for (_, t), k in zip(bucket, sizes)
         ]
     )
-    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    out = flat.new_empty(world * flat.numel())
     # all_gather_single: torch 2.14's name for all_gather_into_tensor (older torch on GPU machines: the old name);
     # gloo takes the flat (not stacked) output
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

@@ -450,7 +450,10 @@ def prepare(
         omni["fps"] = omni_fps(videos, sid)
     audios = []
     sound = {}
-    if media.video_audio and videos:
+    if media.video_audio and not videos:
+        # every micro-batch must run the audio tower: an idle one would hang FSDP2's other ranks
+        raise DataError(f"sample {sid}: video_audio needs a video (a soundtrack) in every sample")
+    if media.video_audio:
         rate = processor.feature_extractor.sampling_rate
         window = processor.feature_extractor.n_samples / rate  # 30 s: longer is clipped
         audios = [

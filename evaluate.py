@@ -109,14 +109,8 @@ class Config(cache.Media):
 # takes as they are (not the run's out_dir, nor its rollouts' temperature: held-out answers are greedy)
 FROM_TRAINING = {"max_response_len": "max_tokens", "eval_max_samples": "max_samples"}
 SHARED = (
-    "model",
-    "trust_remote_code",
-    "seed",
-    "max_prompt_len",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "response_format",
-)
+    "model trust_remote_code seed max_prompt_len max_model_len gpu_memory_utilization response_format"
+).split()
 
 
 def load_config(argv: list[str]) -> Config:
@@ -142,8 +136,15 @@ def load_config(argv: list[str]) -> Config:
     if unused:
         media = asdict(run.media(held_out=True))
         renamed = {ours: getattr(run, key) for key, ours in FROM_TRAINING.items()}
-        base = replace(base, **media, **renamed, **{k: getattr(run, k) for k in SHARED})
-        base = replace(base, out_dir=Config.out_dir, temperature=Config.temperature)
+        shared = {k: getattr(run, k) for k in SHARED}
+        base = replace(
+            base,
+            **media,
+            **renamed,
+            **shared,
+            out_dir=Config.out_dir,
+            temperature=Config.temperature,
+        )
         read = [*FROM_TRAINING, *(f"val_{f.name}" for f in fields(cache.Media))]
         print(
             f"{' '.join(paths)}: a training config: its held-out frame settings and {', '.join(FROM_TRAINING)} "
@@ -160,35 +161,9 @@ BENCHMARKS = os.path.join(
 )
 # a benchmark's fields in BENCHMARKS (documented there)
 FIELDS = (
-    "prompt",
-    "q",
-    "opts",
-    "ans",
-    "id",
-    "video",
-    "nested",
-    "type",
-    "extract",
-    "derive",
-    "read",
-    "index",
-    "guess",
-    "keys",
-    "macro",
-    "group",
-    "tiou",
-    "judge",
-    "after",
-    "own",
-    "nest",
-    "line",
-    "prefixes",
-    "drop",
-    "judge_all",
-    "authority",
-    "end",
-    "scale",
-)
+    "prompt q opts ans id video nested type extract derive read index guess keys macro group tiou "
+    "judge after own nest line prefixes drop judge_all authority end scale audio"
+).split()
 
 
 # a judge rule's fields (benchmarks.yaml)
@@ -205,8 +180,10 @@ def adapter_problem(ad) -> str:
     if unknown:
         return f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}"
     if isinstance(ad.get("read"), str) and ad["read"] not in READERS:
-        known = ", ".join(READERS)
-        return f"unknown reader {ad['read']!r}; known: {known} or a list of [pattern, pick] rules"
+        return (
+            f"unknown reader {ad['read']!r}; known: {', '.join(READERS)} or a list of [pattern, "
+            "pick] rules"
+        )
     for rule in (ad.get("type"), *ad.get("derive", {}).values()):
         if not isinstance(rule, dict):
             continue
@@ -363,7 +340,7 @@ def option_list(r: dict, ad: dict, question: str) -> list[str]:
     ):
         got = type(raw).__name__
         if isinstance(raw, list):
-            got = "a list holding " + ", ".join(sorted({type(o).__name__ for o in raw}))
+            got = f"a list holding {', '.join(sorted({type(o).__name__ for o in raw}))}"
         raise DataError(f"field {opts!r} must be a list of option texts, got {got}")
     matches = [_OPTION.match(str(o)) for o in raw]
     # lettered only when labelled A, B, C... in order (lmms-eval's videommmu parse_options): Video-MMMU's
@@ -395,16 +372,17 @@ def answer_letter(ans, options: list[str], ad: dict) -> str:
         return chr(65 + int(ans))
     if not isinstance(ans, (str, int, float)) or isinstance(ans, bool):
         raise DataError(f"answer must be a string or number, got {type(ans).__name__}")
+    text = str(ans)
     texts = [o[3:] for o in options]
-    if str(ans) in texts:  # the text of the right candidate (MVBench)
-        return chr(65 + texts.index(str(ans)))
-    m = _OPTION.match(str(ans))  # "C. blue", "Caption B: ...", "(B)"
+    if text in texts:  # the text of the right candidate (MVBench)
+        return chr(65 + texts.index(text))
+    m = _OPTION.match(text)  # "C. blue", "Caption B: ...", "(B)"
     if options and m:
         return option_letter(m)
     # MLVU's scorer makes a ground truth no option's text "(@)": never right
-    if options and len(str(ans)) > 1 and rewards.choice_letter(str(ans), options) is None:
+    if options and len(text) > 1 and rewards.choice_letter(text, options) is None:
         raise DataError(f"answer {ans!r} is no option's letter nor text (options: {texts})")
-    return str(ans)
+    return text
 
 
 # a derive template's field: "{video_id}.mp4" ("{{" is a literal brace)
@@ -642,40 +620,33 @@ def read_mvbench(text: str, s: dict):
     prompt."""
     text = re.sub(r"(?i)^best option:", "", text.strip().split("\n")[0]).strip()
     word = text.lower().split(" ")[0]
-    gt = f"({gt_letter(s).lower()})"
     if not any(c in word for c in "abcdefg"):
         return None, 0.0
-    return word, float(word.replace(".", "") in gt or gt in word)
+    return check_ans(word, s)
 
 
 def read_mvbench_official(text: str, s: dict):
     """MVBench as mvbench.ipynb scores it: infer_mvbench's return_prompt "(" + the first line, then
     check_ans on the first word (dots removed) in "(b)" or holding it; never unreadable. Strict: a
     "Best option: (B)" echo is wrong, and an empty answer ("(" is in "(b)") right."""
-    word = ("(" + text.strip().split("\n")[0]).lower().split(" ")[0]
+    return check_ans(("(" + text.strip().split("\n")[0]).lower().split(" ")[0], s)
+
+
+def check_ans(word: str, s: dict):
+    """MVBench's check_ans: right when the word, dots removed, is inside "(b)" or holds it."""
     gt = f"({gt_letter(s).lower()})"
     return word, float(word.replace(".", "") in gt or gt in word)
 
 
 def read_worldsense(text: str, s: dict):
-    """WorldSense (lmms-eval tasks/worldsense utils.py parse_multi_choice_response): punctuation
-    stripped at the ends; every option letter written anywhere is a candidate (its "(A)" comment
-    aside, the code looks for the bare letter), several: the one whose "(X)" is written last, none
-    written so: the first in letter order; no letter: (over 5 words) the options whose text is
-    written, the last written; nothing: "A" (its random choice is commented out)."""
-    table = rewards.option_table(s["options"])[:4]  # the official reads A-D (A-C for 3 options)
-    for c in ",.!?;:'":
-        text = text.strip(c)
-    padded = f" {text} "
-    found = [lt for lt, _ in table if lt in padded]
-    marks = [padded.rfind(f"({lt})") for lt in found]
-    if not found and len(padded.split()) > 5:
-        low = padded.lower()
-        found = [lt for lt, body in table if body.lower() in low]
-        marks = [low.rfind(body.lower()) for lt, body in table if lt in found]
-    got = table[0][0]
-    if found:
-        got = found[marks.index(max(marks))]  # numpy argmax: the first of the largest
+    """WorldSense (lmms-eval tasks/worldsense utils.py parse_multi_choice_response): read_choice on
+    options A-D (A-C for 3), every letter written anywhere a candidate placed at its "(X)" (its
+    "(A)" comment aside, the code looks for the bare letter): several, the one whose "(X)" is
+    written last, none written so, the first in letter order (numpy argmax); no letter: (over 5
+    words) the options whose text is written, the last written; nothing: "A" (its random choice is
+    commented out)."""
+    four = dict(s, options=s["options"][:4])
+    got = read_choice(text, four, ((("{}",), "({})"),))[0] or letters_of(s)[0]
     return got, float(got == gt_letter(s))
 
 
@@ -712,35 +683,15 @@ def mmmu_norm(x: str) -> list:
         return [" " + x, x + " "] if len(x) == 1 else [x]
 
 
-# Video-MMMU parse_open_response's key words: the shortest tail after one of them, per line, holds
-# the answer
-MMMU_KEYS = (
-    "could be ",
-    "so ",
-    "is ",
-    "thus ",
-    "therefore ",
-    "final ",
-    "answer ",
-    "result ",
-    "are ",
-    "in total ",
-    "total ",
-    "identify ",
-    "recognize ",
-    "calculated as ",
-    "counted as ",
-    "measured as ",
-    "observed as ",
-    "concluded as ",
-    "found to be ",
-    "equals ",
-    "determined to be ",
-    "number of ",
-    "value is ",
-    "adds up to ",
-    "have ",
-    "has ",
+# Video-MMMU parse_open_response's key words, each with its trailing space: the shortest tail after
+# one of them, per line, holds the answer
+MMMU_KEYS = tuple(
+    f"{k} "
+    for k in (
+        "could be|so|is|thus|therefore|final|answer|result|are|in total|total|identify|recognize|"
+        "calculated as|counted as|measured as|observed as|concluded as|found to be|equals|"
+        "determined to be|number of|value is|adds up to|have|has"
+    ).split("|")
 )
 
 
@@ -1309,11 +1260,11 @@ def ask_judge(cfg: Config, conversations: list[list[dict]]) -> list[rewards.Verd
         return rewards.Judge(settings)(keys, conversations)
     from vllm import LLM, SamplingParams
 
-    from rollout import start_errors
+    from rollout import start_errors, vllm_settings
 
     # the evaluated model's engine settings (on CPU: its fixed KV cache, not a share of free memory)
     with start_errors(cfg.max_model_len):
-        llm = LLM(**engine_settings(cfg, cfg.judge_model, 0))
+        llm = LLM(**vllm_settings(cfg.judge_model, **engine_args(cfg, 0)))
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=1024), use_tqdm=False)
     return [rewards.Verdict(None, reply=o.outputs[0].text) for o in outs]
 
@@ -1335,7 +1286,7 @@ def judge_rows(rows: list[dict], cfg: Config, judge) -> str:
 
 def make_engine(cfg: Config, tokenizer):
     """cfg.engine's: AsyncLLM (async), rollout.VLLMEngine (sync) or rollout.HFEngine (hf)."""
-    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors
+    from rollout import HFEngine, VLLMEngine, eos_token_ids, start_errors, vllm_settings
 
     if cfg.engine == "hf":
         from transformers import AutoModelForImageTextToText
@@ -1345,23 +1296,12 @@ def make_engine(cfg: Config, tokenizer):
         ).eval()
         return HFEngine(model, tokenizer, eos_token_ids(model))
     if cfg.engine == "sync":
-        return VLLMEngine(
-            cfg.model,
-            tokenizer,
-            tp=cfg.tensor_parallel_size,
-            max_model_len=cfg.max_model_len,
-            dtype=cfg.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            seed=cfg.seed,
-            sleep=False,
-            max_images=1,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        return VLLMEngine(cfg.model, tokenizer, sleep=False, **engine_args(cfg, 1))
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
-        **engine_settings(cfg, cfg.model, 1),
+        **vllm_settings(cfg.model, **engine_args(cfg, 1)),
         enable_chunked_prefill=True,
         data_parallel_size=cfg.data_parallel_size,
     )
@@ -1369,12 +1309,10 @@ def make_engine(cfg: Config, tokenizer):
         return AsyncLLM.from_engine_args(args)
 
 
-def engine_settings(cfg: Config, model: str, media: int) -> dict:
-    """rollout.vllm_settings for `model` by cfg's engine fields, `media` images and videos a prompt."""
-    from rollout import vllm_settings
-
-    return vllm_settings(
-        model,
+def engine_args(cfg: Config, media: int) -> dict:
+    """cfg's engine fields as rollout.VLLMEngine and rollout.vllm_settings take them, `media`
+    images and videos a prompt."""
+    return dict(
         tp=cfg.tensor_parallel_size,
         seed=cfg.seed,
         dtype=cfg.dtype,
@@ -1417,12 +1355,11 @@ def read_log(path: str) -> tuple[dict, int]:
 def resolve(cfg: Config) -> Config:
     """Fill the defaults that depend on other settings; refuse settings that cannot fit, before
     anything loads."""
+    from rollout import model_spec
+
     model = os.path.realpath(cfg.model)
-    positions = 16384
-    if os.path.exists(os.path.join(cfg.model, "config.json")):
-        with open(os.path.join(cfg.model, "config.json")) as f:
-            hf = json.load(f)
-        positions = hf.get("text_config", hf).get("max_position_embeddings", positions)
+    spec = model_spec(cfg.model) or {}  # config.json (a hub model's: its published values)
+    positions = spec.get("text_config", spec).get("max_position_embeddings", 16384)
     # the model's own limit, not the user's choice
     capped = not cfg.max_model_len and positions < 16384
     max_model_len = cfg.max_model_len or min(16384, positions)
@@ -1474,11 +1411,29 @@ class Job:
     """torn lines (a crash mid-write) dropped from the resume log"""
     folder: str
     """out_dir/<benchmark>: samples.jsonl (the resume log) and run.json"""
+    cfg: Config
+    """its settings (with_audio: the soundtracks where its official setting sends them)"""
+
+
+def with_audio(cfg: Config, bench: str) -> Config:
+    """cfg for one benchmark: each video's soundtrack (video_audio) where its official setting sends
+    it (benchmarks.yaml `audio`) and the model hears (Omni); a deaf model goes without, warned."""
+    from rollout import model_spec
+
+    if not adapter(bench).get("audio") or cfg.video_audio:
+        return cfg
+    if "thinker_config" not in (model_spec(cfg.model) or {}):
+        data.warn(
+            f"warning: {bench}: its official setting sends the soundtracks; {cfg.model} hears none"
+        )
+        return cfg
+    return replace(cfg, video_audio=True)
 
 
 def prepare_benchmark(bench: str, cfg: Config) -> Job:
     """Load, check and resume one benchmark before any engine starts: samples, failures, rows
     already done."""
+    cfg = with_audio(cfg, bench)
     skipped = []
     bad = []
     samples = load_benchmark(bench, cfg, skipped, bad)
@@ -1526,6 +1481,7 @@ def prepare_benchmark(bench: str, cfg: Config) -> Job:
         done=done,
         torn=torn,
         folder=folder,
+        cfg=cfg,
     )
 
 
@@ -1586,22 +1542,23 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     todo = [s for s in samples if s["id"] not in done]
     before = len(done)
     start = time.perf_counter()
-    last = [start]  # when progress was last printed
+    last = start  # when progress was last printed
     guess_seed = None
     if cfg.random_fallback:
         guess_seed = cfg.seed
-    load, load_stats = make_loader(processor, cfg, bench)
+    load, load_stats = make_loader(processor, job.cfg, bench)
     with open(path, "a", encoding="utf-8") as fh:
 
         def write(s: dict, prompt: str, response: str, error: str = ""):
+            nonlocal last
             r = record(s, bench, prompt, response, error, guess_seed, cfg.answer_extraction)
             fh.write(json.dumps(r) + "\n")
             fh.flush()
             done[r["doc_id"]] = r
             n = len(done) - before  # each row is a new doc_id
             now = time.perf_counter()
-            if now - last[0] > 10 or n == len(todo):  # done/total, rate and ETA on stderr
-                last[0] = now
+            if now - last > 10 or n == len(todo):  # done/total, rate and ETA on stderr
+                last = now
                 rate = n / (now - start)
                 eta = (len(todo) - n) / rate
                 data.warn(f"{bench}: {n}/{len(todo)} | {rate:.2f} samples/s | ETA {eta:.0f} s")
@@ -1632,7 +1589,7 @@ async def run_benchmark(bench: str, job: Job, cfg: Config, engine, processor) ->
     shown = [
         f"{k} {number(v)}" for k, v in res["metrics"].items() if "/" not in k and k != "failed"
     ]
-    print(f"{bench}: " + " | ".join(shown) + f" | unevaluable {len(failed)}", flush=True)
+    print(f"{bench}: {' | '.join(shown)} | unevaluable {len(failed)}", flush=True)
     return res
 
 

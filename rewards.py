@@ -50,35 +50,27 @@ SHORT_ANSWER = 5
 # code is compared on its first CODE_TOKENS normalized tokens (difflib is quadratic at worst)
 CODE_TOKENS = 2000
 
+# each problem type's other names in public datasets, as canonical_type meets them (lower case,
+# single spaces): Video-MMMU/MMVU and TempCompass write multi-choice; OVO-Bench's REC is counting,
+# its SSR and CRR boolean
 ALIASES = {
-    "multiple_choice": "multiple choice",
-    "mcq": "multiple choice",
-    "mc": "multiple choice",
-    "multiple-choice": "multiple choice",
-    "multi-choice": "multiple choice",  # Video-MMMU/MMVU, TempCompass
-    "number": "numerical",
-    "numeric": "numerical",
-    "count": "counting",
-    "rec": "counting",  # OVO-Bench REC
-    "binary classification": "boolean",
-    "yes/no": "boolean",
-    "yes_no": "boolean",
-    "ssr": "boolean",
-    "crr": "boolean",
-    "open_ended": "open-ended",
-    "free-form": "open-ended",
-    "free_form": "open-ended",
-    "video qa": "open-ended",
-    "video description": "open-ended",
-    "caption": "open-ended",
-    "captioning": "open-ended",
-    "mathematics": "math",
-    "coding": "code",
-    "svg": "svg-code",
-    "html": "html-code",
-    "temporal_grounding": "temporal grounding",
-    "spatial_grounding": "spatial grounding",
-    "spatial_temporal_grounding": "spatial-temporal grounding",
+    alias: name
+    for name, aliases in {
+        "multiple choice": "multiple_choice|mcq|mc|multiple-choice|multi-choice",
+        "numerical": "number|numeric",
+        "counting": "count|rec",
+        "boolean": "binary classification|yes/no|yes_no|ssr|crr",
+        "open-ended": "open_ended|free-form|free_form|video qa|video description|caption|"
+        "captioning",
+        "math": "mathematics",
+        "code": "coding",
+        "svg-code": "svg",
+        "html-code": "html",
+        "temporal grounding": "temporal_grounding",
+        "spatial grounding": "spatial_grounding",
+        "spatial-temporal grounding": "spatial_temporal_grounding",
+    }.items()
+    for alias in aliases.split("|")
 }
 
 # ---- extraction: str.find and bounded repeats only (no nested quantifiers), on length-capped input
@@ -1026,7 +1018,6 @@ class Judge:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        error = ""
         for attempt in range(self.s.judge_retries + 1):
             if attempt:
                 time.sleep(min(5.0, 0.2 * 2**attempt))
@@ -1039,13 +1030,11 @@ class Judge:
                 v.reply = str(reply)
                 break
             except urllib.error.HTTPError as e:
-                error = f"HTTP {e.code} {e.reason}"
+                v = Verdict(None, "judge_error", f"HTTP {e.code} {e.reason}")
                 if e.code not in RETRIED_HTTP:
-                    v = Verdict(None, "judge_error", error)
                     break
             except (OSError, HTTPException, ValueError, LookupError, TypeError) as e:  # net, body
-                error = f"{type(e).__name__}: {e}"
-            v = Verdict(None, "judge_error", error)
+                v = Verdict(None, "judge_error", f"{type(e).__name__}: {e}")
         with self.lock:
             self.counts[v.error or "ok"] += 1
             if v.error:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import ckpt
 import common
 import data
+import evaluate
 import rewards
 import sp
 from cache import Media
@@ -285,7 +286,10 @@ class Config(rewards.JudgeSettings, Media):
     """the adapter's update is lora_alpha / lora_rank * B A"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input in the loss forward (not in log-prob passes, the sampler)"""
-    lora_targets: str = r"(.*language_model|model)\.layers\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    lora_targets: str = (
+        r"(.*language_model|model)\.layers\..*\."
+        r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    )
     """regex (full match) over module names getting adapters: the text model's attention and MLP (Omni's thinker:
     model.layers; its audio tower's are left out);
     for the vision tower and merger append `|.*visual.blocks.*(qkv|proj)|.*merger.mlp.[02]`"""
@@ -471,8 +475,8 @@ def dry_run(cfg: Config, processor, template, samples: dict, skipped: list):
 
     resolved = {k: v for k, v in asdict(cfg).items() if k not in ("config", "dry_run", "world")}
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
-    counts = ", ".join(f"{len(rows)} {split}" for split, rows in samples.items())
-    print(f"data: {counts}, {len(skipped)} skipped")
+    counts = [f"{len(rows)} {split}" for split, rows in samples.items()]
+    print(f"data: {', '.join(counts)}, {len(skipped)} skipped")
 
     def size(s: dict) -> tuple[int, int]:
         """Media items, then text tokens: the sample whose prompt is likely the longest has the most."""
@@ -907,21 +911,6 @@ def collate(
     )
 
 
-def reference_logp(
-    model,
-    ref,
-    b: MicroBatch,
-    temperature: float,
-    banned: list[int],
-    chunk: int = 0,
-    layout=None,
-    counts: Counts | None = None,
-) -> torch.Tensor:
-    """The reference's log-probs (B, R) (as_reference)."""
-    with as_reference(model, ref) as m:
-        return token_logp(m, b, temperature, banned, chunk, layout, counts)[0]
-
-
 @contextlib.contextmanager
 def as_reference(model, ref):
     """The reference: the frozen copy `ref`, or with LoRA (ref None) the policy, adapters scaled to
@@ -1023,27 +1012,20 @@ def micro_loss(
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         text = model.config.get_text_config()
-        experts = (text.num_experts, text.num_experts_per_tok)
-        balance = load_balancing_loss_func(tuple(routers), *experts, b.attention_mask)
+        balance = load_balancing_loss_func(
+            tuple(routers), text.num_experts, text.num_experts_per_tok, b.attention_mask
+        )
         aux = balance * mask.sum() / b.n_tok
         loss = loss + cfg.router_aux_loss_coef * aux
     with torch.no_grad():
         has = ~b.rollout_logp.isnan() & (mask > 0)  # health: sampler vs trainer log-probs
         d = torch.where(has, (old - b.rollout_logp).abs(), 0.0)
-        metrics = {
-            "loss": loss.item(),
-            "clipfrac": (clipped * mask).sum().item(),
-            "entropy": (ent * mask).sum().item(),
-            "kl": (kl * mask).sum().item(),
-            "mismatch_sum": d.sum().item(),
-            "mismatch_n": has.sum().item(),
-            "mismatch_max": d.max().item(),
-            "router_aux": aux.item(),
-        }
+        sums = dict(clipfrac=clipped, entropy=ent, kl=kl, mismatch_sum=d, mismatch_n=has)
         if cfg.tis:
             raw = is_weight(old, b.rollout_logp, mask, level=cfg.tis, cap=float("inf"))
-            metrics["tis_weight"] = w.sum().item()
-            metrics["tis_clipped"] = ((w != raw) & has).sum().item()
+            sums.update(tis_weight=w, tis_clipped=(w != raw) & has)
+        metrics = {k: (v * mask).sum().item() for k, v in sums.items()}  # over the response tokens
+        metrics.update(loss=loss.item(), mismatch_max=d.max().item(), router_aux=aux.item())
     return loss, metrics
 
 
@@ -1337,6 +1319,8 @@ def load_model(cfg: Config, device, value_head: bool = False):
         tower.requires_grad_(not cfg.freeze_vision)
     layers = list(sp.language_model(model).layers)
     blocks = layers + list(visual.blocks)
+    if hasattr(model, "audio_tower"):  # its layers: units as the vision tower's blocks
+        blocks += list(model.audio_tower.layers)
     if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
         for block in layers if cfg.freeze_vision else blocks:
             checkpoint_module(block)
@@ -1638,8 +1622,8 @@ def start_engine(cfg: Config, t: Trainer, tok, eos_ids: list[int], samples: dict
 def load_data(cfg: Config, tok, template: str | None, skipped: list) -> dict:
     """{"train": samples, "val": at most eval_max_samples}; skip_invalid: invalid to `skipped`."""
     # the model's special tokens in any text field (<|image_pad|> is banned, <|im_end|> ends a turn)
-    added = [t.content for t in tok.added_tokens_decoder.values() if t.special]
-    specials = data.SPECIAL_TOKENS + tuple(added)
+    added = tuple(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    specials = data.SPECIAL_TOKENS + added
     load = functools.partial(
         data.load_samples,
         skip_invalid=cfg.skip_invalid,
@@ -1681,26 +1665,6 @@ def preparers(cfg: Config, processor, template: str | None, stats: dict):
     return prep, functools.partial(prep, media=cfg.media(held_out=True))
 
 
-def eval_row(sample: dict, prompt: str, response: str) -> dict:
-    """One held-out row of out_dir/eval/step_N.jsonl (lmms-eval's fields): the training reward's
-    accuracy rule on the response's answer text (rewards.answer_text); unreadable scores 0."""
-    answer = rewards.answer_text(response)
-    value = rewards.accuracy(answer, sample)
-    read = None  # what was read: None when unreadable
-    if value is not None:
-        read = answer
-    return {
-        "doc_id": sample["id"],
-        "input": prompt,
-        "target": rewards.ground_truth(sample),
-        "resps": [response],
-        "filtered_resps": [read],
-        "score": float(value or 0.0),
-        "parse_fail": value is None,
-        "problem_type": sample["problem_type"],
-    }
-
-
 def held_out_count(val: list[dict], skipped: list[dict]) -> int:
     """The held-out samples that prepare (the same on every rank): all but those a skip report names."""
     invalid = {report["where"] for report in skipped} & {s["id"] for s in val}
@@ -1728,8 +1692,8 @@ def held_out_accuracy(
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        mine += [  # the rows of the prompts it prepared
-            eval_row(r.prompt.sample, r.prompt.text, r.text)
+        mine += [  # the rows of the prompts it prepared: evaluate.py's of our own benchmark
+            evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text)
             for r in outs[shared.start :][: shared.count]
             if r.prompt.sample.get("pad") is not data.PAD
         ]
@@ -1739,10 +1703,8 @@ def held_out_accuracy(
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0 and rows:
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    if not rows:
-        return float("nan")
-    # in percent and back, as evaluate.aggregate computed it: the same float in metrics.jsonl
-    return 100 * sum(r["score"] for r in rows) / len(rows) / 100
+    # in percent and back, as evaluate.aggregate computes it: the same float in metrics.jsonl
+    return evaluate.mean(r["score"] for r in rows) / 100
 
 
 def logp_pass(
@@ -1782,8 +1744,8 @@ def logp_pass(
             if need_old:
                 b.old_logp = token_logp(t.model, b, *logp_args)[0]
             if cfg.kl_coef > 0:
-                with_ref = replace(b, vision=ref)
-                b.ref_logp = reference_logp(t.model, t.ref, with_ref, *logp_args)
+                with as_reference(t.model, t.ref) as m:
+                    b.ref_logp = token_logp(m, replace(b, vision=ref), *logp_args)[0]
             if t.critic is not None:
                 b.values = token_values(t.critic.model, b, t.layout, counts)
 
@@ -1903,13 +1865,13 @@ def train_phase(
     minibatches = micro_batches(rollouts, cfg, tok, t.device, t.dummies, rows["length"])
     logp_pass(t, minibatches, rollouts, cfg, counts)
     batches = list(itertools.chain(*minibatches))
+    mine = slice(start, start + len(rollouts))  # this rank's rows
     kl_all = None
     kl = 0.0
     if cfg.kl_in_reward:  # verl apply_kl_penalty, old log-probs (check_config: kl_coef > 0)
         per_token = [kl_penalty(b.old_logp, b.ref_logp, cfg.kl_type) * b.mask for b in batches]
         kl_all = global_tokens(per_token, cfg, t.layout)  # (B_all, R)
-        kl = kl_all[start : start + len(rollouts)].sum().item()  # this rank's rows
-    mine = slice(start, start + len(rollouts))  # this rank's rows
+        kl = kl_all[mine].sum().item()
     m = {}
     if t.critic is not None:  # gae: advantages and returns from the values, the critic's steps
         values_all = global_tokens([b.values for b in batches], cfg, t.layout)  # (B_all, R)
@@ -1999,9 +1961,8 @@ def finish(
         ]
         lines = []
         for key, style, label in curves:
-            steps = [r["step"] for r in rows if key in r]
-            values = [r[key] for r in rows if key in r]
-            lines.append((steps, values, style, label))
+            have = [r for r in rows if key in r]
+            lines.append(([r["step"] for r in have], [r[key] for r in have], style, label))
         common.plot(lines, os.path.join(cfg.out_dir, "curve.png"))
         summary = {"acc_before": acc_before, "acc_after": acc_after, "config": asdict(cfg)}
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
@@ -2085,8 +2046,10 @@ def main(cfg: Config):
     with common.writing(0, cfg.out_dir):
         logger = start_logs(cfg, state, skipped, layout.rank)
     if first_step > cfg.max_steps:
-        at = f"{ckpt_path} is at step {state['step']}"
-        print0(f"{at}: max_steps {cfg.max_steps} reached, nothing to train")
+        print0(
+            f"{ckpt_path} is at step {state['step']}: max_steps {cfg.max_steps} reached, nothing to "
+            "train"
+        )
     t_start = time.time()
     where = {}  # the step and its samples, for a stuck step's report
     signals = catch_stop_signals(grace_s=cfg.stop_grace_s, where=where)  # 1st: save at the end
@@ -2133,7 +2096,7 @@ def main(cfg: Config):
                 engine, samples["val"], val_prep, cfg, layout, skipped, step=step
             )
         if layout.rank == 0:
-            row = step_metrics(rows, adv_all, parts, step, cfg, lr_at(step - 1, cfg), times, layout)
+            row = step_metrics(rows, adv_all, parts, step, cfg, times, layout)
             row["data/skipped"] = len(skipped)
             row["data/skipped_step"] = len(skipped) - n_skipped
             row["data/ids"] = ids
@@ -2145,8 +2108,9 @@ def main(cfg: Config):
         # ---------------------------------------------------- checkpoint / preemption
         stop = any_rank(bool(signals))
         if stop or (cfg.save_every and step % cfg.save_every == 0):
-            run = {"wandb_id": logger.id, "acc_before": acc_before, "acc_after": acc_after}
-            run["skipped"] = skipped
+            run = dict(
+                wandb_id=logger.id, acc_before=acc_before, acc_after=acc_after, skipped=skipped
+            )
             with common.writing(step, os.path.join(cfg.out_dir, "ckpt")):
                 save_step(cfg, step, t, processor, stream, run)
         if stop:
@@ -2240,22 +2204,9 @@ def start_logs(cfg: Config, state: dict, skipped: list, rank: int):
 
 
 LOG_KEYS = (
-    "reward/mean",
-    "reward/accuracy",
-    "reward/format",
-    "reward/parse_fail",
-    "len/mean",
-    "loss",
-    "clipfrac",
-    "entropy",
-    "grad_norm",
-    "mismatch/mean",
-    "eval/accuracy",
-    "time/step",
-    "time/gen",
-    "time/train",
-    "tokens/s",
-)
+    "reward/mean reward/accuracy reward/format reward/parse_fail len/mean loss clipfrac entropy "
+    "grad_norm mismatch/mean eval/accuracy time/step time/gen time/train tokens/s"
+).split()
 
 
 def mean_or_zero(xs: list) -> float:
@@ -2269,7 +2220,6 @@ def step_metrics(
     parts: list[dict],
     step: int,
     cfg: Config,
-    lr: float,
     times: dict,
     layout: sp.Layout,
 ) -> dict:
@@ -2285,7 +2235,7 @@ def step_metrics(
     row = {
         "step": step,
         "reward/mean": mean_or_zero(rew),
-        "lr": lr,
+        "lr": lr_at(step - 1, cfg),
         "grad_norm": parts[0]["m"]["grad_norm"],  # the same on every rank
         "loss": msum["loss"],
         "clipfrac": msum["clipfrac"] / n_tok,

@@ -9,16 +9,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-import cache  # noqa: E402
-import cache_frames  # noqa: E402
-from common import write_jsonl  # noqa: E402
+from harness import ROOT, train
+import cache
+import cache_frames
+from common import write_jsonl
 
 # Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
 FRAMES = cache.Frames(
@@ -30,9 +27,7 @@ FRAMES = cache.Frames(
 )
 FLAGS = [x for k, v in asdict(FRAMES).items() for x in (f"--{k.replace('_', '-')}", str(v))]
 BIG = replace(FRAMES, video_max_frames=64, video_max_pixels=262144)  # qwen2_5_vl_7b.yaml's
-ENV = dict(
-    os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
-)  # vLLM's CPU KV cache: rollout.py
+ENV = dict(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
 
 
 def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
@@ -47,52 +42,9 @@ def make_clips(out: str, seconds: tuple[int, ...]) -> tuple[str, list[str]]:
         )
         row = json.loads(open(paths["train"]).readline())  # the one sample
         rows.append(dict(row, videos=[os.path.join(d, v) for v in row["videos"]]))
-    write_jsonl(os.path.join(out, "train.jsonl"), rows)
-    return os.path.join(out, "train.jsonl"), [r["videos"][0] for r in rows]
-
-
-def train_steps(
-    model: str, data: str, cache_dir: str, source: str, steps: int, out: str
-) -> list[dict]:
-    """A real 2-rank run; returns metrics.jsonl's rows."""
-    shutil.rmtree(out, ignore_errors=True)
-    n = sum(1 for _ in open(data))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        "--config",
-        "configs/tiny_cpu.yaml",
-        "--model",
-        model,
-        "--train-data",
-        data,
-        "--val-data",
-        "",
-        "--out-dir",
-        out,
-        "--max-steps",
-        str(steps),
-        "--prompts-per-step",
-        str(n),
-        "--eval-every",
-        "0",
-        "--no-save",
-        "--cache-dir",
-        cache_dir,
-        "--video-source",
-        source,
-        *FLAGS,
-    ]
-    p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if p.returncode:
-        sys.exit(
-            f"train.py --video-source {source} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-        )
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    path = os.path.join(out, "train.jsonl")
+    write_jsonl(path, rows)
+    return path, [r["videos"][0] for r in rows]
 
 
 def main(
@@ -183,44 +135,41 @@ def main(
     lines.append(("prepare/sample (ms): frames+template+processor", *prep_ms))
 
     # ---- 3. training steps: decode_only vs the warm cache
-    runs = {
-        src: train_steps(
-            model, train_jsonl, frames_dir, src, steps, os.path.join(out, f"run_{src}")
-        )
-        for src in ("decode_only", "prefer_cache")
-    }
+    runs = {}
+    for src in ("decode_only", "prefer_cache"):
+        flags = [
+            "--model",
+            model,
+            "--train-data",
+            train_jsonl,
+            "--prompts-per-step",
+            str(len(videos)),
+        ]
+        flags += ["--eval-every", "0", "--cache-dir", frames_dir, "--video-source", src, *FLAGS]
+        out_run = os.path.join(out, f"run_{src}")
+        runs[src] = train(2, out_run, steps, flags, f"train.py --video-source {src}", **ENV)
     warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]
     assert warm_decodes == [0] * steps, (
         f"a warm cache must not decode: cache/decode per step {warm_decodes}"
     )
-    med = {
-        src: {
-            k: statistics.median(r[k] for r in rows[1:])
-            for k in rows[0]
-            if k.startswith(("time/", "cache/"))
-        }
-        for src, rows in runs.items()
-    }
-    times = [
-        k
-        for k in ("time/step", "time/data", "time/gen", "time/train", "time/sync")
-        if k in med["prefer_cache"]
-    ]
-    labels = {k: f"train {k} (s, median steps 2-{steps})" for k in times}
-    labels |= {
-        k: f"train {k} per step (all ranks)"
-        for k in ("cache/decode_s", "cache/decode", "cache/cache_hit")
-    }
-    lines += [(label, med["decode_only"][k], med["prefer_cache"][k]) for k, label in labels.items()]
+    # each measure's median over the steps after the first: decode_only's, the warm cache's
+    times = ("time/step", "time/data", "time/gen", "time/train", "time/sync")
+    keys = [k for k in times if k in runs["prefer_cache"][0]]
+    keys += ["cache/decode_s", "cache/decode", "cache/cache_hit"]
+    med = {k: [statistics.median(r[k] for r in rows[1:]) for rows in runs.values()] for k in keys}
+    for k, (dec, warm) in med.items():
+        label = f"train {k} (s, median steps 2-{steps})"
+        if k.startswith("cache/"):
+            label = f"train {k} per step (all ranks)"
+        lines.append((label, dec, warm))
     print(f"\n| {'measure':<52} | {'decode_only':>12} | {'warm cache':>12} | {'ratio':>8} |")
     print(f"|{'-' * 54}|{'-' * 14}|{'-' * 14}|{'-' * 10}|")
     for name, dec, warm in lines:
         ratio = f"{dec / warm:.1f}x" if warm and "cache/" not in name else "-"
         print(f"| {name:<52} | {dec:>12.4g} | {warm:>12.4g} | {ratio:>8} |")
     print(f"\nbench total {time.time() - t0:.0f}s")
-    print(
-        f"cache step speedup: {med['decode_only']['time/step'] / med['prefer_cache']['time/step']:.2f}x"
-    )
+    dec, warm = med["time/step"]
+    print(f"cache step speedup: {dec / warm:.2f}x")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,10 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT
 
 
 def tree_cpu() -> float:
@@ -120,9 +118,9 @@ def main(
     plain_cfg = replace(cfg, engine="sync", batch_size=1, video_source="decode_only")
     pipe_cfg = replace(cfg, engine="async")
 
-    async def timed(c: E.Config, label: str, extra: dict | None = None) -> list[Run]:
+    async def timed(c: E.Config, label: str, *extra: E.Config) -> list[Run]:
         """c's runs: a 4-sample warm-up (with a cache: every video decoded once), then `repeats`
-        timed runs on one engine (and one with `extra` settings, untimed)."""
+        timed runs on one engine, then one of each `extra` config on it."""
         engine = E.make_engine(c, processor.tokenizer)
         try:
             out = os.path.join(work, "runs", label)
@@ -132,16 +130,11 @@ def main(
             ):  # as after `scripts/cache_frames.py` or a previous eval
                 input_digests(E, processor, c)
             runs = []
-            for i in range(repeats):
+            for i, run in enumerate([c] * repeats + list(extra)):
                 t = time.perf_counter()
                 cpu = tree_cpu()
-                res = await E.evaluate(replace(c, out_dir=f"{out}-{i}"), engine, processor)
+                res = await E.evaluate(replace(run, out_dir=f"{out}-{i}"), engine, processor)
                 runs.append(Run(res["nvr1"], time.perf_counter() - t, tree_cpu() - cpu))
-            if extra:
-                res = await E.evaluate(
-                    replace(c, out_dir=f"{out}-extra", **extra), engine, processor
-                )
-                runs.append(Run(res["nvr1"], 0.0, 0.0))
             return runs
         finally:
             if c.engine == "async":  # the sync engine goes with its last reference
@@ -149,7 +142,7 @@ def main(
 
     plain = asyncio.run(timed(plain_cfg, "plain"))
     # the control: the pipeline one request at a time (the plain loop's batch shape)
-    *pipe, serial = asyncio.run(timed(pipe_cfg, "async", {"max_in_flight": 1}))
+    *pipe, serial = asyncio.run(timed(pipe_cfg, "async", replace(pipe_cfg, max_in_flight=1)))
 
     def agree(a: dict, b: dict) -> int:
         return sum(a[k] == b.get(k) for k in a)

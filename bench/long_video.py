@@ -31,15 +31,13 @@ Memory: the resident-set rise over the step, less the file-backed pages it fault
 (memory.mark, memory.rise), the largest rank's. Details: docs/speed.md.
 """
 
-import functools
 import json
 import os
 import sys
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import memory  # noqa: E402  (puts the repository first on sys.path)
-import torch  # noqa: E402
+import memory  # its harness puts the repository first on sys.path
+import torch
 
 TOP = 3600  # frames of the memory pair: Long-RL's hour at 1 fps
 SPEED_FRAMES = 512  # the speed rows' clips
@@ -148,15 +146,11 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
     rollouts = memory.rollouts(c, memory.prompts(c, processor, cfg))
     videos = {"policy": [], "reference": []}  # videos per tower call
     blocks = []
-    towers = {"policy": t.model.model.visual}
-    if t.ref is not None:
-        towers["reference"] = t.ref.model.visual
-    for name, tower in towers.items():
-        tower.register_forward_pre_hook(
-            functools.partial(count_videos, videos[name]), with_kwargs=True
-        )
-        for block in tower.blocks:
-            block.register_forward_pre_hook(lambda *_: blocks.append(1))
+    for name, m in (("policy", t.model), ("reference", t.ref)):
+        if m is not None:
+            memory.count_videos(m.model.visual, videos[name])
+            for block in m.model.visual.blocks:
+                block.register_forward_pre_hook(lambda *_: blocks.append(1))
     depth = len(t.model.model.visual.blocks)
     counts = []
     for _ in range(2):
@@ -165,25 +159,15 @@ def encode_counts(c: memory.Config, **switches) -> list[dict]:
         blocks.clear()
         memory.train_phase(t, rollouts, cfg, processor.tokenizer)
         calls = sum(len(v) for v in videos.values())
-        counts.append(
-            {
-                "policy": sum(videos["policy"]) / c.prompts,
-                "reference": sum(videos["reference"]) / c.prompts,
-                "recomputed": len(blocks) / depth - calls,
-            }
-        )
+        per_prompt = {name: sum(v) / c.prompts for name, v in videos.items()}
+        counts.append(per_prompt | {"recomputed": len(blocks) / depth - calls})
     return counts
-
-
-def count_videos(out: list, module, args, kw):
-    """A tower's pre-hook: the videos of this call (HF passes grid_thw, a row per video)."""
-    out.append(len(kw["grid_thw"]))
 
 
 def main(c: memory.Config):
     print(
-        f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
+        f"clips of F frames {c.size}x{c.size}, {c.response_len} response tokens, kl_coef {c.kl_coef}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (timings are noisy)"
     )
     print(
         "| frames | tokens per sequence | setting | group_size | clips | ranks | peak memory per rank | step time | "
@@ -239,10 +223,11 @@ def print_encodes(c: memory.Config):
             f"tower passes recomputed in backward (checkpointing) {s['recomputed']:g}"
             for k, s in enumerate(counts)
         ]
-        print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): " + "; ".join(steps))
-    n = trained[0]["policy"] + trained[0]["reference"]
-    m = frozen[0]["policy"] + frozen[0]["reference"]
-    print(f"vision encodes per prompt and step: {n:g} (trained tower), {m:g} (frozen)")
+        print(f"{name} (2 mini-batches of 1-row micro-batches, kl_coef): {'; '.join(steps)}")
+    print(
+        f"vision encodes per prompt and step: {trained[0]['policy'] + trained[0]['reference']:g} "
+        f"(trained tower), {frozen[0]['policy'] + frozen[0]['reference']:g} (frozen)"
+    )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,14 @@ import ctypes
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT, launch, torchrun
+
 OFF = dict(
     freeze_vision=False, gradient_checkpointing=False, logp_chunk=0, max_tokens_per_micro_batch=0
 )
@@ -169,12 +168,10 @@ def worker(c: Config) -> dict:
         t = replace(t, ref_features=sp.FeatureCache(max_bytes=0))
     ps = prompts(c, processor, cfg)
     rows = rollouts(c, ps[rank // c.sp_size :: world // c.sp_size], copies=c.worker == PER_ROW)
-    encodes = []  # the videos each call of a vision tower encodes (HF calls it with grid_thw, a row per video)
+    encodes = []  # the videos of each call of a vision tower
     for m in (t.model, t.ref):  # the reference's tower encodes too (features not frozen)
         if m is not None:
-            m.model.visual.register_forward_pre_hook(
-                lambda _, args, kw: encodes.append(len(kw["grid_thw"])), with_kwargs=True
-            )
+            count_videos(m.model.visual, encodes)
     peaks = []
     times = []
     for _ in range(c.steps):
@@ -196,25 +193,23 @@ def worker(c: Config) -> dict:
     )
 
 
+def count_videos(tower, out: list):
+    """Appends to `out` the videos of each call of the vision tower (HF passes grid_thw, a row per video)."""
+    tower.register_forward_pre_hook(
+        lambda _, args, kw: out.append(len(kw["grid_thw"])), with_kwargs=True
+    )
+
+
 def run(c: Config, setting: str) -> dict:
     """worker() in a fresh process, or c.ranks under torchrun sharing 2 threads: the peak and time of the rank that
     rose the most and took the longest."""
-    launch = [sys.executable]
-    if c.ranks > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={c.ranks}"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in asdict(replace(c, worker=setting)).items()]
-    p = subprocess.run(
-        launch + [__file__, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS=str(max(1, 2 // c.ranks))),
-    )
-    if p.returncode:
-        sys.exit(
-            f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames) failed:\n{p.stderr[-3000:]}"
-        )
-    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"peak"')]
+    cmd = [sys.executable, __file__, *args]
+    if c.ranks > 1:
+        cmd = torchrun(c.ranks, __file__, *args)
+    what = f"{setting} ({c.ranks} ranks, sp_size {c.sp_size}, {c.frames} frames)"
+    out = launch(cmd, what, OMP_NUM_THREADS=str(max(1, 2 // c.ranks)))
+    ranks = [json.loads(line) for line in out.splitlines() if line.startswith('{"peak"')]
     return dict(ranks[0], peak=max(r["peak"] for r in ranks), time=max(r["time"] for r in ranks))
 
 
@@ -250,10 +245,8 @@ def main(c: Config):
             f"| {setting} | {r['peak'] / 2**20:.0f} MiB | {r['time']:.1f} s | {r['encodes']} |",
             flush=True,
         )
-    before = rows[PER_ROW]
-    after = rows["all on"]
-    print(f"vision encodes per step: {before['encodes']} -> {after['encodes']}")
-    print(f"peak memory ratio: {before['peak'] / after['peak']:.1f}x")
+    print(f"vision encodes per step: {rows[PER_ROW]['encodes']} -> {rows['all on']['encodes']}")
+    print(f"peak memory ratio: {rows[PER_ROW]['peak'] / rows['all on']['peak']:.1f}x")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,11 @@
 """
 
 import json
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+import harness  # noqa: F401  (puts the repository on sys.path)
+import rewards
 
 OPTIONS = ["A. red", "B. green", "C. blue", "D. yellow"]
 WORDS = "a man woman dog cat red blue car street walks runs slowly into the park near house opens door".split()
@@ -29,7 +27,8 @@ def jitter(b, r, d=8):  # kept ordered (x1 <= x2, y1 <= y2): an inverted box is 
 
 
 def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
-    """(the sample's answer, a correct answer, a wrong answer) for one problem type."""
+    """(the sample's answer, a correct answer, a wrong answer) for one problem type: each a string, or an object
+    that completions() writes as JSON."""
     if ptype == "multiple choice":
         gt = r.choice("ABCD")
         right = r.choice(
@@ -67,19 +66,12 @@ def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
         right = [s + r.uniform(-1, 1), e + r.uniform(-1, 1)]
         wrong = [e + 1, e + r.uniform(2, 9)]
         right = r.choice(
-            [
-                json.dumps({"time": sorted(right)}),
-                "from {:.1f} to {:.1f} seconds".format(*sorted(right)),
-            ]
+            [{"time": sorted(right)}, "from {:.1f} to {:.1f} seconds".format(*sorted(right))]
         )
-        return json.dumps({"time": [s, e]}), right, json.dumps({"time": wrong})
+        return {"time": [s, e]}, right, {"time": wrong}
     if ptype == "spatial grounding":
         b = box(r)
-        return (
-            json.dumps({"boxes": b}),
-            json.dumps({"boxes": jitter(b, r)}),
-            json.dumps({"boxes": box(r)}),
-        )
+        return {"boxes": b}, {"boxes": jitter(b, r)}, {"boxes": box(r)}
     if ptype in ("spatial-temporal grounding", "tracking"):
         frames = {str(i): box(r) for i in range(r.randint(2, 16))}
         right = {
@@ -90,7 +82,7 @@ def case(ptype: str, r: random.Random) -> tuple[str, str, str]:
         if ptype == "spatial-temporal grounding":  # a time span too, before the boxes
             gt, right = {"time": [0, len(frames)], **gt}, {"time": [0, len(frames) - 1], **right}
             wrong = {"time": [1, 2], **wrong}
-        return json.dumps(gt), json.dumps(right), json.dumps(wrong)
+        return gt, right, wrong
     if ptype == "code":
         right = r.choice(
             [
@@ -128,7 +120,7 @@ def completions(ptype: str, n: int, seed: int) -> list[tuple[str, dict]]:
     r = random.Random(f"{seed}-{ptype}")
     out = []
     for i in range(n):
-        answer, right, wrong = case(ptype, r)
+        answer, right, wrong = [x if isinstance(x, str) else json.dumps(x) for x in case(ptype, r)]
         s = {"id": f"{ptype}-{i}", "problem_type": ptype, "answer": answer}
         if ptype == "multiple choice":
             s["options"] = OPTIONS

@@ -10,14 +10,13 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from unittest import mock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT, launch, torchrun
+
 SHAPES = [("video", 4), ("video", 8), ("image", 4), ("image", 8)]
 
 
@@ -48,14 +47,13 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
     )
     processor = AutoProcessor.from_pretrained(model_dir)
     model = train.load_model(cfg, device)
-    eos = rollout.eos_token_ids(model)
-    dummies = data.dummy_prompts(processor) if world > 1 else None
     if engine_kind == "vllm":
         engine = rollout.VLLMEngine(
             model_dir, processor.tokenizer, max_model_len=1024, dtype="float32"
         )
     else:
-        engine = rollout.HFEngine(model, processor.tokenizer, eos, dummies)
+        dummies = data.dummy_prompts(processor) if world > 1 else None
+        engine = rollout.HFEngine(model, processor.tokenizer, rollout.eos_token_ids(model), dummies)
     rows = []
     samples = data.load_samples(data_path)
     for task, n_prompts in SHAPES:
@@ -64,9 +62,9 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
             data.prepare(s, processor, cfg)
             for s in [s for s in samples if s.get(task + "s")][rank * k :][:k]
         ]
-        times = {False: [], True: []}  # switch off / on: (generate s, sync s) per step
+        times = {"off": [], "on": []}  # switch off / on: (generate s, sync s) per step
         for step in range(4):
-            for on in (False, True):  # interleaved: both see the same load
+            for key, on in (("off", False), ("on", True)):  # interleaved: both see the same load
                 seed = rollout.request_seed(0, step, 0)
                 t0 = time.perf_counter()
                 if on or engine_kind == "vllm":  # vLLM always took a call's prompts in one batch
@@ -78,18 +76,11 @@ def worker(engine_kind: str, model_dir: str, data_path: str, out: str):
                 t1 = time.perf_counter()
                 sync(ckpt, engine, model, bucketed=on)
                 dist.barrier()
-                times[on].append((t1 - t0, time.perf_counter() - t1))
-        med = {
-            on: [statistics.median(x) for x in zip(*t[1:])] for on, t in times.items()
-        }  # step 0 warms up
+                times[key].append((t1 - t0, time.perf_counter() - t1))
+        row = dict(task=task, prompts=n_prompts, tokens=len(prompts[0].prompt_ids))
+        # the median (generate s, sync s) of each switch: step 0 warms up
         rows.append(
-            dict(
-                task=task,
-                prompts=n_prompts,
-                tokens=len(prompts[0].prompt_ids),
-                off=med[False],
-                on=med[True],
-            )
+            row | {k: [statistics.median(x) for x in zip(*t[1:])] for k, t in times.items()}
         )
     if rank == 0:
         json.dump(rows, open(out, "w"))
@@ -113,49 +104,26 @@ def main():
     )
     tmp = tempfile.mkdtemp()
     env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0"
     )
     res = {}
     for engine, ranks in itertools.product(("hf", "vllm"), (1, 2)):
         out = os.path.join(tmp, f"{engine}_{ranks}.json")
-        p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={ranks}",
-                __file__,
-                "--worker",
-                engine,
-                model,
-                data_dir["train"],
-                out,
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if p.returncode:
-            sys.exit(f"{engine} {ranks} ranks failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+        cmd = torchrun(ranks, __file__, "--worker", engine, model, data_dir["train"], out)
+        launch(cmd, f"{engine} {ranks} ranks", **env)
         res[engine, ranks] = json.load(open(out))
     print(
         "\nswitch off: hf one generate per prompt, vllm one all-gather per tensor; on: today's engines\n"
         "| engine | ranks | task | prompts x 8 | prompt tokens | gen off | gen on | sync off | sync on "
-        "| step speedup |\n|" + "---|" * 10
+        "| step speedup |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for (engine, ranks), shapes in res.items():
         for r in shapes:
-            (gen_off, sync_off), (gen_on, sync_on) = (
-                [f"{1000 * x:.0f} ms" for x in r[k]] for k in ("off", "on")
-            )
+            off, on = r["off"], r["on"]  # (generate s, sync s) each
             print(
-                f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} | {gen_off} | {gen_on} "
-                f"| {sync_off} | {sync_on} | {sum(r['off']) / sum(r['on']):.2f}x |"
+                f"| {engine} | {ranks} | {r['task']} | {r['prompts']} | {r['tokens']} "
+                f"| {1000 * off[0]:.0f} ms | {1000 * on[0]:.0f} ms | {1000 * off[1]:.0f} ms "
+                f"| {1000 * on[1]:.0f} ms | {sum(off) / sum(on):.2f}x |"
             )
     print(f"\nbench total {time.time() - t0:.0f}s; a shared 2-core CPU: timings are noisy")
     r = res["hf", 2][SHAPES.index(("video", 8))]

@@ -12,14 +12,11 @@ keeps its fastest run's (the least slowed by other processes, as bench/memory.py
 2-core machine a run's speed follows the load around it; the load average is printed).
 """
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from harness import ROOT, train
+
 RUNS = [(1, "auto"), (2, "reshard"), (2, "keep"), (2, "replicate"), (2, "auto")]
 STEPS = 8  # train.py steps per run
 WARMUP = 2  # the first steps, left out (one-time costs)
@@ -30,16 +27,10 @@ OUT = os.path.join(ROOT, ".cache/bench/scaling")
 def run(ranks: int, fsdp: str) -> float:
     """One torchrun of train.py: the median time/train of its steps after the warm-up."""
     out = os.path.join(OUT, f"{ranks}-{fsdp}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={ranks}", "train.py", "--config", "configs/tiny_cpu.yaml"]
-    cmd += ["--rollout", "hf", "--val-data", "", "--no-save", "--out-dir", out]
-    cmd += ["--max-steps", str(STEPS), "--fsdp", fsdp]
-    env = dict(os.environ, OMP_NUM_THREADS=str(2 // ranks))
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if p.returncode:
-        sys.exit(f"{ranks} ranks, fsdp {fsdp} failed:\n{p.stderr[-3000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return statistics.median([json.loads(line)["time/train"] for line in f][WARMUP:])
+    flags = ["--rollout", "hf", "--fsdp", fsdp]
+    what = f"{ranks} ranks, fsdp {fsdp}"
+    rows = train(ranks, out, STEPS, flags, what, OMP_NUM_THREADS=str(2 // ranks))
+    return statistics.median([r["time/train"] for r in rows][WARMUP:])
 
 
 def main():
@@ -47,8 +38,9 @@ def main():
 
     runs = [run(*setting) for _ in range(ROUNDS) for setting in RUNS]
     median = {setting: min(runs[k :: len(RUNS)]) for k, setting in enumerate(RUNS)}
-    load = os.getloadavg()[0]
-    print(f"train phase, 8 prompts x 8, load average {load:.1f} on {os.cpu_count()} cores")
+    print(
+        f"train phase, 8 prompts x 8, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(f"| processes | fsdp | train phase (median, fastest of {ROUNDS} runs) |\n|---|---|---|")
     for (ranks, fsdp), m in median.items():
         print(f"| {ranks} | {fsdp} | {m:.3f} s |")

@@ -14,13 +14,12 @@ time (the machine's other jobs do not count); each setting's fastest of ROUNDS (
 
 import os
 import random
-import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from harness import ROOT
+
 ROWS = 96  # samples (clips) in the set
 MICRO_BATCH = 8  # rows per padded micro-batch (micro_batch_size)
 SHORTEST = 128  # the shortest row in tokens; the longest is 4x

@@ -10,13 +10,12 @@ factor, so the cache cannot drift from training; flags override them.
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field, fields
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cache import Frames, Media, VideoError, entry_path, load_video, vision_factor  # noqa: E402
-from common import (  # noqa: E402
+import repo  # noqa: F401  (puts the project root on sys.path)
+from cache import Frames, Media, VideoError, entry_path, load_video, vision_factor
+from common import (
     UserError,
     check_hub,
     cli,

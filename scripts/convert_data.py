@@ -14,16 +14,14 @@ detail}, counted in OUT.report.json.
 import json
 import os
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import data  # noqa: E402  (the project root is put on sys.path above)
-import rewards  # noqa: E402
-from common import write_text  # noqa: E402
+import repo  # noqa: F401  (puts the project root on sys.path)
+import data
+import rewards
+from common import write_text
 
 
 @dataclass

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from repo import ROOT
+
 CONFIG = "configs/tiny_cpu.yaml"
 
 
@@ -38,7 +38,7 @@ def main():
         "--config",
         CONFIG,
     ]
-    print("$ torchrun --nproc_per_node=2 train.py --config " + CONFIG, flush=True)
+    print(f"$ torchrun --nproc_per_node=2 train.py --config {CONFIG}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

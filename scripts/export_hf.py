@@ -8,14 +8,13 @@
 
 import json
 import os
-import sys
 from typing import Literal
 
 import torch
 import tyro
 from tyro.conf import Positional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import repo  # noqa: F401  (puts the project root on sys.path)
 
 
 def export(

@@ -42,13 +42,9 @@ SETTINGS = {
     "ckpt on": dict(gradient_checkpointing=True),
     "ckpt on + offload": dict(gradient_checkpointing=True, offload=True),
 }
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756),
-    ("H100", 989),
-    ("H200", 989),
-    ("A100", 312),
-    ("B200", 2250),
-)  # dense bf16
+FIGURES = ("ratio", "logp_s", "update_s", "tokens_per_s")  # the table's columns after the peaks
+# dense bf16, by a part of the device's name (the first that matches)
+PEAK_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "A100": 312, "B200": 2250}
 
 
 @dataclass
@@ -122,8 +118,12 @@ def build(spec: dict, tiny: str, folder: str, device) -> dict:
     model.save_pretrained(folder)
     sizes = [numel(b) for b in [*model.model.language_model.layers, *model.model.visual.blocks]]
     total = numel(model)
-    root = total - sum(sizes)
-    return dict(total=total, largest_layer=max(sizes), root=root, vision=numel(model.model.visual))
+    return dict(
+        total=total,
+        largest_layer=max(sizes),
+        root=total - sum(sizes),
+        vision=numel(model.model.visual),
+    )
 
 
 def video_prompt(cfg, processor) -> data.Prompt:
@@ -175,9 +175,9 @@ def update_flops(model, prompt: data.Prompt, rows: int, response: int) -> float:
     vision = model.config.vision_config
     tower = model.model.visual
     tokens = len(prompt.prompt_ids) + response
-    grid = prompt.mm["video_grid_thw"][0].tolist()  # t, h, w
-    frame = grid[1] * grid[2]  # patches of a frame pair
-    patches = grid[0] * frame
+    pairs, h, w = prompt.mm["video_grid_thw"][0].tolist()
+    frame = h * w  # patches of a frame pair
+    patches = pairs * frame
     layers = model.model.language_model.layers
     dec = numel(layers)
     blk = numel(tower.blocks)
@@ -324,7 +324,7 @@ def table(report: dict) -> list[str]:
     lines = [
         "| model | setting | predicted peak | measured peak | measured / predicted | logp pass s | update s | "
         "tokens/s | MFU |",
-        "|---" * 9 + "|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     within = []
     peak = report["peak_tflops"]
@@ -334,15 +334,12 @@ def table(report: dict) -> list[str]:
             within.append(r["ratio"] is not None and abs(r["ratio"] - 1) <= TOLERANCE)
         if peak and "flops" in r:
             r["mfu"] = r["flops"] / (r["update_s"] * peak * 1e12)
-        cells = [
-            os.path.basename(r["model"]),
-            r["setting"],
-            gib(r["predicted"]),
-            gib(r["measured"]),
-        ]
-        figures = ("ratio", "logp_s", "update_s", "tokens_per_s")
-        cells += [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in figures]
-        lines.append("| " + " | ".join(cells + [f"{r['mfu']:.1%}" if "mfu" in r else "-"]) + " |")
+        figures = [f"{r[k]:.3g}" if r.get(k) is not None else "-" for k in FIGURES]
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+        lines.append(
+            f"| {os.path.basename(r['model'])} | {r['setting']} | {gib(r['predicted'])} | "
+            f"{gib(r['measured'])} | {' | '.join(figures)} | {mfu} |"
+        )
     with_mfu = [r for r in report["rows"] if "mfu" in r]
     if with_mfu:
         best = max(with_mfu, key=lambda r: r["mfu"])
@@ -397,7 +394,7 @@ def main(c: Config) -> list[str]:
     if device.type == "cuda":
         report["device"] = torch.cuda.get_device_name(device)
         report["peak_tflops"] = c.peak_tflops or next(
-            (t for k, t in PEAK_TFLOPS if k in report["device"]), 0
+            (t for k, t in PEAK_TFLOPS.items() if k in report["device"]), 0
         )
     start = time.time()
     last = 0.0  # the last model's time

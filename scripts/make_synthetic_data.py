@@ -3,12 +3,12 @@
     python scripts/make_synthetic_data.py --out .cache/data/color --tasks color --num-train 512 --num-val 64
     python scripts/make_synthetic_data.py --out .cache/data/big --tasks color --num-train 4 --num-val 0 \
         --width 1280 --height 720 --fps 30 --seconds 60        # realistic size, for the cache benchmark
-    python scripts/make_synthetic_data.py --out .cache/data/tone --tasks tone  # the answer in the soundtrack only
+    python scripts/make_synthetic_data.py --out .cache/data/tone --tasks tone  # answer: the sound
 
 Tasks: TASKS, one gen_<task> each; ids like color-train-00012; every sample has an `offline_output` (its correct
 answer). Classes balanced, deterministic by seed; a scene's hash puts it in train or val (disjoint, val independent
-of --num-train). JSONL paths are relative to its folder. A task that returns an 8th value (tone) has a
-soundtrack: a sine of that frequency (Hz).
+of --num-train). JSONL paths are relative to its folder.
+A task that returns an 8th value (tone) has a soundtrack: a sine of that frequency (Hz).
 """
 
 import hashlib
@@ -34,7 +34,7 @@ LETTERS = "ABCD"
 COLOR_OPTIONS = [f"{L}. {c}" for L, c in zip(LETTERS, COLORS)]
 DIRS = ["left", "right", "up", "down"]
 DIR_OPTIONS = [f"{L}. {d}" for L, d in zip(LETTERS, DIRS)]
-TONE_OPTIONS = [f"{L}. {200 * 2**c} Hz" for c, L in enumerate(LETTERS)]
+TONE_OPTIONS = ["A. 200 Hz", "B. 400 Hz", "C. 800 Hz", "D. 1600 Hz"]  # gen_tone: 200 * 2**c Hz
 RATE = 16000  # soundtracks' sampling rate: the Omni processors' (no resampling on the way in)
 PALETTE = [
     *COLORS.values(),
@@ -59,7 +59,7 @@ def yuv(rgb):
 def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: float = 0):
     """H.264 mp4, yuv420p (even width and height), frame i at i / fps; written to a .part file, then renamed.
     frames: uint8 (H, W, 3) RGB, streamed from any iterable; or with pix_fmt="yuv420p", (H * 3 // 2, W) planar.
-    tone: a soundtrack (AAC, mono, RATE Hz), a sine of this frequency over the whole clip (0: no audio track)."""
+    tone: a soundtrack (AAC, mono, RATE Hz), a sine of this frequency over the clip (0: none)."""
     import av
 
     frames = iter(frames)
@@ -279,8 +279,8 @@ def gen_needle(rng, c, T, H, W, fps):
 
 
 def gen_tone(rng, c, T, H, W, fps):
-    """Audio-visual: the soundtrack's pitch class (200 * 2**c Hz, up to a quarter octave off); every video shows the
-    same gray picture, so a model that does not hear stays at chance."""
+    """Audio-visual: the soundtrack's pitch class (200 * 2**c Hz, up to a quarter octave off); every
+    video shows the same gray picture, so a model that does not hear stays at chance."""
     L = LETTERS[c]
     return (
         (128, 128, 128),
@@ -290,9 +290,8 @@ def gen_tone(rng, c, T, H, W, fps):
         TONE_OPTIONS,
         "multiple choice",
         f"<answer>{L}</answer>",
-        round(
-            200 * 2 ** (c + rng.uniform(-0.25, 0.25)), 1
-        ),  # the tone (Hz): only this task has an 8th
+        # the tone (Hz): only this task has an 8th value
+        round(200 * 2 ** (c + rng.uniform(-0.25, 0.25)), 1),
     )
 
 

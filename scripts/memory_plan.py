@@ -35,10 +35,13 @@ def stored(model: str, dtype: str) -> tuple[dict, dict]:
         raise KeyError(
             f"{STORE}: no measurements {key!r} (tests/test_memory_plan.py::test_measurements_reproduce)"
         )
-    if model in store["published"]:
-        return store["published"][model], store["measured"][key]
-    with open(os.path.join(model, "config.json")) as f:
-        return json.load(f), store["measured"][key]
+    spec = store["published"].get(model)
+    if spec is None:
+        with open(os.path.join(model, "config.json")) as f:
+            spec = json.load(f)
+    # Omni: its thinker's (the trained model), under the model's type (its tiny checkpoint's)
+    thinker = spec.get("thinker_config", spec)
+    return thinker | {"model_type": spec["model_type"]}, store["measured"][key]
 
 
 @dataclasses.dataclass
@@ -112,7 +115,9 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     )
     pairs = int(out["video_grid_thw"][0, 0])
     per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
-    return out["input_ids"].shape[1] + pairs * (per_pair - 1), int(
+    # Omni: the soundtrack's tokens, 25 a second up to the feature extractor's 30 s
+    sound = int(25 * min(30, q.meta["duration"])) * cfg.video_audio
+    return out["input_ids"].shape[1] + pairs * (per_pair - 1) + sound, int(
         out["video_grid_thw"].prod()
     ) * per_pair
 
@@ -396,7 +401,7 @@ def plan(
             over and rows > 1,
             f"DOES NOT FIT: max_tokens_per_micro_batch (now {rows} rows of {row} tokens)",
         ),
-        (over and larger, "DOES NOT FIT: sp_size " + " or ".join(map(str, larger))),
+        (over and larger, f"DOES NOT FIT: sp_size {' or '.join(map(str, larger))}"),
         (over and not cfg.freeze_vision, "DOES NOT FIT: freeze_vision: true"),
         (over, f"DOES NOT FIT: video_max_frames / video_max_pixels (one row is {row} tokens)"),
         (
@@ -445,7 +450,7 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
     rollout_tp the largest that vLLM takes in the SP group, legal_tp)."""
     lines = [
         "| frames | prompt tokens | sp_size 1 | sp_size 2 | sp_size 4 | sp_size 8 |",
-        "|---" * 6 + "|",
+        "|---|---|---|---|---|---|",
     ]
     for frames in (256, 512, 1024, 2048, 3600):
         one = dataclasses.replace(
@@ -470,7 +475,7 @@ def table(c: Config, cfg, spec: dict, meas: dict) -> list[str]:
             for sp in (1, 2, 4, 8)
         ]
         cells = [f"{p.verdict.split(':')[0].lower()} ({p.train / GIB:.0f} GiB)" for p in plans]
-        lines.append(f"| {frames} | {prompt:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {frames} | {prompt:,} | {' | '.join(cells)} |")
     return lines
 
 
@@ -516,11 +521,12 @@ def main(c: Config) -> Plan | list[str]:
         video_max_frames=c.frames or cfg.video_max_frames,
         max_tokens_per_micro_batch=c.tokens or cfg.max_tokens_per_micro_batch,
     )
-    with open(STORE) as f:  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
-        cuda = (
-            f"{os.path.basename(os.path.normpath(cfg.model))} bfloat16" in json.load(f)["measured"]
-        )
-    spec, meas = stored(cfg.model, "bfloat16" if cuda else "float32")
+    cuda = True  # measured in bf16 (FSDP2 on CUDA), or only in fp32 (train.py on CPU)
+    try:
+        spec, meas = stored(cfg.model, "bfloat16")
+    except KeyError:
+        cuda = False
+        spec, meas = stored(cfg.model, "float32")
     if c.table:
         lines = table(dataclasses.replace(c, gpus=gpus), cfg, spec, meas)
         print("\n".join(lines))
@@ -538,11 +544,15 @@ def main(c: Config) -> Plan | list[str]:
         f"{cfg.model}, {gpus} {'GPUs' if cuda else 'CPU ranks (fp32)'}, sp_size {sp}, {cfg.video_max_frames} frames "
         f"(720p): {prompt} prompt tokens, {patches} patches"
     )
-    parts = {**p.held, **{f"+ the largest: {k}": v for k, v in p.transient.items()}}
-    parts.update({f"vLLM: {k}": v for k, v in p.vllm.items()} if cuda else {})
-    parts.update({f"host: {k}": v for k, v in p.host.items()})
-    for label, value in parts.items():
-        print(f"  {label:<62} {value / GIB:7.2f} GiB")
+    parts = {
+        "": p.held,
+        "+ the largest: ": p.transient,
+        "vLLM: ": p.vllm if cuda else {},
+        "host: ": p.host,
+    }
+    for prefix, part in parts.items():
+        for label, value in part.items():
+            print(f"  {prefix + label:<62} {value / GIB:7.2f} GiB")
     ranks = min(gpus, 8)
     print(
         f"  host RAM {p.host_rank / GIB:.1f} GiB per rank, {p.host_rank * ranks / GIB:.0f} GiB per node "

@@ -9,10 +9,9 @@ A run given as RUN+NEXT (a stage two started from RUN's final/) is one curve: NE
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import curve_rows, plot  # noqa: E402
+import repo  # noqa: F401  (puts the project root on sys.path)
+from common import curve_rows, plot
 
 
 def curve(run: str) -> tuple[list[int], list[float]]:

@@ -45,13 +45,12 @@ def egoschema(src: str, out: str) -> dict:
         raise ValueError(f"{src}/questions.json: expected a JSON array of objects with q_uid")
     if not isinstance(answers, dict):
         raise ValueError(f"{src}/subset_answers.json: expected {{q_uid: option index}}")
-    known = {q["q_uid"] for q in questions}
-    if unknown := sorted(set(answers) - known):
+    if unknown := sorted(set(answers) - {q["q_uid"] for q in questions}):
         raise ValueError(
             f"{src}/subset_answers.json: {len(unknown)} q_uid not in questions.json, first {unknown[0]}"
         )
     for q_uid, a in answers.items():
-        if isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= 4:
+        if type(a) is not int or not 0 <= a <= 4:  # JSON's true is no index
             raise ValueError(
                 f"{src}/subset_answers.json: {q_uid}: answer {a!r} is not an option index 0..4"
             )
@@ -84,7 +83,7 @@ def nextqa(src: str, out: str) -> dict:
 
 def main(cfg: Config) -> dict:
     counts = {"egoschema": egoschema, "nextqa": nextqa}[cfg.benchmark](cfg.src, cfg.out)
-    print(f"{cfg.benchmark}: " + ", ".join(f"{k} {v}" for k, v in counts.items()), flush=True)
+    print(f"{cfg.benchmark}: {', '.join(f'{k} {v}' for k, v in counts.items())}", flush=True)
     return counts
 
 

@@ -19,15 +19,10 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from repo import ROOT
+
 PROMPT_LEN = 1024  # the rehearsal's max_prompt_len (a 16-frame 56 x 56 question is ~100 tokens)
 RESPONSE_LEN = 16
-VARIANTS = {  # published (query heads, KV heads) -> make_tiny_model's variant
-    (28, 4): "heads28-4",
-    (16, 2): "heads16-2",
-    (32, 8): "heads32-8",
-}
 
 
 @dataclasses.dataclass
@@ -53,12 +48,14 @@ def tiny_model(model: str) -> str:
 
     spec = memory_plan.stored(model, "bfloat16")[0]
     text = spec["text_config"]
-    heads = (text["num_attention_heads"], text["num_key_value_heads"])
-    if heads not in VARIANTS or spec["model_type"] == "qwen2_vl":
+    # make_tiny_model's variant of the published (query heads, KV heads)
+    variant = f"heads{text['num_attention_heads']}-{text['num_key_value_heads']}"
+    if variant not in make_tiny_model.VARIANTS or spec["model_type"] == "qwen2_vl":
         sys.exit(
-            f"{model}: no tiny checkpoint with {heads[0]} / {heads[1]} heads (make_tiny_model.VARIANTS)"
+            f"{model}: no tiny checkpoint with {text['num_attention_heads']} / {text['num_key_value_heads']} heads "
+            "(make_tiny_model.VARIANTS)"
         )
-    return make_tiny_model.ensure(spec["model_type"], variant=VARIANTS[heads])
+    return make_tiny_model.ensure(spec["model_type"], variant=variant)
 
 
 def train_args(c: Config, cfg, model: str, data_dir: str) -> list[str]:

@@ -506,6 +506,14 @@ def global_counts(batches: list) -> tuple[float, float]:
     return tuple(all_reduce([tokens, sequences]))
 
 
+def reference_logp(model, ref, b, temperature: float, banned: list, chunk: int = 0, layout=None):
+    """The reference's log-probs (B, R), as train.logp_pass computes them (train.as_reference)."""
+    from train import as_reference, token_logp
+
+    with as_reference(model, ref) as m:
+        return token_logp(m, b, temperature, banned, chunk, layout)[0]
+
+
 def tiny_config(**kw):
     """train.Config for the tiny model and 56x56 synthetic videos (what configs/tiny_cpu.yaml uses)."""
     from train import Config

@@ -685,6 +685,11 @@ def test_omni_audio_missing_track_silence_or_error(video, tmp_path):
     with pytest.raises(cache.VideoError, match=r"v\.mp4: no audio track"):
         cache.load_audio(video, dataclasses.replace(error, cache_dir=""), 16000, 30, stats, None)
     assert stats["audio_missing"] == 4 and (stats["cache_hit"], stats["decode"]) == (1, 3)
+    from common import field_errors
+
+    assert field_errors(cache.Media(no_audio="mute")) == [
+        "no_audio: 'mute' is not 'silence' | 'error'"
+    ]
 
 
 def test_omni_audio_cache_roundtrip(tmp_path):

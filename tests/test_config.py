@@ -20,6 +20,7 @@ from train import Config, check_config, load_config, main
 
 CHOICES = {
     "video_source",
+    "no_audio",
     "rollout",
     "response_format",
     "adv_estimator",
@@ -170,7 +171,7 @@ def test_gpu_recipes_checkpoint_every_few_minutes_of_work():
     itself, with its reason, but a layer whose base's step it keeps (before: the 7B/8B, LoRA and hour-long recipes
     saved only on a signal: a crash at hour five lost the run)."""
     names = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.startswith("qwen"))
-    assert len(names) == 10, names
+    assert len(names) == 11, names
     for name in names:
         cfg = load_config(["--config", *recipe(name)])
         assert cfg.save_every > 0 and cfg.keep_last > 0, name

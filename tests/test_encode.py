@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ROOT, global_counts, tiny_config
+from conftest import ROOT, global_counts, reference_logp, tiny_config
 
 import data
 import sp
@@ -93,7 +93,7 @@ def per_micro_batch(t, cfg, minibatches) -> tuple[list, list]:
             plain = replace(b, vision=None, n_tok=n_tok, n_seq=n_seq)
             with torch.no_grad():
                 old = train.token_logp(t.model, plain, *args)[0]
-                ref = train.reference_logp(t.model, t.ref, plain, *args)
+                ref = reference_logp(t.model, t.ref, plain, *args)
             logps.append((old, ref))
             loss, _ = train.micro_loss(t.model, plain, cfg, t.banned)
             loss.backward()

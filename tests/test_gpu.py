@@ -104,23 +104,28 @@ def test_vllm_sleep_frees_memory_and_wakes(tiny_model):
 
 @pytest.mark.skipif(not HAS_VIDEO, reason="av and decord not installed (synthetic videos)")
 @pytest.mark.parametrize(
-    "arch, run",
+    "arch, task, run",
     [
-        ("qwen2_5_vl", ["--group-size", "4"]),
-        ("qwen2_5_vl", ["--group-size", "4", "--fsdp", "keep"]),  # blocks kept fwd -> bwd
-        ("qwen2_5_vl", ["--group-size", "1", "--loss-type", "sft", "--fsdp", "replicate"]),
-        ("qwen3_5", ["--group-size", "4"]),  # gated delta-net + full attention layers, bf16
+        ("qwen2_5_vl", "color", ["--group-size", "4"]),
+        ("qwen2_5_vl", "color", ["--group-size", "4", "--fsdp", "keep"]),  # blocks kept fwd -> bwd
+        ("qwen2_5_vl", "color", ["--group-size", "1", "--loss-type", "sft", "--fsdp", "replicate"]),
+        (
+            "qwen3_5",
+            "color",
+            ["--group-size", "4"],
+        ),  # gated delta-net + full attention layers, bf16
+        ("qwen2_5_omni", "tone", ["--group-size", "4", "--video-audio"]),  # the soundtrack, bf16
     ],
-    ids=["grpo", "keep", "sft_replicate", "qwen3_5"],
+    ids=["grpo", "keep", "sft_replicate", "qwen3_5", "omni"],
 )
-def test_train_two_steps_on_gpu(tmp_path, arch, run):
+def test_train_two_steps_on_gpu(tmp_path, arch, task, run):
     """The real loop on the GPU: torchrun (nccl), FSDP2 bf16 (fsdp replicate: fp32, no FSDP2), vLLM rollout when
-    installed, else HF generate; GRPO and the SFT cold start; Qwen2.5-VL and Qwen3.5."""
+    installed, else HF generate; GRPO and the SFT cold start; Qwen2.5-VL, Qwen3.5 and Qwen2.5-Omni (audio-visual)."""
     import make_synthetic_data
 
-    data = os.path.join(ROOT, ".cache/data/test_color")
+    data = os.path.join(ROOT, f".cache/data/test_{task}")
     make_synthetic_data.make(
-        data, ["color"], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0
+        data, [task], num_train=16, num_val=4, seed=1, size=56, fps=4, seconds=2.0
     )
     out = tmp_path / "run"
     cmd = [

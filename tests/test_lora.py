@@ -18,6 +18,7 @@ from conftest import (
     synth_dir,
     tiny_config,
     tiny_model_dir,
+    reference_logp,
     two_rank_share,
     vllm_greedy_tokens,
 )
@@ -66,7 +67,7 @@ def test_reference_is_the_base_model_with_adapters_disabled(tiny_model, batch):
     model = lora_model(tiny_model)
     with torch.no_grad():
         want = train.token_logp(base, b, 1.0, banned)[0]
-        ref = train.reference_logp(model, None, b, 1.0, banned)
+        ref = reference_logp(model, None, b, 1.0, banned)
         policy = train.token_logp(model, b, 1.0, banned)[0]
     # adapters scaled to 0: the base model up to fp32 round-off (4.8e-7 here; B A x * 0 is added, other kernels)
     assert ((ref - want).abs() * b.mask).max() < 1e-5
@@ -142,7 +143,7 @@ def test_reference_and_merge_on_the_other_families(arch, synth):
     model = lora_model(d, targets=WITH_VISION)
     with torch.no_grad():
         want = train.token_logp(base, b, 1.0, banned)[0]
-        ref = train.reference_logp(model, None, b, 1.0, banned)
+        ref = reference_logp(model, None, b, 1.0, banned)
         policy = train.token_logp(model, b, 1.0, banned)[0]
     assert ((ref - want).abs() * b.mask).max() < 1e-5 and (
         (policy - want).abs() * b.mask

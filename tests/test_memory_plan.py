@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 import memory_plan
 import rollout
 import train
+from sp import language_model, vision_tower
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/memory.py's worker measures the peaks
 GIB = 2**30
@@ -41,6 +42,8 @@ CLASSES = {
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    # the trained part of an Omni model (memory_plan.stored's spec: its thinker's config)
+    "qwen2_5_omni": ("Qwen2_5OmniThinkerConfig", "Qwen2_5OmniThinkerForConditionalGeneration"),
 }
 
 
@@ -81,10 +84,12 @@ def build(
                 "qwen3_vl": {"deepstack_visual_indexes": [0]},
             }.get(spec["model_type"], {})
         )
+    audio = {k: spec[k] for k in ("audio_config",) if k in spec}  # Omni's audio tower
     config = config_class(
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=text.get("tie_word_embeddings", False),
+        **audio,
     )
     config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
@@ -106,10 +111,12 @@ def param_counts(spec: dict) -> dict:
         vocab=spec["text_config"]["vocab_size"],
         dtype=None,
     )
-    blocks = list(model.model.language_model.layers) + list(model.model.visual.blocks)
+    blocks = list(language_model(model).layers) + list(vision_tower(model).blocks)
+    if hasattr(model, "audio_tower"):  # Omni: its layers are units too (train.load_model)
+        blocks += list(model.audio_tower.layers)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     total = sum(p.numel() for p in model.parameters())
-    vision = sum(p.numel() for p in model.model.visual.parameters())
+    vision = sum(p.numel() for p in vision_tower(model).parameters())
     return dict(total=total, largest_layer=max(sizes), root=total - sum(sizes), vision=vision)
 
 
@@ -834,3 +841,21 @@ def test_reference_features_and_vllm_embeds_are_planned(monkeypatch):
     args3 = (spec3, meas3, *args[2:])
     kept = memory_plan.plan(dataclasses.replace(qwen3, vllm_embeds=True), *args3)
     assert kept.vllm == memory_plan.plan(qwen3, *args3).vllm
+
+
+def test_omni_7b_is_planned_as_its_thinker():
+    """Qwen2.5-Omni-7B, typed into configs/memory.json from its published config.json: the planner reads its thinker
+    (memory_plan.stored), 8,931,813,888 parameters: Qwen2.5-VL-7B's decoder and vision tower (the same widths, so the
+    same bytes per token and patch: its measurements are Qwen2.5-VL-7B's) and a 32-layer audio tower of width 1280,
+    its layers FSDP2 units like the vision blocks (the largest unit stays a decoder layer)."""
+    spec, meas = memory_plan.stored("Qwen/Qwen2.5-Omni-7B", "bfloat16")
+    vl_spec, vl_meas = memory_plan.stored(SEVEN_B, "bfloat16")
+    assert spec["model_type"] == "qwen2_5_omni" and spec["audio_config"]["encoder_layers"] == 32
+    assert meas["params"] == param_counts(spec)
+    assert meas["params"]["total"] - vl_meas["params"]["total"] > 600_000_000  # the audio tower
+    widths = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    for part, keys in (("text_config", widths), ("vision_config", (*widths[:3], "num_heads"))):
+        assert all(spec[part].get(k) == vl_spec[part].get(k) for k in keys), part
+    assert {k: v for k, v in meas.items() if k != "params"} == {
+        k: v for k, v in vl_meas.items() if k != "params"
+    }

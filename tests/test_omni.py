@@ -6,6 +6,7 @@ path: the audio reaches vLLM only) they do not.
     .venv/bin/python -m pytest -q tests/test_omni.py
 """
 
+import json
 import os
 
 import pytest
@@ -44,7 +45,7 @@ def tone_dir() -> str:
     """The "tone" task (the answer in the soundtrack only): 8 train and 4 held-out samples."""
     import make_synthetic_data
 
-    out = os.path.join(ROOT, ".cache/data/test_tone")
+    out = os.path.join(ROOT, ".cache/data/omni_tone")
     make_synthetic_data.make(
         out, ["tone"], num_train=8, num_val=4, seed=0, size=56, fps=4, seconds=2.0
     )
@@ -173,3 +174,38 @@ def test_omni_fsdp_lora_run(two_rank):
     rows = {r["step"]: r for r in run.rows}
     assert sorted(rows) == [1, 2], run.log[-3000:]
     assert all(r["mismatch/max"] < 1e-2 and r["grad_norm"] > 0 for r in rows.values())
+
+
+def test_omni_worldsense_async_engine(tmp_path):
+    """evaluate.py's async pipeline (AsyncLLM, loader threads, the frame and sound cache) on WorldSense in its
+    official audio-visual setting with the tiny Omni: each video's soundtrack decoded once, cached, sent; the rows
+    scored by WorldSense's reader, none unevaluable."""
+    import asyncio
+
+    import evaluate as E
+    import numpy as np
+    from make_synthetic_data import write_video
+
+    videos = tmp_path / "videos" / "worldsense"
+    videos.mkdir(parents=True)
+    write_video(str(videos / "ws0.mp4"), np.zeros((8, 56, 56, 3), np.uint8), 4.0, tone=440.0)
+    cfg = E.Config(
+        model=omni_dir(),
+        benchmarks="worldsense",
+        data_dir=os.path.join(ROOT, "tests/fixtures/benchmarks"),
+        video_dir=str(tmp_path / "videos"),
+        out_dir=str(tmp_path / "out"),
+        cache_dir=str(tmp_path / "frames"),
+        max_tokens=4,
+        max_model_len=1024,
+        video_fps=4.0,
+        video_max_frames=8,
+        video_max_pixels=3136,
+        dtype="float32",
+        gpu_memory_utilization=0.1,
+    )
+    res = asyncio.run(E.evaluate(cfg))["worldsense"]
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "worldsense" / "samples.jsonl")]
+    assert res["unevaluable"] == 0 and [r["doc_id"] for r in rows] == ["0"], res
+    assert "the corresponding audio" in rows[0]["input"] and rows[0]["resps"]
+    assert len(os.listdir(tmp_path / "frames")) >= 1  # the frames' and the sound's entries

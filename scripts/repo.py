@@ -1,0 +1,9 @@
+"""The repository: its root (ROOT), put first on sys.path with scripts/ so that a script run as
+`python scripts/X.py` imports the project's modules and the other scripts (gpu_check.py and memory_plan.py, which
+their tests run by path alone, and the two make_* scripts keep their own lines)."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
