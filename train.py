@@ -316,7 +316,7 @@ def check_config(cfg: Config, world: int = 1):
     per_rank = cfg.prompts_per_step // max(1, dp) * cfg.group_size  # rollouts per rank and step
     longest_row = cfg.max_prompt_len + cfg.max_response_len
     spec = model_spec(cfg.model) or {}
-    moe = "num_experts_per_tok" in spec.get("text_config", spec)
+    moe = "num_experts_per_tok" in spec.get("thinker_config", spec).get("text_config", spec)
     omni = "thinker_config" in spec  # Qwen2.5-Omni: audio in, thinker trained
     cuda_ranks = torch.cuda.is_available() and dist.is_initialized()
     # each message, and whether this config earns it
