@@ -30,7 +30,6 @@ import torch.distributed as dist
 import ckpt
 import common
 import data
-import evaluate
 import rewards
 import sp
 from cache import Media
@@ -1665,6 +1664,26 @@ def preparers(cfg: Config, processor, template: str | None, stats: dict):
     return prep, functools.partial(prep, media=cfg.media(held_out=True))
 
 
+def eval_row(sample: dict, prompt: str, response: str) -> dict:
+    """One held-out row of out_dir/eval/step_N.jsonl (lmms-eval's fields): the training reward's
+    accuracy rule on the response's answer text (rewards.answer_text); unreadable scores 0."""
+    answer = rewards.answer_text(response)
+    value = rewards.accuracy(answer, sample)
+    read = None  # what was read: None when unreadable
+    if value is not None:
+        read = answer
+    return {
+        "doc_id": sample["id"],
+        "input": prompt,
+        "target": rewards.ground_truth(sample),
+        "resps": [response],
+        "filtered_resps": [read],
+        "score": float(value or 0.0),
+        "parse_fail": value is None,
+        "problem_type": sample["problem_type"],
+    }
+
+
 def held_out_count(val: list[dict], skipped: list[dict]) -> int:
     """The held-out samples that prepare (the same on every rank): all but those a skip report names."""
     invalid = {report["where"] for report in skipped} & {s["id"] for s in val}
@@ -1692,8 +1711,8 @@ def held_out_accuracy(
         outs = engine.generate(
             padded, n=1, temperature=0.0, max_tokens=cfg.max_response_len, seed=cfg.seed
         )
-        mine += [  # the rows of the prompts it prepared: evaluate.py's of our own benchmark
-            evaluate.record(r.prompt.sample, "nvr1", r.prompt.text, r.text)
+        mine += [  # the rows of the prompts it prepared
+            eval_row(r.prompt.sample, r.prompt.text, r.text)
             for r in outs[shared.start :][: shared.count]
             if r.prompt.sample.get("pad") is not data.PAD
         ]
@@ -1703,8 +1722,10 @@ def held_out_accuracy(
     rows = [x for part in gather(mine) for x in part]
     if layout.rank == 0 and rows:
         common.write_jsonl(os.path.join(cfg.out_dir, "eval", f"step_{step}.jsonl"), rows)
-    # in percent and back, as evaluate.aggregate computes it: the same float in metrics.jsonl
-    return evaluate.mean(r["score"] for r in rows) / 100
+    if not rows:
+        return float("nan")
+    # in percent and back, as evaluate.aggregate computed it: the same float in metrics.jsonl
+    return 100 * sum(r["score"] for r in rows) / len(rows) / 100
 
 
 def logp_pass(

@@ -552,14 +552,13 @@ def test_micro_batch_invariance_tensors(loss_type, agg):
 
 
 # ----------------------------------------------------------------------------------------------- held-out accuracy
-def test_held_out_rows_score_by_the_training_reward():
-    """train.held_out_accuracy's rows (out_dir/eval/step_N.jsonl) are evaluate.py's own-schema benchmark's (nvr1):
-    each response scored by the training reward's accuracy rule on its answer text (rewards.answer_text),
-    unreadable 0, the sample's own problem type and id."""
+def test_eval_row_scores_as_the_nvr1_benchmark():
+    """train.eval_row (the held-out accuracy, from rewards) scores every response as evaluate.py's own-schema
+    benchmark (nvr1) does: the same score, parse failure, answer read, target and id."""
     import data
     import evaluate
-    import rewards
     from conftest import synth_dir
+    from train import eval_row
 
     samples = data.load_samples(os.path.join(synth_dir(), "val.jsonl"))
     assert len({s["problem_type"] for s in samples}) == 3
@@ -575,11 +574,10 @@ def test_held_out_rows_score_by_the_training_reward():
             "",
         ]
         for response in responses:
-            row = evaluate.record(s, "nvr1", "prompt", response)
-            acc = rewards.accuracy(rewards.answer_text(response), s)
-            assert (row["score"], row["parse_fail"]) == (float(acc or 0.0), acc is None), response
-            assert (row["doc_id"], row["problem_type"]) == (s["id"], s["problem_type"])
-        assert evaluate.record(s, "nvr1", "prompt", responses[0])["score"] == 1.0
+            mine = eval_row(s, "prompt", response)
+            theirs = evaluate.record(s, "nvr1", "prompt", response)
+            assert {k: theirs[k] for k in mine} == mine, (s["id"], response)
+        assert eval_row(s, "prompt", responses[0])["score"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------- real model
