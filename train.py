@@ -1334,6 +1334,8 @@ def load_model(cfg: Config, device, value_head: bool = False):
         # layout transformers converts (Qwen3-Omni's per-expert weights) into bare leaf names, adapting
         # every q_proj (its audio tower's too) and the fused experts, which the weight sync cannot merge
         targets = [n for n, _ in model.named_modules() if re.fullmatch(cfg.lora_targets, n)]
+        if not targets:
+            raise UserError(f"lora_targets {cfg.lora_targets!r} matches no module of {cfg.model}")
         lora = LoraConfig(
             r=cfg.lora_rank,
             lora_alpha=cfg.lora_alpha,
