@@ -84,14 +84,35 @@ def save(
 
 
 def save_checkpoint(model, processor, path: str, rank: int):
-    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load; LoRA adapters are
-    merged in (scripts/export_hf.py writes the adapter alone)."""
+    """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load, in the published
+    layout (published_layout; Omni: the thinker's weights under its whole model's config); LoRA adapters are merged
+    in (scripts/export_hf.py writes the adapter alone)."""
+    from transformers import AutoConfig
+
+    base = base_model(model)
+    config = base.config
+    if config.model_type.endswith("_thinker"):  # the model it came from: Omni's whole config
+        config = AutoConfig.from_pretrained(base.name_or_path)
     # a collective: every rank gathers, rank 0 keeps
-    sd = {name: t.cpu() for name, t in hf_weights(model) if rank == 0}
+    weights = published_layout(hf_weights(model), config.model_type)
+    sd = {name: t.cpu() for name, t in weights if rank == 0}
     if rank == 0:
-        base_model(model).save_pretrained(path, state_dict=sd)
+        base.save_pretrained(path, state_dict=sd)
+        config.save_pretrained(path)
         processor.save_pretrained(path)
         model.generation_config.save_pretrained(path)
+
+
+def published_layout(weights, model_type: str):
+    """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
+    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out). Omni:
+    the trainer holds the thinker alone, the published names are under "thinker."."""
+    prefix = ""
+    if "omni" in model_type:
+        prefix = "thinker."
+    for name, w in weights:
+        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        yield prefix + name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
 
 
 def find(out_dir: str, resume: str) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckpt import hf_weights
+from ckpt import hf_weights, published_layout
 from common import UserError
 from data import MEDIA_TOKENS, DataError, Prompt, grids, vllm_input
 import sp
@@ -259,18 +259,6 @@ def repack_cpu_experts(worker):
         kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
         if kernel is not None:
             kernel.fused_experts.process_weights_after_loading(layer)
-
-
-def published_layout(weights, model_type: str):
-    """transformers 5.19 holds Qwen3-VL-MoE's fused experts as (experts, out, in), saves them so
-    and loads either; the published checkpoints and vLLM's loader hold (experts, in, out). Omni:
-    the trainer holds the thinker alone, the published names are under "thinker."."""
-    prefix = ""
-    if model_type == "qwen2_5_omni":
-        prefix = "thinker."
-    for name, w in weights:
-        fused = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        yield prefix + name, w.transpose(1, 2) if fused and model_type == "qwen3_vl_moe" else w
 
 
 class VLLMEngine:

@@ -451,7 +451,7 @@ def build(
     tmp = f"{out}.tmp-{os.getpid()}"  # private: concurrent builders (e.g. several ranks) never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    if arch == "qwen3_vl_moe":  # transformers saved its own layout: rollout.published_layout's
+    if arch == "qwen3_vl_moe":  # transformers saved its own layout: ckpt.published_layout's
         from safetensors.torch import load_file, save_file
 
         file = os.path.join(tmp, "model.safetensors")

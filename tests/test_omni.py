@@ -176,10 +176,11 @@ def test_omni_fsdp_lora_run(two_rank):
     assert all(r["mismatch/max"] < 1e-2 and r["grad_norm"] > 0 for r in rows.values())
 
 
-def test_omni_worldsense_async_engine(tmp_path):
-    """evaluate.py's async pipeline (AsyncLLM, loader threads, the frame and sound cache) on WorldSense in its
-    official audio-visual setting with the tiny Omni: each video's soundtrack decoded once, cached, sent; the rows
-    scored by WorldSense's reader, none unevaluable."""
+def test_omni_worldsense_async_engine(two_rank, tmp_path):
+    """The 2-rank run's final folder (ckpt.save_checkpoint: the thinker's weights, LoRA merged, under "thinker." in
+    the whole model's config: the published layout vLLM's registry loads) through evaluate.py's async pipeline
+    (AsyncLLM, loader threads, the frame and sound cache) on WorldSense in its official audio-visual setting: each
+    video's soundtrack decoded, cached, sent; the rows scored by WorldSense's reader, none unevaluable."""
     import asyncio
 
     import evaluate as E
@@ -189,8 +190,11 @@ def test_omni_worldsense_async_engine(tmp_path):
     videos = tmp_path / "videos" / "worldsense"
     videos.mkdir(parents=True)
     write_video(str(videos / "ws0.mp4"), np.zeros((8, 56, 56, 3), np.uint8), 4.0, tone=440.0)
+    final = share_of(two_rank, __name__)["omni"].folder / "final"
+    with open(final / "config.json") as f:
+        assert "thinker_config" in json.load(f)
     cfg = E.Config(
-        model=omni_dir(),
+        model=str(final),
         benchmarks="worldsense",
         data_dir=os.path.join(ROOT, "tests/fixtures/benchmarks"),
         video_dir=str(tmp_path / "videos"),
