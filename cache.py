@@ -277,9 +277,9 @@ def entry_file(folder: str, ident: dict) -> str:
     return os.path.join(folder, key[:2], key + ".safetensors")
 
 
-def checksum(file: str, frames: np.ndarray, video: str = "") -> str:
-    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it.
-    sp.FeatureCache's entries: no metadata ("" leaves the crc as it is)."""
+def checksum(file: str, frames: np.ndarray, video: str) -> str:
+    """crc32 over the entry's key (its file name), its metadata and its array: a copied or edited
+    entry fails it."""
     crc = zlib.crc32(os.path.basename(file).encode())
     crc = zlib.crc32(video.encode(), crc)
     return str(zlib.crc32(frames.tobytes(), crc))
@@ -345,20 +345,16 @@ def check_entry(file: str, settings: dict, fits) -> tuple[np.ndarray, dict]:
 
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
+    """To a temp file renamed to `file`: readers see the old entry, no entry, or the whole new one
+    (the frame cache's, sp.FeatureCache's)."""
     from safetensors.numpy import save_file
 
     video = json.dumps(meta)
     metadata = {"video": video, "crc32": checksum(file, frames, video)}
-    save_atomic(file, save_file, {"frames": frames}, metadata)
-
-
-def save_atomic(file: str, save_file, tensors: dict, metadata: dict):
-    """safetensors' save_file (numpy's or torch's) to a temp file renamed to `file`: readers see the old entry, no
-    entry, or the whole new one."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file({"frames": frames}, tmp, metadata=metadata)
         os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):

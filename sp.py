@@ -17,7 +17,6 @@ positions.
 import functools
 import importlib
 import itertools
-import json
 import math
 import os
 import types
@@ -390,7 +389,7 @@ def tower_trains(model) -> bool:
 
 
 FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
-FEATURE_FORMAT = "nvr1-features-v1"  # bump when stored features change: every older entry a miss
+FEATURE_FORMAT = "nvr1-features-v2"  # bump when stored features change: every older entry a miss
 
 
 class FeatureCache:
@@ -436,39 +435,33 @@ class FeatureCache:
 
     def read(self, p, kind: str, grid: str, layout: Layout | None):
         """p's features from disk into memory; False where there is no good entry."""
-        from safetensors import safe_open
-
         file = self.path(p, kind, grid, layout)
         if not os.path.exists(file):
             return False
         try:
-            with safe_open(file, "pt") as f:
-                meta = f.metadata()
-                local = f.get_tensor("features")
-            if meta["crc32"] != checksum(file, local):
-                raise ValueError("fails its checksum")
-        except Exception as e:  # safetensors' own errors, a missing field: encoded again
-            print(
-                f"{file}: feature cache entry unreadable ({type(e).__name__}: {e}): encoded again"
-            )
+            raw, meta = cache.read_entry(file)  # its checksum checked
+        except ValueError as e:  # torn, corrupt or edited: encoded again
+            print(f"{file}: feature cache entry unreadable ({e}): encoded again")
             return False
+        # the features' bytes: numpy has no bfloat16
+        local = torch.from_numpy(raw).view(getattr(torch, meta["dtype"]))
         if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
             module, name = meta["output"].rsplit(".", 1)
             output = getattr(importlib.import_module(module), name)
-            dims = json.loads(meta["dims"])
-            self.empty[kind] = Features(local[:0], [], None, {}, dims, output)
+            self.empty[kind] = Features(local[:0], [], None, {}, meta["dims"], output)
         self.pieces[self.key(p, kind, grid)] = local
         self.bytes += local.nbytes
         self.reads += 1
         return True
 
     def write(self, file: str, local: torch.Tensor, empty: Features):
-        from safetensors.torch import save_file
-
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        output = f"{empty.output.__module__}.{empty.output.__qualname__}"
-        meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
-        cache.save_atomic(file, save_file, {"features": local}, meta)
+        meta = dict(
+            dims=empty.dims,
+            output=f"{empty.output.__module__}.{empty.output.__qualname__}",
+            dtype=str(local.dtype).removeprefix("torch."),
+        )
+        cache.write_entry(file, local.contiguous().view(torch.uint8).numpy(), meta)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
@@ -528,11 +521,6 @@ class FeatureCache:
         while self.bytes > self.max_bytes and self.pieces:
             oldest = next(iter(self.pieces))
             self.bytes -= self.pieces.pop(oldest).nbytes
-
-
-def checksum(file: str, local: torch.Tensor) -> str:
-    """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
-    return cache.checksum(file, local.contiguous().view(torch.uint8).numpy())
 
 
 @dataclass
