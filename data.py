@@ -67,9 +67,8 @@ SPECIAL_TOKENS = (
     "<|quad_start|>",
     "<|quad_end|>",
 ) + MEDIA_TOKENS
-MAX_PROMPT_CHARS = (
-    1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
-)
+# a rendered prompt longer than this is refused (far above any max_prompt_len)
+MAX_PROMPT_CHARS = 1_000_000
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
@@ -447,10 +446,12 @@ def prepare(
         omni["fps"] = omni_fps(videos, sid)
     audios = []
     sound = {}
-    if media.video_audio and not videos:
-        # every micro-batch must run the audio tower: an idle one would hang FSDP2's other ranks
-        raise DataError(f"sample {sid}: video_audio needs a video (a soundtrack) in every sample")
     if media.video_audio:
+        if not videos:
+            # every micro-batch must run the audio tower: an idle one would hang FSDP2's other ranks
+            raise DataError(
+                f"sample {sid}: video_audio needs a video (a soundtrack) in every sample"
+            )
         rate = processor.feature_extractor.sampling_rate
         window = processor.feature_extractor.n_samples / rate  # 30 s: longer is clipped
         audios = [
@@ -544,17 +545,9 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
 
 
 def hf_metadata(meta: dict) -> dict:
-    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
-    keys = (
-        "fps",
-        "duration",
-        "total_num_frames",
-        "frames_indices",
-        "video_backend",
-        "width",
-        "height",
-    )
-    return {k: meta[k] for k in keys if k in meta}
+    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens): the
+    cache's (cache.video_meta, which check_entry holds entries to) but sample_fps, ours."""
+    return {k: v for k, v in meta.items() if k != "sample_fps"}
 
 
 def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False) -> dict:

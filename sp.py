@@ -80,12 +80,10 @@ class Layout:
             return group[local // self.tp :: engines][local % self.tp :: self.tp]
         return group[local :: self.sp_size]
 
-    def share(self, items: list, size: int, rank: int | None = None) -> "Share":
-        """The list the group of `size` consecutive ranks around `rank` (default: this one) works
-        on, the same on its ranks (size tp: what its engine generates), and where the rank's own
-        part lies in it."""
-        if rank is None:
-            rank = self.rank
+    def share(self, items: list, size: int) -> "Share":
+        """The list the group of `size` consecutive ranks around this one works on, the same on its
+        ranks (size tp: what its engine generates), and where this rank's own part lies in it."""
+        rank = self.rank
         first = rank - rank % size
         parts = [self.part(items, q) for q in range(first, first + size)]
         flat = [x for part in parts for x in part]
@@ -901,27 +899,25 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
         for token, run in itertools.groupby(tokens, runs.get):
             run = torch.tensor(list(run))
             n = len(run)
-            if token is None:  # text
-                parts.append(torch.arange(n).expand(3, n) + start)  # (3, n)
-            else:
-                audio = run == audio_id  # (n,)
-                part = (audio.cumsum(0) - 1).expand(3, n).clone()  # audio: its j-th token at j
-                if not audio.all():
-                    item = pairs[token][0]
-                    # floored as vLLM does
-                    steps = int((~audio).sum()) // (item.h * item.w)
-                    time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
-                    grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
-                    part[:, ~audio] = grid.T  # (3, t h w)
-                    del pairs[token][: len(time)]
-                part = part + start
-                if audio.any() and not audio.all():
-                    # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
-                    # <|audio_bos|> before it: one token early, the last token resuming as text
-                    part = part - 1
-                    parts[-1][:, -1] = part[:, 0]
-                    part = torch.cat([part[:, 1:], part.max().expand(3, 1) + 1], 1)
-                parts.append(part)
+            # text's and a soundtrack's tokens count up one by one: the j-th at j on all three axes
+            audio = (run == audio_id) | (token is None)  # (n,)
+            part = (audio.cumsum(0) - 1).expand(3, n).clone()  # (3, n)
+            if not audio.all():
+                item = pairs[token][0]
+                # floored as vLLM does
+                steps = int((~audio).sum()) // (item.h * item.w)
+                time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
+                grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
+                part[:, ~audio] = grid.T  # (3, t h w)
+                del pairs[token][: len(time)]
+            part = part + start
+            if audio.any() and not audio.all():
+                # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
+                # <|audio_bos|> before it: one token early, the last token resuming as text
+                part = part - 1
+                parts[-1][:, -1] = part[:, 0]
+                part = torch.cat([part[:, 1:], part.max().expand(3, 1) + 1], 1)
+            parts.append(part)
             start = int(parts[-1].max()) + 1
         pos[:, b, mask[b]] = torch.cat(parts, 1)
     return pos.to(ids.device)
