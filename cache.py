@@ -260,15 +260,14 @@ def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int)
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
+    return entry_file(cache_dir, dict(format=FORMAT, **identity(path), **settings))
+
+
+def identity(path: str) -> dict:
+    """A media file's identity in a cache key: its absolute path, size and mtime (an edited file
+    is a miss, never stale)."""
     st = os.stat(path)
-    ident = dict(
-        format=FORMAT,
-        path=os.path.abspath(path),
-        size=st.st_size,
-        mtime_ns=st.st_mtime_ns,
-        **settings,
-    )
-    return entry_file(cache_dir, ident)
+    return dict(path=os.path.abspath(path), size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 def entry_file(folder: str, ident: dict) -> str:

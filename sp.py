@@ -276,10 +276,11 @@ def features(
 @dataclass
 class Tower:
     """encode_once's result: the features with the tower's graph, and the same features as leaves
-    that the micro-batches read and collect the gradient in."""
+    that the micro-batches read and collect the gradient in, of these prompts."""
 
     encoded: Vision
     leaves: Vision
+    prompts: list
 
 
 def encode_once(
@@ -293,7 +294,7 @@ def encode_once(
     for kind, f in encoded.kinds.items():
         leaf = f.local.detach().requires_grad_(f.local.requires_grad)
         kinds[kind] = replace(f, local=leaf)
-    return Tower(encoded, Vision(kinds, encoded.encodes))
+    return Tower(encoded, Vision(kinds, encoded.encodes), prompts)
 
 
 def backward_once(tower: Tower):
@@ -331,8 +332,8 @@ class Towers:
         # id(prompt) -> its last micro-batch
         self.last = {id(p): i for i, prompts in enumerate(mini) for p in prompts}
         self.aligned = layout is None or layout.dp_size == 1
-        self.open = []  # (Tower, its prompts): not yet taken through the tower
-        self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
+        self.open = []  # the Towers not yet taken through the tower
+        self.leaves = {}  # id(prompt) -> its Tower's leaves
         self.encodes = 0
 
     def vision(self, i: int) -> Vision:
@@ -342,7 +343,7 @@ class Towers:
         if new:
             tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
             self.encodes += tower.leaves.encodes
-            self.open.append((tower, new))
+            self.open.append(tower)
             for p in new:
                 self.leaves[id(p)] = tower.leaves
         out = Vision({}, 0)
@@ -375,10 +376,13 @@ class Towers:
             for p in self.mini[i]:
                 self.last[id(p)] = i
                 self.leaves.pop(id(p), None)
-        done = [(t, ps) for t, ps in self.open if all(self.last[id(p)] <= i for p in ps)]
-        for tower, _ in done:
-            backward_once(tower)
-        self.open = [(t, ps) for t, ps in self.open if any(self.last[id(p)] > i for p in ps)]
+        still = []
+        for tower in self.open:
+            if all(self.last[id(p)] <= i for p in tower.prompts):
+                backward_once(tower)
+            else:
+                still.append(tower)
+        self.open = still
 
 
 def tower_trains(model) -> bool:
@@ -416,10 +420,7 @@ class FeatureCache:
 
     def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
         """The disk entry of this rank's run of p's features of one modality."""
-        files = []
-        for name in data.media_paths(p.sample):
-            st = os.stat(name)
-            files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
+        files = [cache.identity(name) for name in data.media_paths(p.sample)]
         ident = dict(
             format=FEATURE_FORMAT,
             files=files,
@@ -468,10 +469,14 @@ class FeatureCache:
         distinct = unique(prompts)
         missing = []
         for p in distinct:
-            media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
-            have = [self.key(p, kind, grid) in self.pieces for kind, grid in media]
-            if self.folder:
-                have = [h or self.read(p, *m, layout) for h, m in zip(have, media)]
+            # each modality's features kept, else read from disk (every one: a sample missing one is
+            # encoded whole, its other entries read all the same)
+            have = [
+                self.key(p, kind, grid) in self.pieces
+                or (self.folder and self.read(p, kind, grid, layout))
+                for kind, pixels, grid in MEDIA
+                if pixels in p.mm
+            ]
             if not all(have):
                 missing.append(p)
         encodes = 0
@@ -938,7 +943,6 @@ def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[d
     (mrope_positions), never the model's: those the sampler uses."""
     ids = batch.input_ids
     mask = batch.attention_mask
-    prompts = batch.prompts
     S = ids.shape[1]
     pos = mrope_positions(ids, mask, batch.grids, model.config)  # (3, B, S)
     if layout is None or layout.sp_size == 1:
@@ -947,23 +951,22 @@ def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[d
             input_ids=ids,
             attention_mask=None if mask.all() else mask,
             position_ids=pos,
-            mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
             **audio_inputs(batch.grids),
         )
-        return inputs, shard
-    size = -(-S // layout.sp_size)
-    tail = size * layout.sp_size - S
-    shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
-    if not mask.all():
-        kernel = language_model(model).config._attn_implementation.removeprefix("ulysses_")
-        shard.mask = kernel_mask(F.pad(mask, (0, tail)), kernel)
-    ids = F.pad(ids, (0, tail))
-    keep = slice(shard.start, shard.stop)
-    inputs = dict(
-        input_ids=ids[:, keep],
-        position_ids=F.pad(pos, (0, tail))[..., keep],
-        attention_mask=None,
-        sp_shard=shard,
-        mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
-    )
+    else:
+        size = -(-S // layout.sp_size)
+        tail = size * layout.sp_size - S
+        shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
+        if not mask.all():
+            kernel = language_model(model).config._attn_implementation.removeprefix("ulysses_")
+            shard.mask = kernel_mask(F.pad(mask, (0, tail)), kernel)
+        ids = F.pad(ids, (0, tail))
+        keep = slice(shard.start, shard.stop)
+        inputs = dict(
+            input_ids=ids[:, keep],
+            position_ids=F.pad(pos, (0, tail))[..., keep],
+            attention_mask=None,
+            sp_shard=shard,
+        )
+    inputs["mm_encoder_outputs"] = shard_features(model, vision, ids, batch.prompts, shard)
     return inputs, shard
