@@ -129,8 +129,9 @@ def sample_indices(
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
 
-    budget = {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}
-    n = smart_nframes(budget, total_frames, video_fps)
+    n = smart_nframes(
+        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
+    )
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 

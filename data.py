@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import cache
 import rewards
 from cache import Media
-from common import UserError, gather
+from common import UserError, gather, print0
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {
@@ -102,7 +102,7 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
             f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
         )
     place = where.encode("utf-8", "backslashreplace").decode()  # file:line, printable
-    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]), where=place)
+    s = dict(s, id=sid, data_type=s.get("data_type", kinds[0]), where=place)
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -196,8 +196,7 @@ def load_samples(
     if missing:
         first = "; ".join(f"{r['where']}: {r['media'][0]}" for r in missing[:3])
         more = ", ..." if len(missing) > 3 else ""
-        what = "samples name a media file that is missing or not a regular file"
-        summary = f"{path}: {len(missing)} {what}"
+        summary = f"{path}: {len(missing)} samples name a media file that is missing or not a regular file"
         if not skip_invalid:
             raise DataError(f"{summary} ({first}{more}): fix the paths, or pass --skip-invalid")
         warn(f"warning: {summary}: skipped ({first}{more})")
@@ -256,8 +255,7 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
 
 def warn(text: str):
     """A warning (or progress) line on stderr, flushed, once (rank 0's) under torchrun."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(text, file=sys.stderr, flush=True)
+    print0(text, file=sys.stderr)
 
 
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
@@ -347,7 +345,6 @@ def render_all(
                 child.start()
                 children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
-            text = None
             error = f"rendering took over {seconds} s"
             try:
                 if recv.poll(seconds):
@@ -507,9 +504,7 @@ def dummy_prompts(processor) -> dict:
     of one temporal patch). FSDP2 all-gathers the tower each time it runs (once per modality): sp.encode_vision runs
     the dummy of each modality a rank has no patch of, weight 0, so that every rank issues the same collectives."""
     f = cache.vision_factor(processor)
-    meta = dict(
-        fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord"
-    )
+    meta = hf_metadata(cache.video_meta(2, 2.0, [0, 1], f, f))  # two frames at 2 fps
     media = {
         "image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
         "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta]),

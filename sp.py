@@ -574,8 +574,9 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 
         def needed(start: int) -> torch.Tensor:
             """The features of the placeholders in [start, start + size)."""
-            spans = [range(s + c[start], s + c[start + size]) for s, c in zip(firsts, before)]
-            index = [i for span in spans for i in span]
+            index = [
+                i for s, c in zip(firsts, before) for i in range(s + c[start], s + c[start + size])
+            ]
             return torch.tensor(index, dtype=torch.long, device=f.local.device)
 
         if n == 1:
@@ -624,7 +625,8 @@ def share_round(own: list, layout: Layout) -> Share:
     pixels pass."""
     if layout.tp == 1:
         return Share(own, 0, len(own))
-    first = layout.rank - layout.rank % layout.tp
+    me = layout.rank % layout.tp
+    first = layout.rank - me
     # the frames' shapes instead of the frames: they pass below, not pickled
     shapes = [
         replace(
@@ -635,16 +637,16 @@ def share_round(own: list, layout: Layout) -> Share:
         for p in own
     ]
     parts = gather(shapes, layout.tp_host)
-    parts[layout.rank - first] = own
+    parts[me] = own
     for q, part in enumerate(parts):
         for k, p in enumerate(part):
-            if q != layout.rank - first:  # frames to receive
+            if q != me:  # frames to receive
                 videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
                 p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
                 part[k] = p
             for frames in [f for f, _ in p.videos] + p.images:
                 dist.broadcast(torch.from_numpy(frames), first + q, group=layout.tp_host)
-    start = sum(len(part) for part in parts[: layout.rank - first])
+    start = sum(len(part) for part in parts[:me])
     return Share([p for part in parts for p in part], start, len(own))
 
 
