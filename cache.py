@@ -490,28 +490,25 @@ def unwritable(file: str, e: Exception, stats: dict):
         )
 
 
-def load_image(
-    path: str,
-    *,
-    min_pixels: int,
-    max_pixels: int,
-    factor: int = 28,
-    max_decode_pixels: int = MAX_DECODE_PIXELS,
-) -> np.ndarray:
-    """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
+def load_image(path: str, media: Media, factor: int = 28) -> np.ndarray:
+    """uint8 (H, W, 3) smart-resized within media's image pixel budget; over max_decode_pixels:
+    refused from the header."""
     from PIL import Image, UnidentifiedImageError
 
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
     try:
         with Image.open(path) as im:
-            if im.width * im.height > max_decode_pixels:
+            if im.width * im.height > media.max_decode_pixels:
                 raise ValueError(
-                    f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}"
+                    f"{im.width}x{im.height} pixels are over "
+                    f"max_decode_pixels={media.max_decode_pixels}"
                 )
             arr = np.asarray(im.convert("RGB"))
         # refuses a ratio over 200
-        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
+        h, w = smart_resize(
+            arr.shape[0], arr.shape[1], factor, media.image_min_pixels, media.image_max_pixels
+        )
     # a bomb: 2x PIL's cap
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e

@@ -423,16 +423,7 @@ def prepare(
         cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
         for path in sample.get("videos", [])
     ]
-    images = [
-        cache.load_image(
-            path,
-            min_pixels=media.image_min_pixels,
-            max_pixels=media.image_max_pixels,
-            factor=factor,
-            max_decode_pixels=media.max_decode_pixels,
-        )
-        for path in sample.get("images", [])
-    ]
+    images = [cache.load_image(path, media, factor) for path in sample.get("images", [])]
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,

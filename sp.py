@@ -189,6 +189,7 @@ class Features:
     spans: dict  # id(prompt) -> the index of its first feature
     dims: list[int]  # each level's width
     output: type  # the encoder output's class, which the model takes back (mm_encoder_outputs)
+    own: dict  # id(prompt) -> the rows of local that hold this rank's run of its features (a slice)
 
 
 @dataclass
@@ -263,6 +264,8 @@ def features(
     ]
     bounds = list(itertools.accumulate(map(len, held), initial=0))
     order = torch.tensor([i for h in held for i in h], dtype=torch.long)
+    counts = [f[r + 1] - f[r] for f in firsts]  # this rank's run of each prompt's features
+    at = itertools.accumulate(counts, initial=0)
     return Features(
         local=local[: bounds[r + 1] - bounds[r]],
         bounds=bounds,
@@ -270,6 +273,7 @@ def features(
         spans={id(p): s for p, s in zip(mine, starts)},
         dims=dims,
         output=output,
+        own={id(p): slice(a, a + c) for p, a, c in zip(mine, at, counts)},
     )
 
 
@@ -352,22 +356,17 @@ class Towers:
             have = [v.kinds[kind] for v in self.leaves.values() if kind in v.kinds]
             if not have or not mine and not self.dummies:
                 continue
-            parts = [self.piece(p, kind, grid) for p in mine]
+            parts = [self.piece(p, kind) for p in mine]
             local = torch.cat(parts + [have[0].local[:0]])
             out.kinds[kind] = features(
                 self.model, mine, grid, local, have[0].dims, have[0].output, self.layout
             )
         return out
 
-    def piece(self, p, kind: str, grid: str) -> torch.Tensor:
+    def piece(self, p, kind: str) -> torch.Tensor:
         """This rank's run of prompt p's features of one modality: a view of its leaf."""
         f = self.leaves[id(p)].kinds[kind]
-        n = self.layout.sp_size if self.layout else 1
-        r = self.layout.sp_rank if self.layout else 0
-        start = f.spans[id(p)]  # its first feature among the ranks' runs; this rank's:
-        firsts = run_features(self.model, p, grid, n)
-        at = int((f.where[start + firsts[r] :][:1] - f.bounds[r]).sum())
-        return f.local[at : at + firsts[r + 1] - firsts[r]]
+        return f.local[f.own[id(p)]]
 
     def backward(self, i: int):
         """After micro-batch i: the towers whose prompts are all done, through the tower (several
@@ -447,7 +446,7 @@ class FeatureCache:
         if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
             module, name = meta["output"].rsplit(".", 1)
             output = getattr(importlib.import_module(module), name)
-            self.empty[kind] = Features(local[:0], [], None, {}, meta["dims"], output)
+            self.empty[kind] = Features(local[:0], [], None, {}, meta["dims"], output, {})
         self.pieces[self.key(p, kind, grid)] = local
         self.bytes += local.nbytes
         self.reads += 1
@@ -485,7 +484,7 @@ class FeatureCache:
                 missing = distinct
             fresh = encode_vision(model, missing, device, layout, dummies)
             encodes = fresh.encodes
-            self.keep(model, fresh, missing, layout)
+            self.keep(fresh, missing, layout)
         out = Vision({}, encodes)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in distinct if pixels in p.mm]
@@ -498,19 +497,15 @@ class FeatureCache:
         self.trim()
         return out
 
-    def keep(self, model, fresh: Vision, prompts: list, layout: Layout | None):
+    def keep(self, fresh: Vision, prompts: list, layout: Layout | None):
         """fresh's features, per prompt of `prompts` (what encode_vision encoded), to the host."""
-        r = layout.sp_rank if layout else 0
-        n = layout.sp_size if layout else 1
         for kind, pixels, grid in MEDIA:
             if kind not in fresh.kinds:
                 continue
             f = fresh.kinds[kind]
             self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
-            mine = [p for p in prompts if pixels in p.mm]
-            firsts = [run_features(model, p, grid, n) for p in mine]
-            counts = [f[r + 1] - f[r] for f in firsts]
-            for p, local in zip(mine, f.local.split(counts)):
+            for p in [p for p in prompts if pixels in p.mm]:
+                local = f.local[f.own[id(p)]]
                 key = self.key(p, kind, grid)
                 if key in self.pieces:  # encoded again (FSDP2): newest now
                     self.bytes -= self.pieces.pop(key).nbytes
