@@ -97,12 +97,13 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     check_text(s, who, special_tokens)
     # image + video in one sample (Video-MMMU style): routed as video, declared as either
     kinds = [kind for kind in ("video", "image") if s.get(kind + "s")] or ["text"]
-    if s.get("data_type", kinds[0]) not in kinds:
+    data_type = s.get("data_type", kinds[0])
+    if data_type not in kinds:
         raise DataError(
-            f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
+            f"{who}: field 'data_type' says {data_type!r}, the sample has {' and '.join(kinds)} media"
         )
     place = where.encode("utf-8", "backslashreplace").decode()  # file:line, printable
-    s = dict(s, id=sid, data_type=s.get("data_type", kinds[0]), where=place)
+    s = dict(s, id=sid, data_type=data_type, where=place)
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -657,9 +658,9 @@ def next_valid(
     A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots and keeps
     the same stream position. Over max_invalid (max_consecutive_invalid) failures in a row are a DataError."""
     batch = [samples[stream.take()] for _ in range(count)]
-    prompts = [None] * len(batch)
+    prompts = [None] * count
     skips = []
-    todo = list(range(len(batch)))  # the slots still to fill
+    todo = list(range(count))  # the slots still to fill
     run = 0  # invalid samples in a row
     while todo:
         reports = {}

@@ -240,14 +240,12 @@ def start_errors(max_model_len: int):
         ) from None
 
 
-def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
-    """Whether an engine fed features must still load the vision tower: vLLM 0.32 turns Qwen3-VL's
-    deepstack off when the tower is a missing layer (qwen3_vl.py, Qwen3VLForConditionalGeneration
-    __init__: use_deepstack ... `not isinstance(self.visual, StageMissingLayer)`), dropping the
-    deepstack features it is given. Kept, it never runs (features in, no pixels)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+def keeps_tower(config) -> bool:
+    """Whether an engine fed features must still load the vision tower (the model's config says):
+    vLLM 0.32 turns Qwen3-VL's deepstack off when the tower is a missing layer (qwen3_vl.py,
+    Qwen3VLForConditionalGeneration __init__: use_deepstack ... `not isinstance(self.visual,
+    StageMissingLayer)`), dropping the deepstack features it is given. Kept, it never runs (features
+    in, no pixels)."""
     return hasattr(config.vision_config, "deepstack_visual_indexes")
 
 
@@ -333,9 +331,9 @@ class VLLMEngine:
                 max_videos=max_videos,
                 trust_remote_code=trust_remote_code,
             )
-            if embeds and not keeps_tower(model_dir, trust_remote_code):
-                settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            if embeds and not keeps_tower(config):
+                settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
             overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(

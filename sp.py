@@ -335,7 +335,6 @@ class Towers:
         self.mini = mini  # each micro-batch's prompts
         # id(prompt) -> its last micro-batch
         self.last = {id(p): i for i, prompts in enumerate(mini) for p in prompts}
-        self.aligned = layout is None or layout.dp_size == 1
         self.open = []  # the Towers not yet taken through the tower
         self.leaves = {}  # id(prompt) -> its Tower's leaves
         self.encodes = 0
@@ -371,7 +370,7 @@ class Towers:
     def backward(self, i: int):
         """After micro-batch i: the towers whose prompts are all done, through the tower (several
         data-parallel groups: this micro-batch's)."""
-        if not self.aligned:
+        if self.layout and self.layout.dp_size > 1:  # its prompts done: encoded again if met again
             for p in self.mini[i]:
                 self.last[id(p)] = i
                 self.leaves.pop(id(p), None)
@@ -601,8 +600,6 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 def bare(p):
     """Prompt p without frames and with empty pixel rows (of their width): what group_rollouts
     passes around."""
-    if p is None:
-        return None
     mm = {k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()}
     return replace(p, mm=mm, videos=[], images=[])
 
@@ -878,9 +875,8 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     merge = config.vision_config.spatial_merge_size
     omni_tps = getattr(config, "position_id_per_seconds", 1)
     tps = getattr(config.vision_config, "tokens_per_second", omni_tps)
-    none = torch.zeros(0, 3, dtype=torch.long)
-    images = grids.get("image_grid_thw", none).tolist()
-    videos = grids.get("video_grid_thw", none).tolist()
+    images = grids.get("image_grid_thw", torch.zeros(0, 3)).tolist()
+    videos = grids.get("video_grid_thw", torch.zeros(0, 3)).tolist()
     seconds = grids.get("second_per_grid_ts", torch.ones(len(videos))).tolist()
     # each placeholder token's frame pairs in order: (rows, columns, time scale)
     pairs = {config.image_token_id: [], config.video_token_id: []}
