@@ -482,12 +482,6 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
 
-def response_length(row: list[int], eos_ids: list[int]) -> int:
-    """The tokens of a generated row up to its first EOS, included (generate pads the rows that
-    stopped)."""
-    return next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-
-
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself,
     all of a call's rows in one batch (synced_gpus keeps the ranks in lockstep); for machines
@@ -586,9 +580,12 @@ class HFEngine:
             logp[:, t] = logprobs.gather(-1, seq[:, t : t + 1])[:, 0].cpu()
         rollouts = []
         for p, row, lp in zip(rows, seq.tolist(), logp.tolist()):
-            k = response_length(row, self.eos_ids)
+            # up to the first EOS, included (generate pads the rows that stopped)
+            ends = [i + 1 for i, t in enumerate(row) if t in self.eos_ids]
+            k = len(row)
             finish = "length"
-            if k and row[k - 1] in self.eos_ids:
+            if ends:
+                k = ends[0]
                 finish = "stop"
             text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
             logp_row = None  # greedy: no log-probs

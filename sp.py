@@ -14,6 +14,7 @@ positions.
                rank's loss is whole
 """
 
+import collections
 import functools
 import importlib
 import itertools
@@ -219,9 +220,8 @@ def encode_vision(
             continue
         grid_thw = []  # this rank's pieces: its run's temporal patches of each item, in order
         for p in mine:
-            run = runs(p.mm[grid], n)
-            for i, patches in itertools.groupby(run.units[run.cuts[r] : run.cuts[r + 1]]):
-                grid_thw.append([len(list(patches)), *p.mm[grid][i, 1:].tolist()])
+            for i, count in runs(p.mm[grid], n).pieces(r).items():
+                grid_thw.append([count, *p.mm[grid][i, 1:].tolist()])
         x = [run_rows(p, pixels, grid, r, n) for p in mine]
         if not grid_thw:  # no prompt has this modality, or this rank's runs are empty: the dummy
             x = [dummies[kind].mm[pixels]]
@@ -528,6 +528,10 @@ class Runs:
     rows: list[int]  # each patch's first pixel row, and the end
     cuts: list[int]  # each run's first patch, and the end
 
+    def pieces(self, j: int) -> dict:
+        """Run j's items, in order, and how many of their temporal patches it holds."""
+        return collections.Counter(self.units[self.cuts[j] : self.cuts[j + 1]])
+
 
 def runs(grid: torch.Tensor, n: int) -> Runs:
     """The n runs of one prompt's media of one modality, grid (items, 3) t, h, w."""
@@ -664,8 +668,7 @@ def build_run(processor, p, j: int, n: int) -> dict:
         run = runs(p.mm[grid], n)
         pieces = [p.mm[pixels][:0]]
         at = run.cuts[j]  # the run's patches, item by item
-        for i, patches in itertools.groupby(run.units[run.cuts[j] : run.cuts[j + 1]]):
-            count = len(list(patches))
+        for i, count in run.pieces(j).items():
             if kind == "image":  # one patch, the image
                 image = torch.from_numpy(p.images[i]).movedim(-1, -3)
                 x = processor.image_processor(images=[image], do_resize=False, return_tensors="pt")
