@@ -279,26 +279,14 @@ def features(
 
 @dataclass
 class Tower:
-    """encode_once's result: the features with the tower's graph, and the same features as leaves
-    that the micro-batches read and collect the gradient in, of these prompts."""
+    """Prompts through the trained tower once, with gradient (Towers): the features with the
+    tower's graph, and the same features as leaves that the micro-batches read (their backward
+    sums the features' gradient there), which backward_once takes through the tower once, instead
+    of one encode per micro-batch a prompt's rows fall in."""
 
     encoded: Vision
     leaves: Vision
     prompts: list
-
-
-def encode_once(
-    model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None
-) -> Tower:
-    """A mini-batch's prompts through the trained tower once, with gradient: the micro-batches
-    read the leaves (their backward sums the features' gradient there), backward_once takes the sum
-    through the tower once, instead of one encode per micro-batch a prompt's rows fall in."""
-    encoded = encode_vision(model, prompts, device, layout, dummies)
-    kinds = {}
-    for kind, f in encoded.kinds.items():
-        leaf = f.local.detach().requires_grad_(f.local.requires_grad)
-        kinds[kind] = replace(f, local=leaf)
-    return Tower(encoded, Vision(kinds, encoded.encodes), prompts)
 
 
 def backward_once(tower: Tower):
@@ -344,11 +332,15 @@ class Towers:
         prompts = unique(self.mini[i])
         new = [p for p in prompts if id(p) not in self.leaves]
         if new:
-            tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
-            self.encodes += tower.leaves.encodes
-            self.open.append(tower)
+            encoded = encode_vision(self.model, new, self.device, self.layout, self.dummies)
+            leaves = Vision({}, encoded.encodes)
+            for kind, f in encoded.kinds.items():
+                leaf = f.local.detach().requires_grad_(f.local.requires_grad)
+                leaves.kinds[kind] = replace(f, local=leaf)
+            self.encodes += encoded.encodes
+            self.open.append(Tower(encoded, leaves, new))
             for p in new:
-                self.leaves[id(p)] = tower.leaves
+                self.leaves[id(p)] = leaves
         out = Vision({}, 0)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in prompts if pixels in p.mm]
