@@ -429,11 +429,14 @@ class FeatureCache:
             return False
         try:
             raw, meta = cache.read_entry(file)  # its checksum checked
-        except ValueError as e:  # torn, corrupt or edited: encoded again
-            print(f"{file}: feature cache entry unreadable ({e}): encoded again")
+            # the features' bytes: numpy has no bfloat16
+            local = torch.from_numpy(raw).view(getattr(torch, meta["dtype"]))
+        # torn, corrupt or edited, a field missing: encoded again
+        except (ValueError, KeyError, AttributeError) as e:
+            print(
+                f"{file}: feature cache entry unreadable ({type(e).__name__}: {e}): encoded again"
+            )
             return False
-        # the features' bytes: numpy has no bfloat16
-        local = torch.from_numpy(raw).view(getattr(torch, meta["dtype"]))
         if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
             module, name = meta["output"].rsplit(".", 1)
             output = getattr(importlib.import_module(module), name)
