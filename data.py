@@ -431,8 +431,15 @@ def prepare(
         add_generation_prompt=True,
     )
     omni = {}  # the Omni processor's own arguments, vLLM's too
-    if hasattr(processor, "feature_extractor") and videos:
-        omni["fps"] = omni_fps(videos, sid)
+    fps = {meta["sample_fps"] for _, meta in videos}
+    if hasattr(processor, "feature_extractor") and fps:
+        # the frames' rate, one number (its default, 2, is not ours): the Omni processor times the
+        # frames against the soundtrack's 25 positions per second
+        if len(fps) > 1:
+            raise DataError(
+                f"sample {sid}: the Omni processor takes one frame rate, its videos have {fps}"
+            )
+        omni["fps"] = fps.pop()
     audios = []
     sound = {}
     if media.video_audio:
@@ -465,17 +472,6 @@ def prepare(
             "(lower the pixel/frame budget or raise max_prompt_len; prompts are never truncated)"
         )
     return Prompt(sample, text, ids, mm, videos, images, audios, omni)
-
-
-def omni_fps(videos: list, sid: str) -> float:
-    """The frames' sampling rate, which the Omni processor takes as one number (its default, 2, is
-    not ours): it times the frames against the soundtrack's 25 positions per second."""
-    fps = {meta["sample_fps"] for _, meta in videos}
-    if len(fps) > 1:
-        raise DataError(
-            f"sample {sid}: the Omni processor takes one frame rate, its videos have {fps}"
-        )
-    return fps.pop()
 
 
 def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
