@@ -129,8 +129,9 @@ def sample_indices(
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
 
-    budget = {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}
-    n = smart_nframes(budget, total_frames, video_fps)
+    n = smart_nframes(
+        {"fps": fps, "min_frames": min_frames, "max_frames": max_frames}, total_frames, video_fps
+    )
     return torch.linspace(0, total_frames - 1, n).round().long().tolist()
 
 
@@ -260,15 +261,14 @@ def video_meta(total: int, vfps: float, idx: list[int], height: int, width: int)
 
 def entry_path(cache_dir: str, path: str, settings: dict) -> str:
     """cache_dir/ab/abcd...(32 hex).safetensors; the hash covers FORMAT, the file's identity and the settings."""
+    return entry_file(cache_dir, dict(format=FORMAT, **identity(path), **settings))
+
+
+def identity(path: str) -> dict:
+    """A media file's identity in a cache key: its absolute path, size and mtime (an edited file
+    is a miss, never stale)."""
     st = os.stat(path)
-    ident = dict(
-        format=FORMAT,
-        path=os.path.abspath(path),
-        size=st.st_size,
-        mtime_ns=st.st_mtime_ns,
-        **settings,
-    )
-    return entry_file(cache_dir, ident)
+    return dict(path=os.path.abspath(path), size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 def entry_file(folder: str, ident: dict) -> str:
@@ -277,9 +277,9 @@ def entry_file(folder: str, ident: dict) -> str:
     return os.path.join(folder, key[:2], key + ".safetensors")
 
 
-def checksum(file: str, frames: np.ndarray, video: str = "") -> str:
-    """crc32 over the entry's key (its file name), its metadata and its frames: a copied or edited entry fails it.
-    sp.FeatureCache's entries: no metadata ("" leaves the crc as it is)."""
+def checksum(file: str, frames: np.ndarray, video: str) -> str:
+    """crc32 over the entry's key (its file name), its metadata and its array: a copied or edited
+    entry fails it."""
     crc = zlib.crc32(os.path.basename(file).encode())
     crc = zlib.crc32(video.encode(), crc)
     return str(zlib.crc32(frames.tobytes(), crc))
@@ -345,20 +345,16 @@ def check_entry(file: str, settings: dict, fits) -> tuple[np.ndarray, dict]:
 
 
 def write_entry(file: str, frames: np.ndarray, meta: dict):
+    """To a temp file renamed to `file`: readers see the old entry, no entry, or the whole new one
+    (the frame cache's, sp.FeatureCache's)."""
     from safetensors.numpy import save_file
 
     video = json.dumps(meta)
     metadata = {"video": video, "crc32": checksum(file, frames, video)}
-    save_atomic(file, save_file, {"frames": frames}, metadata)
-
-
-def save_atomic(file: str, save_file, tensors: dict, metadata: dict):
-    """safetensors' save_file (numpy's or torch's) to a temp file renamed to `file`: readers see the old entry, no
-    entry, or the whole new one."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file({"frames": frames}, tmp, metadata=metadata)
         os.replace(tmp, file)
     finally:
         if os.path.exists(tmp):
@@ -494,28 +490,25 @@ def unwritable(file: str, e: Exception, stats: dict):
         )
 
 
-def load_image(
-    path: str,
-    *,
-    min_pixels: int,
-    max_pixels: int,
-    factor: int = 28,
-    max_decode_pixels: int = MAX_DECODE_PIXELS,
-) -> np.ndarray:
-    """uint8 (H, W, 3) smart-resized within the pixel budget; over max_decode_pixels: refused from the header."""
+def load_image(path: str, media: Media, factor: int = 28) -> np.ndarray:
+    """uint8 (H, W, 3) smart-resized within media's image pixel budget; over max_decode_pixels:
+    refused from the header."""
     from PIL import Image, UnidentifiedImageError
 
     if not os.path.isfile(path):  # a FIFO or a device would block open() for ever
         raise VideoError(f"{path}: cannot read image (missing, or not a regular file)")
     try:
         with Image.open(path) as im:
-            if im.width * im.height > max_decode_pixels:
+            if im.width * im.height > media.max_decode_pixels:
                 raise ValueError(
-                    f"{im.width}x{im.height} pixels are over max_decode_pixels={max_decode_pixels}"
+                    f"{im.width}x{im.height} pixels are over "
+                    f"max_decode_pixels={media.max_decode_pixels}"
                 )
             arr = np.asarray(im.convert("RGB"))
         # refuses a ratio over 200
-        h, w = smart_resize(arr.shape[0], arr.shape[1], factor, min_pixels, max_pixels)
+        h, w = smart_resize(
+            arr.shape[0], arr.shape[1], factor, media.image_min_pixels, media.image_max_pixels
+        )
     # a bomb: 2x PIL's cap
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, ValueError) as e:
         raise VideoError(f"{path}: cannot read image ({type(e).__name__}: {e})") from e

@@ -64,17 +64,15 @@ def writing(step: int, where: str):
     """The run's files written at a step (metrics, samples, a checkpoint under folder `where`): an OSError (a full
     disk, a read-only folder) is a one-line UserError naming the step and the file; so is DCP's CheckpointException
     for an OSError or a full disk, which every rank raises with every rank's failures (printed by rank 0 alone)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except OSError as e:
         raise UserError(
             f"step {step}: cannot write {e.filename or where}: {e.strerror or e}"
         ) from e
-    except BaseException as e:
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        if not isinstance(e, CheckpointException):
-            raise
+    except CheckpointException as e:
         failed = [x for x, _ in e.failures.values() if isinstance(x, OSError)]
         if failed:
             bad = UserError(
@@ -146,9 +144,10 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def print0(*a):
+def print0(*a, file=None):
+    """print, flushed, once (rank 0's) under torchrun."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*a, flush=True)
+        print(*a, file=file, flush=True)
 
 
 def abandon(grace_s: float):

@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import cache
 import rewards
 from cache import Media
-from common import UserError, gather
+from common import UserError, gather, print0
 
 # The sample schema (EasyVideoR1-compatible; one JSON object per line): each field's type, checked by validate_sample
 FIELDS = {
@@ -70,9 +70,8 @@ SPECIAL_TOKENS = (
     "<|quad_start|>",
     "<|quad_end|>",
 ) + MEDIA_TOKENS
-MAX_PROMPT_CHARS = (
-    1_000_000  # a rendered prompt longer than this is refused (far above any max_prompt_len)
-)
+# a rendered prompt longer than this is refused (far above any max_prompt_len)
+MAX_PROMPT_CHARS = 1_000_000
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
 
 
@@ -101,12 +100,13 @@ def validate_sample(s, where: str, special_tokens=SPECIAL_TOKENS) -> dict:
     check_text(s, who, special_tokens)
     # image + video in one sample (Video-MMMU style): routed as video, declared as either
     kinds = [kind for kind in ("video", "image") if s.get(kind + "s")] or ["text"]
-    if s.get("data_type", kinds[0]) not in kinds:
+    data_type = s.get("data_type", kinds[0])
+    if data_type not in kinds:
         raise DataError(
-            f"{who}: field 'data_type' says {s['data_type']!r}, the sample has {' and '.join(kinds)} media"
+            f"{who}: field 'data_type' says {data_type!r}, the sample has {' and '.join(kinds)} media"
         )
     place = where.encode("utf-8", "backslashreplace").decode()  # file:line, printable
-    s = dict(s, id=str(sid), data_type=s.get("data_type", kinds[0]), where=place)
+    s = dict(s, id=sid, data_type=data_type, where=place)
     root = os.path.dirname(os.path.abspath(where.rsplit(":", 1)[0]))
     for k in ("videos", "images"):
         if k in s:
@@ -200,8 +200,7 @@ def load_samples(
     if missing:
         first = "; ".join(f"{r['where']}: {r['media'][0]}" for r in missing[:3])
         more = ", ..." if len(missing) > 3 else ""
-        what = "samples name a media file that is missing or not a regular file"
-        summary = f"{path}: {len(missing)} {what}"
+        summary = f"{path}: {len(missing)} samples name a media file that is missing or not a regular file"
         if not skip_invalid:
             raise DataError(f"{summary} ({first}{more}): fix the paths, or pass --skip-invalid")
         warn(f"warning: {summary}: skipped ({first}{more})")
@@ -260,8 +259,7 @@ def unique_ids(samples: list[dict], name: str) -> list[dict]:
 
 def warn(text: str):
     """A warning (or progress) line on stderr, flushed, once (rank 0's) under torchrun."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(text, file=sys.stderr, flush=True)
+    print0(text, file=sys.stderr)
 
 
 # Prompts: one Jinja2 template per problem type, rendered in a sandbox (templates may come from users).
@@ -351,7 +349,6 @@ def render_all(
                 child.start()
                 children.append(child)
                 send.close()  # the child's copy stays open: if it dies without sending, poll() sees EOF
-            text = None
             error = f"rendering took over {seconds} s"
             try:
                 if recv.poll(seconds):
@@ -430,30 +427,30 @@ def prepare(
         cache.load_video(path, media, factor, media.cache_dir, media.video_source, stats, end)
         for path in sample.get("videos", [])
     ]
-    images = [
-        cache.load_image(
-            path,
-            min_pixels=media.image_min_pixels,
-            max_pixels=media.image_max_pixels,
-            factor=factor,
-            max_decode_pixels=media.max_decode_pixels,
-        )
-        for path in sample.get("images", [])
-    ]
+    images = [cache.load_image(path, media, factor) for path in sample.get("images", [])]
     text = processor.apply_chat_template(
         chat_messages(sample, render_prompt(sample, template, response_format)),
         tokenize=False,
         add_generation_prompt=True,
     )
     omni = {}  # the Omni processor's own arguments, vLLM's too
-    if hasattr(processor, "feature_extractor") and videos:
-        omni["fps"] = omni_fps(videos, sid)
+    fps = {meta["sample_fps"] for _, meta in videos}
+    if hasattr(processor, "feature_extractor") and fps:
+        # the frames' rate, one number (its default, 2, is not ours): the Omni processor times the
+        # frames against the soundtrack's 25 positions per second
+        if len(fps) > 1:
+            raise DataError(
+                f"sample {sid}: the Omni processor takes one frame rate, its videos have {fps}"
+            )
+        omni["fps"] = fps.pop()
     audios = []
     sound = {}
-    if media.video_audio and not videos:
-        # every micro-batch must run the audio tower: an idle one would hang FSDP2's other ranks
-        raise DataError(f"sample {sid}: video_audio needs a video (a soundtrack) in every sample")
     if media.video_audio:
+        if not videos:
+            # every micro-batch must run the audio tower: an idle one would hang FSDP2's other ranks
+            raise DataError(
+                f"sample {sid}: video_audio needs a video (a soundtrack) in every sample"
+            )
         rate = processor.feature_extractor.sampling_rate
         window = processor.feature_extractor.n_samples / rate  # 30 s: longer is clipped
         audios = [
@@ -480,17 +477,6 @@ def prepare(
     return Prompt(sample, text, ids, mm, videos, images, audios, omni)
 
 
-def omni_fps(videos: list, sid: str) -> float:
-    """The frames' sampling rate, which the Omni processor takes as one number (its default, 2, is
-    not ours): it times the frames against the soundtrack's 25 positions per second."""
-    fps = {meta["sample_fps"] for _, meta in videos}
-    if len(fps) > 1:
-        raise DataError(
-            f"sample {sid}: the Omni processor takes one frame rate, its videos have {fps}"
-        )
-    return fps.pop()
-
-
 def run_processor(processor, text: str, **media) -> tuple[list[int], dict]:
     """One prompt's token ids (vision placeholders expanded) and media tensors. The frames are already sampled and
     smart-resized (cache.py): the processor must not redo either."""
@@ -509,9 +495,7 @@ def dummy_prompts(processor) -> dict:
     of one temporal patch). FSDP2 all-gathers the tower each time it runs (once per modality): sp.encode_vision runs
     the dummy of each modality a rank has no patch of, weight 0, so that every rank issues the same collectives."""
     f = cache.vision_factor(processor)
-    meta = dict(
-        fps=2.0, duration=1.0, total_num_frames=2, frames_indices=[0, 1], video_backend="decord"
-    )
+    meta = hf_metadata(cache.video_meta(2, 2.0, [0, 1], f, f))  # two frames at 2 fps
     media = {
         "image": dict(images=[torch.zeros(3, f, f, dtype=torch.uint8)]),
         "video": dict(videos=[torch.zeros(2, 3, f, f, dtype=torch.uint8)], video_metadata=[meta]),
@@ -547,17 +531,9 @@ def check_placeholders(ids: list[int], mm: dict, processor, sid: str):
 
 
 def hf_metadata(meta: dict) -> dict:
-    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens)."""
-    keys = (
-        "fps",
-        "duration",
-        "total_num_frames",
-        "frames_indices",
-        "video_backend",
-        "width",
-        "height",
-    )
-    return {k: meta[k] for k in keys if k in meta}
+    """The frame metadata the HF video processor reads (Qwen3-VL: fps, frames_indices -> <t seconds> tokens): the
+    cache's (cache.video_meta, which check_entry holds entries to) but sample_fps, ours."""
+    return {k: v for k, v in meta.items() if k != "sample_fps"}
 
 
 def vllm_input(p: Prompt, features: dict | None = None, timestamps: bool = False) -> dict:
@@ -681,9 +657,9 @@ def next_valid(
     A failed slot is refilled from the stream; failures are gathered, so every rank refills the same slots and keeps
     the same stream position. Over max_invalid (max_consecutive_invalid) failures in a row are a DataError."""
     batch = [samples[stream.take()] for _ in range(count)]
-    prompts = [None] * len(batch)
+    prompts = [None] * count
     skips = []
-    todo = list(range(len(batch)))  # the slots still to fill
+    todo = list(range(count))  # the slots still to fill
     run = 0  # invalid samples in a row
     while todo:
         reports = {}

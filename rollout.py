@@ -240,14 +240,12 @@ def start_errors(max_model_len: int):
         ) from None
 
 
-def keeps_tower(model_dir: str, trust_remote_code: bool = False) -> bool:
-    """Whether an engine fed features must still load the vision tower: vLLM 0.32 turns Qwen3-VL's
-    deepstack off when the tower is a missing layer (qwen3_vl.py, Qwen3VLForConditionalGeneration
-    __init__: use_deepstack ... `not isinstance(self.visual, StageMissingLayer)`), dropping the
-    deepstack features it is given. Kept, it never runs (features in, no pixels)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+def keeps_tower(config) -> bool:
+    """Whether an engine fed features must still load the vision tower (the model's config says):
+    vLLM 0.32 turns Qwen3-VL's deepstack off when the tower is a missing layer (qwen3_vl.py,
+    Qwen3VLForConditionalGeneration __init__: use_deepstack ... `not isinstance(self.visual,
+    StageMissingLayer)`), dropping the deepstack features it is given. Kept, it never runs (features
+    in, no pixels)."""
     return hasattr(config.vision_config, "deepstack_visual_indexes")
 
 
@@ -321,9 +319,9 @@ class VLLMEngine:
                 max_videos=max_videos,
                 trust_remote_code=trust_remote_code,
             )
-            if embeds and not keeps_tower(model_dir, trust_remote_code):
-                settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            if embeds and not keeps_tower(config):
+                settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
             overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)
             self.llm = LLM(
@@ -472,12 +470,6 @@ class VLLMEngine:
             self.asleep -= set(todo)
 
 
-def response_length(row: list[int], eos_ids: list[int]) -> int:
-    """The tokens of a generated row up to its first EOS, included (generate pads the rows that
-    stopped)."""
-    return next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-
-
 class HFEngine:
     """Sampling with transformers' generate on the (possibly FSDP2-sharded) training model itself,
     all of a call's rows in one batch (synced_gpus keeps the ranks in lockstep); for machines
@@ -576,9 +568,12 @@ class HFEngine:
             logp[:, t] = logprobs.gather(-1, seq[:, t : t + 1])[:, 0].cpu()
         rollouts = []
         for p, row, lp in zip(rows, seq.tolist(), logp.tolist()):
-            k = response_length(row, self.eos_ids)
+            # up to the first EOS, included (generate pads the rows that stopped)
+            ends = [i + 1 for i, t in enumerate(row) if t in self.eos_ids]
+            k = len(row)
             finish = "length"
-            if k and row[k - 1] in self.eos_ids:
+            if ends:
+                k = ends[0]
                 finish = "stop"
             text = self.tokenizer.decode(row[:k], skip_special_tokens=True)
             logp_row = None  # greedy: no log-probs

@@ -14,10 +14,10 @@ positions.
                rank's loss is whole
 """
 
+import collections
 import functools
 import importlib
 import itertools
-import json
 import math
 import os
 import types
@@ -81,12 +81,10 @@ class Layout:
             return group[local // self.tp :: engines][local % self.tp :: self.tp]
         return group[local :: self.sp_size]
 
-    def share(self, items: list, size: int, rank: int | None = None) -> "Share":
-        """The list the group of `size` consecutive ranks around `rank` (default: this one) works
-        on, the same on its ranks (size tp: what its engine generates), and where the rank's own
-        part lies in it."""
-        if rank is None:
-            rank = self.rank
+    def share(self, items: list, size: int) -> "Share":
+        """The list the group of `size` consecutive ranks around this one works on, the same on its
+        ranks (size tp: what its engine generates), and where this rank's own part lies in it."""
+        rank = self.rank
         first = rank - rank % size
         parts = [self.part(items, q) for q in range(first, first + size)]
         flat = [x for part in parts for x in part]
@@ -192,6 +190,7 @@ class Features:
     spans: dict  # id(prompt) -> the index of its first feature
     dims: list[int]  # each level's width
     output: type  # the encoder output's class, which the model takes back (mm_encoder_outputs)
+    own: dict  # id(prompt) -> the rows of local that hold this rank's run of its features (a slice)
 
 
 @dataclass
@@ -221,9 +220,8 @@ def encode_vision(
             continue
         grid_thw = []  # this rank's pieces: its run's temporal patches of each item, in order
         for p in mine:
-            run = runs(p.mm[grid], n)
-            for i, patches in itertools.groupby(run.units[run.cuts[r] : run.cuts[r + 1]]):
-                grid_thw.append([len(list(patches)), *p.mm[grid][i, 1:].tolist()])
+            for i, count in runs(p.mm[grid], n).pieces(r).items():
+                grid_thw.append([count, *p.mm[grid][i, 1:].tolist()])
         x = [run_rows(p, pixels, grid, r, n) for p in mine]
         if not grid_thw:  # no prompt has this modality, or this rank's runs are empty: the dummy
             x = [dummies[kind].mm[pixels]]
@@ -266,6 +264,8 @@ def features(
     ]
     bounds = list(itertools.accumulate(map(len, held), initial=0))
     order = torch.tensor([i for h in held for i in h], dtype=torch.long)
+    counts = [f[r + 1] - f[r] for f in firsts]  # this rank's run of each prompt's features
+    at = itertools.accumulate(counts, initial=0)
     return Features(
         local=local[: bounds[r + 1] - bounds[r]],
         bounds=bounds,
@@ -273,30 +273,20 @@ def features(
         spans={id(p): s for p, s in zip(mine, starts)},
         dims=dims,
         output=output,
+        own={id(p): slice(a, a + c) for p, a, c in zip(mine, at, counts)},
     )
 
 
 @dataclass
 class Tower:
-    """encode_once's result: the features with the tower's graph, and the same features as leaves
-    that the micro-batches read and collect the gradient in."""
+    """Prompts through the trained tower once, with gradient (Towers): the features with the
+    tower's graph, and the same features as leaves that the micro-batches read (their backward
+    sums the features' gradient there), which backward_once takes through the tower once, instead
+    of one encode per micro-batch a prompt's rows fall in."""
 
     encoded: Vision
     leaves: Vision
-
-
-def encode_once(
-    model, prompts: list, device, layout: Layout | None = None, dummies: dict | None = None
-) -> Tower:
-    """A mini-batch's prompts through the trained tower once, with gradient: the micro-batches
-    read the leaves (their backward sums the features' gradient there), backward_once takes the sum
-    through the tower once, instead of one encode per micro-batch a prompt's rows fall in."""
-    encoded = encode_vision(model, prompts, device, layout, dummies)
-    kinds = {}
-    for kind, f in encoded.kinds.items():
-        leaf = f.local.detach().requires_grad_(f.local.requires_grad)
-        kinds[kind] = replace(f, local=leaf)
-    return Tower(encoded, Vision(kinds, encoded.encodes))
+    prompts: list
 
 
 def backward_once(tower: Tower):
@@ -333,9 +323,8 @@ class Towers:
         self.mini = mini  # each micro-batch's prompts
         # id(prompt) -> its last micro-batch
         self.last = {id(p): i for i, prompts in enumerate(mini) for p in prompts}
-        self.aligned = layout is None or layout.dp_size == 1
-        self.open = []  # (Tower, its prompts): not yet taken through the tower
-        self.leaves = {}  # id(prompt) -> (the Tower's leaves, the prompt's place in them)
+        self.open = []  # the Towers not yet taken through the tower
+        self.leaves = {}  # id(prompt) -> its Tower's leaves
         self.encodes = 0
 
     def vision(self, i: int) -> Vision:
@@ -343,45 +332,47 @@ class Towers:
         prompts = unique(self.mini[i])
         new = [p for p in prompts if id(p) not in self.leaves]
         if new:
-            tower = encode_once(self.model, new, self.device, self.layout, self.dummies)
-            self.encodes += tower.leaves.encodes
-            self.open.append((tower, new))
+            encoded = encode_vision(self.model, new, self.device, self.layout, self.dummies)
+            leaves = Vision({}, encoded.encodes)
+            for kind, f in encoded.kinds.items():
+                leaf = f.local.detach().requires_grad_(f.local.requires_grad)
+                leaves.kinds[kind] = replace(f, local=leaf)
+            self.encodes += encoded.encodes
+            self.open.append(Tower(encoded, leaves, new))
             for p in new:
-                self.leaves[id(p)] = tower.leaves
+                self.leaves[id(p)] = leaves
         out = Vision({}, 0)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in prompts if pixels in p.mm]
             have = [v.kinds[kind] for v in self.leaves.values() if kind in v.kinds]
             if not have or not mine and not self.dummies:
                 continue
-            parts = [self.piece(p, kind, grid) for p in mine]
+            parts = [self.piece(p, kind) for p in mine]
             local = torch.cat(parts + [have[0].local[:0]])
             out.kinds[kind] = features(
                 self.model, mine, grid, local, have[0].dims, have[0].output, self.layout
             )
         return out
 
-    def piece(self, p, kind: str, grid: str) -> torch.Tensor:
+    def piece(self, p, kind: str) -> torch.Tensor:
         """This rank's run of prompt p's features of one modality: a view of its leaf."""
         f = self.leaves[id(p)].kinds[kind]
-        n = self.layout.sp_size if self.layout else 1
-        r = self.layout.sp_rank if self.layout else 0
-        start = f.spans[id(p)]  # its first feature among the ranks' runs; this rank's:
-        firsts = run_features(self.model, p, grid, n)
-        at = int((f.where[start + firsts[r] :][:1] - f.bounds[r]).sum())
-        return f.local[at : at + firsts[r + 1] - firsts[r]]
+        return f.local[f.own[id(p)]]
 
     def backward(self, i: int):
         """After micro-batch i: the towers whose prompts are all done, through the tower (several
         data-parallel groups: this micro-batch's)."""
-        if not self.aligned:
+        if self.layout and self.layout.dp_size > 1:  # its prompts done: encoded again if met again
             for p in self.mini[i]:
                 self.last[id(p)] = i
                 self.leaves.pop(id(p), None)
-        done = [(t, ps) for t, ps in self.open if all(self.last[id(p)] <= i for p in ps)]
-        for tower, _ in done:
-            backward_once(tower)
-        self.open = [(t, ps) for t, ps in self.open if any(self.last[id(p)] > i for p in ps)]
+        still = []
+        for tower in self.open:
+            if all(self.last[id(p)] <= i for p in tower.prompts):
+                backward_once(tower)
+            else:
+                still.append(tower)
+        self.open = still
 
 
 def tower_trains(model) -> bool:
@@ -390,7 +381,7 @@ def tower_trains(model) -> bool:
 
 
 FEATURE_CACHE_BYTES = 8 * 2**30  # a FeatureCache's bound per rank (host memory; the planner's too)
-FEATURE_FORMAT = "nvr1-features-v1"  # bump when stored features change: every older entry a miss
+FEATURE_FORMAT = "nvr1-features-v2"  # bump when stored features change: every older entry a miss
 
 
 class FeatureCache:
@@ -419,10 +410,7 @@ class FeatureCache:
 
     def path(self, p, kind: str, grid: str, layout: Layout | None) -> str:
         """The disk entry of this rank's run of p's features of one modality."""
-        files = []
-        for name in data.media_paths(p.sample):
-            st = os.stat(name)
-            files.append([os.path.abspath(name), st.st_size, st.st_mtime_ns])
+        files = [cache.identity(name) for name in data.media_paths(p.sample)]
         ident = dict(
             format=FEATURE_FORMAT,
             files=files,
@@ -436,18 +424,15 @@ class FeatureCache:
 
     def read(self, p, kind: str, grid: str, layout: Layout | None):
         """p's features from disk into memory; False where there is no good entry."""
-        from safetensors import safe_open
-
         file = self.path(p, kind, grid, layout)
         if not os.path.exists(file):
             return False
         try:
-            with safe_open(file, "pt") as f:
-                meta = f.metadata()
-                local = f.get_tensor("features")
-            if meta["crc32"] != checksum(file, local):
-                raise ValueError("fails its checksum")
-        except Exception as e:  # safetensors' own errors, a missing field: encoded again
+            raw, meta = cache.read_entry(file)  # its checksum checked
+            # the features' bytes: numpy has no bfloat16
+            local = torch.from_numpy(raw).view(getattr(torch, meta["dtype"]))
+        # torn, corrupt or edited, a field missing: encoded again
+        except (ValueError, KeyError, AttributeError) as e:
             print(
                 f"{file}: feature cache entry unreadable ({type(e).__name__}: {e}): encoded again"
             )
@@ -455,20 +440,20 @@ class FeatureCache:
         if kind not in self.empty:  # the encoder output's shape and class, as keep learns them
             module, name = meta["output"].rsplit(".", 1)
             output = getattr(importlib.import_module(module), name)
-            dims = json.loads(meta["dims"])
-            self.empty[kind] = Features(local[:0], [], None, {}, dims, output)
+            self.empty[kind] = Features(local[:0], [], None, {}, meta["dims"], output, {})
         self.pieces[self.key(p, kind, grid)] = local
         self.bytes += local.nbytes
         self.reads += 1
         return True
 
     def write(self, file: str, local: torch.Tensor, empty: Features):
-        from safetensors.torch import save_file
-
         os.makedirs(os.path.dirname(file), exist_ok=True)
-        output = f"{empty.output.__module__}.{empty.output.__qualname__}"
-        meta = {"crc32": checksum(file, local), "dims": json.dumps(empty.dims), "output": output}
-        cache.save_atomic(file, save_file, {"features": local}, meta)
+        meta = dict(
+            dims=empty.dims,
+            output=f"{empty.output.__module__}.{empty.output.__qualname__}",
+            dtype=str(local.dtype).removeprefix("torch."),
+        )
+        cache.write_entry(file, local.contiguous().view(torch.uint8).numpy(), meta)
 
     def vision(
         self, model, prompts: list, device, layout: Layout | None = None, dummies=None
@@ -477,10 +462,14 @@ class FeatureCache:
         distinct = unique(prompts)
         missing = []
         for p in distinct:
-            media = [(kind, grid) for kind, pixels, grid in MEDIA if pixels in p.mm]
-            have = [self.key(p, kind, grid) in self.pieces for kind, grid in media]
-            if self.folder:
-                have = [h or self.read(p, *m, layout) for h, m in zip(have, media)]
+            # each modality's features kept, else read from disk (every one: a sample missing one is
+            # encoded whole, its other entries read all the same)
+            have = [
+                self.key(p, kind, grid) in self.pieces
+                or (self.folder and self.read(p, kind, grid, layout))
+                for kind, pixels, grid in MEDIA
+                if pixels in p.mm
+            ]
             if not all(have):
                 missing.append(p)
         encodes = 0
@@ -489,7 +478,7 @@ class FeatureCache:
                 missing = distinct
             fresh = encode_vision(model, missing, device, layout, dummies)
             encodes = fresh.encodes
-            self.keep(model, fresh, missing, layout)
+            self.keep(fresh, missing, layout)
         out = Vision({}, encodes)
         for kind, pixels, grid in MEDIA:
             mine = [p for p in distinct if pixels in p.mm]
@@ -502,19 +491,15 @@ class FeatureCache:
         self.trim()
         return out
 
-    def keep(self, model, fresh: Vision, prompts: list, layout: Layout | None):
+    def keep(self, fresh: Vision, prompts: list, layout: Layout | None):
         """fresh's features, per prompt of `prompts` (what encode_vision encoded), to the host."""
-        r = layout.sp_rank if layout else 0
-        n = layout.sp_size if layout else 1
         for kind, pixels, grid in MEDIA:
             if kind not in fresh.kinds:
                 continue
             f = fresh.kinds[kind]
             self.empty[kind] = replace(f, local=f.local[:0].detach().to("cpu", copy=True))
-            mine = [p for p in prompts if pixels in p.mm]
-            firsts = [run_features(model, p, grid, n) for p in mine]
-            counts = [f[r + 1] - f[r] for f in firsts]
-            for p, local in zip(mine, f.local.split(counts)):
+            for p in [p for p in prompts if pixels in p.mm]:
+                local = f.local[f.own[id(p)]]
                 key = self.key(p, kind, grid)
                 if key in self.pieces:  # encoded again (FSDP2): newest now
                     self.bytes -= self.pieces.pop(key).nbytes
@@ -530,11 +515,6 @@ class FeatureCache:
             self.bytes -= self.pieces.pop(oldest).nbytes
 
 
-def checksum(file: str, local: torch.Tensor) -> str:
-    """crc32 over a feature entry's key (its file name) and its bytes: a copied or edited one fails."""
-    return cache.checksum(file, local.contiguous().view(torch.uint8).numpy())
-
-
 @dataclass
 class Runs:
     """One prompt's media of one modality in n runs of temporal patches (SP rank j's: run j)."""
@@ -542,6 +522,10 @@ class Runs:
     units: list[int]  # each temporal patch's item
     rows: list[int]  # each patch's first pixel row, and the end
     cuts: list[int]  # each run's first patch, and the end
+
+    def pieces(self, j: int) -> dict:
+        """Run j's items, in order, and how many of their temporal patches it holds."""
+        return collections.Counter(self.units[self.cuts[j] : self.cuts[j + 1]])
 
 
 def runs(grid: torch.Tensor, n: int) -> Runs:
@@ -583,8 +567,9 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 
         def needed(start: int) -> torch.Tensor:
             """The features of the placeholders in [start, start + size)."""
-            spans = [range(s + c[start], s + c[start + size]) for s, c in zip(firsts, before)]
-            index = [i for span in spans for i in span]
+            index = [
+                i for s, c in zip(firsts, before) for i in range(s + c[start], s + c[start + size])
+            ]
             return torch.tensor(index, dtype=torch.long, device=f.local.device)
 
         if n == 1:
@@ -614,8 +599,6 @@ def shard_features(model, vision: Vision, ids: torch.Tensor, prompts: list, shar
 def bare(p):
     """Prompt p without frames and with empty pixel rows (of their width): what group_rollouts
     passes around."""
-    if p is None:
-        return None
     mm = {k: v[:0].clone() if k.startswith("pixel") else v for k, v in p.mm.items()}
     return replace(p, mm=mm, videos=[], images=[])
 
@@ -633,7 +616,8 @@ def share_round(own: list, layout: Layout) -> Share:
     pixels pass."""
     if layout.tp == 1:
         return Share(own, 0, len(own))
-    first = layout.rank - layout.rank % layout.tp
+    me = layout.rank % layout.tp
+    first = layout.rank - me
     # the frames' shapes instead of the frames: they pass below, not pickled
     shapes = [
         replace(
@@ -644,16 +628,16 @@ def share_round(own: list, layout: Layout) -> Share:
         for p in own
     ]
     parts = gather(shapes, layout.tp_host)
-    parts[layout.rank - first] = own
+    parts[me] = own
     for q, part in enumerate(parts):
         for k, p in enumerate(part):
-            if q != layout.rank - first:  # frames to receive
+            if q != me:  # frames to receive
                 videos = [(np.empty(shape, np.uint8), meta) for shape, meta in p.videos]
                 p = replace(p, videos=videos, images=[np.empty(s, np.uint8) for s in p.images])
                 part[k] = p
             for frames in [f for f, _ in p.videos] + p.images:
                 dist.broadcast(torch.from_numpy(frames), first + q, group=layout.tp_host)
-    start = sum(len(part) for part in parts[: layout.rank - first])
+    start = sum(len(part) for part in parts[:me])
     return Share([p for part in parts for p in part], start, len(own))
 
 
@@ -679,8 +663,7 @@ def build_run(processor, p, j: int, n: int) -> dict:
         run = runs(p.mm[grid], n)
         pieces = [p.mm[pixels][:0]]
         at = run.cuts[j]  # the run's patches, item by item
-        for i, patches in itertools.groupby(run.units[run.cuts[j] : run.cuts[j + 1]]):
-            count = len(list(patches))
+        for i, count in run.pieces(j).items():
             if kind == "image":  # one patch, the image
                 image = torch.from_numpy(p.images[i]).movedim(-1, -3)
                 x = processor.image_processor(images=[image], do_resize=False, return_tensors="pt")
@@ -891,9 +874,8 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
     merge = config.vision_config.spatial_merge_size
     omni_tps = getattr(config, "position_id_per_seconds", 1)
     tps = getattr(config.vision_config, "tokens_per_second", omni_tps)
-    none = torch.zeros(0, 3, dtype=torch.long)
-    images = grids.get("image_grid_thw", none).tolist()
-    videos = grids.get("video_grid_thw", none).tolist()
+    images = grids.get("image_grid_thw", torch.zeros(0, 3)).tolist()
+    videos = grids.get("video_grid_thw", torch.zeros(0, 3)).tolist()
     seconds = grids.get("second_per_grid_ts", torch.ones(len(videos))).tolist()
     # each placeholder token's frame pairs in order: (rows, columns, time scale)
     pairs = {config.image_token_id: [], config.video_token_id: []}
@@ -915,32 +897,31 @@ def mrope_positions(ids: torch.Tensor, mask: torch.Tensor, grids: dict, config) 
         for token, run in itertools.groupby(tokens, runs.get):
             run = torch.tensor(list(run))
             n = len(run)
-            if token is None:  # text
-                parts.append(torch.arange(n).expand(3, n) + start)  # (3, n)
-            else:
-                audio = run == audio_id  # (n,)
-                part = (audio.cumsum(0) - 1).expand(3, n).clone()  # audio: its j-th token at j
-                if not audio.all():
-                    item = pairs[token][0]
-                    # floored as vLLM does
-                    steps = int((~audio).sum()) // (item.h * item.w)
-                    time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
-                    grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
-                    part[:, ~audio] = grid.T  # (3, t h w)
-                    del pairs[token][: len(time)]
-                part = part + start
-                if audio.any() and not audio.all() and qwen3:
-                    # vLLM 0.32 lays Qwen3-Omni's block in the order of the FLOORED frame times (a
-                    # frame first on a tie), whatever token holds each position; the processor
-                    # orders the tokens by the unfloored times
-                    part = part[:, (part[0] * 2 + audio).argsort(stable=True)]
-                elif audio.any() and not audio.all():
-                    # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
-                    # <|audio_bos|> before it: one token early, the last token resuming as text
-                    part = part - 1
-                    parts[-1][:, -1] = part[:, 0]
-                    part = torch.cat([part[:, 1:], part.max().expand(3, 1) + 1], 1)
-                parts.append(part)
+            # text's and a soundtrack's tokens count up one by one: the j-th at j on all three axes
+            audio = (run == audio_id) | (token is None)  # (n,)
+            part = (audio.cumsum(0) - 1).expand(3, n).clone()  # (3, n)
+            if not audio.all():
+                item = pairs[token][0]
+                # floored as vLLM does
+                steps = int((~audio).sum()) // (item.h * item.w)
+                time = (torch.arange(steps, dtype=torch.float64) * item.scale).long()
+                grid = torch.cartesian_prod(time, torch.arange(item.h), torch.arange(item.w))
+                part[:, ~audio] = grid.T  # (3, t h w)
+                del pairs[token][: len(time)]
+            part = part + start
+            interleaved = audio.any() and not audio.all()  # a video with its soundtrack
+            if interleaved and qwen3:
+                # vLLM 0.32 lays Qwen3-Omni's block in the order of the FLOORED frame times (a
+                # frame first on a tie), whatever token holds each position; the processor
+                # orders the tokens by the unfloored times
+                part = part[:, (part[0] * 2 + audio).argsort(stable=True)]
+            elif interleaved:
+                # vLLM 0.32 lays a video's interleaved block from its placeholder's offset, the
+                # <|audio_bos|> before it: one token early, the last token resuming as text
+                part = part - 1
+                parts[-1][:, -1] = part[:, 0]
+                part = torch.cat([part[:, 1:], part.max().expand(3, 1) + 1], 1)
+            parts.append(part)
             start = int(parts[-1].max()) + 1
         pos[:, b, mask[b]] = torch.cat(parts, 1)
     return pos.to(ids.device)
@@ -961,7 +942,6 @@ def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[d
     (mrope_positions), never the model's: those the sampler uses."""
     ids = batch.input_ids
     mask = batch.attention_mask
-    prompts = batch.prompts
     S = ids.shape[1]
     pos = mrope_positions(ids, mask, batch.grids, model.config)  # (3, B, S)
     if layout is None or layout.sp_size == 1:
@@ -970,23 +950,22 @@ def model_inputs(model, batch, vision: Vision, layout: Layout | None) -> tuple[d
             input_ids=ids,
             attention_mask=None if mask.all() else mask,
             position_ids=pos,
-            mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
             **audio_inputs(batch.grids),
         )
-        return inputs, shard
-    size = -(-S // layout.sp_size)
-    tail = size * layout.sp_size - S
-    shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
-    if not mask.all():
-        kernel = language_model(model).config._attn_implementation.removeprefix("ulysses_")
-        shard.mask = kernel_mask(F.pad(mask, (0, tail)), kernel)
-    ids = F.pad(ids, (0, tail))
-    keep = slice(shard.start, shard.stop)
-    inputs = dict(
-        input_ids=ids[:, keep],
-        position_ids=F.pad(pos, (0, tail))[..., keep],
-        attention_mask=None,
-        sp_shard=shard,
-        mm_encoder_outputs=shard_features(model, vision, ids, prompts, shard),
-    )
+    else:
+        size = -(-S // layout.sp_size)
+        tail = size * layout.sp_size - S
+        shard = Shard(layout, S, layout.sp_rank * size, (layout.sp_rank + 1) * size)
+        if not mask.all():
+            kernel = language_model(model).config._attn_implementation.removeprefix("ulysses_")
+            shard.mask = kernel_mask(F.pad(mask, (0, tail)), kernel)
+        ids = F.pad(ids, (0, tail))
+        keep = slice(shard.start, shard.stop)
+        inputs = dict(
+            input_ids=ids[:, keep],
+            position_ids=F.pad(pos, (0, tail))[..., keep],
+            attention_mask=None,
+            sp_shard=shard,
+        )
+    inputs["mm_encoder_outputs"] = shard_features(model, vision, ids, batch.prompts, shard)
     return inputs, shard

@@ -519,7 +519,7 @@ def test_media_paths_that_are_not_regular_files_fail_at_once(tmp_path, kind):
     else:
         path = "/dev/zero"
     with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*not a regular file"):
-        cache.load_image(path, min_pixels=3136, max_pixels=20000)
+        cache.load_image(path, cache.Media(image_max_pixels=20000))
     with pytest.raises(
         cache.VideoError, match=f"{path}: video file not found .*not a regular file"
     ):

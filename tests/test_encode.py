@@ -1,5 +1,5 @@
 """One encode per prompt (issue 40): the trained tower once per mini-batch with its feature gradient
-summed over the micro-batches (sp.encode_once), the reference's features kept per sample
+summed over the micro-batches (sp.Towers), the reference's features kept per sample
 (sp.FeatureCache), a frozen tower once per step and never recomputed under checkpointing. Each
 against the path before it (every micro-batch encodes its prompts), in float32, one process, on
 every tiny checkpoint; test_sp.py checks the SP ranks against the same path.

@@ -944,7 +944,7 @@ def test_image_aspect_error_names_the_file(tmp_path):
     path = tmp_path / "strip.png"
     Image.new("RGB", (1000, 2)).save(path)
     with pytest.raises(cache.VideoError, match=f"{path}: cannot read image .*aspect ratio"):
-        cache.load_image(str(path), min_pixels=3136, max_pixels=3136)
+        cache.load_image(str(path), cache.Media(image_max_pixels=3136))
 
 
 def test_resume_rows_are_checked_at_read(tmp_path, tiny_model, synth):
