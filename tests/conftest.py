@@ -188,6 +188,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def another_engine(model_dir: str, tokenizer):
+    """A vLLM engine (fp32) beside another in this process: it takes vLLM's external-launcher path, which reads
+    torchrun's variables once, at start: a world of one."""
+    import pytest
+    from rollout import VLLMEngine
+
+    world = dict(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in world.items():
+            mp.setenv(k, v)
+        return VLLMEngine(model_dir, tokenizer, max_model_len=1024, dtype="float32")
+
+
 def train_cmd(model, data_dir, out, *extra):
     """train.py's arguments for the tiny model: 2 steps of 4 prompts x 4, no periodic eval, no save."""
     return [

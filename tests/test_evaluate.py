@@ -1487,7 +1487,9 @@ def test_worldsense_sends_the_soundtrack_to_an_omni_model(tmp_path):
     videos.mkdir(parents=True)
     write_video(str(videos / "ws0.mp4"), np.zeros((8, 56, 56, 3), np.uint8), 4.0, tone=440.0)
     omni = tiny_model_dir("qwen2_5_omni")
-    settings = dict(data_dir=FIXTURES, video_dir=str(tmp_path / "videos"), out_dir=str(tmp_path / "out"))
+    settings = dict(
+        data_dir=FIXTURES, video_dir=str(tmp_path / "videos"), out_dir=str(tmp_path / "out")
+    )
     deaf = E.prepare_benchmark("worldsense", E.resolve(E.Config(**settings)))
     job = E.prepare_benchmark("worldsense", E.resolve(E.Config(model=omni, **settings)))
     assert job.cfg.video_audio and job.run["video_audio"] and not deaf.cfg.video_audio
@@ -1496,5 +1498,7 @@ def test_worldsense_sends_the_soundtrack_to_an_omni_model(tmp_path):
     audio_id = AutoProcessor.from_pretrained(omni).tokenizer.convert_tokens_to_ids("<|AUDIO|>")
     assert p.audios and p.prompt_ids.count(audio_id) == 50  # 2 s of sound, 25 tokens a second
     assert "These are the frames of a video and the corresponding audio." in p.text
-    assert p.text.count("\n") > job.samples[0]["prompt_text"].count("\n")  # the chat template around it
+    assert p.text.count("\n") > job.samples[0]["prompt_text"].count(
+        "\n"
+    )  # the chat template around it
     assert job.samples[0]["prompt_text"].endswith("D. yellow\n")

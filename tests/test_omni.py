@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 from conftest import (
+    another_engine,
     ROOT,
     Share,
-    free_port,
     share_of,
     tiny_config,
     trainer_logp_diff,
@@ -23,7 +23,7 @@ from conftest import (
 
 import data
 import train
-from rollout import HFEngine, VLLMEngine, eos_token_ids
+from rollout import HFEngine, eos_token_ids
 
 pytestmark = pytest.mark.slow  # a vLLM engine, a torchrun run
 
@@ -65,18 +65,7 @@ def omni(request):
     samples = data.load_samples(os.path.join(tone_dir(), "train.jsonl"))
     picked = [next(s for s in samples if s["answer"] == a) for a in "ABC"]
     prompts = [data.prepare(s, proc, cfg) for s in picked]
-    # a second engine in this process takes vLLM's external-launcher path (test_rollout's `family`)
-    world = dict(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in world.items():
-            mp.setenv(k, v)
-        engine = VLLMEngine(folder, proc.tokenizer, max_model_len=1024, dtype="float32")
+    engine = another_engine(folder, proc.tokenizer)
     yield request.param, proc, model, prompts, engine
     engine.close()
 

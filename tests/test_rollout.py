@@ -26,8 +26,8 @@ sys.path[:0] = [
 from conftest import (  # noqa: E402
     ROOT,
     SHARED_RUNS,
+    another_engine,
     concat_media,
-    free_port,
     tiny_config,
     trainer_logp_diff,
 )
@@ -243,19 +243,7 @@ def family(request, synth):
         prompts[0].mm["video_grid_thw"][0].tolist()[0] == 4
         and "second_per_grid_ts" not in prompts[0].mm
     )
-    # a second engine in this process (the module's `setup` has one) takes vLLM's external-launcher path, which reads
-    # torchrun's variables once, at start: a world of one
-    world = dict(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in world.items():
-            mp.setenv(k, v)
-        engine = VLLMEngine(d, proc.tokenizer, max_model_len=1024, dtype="float32")
+    engine = another_engine(d, proc.tokenizer)  # the module's `setup` has one
     yield request.param, proc, model, prompts, engine
     engine.close()
 
