@@ -86,7 +86,6 @@ def main(
         ["color", "count", "direction"],
         num_train=1,
         num_val=samples // 3 + 1,
-        seed=0,
         width=width,
         height=height,
         fps=fps,

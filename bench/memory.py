@@ -224,7 +224,6 @@ def prepare(c: Config):
         ["color"],
         num_train=c.prompts,
         num_val=0,
-        seed=0,
         size=c.size,
         fps=8,
         seconds=c.frames / 8,

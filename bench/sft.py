@@ -35,9 +35,7 @@ def rollouts(processor) -> list:
     import train
     from rollout import Rollout, vision_token_ids
 
-    make_synthetic_data.make(
-        OUT, ["color"], num_train=ROWS, num_val=1, seed=0, size=56, fps=4, seconds=2.0
-    )
+    make_synthetic_data.make(OUT, ["color"], num_train=ROWS, num_val=1)  # 56x56, 4 fps, 2 s
     samples = data.load_samples(os.path.join(OUT, "train.jsonl"))
     cfg = train.Config(
         video_min_pixels=3136, video_max_pixels=3136, cache_dir="", video_source="decode_only"

@@ -21,8 +21,8 @@ def main():
     t0 = time.time()
     make_tiny_model.ensure("qwen2_5_vl", root=".cache/models")
     make_synthetic_data.make(
-        ".cache/data/color", ["color"], num_train=512, num_val=64
-    )  # 56x56, 4 fps, 2 s, seed 0
+        ".cache/data/color", ["color"], num_train=512
+    )  # 64 val; 56x56, 4 fps, 2 s
     print(f"tiny model and synthetic videos ready ({time.time() - t0:.0f}s)", flush=True)
     shutil.rmtree("runs/tiny_cpu", ignore_errors=True)  # a fresh run every time
     env = dict(

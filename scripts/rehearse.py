@@ -101,8 +101,8 @@ def prepare(c: Config, cfg, ranks: int, layout: str) -> list[str]:
     model = tiny_model(cfg.model)
     data_dir = os.path.join(ROOT, ".cache/data/rehearse")
     make_synthetic_data.make(
-        data_dir, ["color"], num_train=64, num_val=8, size=56, fps=4, seconds=4.0
-    )
+        data_dir, ["color"], num_train=64, num_val=8, seconds=4.0
+    )  # 56x56, 4 fps
     print(f"rehearsing {' '.join(c.config)}: {layout}, {model}", flush=True)
     return train_args(c, cfg, model, data_dir)
 
