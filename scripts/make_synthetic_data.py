@@ -125,12 +125,10 @@ def render_yuv(H, W, bg, rects):
     f = np.empty(
         (H * 3 // 2, W), np.uint8
     )  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
-    flat = f.reshape(-1)
     planes = (
         f[:H],
-        flat[H * W : H * W * 5 // 4].reshape(H // 2, W // 2),
-        flat[H * W * 5 // 4 :].reshape(H // 2, W // 2),
-    )
+        *f.reshape(-1)[H * W :].reshape(2, H // 2, W // 2),
+    )  # Y; U, V one after the other
     for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:
         for plane, value, scale in zip(planes, yuv(c), (1, 2, 2)):  # U and V at half resolution
             plane[y // scale : (y + h) // scale, x // scale : (x + w) // scale] = value
@@ -342,7 +340,7 @@ def make(
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     W = int(width or size)
     H = int(height or size)
-    T = int(round(fps * seconds))
+    T = round(fps * seconds)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {list(TASKS)}")
