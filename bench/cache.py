@@ -144,8 +144,14 @@ def main(
             train_jsonl,
             "--prompts-per-step",
             str(len(videos)),
+            "--eval-every",
+            "0",
+            "--cache-dir",
+            frames_dir,
+            "--video-source",
+            src,
+            *FLAGS,
         ]
-        flags += ["--eval-every", "0", "--cache-dir", frames_dir, "--video-source", src, *FLAGS]
         out_run = os.path.join(out, f"run_{src}")
         runs[src] = train(2, out_run, steps, flags, f"train.py --video-source {src}", **ENV)
     warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]

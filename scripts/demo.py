@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from repo import ROOT
+from repo import ROOT, torchrun
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -28,16 +28,7 @@ def main():
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
     )  # vLLM's CPU KV cache: rollout.py
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        "--config",
-        CONFIG,
-    ]
+    cmd = torchrun(2, "train.py", "--config", CONFIG)
     print(f"$ torchrun --nproc_per_node=2 train.py --config {CONFIG}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

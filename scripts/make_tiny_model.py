@@ -62,7 +62,9 @@ ARCHS = {
         norm={},  # the CLIP mean/std defaults
     ),
 }
-# Qwen2.5-VL: Qwen2-VL's patch, positions and normalization
+# Qwen2.5-VL: Qwen2-VL's patch, positions and normalization. Its tower (and Qwen2.5-Omni's): window attention over
+# 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
+WINDOWED = dict(window_size=56, fullatt_block_indexes=[1], hidden_act="silu", **WIDTHS)
 ARCHS["qwen2_5_vl"] = ARCHS["qwen2_vl"] | dict(
     classes=(
         "Qwen2_5_VLConfig",
@@ -70,14 +72,7 @@ ARCHS["qwen2_5_vl"] = ARCHS["qwen2_vl"] | dict(
         "Qwen2_5_VLProcessor",
         "Qwen2VLVideoProcessor",
     ),
-    # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
-    vision=dict(
-        window_size=56,
-        fullatt_block_indexes=[1],
-        tokens_per_second=2,
-        hidden_act="silu",
-        **WIDTHS,
-    ),
+    vision=WINDOWED | dict(tokens_per_second=2),
 )
 ARCHS["qwen3_vl"] = dict(
     classes=(
@@ -145,7 +140,7 @@ ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
         "Qwen2_5OmniProcessor",
         "Qwen2VLVideoProcessor",
     ),
-    vision=dict(window_size=56, fullatt_block_indexes=[1], hidden_act="silu", **WIDTHS),
+    vision=WINDOWED,  # no tokens_per_second: the thinker's position_id_per_seconds
     audio=dict(
         encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64, output_dim=128
     ),
@@ -292,7 +287,6 @@ def make_tokenizer(template: str, Tok, special: list[str], named: dict):
         vocab=model["vocab"],
         merges=[tuple(m) for m in model["merges"]],
         unk_token=None,
-        bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=special[1:],
@@ -416,7 +410,7 @@ def build(
         tok.eos_token_id,
         tok.pad_token_id,
     ]  # like the real checkpoints: stop on either
-    gen.pad_token_id, gen.bos_token_id = tok.pad_token_id, None
+    gen.pad_token_id = tok.pad_token_id
     # Our frames are tiny (2x2 merged tokens each): the processors' default minimums (56x56 for images,
     # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
     factor = patch * 2

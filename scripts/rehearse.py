@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from repo import ROOT
+from repo import ROOT, torchrun
 
 PROMPT_LEN = 1024  # the rehearsal's max_prompt_len (a 16-frame 56 x 56 question is ~100 tokens)
 RESPONSE_LEN = 16
@@ -138,15 +138,7 @@ def main(c: Config) -> int:
         os.remove(metrics)
     try:
         rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={ranks}",
-                "train.py",
-                *args,
-            ],
+            torchrun(ranks, "train.py", *args),
             cwd=ROOT,
             env=env,
             timeout=c.timeout,
