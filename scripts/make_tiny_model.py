@@ -141,8 +141,15 @@ ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
         "Qwen2VLVideoProcessor",
     ),
     vision=WINDOWED,  # no tokens_per_second: the thinker's position_id_per_seconds
-    audio=dict(
-        encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64, output_dim=128
+    # the thinker's settings beside the text and vision configs: its audio tower's
+    thinker=dict(
+        audio_config=dict(
+            encoder_layers=2,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=128,
+            d_model=64,
+            output_dim=128,
+        )
     ),
     # the tokenizer's named tokens, which the Omni processor reads
     tokens=dict(
@@ -172,8 +179,11 @@ ARCHS["qwen3_omni_moe"] = ARCHS["qwen3_vl_moe"] | dict(
     vision=ARCHS["qwen3_vl"]["vision"] | dict(image_size=256, apply_vit_abs_pos_embed=True),
     # at init 0.02 the conv stem's output is ~1e-3 of the sinusoidal positions it is added to: every sound encodes
     # alike (features 2e-4 apart for two pitches; 0.05: 9e-3, as Qwen2.5-Omni's tower at 0.02)
-    audio=ARCHS["qwen2_5_omni"]["audio"] | dict(downsample_hidden_size=32, initializer_range=0.05),
-    thinker=dict(position_id_per_seconds=13),
+    thinker=dict(
+        audio_config=ARCHS["qwen2_5_omni"]["thinker"]["audio_config"]
+        | dict(downsample_hidden_size=32, initializer_range=0.05),
+        position_id_per_seconds=13,
+    ),
     tokens=VL_TOKENS
     | dict(
         audio_token="<|audio_pad|>",
@@ -315,20 +325,11 @@ def _complete(out: str, arch: str, seed: int, variant: str) -> bool:
 
 
 def build(
-    arch: Literal[
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "qwen3_5",
-        "qwen3_5_moe",
-        "qwen2_5_omni",
-        "qwen3_omni_moe",
-    ],
+    arch: Literal[tuple(ARCHS)],  # ARCHS' names (a tuple in Literal[...] is its members)
     out: str,
     seed: int = 0,
     force: bool = False,
-    variant: Literal["", "wide", "heads28-4", "heads16-2", "heads32-8"] = "",
+    variant: Literal[tuple(VARIANTS)] = "",
 ) -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
@@ -395,10 +396,9 @@ def build(
     }  # the settings this arch has
     config = dict(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     extractor = {}
-    if "audio" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
+    if "thinker" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
         # Qwen2.5-Omni maps the *_token_id names to its *_token_index fields
-        thinker = config | dict(audio_config=spec["audio"]) | spec.get("thinker", {})
-        config = dict(thinker_config=thinker, enable_audio_output=False)
+        config = dict(thinker_config=config | spec["thinker"], enable_audio_output=False)
         # Whisper's log-mel features (128 bins, as the real checkpoint's)
         extractor = dict(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128))
     config = Cfg(**config, dtype="float32")
