@@ -78,7 +78,6 @@ def train_config(c: Config, **switches):
         model=os.path.join(ROOT, ".cache/models/tiny-qwen2_5_vl"),
         video_fps=8.0,
         video_max_frames=c.frames,
-        video_min_pixels=3136,
         video_max_pixels=c.size**2,
         max_prompt_len=32768,
         cache_dir="",

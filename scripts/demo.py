@@ -19,7 +19,7 @@ def main():
     import make_tiny_model
 
     t0 = time.time()
-    make_tiny_model.ensure("qwen2_5_vl", root=".cache/models")
+    make_tiny_model.ensure("qwen2_5_vl")  # .cache/models/tiny-qwen2_5_vl
     make_synthetic_data.make(
         ".cache/data/color", ["color"], num_train=512
     )  # 64 val; 56x56, 4 fps, 2 s
