@@ -101,13 +101,14 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: flo
 
 
 def rect(y, x, h, w, rgb):
-    """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge."""
+    """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge; rgb: a
+    tuple of Python ints (every caller's color), hashed with the scene as it is."""
     return (
         int(y) // 2 * 2,
         int(x) // 2 * 2,
         -(-int(h) // 2) * 2,
         -(-int(w) // 2) * 2,
-        tuple(int(c) for c in rgb),
+        rgb,
     )
 
 
