@@ -108,9 +108,8 @@ ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
 # Qwen3.5: natively multimodal, Qwen3-VL's processors, no deepstack; a gated delta-net (linear attention) layer
 # then a full attention layer (real: 3 linear per full one); rotary on a quarter of each head (64 x 0.25 = 16:
 # mrope_section sums to 8; real: 256 x 0.25, [11, 11, 10]); its own tokenizer class (pre-tokenizer regex)
-ARCHS["qwen3_5"] = dict(
+ARCHS["qwen3_5"] = ARCHS["qwen3_vl"] | dict(  # its patch and normalization
     classes=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration") + QWEN3_VL_PROCESSORS,
-    patch=16,
     rope=dict(
         rope_type="default",
         rope_theta=1e7,
@@ -119,7 +118,6 @@ ARCHS["qwen3_5"] = dict(
         mrope_interleaved=True,
     ),
     vision=dict(num_position_embeddings=256, hidden_act="gelu_pytorch_tanh", **WIDTHS),
-    norm=ARCHS["qwen3_vl"]["norm"],
     text=dict(
         layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2,
