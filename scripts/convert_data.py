@@ -129,7 +129,7 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
                 f"{key} not a list of file paths", repr(paths)[:200]
             )  # e.g. inline image bytes
         files = [os.path.normpath(os.path.join(media_root, p)) for p in paths]
-        missing = [f for f in files if not os.path.exists(f)] if c.check_media else []
+        missing = [f for f in files if c.check_media and not os.path.exists(f)]
         if missing:
             raise Unmapped("media file missing", missing[0])
         s[key] = [os.path.relpath(f, out_dir) for f in files]

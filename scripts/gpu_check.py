@@ -286,7 +286,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             p = memory_plan.plan(
                 scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches
             )
-            row.update(predicted=p.train, plan={**p.held, **p.transient})
+            row.update(predicted=p.train, plan=p.held | p.transient)
         try:
             t = train.build_trainer(scfg, processor, sp.make_layout(1), device)  # model, AdamW
             train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on

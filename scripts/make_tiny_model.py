@@ -382,17 +382,13 @@ def build(
     vision = dict(
         depth=2,
         num_heads=2,
-        in_channels=3,
         patch_size=patch,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        initializer_range=0.02,
         **spec["vision"],
     )
     vision |= {
         k: v for k, v in VARIANTS[variant][1].items() if k in vision
     }  # the settings this arch has
-    config = dict(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    config = dict(text_config=text, vision_config=vision, **ids)
     extractor = {}
     if "thinker" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
         # Qwen2.5-Omni maps the *_token_id names to its *_token_index fields
@@ -413,7 +409,9 @@ def build(
     # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
     factor = patch * 2
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
-    common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **spec["norm"])
+    common = dict(
+        size=size, patch_size=patch, **spec["norm"]
+    )  # merge_size 2, temporal_patch_size 2
     # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
     processor = Proc(
         **extractor,
