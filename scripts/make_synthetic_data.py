@@ -72,10 +72,14 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: flo
     # x264's thread pool costs more than it saves on tiny frames
     opts = {"preset": "ultrafast", "crf": "18", "threads": "1" if H * W < 320 * 240 else "0"}
     with av.open(f"{path}.part", "w", format="mp4") as f:
-        s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
-        s.width = W
-        s.height = H
-        s.pix_fmt = "yuv420p"
+        s = f.add_stream(
+            "libx264",
+            rate=Fraction(fps).limit_denominator(1001),
+            options=opts,
+            width=W,
+            height=H,
+            pix_fmt="yuv420p",
+        )
         if tone:
             sound = f.add_stream("aac", rate=RATE, layout="mono")
         for i, fr in enumerate(itertools.chain([first], frames)):
