@@ -122,9 +122,8 @@ def main(
         try:
             out = os.path.join(work, "runs", label)
             await E.evaluate(replace(c, max_samples=4, out_dir=f"{out}-warmup"), engine, processor)
-            if (
-                c.video_source != "decode_only"
-            ):  # as after `scripts/cache_frames.py` or a previous eval
+            # as after `scripts/cache_frames.py` or a previous eval
+            if c.video_source != "decode_only":
                 input_digests(E, processor, c)
             runs = []
             for i, run in enumerate([c] * repeats + list(extra)):

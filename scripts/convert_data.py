@@ -111,9 +111,8 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
     except KeyError as e:
         raise Unmapped(f"missing field {e}", f"the record has {sorted(r)}") from None
     ptype = rewards.canonical_type(s["problem_type"])
-    if (
-        ptype not in rewards.ACCURACY
-    ):  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+    # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+    if ptype not in rewards.ACCURACY:
         raise Unmapped(
             f"no reward for problem_type {s['problem_type']!r}", f"ours: {sorted(rewards.ACCURACY)}"
         )

@@ -278,9 +278,8 @@ def make_tokenizer(template: str, Tok, special: list[str], named: dict):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
     tk = Tokenizer(models.BPE())
-    template_tok = (
-        Tok()
-    )  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    template_tok = Tok()
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
     trainer = trainers.BpeTrainer(
