@@ -21,9 +21,8 @@ from fractions import Fraction
 
 import numpy as np
 
-VERSION = (
-    6  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
-)
+# bump when generated content changes: meta.json then mismatches and make() rewrites the set
+VERSION = 6
 COLORS = {
     "red": (220, 30, 30),
     "green": (30, 200, 40),
