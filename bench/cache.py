@@ -17,14 +17,9 @@ import cache
 import cache_frames
 from common import write_jsonl
 
-# Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget; FLAGS: the same for train.py
-FRAMES = cache.Frames(
-    video_fps=2.0,
-    video_min_frames=4,
-    video_max_frames=16,
-    video_min_pixels=3136,
-    video_max_pixels=3136,
-)
+# Video-R1's training sampling (2 fps, <= 16 frames) at tiny_cpu.yaml's pixel budget (3136: the minimum too), the
+# rest cache.Frames' defaults (2 fps, 4 frames at least); FLAGS: the same for train.py
+FRAMES = cache.Frames(video_max_frames=16, video_max_pixels=3136)
 FLAGS = [x for k, v in asdict(FRAMES).items() for x in (f"--{k.replace('_', '-')}", str(v))]
 BIG = replace(FRAMES, video_max_frames=64, video_max_pixels=262144)  # qwen2_5_vl_7b.yaml's
 ENV = dict(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # vLLM's CPU KV cache: rollout.py
@@ -144,8 +139,14 @@ def main(
             train_jsonl,
             "--prompts-per-step",
             str(len(videos)),
+            "--eval-every",
+            "0",
+            "--cache-dir",
+            frames_dir,
+            "--video-source",
+            src,
+            *FLAGS,
         ]
-        flags += ["--eval-every", "0", "--cache-dir", frames_dir, "--video-source", src, *FLAGS]
         out_run = os.path.join(out, f"run_{src}")
         runs[src] = train(2, out_run, steps, flags, f"train.py --video-source {src}", **ENV)
     warm_decodes = [r["cache/decode"] for r in runs["prefer_cache"]]

@@ -86,7 +86,6 @@ def main(
         ["color", "count", "direction"],
         num_train=1,
         num_val=samples // 3 + 1,
-        seed=0,
         width=width,
         height=height,
         fps=fps,
@@ -103,9 +102,7 @@ def main(
         max_tokens=max_tokens,
         max_model_len=2048,
         max_prompt_len=2048,
-        video_fps=2.0,
-        video_min_frames=4,
-        video_max_frames=16,
+        video_max_frames=16,  # at 2 fps, 4 frames at least (the defaults)
         video_max_pixels=12544,
         cache_dir=os.path.join(work, "frames"),
         max_in_flight=max_in_flight,
@@ -125,9 +122,8 @@ def main(
         try:
             out = os.path.join(work, "runs", label)
             await E.evaluate(replace(c, max_samples=4, out_dir=f"{out}-warmup"), engine, processor)
-            if (
-                c.video_source != "decode_only"
-            ):  # as after `scripts/cache_frames.py` or a previous eval
+            # as after `scripts/cache_frames.py` or a previous eval
+            if c.video_source != "decode_only":
                 input_digests(E, processor, c)
             runs = []
             for i, run in enumerate([c] * repeats + list(extra)):

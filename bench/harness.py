@@ -9,18 +9,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-
-
-def torchrun(ranks: int, *args: str) -> list[str]:
-    """The command line of `torchrun --standalone --nproc_per_node=ranks args`."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        *args,
-    ]
+from repo import torchrun  # noqa: E402  (scripts/ is on sys.path from the line above)
 
 
 def launch(cmd: list[str], what: str, **env: str) -> str:

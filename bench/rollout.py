@@ -97,11 +97,7 @@ def main():
         ["color", "image_color"],
         num_train=8,
         num_val=0,
-        seed=0,
-        size=56,
-        fps=4,
-        seconds=2.0,
-    )
+    )  # 56x56, 4 fps, 2 s
     tmp = tempfile.mkdtemp()
     env = dict(
         OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0"

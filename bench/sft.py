@@ -35,13 +35,9 @@ def rollouts(processor) -> list:
     import train
     from rollout import Rollout, vision_token_ids
 
-    make_synthetic_data.make(
-        OUT, ["color"], num_train=ROWS, num_val=1, seed=0, size=56, fps=4, seconds=2.0
-    )
+    make_synthetic_data.make(OUT, ["color"], num_train=ROWS, num_val=1)  # 56x56, 4 fps, 2 s
     samples = data.load_samples(os.path.join(OUT, "train.jsonl"))
-    cfg = train.Config(
-        video_min_pixels=3136, video_max_pixels=3136, cache_dir="", video_source="decode_only"
-    )
+    cfg = train.Config(video_max_pixels=3136, cache_dir="", video_source="decode_only")
     special = set(processor.tokenizer.all_special_ids) | set(vision_token_ids(processor.tokenizer))
     words = [i for i in range(len(processor.tokenizer)) if i not in special]
     rng = random.Random(0)

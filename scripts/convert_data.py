@@ -111,9 +111,8 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
     except KeyError as e:
         raise Unmapped(f"missing field {e}", f"the record has {sorted(r)}") from None
     ptype = rewards.canonical_type(s["problem_type"])
-    if (
-        ptype not in rewards.ACCURACY
-    ):  # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+    # e.g. EasyVideoR1's llava/critic/html-code: no reward of ours scores them
+    if ptype not in rewards.ACCURACY:
         raise Unmapped(
             f"no reward for problem_type {s['problem_type']!r}", f"ours: {sorted(rewards.ACCURACY)}"
         )
@@ -129,7 +128,7 @@ def convert(r, index: int, c: Config, media_root: str) -> dict:
                 f"{key} not a list of file paths", repr(paths)[:200]
             )  # e.g. inline image bytes
         files = [os.path.normpath(os.path.join(media_root, p)) for p in paths]
-        missing = [f for f in files if not os.path.exists(f)] if c.check_media else []
+        missing = [f for f in files if c.check_media and not os.path.exists(f)]
         if missing:
             raise Unmapped("media file missing", missing[0])
         s[key] = [os.path.relpath(f, out_dir) for f in files]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from repo import ROOT
+from repo import ROOT, torchrun
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -19,25 +19,16 @@ def main():
     import make_tiny_model
 
     t0 = time.time()
-    make_tiny_model.ensure("qwen2_5_vl", root=".cache/models")
+    make_tiny_model.ensure("qwen2_5_vl")  # .cache/models/tiny-qwen2_5_vl
     make_synthetic_data.make(
-        ".cache/data/color", ["color"], num_train=512, num_val=64
-    )  # 56x56, 4 fps, 2 s, seed 0
+        ".cache/data/color", ["color"], num_train=512
+    )  # 64 val; 56x56, 4 fps, 2 s
     print(f"tiny model and synthetic videos ready ({time.time() - t0:.0f}s)", flush=True)
     shutil.rmtree("runs/tiny_cpu", ignore_errors=True)  # a fresh run every time
     env = dict(
         os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
     )  # vLLM's CPU KV cache: rollout.py
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "train.py",
-        "--config",
-        CONFIG,
-    ]
+    cmd = torchrun(2, "train.py", "--config", CONFIG)
     print(f"$ torchrun --nproc_per_node=2 train.py --config {CONFIG}", flush=True)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -247,9 +247,8 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
         len(prompt.prompt_ids),
         prompt.mm["video_grid_thw"].prod().item(),
     ), "planner's"
-    rows = (
-        c.rows or cfg.micro_batch_size
-    )  # as main splits the batch: rows, or as many as the token budget holds
+    # as main splits the batch: rows, or as many as the token budget holds
+    rows = c.rows or cfg.micro_batch_size
     if cfg.max_tokens_per_micro_batch and not c.rows:
         rows = max(1, cfg.max_tokens_per_micro_batch // (tokens + R))
     cfg = replace(cfg, micro_batch_size=rows, max_tokens_per_micro_batch=0)
@@ -286,7 +285,7 @@ def run_model(name: str, c: Config, device, report: dict, folder: str):
             p = memory_plan.plan(
                 scfg, spec, dict(meas, params=counts), 1, gpu_mem, cuda, tokens, patches
             )
-            row.update(predicted=p.train, plan={**p.held, **p.transient})
+            row.update(predicted=p.train, plan=p.held | p.transient)
         try:
             t = train.build_trainer(scfg, processor, sp.make_layout(1), device)  # model, AdamW
             train_step(t, rollouts, scfg, tok)  # AdamW's state exists from here on

@@ -21,9 +21,8 @@ from fractions import Fraction
 
 import numpy as np
 
-VERSION = (
-    6  # bump when generated content changes: meta.json then mismatches and make() rewrites the set
-)
+# bump when generated content changes: meta.json then mismatches and make() rewrites the set
+VERSION = 6
 COLORS = {
     "red": (220, 30, 30),
     "green": (30, 200, 40),
@@ -72,10 +71,14 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: flo
     # x264's thread pool costs more than it saves on tiny frames
     opts = {"preset": "ultrafast", "crf": "18", "threads": "1" if H * W < 320 * 240 else "0"}
     with av.open(f"{path}.part", "w", format="mp4") as f:
-        s = f.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001), options=opts)
-        s.width = W
-        s.height = H
-        s.pix_fmt = "yuv420p"
+        s = f.add_stream(
+            "libx264",
+            rate=Fraction(fps).limit_denominator(1001),
+            options=opts,
+            width=W,
+            height=H,
+            pix_fmt="yuv420p",
+        )
         if tone:
             sound = f.add_stream("aac", rate=RATE, layout="mono")
         for i, fr in enumerate(itertools.chain([first], frames)):
@@ -101,13 +104,14 @@ def write_video(path: str, frames, fps: float, pix_fmt: str = "rgb24", tone: flo
 
 
 def rect(y, x, h, w, rgb):
-    """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge."""
+    """Snapped to even coordinates/sizes, so the 2x2 chroma blocks of yuv420p never straddle a shape edge; rgb: a
+    tuple of Python ints (every caller's color), hashed with the scene as it is."""
     return (
         int(y) // 2 * 2,
         int(x) // 2 * 2,
         -(-int(h) // 2) * 2,
         -(-int(w) // 2) * 2,
-        tuple(int(c) for c in rgb),
+        rgb,
     )
 
 
@@ -125,12 +129,10 @@ def render_yuv(H, W, bg, rects):
     f = np.empty(
         (H * 3 // 2, W), np.uint8
     )  # the layout av.VideoFrame.from_ndarray(format="yuv420p") takes
-    flat = f.reshape(-1)
     planes = (
         f[:H],
-        flat[H * W : H * W * 5 // 4].reshape(H // 2, W // 2),
-        flat[H * W * 5 // 4 :].reshape(H // 2, W // 2),
-    )
+        *f.reshape(-1)[H * W :].reshape(2, H // 2, W // 2),
+    )  # Y; U, V one after the other
     for y, x, h, w, c in [(0, 0, H, W, bg), *rects]:
         for plane, value, scale in zip(planes, yuv(c), (1, 2, 2)):  # U and V at half resolution
             plane[y // scale : (y + h) // scale, x // scale : (x + w) // scale] = value
@@ -342,7 +344,7 @@ def make(
     tasks = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     W = int(width or size)
     H = int(height or size)
-    T = int(round(fps * seconds))
+    T = round(fps * seconds)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {list(TASKS)}")

@@ -61,47 +61,40 @@ ARCHS = {
         vision=dict(embed_dim=64, mlp_ratio=2, hidden_size=128, hidden_act="quick_gelu"),
         norm={},  # the CLIP mean/std defaults
     ),
-    "qwen2_5_vl": dict(
-        classes=(
-            "Qwen2_5_VLConfig",
-            "Qwen2_5_VLForConditionalGeneration",
-            "Qwen2_5_VLProcessor",
-            "Qwen2VLVideoProcessor",
-        ),
-        patch=14,
-        rope=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]),  # real / 2
-        # window attention over 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
-        vision=dict(
-            window_size=56,
-            fullatt_block_indexes=[1],
-            tokens_per_second=2,
-            hidden_act="silu",
-            **WIDTHS,
-        ),
-        norm={},  # the CLIP mean/std defaults
-    ),
-    "qwen3_vl": dict(
-        classes=(
-            "Qwen3VLConfig",
-            "Qwen3VLForConditionalGeneration",
-            "Qwen3VLProcessor",
-            "Qwen3VLVideoProcessor",
-        ),
-        patch=16,
-        # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
-        rope=dict(
-            rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True
-        ),
-        # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
-        vision=dict(
-            num_position_embeddings=256,
-            deepstack_visual_indexes=[0],
-            hidden_act="gelu_pytorch_tanh",
-            **WIDTHS,
-        ),
-        norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
-    ),
 }
+# Qwen2.5-VL: Qwen2-VL's patch, positions and normalization. Its tower (and Qwen2.5-Omni's): window attention over
+# 56px = 2x2 merged tokens, full attention in the last block (real: 112px, every 8th)
+WINDOWED = dict(window_size=56, fullatt_block_indexes=[1], hidden_act="silu", **WIDTHS)
+ARCHS["qwen2_5_vl"] = ARCHS["qwen2_vl"] | dict(
+    classes=(
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLProcessor",
+        "Qwen2VLVideoProcessor",
+    ),
+    vision=WINDOWED | dict(tokens_per_second=2),
+)
+ARCHS["qwen3_vl"] = dict(
+    classes=(
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLProcessor",
+        "Qwen3VLVideoProcessor",
+    ),
+    patch=16,
+    # real: mrope_section [24, 20, 20] of head_dim/2 = 64, interleaved (THWTHW...); ours halves it to 32
+    rope=dict(
+        rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10], mrope_interleaved=True
+    ),
+    # deepstack: features after vision block 0 are also added into decoder layer 0 (indexes must be < depth)
+    vision=dict(
+        num_position_embeddings=256,
+        deepstack_visual_indexes=[0],
+        hidden_act="gelu_pytorch_tanh",
+        **WIDTHS,
+    ),
+    norm=dict(image_mean=[0.5] * 3, image_std=[0.5] * 3),  # normalized to [-1, 1]
+)
 # Qwen3-VL-MoE: Qwen3-VL's tower, positions, processor and template (Qwen3-VL-30B-A3B-Instruct ships the 8B's) with
 # a sparse MLP in every decoder layer: 4 experts, top 2 (real: 128, top 8), no shared expert (the family has none)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -115,9 +108,8 @@ ARCHS["qwen3_vl_moe"] = ARCHS["qwen3_vl"] | dict(
 # Qwen3.5: natively multimodal, Qwen3-VL's processors, no deepstack; a gated delta-net (linear attention) layer
 # then a full attention layer (real: 3 linear per full one); rotary on a quarter of each head (64 x 0.25 = 16:
 # mrope_section sums to 8; real: 256 x 0.25, [11, 11, 10]); its own tokenizer class (pre-tokenizer regex)
-ARCHS["qwen3_5"] = dict(
+ARCHS["qwen3_5"] = ARCHS["qwen3_vl"] | dict(  # its patch and normalization
     classes=("Qwen3_5Config", "Qwen3_5ForConditionalGeneration") + QWEN3_VL_PROCESSORS,
-    patch=16,
     rope=dict(
         rope_type="default",
         rope_theta=1e7,
@@ -126,7 +118,6 @@ ARCHS["qwen3_5"] = dict(
         mrope_interleaved=True,
     ),
     vision=dict(num_position_embeddings=256, hidden_act="gelu_pytorch_tanh", **WIDTHS),
-    norm=ARCHS["qwen3_vl"]["norm"],
     text=dict(
         layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2,
@@ -140,15 +131,6 @@ ARCHS["qwen3_5"] = dict(
 # Qwen2.5-Omni: the published layout (Qwen2_5OmniForConditionalGeneration's config and "thinker." weights, no talker:
 # enable_audio_output off; vLLM serves that class's thinker), Qwen2.5-VL's tower and positions with the Omni token
 # names, a Whisper-like audio tower (real: 32 layers of width 1280 over 128 mel bins) and its feature extractor
-OMNI_TOKENS = dict(
-    image_token="<|IMAGE|>",
-    video_token="<|VIDEO|>",
-    vision_bos_token="<|vision_bos|>",
-    vision_eos_token="<|vision_eos|>",
-    audio_token="<|AUDIO|>",
-    audio_bos_token="<|audio_bos|>",
-    audio_eos_token="<|audio_eos|>",
-)
 ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
     classes=(
         "Qwen2_5OmniConfig",
@@ -156,11 +138,27 @@ ARCHS["qwen2_5_omni"] = ARCHS["qwen2_5_vl"] | dict(
         "Qwen2_5OmniProcessor",
         "Qwen2VLVideoProcessor",
     ),
-    vision=dict(window_size=56, fullatt_block_indexes=[1], hidden_act="silu", **WIDTHS),
-    audio=dict(
-        encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64, output_dim=128
+    vision=WINDOWED,  # no tokens_per_second: the thinker's position_id_per_seconds
+    # the thinker's settings beside the text and vision configs: its audio tower's
+    thinker=dict(
+        audio_config=dict(
+            encoder_layers=2,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=128,
+            d_model=64,
+            output_dim=128,
+        )
     ),
-    tokens=OMNI_TOKENS,  # the tokenizer's named tokens, which the Omni processor reads
+    # the tokenizer's named tokens, which the Omni processor reads
+    tokens=dict(
+        image_token="<|IMAGE|>",
+        video_token="<|VIDEO|>",
+        vision_bos_token="<|vision_bos|>",
+        vision_eos_token="<|vision_eos|>",
+        audio_token="<|AUDIO|>",
+        audio_bos_token="<|audio_bos|>",
+        audio_eos_token="<|audio_eos|>",
+    ),
 )
 # Qwen3-Omni's MoE thinker: the published layout as Qwen2.5-Omni's (talker and code2wav off), Qwen3-VL's tower and
 # interleaved M-RoPE, Qwen3-VL-MoE's sparse MLP, the Qwen-VL placeholders plus <|audio_pad|>, 13 positions per second
@@ -179,8 +177,11 @@ ARCHS["qwen3_omni_moe"] = ARCHS["qwen3_vl_moe"] | dict(
     vision=ARCHS["qwen3_vl"]["vision"] | dict(image_size=256, apply_vit_abs_pos_embed=True),
     # at init 0.02 the conv stem's output is ~1e-3 of the sinusoidal positions it is added to: every sound encodes
     # alike (features 2e-4 apart for two pitches; 0.05: 9e-3, as Qwen2.5-Omni's tower at 0.02)
-    audio=ARCHS["qwen2_5_omni"]["audio"] | dict(downsample_hidden_size=32, initializer_range=0.05),
-    thinker=dict(position_id_per_seconds=13),
+    thinker=dict(
+        audio_config=ARCHS["qwen2_5_omni"]["thinker"]["audio_config"]
+        | dict(downsample_hidden_size=32, initializer_range=0.05),
+        position_id_per_seconds=13,
+    ),
     tokens=VL_TOKENS
     | dict(
         audio_token="<|audio_pad|>",
@@ -201,21 +202,26 @@ VARIANTS = {
         dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2),
         dict(out_hidden_size=384, window_size=28),
     ),
-    # a published model's query / KV head counts at head width 64 (scripts/rehearse.py: vLLM's tensor-parallel rules
-    # and Ulysses' padding as on the real model): Qwen2.5-VL-7B / Qwen2-VL-7B, Qwen2.5-VL-3B, Qwen3-VL-8B
-    "heads28-4": (
-        dict(hidden_size=1792, num_attention_heads=28, num_key_value_heads=4),
-        dict(out_hidden_size=1792),
-    ),
-    "heads16-2": (
-        dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2),
-        dict(out_hidden_size=1024),
-    ),
-    "heads32-8": (
-        dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8),
-        dict(out_hidden_size=2048),
-    ),
 }
+# a published model's query / KV head counts at head width 64 (scripts/rehearse.py: vLLM's tensor-parallel rules
+# and Ulysses' padding as on the real model): Qwen2.5-VL-7B / Qwen2-VL-7B, Qwen2.5-VL-3B, Qwen3-VL-8B
+VARIANTS |= {
+    f"heads{q}-{kv}": (
+        dict(hidden_size=64 * q, num_attention_heads=q, num_key_value_heads=kv),
+        dict(out_hidden_size=64 * q),
+    )
+    for q, kv in ((28, 4), (16, 2), (32, 8))
+}
+# the config's token id fields -> the tokenizer's token names (audio: the Omni archs only)
+TOKEN_IDS = dict(
+    image_token_id="image_token",
+    video_token_id="video_token",
+    vision_start_token_id="vision_bos_token",
+    vision_end_token_id="vision_eos_token",
+    audio_token_id="audio_token",
+    audio_start_token_id="audio_bos_token",
+    audio_end_token_id="audio_eos_token",
+)
 VERSION = 2  # bump whenever the output changes: ensure() then rebuilds stale caches
 MARKER = "DONE"  # written last: its presence (with matching arch/seed/version) means the checkpoint is complete
 
@@ -272,9 +278,8 @@ def make_tokenizer(template: str, Tok, special: list[str], named: dict):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
     tk = Tokenizer(models.BPE())
-    template_tok = (
-        Tok()
-    )  # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    # borrow its normalizer / pre-tokenizer / decoder instead of copying the regex
+    template_tok = Tok()
     for part in ("normalizer", "pre_tokenizer", "decoder"):
         setattr(tk, part, getattr(template_tok.backend_tokenizer, part))
     trainer = trainers.BpeTrainer(
@@ -289,7 +294,6 @@ def make_tokenizer(template: str, Tok, special: list[str], named: dict):
         vocab=model["vocab"],
         merges=[tuple(m) for m in model["merges"]],
         unk_token=None,
-        bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=special[1:],
@@ -309,7 +313,7 @@ def _marker(arch: str, seed: int, variant: str) -> dict:
     )
 
 
-def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
+def _complete(out: str, arch: str, seed: int, variant: str) -> bool:
     try:
         with open(os.path.join(out, MARKER)) as f:
             return json.load(f) == _marker(arch, seed, variant)
@@ -318,20 +322,11 @@ def _complete(out: str, arch: str, seed: int, variant: str = "") -> bool:
 
 
 def build(
-    arch: Literal[
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "qwen3_5",
-        "qwen3_5_moe",
-        "qwen2_5_omni",
-        "qwen3_omni_moe",
-    ],
+    arch: Literal[tuple(ARCHS)],  # ARCHS' names (a tuple in Literal[...] is its members)
     out: str,
     seed: int = 0,
     force: bool = False,
-    variant: Literal["", "wide", "heads28-4", "heads16-2", "heads32-8"] = "",
+    variant: Literal[tuple(VARIANTS)] = "",
 ) -> str:
     """Write the checkpoint to `out`; returns `out`. Idempotent: a complete checkpoint of the same arch/seed/version
     is kept as is (force: rebuilt). Built in a private temp dir and renamed into place, so readers never see a
@@ -355,14 +350,10 @@ def build(
     with open(os.path.join(TEMPLATES, f"{spec.get('template', arch)}.jinja")) as f:
         Tok = getattr(transformers, spec.get("tokenizer", "Qwen2Tokenizer"))
         tok = make_tokenizer(f.read(), Tok, special, named)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
     names = VL_TOKENS | named  # the Qwen-VL token names unless the arch has its own
-    token_ids = dict(
-        image_token_id=ids[names["image_token"]],
-        video_token_id=ids[names["video_token"]],
-        vision_start_token_id=ids[names["vision_bos_token"]],
-        vision_end_token_id=ids[names["vision_eos_token"]],
-    )
+    ids = {
+        field: tok.convert_tokens_to_ids(names[t]) for field, t in TOKEN_IDS.items() if t in names
+    }
     patch = spec["patch"]
     text = (
         dict(
@@ -379,8 +370,8 @@ def build(
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
             bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
+            eos_token_id=tok.eos_token_id,  # <|im_end|>
+            pad_token_id=tok.pad_token_id,  # <|endoftext|>
             dtype="float32",
             rope_parameters=spec["rope"],
         )
@@ -390,56 +381,37 @@ def build(
     vision = dict(
         depth=2,
         num_heads=2,
-        in_channels=3,
         patch_size=patch,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        initializer_range=0.02,
         **spec["vision"],
     )
     vision |= {
         k: v for k, v in VARIANTS[variant][1].items() if k in vision
     }  # the settings this arch has
-    if "audio" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
+    config = dict(text_config=text, vision_config=vision, **ids)
+    extractor = {}
+    if "thinker" in spec:  # the thinker's config inside the Omni one; audio output (the talker) off
         # Qwen2.5-Omni maps the *_token_id names to its *_token_index fields
-        thinker = dict(
-            text_config=text,
-            vision_config=vision,
-            audio_config=spec["audio"],
-            tie_word_embeddings=False,
-            audio_token_id=ids[names["audio_token"]],
-            audio_start_token_id=ids[names["audio_bos_token"]],
-            audio_end_token_id=ids[names["audio_eos_token"]],
-            **token_ids,
-            **spec.get("thinker", {}),
-        )
-        config = Cfg(thinker_config=thinker, enable_audio_output=False, dtype="float32")
-    else:
-        config = Cfg(
-            text_config=text,
-            vision_config=vision,
-            tie_word_embeddings=False,
-            dtype="float32",
-            **token_ids,
-        )
+        config = dict(thinker_config=config | spec["thinker"], enable_audio_output=False)
+        # Whisper's log-mel features (128 bins, as the real checkpoint's)
+        extractor = dict(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128))
+    config = Cfg(**config, dtype="float32")
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = Model(config).to(torch.float32).eval()
     gen = model.generation_config
     gen.eos_token_id = [
-        ids["<|im_end|>"],
-        ids["<|endoftext|>"],
+        tok.eos_token_id,
+        tok.pad_token_id,
     ]  # like the real checkpoints: stop on either
-    gen.pad_token_id, gen.bos_token_id = ids["<|endoftext|>"], None
+    gen.pad_token_id = tok.pad_token_id
     # Our frames are tiny (2x2 merged tokens each): the processors' default minimums (56x56 for images,
     # 128 tokens for videos) would upscale them. Floor at 4 merged tokens, cap at 1024.
     factor = patch * 2
     size = {"shortest_edge": 4 * factor * factor, "longest_edge": 1024 * factor * factor}
-    common = dict(size=size, patch_size=patch, merge_size=2, temporal_patch_size=2, **spec["norm"])
+    common = dict(
+        size=size, patch_size=patch, **spec["norm"]
+    )  # merge_size 2, temporal_patch_size 2
     # cap_pixels_per_frame: pin the reference (qwen-vl-utils) video budget, transformers' default from v5.22 on
-    extractor = {}  # Omni: Whisper's log-mel features (128 bins, as the real checkpoint's)
-    if "audio" in spec:
-        extractor = dict(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=128))
     processor = Proc(
         **extractor,
         image_processor=transformers.Qwen2VLImageProcessor(**common),

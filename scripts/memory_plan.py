@@ -237,9 +237,8 @@ def plan(
     kv = text["num_key_value_heads"]
     head_dim = text.get("head_dim", hidden // heads)
     compute = 2 if cuda else 4  # bf16 copies on CUDA
-    trained = (
-        lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
-    )  # LoRA: the base has no grads, no AdamW
+    # LoRA: the base has no grads, no AdamW
+    trained = lora_params(spec, cfg.lora_rank) if cfg.lora_rank else total
     from train import fsdp_choice
 
     memory = math.inf  # as train.load_model: CPU ranks replicate
@@ -266,9 +265,8 @@ def plan(
     encodes = (rows // group if rows >= group else 1 + (group % rows > 0)) * (
         1 - cfg.freeze_vision
     )  # whole groups
-    kept = (
-        cfg.prompts_per_step * sp // gpus if cfg.freeze_vision else encodes
-    )  # freeze_vision: the step's prompts
+    # freeze_vision: the step's prompts
+    kept = cfg.prompts_per_step * sp // gpus if cfg.freeze_vision else encodes
     merged = (
         patches
         / vision.get("spatial_merge_size", 2) ** 2
@@ -277,12 +275,10 @@ def plan(
     tokens = rows * row / sp
     patches_here = patches / sp  # this rank's share of the tokens, frames and features
     padded = -(-heads // sp) * sp  # Ulysses gives each rank padded / sp heads
-    kv_sent = (
-        padded if heads % sp else math.lcm(kv, sp)
-    )  # padded: a KV head per query head; else KV repeated to sp
-    pad = (
-        4 * (padded - heads) * head_dim * compute
-    )  # q, k, v, out of the zero heads, per token of this rank
+    # padded: a KV head per query head; else KV repeated to sp
+    kv_sent = padded if heads % sp else math.lcm(kv, sp)
+    # q, k, v, out of the zero heads, per token of this rank
+    pad = 4 * (padded - heads) * head_dim * compute
     weights = shard * (
         1 + (cfg.kl_coef > 0 and not cfg.lora_rank)
     )  # LoRA's reference is the base, adapters off
@@ -317,9 +313,8 @@ def plan(
         * hidden
         * compute,
     }
-    a2a = (
-        2 * (2 * padded + 2 * kv_sent) * head_dim * compute * (sp > 1)
-    )  # q, k, v, out sent and received
+    # q, k, v, out sent and received
+    a2a = 2 * (2 * padded + 2 * kv_sent) * head_dim * compute * (sp > 1)
     transient = {  # one at a time: the logits in the lm_head's backward, then the layers', then the blocks'
         f"logits chunk ({chunk} x {text['vocab_size']})": chunk
         * text["vocab_size"]
@@ -332,15 +327,13 @@ def plan(
         * cfg.freeze_vision,
     }
     tp = cfg.rollout_tp
-    kv_bytes = (
-        2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2
-    )  # bf16 K, V per token, GPU
+    # bf16 K, V per token, GPU
+    kv_bytes = 2 * text["num_hidden_layers"] * max(kv // tp, 1) * head_dim * 2
     kv_tokens = max(
         cfg.max_model_len, prompt + group * cfg.max_response_len
     )  # the group shares its prompt's blocks
-    tower = (
-        meas["params"]["vision"] * (tp - 1) / tp
-    )  # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
+    # mm_encoder_tp_mode "data" (rollout.py, tp > 1): every rank
+    tower = meas["params"]["vision"] * (tp - 1) / tp
     language = total
     # vllm_embeds: vLLM generates from the trainer's features and builds no tower (Qwen3-VL keeps
     # it for deepstack, never running it but in its start-up profile: rollout.keeps_tower)
@@ -367,9 +360,8 @@ def plan(
     acts = sum(
         v for k, v in held.items() if "activations" in k or k.startswith("padded")
     )  # none at the encode
-    *passes, encode = (
-        transient.values()
-    )  # the features come before the passes: on the states, no activations
+    # the features come before the passes: on the states, no activations
+    *passes, encode = transient.values()
     train = max(sum(held.values()) + max(passes), sum(held.values()) - acts + encode) + vllm * (
         not cfg.vllm_sleep
     )
@@ -533,9 +525,8 @@ def main(c: Config) -> Plan | list[str]:
         return lines
     prompt, patches = longest_prompt(cfg, *SOURCE_HW)
     refused = ()
-    if (
-        cfg.rollout == "vllm"
-    ):  # vLLM's own checks, without weights (an M-RoPE model's long context: long_overrides)
+    # vLLM's own checks, without weights (an M-RoPE model's long context: long_overrides)
+    if cfg.rollout == "vllm":
         refused = tuple(rollout.engine_errors(cfg.model, cfg.rollout_tp, cfg.max_model_len))
     host_mem = c.host_memory_gib * GIB
     args = (spec, meas, gpus, c.gpu_mem_gib * GIB, cuda, prompt, patches, sp, host_mem, refused)

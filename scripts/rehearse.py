@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from repo import ROOT
+from repo import ROOT, torchrun
 
 PROMPT_LEN = 1024  # the rehearsal's max_prompt_len (a 16-frame 56 x 56 question is ~100 tokens)
 RESPONSE_LEN = 16
@@ -101,8 +101,8 @@ def prepare(c: Config, cfg, ranks: int, layout: str) -> list[str]:
     model = tiny_model(cfg.model)
     data_dir = os.path.join(ROOT, ".cache/data/rehearse")
     make_synthetic_data.make(
-        data_dir, ["color"], num_train=64, num_val=8, size=56, fps=4, seconds=4.0
-    )
+        data_dir, ["color"], num_train=64, num_val=8, seconds=4.0
+    )  # 56x56, 4 fps
     print(f"rehearsing {' '.join(c.config)}: {layout}, {model}", flush=True)
     return train_args(c, cfg, model, data_dir)
 
@@ -138,15 +138,7 @@ def main(c: Config) -> int:
         os.remove(metrics)
     try:
         rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={ranks}",
-                "train.py",
-                *args,
-            ],
+            torchrun(ranks, "train.py", *args),
             cwd=ROOT,
             env=env,
             timeout=c.timeout,
