@@ -216,7 +216,8 @@ def decode_audio(
 
     try:
         with av.open(path) as container:
-            seconds = min(container.duration / av.time_base, math.inf if end is None else end)
+            # the frames' window (data.prepare) within the container's duration (some have none)
+            seconds = min((container.duration or math.inf) / av.time_base, end or math.inf)
             n = round(min(seconds, max_s) * rate)
             missing = not container.streams.audio
             chunks = [np.zeros(n, np.float32)]

@@ -83,16 +83,16 @@ def save(
     barrier()
 
 
-def save_checkpoint(model, processor, path: str, rank: int):
+def save_checkpoint(model, processor, path: str, rank: int, source: str):
     """Full HF-format folder (safetensors + config + processor) that vLLM and transformers load, in the published
-    layout (published_layout; Omni: the thinker's weights under its whole model's config); LoRA adapters are merged
-    in (scripts/export_hf.py writes the adapter alone)."""
+    layout (published_layout; Omni: the thinker's weights under the whole config of `source`, the model trained);
+    LoRA adapters are merged in (scripts/export_hf.py writes the adapter alone)."""
     from transformers import AutoConfig
 
     base = base_model(model)
     config = base.config
-    if config.model_type.endswith("_thinker"):  # the model it came from: Omni's whole config
-        config = AutoConfig.from_pretrained(base.name_or_path)
+    if config.model_type.endswith("_thinker"):
+        config = AutoConfig.from_pretrained(source)
     # a collective: every rank gathers, rank 0 keeps
     weights = published_layout(hf_weights(model), config.model_type)
     sd = {name: t.cpu() for name, t in weights if rank == 0}

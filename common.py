@@ -144,6 +144,15 @@ def base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def hf_config(model: str, trust_remote_code: bool = False):
+    """The trained model's transformers config: Omni's thinker's (the part that sees, hears and
+    answers; the talker only speaks the answer)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    return getattr(config, "thinker_config", config)
+
+
 def print0(*a, file=None):
     """print, flushed, once (rank 0's) under torchrun."""
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -40,36 +40,20 @@ FIELDS = {
 }
 REQUIRED = ("problem", "answer", "problem_type")
 # The media placeholders and brackets (Qwen-VL's, then Omni's): never sampled by either engine
-MEDIA_TOKENS = (
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<|vision_pad|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|IMAGE|>",
-    "<|VIDEO|>",
-    "<|AUDIO|>",
-    "<|vision_bos|>",
-    "<|vision_eos|>",
-    "<|audio_bos|>",
-    "<|audio_eos|>",
-    "<|audio_pad|>",  # Qwen3-Omni's
-    "<|audio_start|>",
-    "<|audio_end|>",
+MEDIA_TOKENS = tuple(
+    "<|image_pad|> <|video_pad|> <|vision_pad|> <|vision_start|> <|vision_end|> "  # Qwen-VL's
+    "<|IMAGE|> <|VIDEO|> <|AUDIO|> <|vision_bos|> <|vision_eos|> <|audio_bos|> <|audio_eos|> "  # Omni's
+    "<|audio_pad|> <|audio_start|> <|audio_end|>".split()  # Qwen3-Omni's
 )
 # Qwen2/2.5/3-VL's and Omni's special tokens, refused in sample text before any model loads (prepare() checks the
 # loaded tokenizer's own): in a problem or an offline_output they forge chat turns or media placeholders.
 SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-) + MEDIA_TOKENS
+    tuple(
+        "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> "
+        "<|box_end|> <|quad_start|> <|quad_end|>".split()
+    )
+    + MEDIA_TOKENS
+)
 # a rendered prompt longer than this is refused (far above any max_prompt_len)
 MAX_PROMPT_CHARS = 1_000_000
 TEMPLATE_MEMORY = 1 << 30  # render_all: bytes the rendering may allocate
@@ -453,12 +437,15 @@ def prepare(
             )
         rate = processor.feature_extractor.sampling_rate
         window = processor.feature_extractor.n_samples / rate  # 30 s: longer is clipped
-        audios = [
-            (cache.load_audio(path, media, rate, window, stats, end), rate)
-            for path in sample["videos"]
+        audios = [  # over the frames' window: to video_end, or the frames' duration
+            (cache.load_audio(path, media, rate, window, stats, meta["duration"]), rate)
+            for path, (_, meta) in zip(sample["videos"], videos)
         ]
         omni["use_audio_in_video"] = True
         sound["audio"] = [a for a, _ in audios]
+        # each padded to the 30 s window (Qwen2.5-Omni's processor does; Qwen3-Omni's pads a call's
+        # clips to the longest): the rows' features stack in a batch
+        sound["audio_kwargs"] = {"padding": "max_length"}
     ids, mm = run_processor(
         processor,
         text,

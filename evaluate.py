@@ -1292,7 +1292,10 @@ def make_engine(cfg: Config, tokenizer):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(
-            cfg.model, dtype="float32", trust_remote_code=cfg.trust_remote_code
+            cfg.model,
+            config=common.hf_config(cfg.model, cfg.trust_remote_code),
+            dtype="float32",
+            trust_remote_code=cfg.trust_remote_code,
         ).eval()
         return HFEngine(model, tokenizer, eos_token_ids(model))
     if cfg.engine == "sync":

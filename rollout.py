@@ -240,15 +240,6 @@ def start_errors(max_model_len: int):
         ) from None
 
 
-def keeps_tower(config) -> bool:
-    """Whether an engine fed features must still load the vision tower (the model's config says):
-    vLLM 0.32 turns Qwen3-VL's deepstack off when the tower is a missing layer (qwen3_vl.py,
-    Qwen3VLForConditionalGeneration __init__: use_deepstack ... `not isinstance(self.visual,
-    StageMissingLayer)`), dropping the deepstack features it is given. Kept, it never runs (features
-    in, no pixels)."""
-    return hasattr(config.vision_config, "deepstack_visual_indexes")
-
-
 def repack_cpu_experts(worker):
     """vLLM 0.32's reload of an unquantized MoE layer copies checkpoint-layout experts into the CPU
     kernel's prepacked storage and skips the prepack (unquantized_fused_moe_method.py
@@ -282,7 +273,7 @@ class VLLMEngine:
         # encoder (train.FrozenEncoder; prompts -> each one's features, modality -> tensor):
         # vLLM generates from the trainer's vision features, not pixels; it runs no vision tower,
         # and loads none (every limit_mm_per_prompt 0 with enable_mm_embeds: a missing layer)
-        # except where it would drop features (keeps_tower)
+        # except where it would drop features (Qwen3-VL's deepstack: below)
         # in-process: we must reach the model
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoConfig
@@ -320,7 +311,10 @@ class VLLMEngine:
                 trust_remote_code=trust_remote_code,
             )
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-            if embeds and not keeps_tower(config):
+            # vLLM 0.32 turns Qwen3-VL's deepstack off when the tower is a missing layer (qwen3_vl.py,
+            # Qwen3VLForConditionalGeneration __init__: use_deepstack ... `not isinstance(self.visual,
+            # StageMissingLayer)`), dropping the deepstack features it is given: kept, it never runs
+            if embeds and not hasattr(config.vision_config, "deepstack_visual_indexes"):
                 settings["limit_mm_per_prompt"] = {"image": 0, "video": 0}
             # past the model's positions: admitted for M-RoPE, each prompt checked (check_positions)
             overrides = long_overrides(config.get_text_config().to_dict(), max_model_len)

@@ -1294,32 +1294,29 @@ def load_model(cfg: Config, device, value_head: bool = False):
         OffloadPolicy,
         fully_shard,
     )
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     cuda = device.type == "cuda"
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    # Omni: the thinker, which sees, hears and answers (the talker only speaks its answer)
-    config = getattr(config, "thinker_config", config)
     model = AutoModelForImageTextToText.from_pretrained(
         cfg.model,
-        config=config,
+        config=common.hf_config(cfg.model, cfg.trust_remote_code),
         dtype=torch.float32,
         attn_implementation=attn,
         trust_remote_code=cfg.trust_remote_code,
     ).to(device)
     visual = sp.vision_tower(model)  # before peft wraps the model (PeftModel.model is another)
     towers = [visual]
-    if hasattr(model, "audio_tower"):  # Omni: frozen or trained with the vision tower
+    blocks = list(visual.blocks)
+    if hasattr(model, "audio_tower"):  # Omni: frozen or trained with the vision tower, as it is
         towers.append(model.audio_tower)
+        blocks += list(model.audio_tower.layers)
         # its forward projects every position (no logits_to_keep): the last one only
-        model.lm_head.register_forward_pre_hook(last_position)
+        model.lm_head.register_forward_pre_hook(lambda module, args: (args[0][:, -1:],))
     for tower in towers:
         tower.requires_grad_(not cfg.freeze_vision)
     layers = list(sp.language_model(model).layers)
-    blocks = layers + list(visual.blocks)
-    if hasattr(model, "audio_tower"):  # its layers: units as the vision tower's blocks
-        blocks += list(model.audio_tower.layers)
+    blocks = layers + blocks
     if cfg.gradient_checkpointing:  # a frozen tower runs without gradient: nothing to recompute
         for block in layers if cfg.freeze_vision else blocks:
             checkpoint_module(block)
@@ -1372,11 +1369,6 @@ def load_model(cfg: Config, device, value_head: bool = False):
         # the vision tower (own unit) runs before the root's forward: the root is set up first
         model._get_fsdp_state()._lazy_init()
     return model
-
-
-def last_position(module, args: tuple) -> tuple:
-    """A forward pre-hook: the input's last position only (b, 1, D)."""
-    return (args[0][:, -1:],)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1991,7 +1983,7 @@ def finish(
         common.write_text(os.path.join(cfg.out_dir, "summary.json"), json.dumps(summary, indent=1))
     if cfg.save:
         final = os.path.join(cfg.out_dir, "final")
-        ckpt.save_checkpoint(t.model, processor, final, t.layout.rank)
+        ckpt.save_checkpoint(t.model, processor, final, t.layout.rank, cfg.model)
     print0(f"held-out accuracy: before {acc_before:.2f} after {acc_after:.2f}")
     logger.finish()
     engine.close()  # now: a next run in this process (a notebook) builds its own engine
@@ -2038,16 +2030,9 @@ def main(cfg: Config):
     if cfg.loss_type == "sft":
         sampler = OfflineEngine(tok, eos_ids[0])
     catch_stop_signals(catch=False)  # after the engine (ours are the handlers): a signal ends it
-    stats = dict(
-        cache_hit=0,
-        cache_miss=0,
-        cache_corrupt=0,
-        cache_unwritable=0,
-        decode=0,
-        decode_s=0.0,
-        audio_clipped=0,
-        audio_missing=0,
-    )
+    # the media counters (cache.py's), each logged from the first step on
+    counters = "cache_hit cache_miss cache_corrupt cache_unwritable decode decode_s audio_clipped audio_missing"
+    stats = dict.fromkeys(counters.split(), 0)
     prep, val_prep = preparers(cfg, processor, template, stats)
     judge = None
     if cfg.judge_url:

@@ -68,7 +68,7 @@ def export(
         model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors (peft)
         processor.save_pretrained(out)
     else:
-        save_checkpoint(model, processor, out, rank=0)
+        save_checkpoint(model, processor, out, 0, cfg.model)
     return out
 
 

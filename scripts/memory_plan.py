@@ -97,6 +97,8 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     import torch
     from transformers import AutoProcessor
 
+    from common import hf_config
+
     local = cfg.model
     if not os.path.isdir(
         local
@@ -115,8 +117,10 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     )
     pairs = int(out["video_grid_thw"][0, 0])
     per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
-    # Omni: the soundtrack's tokens, 25 a second up to the feature extractor's 30 s
-    sound = int(25 * min(30, q.meta["duration"])) * cfg.video_audio
+    # Omni: the soundtrack's tokens, one per position (Qwen2.5-Omni 25 a second, Qwen3-Omni 13) up to
+    # the feature extractor's 30 s
+    rate = getattr(hf_config(local), "position_id_per_seconds", 0)
+    sound = int(rate * min(30, q.meta["duration"])) * cfg.video_audio
     return out["input_ids"].shape[1] + pairs * (per_pair - 1) + sound, int(
         out["video_grid_thw"].prod()
     ) * per_pair
@@ -336,7 +340,7 @@ def plan(
     tower = meas["params"]["vision"] * (tp - 1) / tp
     language = total
     # vllm_embeds: vLLM generates from the trainer's features and builds no tower (Qwen3-VL keeps
-    # it for deepstack, never running it but in its start-up profile: rollout.keeps_tower)
+    # it for deepstack, never running it but in its start-up profile: rollout.VLLMEngine)
     no_tower = cfg.vllm_embeds and "deepstack_visual_indexes" not in vision
     if no_tower:
         tower = 0
