@@ -96,6 +96,8 @@ def test_omni_samplers_agree_with_trainer(omni):
     arch, proc, model, prompts, engine = omni
     tok = proc.tokenizer
     assert all(p.audios and "input_features" in p.mm for p in prompts)
+    # each soundtrack padded to the 30 s window (Qwen3-Omni's processor pads to a call's longest): a batch stacks
+    assert all(p.mm["input_features"].shape[-1] == 3000 for p in prompts)
     n_audio = AUDIO_TOKENS[arch]
     assert all(p.prompt_ids.count(model.config.audio_token_id) == n_audio for p in prompts)
     rollouts = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=1)
