@@ -117,10 +117,12 @@ def longest_prompt(cfg, height: int, width: int) -> tuple[int, int]:
     )
     pairs = int(out["video_grid_thw"][0, 0])
     per_pair = q.height * q.width // factor**2  # frame pairs; merged tokens in each
-    # Omni: the soundtrack's tokens, one per position (Qwen2.5-Omni 25 a second, Qwen3-Omni 13) up to
-    # the feature extractor's 30 s
-    rate = getattr(hf_config(local), "position_id_per_seconds", 0)
-    sound = int(rate * min(30, q.meta["duration"])) * cfg.video_audio
+    sound = 0
+    if cfg.video_audio:
+        # Omni: the soundtrack's tokens, one per position (Qwen2.5-Omni 25 a second, Qwen3-Omni 13)
+        # up to the feature extractor's 30 s
+        rate = getattr(hf_config(local), "position_id_per_seconds", 0)  # none: a deaf model
+        sound = int(rate * min(30, q.meta["duration"]))
     return out["input_ids"].shape[1] + pairs * (per_pair - 1) + sound, int(
         out["video_grid_thw"].prod()
     ) * per_pair
